@@ -1,0 +1,635 @@
+//! Real GPUs, through cudarc's driver API with dynamic loading: the only file that calls the
+//! driver.
+//!
+//! Every call first makes the device's primary context current on the calling thread (a cheap
+//! check when it already is). Kernels come from the PTX the crate carries
+//! (`kernels/streamalloc.ptx`), loaded once per device, so no toolkit or NVRTC is needed.
+
+use std::collections::HashMap;
+use std::ffi::{c_void, CStr};
+use std::mem::MaybeUninit;
+use std::time::Duration;
+
+use cudarc::driver::{result, sys, DriverError};
+
+use crate::error::{Error, Result};
+use crate::reactor::{Bell, Doorbells, Watch};
+use crate::sync::plain::OnceLock;
+use crate::sync::{Arc, Mutex};
+
+/// The PTX of `kernels/streamalloc.cu`, NUL-terminated for `cuModuleLoadData`.
+const PTX: &str = concat!(include_str!("../../kernels/streamalloc.ptx"), "\0");
+
+/// Threads per block of the element-wise kernels.
+const BLOCK: u32 = 256;
+
+fn check(call: &'static str, r: std::result::Result<(), DriverError>) -> Result<()> {
+    r.map_err(|e| Error::driver(call, e))
+}
+
+fn raw(call: &'static str, r: sys::CUresult) -> Result<()> {
+    check(call, r.result())
+}
+
+/// Loads the driver library and initializes it, or says why not. Never panics: cudarc's loader
+/// panics when `libcuda` is missing, so we look for it first.
+pub(crate) fn driver_device_count() -> Result<usize> {
+    // SAFETY: only tries to dlopen the driver library by its usual names.
+    if !unsafe { sys::is_culib_present() } {
+        return Err(Error::NoDriver);
+    }
+    match result::init() {
+        Ok(()) => {}
+        // cuInit reports a machine with a driver but no GPU this way.
+        Err(DriverError(sys::CUresult::CUDA_ERROR_NO_DEVICE)) => return Ok(0),
+        Err(e) => return Err(Error::driver("cuInit", e)),
+    }
+    let count = result::device::get_count().map_err(|e| Error::driver("cuDeviceGetCount", e))?;
+    Ok(count.max(0) as usize)
+}
+
+/// A retained primary context. The device and its reactor thread each hold one `Arc` of it, so
+/// the context outlives whichever of them goes last.
+pub(crate) struct Context {
+    ctx: sys::CUcontext,
+    dev: sys::CUdevice,
+}
+
+// SAFETY: a CUcontext is a driver handle that any thread may make current and use; the driver
+// synchronizes its own state.
+unsafe impl Send for Context {}
+// SAFETY: as above; `&Context` only lets a thread make the context current.
+unsafe impl Sync for Context {}
+
+impl Context {
+    fn retain(dev: sys::CUdevice) -> Result<Self> {
+        // SAFETY: `dev` came from cuDeviceGet after a successful cuInit.
+        let ctx = unsafe { result::primary_ctx::retain(dev) }
+            .map_err(|e| Error::driver("cuDevicePrimaryCtxRetain", e))?;
+        Ok(Self { ctx, dev })
+    }
+
+    /// Makes this context current on the calling thread, if it is not already.
+    pub(crate) fn bind(&self) -> Result<()> {
+        let mut current = MaybeUninit::uninit();
+        // SAFETY: cuCtxGetCurrent writes one handle into `current`.
+        raw("cuCtxGetCurrent", unsafe {
+            sys::cuCtxGetCurrent(current.as_mut_ptr())
+        })?;
+        // SAFETY: written by the successful call above.
+        if unsafe { current.assume_init() } != self.ctx {
+            // SAFETY: `self.ctx` is retained for as long as `self` lives.
+            check("cuCtxSetCurrent", unsafe {
+                result::ctx::set_current(self.ctx)
+            })?;
+        }
+        Ok(())
+    }
+}
+
+impl Drop for Context {
+    fn drop(&mut self) {
+        // SAFETY: balances the retain in `Context::retain`; nothing uses `ctx` after this.
+        let _ = unsafe { result::primary_ctx::release(self.dev) };
+    }
+}
+
+/// A raw stream or event handle, sendable across threads.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) struct Handle<T>(pub(crate) T);
+// SAFETY: CUstream and CUevent are driver handles usable from any thread with the context
+// current; every use goes through `CudaDevice`, which binds it first.
+unsafe impl<T> Send for Handle<T> {}
+// SAFETY: as above.
+unsafe impl<T> Sync for Handle<T> {}
+
+pub(crate) type RawStream = Handle<sys::CUstream>;
+pub(crate) type RawEvent = Handle<sys::CUevent>;
+
+struct Kernels {
+    module: sys::CUmodule,
+    fill_u32: sys::CUfunction,
+    scale_f32: sys::CUfunction,
+    spin: sys::CUfunction,
+}
+
+pub(crate) struct CudaDevice {
+    pub(crate) ctx: Arc<Context>,
+    pub(crate) ordinal: usize,
+    pub(crate) name: String,
+    pub(crate) total_memory: usize,
+    multiprocessors: u32,
+    kernels: Kernels,
+    /// Idle events, reused by `record` (creating one costs ~330 ns, more than recording).
+    events: Mutex<Vec<RawEvent>>,
+    /// The driver pool behind `malloc_async`, made on first use.
+    pool: OnceLock<Handle<sys::CUmemoryPool>>,
+}
+
+// SAFETY: the module, function and pool handles are driver handles usable from any thread once
+// the context is current, which every method arranges first.
+unsafe impl Send for CudaDevice {}
+// SAFETY: as above; the mutable state (the event free list) is behind a mutex.
+unsafe impl Sync for CudaDevice {}
+
+impl CudaDevice {
+    pub(crate) fn open(ordinal: usize) -> Result<Self> {
+        let count = driver_device_count()?;
+        if ordinal >= count {
+            return Err(Error::InvalidDevice { ordinal, count });
+        }
+        let dev =
+            result::device::get(ordinal as i32).map_err(|e| Error::driver("cuDeviceGet", e))?;
+        let ctx = Arc::new(Context::retain(dev)?);
+        ctx.bind()?;
+        let name =
+            result::device::get_name(dev).map_err(|e| Error::driver("cuDeviceGetName", e))?;
+        // SAFETY: `dev` is a valid device.
+        let total_memory = unsafe { result::device::total_mem(dev) }
+            .map_err(|e| Error::driver("cuDeviceTotalMem", e))?;
+        // SAFETY: `dev` is a valid device and the attribute is an int.
+        let multiprocessors = unsafe {
+            result::device::get_attribute(
+                dev,
+                sys::CUdevice_attribute::CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT,
+            )
+        }
+        .map_err(|e| Error::driver("cuDeviceGetAttribute", e))?;
+        let kernels = Self::load_kernels()?;
+        Ok(Self {
+            ctx,
+            ordinal,
+            name,
+            total_memory,
+            multiprocessors: multiprocessors.max(1) as u32,
+            kernels,
+            events: Mutex::new(Vec::new()),
+            pool: OnceLock::new(),
+        })
+    }
+
+    fn load_kernels() -> Result<Kernels> {
+        // SAFETY: PTX is a NUL-terminated PTX image; the context is current.
+        let module = unsafe { result::module::load_data(PTX.as_ptr() as *const c_void) }
+            .map_err(|e| Error::driver("cuModuleLoadData", e))?;
+        let get = |name: &CStr| {
+            // SAFETY: `module` was just loaded and holds these entry points.
+            unsafe { result::module::get_function(module, name.to_owned()) }
+                .map_err(|e| Error::driver("cuModuleGetFunction", e))
+        };
+        Ok(Kernels {
+            fill_u32: get(c"streamalloc_fill_u32")?,
+            scale_f32: get(c"streamalloc_scale_f32")?,
+            spin: get(c"streamalloc_spin")?,
+            module,
+        })
+    }
+
+    pub(crate) fn mem_info(&self) -> Result<(usize, usize)> {
+        self.ctx.bind()?;
+        result::mem_get_info().map_err(|e| Error::driver("cuMemGetInfo", e))
+    }
+
+    // ===== streams and events =====
+
+    pub(crate) fn create_stream(&self) -> Result<RawStream> {
+        self.ctx.bind()?;
+        result::stream::create(result::stream::StreamKind::NonBlocking)
+            .map(Handle)
+            .map_err(|e| Error::driver("cuStreamCreate", e))
+    }
+
+    /// Destroys the handle; work already queued still runs (the driver's own rule).
+    pub(crate) fn destroy_stream(&self, stream: RawStream) {
+        if self.ctx.bind().is_ok() {
+            // SAFETY: the stream is ours and no handle of it is used after this.
+            let _ = unsafe { result::stream::destroy(stream.0) };
+        }
+    }
+
+    pub(crate) fn record(&self, stream: RawStream) -> Result<RawEvent> {
+        self.ctx.bind()?;
+        let event = match self.events.lock().pop() {
+            Some(e) => e,
+            None => result::event::create(sys::CUevent_flags::CU_EVENT_DISABLE_TIMING)
+                .map(Handle)
+                .map_err(|e| Error::driver("cuEventCreate", e))?,
+        };
+        // SAFETY: both handles are live; the event is idle (fresh or returned by `release_event`,
+        // which only happens when no handle of its last recording remains).
+        match unsafe { result::event::record(event.0, stream.0) } {
+            Ok(()) => Ok(event),
+            Err(e) => {
+                self.events.lock().push(event);
+                Err(Error::driver("cuEventRecord", e))
+            }
+        }
+    }
+
+    /// Gives an event back to the free list. Its last recording may still be pending on the
+    /// GPU: re-recording it later is still correct, since a stream wait captures the recording
+    /// current when the wait was enqueued.
+    pub(crate) fn release_event(&self, event: RawEvent) {
+        self.events.lock().push(event);
+    }
+
+    pub(crate) fn query(&self, event: RawEvent) -> Option<Result<()>> {
+        if let Err(e) = self.ctx.bind() {
+            return Some(Err(e));
+        }
+        // SAFETY: the event is live (its `Event` holds it).
+        match unsafe { result::event::query(event.0) } {
+            Ok(()) => Some(Ok(())),
+            Err(DriverError(sys::CUresult::CUDA_ERROR_NOT_READY)) => None,
+            Err(e) => Some(Err(Error::driver("cuEventQuery", e))),
+        }
+    }
+
+    pub(crate) fn wait(&self, stream: RawStream, event: RawEvent) -> Result<()> {
+        self.ctx.bind()?;
+        // SAFETY: both handles are live.
+        check("cuStreamWaitEvent", unsafe {
+            result::stream::wait_event(
+                stream.0,
+                event.0,
+                sys::CUevent_wait_flags::CU_EVENT_WAIT_DEFAULT,
+            )
+        })
+    }
+
+    pub(crate) fn synchronize_stream(&self, stream: RawStream) -> Result<()> {
+        self.ctx.bind()?;
+        // SAFETY: the stream is live.
+        check("cuStreamSynchronize", unsafe {
+            result::stream::synchronize(stream.0)
+        })
+    }
+
+    pub(crate) fn synchronize_event(&self, event: RawEvent) -> Result<()> {
+        self.ctx.bind()?;
+        // SAFETY: the event is live.
+        check("cuEventSynchronize", unsafe {
+            result::event::synchronize(event.0)
+        })
+    }
+
+    // ===== memory =====
+
+    pub(crate) fn malloc(&self, bytes: usize) -> Result<u64> {
+        self.ctx.bind()?;
+        let mut ptr = 0;
+        // SAFETY: writes one device pointer into `ptr`.
+        raw("cuMemAlloc", unsafe { sys::cuMemAlloc_v2(&mut ptr, bytes) })?;
+        Ok(ptr)
+    }
+
+    /// # Safety
+    /// `ptr` came from `malloc` and no queued work uses it.
+    pub(crate) unsafe fn free(&self, ptr: u64) -> Result<()> {
+        self.ctx.bind()?;
+        // SAFETY: the caller's contract.
+        raw("cuMemFree", unsafe { sys::cuMemFree_v2(ptr) })
+    }
+
+    /// The driver pool of `malloc_async`: ours (not the device's default pool, which other
+    /// libraries in the process may trim), with the release threshold at its maximum so freed
+    /// memory stays in the pool instead of going back to the driver at every synchronize.
+    fn pool(&self) -> Result<sys::CUmemoryPool> {
+        if let Some(pool) = self.pool.get() {
+            return Ok(pool.0);
+        }
+        let pool = self.create_pool()?;
+        match self.pool.set(Handle(pool)) {
+            Ok(()) => Ok(pool),
+            Err(_) => {
+                // Another thread won the race; keep its pool.
+                // SAFETY: `pool` is ours and unused.
+                let _ = unsafe { result::mem_pool::destroy(pool) };
+                Ok(self.pool.get().map(|p| p.0).unwrap_or(pool))
+            }
+        }
+    }
+
+    pub(crate) fn create_pool(&self) -> Result<sys::CUmemoryPool> {
+        self.ctx.bind()?;
+        // SAFETY: an all-zero CUmemPoolProps is valid plain data; we set the fields that matter.
+        let mut props: sys::CUmemPoolProps = unsafe { std::mem::zeroed() };
+        props.allocType = sys::CUmemAllocationType::CU_MEM_ALLOCATION_TYPE_PINNED;
+        props.handleTypes = sys::CUmemAllocationHandleType::CU_MEM_HANDLE_TYPE_NONE;
+        props.location.type_ = sys::CUmemLocationType::CU_MEM_LOCATION_TYPE_DEVICE;
+        props.location.id = self.ordinal as i32;
+        // SAFETY: `props` is fully initialized above.
+        let pool = unsafe { result::mem_pool::create(&props) }
+            .map_err(|e| Error::driver("cuMemPoolCreate", e))?;
+        let mut threshold: u64 = u64::MAX;
+        // SAFETY: the release threshold attribute is a cuuint64_t.
+        let set = unsafe {
+            result::mem_pool::set_attribute(
+                pool,
+                sys::CUmemPool_attribute::CU_MEMPOOL_ATTR_RELEASE_THRESHOLD,
+                &mut threshold as *mut u64 as *mut c_void,
+            )
+        };
+        if let Err(e) = set {
+            // SAFETY: the pool is ours and unused.
+            let _ = unsafe { result::mem_pool::destroy(pool) };
+            return Err(Error::driver("cuMemPoolSetAttribute", e));
+        }
+        Ok(pool)
+    }
+
+    pub(crate) fn malloc_async(&self, bytes: usize, stream: RawStream) -> Result<u64> {
+        let pool = self.pool()?;
+        // SAFETY: pool and stream are live.
+        unsafe { result::mem_pool::alloc_async(pool, bytes, stream.0) }
+            .map_err(|e| Error::driver("cuMemAllocFromPoolAsync", e))
+    }
+
+    /// # Safety
+    /// `ptr` came from `malloc_async`, and work using it is ordered before this point of
+    /// `stream`.
+    pub(crate) unsafe fn free_async(&self, ptr: u64, stream: RawStream) -> Result<()> {
+        self.ctx.bind()?;
+        // SAFETY: the caller's contract.
+        raw("cuMemFreeAsync", unsafe {
+            sys::cuMemFreeAsync(ptr, stream.0)
+        })
+    }
+
+    // ===== copies, memsets, kernels =====
+
+    /// # Safety
+    /// `dst` is `bytes` of live device memory; `src` stays readable until the stream reaches
+    /// the copy.
+    pub(crate) unsafe fn copy_htod(
+        &self,
+        dst: u64,
+        src: *const u8,
+        bytes: usize,
+        stream: RawStream,
+    ) -> Result<()> {
+        self.ctx.bind()?;
+        // SAFETY: the caller's contract.
+        raw("cuMemcpyHtoDAsync", unsafe {
+            sys::cuMemcpyHtoDAsync_v2(dst, src as *const c_void, bytes, stream.0)
+        })
+    }
+
+    /// # Safety
+    /// `src` is `bytes` of live device memory; `dst` stays writable, and untouched by anyone
+    /// else, until the stream reaches the copy.
+    pub(crate) unsafe fn copy_dtoh(
+        &self,
+        dst: *mut u8,
+        src: u64,
+        bytes: usize,
+        stream: RawStream,
+    ) -> Result<()> {
+        self.ctx.bind()?;
+        // SAFETY: the caller's contract.
+        raw("cuMemcpyDtoHAsync", unsafe {
+            sys::cuMemcpyDtoHAsync_v2(dst as *mut c_void, src, bytes, stream.0)
+        })
+    }
+
+    /// # Safety
+    /// Both ranges are live device memory.
+    pub(crate) unsafe fn copy_dtod(
+        &self,
+        dst: u64,
+        src: u64,
+        bytes: usize,
+        stream: RawStream,
+    ) -> Result<()> {
+        self.ctx.bind()?;
+        // SAFETY: the caller's contract.
+        raw("cuMemcpyDtoDAsync", unsafe {
+            sys::cuMemcpyDtoDAsync_v2(dst, src, bytes, stream.0)
+        })
+    }
+
+    /// # Safety
+    /// `dst` is `bytes` of live device memory.
+    pub(crate) unsafe fn memset_d8(
+        &self,
+        dst: u64,
+        value: u8,
+        bytes: usize,
+        stream: RawStream,
+    ) -> Result<()> {
+        self.ctx.bind()?;
+        // SAFETY: the caller's contract.
+        raw("cuMemsetD8Async", unsafe {
+            sys::cuMemsetD8Async(dst, value, bytes, stream.0)
+        })
+    }
+
+    /// # Safety
+    /// `dst` is `4 * count` bytes of live, 4-aligned device memory.
+    pub(crate) unsafe fn memset_d32(
+        &self,
+        dst: u64,
+        value: u32,
+        count: usize,
+        stream: RawStream,
+    ) -> Result<()> {
+        self.ctx.bind()?;
+        // SAFETY: the caller's contract.
+        raw("cuMemsetD32Async", unsafe {
+            sys::cuMemsetD32Async(dst, value, count, stream.0)
+        })
+    }
+
+    fn grid(&self, count: usize) -> u32 {
+        let needed = count.div_ceil(BLOCK as usize).max(1);
+        needed.min(self.multiprocessors as usize * 8) as u32
+    }
+
+    /// # Safety
+    /// `dst` is `4 * count` bytes of live, 4-aligned device memory.
+    pub(crate) unsafe fn fill_u32(
+        &self,
+        dst: u64,
+        value: u32,
+        count: usize,
+        stream: RawStream,
+    ) -> Result<()> {
+        self.ctx.bind()?;
+        let (mut dst, mut value, mut count64) = (dst, value, count as u64);
+        let mut params = [
+            &mut dst as *mut u64 as *mut c_void,
+            &mut value as *mut u32 as *mut c_void,
+            &mut count64 as *mut u64 as *mut c_void,
+        ];
+        // SAFETY: the parameters match the kernel's signature (u32*, u32, u64) and the launch
+        // copies them before returning; `dst` is the caller's contract.
+        check("cuLaunchKernel", unsafe {
+            result::launch_kernel(
+                self.kernels.fill_u32,
+                (self.grid(count), 1, 1),
+                (BLOCK, 1, 1),
+                0,
+                stream.0,
+                &mut params,
+            )
+        })
+    }
+
+    /// # Safety
+    /// `dst` is `4 * count` bytes of live, 4-aligned device memory.
+    pub(crate) unsafe fn scale_f32(
+        &self,
+        dst: u64,
+        factor: f32,
+        count: usize,
+        stream: RawStream,
+    ) -> Result<()> {
+        self.ctx.bind()?;
+        let (mut dst, mut factor, mut count64) = (dst, factor, count as u64);
+        let mut params = [
+            &mut dst as *mut u64 as *mut c_void,
+            &mut factor as *mut f32 as *mut c_void,
+            &mut count64 as *mut u64 as *mut c_void,
+        ];
+        // SAFETY: as in `fill_u32`; the signature is (f32*, f32, u64).
+        check("cuLaunchKernel", unsafe {
+            result::launch_kernel(
+                self.kernels.scale_f32,
+                (self.grid(count), 1, 1),
+                (BLOCK, 1, 1),
+                0,
+                stream.0,
+                &mut params,
+            )
+        })
+    }
+
+    pub(crate) fn spin(&self, duration: Duration, stream: RawStream) -> Result<()> {
+        self.ctx.bind()?;
+        let mut ns = duration.as_nanos().min(u64::MAX as u128) as u64;
+        let mut params = [&mut ns as *mut u64 as *mut c_void];
+        // SAFETY: the kernel takes one u64 and touches no memory.
+        check("cuLaunchKernel", unsafe {
+            result::launch_kernel(
+                self.kernels.spin,
+                (1, 1, 1),
+                (1, 1, 1),
+                0,
+                stream.0,
+                &mut params,
+            )
+        })
+    }
+}
+
+impl Drop for CudaDevice {
+    fn drop(&mut self) {
+        if self.ctx.bind().is_err() {
+            return;
+        }
+        for event in self.events.lock().drain(..) {
+            // SAFETY: idle events of ours; no handle refers to them any more.
+            let _ = unsafe { result::event::destroy(event.0) };
+        }
+        if let Some(pool) = self.pool.get() {
+            // SAFETY: every `Device` handle is gone, so nothing allocates from it any more.
+            let _ = unsafe { result::mem_pool::destroy(pool.0) };
+        }
+        // SAFETY: no function of the module can be launched once the device is gone.
+        let _ = unsafe { result::module::unload(self.kernels.module) };
+    }
+}
+
+// ===== the reactor's doorbells =====
+
+/// Host function queued on a watcher stream: rings the reactor's bell. It makes no CUDA call,
+/// and the only thing it drops is a `Box<Arc<Bell>>`, whose Drop makes none either.
+unsafe extern "C" fn ring_bell(data: *mut c_void) {
+    // SAFETY: `data` is the `Box<Arc<Bell>>` leaked by `CudaDoorbells::arm`, and the driver runs
+    // this function exactly once.
+    let bell = unsafe { Box::from_raw(data as *mut Arc<Bell>) };
+    bell.ring();
+}
+
+/// Doorbells for the reactor of a CUDA device: per watched stream, a watcher stream that waits
+/// for the head event and then runs [`ring_bell`]. A watcher per stream (not one shared) so that
+/// a long wait on one stream never delays the doorbell of another.
+pub(crate) struct CudaDoorbells {
+    ctx: Arc<Context>,
+    spin: Duration,
+    watchers: HashMap<u64, RawStream>,
+}
+
+impl CudaDoorbells {
+    pub(crate) fn new(ctx: Arc<Context>, spin: Duration) -> Self {
+        Self {
+            ctx,
+            spin,
+            watchers: HashMap::new(),
+        }
+    }
+}
+
+impl Doorbells for CudaDoorbells {
+    fn start(&mut self) {
+        if let Err(e) = self.ctx.bind() {
+            tracing::error!(error = %e, "the completion reactor could not bind the CUDA context");
+        }
+    }
+
+    fn spin(&self) -> Duration {
+        self.spin
+    }
+
+    fn arm(&mut self, head: &dyn Watch, bell: &Arc<Bell>) -> bool {
+        let Some(event) = head.raw_cuda_event() else {
+            return false;
+        };
+        let watcher = match self.watchers.get(&head.stream_id()) {
+            Some(w) => *w,
+            None => match result::stream::create(result::stream::StreamKind::NonBlocking) {
+                Ok(w) => *self.watchers.entry(head.stream_id()).or_insert(Handle(w)),
+                Err(_) => return false,
+            },
+        };
+        // SAFETY: the watcher is ours and live; the event is held by `head`.
+        if unsafe {
+            result::stream::wait_event(
+                watcher.0,
+                event.0,
+                sys::CUevent_wait_flags::CU_EVENT_WAIT_DEFAULT,
+            )
+        }
+        .is_err()
+        {
+            return false;
+        }
+        let data = Box::into_raw(Box::new(bell.clone())) as *mut c_void;
+        // SAFETY: `ring_bell` takes ownership of `data` when it runs; if the launch fails it never
+        // runs and we take it back below.
+        match unsafe { result::stream::launch_host_function(watcher.0, ring_bell, data) } {
+            Ok(()) => true,
+            Err(_) => {
+                // SAFETY: the driver did not take `data`; it is still our leaked box.
+                drop(unsafe { Box::from_raw(data as *mut Arc<Bell>) });
+                false
+            }
+        }
+    }
+
+    fn forget(&mut self, stream: u64) {
+        if let Some(watcher) = self.watchers.remove(&stream) {
+            // SAFETY: ours; a pending doorbell on it still runs (destroy defers to completion).
+            let _ = unsafe { result::stream::destroy(watcher.0) };
+        }
+    }
+}
+
+impl Drop for CudaDoorbells {
+    fn drop(&mut self) {
+        for (_, watcher) in self.watchers.drain() {
+            // SAFETY: ours; queued doorbells still run.
+            let _ = unsafe { result::stream::destroy(watcher.0) };
+        }
+    }
+}

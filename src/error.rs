@@ -1,0 +1,155 @@
+//! The crate's one error type.
+//!
+//! Every variant carries the numbers a user needs to act on it: the bytes asked for and what was
+//! there, the driver's code and the call that returned it, the ordinal and how many devices exist.
+
+use std::fmt;
+use std::time::Duration;
+
+/// Everything that can go wrong in streamalloc.
+///
+/// Errors are values, never panics: bad input returns one of these and leaves every resource as
+/// it was (nothing allocated is lost when an error is returned).
+#[derive(Debug, Clone, PartialEq, Eq)]
+#[non_exhaustive]
+pub enum Error {
+    /// No CUDA driver library (`libcuda.so`) could be loaded on this machine.
+    NoDriver,
+    /// The driver is there but has no device with this ordinal.
+    InvalidDevice {
+        /// The ordinal asked for.
+        ordinal: usize,
+        /// How many devices the driver reports.
+        count: usize,
+    },
+    /// A driver call failed.
+    Driver {
+        /// The driver function that failed, e.g. `cuMemAllocAsync`.
+        call: &'static str,
+        /// The driver's `CUresult` code.
+        code: u32,
+        /// The driver's name for the code, e.g. `CUDA_ERROR_OUT_OF_MEMORY`.
+        name: String,
+    },
+    /// Not enough memory to serve a request.
+    OutOfMemory {
+        /// Bytes requested.
+        requested: usize,
+        /// Bytes that were free (or could still be obtained) when the request failed.
+        available: usize,
+        /// The most this resource or device can ever hold.
+        maximum: usize,
+    },
+    /// A size that is not valid for the call: zero where zero is not allowed, or a count of
+    /// elements whose byte size overflows `usize`.
+    InvalidSize {
+        /// The size or element count given.
+        size: usize,
+        /// Why it is not valid.
+        reason: &'static str,
+    },
+    /// An alignment that is not a power of two.
+    InvalidAlignment {
+        /// The alignment given.
+        alignment: usize,
+    },
+    /// A pointer range that lies outside every live allocation of the device (the simulated
+    /// device checks every access; a real GPU would fault).
+    InvalidAddress {
+        /// Start of the range.
+        ptr: u64,
+        /// Length of the range in bytes.
+        bytes: usize,
+    },
+    /// A stream, event or pointer of one device was used with another.
+    WrongDevice {
+        /// The id of the device the call was made on.
+        expected: u64,
+        /// The id of the device the argument belongs to.
+        found: u64,
+    },
+    /// A bad argument that no more specific variant describes.
+    InvalidArgument {
+        /// What was wrong.
+        what: &'static str,
+    },
+    /// A wait ran past its deadline.
+    Timeout {
+        /// How long it waited.
+        waited: Duration,
+    },
+}
+
+/// The crate's result type.
+pub type Result<T, E = Error> = std::result::Result<T, E>;
+
+impl Error {
+    /// Wraps a cudarc driver error with the name of the call that returned it.
+    pub(crate) fn driver(call: &'static str, err: cudarc::driver::DriverError) -> Self {
+        let name = err
+            .error_name()
+            .map(|n| n.to_string_lossy().into_owned())
+            .unwrap_or_else(|_| "CUDA_ERROR_UNKNOWN".to_owned());
+        Error::Driver {
+            call,
+            code: err.0 as u32,
+            name,
+        }
+    }
+
+    /// True for every flavour of "not enough memory", the driver's included.
+    pub fn is_out_of_memory(&self) -> bool {
+        match self {
+            Error::OutOfMemory { .. } => true,
+            Error::Driver { code, .. } => *code == 2, // CUDA_ERROR_OUT_OF_MEMORY
+            _ => false,
+        }
+    }
+}
+
+impl fmt::Display for Error {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match self {
+            Error::NoDriver => write!(
+                f,
+                "no CUDA driver found: libcuda could not be loaded (use Device::simulated or \
+                 Device::default_device to run without a GPU)"
+            ),
+            Error::InvalidDevice { ordinal, count } => write!(
+                f,
+                "no CUDA device with ordinal {ordinal}: the driver reports {count} device(s)"
+            ),
+            Error::Driver { call, code, name } => {
+                write!(f, "{call} failed: {name} (CUresult {code})")
+            }
+            Error::OutOfMemory {
+                requested,
+                available,
+                maximum,
+            } => write!(
+                f,
+                "out of memory: requested {requested} bytes, {available} bytes available, \
+                 maximum {maximum} bytes"
+            ),
+            Error::InvalidSize { size, reason } => write!(f, "invalid size {size}: {reason}"),
+            Error::InvalidAlignment { alignment } => {
+                write!(f, "invalid alignment {alignment}: not a power of two")
+            }
+            Error::InvalidAddress { ptr, bytes } => write!(
+                f,
+                "invalid device address range {ptr:#x}..{:#x} ({bytes} bytes): not inside a live \
+                 allocation",
+                ptr.saturating_add(*bytes as u64)
+            ),
+            Error::WrongDevice { expected, found } => write!(
+                f,
+                "wrong device: the call is on device #{expected} but the argument belongs to \
+                 device #{found}"
+            ),
+            Error::InvalidArgument { what } => write!(f, "invalid argument: {what}"),
+            Error::Timeout { waited } => write!(f, "timed out after waiting {waited:?}"),
+        }
+    }
+}
+
+impl std::error::Error for Error {}

@@ -1,0 +1,212 @@
+//! `Event`: a point in a stream, and a future that resolves when the GPU reaches it.
+
+use std::fmt;
+use std::future::Future;
+use std::pin::Pin;
+use std::task::{Context, Poll};
+
+use crate::completion::{Callback, Completion, Registration};
+use crate::device::{cuda, sim, Backend, Device};
+use crate::error::Result;
+use crate::reactor::Watch;
+use crate::stream::StreamId;
+use crate::sync::Arc;
+
+/// A recorded point of a stream ([`Stream::record`](crate::Stream::record)).
+///
+/// It is a cheap clonable handle and a future: `event.await` (or `event.clone().await`) resolves
+/// when the GPU reaches it, with the error of a failed stream if there was one. While it waits,
+/// the device's completion reactor watches it: no thread per future, no thread parked. Polling
+/// from another task or thread moves the wakeup there.
+///
+/// # Cancel safety
+/// Cancel-safe: dropping a waiting `Event` removes its waker; nothing on the GPU changes.
+pub struct Event {
+    inner: Arc<EventInner>,
+    /// This handle's waker slot, while it waits.
+    key: Option<usize>,
+}
+
+pub(crate) enum RawEvent {
+    Cuda(cuda::RawEvent),
+    Sim(Arc<sim::SimMarker>),
+}
+
+pub(crate) struct EventInner {
+    device: Device,
+    stream: StreamId,
+    seq: u64,
+    raw: RawEvent,
+    completion: Completion,
+}
+
+impl Drop for EventInner {
+    fn drop(&mut self) {
+        if let (RawEvent::Cuda(e), Backend::Cuda(d)) = (&self.raw, self.device.backend()) {
+            d.release_event(*e);
+        }
+    }
+}
+
+impl Watch for EventInner {
+    fn stream_id(&self) -> u64 {
+        self.stream.get()
+    }
+
+    fn seq(&self) -> u64 {
+        self.seq
+    }
+
+    fn query(&self) -> Option<Result<()>> {
+        match (&self.raw, self.device.backend()) {
+            (RawEvent::Cuda(e), Backend::Cuda(d)) => d.query(*e),
+            (RawEvent::Sim(m), _) => m.try_result(),
+            _ => Some(Err(crate::device::mismatch())),
+        }
+    }
+
+    fn completion(&self) -> &Completion {
+        &self.completion
+    }
+
+    fn raw_cuda_event(&self) -> Option<cuda::RawEvent> {
+        match self.raw {
+            RawEvent::Cuda(e) => Some(e),
+            RawEvent::Sim(_) => None,
+        }
+    }
+}
+
+impl EventInner {
+    /// The result, asking the device if it is not known yet (and recording what it says).
+    fn check(&self) -> Option<Result<()>> {
+        if let Some(result) = self.completion.result() {
+            return Some(result);
+        }
+        let result = self.query()?;
+        self.completion.complete(result.clone());
+        Some(result)
+    }
+}
+
+impl Event {
+    pub(crate) fn new(device: Device, stream: StreamId, seq: u64, raw: RawEvent) -> Event {
+        Event {
+            inner: Arc::new(EventInner {
+                device,
+                stream,
+                seq,
+                raw,
+                completion: Completion::new(),
+            }),
+            key: None,
+        }
+    }
+
+    pub(crate) fn raw(&self) -> &RawEvent {
+        &self.inner.raw
+    }
+
+    /// The device of the stream it was recorded on.
+    pub fn device(&self) -> &Device {
+        &self.inner.device
+    }
+
+    /// The stream it was recorded on.
+    pub fn stream_id(&self) -> StreamId {
+        self.inner.stream
+    }
+
+    /// Whether the GPU has reached the event (successfully or not). Never blocks.
+    pub fn is_complete(&self) -> bool {
+        self.inner.check().is_some()
+    }
+
+    /// The result if the GPU has reached the event, `None` if not yet. Never blocks.
+    pub fn query(&self) -> Option<Result<()>> {
+        self.inner.check()
+    }
+
+    /// Blocks the calling thread until the GPU reaches the event. For synchronous code; in
+    /// async code, `.await` the event.
+    pub fn synchronize_blocking(&self) -> Result<()> {
+        if let Some(result) = self.inner.completion.result() {
+            return result;
+        }
+        let result = match (&self.inner.raw, self.inner.device.backend()) {
+            (RawEvent::Cuda(e), Backend::Cuda(d)) => d.synchronize_event(*e),
+            (RawEvent::Sim(m), _) => m.wait(),
+            _ => Err(crate::device::mismatch()),
+        };
+        self.inner.completion.complete(result.clone());
+        result
+    }
+
+    /// Runs `callback` once the GPU reaches the event: on the reactor thread, or right here if
+    /// it already has. Never blocks. This is how frees are deferred until the GPU is done with
+    /// the memory. (Its users, the buffers' deferred frees, come with the memory resources.)
+    #[allow(dead_code)]
+    pub(crate) fn on_complete(&self, callback: Callback) {
+        if let Some(result) = self.inner.check() {
+            return callback(&result);
+        }
+        match self.inner.completion.register_callback(callback) {
+            Ok(Registration::Stored { first: true }) => {
+                self.inner.device.reactor().watch(self.inner.clone());
+            }
+            Ok(_) => {}
+            Err((callback, result)) => callback(&result),
+        }
+    }
+}
+
+impl Clone for Event {
+    fn clone(&self) -> Self {
+        Event {
+            inner: self.inner.clone(),
+            key: None,
+        }
+    }
+}
+
+impl Drop for Event {
+    fn drop(&mut self) {
+        if let Some(key) = self.key.take() {
+            self.inner.completion.deregister(key);
+        }
+    }
+}
+
+impl fmt::Debug for Event {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("Event")
+            .field("stream", &self.inner.stream)
+            .field("seq", &self.inner.seq)
+            .field("complete", &self.inner.completion.result().is_some())
+            .finish()
+    }
+}
+
+impl Future for Event {
+    type Output = Result<()>;
+
+    fn poll(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<Result<()>> {
+        let this = self.get_mut();
+        if let Some(result) = this.inner.check() {
+            return Poll::Ready(result);
+        }
+        match this
+            .inner
+            .completion
+            .register_waker(&mut this.key, cx.waker())
+        {
+            Registration::Done(result) => Poll::Ready(result),
+            Registration::Stored { first } => {
+                if first {
+                    this.inner.device.reactor().watch(this.inner.clone());
+                }
+                Poll::Pending
+            }
+        }
+    }
+}

@@ -1,0 +1,327 @@
+//! `Stream`: an ordered queue of GPU work, with an id that is never reused.
+
+use std::fmt;
+use std::num::NonZeroU64;
+use std::time::Duration;
+
+use crate::device::sim::{HostPtr, Op};
+use crate::device::{cuda, mismatch, sim, Backend, Device, DevicePtr};
+use crate::error::{Error, Result};
+use crate::event::{Event, RawEvent};
+use crate::sync::{Arc, AtomicU64, Ordering};
+
+/// A process-unique stream id: the key of per-stream state (free lists, the reactor's queues).
+/// Unlike a driver handle, it is never reused while the process lives.
+#[derive(Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Hash)]
+pub struct StreamId(NonZeroU64);
+
+impl StreamId {
+    fn next() -> StreamId {
+        static NEXT: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(1);
+        let id = NEXT.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+        StreamId(NonZeroU64::new(id).unwrap_or(NonZeroU64::MIN))
+    }
+
+    /// The id as a number.
+    pub fn get(self) -> u64 {
+        self.0.get()
+    }
+}
+
+impl fmt::Debug for StreamId {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(f, "stream#{}", self.0)
+    }
+}
+
+impl fmt::Display for StreamId {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(f, "stream#{}", self.0)
+    }
+}
+
+/// A stream of one device. Cheap to clone; clones are the same stream, which is destroyed when
+/// the last clone is dropped. Dropping it with work still queued is safe: the work runs to the
+/// end (on CUDA the driver finishes it; on the simulated device the worker drains its queue).
+#[derive(Clone)]
+pub struct Stream {
+    inner: Arc<StreamInner>,
+}
+
+pub(crate) enum RawStream {
+    Cuda(cuda::RawStream),
+    Sim(Arc<sim::SimStream>),
+}
+
+struct StreamInner {
+    id: StreamId,
+    device: Device,
+    raw: RawStream,
+    /// Record sequence numbers; the reactor orders a stream's events by them.
+    seq: AtomicU64,
+}
+
+impl fmt::Debug for Stream {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("Stream")
+            .field("id", &self.inner.id)
+            .field("device", &self.inner.device.id())
+            .finish()
+    }
+}
+
+impl Drop for StreamInner {
+    fn drop(&mut self) {
+        match (&self.raw, self.device.backend()) {
+            (RawStream::Cuda(s), Backend::Cuda(d)) => d.destroy_stream(*s),
+            (RawStream::Sim(s), _) => s.close(),
+            _ => {}
+        }
+        self.device.reactor().forget_stream(self.id.get());
+    }
+}
+
+impl Stream {
+    pub(crate) fn new(device: &Device) -> Result<Stream> {
+        let id = StreamId::next();
+        let raw = match device.backend() {
+            Backend::Cuda(d) => RawStream::Cuda(d.create_stream()?),
+            Backend::Sim(d) => RawStream::Sim(d.create_stream(id.get())?),
+        };
+        Ok(Stream {
+            inner: Arc::new(StreamInner {
+                id,
+                device: device.clone(),
+                raw,
+                seq: AtomicU64::new(0),
+            }),
+        })
+    }
+
+    /// The stream's unique id.
+    pub fn id(&self) -> StreamId {
+        self.inner.id
+    }
+
+    /// The device it belongs to.
+    pub fn device(&self) -> &Device {
+        &self.inner.device
+    }
+
+    pub(crate) fn raw(&self) -> &RawStream {
+        &self.inner.raw
+    }
+
+    /// The driver's handle, for launching your own kernels (e.g. through cudarc) on this
+    /// stream; `None` on the simulated device. The handle is valid while this `Stream` lives.
+    pub fn cuda_stream(&self) -> Option<cudarc::driver::sys::CUstream> {
+        match &self.inner.raw {
+            RawStream::Cuda(s) => Some(s.0),
+            RawStream::Sim(_) => None,
+        }
+    }
+
+    /// Records an event at this point of the stream: it completes when the stream gets there.
+    /// On CUDA, events come from a per-device free list, so recording does not create one.
+    pub fn record(&self) -> Result<Event> {
+        let device = &self.inner.device;
+        let raw = match (&self.inner.raw, device.backend()) {
+            (RawStream::Cuda(s), Backend::Cuda(d)) => RawEvent::Cuda(d.record(*s)?),
+            (RawStream::Sim(s), Backend::Sim(d)) => RawEvent::Sim(d.record(s)),
+            _ => return Err(mismatch()),
+        };
+        let seq = self.inner.seq.fetch_add(1, Ordering::Relaxed);
+        Ok(Event::new(device.clone(), self.inner.id, seq, raw))
+    }
+
+    /// Makes work queued on this stream after this call wait until `event` completes. The host
+    /// does not wait. `Err(WrongDevice)` for an event of another device.
+    pub fn wait(&self, event: &Event) -> Result<()> {
+        self.inner.device.check_same(event.device())?;
+        match (&self.inner.raw, event.raw(), self.inner.device.backend()) {
+            (RawStream::Cuda(s), RawEvent::Cuda(e), Backend::Cuda(d)) => d.wait(*s, *e),
+            (RawStream::Sim(s), RawEvent::Sim(m), _) => {
+                s.push(Op::Wait(m.clone()));
+                Ok(())
+            }
+            _ => Err(mismatch()),
+        }
+    }
+
+    /// Waits, as a future, until all work queued so far has run. No thread is parked.
+    ///
+    /// # Cancel safety
+    /// Cancel-safe: dropping the future stops waiting and changes nothing on the stream.
+    pub async fn synchronize(&self) -> Result<()> {
+        self.record()?.await
+    }
+
+    /// Blocks the calling thread until all work queued so far has run. For synchronous code;
+    /// in async code use [`synchronize`](Self::synchronize).
+    pub fn synchronize_blocking(&self) -> Result<()> {
+        match (&self.inner.raw, self.inner.device.backend()) {
+            (RawStream::Cuda(s), Backend::Cuda(d)) => d.synchronize_stream(*s),
+            (RawStream::Sim(_), Backend::Sim(_)) => self.record()?.synchronize_blocking(),
+            _ => Err(mismatch()),
+        }
+    }
+
+    /// Queues a kernel that keeps the stream busy for `duration` of GPU time and touches no
+    /// memory: for tests and benchmarks that need work in flight.
+    pub fn spin(&self, duration: Duration) -> Result<()> {
+        self.enqueue(|d, s| d.spin(duration, s), || Op::Spin(duration))
+    }
+
+    /// Runs the CUDA or the simulated form of one operation.
+    fn enqueue(
+        &self,
+        cuda: impl FnOnce(&cuda::CudaDevice, cuda::RawStream) -> Result<()>,
+        sim: impl FnOnce() -> Op,
+    ) -> Result<()> {
+        match (&self.inner.raw, self.inner.device.backend()) {
+            (RawStream::Cuda(s), Backend::Cuda(d)) => cuda(d, *s),
+            (RawStream::Sim(s), Backend::Sim(_)) => {
+                s.push(sim());
+                Ok(())
+            }
+            _ => Err(mismatch()),
+        }
+    }
+
+    // ===== memory operations on raw pointers =====
+    //
+    // The safe, owning forms are the buffers' methods; these are what they are built on.
+
+    /// Sets `bytes` bytes at `dst` to `value`.
+    ///
+    /// # Safety
+    /// `[dst, dst + bytes)` is live device memory of this device, and stays so until the stream
+    /// reaches this operation.
+    pub unsafe fn memset_d8(&self, dst: DevicePtr, value: u8, bytes: usize) -> Result<()> {
+        // SAFETY: the caller's contract.
+        self.enqueue(
+            |d, s| unsafe { d.memset_d8(dst.0, value, bytes, s) },
+            || Op::Memset8 {
+                dst: dst.0,
+                value,
+                bytes,
+            },
+        )
+    }
+
+    /// Sets `count` 32-bit words at `dst` to `value`.
+    ///
+    /// # Safety
+    /// `[dst, dst + 4 * count)` is live, 4-aligned device memory, until the stream reaches this.
+    pub unsafe fn memset_d32(&self, dst: DevicePtr, value: u32, count: usize) -> Result<()> {
+        check_words(count)?;
+        // SAFETY: the caller's contract.
+        self.enqueue(
+            |d, s| unsafe { d.memset_d32(dst.0, value, count, s) },
+            || Op::Memset32 {
+                dst: dst.0,
+                value,
+                count,
+            },
+        )
+    }
+
+    /// Copies `bytes` bytes from host memory to the device.
+    ///
+    /// # Safety
+    /// `src` is readable for `bytes` bytes and stays valid and unchanged until the stream
+    /// reaches this copy; `[dst, dst + bytes)` is live device memory until then.
+    pub unsafe fn copy_htod(&self, dst: DevicePtr, src: *const u8, bytes: usize) -> Result<()> {
+        // SAFETY: the caller's contract.
+        self.enqueue(
+            |d, s| unsafe { d.copy_htod(dst.0, src, bytes, s) },
+            || Op::HtoD {
+                dst: dst.0,
+                src: HostPtr(src as *mut u8),
+                bytes,
+            },
+        )
+    }
+
+    /// Copies `bytes` bytes from the device to host memory.
+    ///
+    /// # Safety
+    /// `dst` is writable for `bytes` bytes, and nothing else reads or writes it until the
+    /// stream reaches this copy; `[src, src + bytes)` is live device memory until then.
+    pub unsafe fn copy_dtoh(&self, dst: *mut u8, src: DevicePtr, bytes: usize) -> Result<()> {
+        // SAFETY: the caller's contract.
+        self.enqueue(
+            |d, s| unsafe { d.copy_dtoh(dst, src.0, bytes, s) },
+            || Op::DtoH {
+                dst: HostPtr(dst),
+                src: src.0,
+                bytes,
+            },
+        )
+    }
+
+    /// Copies `bytes` bytes between two device ranges.
+    ///
+    /// # Safety
+    /// Both ranges are live device memory of this device until the stream reaches the copy.
+    pub unsafe fn copy_dtod(&self, dst: DevicePtr, src: DevicePtr, bytes: usize) -> Result<()> {
+        // SAFETY: the caller's contract.
+        self.enqueue(
+            |d, s| unsafe { d.copy_dtod(dst.0, src.0, bytes, s) },
+            || Op::DtoD {
+                dst: dst.0,
+                src: src.0,
+                bytes,
+            },
+        )
+    }
+
+    /// Built-in kernel: writes `value` to `count` 32-bit words at `dst` (an `f32` fill is
+    /// `value.to_bits()`).
+    ///
+    /// # Safety
+    /// `[dst, dst + 4 * count)` is live, 4-aligned device memory until the stream reaches this.
+    pub unsafe fn fill_u32(&self, dst: DevicePtr, value: u32, count: usize) -> Result<()> {
+        check_words(count)?;
+        if count == 0 {
+            return Ok(());
+        }
+        // SAFETY: the caller's contract.
+        self.enqueue(
+            |d, s| unsafe { d.fill_u32(dst.0, value, count, s) },
+            || Op::FillU32 {
+                dst: dst.0,
+                value,
+                count,
+            },
+        )
+    }
+
+    /// Built-in kernel: multiplies `count` `f32`s at `dst` by `factor`, in place.
+    ///
+    /// # Safety
+    /// `[dst, dst + 4 * count)` is live, 4-aligned device memory until the stream reaches this.
+    pub unsafe fn scale_f32(&self, dst: DevicePtr, factor: f32, count: usize) -> Result<()> {
+        check_words(count)?;
+        if count == 0 {
+            return Ok(());
+        }
+        // SAFETY: the caller's contract.
+        self.enqueue(
+            |d, s| unsafe { d.scale_f32(dst.0, factor, count, s) },
+            || Op::ScaleF32 {
+                dst: dst.0,
+                factor,
+                count,
+            },
+        )
+    }
+}
+
+/// A count of 32-bit words whose byte size fits in `usize`.
+fn check_words(count: usize) -> Result<()> {
+    count.checked_mul(4).map(|_| ()).ok_or(Error::InvalidSize {
+        size: count,
+        reason: "the word count overflows usize when multiplied by 4",
+    })
+}

@@ -1,0 +1,123 @@
+//! The one place that names `std::sync` or `loom`.
+//!
+//! Every structure that threads share (the reactor's inbox, an event's waiters, the sim's queues)
+//! is written against these names. Normally they are `std`'s; under `--cfg streamalloc_loom` they
+//! are loom's, so the models in `loom-tests/` explore every interleaving of the real code. The cfg
+//! is this crate's own, so no dependency switches to loom with it.
+//!
+//! `Mutex::lock` returns the guard directly: a poisoned lock means a panic elsewhere already
+//! broke an invariant we cannot repair, and every critical section here is short and
+//! panic-free, so we take the data as it is (tokio does the same).
+
+#[cfg(not(streamalloc_loom))]
+mod imp {
+    pub(crate) use std::sync::atomic::{AtomicBool, AtomicU64, AtomicU8, AtomicUsize, Ordering};
+    pub(crate) use std::sync::Arc;
+    pub(crate) use std::sync::MutexGuard;
+
+    /// std's mutex with loom's `lock()` shape.
+    #[derive(Debug, Default)]
+    pub(crate) struct Mutex<T>(std::sync::Mutex<T>);
+
+    impl<T> Mutex<T> {
+        pub(crate) fn new(value: T) -> Self {
+            Self(std::sync::Mutex::new(value))
+        }
+
+        pub(crate) fn lock(&self) -> MutexGuard<'_, T> {
+            self.0.lock().unwrap_or_else(|e| e.into_inner())
+        }
+    }
+
+    /// std's condition variable, taking and returning our guards.
+    #[derive(Debug, Default)]
+    pub(crate) struct Condvar(std::sync::Condvar);
+
+    impl Condvar {
+        pub(crate) fn new() -> Self {
+            Self(std::sync::Condvar::new())
+        }
+
+        pub(crate) fn wait<'a, T>(&self, guard: MutexGuard<'a, T>) -> MutexGuard<'a, T> {
+            self.0.wait(guard).unwrap_or_else(|e| e.into_inner())
+        }
+
+        pub(crate) fn notify_all(&self) {
+            self.0.notify_all()
+        }
+
+        pub(crate) fn notify_one(&self) {
+            self.0.notify_one()
+        }
+    }
+
+    pub(crate) mod thread {
+        #[allow(unused_imports)] // `spawn` and `yield_now` are for the loom models' code paths
+        pub(crate) use std::thread::{
+            current, park, park_timeout, spawn, yield_now, Builder, Thread,
+        };
+    }
+}
+
+#[cfg(streamalloc_loom)]
+mod imp {
+    pub(crate) use loom::sync::atomic::{AtomicBool, AtomicU64, AtomicU8, AtomicUsize, Ordering};
+    pub(crate) use loom::sync::Arc;
+    pub(crate) use loom::sync::MutexGuard;
+
+    /// loom's mutex with the poison-free `lock()` of the std side.
+    #[derive(Debug, Default)]
+    pub(crate) struct Mutex<T>(loom::sync::Mutex<T>);
+
+    impl<T> Mutex<T> {
+        pub(crate) fn new(value: T) -> Self {
+            Self(loom::sync::Mutex::new(value))
+        }
+
+        pub(crate) fn lock(&self) -> MutexGuard<'_, T> {
+            self.0.lock().unwrap_or_else(|e| e.into_inner())
+        }
+    }
+
+    /// loom's condition variable, taking and returning our guards.
+    #[derive(Debug, Default)]
+    pub(crate) struct Condvar(loom::sync::Condvar);
+
+    impl Condvar {
+        pub(crate) fn new() -> Self {
+            Self(loom::sync::Condvar::new())
+        }
+
+        pub(crate) fn wait<'a, T>(&self, guard: MutexGuard<'a, T>) -> MutexGuard<'a, T> {
+            self.0.wait(guard).unwrap_or_else(|e| e.into_inner())
+        }
+
+        pub(crate) fn notify_all(&self) {
+            self.0.notify_all()
+        }
+
+        pub(crate) fn notify_one(&self) {
+            self.0.notify_one()
+        }
+    }
+
+    pub(crate) mod thread {
+        #[allow(unused_imports)]
+        pub(crate) use loom::thread::{current, park, spawn, yield_now, Builder, Thread};
+
+        /// loom has no timed park; a model treats it as a plain park (time does not pass there).
+        pub(crate) fn park_timeout(_: std::time::Duration) {
+            park()
+        }
+    }
+}
+
+pub(crate) use imp::*;
+
+/// Primitives that loom never models: the simulated device's memory bytes and allocation table,
+/// and the CUDA backend's lazily made driver pool. Races on the bytes are the user's data races,
+/// not our protocol's, so loom would only slow the models down by tracking them.
+pub(crate) mod plain {
+    pub(crate) use std::sync::atomic::AtomicU8 as DataByte;
+    pub(crate) use std::sync::{OnceLock, RwLock, RwLockReadGuard, RwLockWriteGuard};
+}
