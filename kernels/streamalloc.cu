@@ -25,11 +25,17 @@ extern "C" __global__ void streamalloc_scale_f32(float *data, float factor,
 
 // Keeps the stream busy for `ns` nanoseconds of GPU time (read from %globaltimer), touching no
 // memory. Launched with one thread; it sleeps between reads so that it does not hog the SM.
+// Time is summed from forward steps only: %globaltimer may be adjusted backwards, and a plain
+// `now - start` would then wrap and end the spin at once.
 extern "C" __global__ void streamalloc_spin(unsigned long long ns) {
-    unsigned long long start, now;
-    asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(start));
-    do {
+    unsigned long long last, now, elapsed = 0;
+    asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(last));
+    while (elapsed < ns) {
         __nanosleep(1000);
         asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(now));
-    } while (now - start < ns);
+        if (now > last) {
+            elapsed += now - last;
+        }
+        last = now;
+    }
 }

@@ -6,15 +6,19 @@
 //! waiters and runs the callbacks ([`Completion::complete`]) on this thread, never in a driver
 //! callback.
 //!
-//! How it waits:
-//! - nothing to watch: it parks, burning no CPU, until something is registered;
-//! - something to watch and recent progress: it polls the heads for a short spin budget (a few
-//!   tens of microseconds by default on CUDA), which gives wake latencies of a microsecond or two;
-//! - still nothing: it asks the backend to *arm a doorbell* for each head and parks. On CUDA the
-//!   doorbell is a host function queued on a watcher stream behind the head event; it only
-//!   rings the [`Bell`] (an atomic flag and an unpark): no CUDA call, and nothing dropped there
-//!   whose Drop could make one. The simulated device rings the bell whenever a stream reaches
-//!   an event.
+//! How it waits, and why (figures in `benches/doorbell_probe.h200.txt`): on the H200 we
+//! measured, every way the driver has to wake a sleeping thread (a host function, a
+//! blocking-sync event) arrives 20 µs after the event at best and 250-450 µs after it once the
+//! wait is longer than ~100 µs; polling `cuEventQuery` sees it within ~1 µs. So:
+//! - nothing to watch: the thread parks with no timeout and burns no CPU;
+//! - after progress or a new registration: it polls the heads in a hot loop for the spin budget
+//!   (CUDA default 500 µs), which keeps the wake latency of short GPU work at a few µs;
+//! - then it polls between sleeps that double from 20 µs up to a cap (CUDA default 1 ms), so a
+//!   long wait costs about a thousand cheap polls a second; before each sleep it also arms a
+//!   *doorbell* for each head: on CUDA a host function queued on a watcher stream behind the
+//!   head event, which only rings the [`Bell`] (an atomic flag and an unpark: no CUDA call, and
+//!   nothing dropped there whose Drop could make one). The simulated device rings the bell itself
+//!   whenever a stream reaches an event, so its reactor never needs to poll or time out.
 
 use std::collections::{BTreeMap, VecDeque};
 use std::time::{Duration, Instant};
@@ -40,14 +44,41 @@ pub(crate) trait Watch: Send + Sync {
     }
 }
 
-pub(crate) type Watched = Arc<dyn Watch>;
+/// What the reactor holds while it watches. A box, not an `Arc<dyn Watch>`: loom's `Arc` cannot
+/// be coerced to a trait object, so each caller boxes its own handle (an `Arc` of its event).
+pub(crate) type Watched = Box<dyn Watch>;
+
+impl<T: Watch + ?Sized> Watch for Arc<T> {
+    fn stream_id(&self) -> u64 {
+        (**self).stream_id()
+    }
+
+    fn seq(&self) -> u64 {
+        (**self).seq()
+    }
+
+    fn query(&self) -> Option<Result<()>> {
+        (**self).query()
+    }
+
+    fn completion(&self) -> &Completion {
+        (**self).completion()
+    }
+
+    fn raw_cuda_event(&self) -> Option<crate::device::cuda::RawEvent> {
+        (**self).raw_cuda_event()
+    }
+}
 
 /// What the reactor needs from a device to sleep well.
 pub(crate) trait Doorbells: Send + 'static {
     /// Runs once on the reactor thread before its loop (CUDA: make the context current).
     fn start(&mut self) {}
-    /// How long to keep polling after the last progress before arming doorbells and parking.
+    /// How long to poll in a hot loop after the last progress or registration.
     fn spin(&self) -> Duration;
+    /// The longest sleep between polls while events are pending; `None` to sleep until the bell
+    /// rings (for devices whose every completion rings it).
+    fn max_sleep(&self) -> Option<Duration>;
     /// Arranges for `bell` to ring once `head` completes (or at once if it already has).
     /// Returns false if it could not; the reactor then parks with a short timeout instead.
     fn arm(&mut self, head: &dyn Watch, bell: &Arc<Bell>) -> bool;
@@ -143,8 +174,8 @@ impl Reactor {
     /// Watch `event` until it completes. Call once per event (see [`Registration`]).
     ///
     /// [`Registration`]: crate::completion::Registration
-    pub(crate) fn watch(&self, event: Watched) {
-        self.shared.inbox.lock().watch.push(event);
+    pub(crate) fn watch(&self, event: impl Watch + 'static) {
+        self.shared.inbox.lock().watch.push(Box::new(event));
         self.shared.bell.ring();
     }
 
@@ -170,12 +201,16 @@ struct StreamQueue {
     armed: Option<u64>,
 }
 
+/// The first sleep between polls after the hot spin; each further one doubles, up to the cap.
+const FIRST_SLEEP: Duration = Duration::from_micros(20);
+
 fn run(shared: Arc<Shared>, mut doorbells: impl Doorbells) {
     *shared.bell.thread.lock() = Some(thread::current());
     doorbells.start();
-    let spin = doorbells.spin();
+    let (spin, max_sleep) = (doorbells.spin(), doorbells.max_sleep());
     let mut queues: BTreeMap<u64, StreamQueue> = BTreeMap::new();
-    let mut last_progress: Option<Instant> = None;
+    let mut hot_since: Option<Instant> = None;
+    let mut sleep = FIRST_SLEEP;
     loop {
         let (new, forget, shutdown) = {
             let mut inbox = shared.inbox.lock();
@@ -200,21 +235,22 @@ fn run(shared: Arc<Shared>, mut doorbells: impl Doorbells) {
             if shutdown {
                 return;
             }
-            last_progress = None;
+            hot_since = None;
             shared.bell.wait(None);
             continue;
         }
-        if spin > Duration::ZERO {
+        if progressed || registered {
+            sleep = FIRST_SLEEP;
             // Time is only read when spinning is on, so a loom model (spin zero) stays
             // deterministic.
-            let now = Instant::now();
-            if progressed || registered || last_progress.is_none() {
-                last_progress = Some(now);
-            }
-            if last_progress.is_some_and(|t| now.duration_since(t) < spin) {
+            hot_since = (spin > Duration::ZERO).then(Instant::now);
+        }
+        if let Some(since) = hot_since {
+            if since.elapsed() < spin {
                 std::hint::spin_loop();
                 continue;
             }
+            hot_since = None;
         } else if progressed {
             continue;
         }
@@ -231,10 +267,14 @@ fn run(shared: Arc<Shared>, mut doorbells: impl Doorbells) {
                 }
             }
         }
-        shared
-            .bell
-            .wait((!all_armed).then_some(Duration::from_millis(1)));
-        last_progress = None;
+        match max_sleep {
+            Some(cap) => {
+                shared.bell.wait(Some(sleep.min(cap)));
+                sleep = (sleep * 2).min(cap);
+            }
+            None if all_armed => shared.bell.wait(None),
+            None => shared.bell.wait(Some(Duration::from_millis(1))),
+        }
     }
 }
 

@@ -228,6 +228,10 @@ impl Stream {
 
     /// Copies `bytes` bytes from host memory to the device.
     ///
+    /// On CUDA, from ordinary (pageable) host memory the driver stages the data before it
+    /// returns, and may first wait for work already queued on the stream: the call can block.
+    /// From page-locked memory it returns at once.
+    ///
     /// # Safety
     /// `src` is readable for `bytes` bytes and stays valid and unchanged until the stream
     /// reaches this copy; `[dst, dst + bytes)` is live device memory until then.
@@ -244,6 +248,12 @@ impl Stream {
     }
 
     /// Copies `bytes` bytes from the device to host memory.
+    ///
+    /// On CUDA, into ordinary (pageable) host memory the driver returns only once the copy has
+    /// run, so the calling thread blocks behind everything queued before it on the stream
+    /// (measured on an H200: 50.6 ms behind a 50 ms kernel). Into page-locked memory it returns
+    /// at once. In async code, await an event recorded before the copy, or use page-locked
+    /// memory.
     ///
     /// # Safety
     /// `dst` is writable for `bytes` bytes, and nothing else reads or writes it until the

@@ -5,14 +5,16 @@ use std::fmt;
 use crate::device::Device;
 use crate::error::{Error, Result};
 use crate::stream::Stream;
-use crate::sync::{AtomicUsize, Ordering};
+use crate::sync::{Arc, AtomicUsize, Ordering};
 
 /// A fixed set of streams of one device, created up front and handed out round-robin
 /// ([`get`](Self::get)) or by index ([`get_by_index`](Self::get_by_index)). Lets many tasks
-/// spread their work over a bounded number of streams without creating one per task.
+/// spread their work over a bounded number of streams without creating one per task. Cheap to
+/// clone: clones share the streams and the round-robin position.
+#[derive(Clone)]
 pub struct StreamPool {
-    streams: Vec<Stream>,
-    next: AtomicUsize,
+    streams: Arc<Vec<Stream>>,
+    next: Arc<AtomicUsize>,
 }
 
 impl fmt::Debug for StreamPool {
@@ -34,10 +36,10 @@ impl StreamPool {
         }
         let streams = (0..count)
             .map(|_| device.create_stream())
-            .collect::<Result<_>>()?;
+            .collect::<Result<Vec<_>>>()?;
         Ok(StreamPool {
-            streams,
-            next: AtomicUsize::new(0),
+            streams: Arc::new(streams),
+            next: Arc::new(AtomicUsize::new(0)),
         })
     }
 

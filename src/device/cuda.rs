@@ -557,14 +557,16 @@ unsafe extern "C" fn ring_bell(data: *mut c_void) {
 pub(crate) struct CudaDoorbells {
     ctx: Arc<Context>,
     spin: Duration,
+    max_sleep: Duration,
     watchers: HashMap<u64, RawStream>,
 }
 
 impl CudaDoorbells {
-    pub(crate) fn new(ctx: Arc<Context>, spin: Duration) -> Self {
+    pub(crate) fn new(ctx: Arc<Context>, spin: Duration, max_sleep: Duration) -> Self {
         Self {
             ctx,
             spin,
+            max_sleep: max_sleep.max(Duration::from_micros(1)),
             watchers: HashMap::new(),
         }
     }
@@ -579,6 +581,10 @@ impl Doorbells for CudaDoorbells {
 
     fn spin(&self) -> Duration {
         self.spin
+    }
+
+    fn max_sleep(&self) -> Option<Duration> {
+        Some(self.max_sleep)
     }
 
     fn arm(&mut self, head: &dyn Watch, bell: &Arc<Bell>) -> bool {

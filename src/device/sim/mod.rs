@@ -94,6 +94,10 @@ impl Doorbells for SimDoorbells {
         Duration::ZERO
     }
 
+    fn max_sleep(&self) -> Option<Duration> {
+        None
+    }
+
     fn arm(&mut self, _: &dyn Watch, _: &Arc<Bell>) -> bool {
         true
     }
