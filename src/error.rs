@@ -68,6 +68,14 @@ pub enum Error {
         /// The id of the device the argument belongs to.
         found: u64,
     },
+    /// A pointer given back to a resource that it did not hand out (or a size that does not
+    /// match what it handed out there).
+    UnknownPointer {
+        /// The pointer.
+        ptr: u64,
+        /// The size given with it.
+        bytes: usize,
+    },
     /// A bad argument that no more specific variant describes.
     InvalidArgument {
         /// What was wrong.
@@ -145,6 +153,11 @@ impl fmt::Display for Error {
                 f,
                 "wrong device: the call is on device #{expected} but the argument belongs to \
                  device #{found}"
+            ),
+            Error::UnknownPointer { ptr, bytes } => write!(
+                f,
+                "unknown pointer {ptr:#x} ({bytes} bytes): this resource did not hand it out, or \
+                 not with this size, or it was already freed"
             ),
             Error::InvalidArgument { what } => write!(f, "invalid argument: {what}"),
             Error::Timeout { waited } => write!(f, "timed out after waiting {waited:?}"),

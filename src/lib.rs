@@ -44,6 +44,7 @@ mod device;
 mod error;
 mod event;
 mod reactor;
+pub mod resource;
 mod stream;
 mod stream_pool;
 mod sync;
@@ -51,6 +52,7 @@ mod sync;
 pub use crate::device::{CudaOptions, Device, DeviceKind, DevicePtr, SimConfig};
 pub use crate::error::{Error, Result};
 pub use crate::event::Event;
+pub use crate::resource::{AsResourceRef, MemoryKind, MemoryResource, ResourceRef, ALIGNMENT};
 pub use crate::stream::{Stream, StreamId};
 pub use crate::stream_pool::StreamPool;
 

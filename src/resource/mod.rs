@@ -1,0 +1,127 @@
+//! Memory resources: [`MemoryResource`], the trait every resource and adaptor implements, and
+//! its implementations.
+//!
+//! Resources compose by value as RMM's do (`PoolResource<CudaResource>`). A buffer keeps its
+//! resource alive through a [`ResourceRef`] (`Arc<dyn MemoryResource>`): wrap a resource in an
+//! `Arc` to make buffers from it.
+
+use std::fmt;
+use std::sync::Arc as StdArc;
+
+use crate::device::{Device, DevicePtr};
+use crate::error::{Error, Result};
+use crate::stream::Stream;
+
+/// Every allocation of every resource is aligned to at least this many bytes.
+pub const ALIGNMENT: usize = 256;
+
+/// What kind of memory a resource hands out.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub enum MemoryKind {
+    /// Device memory: usable by GPU work only.
+    Device,
+    /// Managed (unified) memory: usable by the host and the GPU.
+    Managed,
+    /// Page-locked host memory: usable by the host, and by the GPU through unified addressing.
+    PinnedHost,
+}
+
+/// A source of memory, stream-ordered.
+///
+/// `allocate(bytes, stream)` returns memory that work queued on `stream` after the call may use;
+/// `deallocate(ptr, bytes, stream)` gives it back in stream order: the resource may hand it to
+/// later work on `stream` at once, and to other streams only once ordered after `stream`. Neither
+/// blocks the host.
+///
+/// Every allocation is aligned to at least [`ALIGNMENT`] bytes. Zero bytes is allowed, costs
+/// nothing, and returns a null pointer that `deallocate` accepts back with zero bytes.
+pub trait MemoryResource: Send + Sync + fmt::Debug {
+    /// The device the memory belongs to.
+    fn device(&self) -> &Device;
+
+    /// The kind of memory handed out.
+    fn memory_kind(&self) -> MemoryKind {
+        MemoryKind::Device
+    }
+
+    /// Allocates `bytes` for use on `stream`. `Err(OutOfMemory)` (with requested, available and
+    /// maximum bytes) when the resource cannot provide them now; nothing is lost on error.
+    fn allocate(&self, bytes: usize, stream: &Stream) -> Result<DevicePtr>;
+
+    /// Gives `ptr` back in stream order on `stream`. Never blocks. Returns
+    /// `Err(UnknownPointer)` where the resource can tell the pointer is not one of its own.
+    ///
+    /// # Safety
+    /// `ptr` came from `allocate` of this resource with this `bytes`, is given back once, and
+    /// all work that uses it is ordered before this point of `stream`.
+    unsafe fn deallocate(&self, ptr: DevicePtr, bytes: usize, stream: &Stream) -> Result<()>;
+}
+
+/// A type-erased, shareable resource: what buffers hold to keep their resource alive.
+pub type ResourceRef = StdArc<dyn MemoryResource>;
+
+/// Anything a buffer can take its resource from: an `Arc` of a resource, or a [`ResourceRef`].
+pub trait AsResourceRef {
+    /// A shared handle to the resource (a reference-count increment, no allocation).
+    fn resource_ref(&self) -> ResourceRef;
+}
+
+impl<R: MemoryResource + 'static> AsResourceRef for StdArc<R> {
+    fn resource_ref(&self) -> ResourceRef {
+        self.clone()
+    }
+}
+
+impl AsResourceRef for ResourceRef {
+    fn resource_ref(&self) -> ResourceRef {
+        self.clone()
+    }
+}
+
+/// A shared resource is a resource: adaptors and pools can take `Arc<R>` (or a
+/// [`ResourceRef`]) as their upstream.
+impl<R: MemoryResource + ?Sized> MemoryResource for StdArc<R> {
+    fn device(&self) -> &Device {
+        (**self).device()
+    }
+
+    fn memory_kind(&self) -> MemoryKind {
+        (**self).memory_kind()
+    }
+
+    fn allocate(&self, bytes: usize, stream: &Stream) -> Result<DevicePtr> {
+        (**self).allocate(bytes, stream)
+    }
+
+    unsafe fn deallocate(&self, ptr: DevicePtr, bytes: usize, stream: &Stream) -> Result<()> {
+        // SAFETY: the caller's contract, passed on.
+        unsafe { (**self).deallocate(ptr, bytes, stream) }
+    }
+}
+
+/// `bytes` rounded up to [`ALIGNMENT`], or `InvalidSize` if that overflows.
+#[allow(dead_code)] // used by the resources being written
+pub(crate) fn aligned_size(bytes: usize) -> Result<usize> {
+    bytes.checked_next_multiple_of(ALIGNMENT).ok_or(Error::InvalidSize {
+        size: bytes,
+        reason: "the size overflows when rounded up to the 256-byte alignment",
+    })
+}
+
+/// `Err(WrongDevice)` unless `stream` belongs to `device`.
+#[allow(dead_code)]
+pub(crate) fn check_stream(device: &Device, stream: &Stream) -> Result<()> {
+    device.check_same(stream.device())
+}
+
+// ===== the resources =====
+// Base resources, over the device layer.
+pub mod cuda;
+pub mod cuda_async;
+pub mod managed;
+pub mod pinned;
+// The pool and its engine.
+pub mod fixed_size;
+pub(crate) mod free_list;
+pub mod pool;
+pub(crate) mod stream_ordered;
