@@ -108,6 +108,12 @@ impl Stream {
         &self.inner.device
     }
 
+    /// How many handles share this stream. A resource that holds the only one knows the user
+    /// has dropped the stream (it is idle: its free list can be merged into another).
+    pub(crate) fn handle_count(&self) -> usize {
+        Arc::strong_count(&self.inner)
+    }
+
     pub(crate) fn raw(&self) -> &RawStream {
         &self.inner.raw
     }

@@ -105,6 +105,8 @@ unsafe impl<T> Sync for Handle<T> {}
 
 pub(crate) type RawStream = Handle<sys::CUstream>;
 pub(crate) type RawEvent = Handle<sys::CUevent>;
+/// A driver memory pool (`cuMemPoolCreate`).
+pub(crate) type RawPool = Handle<sys::CUmemoryPool>;
 
 struct Kernels {
     module: sys::CUmodule,
@@ -123,7 +125,7 @@ pub(crate) struct CudaDevice {
     /// Idle events, reused by `record` (creating one costs ~330 ns, more than recording).
     events: Mutex<Vec<RawEvent>>,
     /// The driver pool behind `malloc_async`, made on first use.
-    pool: OnceLock<Handle<sys::CUmemoryPool>>,
+    pool: OnceLock<RawPool>,
 }
 
 // SAFETY: the module, function and pool handles are driver handles usable from any thread once
@@ -291,6 +293,50 @@ impl CudaDevice {
         raw("cuMemFree", unsafe { sys::cuMemFree_v2(ptr) })
     }
 
+    /// `cuMemAllocManaged` with `CU_MEM_ATTACH_GLOBAL`: memory any stream and the host may
+    /// use. Freed by `free`.
+    pub(crate) fn malloc_managed(&self, bytes: usize) -> Result<u64> {
+        self.ctx.bind()?;
+        let mut ptr = 0;
+        // SAFETY: writes one device pointer into `ptr`; the flag is a valid attach flag.
+        raw("cuMemAllocManaged", unsafe {
+            sys::cuMemAllocManaged(
+                &mut ptr,
+                bytes,
+                sys::CUmemAttach_flags::CU_MEM_ATTACH_GLOBAL as u32,
+            )
+        })?;
+        Ok(ptr)
+    }
+
+    /// `cuMemHostAlloc` with `PORTABLE | DEVICEMAP`: page-locked host memory that every
+    /// context can use, mapped into the device's address space (with unified addressing the
+    /// device address is the host address).
+    pub(crate) fn malloc_host(&self, bytes: usize) -> Result<*mut u8> {
+        self.ctx.bind()?;
+        let mut ptr: *mut c_void = std::ptr::null_mut();
+        // SAFETY: writes one host pointer into `ptr`; the flags are valid cuMemHostAlloc flags.
+        raw("cuMemHostAlloc", unsafe {
+            sys::cuMemHostAlloc(
+                &mut ptr,
+                bytes,
+                sys::CU_MEMHOSTALLOC_PORTABLE | sys::CU_MEMHOSTALLOC_DEVICEMAP,
+            )
+        })?;
+        Ok(ptr as *mut u8)
+    }
+
+    /// # Safety
+    /// `ptr` came from `malloc_host`, is freed once, and no queued work and no host code uses
+    /// it any more.
+    pub(crate) unsafe fn free_host(&self, ptr: *mut u8) -> Result<()> {
+        self.ctx.bind()?;
+        // SAFETY: the caller's contract.
+        raw("cuMemFreeHost", unsafe {
+            sys::cuMemFreeHost(ptr as *mut c_void)
+        })
+    }
+
     /// The driver pool of `malloc_async`: ours (not the device's default pool, which other
     /// libraries in the process may trim), with the release threshold at its maximum so freed
     /// memory stays in the pool instead of going back to the driver at every synchronize.
@@ -298,19 +344,22 @@ impl CudaDevice {
         if let Some(pool) = self.pool.get() {
             return Ok(pool.0);
         }
-        let pool = self.create_pool()?;
-        match self.pool.set(Handle(pool)) {
-            Ok(()) => Ok(pool),
+        let pool = self.create_pool(u64::MAX, 0)?;
+        match self.pool.set(pool) {
+            Ok(()) => Ok(pool.0),
             Err(_) => {
                 // Another thread won the race; keep its pool.
                 // SAFETY: `pool` is ours and unused.
-                let _ = unsafe { result::mem_pool::destroy(pool) };
-                Ok(self.pool.get().map(|p| p.0).unwrap_or(pool))
+                unsafe { self.destroy_pool(pool) };
+                Ok(self.pool.get().map_or(pool.0, |p| p.0))
             }
         }
     }
 
-    pub(crate) fn create_pool(&self) -> Result<sys::CUmemoryPool> {
+    /// A new driver pool of device memory on this device (`cuMemPoolCreate`), that keeps up to
+    /// `release_threshold` bytes of freed memory across synchronizations, and grows to at most
+    /// `max_size` bytes (0: the driver's own limit).
+    pub(crate) fn create_pool(&self, release_threshold: u64, max_size: usize) -> Result<RawPool> {
         self.ctx.bind()?;
         // SAFETY: an all-zero CUmemPoolProps is valid plain data; we set the fields that matter.
         let mut props: sys::CUmemPoolProps = unsafe { std::mem::zeroed() };
@@ -318,31 +367,104 @@ impl CudaDevice {
         props.handleTypes = sys::CUmemAllocationHandleType::CU_MEM_HANDLE_TYPE_NONE;
         props.location.type_ = sys::CUmemLocationType::CU_MEM_LOCATION_TYPE_DEVICE;
         props.location.id = self.ordinal as i32;
+        props.maxSize = max_size;
         // SAFETY: `props` is fully initialized above.
         let pool = unsafe { result::mem_pool::create(&props) }
+            .map(Handle)
             .map_err(|e| Error::driver("cuMemPoolCreate", e))?;
-        let mut threshold: u64 = u64::MAX;
-        // SAFETY: the release threshold attribute is a cuuint64_t.
-        let set = unsafe {
-            result::mem_pool::set_attribute(
-                pool,
-                sys::CUmemPool_attribute::CU_MEMPOOL_ATTR_RELEASE_THRESHOLD,
-                &mut threshold as *mut u64 as *mut c_void,
-            )
-        };
-        if let Err(e) = set {
+        if let Err(e) = self.set_pool_threshold(pool, release_threshold) {
             // SAFETY: the pool is ours and unused.
-            let _ = unsafe { result::mem_pool::destroy(pool) };
-            return Err(Error::driver("cuMemPoolSetAttribute", e));
+            unsafe { self.destroy_pool(pool) };
+            return Err(e);
         }
         Ok(pool)
     }
 
+    /// Reads a `cuuint64_t` attribute of a pool (`cuMemPoolGetAttribute`).
+    fn pool_attribute(&self, pool: RawPool, attr: sys::CUmemPool_attribute) -> Result<u64> {
+        self.ctx.bind()?;
+        let mut value: u64 = 0;
+        // SAFETY: the pool is live (its owner holds it), and every attribute read here
+        // (thresholds and memory counters) is a cuuint64_t, which `value` is.
+        check("cuMemPoolGetAttribute", unsafe {
+            result::mem_pool::get_attribute(pool.0, attr, &mut value as *mut u64 as *mut c_void)
+        })?;
+        Ok(value)
+    }
+
+    /// Bytes of device memory the pool holds (`CU_MEMPOOL_ATTR_RESERVED_MEM_CURRENT`).
+    pub(crate) fn pool_reserved(&self, pool: RawPool) -> Result<u64> {
+        self.pool_attribute(
+            pool,
+            sys::CUmemPool_attribute::CU_MEMPOOL_ATTR_RESERVED_MEM_CURRENT,
+        )
+    }
+
+    /// Bytes of the pool in live allocations (`CU_MEMPOOL_ATTR_USED_MEM_CURRENT`).
+    pub(crate) fn pool_used(&self, pool: RawPool) -> Result<u64> {
+        self.pool_attribute(
+            pool,
+            sys::CUmemPool_attribute::CU_MEMPOOL_ATTR_USED_MEM_CURRENT,
+        )
+    }
+
+    pub(crate) fn pool_threshold(&self, pool: RawPool) -> Result<u64> {
+        self.pool_attribute(
+            pool,
+            sys::CUmemPool_attribute::CU_MEMPOOL_ATTR_RELEASE_THRESHOLD,
+        )
+    }
+
+    pub(crate) fn set_pool_threshold(&self, pool: RawPool, threshold: u64) -> Result<()> {
+        self.ctx.bind()?;
+        let mut threshold = threshold;
+        // SAFETY: the pool is live; the release threshold attribute is a cuuint64_t, which
+        // `threshold` is, and the driver only reads it.
+        check("cuMemPoolSetAttribute", unsafe {
+            result::mem_pool::set_attribute(
+                pool.0,
+                sys::CUmemPool_attribute::CU_MEMPOOL_ATTR_RELEASE_THRESHOLD,
+                &mut threshold as *mut u64 as *mut c_void,
+            )
+        })
+    }
+
+    /// Releases freed memory of the pool until it holds at most `keep` bytes
+    /// (`cuMemPoolTrimTo`). Memory of frees the GPU has not reached yet stays.
+    pub(crate) fn pool_trim(&self, pool: RawPool, keep: usize) -> Result<()> {
+        self.ctx.bind()?;
+        // SAFETY: the pool is live (its owner holds it).
+        check("cuMemPoolTrimTo", unsafe {
+            result::mem_pool::trim_to(pool.0, keep)
+        })
+    }
+
+    /// `cuMemAllocFromPoolAsync`: `bytes` from `pool`, usable by work queued on `stream` after
+    /// this call.
+    pub(crate) fn pool_alloc(&self, pool: RawPool, bytes: usize, stream: RawStream) -> Result<u64> {
+        self.ctx.bind()?;
+        // SAFETY: pool and stream are live (their owners hold them); the memory handed out is
+        // uninitialized device memory, which only unsafe device operations can read.
+        unsafe { result::mem_pool::alloc_async(pool.0, bytes, stream.0) }
+            .map_err(|e| Error::driver("cuMemAllocFromPoolAsync", e))
+    }
+
+    /// Destroys a pool (`cuMemPoolDestroy`). Memory still allocated from it, or whose free the
+    /// GPU has not reached yet, is released by the driver once it is all freed.
+    ///
+    /// # Safety
+    /// `pool` came from `create_pool`, is destroyed once, and nothing allocates from it after
+    /// this call.
+    pub(crate) unsafe fn destroy_pool(&self, pool: RawPool) {
+        if self.ctx.bind().is_ok() {
+            // SAFETY: the caller's contract.
+            let _ = unsafe { result::mem_pool::destroy(pool.0) };
+        }
+    }
+
     pub(crate) fn malloc_async(&self, bytes: usize, stream: RawStream) -> Result<u64> {
         let pool = self.pool()?;
-        // SAFETY: pool and stream are live.
-        unsafe { result::mem_pool::alloc_async(pool, bytes, stream.0) }
-            .map_err(|e| Error::driver("cuMemAllocFromPoolAsync", e))
+        self.pool_alloc(Handle(pool), bytes, stream)
     }
 
     /// # Safety
@@ -533,7 +655,7 @@ impl Drop for CudaDevice {
         }
         if let Some(pool) = self.pool.get() {
             // SAFETY: every `Device` handle is gone, so nothing allocates from it any more.
-            let _ = unsafe { result::mem_pool::destroy(pool.0) };
+            unsafe { self.destroy_pool(*pool) };
         }
         // SAFETY: no function of the module can be launched once the device is gone.
         let _ = unsafe { result::module::unload(self.kernels.module) };

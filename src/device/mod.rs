@@ -325,6 +325,20 @@ impl Device {
         }
     }
 
+    /// The host's numbers for an out-of-memory error of page-locked host memory.
+    fn host_oom(requested: usize, err: Error) -> Error {
+        if err.is_out_of_memory() {
+            let (available, maximum) = host_memory().unwrap_or((0, 0));
+            Error::OutOfMemory {
+                requested,
+                available,
+                maximum,
+            }
+        } else {
+            err
+        }
+    }
+
     // ===== raw memory =====
 
     /// Allocates `bytes` of device memory (`cuMemAlloc`), synchronously: slow (it may
@@ -352,6 +366,103 @@ impl Device {
             // SAFETY: the caller's contract.
             Backend::Cuda(d) => unsafe { d.free(ptr.0) },
             Backend::Sim(d) => d.memory.free(ptr.0),
+        }
+    }
+
+    /// Frees memory from [`malloc`](Self::malloc) or [`malloc_managed`](Self::malloc_managed)
+    /// once the work queued so far on `stream` has run. On CUDA this is `cuMemFree`, which
+    /// itself waits for the device's pending work before it frees (so the calling thread may
+    /// block); the simulated device queues the free on `stream` instead, so that a use still
+    /// queued there does not fault.
+    ///
+    /// `Err(UnknownPointer)` on the simulated device for a pointer that is not a live
+    /// allocation (the driver reports its own error on CUDA).
+    ///
+    /// # Safety
+    /// `ptr` came from `malloc` or `malloc_managed` on this device and is freed once; all work
+    /// that uses it is ordered before this point of `stream`.
+    pub(crate) unsafe fn free_after(&self, ptr: DevicePtr, stream: &Stream) -> Result<()> {
+        self.check_same(stream.device())?;
+        match (&self.inner.backend, stream.raw()) {
+            // SAFETY: the caller's contract; cuMemFree waits for the device's pending work,
+            // which includes every use queued on `stream`.
+            (Backend::Cuda(d), crate::stream::RawStream::Cuda(_)) => unsafe { d.free(ptr.0) },
+            (Backend::Sim(d), crate::stream::RawStream::Sim(s)) => {
+                if !d.memory.is_allocation(ptr.0) {
+                    return Err(Error::UnknownPointer {
+                        ptr: ptr.0,
+                        bytes: 0,
+                    });
+                }
+                s.push(sim::Op::Free(ptr.0));
+                Ok(())
+            }
+            _ => Err(mismatch()),
+        }
+    }
+
+    /// Allocates `bytes` of managed (unified) memory (`cuMemAllocManaged`, attached
+    /// globally): usable by work on every stream and, on a GPU, by the host. Free it with
+    /// [`free`](Self::free). On the simulated device it is device memory like
+    /// [`malloc`](Self::malloc)'s (the host cannot dereference it there).
+    ///
+    /// The driver lets managed memory oversubscribe the GPU, and on some machines asking for
+    /// more than the card has can hang it: check [`free_memory`](Self::free_memory) first, as
+    /// `ManagedResource` does.
+    ///
+    /// Errors: [`Error::InvalidSize`] for zero bytes, [`Error::OutOfMemory`] when the driver
+    /// refuses.
+    pub fn malloc_managed(&self, bytes: usize) -> Result<DevicePtr> {
+        check_size(bytes)?;
+        match &self.inner.backend {
+            Backend::Cuda(d) => d.malloc_managed(bytes),
+            Backend::Sim(d) => d.memory.alloc(bytes),
+        }
+        .map(DevicePtr)
+        .map_err(|e| self.oom(bytes, e))
+    }
+
+    /// Allocates `bytes` of page-locked host memory (`cuMemHostAlloc`, portable and mapped):
+    /// the host reads and writes it through the returned pointer, copies to and from it run
+    /// without staging, and with unified addressing the GPU can use the same address. At
+    /// least 256-aligned. Slow (the pages are pinned one by one): pool it. On the simulated
+    /// device it is ordinary host memory, zeroed.
+    ///
+    /// A request for more than the host's available memory fails at once, without asking the
+    /// driver: pinned memory cannot be swapped out.
+    ///
+    /// Errors: [`Error::InvalidSize`] for zero bytes, [`Error::OutOfMemory`] (with the host's
+    /// available and total memory where the platform reports them, else zeros).
+    pub fn malloc_host(&self, bytes: usize) -> Result<*mut u8> {
+        check_size(bytes)?;
+        if let Some((available, maximum)) = host_memory() {
+            if bytes > available {
+                return Err(Error::OutOfMemory {
+                    requested: bytes,
+                    available,
+                    maximum,
+                });
+            }
+        }
+        match &self.inner.backend {
+            Backend::Cuda(d) => d.malloc_host(bytes),
+            Backend::Sim(d) => d.host.alloc(bytes),
+        }
+        .map_err(|e| Self::host_oom(bytes, e))
+    }
+
+    /// Frees memory from [`malloc_host`](Self::malloc_host). On CUDA `cuMemFreeHost` may wait
+    /// for the device. `Err(InvalidAddress)` on the simulated device for a pointer it did not
+    /// hand out.
+    ///
+    /// # Safety
+    /// `ptr` came from `malloc_host` on this device and is freed once; no queued or running
+    /// work and no host code uses it any more.
+    pub unsafe fn free_host(&self, ptr: *mut u8) -> Result<()> {
+        match &self.inner.backend {
+            // SAFETY: the caller's contract.
+            Backend::Cuda(d) => unsafe { d.free_host(ptr) },
+            Backend::Sim(d) => d.host.free(ptr),
         }
     }
 
@@ -391,6 +502,249 @@ impl Device {
             _ => Err(mismatch()),
         }
     }
+}
+
+// ===== driver memory pools =====
+
+/// Settings of an [`AsyncPool`].
+#[derive(Debug, Clone, Copy)]
+pub(crate) struct AsyncPoolSettings {
+    /// Freed bytes the pool keeps across synchronizations (`u64::MAX`: all of them).
+    pub(crate) release_threshold: u64,
+    /// The most the pool may hold; `None`: the device's memory.
+    pub(crate) maximum: Option<usize>,
+}
+
+/// A driver memory pool that one owner (a resource) holds: `cuMemPoolCreate` on CUDA (its own,
+/// not the device's default pool), [`sim::memory::SimPool`] on the simulated device.
+/// Allocations are stream-ordered (`cuMemAllocFromPoolAsync`), and so are frees
+/// (`cuMemFreeAsync`). Dropping it destroys the pool; memory still allocated from it is
+/// released once freed (the driver's rule, which the simulated pool follows).
+pub(crate) struct AsyncPool {
+    device: Device,
+    raw: RawPool,
+    maximum: Option<usize>,
+}
+
+enum RawPool {
+    Cuda(cuda::RawPool),
+    Sim(Arc<sim::memory::SimPool>),
+}
+
+impl fmt::Debug for AsyncPool {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        let mut s = f.debug_struct("AsyncPool");
+        s.field("device", &self.device.id());
+        if let Ok(reserved) = self.reserved() {
+            s.field("reserved", &reserved);
+        }
+        if let Ok(used) = self.used() {
+            s.field("used", &used);
+        }
+        s.field("maximum", &self.maximum).finish()
+    }
+}
+
+impl AsyncPool {
+    pub(crate) fn new(device: &Device, settings: AsyncPoolSettings) -> Result<AsyncPool> {
+        if settings.maximum == Some(0) {
+            return Err(Error::InvalidSize {
+                size: 0,
+                reason: "a pool's maximum size must be at least one byte",
+            });
+        }
+        let raw = match device.backend() {
+            Backend::Cuda(d) => RawPool::Cuda(
+                d.create_pool(settings.release_threshold, settings.maximum.unwrap_or(0))?,
+            ),
+            Backend::Sim(d) => RawPool::Sim(Arc::new(sim::memory::SimPool::new(
+                d.memory.clone(),
+                settings.release_threshold,
+                settings.maximum.unwrap_or(usize::MAX),
+            ))),
+        };
+        Ok(AsyncPool {
+            device: device.clone(),
+            raw,
+            maximum: settings.maximum,
+        })
+    }
+
+    pub(crate) fn device(&self) -> &Device {
+        &self.device
+    }
+
+    /// The pool's limit, or the device's memory.
+    pub(crate) fn maximum(&self) -> usize {
+        self.maximum.unwrap_or(self.device.total_memory())
+    }
+
+    /// `bytes` (at least one) for work queued on `stream` after this call. On failure:
+    /// `OutOfMemory` with what the device has free plus what the pool keeps (capped by the
+    /// pool's maximum).
+    ///
+    /// A request larger than the pool's maximum (or the device's memory) fails at once,
+    /// without a driver call.
+    pub(crate) fn alloc_async(&self, bytes: usize, stream: &Stream) -> Result<DevicePtr> {
+        check_size(bytes)?;
+        self.device.check_same(stream.device())?;
+        if bytes > self.maximum() {
+            return Err(self.oom(
+                bytes,
+                Error::OutOfMemory {
+                    requested: bytes,
+                    available: 0,
+                    maximum: 0,
+                },
+            ));
+        }
+        match (&self.raw, self.device.backend(), stream.raw()) {
+            (RawPool::Cuda(p), Backend::Cuda(d), crate::stream::RawStream::Cuda(s)) => {
+                d.pool_alloc(*p, bytes, *s)
+            }
+            (RawPool::Sim(p), Backend::Sim(_), crate::stream::RawStream::Sim(_)) => p.alloc(bytes),
+            _ => Err(mismatch()),
+        }
+        .map(DevicePtr)
+        .map_err(|e| self.oom(bytes, e))
+    }
+
+    fn oom(&self, requested: usize, err: Error) -> Error {
+        if !err.is_out_of_memory() {
+            return err;
+        }
+        let maximum = self.maximum();
+        let used = self.used().unwrap_or(0);
+        let kept = self
+            .reserved()
+            .map_or(0, |reserved| reserved.saturating_sub(used));
+        let available = self
+            .device
+            .free_memory()
+            .unwrap_or(0)
+            .saturating_add(kept)
+            .min(maximum.saturating_sub(used));
+        Error::OutOfMemory {
+            requested,
+            available,
+            maximum,
+        }
+    }
+
+    /// Frees `ptr` in stream order: the pool may reuse it once `stream` reaches this point.
+    /// Never blocks.
+    ///
+    /// # Safety
+    /// `ptr` came from `alloc_async` of this pool and is freed once; all work that uses it is
+    /// ordered before this point of `stream`.
+    pub(crate) unsafe fn free_async(&self, ptr: DevicePtr, stream: &Stream) -> Result<()> {
+        self.device.check_same(stream.device())?;
+        match (&self.raw, self.device.backend(), stream.raw()) {
+            // SAFETY: the caller's contract; cuMemFreeAsync takes pool memory of any pool.
+            (RawPool::Cuda(_), Backend::Cuda(d), crate::stream::RawStream::Cuda(s)) => unsafe {
+                d.free_async(ptr.0, *s)
+            },
+            (RawPool::Sim(p), Backend::Sim(_), crate::stream::RawStream::Sim(s)) => {
+                if !p.owns(ptr.0) {
+                    return Err(Error::UnknownPointer {
+                        ptr: ptr.0,
+                        bytes: 0,
+                    });
+                }
+                s.push(sim::Op::PoolFree {
+                    pool: p.clone(),
+                    ptr: ptr.0,
+                });
+                Ok(())
+            }
+            _ => Err(mismatch()),
+        }
+    }
+
+    /// Gives freed memory back to the device until the pool holds at most `keep` bytes, or
+    /// nothing it can release (memory whose free the GPU has not reached stays).
+    pub(crate) fn trim_to(&self, keep: usize) -> Result<()> {
+        match (&self.raw, self.device.backend()) {
+            (RawPool::Cuda(p), Backend::Cuda(d)) => d.pool_trim(*p, keep),
+            (RawPool::Sim(p), _) => {
+                p.trim_to(keep);
+                Ok(())
+            }
+            _ => Err(mismatch()),
+        }
+    }
+
+    /// Bytes of device memory the pool holds: in use, and freed but kept.
+    pub(crate) fn reserved(&self) -> Result<usize> {
+        match (&self.raw, self.device.backend()) {
+            (RawPool::Cuda(p), Backend::Cuda(d)) => d.pool_reserved(*p).map(saturate),
+            (RawPool::Sim(p), _) => Ok(p.counters().0),
+            _ => Err(mismatch()),
+        }
+    }
+
+    /// Bytes of the pool in live allocations (on CUDA, frees count once the GPU reaches them).
+    pub(crate) fn used(&self) -> Result<usize> {
+        match (&self.raw, self.device.backend()) {
+            (RawPool::Cuda(p), Backend::Cuda(d)) => d.pool_used(*p).map(saturate),
+            (RawPool::Sim(p), _) => Ok(p.counters().1),
+            _ => Err(mismatch()),
+        }
+    }
+
+    pub(crate) fn release_threshold(&self) -> Result<u64> {
+        match (&self.raw, self.device.backend()) {
+            (RawPool::Cuda(p), Backend::Cuda(d)) => d.pool_threshold(*p),
+            (RawPool::Sim(p), _) => Ok(p.release_threshold()),
+            _ => Err(mismatch()),
+        }
+    }
+
+    pub(crate) fn set_release_threshold(&self, threshold: u64) -> Result<()> {
+        match (&self.raw, self.device.backend()) {
+            (RawPool::Cuda(p), Backend::Cuda(d)) => d.set_pool_threshold(*p, threshold),
+            (RawPool::Sim(p), _) => {
+                p.set_release_threshold(threshold);
+                Ok(())
+            }
+            _ => Err(mismatch()),
+        }
+    }
+}
+
+impl Drop for AsyncPool {
+    fn drop(&mut self) {
+        match (&self.raw, self.device.backend()) {
+            // SAFETY: the pool is ours, destroyed only here, and `&mut self` means nothing
+            // allocates from it any more.
+            (RawPool::Cuda(p), Backend::Cuda(d)) => unsafe { d.destroy_pool(*p) },
+            (RawPool::Sim(p), _) => p.destroy(),
+            _ => {}
+        }
+    }
+}
+
+fn saturate(bytes: u64) -> usize {
+    usize::try_from(bytes).unwrap_or(usize::MAX)
+}
+
+/// The host's (available, total) memory in bytes, where the platform reports them
+/// (`/proc/meminfo` on Linux).
+fn host_memory() -> Option<(usize, usize)> {
+    let info = std::fs::read_to_string("/proc/meminfo").ok()?;
+    let field = |name: &str| -> Option<usize> {
+        let line = info.lines().find(|l| l.starts_with(name))?;
+        let kib: usize = line[name.len()..]
+            .trim()
+            .trim_end_matches("kB")
+            .trim()
+            .parse()
+            .ok()?;
+        kib.checked_mul(1024)
+    };
+    let total = field("MemTotal:")?;
+    let available = field("MemAvailable:").unwrap_or(total);
+    Some((available, total))
 }
 
 fn check_size(bytes: usize) -> Result<()> {

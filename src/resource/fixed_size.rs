@@ -1,1 +1,152 @@
-//! (being written)
+//! `FixedSizeResource`: blocks of one size, on the same per-stream engine as the pool.
+
+use std::fmt;
+
+use super::stream_ordered::{Grow, StreamLists};
+use super::{aligned_size, check_stream, MemoryResource, ALIGNMENT};
+use crate::device::{Device, DevicePtr};
+use crate::error::{Error, Result};
+use crate::stream::Stream;
+use crate::sync::{AtomicU64, Mutex, Ordering};
+
+/// Blocks of one size (RMM's `fixed_size_memory_resource`): every allocation of at most
+/// `block_size` bytes gets one block. Upstream chunks of `blocks_per_chunk` blocks; free lists
+/// per stream with the pool's engine (same-stream reuse at once, steals ordered by an event).
+/// Larger requests are an error ([`Error::InvalidSize`]): put it behind a binning resource.
+/// Dropping it synchronizes the streams it knows and returns every chunk upstream.
+pub struct FixedSizeResource<U: MemoryResource> {
+    upstream: U,
+    device: Device,
+    block: u64,
+    blocks_per_chunk: u64,
+    lists: StreamLists,
+    chunks: Mutex<Vec<(u64, u64)>>,
+    reserved: AtomicU64,
+    own: Stream,
+}
+
+impl<U: MemoryResource> fmt::Debug for FixedSizeResource<U> {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("FixedSizeResource")
+            .field("block_size", &self.block)
+            .field("reserved", &self.reserved.load(Ordering::Relaxed))
+            .finish()
+    }
+}
+
+impl<U: MemoryResource> FixedSizeResource<U> {
+    /// Blocks of `block_size` bytes (rounded up to 256), taken from `upstream`
+    /// `blocks_per_chunk` at a time (RMM's default is 128). Errors for a zero size or count.
+    pub fn new(upstream: U, block_size: usize, blocks_per_chunk: usize) -> Result<Self> {
+        if block_size == 0 || blocks_per_chunk == 0 {
+            return Err(Error::InvalidSize {
+                size: 0,
+                reason: "a fixed-size resource needs a non-zero block size and blocks per chunk",
+            });
+        }
+        let block = aligned_size(block_size)? as u64;
+        block
+            .checked_mul(blocks_per_chunk as u64)
+            .ok_or(Error::InvalidSize {
+                size: blocks_per_chunk,
+                reason: "block size times blocks per chunk overflows",
+            })?;
+        Ok(Self {
+            own: upstream.device().create_stream()?,
+            device: upstream.device().clone(),
+            upstream,
+            block,
+            blocks_per_chunk: blocks_per_chunk as u64,
+            lists: StreamLists::new(),
+            chunks: Mutex::new(Vec::new()),
+            reserved: AtomicU64::new(0),
+        })
+    }
+
+    /// The size of every block.
+    pub fn block_size(&self) -> usize {
+        self.block as usize
+    }
+
+    /// Bytes held from the upstream.
+    pub fn reserved(&self) -> usize {
+        self.reserved.load(Ordering::Relaxed) as usize
+    }
+
+    /// Checks the invariants of every free list. Slow; for tests.
+    #[doc(hidden)]
+    pub fn check_invariants(&self) -> std::result::Result<(), String> {
+        self.lists.check()
+    }
+}
+
+impl<U: MemoryResource> Grow for FixedSizeResource<U> {
+    fn grow(&self, _min: u64, stream: &Stream) -> Result<(u64, u64)> {
+        let size = self.block * self.blocks_per_chunk;
+        let _span = tracing::debug_span!("grow", chunk = size, block = self.block).entered();
+        let ptr = self.upstream.allocate(size as usize, stream)?;
+        self.chunks.lock().push((ptr.0, size));
+        self.reserved.fetch_add(size, Ordering::Relaxed);
+        Ok((ptr.0, size))
+    }
+}
+
+impl<U: MemoryResource> MemoryResource for FixedSizeResource<U> {
+    fn device(&self) -> &Device {
+        &self.device
+    }
+
+    fn memory_kind(&self) -> super::MemoryKind {
+        self.upstream.memory_kind()
+    }
+
+    fn allocate(&self, bytes: usize, stream: &Stream) -> Result<DevicePtr> {
+        if bytes == 0 {
+            return Ok(DevicePtr(0));
+        }
+        check_stream(&self.device, stream)?;
+        if bytes as u64 > self.block {
+            return Err(Error::InvalidSize {
+                size: bytes,
+                reason: "larger than the fixed-size resource's block size",
+            });
+        }
+        self.lists.take(self.block, stream, self).map(DevicePtr)
+    }
+
+    unsafe fn deallocate(&self, ptr: DevicePtr, bytes: usize, stream: &Stream) -> Result<()> {
+        if bytes == 0 {
+            return if ptr.0 == 0 {
+                Ok(())
+            } else {
+                Err(Error::UnknownPointer { ptr: ptr.0, bytes })
+            };
+        }
+        check_stream(&self.device, stream)?;
+        if bytes as u64 > self.block
+            || ptr.0 % ALIGNMENT as u64 != 0
+            || !self.lists.give(ptr.0, self.block, stream)
+        {
+            return Err(Error::UnknownPointer { ptr: ptr.0, bytes });
+        }
+        Ok(())
+    }
+}
+
+impl<U: MemoryResource> Drop for FixedSizeResource<U> {
+    fn drop(&mut self) {
+        for stream in self.lists.streams() {
+            let _ = stream.synchronize_blocking();
+        }
+        for (base, size) in std::mem::take(&mut *self.chunks.lock()) {
+            // SAFETY: as in `PoolResource`'s Drop: nothing is handed out any more and every
+            // stream that used the memory was synchronized.
+            if let Err(e) = unsafe {
+                self.upstream
+                    .deallocate(DevicePtr(base), size as usize, &self.own)
+            } {
+                tracing::warn!(error = %e, base, size, "could not return a chunk upstream");
+            }
+        }
+    }
+}

@@ -1,1 +1,124 @@
-//! (being written)
+//! [`ManagedResource`]: managed (unified) memory from `cuMemAllocManaged`, as RMM's
+//! `managed_memory_resource`, but never oversubscribing the GPU.
+
+use std::fmt;
+
+use crate::device::{Device, DevicePtr};
+use crate::error::{Error, Result};
+use crate::resource::{check_stream, MemoryKind, MemoryResource};
+use crate::stream::Stream;
+use crate::sync::Mutex;
+
+/// Managed memory (`cuMemAllocManaged`, attached globally): one address that the host and
+/// every stream of the GPU can use, with the driver migrating pages on demand.
+///
+/// What it promises:
+///
+/// - allocations are at least 256-aligned; zero bytes gives a null pointer without a driver
+///   call, and `deallocate` takes it back with zero bytes;
+/// - **it never asks for more than the device can hold.** The driver lets managed memory
+///   oversubscribe the GPU, and on some machines a request larger than the card hangs it.
+///   So before each allocation this resource computes what is available, the smaller of the
+///   device's free memory and its total minus what this resource has handed out and not yet
+///   got back (managed pages only take device memory once touched, so free memory alone
+///   would let untouched allocations add up past the card), and returns
+///   [`Error::OutOfMemory`] with those numbers instead of asking the driver. The check and the
+///   allocation happen under one lock, so threads sharing this resource cannot race past it;
+///   other resources and processes are not counted beyond what the device reports free;
+/// - `deallocate` is `cuMemFree`, which ignores stream order as in
+///   [`CudaResource`](crate::resource::cuda::CudaResource): it waits for the device's pending
+///   work, so the calling thread may block. The simulated device queues the free on the stream.
+///
+/// On the simulated device managed memory is device memory: the host cannot dereference it
+/// there, only device operations can use it.
+pub struct ManagedResource {
+    device: Device,
+    /// Bytes handed out and not yet given back. Read and updated, together with the driver
+    /// call it guards, only while the lock is held.
+    outstanding: Mutex<usize>,
+}
+
+impl ManagedResource {
+    /// A resource of `device`'s managed memory. Makes no driver call.
+    pub fn new(device: &Device) -> Self {
+        Self {
+            device: device.clone(),
+            outstanding: Mutex::new(0),
+        }
+    }
+
+    /// Bytes this resource has handed out and not yet got back.
+    pub fn outstanding_bytes(&self) -> usize {
+        *self.outstanding.lock()
+    }
+}
+
+impl fmt::Debug for ManagedResource {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("ManagedResource")
+            .field("device", &self.device.id())
+            .field("outstanding", &self.outstanding_bytes())
+            .finish()
+    }
+}
+
+impl MemoryResource for ManagedResource {
+    fn device(&self) -> &Device {
+        &self.device
+    }
+
+    fn memory_kind(&self) -> MemoryKind {
+        MemoryKind::Managed
+    }
+
+    /// `cuMemAllocManaged`, after checking that the device can hold `bytes` (see the type's
+    /// documentation). Not ordered on `stream`: the memory is usable by any stream at once.
+    fn allocate(&self, bytes: usize, stream: &Stream) -> Result<DevicePtr> {
+        check_stream(&self.device, stream)?;
+        if bytes == 0 {
+            return Ok(DevicePtr(0));
+        }
+        let maximum = self.device.total_memory();
+        let mut outstanding = self.outstanding.lock();
+        let available = self
+            .device
+            .free_memory()?
+            .min(maximum.saturating_sub(*outstanding));
+        if bytes > available {
+            tracing::debug!(
+                requested = bytes,
+                available,
+                maximum,
+                "managed allocation refused: it would oversubscribe the device"
+            );
+            return Err(Error::OutOfMemory {
+                requested: bytes,
+                available,
+                maximum,
+            });
+        }
+        let ptr = self.device.malloc_managed(bytes)?;
+        *outstanding += bytes;
+        Ok(ptr)
+    }
+
+    /// `cuMemFree`: may block the calling thread until the device is idle.
+    unsafe fn deallocate(&self, ptr: DevicePtr, bytes: usize, stream: &Stream) -> Result<()> {
+        check_stream(&self.device, stream)?;
+        match (ptr.0, bytes) {
+            (0, 0) => return Ok(()),
+            (0, _) | (_, 0) => return Err(Error::UnknownPointer { ptr: ptr.0, bytes }),
+            _ => {}
+        }
+        // SAFETY: the caller's contract: `ptr` came from `allocate` (so from
+        // `Device::malloc_managed` of this device), is freed once, and its uses are ordered
+        // before this point of `stream`.
+        unsafe { self.device.free_after(ptr, stream) }.map_err(|e| match e {
+            Error::UnknownPointer { ptr, .. } => Error::UnknownPointer { ptr, bytes },
+            other => other,
+        })?;
+        let mut outstanding = self.outstanding.lock();
+        *outstanding = outstanding.saturating_sub(bytes);
+        Ok(())
+    }
+}

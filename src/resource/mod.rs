@@ -102,10 +102,12 @@ impl<R: MemoryResource + ?Sized> MemoryResource for StdArc<R> {
 /// `bytes` rounded up to [`ALIGNMENT`], or `InvalidSize` if that overflows.
 #[allow(dead_code)] // used by the resources being written
 pub(crate) fn aligned_size(bytes: usize) -> Result<usize> {
-    bytes.checked_next_multiple_of(ALIGNMENT).ok_or(Error::InvalidSize {
-        size: bytes,
-        reason: "the size overflows when rounded up to the 256-byte alignment",
-    })
+    bytes
+        .checked_next_multiple_of(ALIGNMENT)
+        .ok_or(Error::InvalidSize {
+            size: bytes,
+            reason: "the size overflows when rounded up to the 256-byte alignment",
+        })
 }
 
 /// `Err(WrongDevice)` unless `stream` belongs to `device`.

@@ -1,1 +1,363 @@
-//! (being written)
+//! `PoolResource`: a coalescing suballocator over any upstream, with per-stream free lists.
+
+use std::collections::BTreeMap;
+use std::fmt;
+
+use super::stream_ordered::{Grow, StreamLists};
+use super::{aligned_size, check_stream, MemoryResource, ALIGNMENT};
+use crate::device::{Device, DevicePtr};
+use crate::error::{Error, Result};
+use crate::stream::Stream;
+use crate::sync::{AtomicU64, Mutex, Ordering};
+
+/// Sizes of a [`PoolResource`].
+#[derive(Debug, Clone, Default)]
+pub struct PoolOptions {
+    /// Bytes taken from the upstream at construction (a multiple of 256; may be 0).
+    pub initial: usize,
+    /// The most the pool may ever hold from its upstream (a multiple of 256, at least
+    /// `initial`); `None` for the device's total memory.
+    pub maximum: Option<usize>,
+}
+
+/// What a pool holds and has done.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct PoolStats {
+    /// Bytes held from the upstream.
+    pub reserved: usize,
+    /// The most ever held from the upstream.
+    pub peak_reserved: usize,
+    /// Bytes free in the pool's lists (reserved minus handed out, minus memory being trimmed).
+    pub free: usize,
+    /// Free blocks over all lists.
+    pub free_blocks: usize,
+    /// Upstream chunks held.
+    pub chunks: usize,
+    /// Streams with a free list.
+    pub streams: usize,
+    /// Times the pool grew from its upstream after construction.
+    pub grows: u64,
+    /// Blocks taken from another stream's list.
+    pub steals: u64,
+    /// Times lists were merged (idle streams' before growing, all before failing).
+    pub merges: u64,
+}
+
+/// A coalescing suballocator over any upstream (RMM's `pool_memory_resource`), with a free list
+/// per stream.
+///
+/// - Allocation and free on one stream take that stream's lock only (found through a
+///   thread-local cache): threads on different streams do not contend.
+/// - A free list is a two-level segregated fit: a block within 3% of the best fit, and
+///   coalescing with both neighbours, in constant time; blocks never merge across upstream
+///   chunks.
+/// - A request its stream's list cannot serve takes fresh memory, else steals from another
+///   stream's list after ordering its stream behind the donor's (an event and a GPU-side wait),
+///   else merges the lists of streams the user dropped, else grows: it asks the upstream for a
+///   chunk (doubling what it holds, at least the request), halving the try on failure, never
+///   past `maximum`. Then [`Error::OutOfMemory`] with requested, available and maximum bytes.
+/// - [`trim`](Self::trim) returns wholly free chunks to the upstream.
+///
+/// Dropping the pool synchronizes the streams it knows and returns every chunk upstream (the
+/// buffers that hold it keep it alive until they are gone).
+pub struct PoolResource<U: MemoryResource> {
+    upstream: U,
+    device: Device,
+    lists: StreamLists,
+    /// Upstream chunks: base → size.
+    chunks: Mutex<BTreeMap<u64, u64>>,
+    /// Bytes held from upstream, including chunks being grown (reserved before the upstream
+    /// call, so two threads growing at once cannot pass the maximum together).
+    reserved: AtomicU64,
+    peak_reserved: AtomicU64,
+    grows: AtomicU64,
+    maximum: u64,
+    /// A stream of the pool's own, for the initial chunk and for returning chunks at drop.
+    own: Stream,
+}
+
+impl<U: MemoryResource> fmt::Debug for PoolResource<U> {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("PoolResource")
+            .field("upstream", &self.upstream)
+            .field("maximum", &self.maximum)
+            .field("stats", &self.stats())
+            .finish()
+    }
+}
+
+impl<U: MemoryResource> PoolResource<U> {
+    /// A pool over `upstream`. Errors: `initial` or `maximum` not a multiple of 256, `initial`
+    /// above `maximum` ([`Error::InvalidSize`]); the upstream's error if it cannot provide
+    /// `initial`.
+    pub fn new(upstream: U, options: PoolOptions) -> Result<Self> {
+        let device = upstream.device().clone();
+        let maximum = options.maximum.unwrap_or(device.total_memory());
+        for (size, what) in [(options.initial, "initial"), (maximum, "maximum")] {
+            if size % ALIGNMENT != 0 {
+                return Err(Error::InvalidSize {
+                    size,
+                    reason: if what == "initial" {
+                        "the pool's initial size must be a multiple of 256 bytes"
+                    } else {
+                        "the pool's maximum size must be a multiple of 256 bytes"
+                    },
+                });
+            }
+        }
+        if options.initial > maximum {
+            return Err(Error::InvalidSize {
+                size: options.initial,
+                reason: "the pool's initial size is above its maximum",
+            });
+        }
+        let pool = Self {
+            own: device.create_stream()?,
+            device,
+            upstream,
+            lists: StreamLists::new(),
+            chunks: Mutex::new(BTreeMap::new()),
+            reserved: AtomicU64::new(0),
+            peak_reserved: AtomicU64::new(0),
+            grows: AtomicU64::new(0),
+            maximum: maximum as u64,
+        };
+        if options.initial > 0 {
+            let (base, size) = pool.grow_exactly(options.initial as u64, &pool.own)?;
+            // The chunk was allocated in stream order on our own stream; once that has run, any
+            // stream may use it without waiting: it is fresh.
+            pool.own.synchronize_blocking()?;
+            pool.lists.add_boundary(base);
+            pool.lists.give_fresh(base, size);
+        }
+        Ok(pool)
+    }
+
+    /// The upstream resource.
+    pub fn upstream(&self) -> &U {
+        &self.upstream
+    }
+
+    /// The most the pool may hold from its upstream.
+    pub fn maximum(&self) -> usize {
+        self.maximum as usize
+    }
+
+    /// What the pool holds and has done.
+    pub fn stats(&self) -> PoolStats {
+        let engine = self.lists.stats();
+        PoolStats {
+            reserved: self.reserved.load(Ordering::Relaxed) as usize,
+            peak_reserved: self.peak_reserved.load(Ordering::Relaxed) as usize,
+            free: engine.free_bytes as usize,
+            free_blocks: engine.free_blocks,
+            chunks: self.chunks.lock().len(),
+            streams: engine.streams,
+            grows: self.grows.load(Ordering::Relaxed),
+            steals: engine.steals,
+            merges: engine.merges,
+        }
+    }
+
+    /// Reserves `size` bytes of the maximum and takes them from the upstream on `stream`.
+    fn grow_exactly(&self, size: u64, stream: &Stream) -> Result<(u64, u64)> {
+        let reserved = self.reserved.fetch_add(size, Ordering::AcqRel) + size;
+        if reserved > self.maximum {
+            self.reserved.fetch_sub(size, Ordering::AcqRel);
+            return Err(self.out_of_memory(size));
+        }
+        match self.upstream.allocate(size as usize, stream) {
+            Ok(ptr) => {
+                self.peak_reserved.fetch_max(reserved, Ordering::AcqRel);
+                self.chunks.lock().insert(ptr.0, size);
+                Ok((ptr.0, size))
+            }
+            Err(e) => {
+                self.reserved.fetch_sub(size, Ordering::AcqRel);
+                Err(e)
+            }
+        }
+    }
+
+    fn out_of_memory(&self, requested: u64) -> Error {
+        let reserved = self.reserved.load(Ordering::Relaxed);
+        Error::OutOfMemory {
+            requested: requested as usize,
+            available: (self.maximum.saturating_sub(reserved) + self.lists.free_bytes()) as usize,
+            maximum: self.maximum as usize,
+        }
+    }
+
+    /// Checks the invariants of every free list and that no two share memory. Slow; for tests.
+    #[doc(hidden)]
+    pub fn check_invariants(&self) -> std::result::Result<(), String> {
+        self.lists.check()
+    }
+
+    /// Returns every wholly free chunk to the upstream, waiting (by `.await`, never inside a
+    /// lock) for the GPU work on the streams they were freed on. Returns the bytes released.
+    ///
+    /// # Cancel safety
+    /// Not cancel-safe: chunks taken out of the lists before the future is dropped stay out
+    /// (counted in `reserved`, never handed out) until the pool is dropped.
+    pub async fn trim(&self) -> Result<usize> {
+        let taken = self.take_whole_chunks();
+        for (_, _, stream) in &taken {
+            if let Some(stream) = stream {
+                stream.synchronize().await?;
+            }
+        }
+        self.release_chunks(taken)
+    }
+
+    /// [`trim`](Self::trim) for synchronous code: blocks the calling thread while it waits.
+    pub fn trim_blocking(&self) -> Result<usize> {
+        let taken = self.take_whole_chunks();
+        for (_, _, stream) in &taken {
+            if let Some(stream) = stream {
+                stream.synchronize_blocking()?;
+            }
+        }
+        self.release_chunks(taken)
+    }
+
+    fn take_whole_chunks(&self) -> Vec<(u64, u64, Option<Stream>)> {
+        let chunks: Vec<(u64, u64)> = self.chunks.lock().iter().map(|(&b, &s)| (b, s)).collect();
+        self.lists.take_whole_chunks(&chunks)
+    }
+
+    fn release_chunks(&self, taken: Vec<(u64, u64, Option<Stream>)>) -> Result<usize> {
+        let _span = tracing::debug_span!("trim", chunks = taken.len()).entered();
+        let mut released = 0;
+        let mut first_error = None;
+        for (base, size, stream) in taken {
+            let stream = stream.as_ref().unwrap_or(&self.own);
+            // SAFETY: a whole chunk, out of every list, so nothing can hand it out again; it
+            // came from this upstream with this size, and its last use is ordered before this
+            // point of `stream` (we waited for that stream, or it was never used).
+            match unsafe {
+                self.upstream
+                    .deallocate(DevicePtr(base), size as usize, stream)
+            } {
+                Ok(()) => {
+                    self.chunks.lock().remove(&base);
+                    self.lists.remove_boundary(base);
+                    self.reserved.fetch_sub(size, Ordering::AcqRel);
+                    released += size as usize;
+                }
+                Err(e) => {
+                    // Keep it: back to the fresh list, usable as before.
+                    self.lists.give_fresh(base, size);
+                    first_error.get_or_insert(e);
+                }
+            }
+        }
+        tracing::debug!(released, "trimmed");
+        match first_error {
+            Some(e) => Err(e),
+            None => Ok(released),
+        }
+    }
+}
+
+impl<U: MemoryResource> Grow for PoolResource<U> {
+    fn grow(&self, min: u64, stream: &Stream) -> Result<(u64, u64)> {
+        let reserved = self.reserved.load(Ordering::Relaxed);
+        let room = self.maximum.saturating_sub(reserved);
+        if min > room {
+            let _span = tracing::debug_span!(
+                "out_of_memory",
+                requested = min,
+                reserved,
+                maximum = self.maximum
+            )
+            .entered();
+            tracing::debug!("request above the room left under the maximum");
+            return Err(self.out_of_memory(min));
+        }
+        // Double what we hold (at least the request, at most the room left); halve on failure.
+        let mut attempt = reserved
+            .max(min)
+            .min(room)
+            .next_multiple_of(ALIGNMENT as u64)
+            .min(room);
+        let _span = tracing::debug_span!("grow", requested = min, reserved, attempt).entered();
+        loop {
+            match self.grow_exactly(attempt, stream) {
+                Ok(chunk) => {
+                    self.grows.fetch_add(1, Ordering::Relaxed);
+                    tracing::debug!(chunk = chunk.1, "pool grew");
+                    return Ok(chunk);
+                }
+                Err(e) if attempt / 2 >= min && e.is_out_of_memory() => {
+                    attempt = (attempt / 2).next_multiple_of(ALIGNMENT as u64);
+                }
+                Err(e) if e.is_out_of_memory() => {
+                    tracing::debug!("upstream out of memory");
+                    return Err(self.out_of_memory(min));
+                }
+                Err(e) => return Err(e),
+            }
+        }
+    }
+}
+
+impl<U: MemoryResource> MemoryResource for PoolResource<U> {
+    fn device(&self) -> &Device {
+        &self.device
+    }
+
+    fn memory_kind(&self) -> super::MemoryKind {
+        self.upstream.memory_kind()
+    }
+
+    fn allocate(&self, bytes: usize, stream: &Stream) -> Result<DevicePtr> {
+        if bytes == 0 {
+            return Ok(DevicePtr(0));
+        }
+        check_stream(&self.device, stream)?;
+        let size = aligned_size(bytes)? as u64;
+        if size > self.maximum {
+            return Err(self.out_of_memory(size));
+        }
+        self.lists.take(size, stream, self).map(DevicePtr)
+    }
+
+    unsafe fn deallocate(&self, ptr: DevicePtr, bytes: usize, stream: &Stream) -> Result<()> {
+        if bytes == 0 {
+            return if ptr.0 == 0 {
+                Ok(())
+            } else {
+                Err(Error::UnknownPointer { ptr: ptr.0, bytes })
+            };
+        }
+        check_stream(&self.device, stream)?;
+        let size = aligned_size(bytes)? as u64;
+        if ptr.0 % ALIGNMENT as u64 != 0 || !self.lists.give(ptr.0, size, stream) {
+            return Err(Error::UnknownPointer { ptr: ptr.0, bytes });
+        }
+        Ok(())
+    }
+}
+
+impl<U: MemoryResource> Drop for PoolResource<U> {
+    fn drop(&mut self) {
+        // Frees may still be queued on the streams the lists belong to: let them run, then give
+        // every chunk back on our own stream.
+        for stream in self.lists.streams() {
+            let _ = stream.synchronize_blocking();
+        }
+        let chunks = std::mem::take(&mut *self.chunks.lock());
+        for (base, size) in chunks {
+            // SAFETY: the pool is going away, so nothing is handed out from it any more, and
+            // no buffer holds memory from it (buffers keep the pool alive); every stream that
+            // used it was synchronized above.
+            if let Err(e) = unsafe {
+                self.upstream
+                    .deallocate(DevicePtr(base), size as usize, &self.own)
+            } {
+                tracing::warn!(error = %e, base, size, "could not return a pool chunk upstream");
+            }
+        }
+    }
+}

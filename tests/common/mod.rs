@@ -48,3 +48,29 @@ pub fn runtime() -> tokio::runtime::Runtime {
         .build()
         .expect("tokio runtime")
 }
+
+/// Reads `count` words at `src` through `stream` (blocking: fine in tests).
+pub fn read_u32(
+    stream: &streamalloc::Stream,
+    src: streamalloc::DevicePtr,
+    count: usize,
+) -> Vec<u32> {
+    let mut host = vec![0u32; count];
+    // SAFETY: `host` has `count` words and nothing touches it until the stream is synchronized.
+    unsafe { stream.copy_dtoh(host.as_mut_ptr() as *mut u8, src, count * 4) }.unwrap();
+    stream.synchronize_blocking().unwrap();
+    host
+}
+
+/// splitmix64, as in shared/bench/WORKLOADS.md.
+pub struct SplitMix64(pub u64);
+
+impl SplitMix64 {
+    pub fn next(&mut self) -> u64 {
+        self.0 = self.0.wrapping_add(0x9E37_79B9_7F4A_7C15);
+        let mut z = self.0;
+        z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
+        z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
+        z ^ (z >> 31)
+    }
+}

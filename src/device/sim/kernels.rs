@@ -60,6 +60,6 @@ pub(crate) fn run(memory: &SimMemory, op: Op) -> Result<()> {
             }
         }),
         Op::DtoD { dst, src, bytes } => memory.copy(dst, src, bytes),
-        Op::Spin(_) | Op::Record(_) | Op::Wait(_) | Op::Free(_) => Ok(()),
+        Op::Spin(_) | Op::Record(_) | Op::Wait(_) | Op::Free(_) | Op::PoolFree { .. } => Ok(()),
     }
 }

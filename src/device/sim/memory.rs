@@ -4,10 +4,15 @@
 //! use after free or an overrun is an [`Error::InvalidAddress`], not a silent read of someone
 //! else's bytes. Bytes are atomics: work on two streams that races on one buffer is a data race
 //! in the user's program, as on a GPU, but never undefined behaviour in ours.
+//!
+//! Also here: the simulated device's page-locked host memory ([`SimHostMemory`], plain host
+//! memory with a table so frees can be checked) and its driver memory pools ([`SimPool`]).
 
 use std::alloc::Layout;
 use std::collections::BTreeMap;
 use std::sync::atomic::Ordering::Relaxed;
+
+use rustc_hash::FxHashMap;
 
 use crate::error::{Error, Result};
 use crate::sync::plain::{DataByte, RwLock, RwLockReadGuard, RwLockWriteGuard};
@@ -110,6 +115,11 @@ impl SimMemory {
         Ok(base)
     }
 
+    /// Whether `ptr` is the start of a live allocation (what `free` accepts).
+    pub(crate) fn is_allocation(&self, ptr: u64) -> bool {
+        self.read().blocks.contains_key(&ptr)
+    }
+
     pub(crate) fn free(&self, ptr: u64) -> Result<()> {
         let mut state = self.write();
         match state.blocks.remove(&ptr) {
@@ -151,6 +161,275 @@ impl SimMemory {
             d.store(s.load(Relaxed), Relaxed);
         }
         Ok(())
+    }
+}
+
+// ===== page-locked host memory =====
+
+/// Alignment of the simulated device's host allocations (what `ALIGNMENT` promises).
+const HOST_ALIGN: usize = 256;
+
+/// One host allocation: the pointer the global allocator returned and its layout.
+struct HostBlock {
+    base: *mut u8,
+    layout: Layout,
+}
+
+// SAFETY: a `HostBlock` is only an owning record of an allocation; the table that holds it is
+// behind a lock, and the pointer is only used to give the memory back to the global allocator.
+unsafe impl Send for HostBlock {}
+// SAFETY: as above; `&HostBlock` gives no access to the memory.
+unsafe impl Sync for HostBlock {}
+
+/// The simulated device's "page-locked" host memory: ordinary host memory from the global
+/// allocator, 256-aligned, recorded in a table (by the address handed out) so that `free`
+/// rejects a pointer it did not hand out instead of corrupting the heap. Allocations come from
+/// `calloc`, so large ones cost nothing until they are touched.
+pub(crate) struct SimHostMemory {
+    /// Live allocations, by the aligned address handed out.
+    blocks: RwLock<FxHashMap<usize, HostBlock>>,
+}
+
+impl SimHostMemory {
+    pub(crate) fn new() -> Self {
+        Self {
+            blocks: RwLock::new(FxHashMap::default()),
+        }
+    }
+
+    /// `bytes` zeroed host bytes at a 256-aligned address, or `OutOfMemory` (with `available`
+    /// and `maximum` left for the caller to fill in) when the host cannot provide them.
+    pub(crate) fn alloc(&self, bytes: usize) -> Result<*mut u8> {
+        let oom = Error::OutOfMemory {
+            requested: bytes,
+            available: 0,
+            maximum: 0,
+        };
+        // Alignment 1 so that the allocator takes the `calloc` path (lazy zero pages for large
+        // sizes); the alignment is made by hand inside the slack.
+        let layout = bytes
+            .checked_add(HOST_ALIGN - 1)
+            .and_then(|size| Layout::from_size_align(size, 1).ok())
+            .ok_or(oom.clone())?;
+        // SAFETY: `layout` has a non-zero size (at least HOST_ALIGN - 1 bytes).
+        let base = unsafe { std::alloc::alloc_zeroed(layout) };
+        if base.is_null() {
+            return Err(oom);
+        }
+        let offset = (base as usize).next_multiple_of(HOST_ALIGN) - base as usize;
+        // SAFETY: `offset < HOST_ALIGN`, and the allocation has `bytes + HOST_ALIGN - 1` bytes,
+        // so `base + offset` and the `bytes` after it lie inside it.
+        let ptr = unsafe { base.add(offset) };
+        self.blocks
+            .write()
+            .unwrap_or_else(|e| e.into_inner())
+            .insert(ptr as usize, HostBlock { base, layout });
+        Ok(ptr)
+    }
+
+    /// Frees an allocation of `alloc`; `InvalidAddress` for any other pointer.
+    pub(crate) fn free(&self, ptr: *mut u8) -> Result<()> {
+        let block = self
+            .blocks
+            .write()
+            .unwrap_or_else(|e| e.into_inner())
+            .remove(&(ptr as usize))
+            .ok_or(Error::InvalidAddress {
+                ptr: ptr as u64,
+                bytes: 0,
+            })?;
+        // SAFETY: `block` was allocated by the global allocator with exactly this layout and
+        // was in the table, so it is live and freed only here, once (it has left the table).
+        unsafe { std::alloc::dealloc(block.base, block.layout) };
+        Ok(())
+    }
+}
+
+impl Drop for SimHostMemory {
+    fn drop(&mut self) {
+        let blocks = std::mem::take(self.blocks.get_mut().unwrap_or_else(|e| e.into_inner()));
+        for (_, block) in blocks {
+            // SAFETY: as in `free`: live, allocated with this layout, freed once. The device is
+            // gone, so nothing can use the memory through it any more.
+            unsafe { std::alloc::dealloc(block.base, block.layout) };
+        }
+    }
+}
+
+// ===== driver memory pools =====
+
+/// A driver memory pool of the simulated device, as `cuMemPoolCreate` makes one.
+///
+/// Allocations come from the device's memory at once. A free is queued on its stream
+/// (`Op::PoolFree`) and takes effect when the stream reaches it: the block is then *kept* by the
+/// pool (still allocated in device memory, so it counts against the device's free memory, as a
+/// driver pool's reserved memory does) and reused for a later allocation of the same rounded
+/// size, on any stream: its freeing stream has already run every use of it. Kept blocks go back
+/// to the device when the pool holds more than its release threshold (checked at each free,
+/// where the driver checks at synchronizations), on `trim_to`, when an allocation would not
+/// fit otherwise, and when the pool is destroyed.
+///
+/// `reserved` = `used` + kept bytes; both count whole blocks (sizes rounded up to the
+/// simulated allocation granularity).
+pub(crate) struct SimPool {
+    memory: Arc<SimMemory>,
+    state: RwLock<PoolState>,
+}
+
+struct PoolState {
+    /// Live allocations: address to rounded size.
+    live: FxHashMap<u64, usize>,
+    /// Freed blocks whose free the stream has reached, by rounded size.
+    kept: BTreeMap<usize, Vec<u64>>,
+    used: usize,
+    kept_bytes: usize,
+    release_threshold: u64,
+    /// The most the pool may hold (`usize::MAX`: only the device's memory limits it).
+    maximum: usize,
+    /// Once destroyed, blocks whose free arrives later go straight back to the device.
+    destroyed: bool,
+}
+
+impl PoolState {
+    fn reserved(&self) -> usize {
+        self.used + self.kept_bytes
+    }
+
+    /// Gives kept blocks back to the device, largest first, until `reserved() <= keep` or none
+    /// is left.
+    fn release_until(&mut self, memory: &SimMemory, keep: usize) {
+        while self.reserved() > keep {
+            let Some(mut entry) = self.kept.last_entry() else {
+                return;
+            };
+            let size = *entry.key();
+            let ptr = entry.get_mut().pop();
+            if entry.get().is_empty() {
+                entry.remove();
+            }
+            if let Some(ptr) = ptr {
+                self.kept_bytes -= size;
+                // Cannot fail: kept blocks are live allocations of `memory`, owned by the pool.
+                let _ = memory.free(ptr);
+            }
+        }
+    }
+}
+
+impl SimPool {
+    pub(crate) fn new(memory: Arc<SimMemory>, release_threshold: u64, maximum: usize) -> Self {
+        Self {
+            memory,
+            state: RwLock::new(PoolState {
+                live: FxHashMap::default(),
+                kept: BTreeMap::new(),
+                used: 0,
+                kept_bytes: 0,
+                release_threshold,
+                maximum,
+                destroyed: false,
+            }),
+        }
+    }
+
+    fn state(&self) -> RwLockWriteGuard<'_, PoolState> {
+        self.state.write().unwrap_or_else(|e| e.into_inner())
+    }
+
+    /// (reserved, used) bytes.
+    pub(crate) fn counters(&self) -> (usize, usize) {
+        let state = self.state();
+        (state.reserved(), state.used)
+    }
+
+    pub(crate) fn release_threshold(&self) -> u64 {
+        self.state().release_threshold
+    }
+
+    pub(crate) fn set_release_threshold(&self, threshold: u64) {
+        let mut state = self.state();
+        state.release_threshold = threshold;
+        let keep = usize::try_from(threshold).unwrap_or(usize::MAX);
+        state.release_until(&self.memory, keep);
+    }
+
+    pub(crate) fn alloc(&self, bytes: usize) -> Result<u64> {
+        let rounded = bytes
+            .checked_next_multiple_of(ALIGN as usize)
+            .ok_or(Error::InvalidSize {
+                size: bytes,
+                reason: "the size overflows when rounded up to the allocation granularity",
+            })?;
+        let mut state = self.state();
+        if let Some(blocks) = state.kept.get_mut(&rounded) {
+            if let Some(ptr) = blocks.pop() {
+                if blocks.is_empty() {
+                    state.kept.remove(&rounded);
+                }
+                state.kept_bytes -= rounded;
+                state.used += rounded;
+                state.live.insert(ptr, rounded);
+                return Ok(ptr);
+            }
+        }
+        if state.used.saturating_add(rounded) > state.maximum {
+            return Err(Error::OutOfMemory {
+                requested: bytes,
+                available: state.maximum - state.used,
+                maximum: state.maximum,
+            });
+        }
+        // Make room under the maximum from kept blocks of other sizes.
+        let room = state.maximum - rounded;
+        state.release_until(&self.memory, room);
+        let ptr = match self.memory.alloc(bytes) {
+            Ok(ptr) => ptr,
+            Err(e) if e.is_out_of_memory() && state.kept_bytes > 0 => {
+                // What the pool keeps is the device's too: give it back and try again.
+                let used = state.used;
+                state.release_until(&self.memory, used);
+                self.memory.alloc(bytes)?
+            }
+            Err(e) => return Err(e),
+        };
+        state.used += rounded;
+        state.live.insert(ptr, rounded);
+        Ok(ptr)
+    }
+
+    /// Whether `ptr` is a live allocation of this pool.
+    pub(crate) fn owns(&self, ptr: u64) -> bool {
+        self.state().live.contains_key(&ptr)
+    }
+
+    /// The stream reached the free of `ptr`.
+    pub(crate) fn free(&self, ptr: u64) -> Result<()> {
+        let mut state = self.state();
+        let size = state
+            .live
+            .remove(&ptr)
+            .ok_or(Error::InvalidAddress { ptr, bytes: 0 })?;
+        state.used -= size;
+        if state.destroyed {
+            return self.memory.free(ptr);
+        }
+        state.kept.entry(size).or_default().push(ptr);
+        state.kept_bytes += size;
+        let keep = usize::try_from(state.release_threshold).unwrap_or(usize::MAX);
+        state.release_until(&self.memory, keep);
+        Ok(())
+    }
+
+    /// Gives kept blocks back until the pool reserves at most `keep` bytes (or keeps none).
+    pub(crate) fn trim_to(&self, keep: usize) {
+        self.state().release_until(&self.memory, keep);
+    }
+
+    /// `cuMemPoolDestroy`: kept blocks go back now, live ones when their frees arrive.
+    pub(crate) fn destroy(&self) {
+        let mut state = self.state();
+        state.destroyed = true;
+        state.release_until(&self.memory, 0);
     }
 }
 

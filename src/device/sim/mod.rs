@@ -11,7 +11,7 @@ pub(crate) mod stream;
 
 use std::time::Duration;
 
-use self::memory::SimMemory;
+use self::memory::{SimHostMemory, SimMemory};
 pub(crate) use self::stream::{HostPtr, Op, SimMarker, SimStream};
 use crate::error::Result;
 use crate::reactor::{Bell, Doorbells, Watch};
@@ -61,6 +61,8 @@ impl Default for SimConfig {
 pub(crate) struct SimDevice {
     pub(crate) config: SimConfig,
     pub(crate) memory: Arc<SimMemory>,
+    /// Page-locked host memory (`malloc_host`): plain host memory, tracked.
+    pub(crate) host: SimHostMemory,
     /// The reactor's bell, rung by every marker the streams reach.
     pub(crate) bell: Arc<Bell>,
 }
@@ -69,6 +71,7 @@ impl SimDevice {
     pub(crate) fn new(config: SimConfig, bell: Arc<Bell>) -> Self {
         Self {
             memory: Arc::new(SimMemory::new(config.total_memory)),
+            host: SimHostMemory::new(),
             config,
             bell,
         }

@@ -8,7 +8,7 @@
 use std::collections::VecDeque;
 use std::time::Duration;
 
-use super::memory::SimMemory;
+use super::memory::{SimMemory, SimPool};
 use super::SimConfig;
 use crate::error::{Error, Result};
 use crate::reactor::Bell;
@@ -62,6 +62,11 @@ pub(crate) enum Op {
     Record(Arc<SimMarker>),
     Wait(Arc<SimMarker>),
     Free(u64),
+    /// `cuMemFreeAsync` of memory from a driver pool: the pool keeps the block from here on.
+    PoolFree {
+        pool: Arc<SimPool>,
+        ptr: u64,
+    },
 }
 
 /// A recorded event of the simulated device.
@@ -214,7 +219,9 @@ impl Worker {
                 std::thread::sleep(d);
                 Ok(())
             }
+            // Frees take effect even on a poisoned stream, so no memory is lost to a fault.
             Op::Free(ptr) => self.memory.free(ptr),
+            Op::PoolFree { pool, ptr } => pool.free(ptr),
             _ if self.error.is_some() => return,
             op => super::kernels::run(&self.memory, op),
         };

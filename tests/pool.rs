@@ -1,0 +1,512 @@
+//! `PoolResource` and `FixedSizeResource` on every available device: RMM's memory-resource tests
+//! and the pool's own promises (stream order with data, steals, merges, growth, trim).
+
+mod common;
+
+use std::collections::BTreeMap;
+use std::sync::Arc;
+use std::time::Duration;
+
+use common::{devices, label, read_u32, SplitMix64};
+use streamalloc::resource::cuda::CudaResource;
+use streamalloc::resource::fixed_size::FixedSizeResource;
+use streamalloc::resource::pool::{PoolOptions, PoolResource};
+use streamalloc::{Device, DevicePtr, Error, MemoryResource, Stream, ALIGNMENT};
+
+const MIB: usize = 1 << 20;
+
+fn pool(device: &Device, initial: usize, maximum: usize) -> PoolResource<CudaResource> {
+    PoolResource::new(
+        CudaResource::new(device),
+        PoolOptions {
+            initial,
+            maximum: Some(maximum),
+        },
+    )
+    .unwrap()
+}
+
+fn free(pool: &impl MemoryResource, ptr: DevicePtr, bytes: usize, stream: &Stream) {
+    // SAFETY: every test frees what it allocated from `pool`, once, after its last use on
+    // `stream` (or after ordering `stream` behind that use).
+    unsafe { pool.deallocate(ptr, bytes, stream) }.unwrap();
+}
+
+fn check(pool: &PoolResource<CudaResource>) {
+    pool.check_invariants()
+        .unwrap_or_else(|e| panic!("pool invariants: {e}"));
+}
+
+#[test]
+fn zero_bytes_cost_nothing() {
+    for device in devices() {
+        let p = pool(&device, 0, 64 * MIB);
+        let s = device.create_stream().unwrap();
+        let ptr = p.allocate(0, &s).unwrap();
+        assert_eq!(ptr, DevicePtr(0));
+        free(&p, ptr, 0, &s);
+        assert_eq!(p.stats().reserved, 0, "{}", label(&device));
+    }
+}
+
+#[test]
+fn sizes_from_4_bytes_to_1_gib_are_aligned_and_distinct() {
+    for device in devices() {
+        let p = pool(&device, 0, 2048 * MIB);
+        let s = device.create_stream().unwrap();
+        let mut live = BTreeMap::new();
+        let mut size = 4;
+        while size <= 1 << 30 {
+            let ptr = p.allocate(size, &s).unwrap();
+            assert_ne!(ptr.0, 0);
+            assert_eq!(
+                ptr.0 % ALIGNMENT as u64,
+                0,
+                "{}: {size} B at {ptr:?}",
+                label(&device)
+            );
+            live.insert(ptr.0, size);
+            size *= 4;
+        }
+        // Distinct and not overlapping.
+        let v: Vec<_> = live.iter().collect();
+        for w in v.windows(2) {
+            assert!(
+                w[0].0 + *w[0].1 as u64 <= *w[1].0,
+                "{}: overlap",
+                label(&device)
+            );
+        }
+        // Writable: the first and last 4 KiB of each that large.
+        for (&ptr, &size) in live.iter().filter(|(_, &s)| s >= 8192) {
+            let last = DevicePtr(ptr + size as u64 - 4096);
+            // SAFETY: `size` live bytes at `ptr`, synchronized in read_u32.
+            unsafe {
+                s.fill_u32(DevicePtr(ptr), 0xAB, 1024).unwrap();
+                s.fill_u32(last, 0xCD, 1024).unwrap();
+            }
+            assert_eq!(read_u32(&s, DevicePtr(ptr), 1), [0xAB]);
+            assert_eq!(read_u32(&s, last.offset(4092), 1), [0xCD]);
+        }
+        for (ptr, size) in live {
+            free(&p, DevicePtr(ptr), size, &s);
+        }
+        check(&p);
+    }
+}
+
+#[test]
+fn one_pib_is_out_of_memory_and_the_pool_stays_usable() {
+    for device in devices() {
+        let p = pool(&device, 16 * MIB, 256 * MIB);
+        let s = device.create_stream().unwrap();
+        match p.allocate(1 << 50, &s) {
+            Err(Error::OutOfMemory {
+                requested, maximum, ..
+            }) => {
+                assert_eq!(requested, 1 << 50);
+                assert_eq!(maximum, 256 * MIB);
+            }
+            other => panic!("{}: 1 PiB gave {other:?}", label(&device)),
+        }
+        let ptr = p.allocate(MIB, &s).unwrap();
+        free(&p, ptr, MIB, &s);
+        check(&p);
+        assert_eq!(p.stats().reserved, 16 * MIB);
+    }
+}
+
+#[test]
+fn random_mixes_keep_the_invariants() {
+    for device in devices() {
+        let p = pool(&device, 32 * MIB, 512 * MIB);
+        let streams: Vec<Stream> = (0..3).map(|_| device.create_stream().unwrap()).collect();
+        let mut rng = SplitMix64(11);
+        let mut live: Vec<(DevicePtr, usize, usize)> = Vec::new();
+        for step in 0..4000 {
+            let r = rng.next();
+            if live.is_empty() || (r % 2 == 0 && live.len() < 64) {
+                let size = 1 + (rng.next() % (2 * MIB as u64)) as usize;
+                let s = (rng.next() % 3) as usize;
+                let ptr = p.allocate(size, &streams[s]).unwrap();
+                live.push((ptr, size, s));
+            } else {
+                let (ptr, size, s) = live.swap_remove((rng.next() % live.len() as u64) as usize);
+                // Free on the same stream, or on another after ordering it behind the first.
+                let t = (rng.next() % 3) as usize;
+                if t != s {
+                    streams[t].wait(&streams[s].record().unwrap()).unwrap();
+                }
+                free(&p, ptr, size, &streams[t]);
+            }
+            if step % 250 == 0 {
+                check(&p);
+                let mut ranges: Vec<_> = live.iter().map(|&(p, s, _)| (p.0, s as u64)).collect();
+                ranges.sort_unstable();
+                assert!(
+                    ranges.windows(2).all(|w| w[0].0 + w[0].1 <= w[1].0),
+                    "live blocks overlap"
+                );
+            }
+        }
+        for (ptr, size, s) in live {
+            free(&p, ptr, size, &streams[s]);
+        }
+        check(&p);
+        let stats = p.stats();
+        assert_eq!(
+            stats.free,
+            stats.reserved,
+            "{}: bytes lost: {stats:?}",
+            label(&device)
+        );
+    }
+}
+
+#[test]
+fn four_threads_at_once() {
+    for device in devices() {
+        let p = Arc::new(pool(&device, 64 * MIB, 1024 * MIB));
+        std::thread::scope(|scope| {
+            for t in 0..4u64 {
+                let (p, device) = (p.clone(), device.clone());
+                scope.spawn(move || {
+                    let s = device.create_stream().unwrap();
+                    let mut rng = SplitMix64(100 + t);
+                    let mut live = Vec::new();
+                    for _ in 0..3000 {
+                        if live.is_empty() || rng.next() % 2 == 0 {
+                            let size = 256 + (rng.next() % (256 << 10)) as usize;
+                            live.push((p.allocate(size, &s).unwrap(), size));
+                        } else {
+                            let (ptr, size) =
+                                live.swap_remove((rng.next() % live.len() as u64) as usize);
+                            free(&*p, ptr, size, &s);
+                        }
+                    }
+                    for (ptr, size) in live {
+                        free(&*p, ptr, size, &s);
+                    }
+                });
+            }
+        });
+        p.check_invariants().unwrap();
+        let stats = p.stats();
+        assert_eq!(stats.free, stats.reserved, "{}: {stats:?}", label(&device));
+    }
+}
+
+#[test]
+fn producer_consumer_across_threads_and_streams() {
+    for device in devices() {
+        let p = Arc::new(pool(&device, 16 * MIB, 256 * MIB));
+        let (tx, rx) = std::sync::mpsc::channel();
+        std::thread::scope(|scope| {
+            let (pa, da) = (p.clone(), device.clone());
+            scope.spawn(move || {
+                let a = da.create_stream().unwrap();
+                for i in 0..200u32 {
+                    let ptr = pa.allocate(4096, &a).unwrap();
+                    // SAFETY: 4096 live bytes; the consumer frees them after waiting on `done`.
+                    unsafe { a.fill_u32(ptr, i, 1024) }.unwrap();
+                    tx.send((ptr, i, a.record().unwrap())).unwrap();
+                }
+            });
+            let (pb, db) = (p.clone(), device.clone());
+            scope.spawn(move || {
+                let b = db.create_stream().unwrap();
+                for (ptr, i, done) in rx {
+                    b.wait(&done).unwrap();
+                    assert_eq!(read_u32(&b, ptr, 1024), vec![i; 1024]);
+                    free(&*pb, ptr, 4096, &b);
+                }
+            });
+        });
+        p.check_invariants().unwrap();
+        let stats = p.stats();
+        assert_eq!(stats.free, stats.reserved, "{}: {stats:?}", label(&device));
+    }
+}
+
+#[test]
+fn a_stream_dropped_with_frees_pending_loses_nothing() {
+    for device in devices() {
+        let p = pool(&device, 0, 64 * MIB);
+        let mut ptrs = Vec::new();
+        {
+            let a = device.create_stream().unwrap();
+            for _ in 0..8 {
+                ptrs.push(p.allocate(MIB, &a).unwrap());
+            }
+            a.spin(Duration::from_millis(20)).unwrap();
+            for &ptr in &ptrs {
+                free(&p, ptr, MIB, &a);
+            }
+            // `a` is dropped here with its work and its frees still queued.
+        }
+        let reserved = p.stats().reserved;
+        let b = device.create_stream().unwrap();
+        // B gets all of it back without growing: through steals or by merging A's idle list.
+        let again: Vec<_> = (0..8).map(|_| p.allocate(MIB, &b).unwrap()).collect();
+        assert_eq!(
+            p.stats().reserved,
+            reserved,
+            "{}: the pool grew",
+            label(&device)
+        );
+        for ptr in again {
+            free(&p, ptr, MIB, &b);
+        }
+        check(&p);
+    }
+}
+
+#[test]
+fn growth_stops_at_the_maximum() {
+    for device in devices() {
+        let p = pool(&device, 0, 10 * MIB);
+        let s = device.create_stream().unwrap();
+        let mut live = Vec::new();
+        loop {
+            match p.allocate(MIB, &s) {
+                Ok(ptr) => live.push(ptr),
+                Err(Error::OutOfMemory {
+                    requested,
+                    available,
+                    maximum,
+                }) => {
+                    assert_eq!((requested, maximum), (MIB, 10 * MIB), "{}", label(&device));
+                    assert!(
+                        available < MIB,
+                        "{}: {available} available yet refused",
+                        label(&device)
+                    );
+                    break;
+                }
+                Err(e) => panic!("{}: {e}", label(&device)),
+            }
+        }
+        assert_eq!(live.len(), 10, "{}", label(&device));
+        let stats = p.stats();
+        assert!(
+            stats.reserved <= 10 * MIB && stats.peak_reserved <= 10 * MIB,
+            "{stats:?}"
+        );
+        for ptr in live {
+            free(&p, ptr, MIB, &s);
+        }
+        let again: Vec<_> = (0..10).map(|_| p.allocate(MIB, &s).unwrap()).collect();
+        assert_eq!(
+            p.stats().reserved,
+            10 * MIB,
+            "{}: usable after OOM, without growing",
+            label(&device)
+        );
+        for ptr in again {
+            free(&p, ptr, MIB, &s);
+        }
+    }
+}
+
+#[test]
+fn bad_construction_arguments_are_errors() {
+    let device = &devices()[0];
+    let upstream = || CudaResource::new(device);
+    let bad = |initial, maximum| {
+        PoolResource::new(upstream(), PoolOptions { initial, maximum }).unwrap_err()
+    };
+    assert!(matches!(
+        bad(1000, Some(MIB)),
+        Error::InvalidSize { size: 1000, .. }
+    ));
+    assert!(matches!(bad(0, Some(MIB + 1)), Error::InvalidSize { .. }));
+    assert!(matches!(bad(2 * MIB, Some(MIB)), Error::InvalidSize { .. }));
+    assert!(matches!(
+        FixedSizeResource::new(upstream(), 0, 16).unwrap_err(),
+        Error::InvalidSize { .. }
+    ));
+    let p = pool(device, 0, MIB);
+    let s = device.create_stream().unwrap();
+    // SAFETY: deliberately wrong pointers: the pool must refuse them without touching memory.
+    unsafe {
+        assert!(matches!(
+            p.deallocate(DevicePtr(12345), 256, &s),
+            Err(Error::UnknownPointer { .. })
+        ));
+        assert!(matches!(
+            p.deallocate(DevicePtr(0x1000), 0, &s),
+            Err(Error::UnknownPointer { .. })
+        ));
+    }
+    let ptr = p.allocate(1024, &s).unwrap();
+    free(&p, ptr, 1024, &s);
+    // SAFETY: a double free, which the pool detects and refuses.
+    assert!(matches!(
+        unsafe { p.deallocate(ptr, 1024, &s) },
+        Err(Error::UnknownPointer { .. })
+    ));
+    let other = Device::simulated(Default::default())
+        .create_stream()
+        .unwrap();
+    assert!(matches!(
+        p.allocate(256, &other),
+        Err(Error::WrongDevice { .. })
+    ));
+}
+
+/// Stream order with data. A spins, then fills X; X is freed on A while the spin still runs.
+/// B then gets X's memory through a steal and fills it with its own pattern. Unless the steal
+/// ordered B behind A, A's late fill lands on top of B's.
+#[test]
+fn a_steal_waits_for_the_donor_stream() {
+    for device in devices() {
+        let words = 256 * 1024;
+        let bytes = words * 4;
+        // Exactly one block: once A holds it, B can only steal it.
+        let p = pool(&device, bytes, bytes);
+        let (a, b) = (
+            device.create_stream().unwrap(),
+            device.create_stream().unwrap(),
+        );
+        let x = p.allocate(bytes, &a).unwrap();
+        a.spin(Duration::from_millis(100)).unwrap();
+        // SAFETY: `bytes` live bytes at `x`, used on A before the free on A.
+        unsafe { a.fill_u32(x, 0xAAAA_AAAA, words) }.unwrap();
+        free(&p, x, bytes, &a);
+        let y = p.allocate(bytes, &b).unwrap();
+        assert_eq!(x, y, "{}: B did not get A's block", label(&device));
+        assert_eq!(p.stats().steals, 1);
+        // SAFETY: B's block, used on B.
+        unsafe { b.fill_u32(y, 0xBBBB_BBBB, words) }.unwrap();
+        a.synchronize_blocking().unwrap();
+        let back = read_u32(&b, y, words);
+        assert!(
+            back.iter().all(|&w| w == 0xBBBB_BBBB),
+            "{}: A's fill overwrote B's: the steal did not wait for A",
+            label(&device)
+        );
+        free(&p, y, bytes, &b);
+    }
+}
+
+/// RMM issues 2039 and 2489. Half a chunk is freed on A (then A is dropped: idle), half on B.
+/// B's request for the whole chunk needs both halves: the pool must merge A's idle list into B's
+/// (coalescing) rather than grow. Then C steals that block from B: C must be ordered after A's
+/// work too, although the block came to B through a merge.
+#[test]
+fn merged_lists_stay_ordered_behind_their_first_stream() {
+    for device in devices() {
+        let words = 256 * 1024;
+        let half = words * 4;
+        let p = pool(&device, 2 * half, 2 * half);
+        let (b, c) = (
+            device.create_stream().unwrap(),
+            device.create_stream().unwrap(),
+        );
+        let (x1, x2);
+        {
+            let a = device.create_stream().unwrap();
+            x1 = p.allocate(half, &a).unwrap();
+            x2 = p.allocate(half, &b).unwrap();
+            a.spin(Duration::from_millis(100)).unwrap();
+            // SAFETY: `half` live bytes at x1, used on A, freed on A after.
+            unsafe { a.fill_u32(x1, 0xAAAA_AAAA, words) }.unwrap();
+            free(&p, x1, half, &a);
+        }
+        free(&p, x2, half, &b);
+        let whole = p.allocate(2 * half, &b).unwrap();
+        let stats = p.stats();
+        assert_eq!(
+            stats.reserved,
+            2 * half,
+            "{}: grew instead of merging: {stats:?}",
+            label(&device)
+        );
+        assert!(stats.merges >= 1, "{stats:?}");
+        assert_eq!(whole.0, x1.0.min(x2.0));
+        free(&p, whole, 2 * half, &b);
+        let taken = p.allocate(2 * half, &c).unwrap();
+        assert_eq!(taken, whole);
+        // SAFETY: C's block, used on C.
+        unsafe { c.fill_u32(taken, 0xCCCC_CCCC, 2 * words) }.unwrap();
+        c.synchronize_blocking().unwrap();
+        b.synchronize_blocking().unwrap();
+        // A's stream is gone, but its fill may still run: wait for the whole device.
+        std::thread::sleep(Duration::from_millis(150));
+        let back = read_u32(&c, taken, 2 * words);
+        assert!(
+            back.iter().all(|&w| w == 0xCCCC_CCCC),
+            "{}: A's fill overwrote C's: the merge lost A's ordering",
+            label(&device)
+        );
+        free(&p, taken, 2 * half, &c);
+        check(&p);
+    }
+}
+
+#[test]
+fn trim_returns_wholly_free_chunks() {
+    let rt = common::runtime();
+    for device in devices() {
+        let p = pool(&device, 4 * MIB, 64 * MIB);
+        let s = device.create_stream().unwrap();
+        // Grow twice past the initial chunk.
+        let a = p.allocate(4 * MIB, &s).unwrap();
+        let b = p.allocate(8 * MIB, &s).unwrap();
+        let grown = p.stats();
+        assert!(grown.chunks >= 2, "{grown:?}");
+        free(&p, b, 8 * MIB, &s);
+        let released = rt.block_on(p.trim()).unwrap();
+        let after = p.stats();
+        assert!(
+            released >= 8 * MIB,
+            "{}: released {released}: {after:?}",
+            label(&device)
+        );
+        assert_eq!(after.reserved, grown.reserved - released);
+        free(&p, a, 4 * MIB, &s);
+        let released = p.trim_blocking().unwrap();
+        assert_eq!(
+            p.stats().reserved,
+            0,
+            "{}: {released} released",
+            label(&device)
+        );
+        // Still usable: it grows again.
+        let c = p.allocate(MIB, &s).unwrap();
+        free(&p, c, MIB, &s);
+        check(&p);
+    }
+}
+
+#[test]
+fn fixed_size_blocks() {
+    for device in devices() {
+        let f = FixedSizeResource::new(CudaResource::new(&device), 64 << 10, 16).unwrap();
+        let (s, t) = (
+            device.create_stream().unwrap(),
+            device.create_stream().unwrap(),
+        );
+        let blocks: Vec<_> = (0..40).map(|_| f.allocate(1000, &s).unwrap()).collect();
+        let mut sorted: Vec<_> = blocks.iter().map(|p| p.0).collect();
+        sorted.sort_unstable();
+        sorted.dedup();
+        assert_eq!(sorted.len(), 40);
+        assert!(sorted.windows(2).all(|w| w[1] - w[0] >= 64 << 10));
+        assert_eq!(f.reserved(), 3 * 16 * (64 << 10), "{}", label(&device));
+        assert!(matches!(
+            f.allocate((64 << 10) + 1, &s),
+            Err(Error::InvalidSize { .. })
+        ));
+        for p in &blocks {
+            free(&f, *p, 1000, &s);
+        }
+        // Another stream reuses them (through steals) without growing.
+        let again: Vec<_> = (0..40).map(|_| f.allocate(64 << 10, &t).unwrap()).collect();
+        assert_eq!(f.reserved(), 3 * 16 * (64 << 10));
+        for p in again {
+            free(&f, p, 64 << 10, &t);
+        }
+        f.check_invariants().unwrap();
+    }
+}
