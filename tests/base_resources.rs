@@ -754,10 +754,13 @@ fn pinned_block_is_reused_only_after_the_gpu_is_done_with_it() {
         let a = r.allocate(bytes, &stream).unwrap();
         assert_eq!(r.stats().host_allocations, 1, "{what}");
 
+        // The clock starts before the kernel is queued: queueing and recording can block for a
+        // while when another test makes a device-synchronizing call, and only time since
+        // `started` bounds how long the kernel has been running.
+        let started = Instant::now();
         stream.spin(Duration::from_millis(30)).unwrap();
         // SAFETY: unused by the host from here on; the GPU work before it is the spin.
         unsafe { r.deallocate(a, bytes, &stream) }.unwrap();
-        let started = Instant::now();
         let b = r.allocate(bytes, &stream).unwrap();
         let still_running = started.elapsed() < Duration::from_millis(25);
         if still_running {
