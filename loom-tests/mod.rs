@@ -1,2 +1,127 @@
 //! The loom models of streamalloc's concurrency cores. Compiled into the crate under
 //! `cfg(all(test, streamalloc_loom))` (see `src/lib.rs`), so they drive the real internals.
+//!
+//! - [`completion`]: the wakeup protocol of `Completion` (wakers, deregistration, callbacks,
+//!   concurrent completes), on the crate's own `Completion`.
+//! - [`reactor`]: the registration path of an event future into a running reactor thread, with a
+//!   fake device that rings the bell as the simulated one does. Run on a mirror of the reactor
+//!   that works around two loom 0.7.2 bugs; see that module and README.md.
+//!
+//! Each model states its preemption bound; it is set in the model, so `LOOM_MAX_PREEMPTIONS`
+//! does not change it. The `#[ignore]`d tests, run with `-- --ignored`:
+//! - `planted_*`: the same model against a copy of the code with a bug planted in it; each
+//!   expects loom to catch it, and says how;
+//! - `loom_false_positive_*`: pin down the two loom bugs (they pass while loom has them);
+//! - `real_reactor_models`: the reactor models on the crate's `Reactor`, which fail under loom
+//!   0.7.2 until src changes (README.md, "Findings").
+//!
+//! See `loom-tests/README.md` for the command, timings and what each test catches.
+
+mod completion;
+mod reactor;
+
+use std::task::{Wake, Waker};
+
+use crate::sync::{AtomicUsize, Ordering};
+
+/// Runs `f` under loom with the given preemption bound (`None`: exhaustive), and prints how many
+/// executions loom explored (`--nocapture` shows it).
+fn check(preemption_bound: Option<usize>, f: impl Fn() + Sync + Send + 'static) {
+    use std::sync::atomic::{AtomicUsize as StdCount, Ordering::Relaxed};
+
+    let mut builder = loom::model::Builder::new();
+    builder.preemption_bound = preemption_bound;
+    // A plain counter: not a loom object, so it survives from one execution to the next.
+    let runs = std::sync::Arc::new(StdCount::new(0));
+    let counted = runs.clone();
+    builder.check(move || {
+        counted.fetch_add(1, Relaxed);
+        f()
+    });
+    println!(
+        "loom: {} executions, preemption bound {preemption_bound:?}",
+        runs.load(Relaxed)
+    );
+}
+
+/// Set in the child process that [`must_fail`] starts.
+const CHILD: &str = "STREAMALLOC_LOOM_PLANTED_CHILD";
+
+/// Asserts that `model` fails under loom with a message containing `expected`.
+///
+/// A model that loom finds deadlocked cannot be caught with `#[should_panic]`: after the
+/// "deadlock" panic, loom objects dropped during unwinding panic again and the process aborts.
+/// So the test runs itself again in a child process (this test binary, filtered to `test`)
+/// where `model` runs directly, and checks that the child failed, and how.
+fn must_fail(module: &str, test: &str, expected: &str, model: impl FnOnce()) {
+    if std::env::var_os(CHILD).is_some() {
+        model();
+        return;
+    }
+    // `module_path!()` starts with the crate name, which test names do not.
+    let module = module.split_once("::").map_or(module, |(_, rest)| rest);
+    let name = format!("{module}::{test}");
+    let out = std::process::Command::new(std::env::current_exe().unwrap())
+        .args([
+            name.as_str(),
+            "--exact",
+            "--ignored",
+            "--nocapture",
+            "--test-threads=1",
+        ])
+        .env(CHILD, "1")
+        .env("RUST_BACKTRACE", "0")
+        .output()
+        .expect("could not run the test binary again");
+    let text = format!(
+        "{}{}",
+        String::from_utf8_lossy(&out.stdout),
+        String::from_utf8_lossy(&out.stderr)
+    );
+    assert!(
+        text.contains("running 1 test"),
+        "the child did not run {name}:\n{text}"
+    );
+    assert!(
+        !out.status.success(),
+        "planted bug not caught: {name} passed under loom"
+    );
+    // The child's own "test <name> ..." line may contain `expected` too: skip it.
+    let line = text
+        .lines()
+        .find(|l| l.contains(expected) && !l.starts_with("test "))
+        .unwrap_or_else(|| {
+            panic!("{name} failed, but not with {expected:?}:\n{text}");
+        });
+    println!("{name}: caught: {}", line.trim());
+}
+
+/// A waker that counts its wakes (in a loom atomic, so every wake is an ordered event).
+struct CountingWaker {
+    wakes: AtomicUsize,
+}
+
+impl CountingWaker {
+    /// A fresh waker and its counter. Build inside the model: it holds a loom object.
+    fn new() -> (std::sync::Arc<CountingWaker>, Waker) {
+        let counter = std::sync::Arc::new(CountingWaker {
+            wakes: AtomicUsize::new(0),
+        });
+        let waker = Waker::from(counter.clone());
+        (counter, waker)
+    }
+
+    fn wakes(&self) -> usize {
+        self.wakes.load(Ordering::SeqCst)
+    }
+}
+
+impl Wake for CountingWaker {
+    fn wake(self: std::sync::Arc<Self>) {
+        self.wake_by_ref();
+    }
+
+    fn wake_by_ref(self: &std::sync::Arc<Self>) {
+        self.wakes.fetch_add(1, Ordering::SeqCst);
+    }
+}

@@ -121,7 +121,7 @@ impl Bell {
             None => thread::park(),
             Some(t) => thread::park_timeout(t),
         }
-        self.notified.store(false, Ordering::Release);
+        self.notified.swap(false, Ordering::AcqRel);
     }
 }
 

@@ -102,8 +102,54 @@ mod imp {
     }
 
     pub(crate) mod thread {
+        //! loom's `Thread::unpark` wakes a thread blocked on a *mutex* and loses the token
+        //! (tokio-rs/loom#249), so parking goes through a per-thread token made of a loom mutex
+        //! and condvar: std's semantics, which loom models correctly.
         #[allow(unused_imports)]
-        pub(crate) use loom::thread::{current, park, spawn, yield_now, Builder, Thread};
+        pub(crate) use loom::thread::{spawn, yield_now, Builder};
+
+        use loom::sync::{Arc, Condvar, Mutex};
+
+        #[derive(Default)]
+        struct Parker {
+            token: Mutex<bool>,
+            cv: Condvar,
+        }
+
+        loom::thread_local! {
+            static PARKER: Arc<Parker> = Arc::new(Parker::default());
+        }
+
+        /// A handle to unpark a thread.
+        #[derive(Clone)]
+        pub(crate) struct Thread(Arc<Parker>);
+
+        impl std::fmt::Debug for Thread {
+            fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+                f.write_str("Thread")
+            }
+        }
+
+        impl Thread {
+            pub(crate) fn unpark(&self) {
+                *self.0.token.lock().unwrap() = true;
+                self.0.cv.notify_one();
+            }
+        }
+
+        pub(crate) fn current() -> Thread {
+            PARKER.with(|p| Thread(p.clone()))
+        }
+
+        pub(crate) fn park() {
+            PARKER.with(|p| {
+                let mut token = p.token.lock().unwrap();
+                while !*token {
+                    token = p.cv.wait(token).unwrap();
+                }
+                *token = false;
+            })
+        }
 
         /// loom has no timed park; a model treats it as a plain park (time does not pass there).
         pub(crate) fn park_timeout(_: std::time::Duration) {
