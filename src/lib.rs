@@ -39,6 +39,7 @@
 )]
 #![deny(unsafe_op_in_unsafe_fn)]
 
+mod buffer;
 mod completion;
 mod device;
 mod error;
@@ -48,13 +49,20 @@ pub mod resource;
 mod stream;
 mod stream_pool;
 mod sync;
+mod timer;
+mod vec;
 
+pub use crate::buffer::DeviceBuffer;
 pub use crate::device::{CudaOptions, Device, DeviceKind, DevicePtr, SimConfig};
 pub use crate::error::{Error, Result};
 pub use crate::event::Event;
-pub use crate::resource::{AsResourceRef, MemoryKind, MemoryResource, ResourceRef, ALIGNMENT};
+pub use crate::resource::{
+    AllocateAsync, AsResourceRef, MemoryKind, MemoryResource, MemoryWaiters, ResourceRef, ALIGNMENT,
+};
 pub use crate::stream::{Stream, StreamId};
 pub use crate::stream_pool::StreamPool;
+pub use crate::vec::{DeviceScalar, DeviceVec};
+pub use bytemuck::Pod;
 
 /// The loom models (`loom-tests/`), compiled into the crate so they reach its internals. Run
 /// them with `RUSTFLAGS="--cfg streamalloc_loom" cargo test --release --lib loom_tests` (see

@@ -6,6 +6,7 @@
 
 pub(crate) mod cuda;
 pub(crate) mod sim;
+pub(crate) mod staging;
 
 use std::fmt;
 use std::time::Duration;
@@ -106,6 +107,24 @@ pub(crate) struct DeviceInner {
     pub(crate) reactor: Reactor,
     /// Streams created so far (for ids in logs; stream ids themselves are global).
     pub(crate) streams_created: AtomicU64,
+    /// Pinned blocks for the buffers' host copies.
+    pub(crate) staging: staging::Staging,
+}
+
+impl Drop for DeviceInner {
+    fn drop(&mut self) {
+        for block in self.staging.drain() {
+            // SAFETY: cached blocks are ours and unused (a block is cached only after the copy
+            // that used it completed); the backend is still alive (fields drop after this).
+            let freed = match &self.backend {
+                Backend::Cuda(d) => unsafe { d.free_host(block.ptr) },
+                Backend::Sim(d) => d.host.free(block.ptr),
+            };
+            if let Err(e) = freed {
+                tracing::warn!(error = %e, "could not free a staging block");
+            }
+        }
+    }
 }
 
 pub(crate) enum Backend {
@@ -183,6 +202,7 @@ impl Device {
                 backend,
                 reactor,
                 streams_created: AtomicU64::new(0),
+                staging: staging::Staging::default(),
             }),
         }
     }

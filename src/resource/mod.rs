@@ -55,6 +55,16 @@ pub trait MemoryResource: Send + Sync + fmt::Debug {
     /// `ptr` came from `allocate` of this resource with this `bytes`, is given back once, and
     /// all work that uses it is ordered before this point of `stream`.
     unsafe fn deallocate(&self, ptr: DevicePtr, bytes: usize, stream: &Stream) -> Result<()>;
+
+    /// The queue of tasks waiting for memory from this resource, for resources that can run
+    /// out and get memory back (a pool at its maximum, a limiting adaptor): what
+    /// [`allocate_async`](AllocateAsync::allocate_async) waits in. Such a resource calls
+    /// [`MemoryWaiters::notify`] whenever memory comes back. Adaptors return their upstream's
+    /// (or their own, if they can run out themselves). `None`: `allocate_async` fails as
+    /// `allocate` does.
+    fn memory_waiters(&self) -> Option<&MemoryWaiters> {
+        None
+    }
 }
 
 /// A type-erased, shareable resource: what buffers hold to keep their resource alive.
@@ -97,6 +107,10 @@ impl<R: MemoryResource + ?Sized> MemoryResource for StdArc<R> {
         // SAFETY: the caller's contract, passed on.
         unsafe { (**self).deallocate(ptr, bytes, stream) }
     }
+
+    fn memory_waiters(&self) -> Option<&MemoryWaiters> {
+        (**self).memory_waiters()
+    }
 }
 
 /// `bytes` rounded up to [`ALIGNMENT`], or `InvalidSize` if that overflows.
@@ -116,6 +130,12 @@ pub(crate) fn check_stream(device: &Device, stream: &Stream) -> Result<()> {
     device.check_same(stream.device())
 }
 
+// ===== waiting for memory =====
+mod allocate;
+mod waiters;
+pub use self::allocate::{Allocate, AllocateAsync};
+pub use self::waiters::{MemoryWaiters, WaitStats};
+
 // ===== the resources =====
 // Base resources, over the device layer.
 pub mod cuda;
@@ -127,3 +147,9 @@ pub mod fixed_size;
 pub(crate) mod free_list;
 pub mod pool;
 pub(crate) mod stream_ordered;
+// The rest of RMM's family.
+pub mod adaptor;
+pub mod arena;
+pub mod binning;
+pub mod callback;
+pub mod current;

@@ -4,6 +4,7 @@ use std::collections::BTreeMap;
 use std::fmt;
 
 use super::stream_ordered::{Grow, StreamLists};
+use super::waiters::{MemoryWaiters, WaitStats};
 use super::{aligned_size, check_stream, MemoryResource, ALIGNMENT};
 use crate::device::{Device, DevicePtr};
 use crate::error::{Error, Result};
@@ -72,6 +73,8 @@ pub struct PoolResource<U: MemoryResource> {
     peak_reserved: AtomicU64,
     grows: AtomicU64,
     maximum: u64,
+    /// Tasks waiting in `allocate_async` for memory to come back.
+    waiters: MemoryWaiters,
     /// A stream of the pool's own, for the initial chunk and for returning chunks at drop.
     own: Stream,
 }
@@ -121,6 +124,7 @@ impl<U: MemoryResource> PoolResource<U> {
             peak_reserved: AtomicU64::new(0),
             grows: AtomicU64::new(0),
             maximum: maximum as u64,
+            waiters: MemoryWaiters::new(),
         };
         if options.initial > 0 {
             let (base, size) = pool.grow_exactly(options.initial as u64, &pool.own)?;
@@ -186,6 +190,12 @@ impl<U: MemoryResource> PoolResource<U> {
             available: (self.maximum.saturating_sub(reserved) + self.lists.free_bytes()) as usize,
             maximum: self.maximum as usize,
         }
+    }
+
+    /// What waiting for memory in [`allocate_async`](crate::AllocateAsync::allocate_async) has
+    /// cost: tasks waiting now, bytes they wait for, wait times.
+    pub fn wait_stats(&self) -> WaitStats {
+        self.waiters.stats()
     }
 
     /// Checks the invariants of every free list and that no two share memory. Slow; for tests.
@@ -336,7 +346,12 @@ impl<U: MemoryResource> MemoryResource for PoolResource<U> {
         if ptr.0 % ALIGNMENT as u64 != 0 || !self.lists.give(ptr.0, size, stream) {
             return Err(Error::UnknownPointer { ptr: ptr.0, bytes });
         }
+        self.waiters.notify();
         Ok(())
+    }
+
+    fn memory_waiters(&self) -> Option<&MemoryWaiters> {
+        Some(&self.waiters)
     }
 }
 

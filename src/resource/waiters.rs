@@ -1,0 +1,214 @@
+//! The memory waiters queue behind `allocate_async`: tasks that wait for memory instead of
+//! failing, served first come, first served.
+//!
+//! Protocol (the loom model `loom-tests/waiters.rs` checks it):
+//! - a task whose allocation failed registers, then **tries once more** if it is first in line:
+//!   memory freed between its failed try and its registration found nobody to notify;
+//! - a free calls [`MemoryWaiters::notify`]: the first waiter is marked notified (it holds the
+//!   *baton*) and woken; with nobody waiting this costs one atomic load;
+//! - the woken first waiter tries again. On success it leaves and passes the baton to the next
+//!   (memory may be left for it too); on failure it keeps its place and waits for the next free;
+//! - a waiter that leaves while first in line (success, cancellation, timeout) wakes the next:
+//!   memory too small for it may be enough for the next one. So a notification is never
+//!   swallowed by a dropped future.
+//!
+//! Policy: strict FIFO. While anyone waits, a new `allocate_async` queues behind them even if
+//! its request would fit now; so a large request is never starved by small ones that keep
+//! fitting, at the price of small requests waiting behind a large head. (Synchronous
+//! `allocate` never waits, so it does not queue.)
+
+use std::collections::VecDeque;
+use std::task::Waker;
+use std::time::{Duration, Instant};
+
+use crate::sync::{AtomicU64, AtomicUsize, Mutex, Ordering};
+
+struct Entry {
+    id: u64,
+    bytes: usize,
+    waker: Waker,
+    /// Holds the baton: woken to try again.
+    notified: bool,
+}
+
+#[derive(Default)]
+struct Queue {
+    entries: VecDeque<Entry>,
+    next_id: u64,
+}
+
+/// The waiters of one resource, and what waiting has cost.
+pub struct MemoryWaiters {
+    queue: Mutex<Queue>,
+    /// Entries in the queue, readable without the lock: a free with nobody waiting checks only
+    /// this.
+    len: AtomicUsize,
+    bytes_waiting: AtomicUsize,
+    waits: AtomicU64,
+    wait_ns: AtomicU64,
+    max_wait_ns: AtomicU64,
+    timeouts: AtomicU64,
+}
+
+/// What waiting for memory has cost a resource.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct WaitStats {
+    /// Tasks waiting now.
+    pub waiting: usize,
+    /// Bytes they wait for.
+    pub bytes_waiting: usize,
+    /// Waits that ended with memory.
+    pub waits: u64,
+    /// Their total time.
+    pub total_wait: Duration,
+    /// The longest one.
+    pub max_wait: Duration,
+    /// Waits that ran past their deadline.
+    pub timeouts: u64,
+}
+
+impl std::fmt::Debug for MemoryWaiters {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("MemoryWaiters")
+            .field("stats", &self.stats())
+            .finish()
+    }
+}
+
+impl Default for MemoryWaiters {
+    fn default() -> Self {
+        Self::new()
+    }
+}
+
+impl MemoryWaiters {
+    /// An empty queue.
+    pub fn new() -> Self {
+        Self {
+            queue: Mutex::new(Queue::default()),
+            len: AtomicUsize::new(0),
+            bytes_waiting: AtomicUsize::new(0),
+            waits: AtomicU64::new(0),
+            wait_ns: AtomicU64::new(0),
+            max_wait_ns: AtomicU64::new(0),
+            timeouts: AtomicU64::new(0),
+        }
+    }
+
+    /// Memory came back to the resource: the first waiter tries again. Call it after every
+    /// free (and whenever else memory may have become available). Cheap when nobody waits.
+    pub fn notify(&self) {
+        if self.len.load(Ordering::Acquire) == 0 {
+            return;
+        }
+        let waker = {
+            let mut queue = self.queue.lock();
+            match queue.entries.front_mut() {
+                Some(head) if !head.notified => {
+                    head.notified = true;
+                    Some(head.waker.clone())
+                }
+                _ => None,
+            }
+        };
+        if let Some(waker) = waker {
+            waker.wake();
+        }
+    }
+
+    /// True if anyone waits.
+    pub fn is_empty(&self) -> bool {
+        self.len.load(Ordering::Acquire) == 0
+    }
+
+    /// What waiting has cost so far.
+    pub fn stats(&self) -> WaitStats {
+        WaitStats {
+            waiting: self.len.load(Ordering::Acquire),
+            bytes_waiting: self.bytes_waiting.load(Ordering::Relaxed),
+            waits: self.waits.load(Ordering::Relaxed),
+            total_wait: Duration::from_nanos(self.wait_ns.load(Ordering::Relaxed)),
+            max_wait: Duration::from_nanos(self.max_wait_ns.load(Ordering::Relaxed)),
+            timeouts: self.timeouts.load(Ordering::Relaxed),
+        }
+    }
+
+    /// Joins the end of the queue. Returns the entry's id and whether it is first in line.
+    pub(crate) fn register(&self, bytes: usize, waker: &Waker) -> (u64, bool) {
+        let mut queue = self.queue.lock();
+        let id = queue.next_id;
+        queue.next_id += 1;
+        queue.entries.push_back(Entry {
+            id,
+            bytes,
+            waker: waker.clone(),
+            notified: false,
+        });
+        self.len.fetch_add(1, Ordering::Release);
+        self.bytes_waiting.fetch_add(bytes, Ordering::Relaxed);
+        (id, queue.entries.len() == 1)
+    }
+
+    /// For a queued entry: whether it holds the baton (clearing it: the caller is about to try),
+    /// and stores the latest waker. `None` if the entry is gone.
+    pub(crate) fn poll_entry(&self, id: u64, waker: &Waker) -> Option<bool> {
+        let mut queue = self.queue.lock();
+        let entry = queue.entries.iter_mut().find(|e| e.id == id)?;
+        if !entry.waker.will_wake(waker) {
+            entry.waker = waker.clone();
+        }
+        Some(std::mem::replace(&mut entry.notified, false))
+    }
+
+    /// Leaves the queue: `Some(waited)` after a successful wait, `None` after cancellation or a
+    /// timeout. If it was first in line, the next waiter is woken to try (see the module doc).
+    pub(crate) fn remove(&self, id: u64, outcome: Leave) {
+        let next = {
+            let mut queue = self.queue.lock();
+            let Some(at) = queue.entries.iter().position(|e| e.id == id) else {
+                return;
+            };
+            let entry = queue
+                .entries
+                .remove(at)
+                .expect("found above under the lock");
+            self.len.fetch_sub(1, Ordering::Release);
+            self.bytes_waiting.fetch_sub(entry.bytes, Ordering::Relaxed);
+            if at == 0 {
+                queue.entries.front_mut().map(|next| {
+                    next.notified = true;
+                    next.waker.clone()
+                })
+            } else {
+                None
+            }
+        };
+        match outcome {
+            Leave::Served(waited) => {
+                let ns = waited.as_nanos().min(u64::MAX as u128) as u64;
+                self.waits.fetch_add(1, Ordering::Relaxed);
+                self.wait_ns.fetch_add(ns, Ordering::Relaxed);
+                self.max_wait_ns.fetch_max(ns, Ordering::Relaxed);
+            }
+            Leave::TimedOut => {
+                self.timeouts.fetch_add(1, Ordering::Relaxed);
+            }
+            Leave::Cancelled => {}
+        }
+        if let Some(waker) = next {
+            waker.wake();
+        }
+    }
+}
+
+/// Why a waiter leaves the queue.
+pub(crate) enum Leave {
+    Served(Duration),
+    TimedOut,
+    Cancelled,
+}
+
+/// The start of a wait, for its statistics.
+pub(crate) fn now() -> Instant {
+    Instant::now()
+}

@@ -1,0 +1,113 @@
+//! Deadlines for futures on any runtime: one lazily started thread that sleeps until the next
+//! deadline and wakes its waker. Used by `Allocate::timeout`; not on any fast path.
+
+use std::cmp::Reverse;
+use std::collections::{BinaryHeap, HashMap};
+use std::sync::{Condvar, Mutex, OnceLock};
+use std::task::Waker;
+use std::time::Instant;
+
+struct State {
+    heap: BinaryHeap<Reverse<(Instant, u64)>>,
+    wakers: HashMap<u64, Waker>,
+    next_id: u64,
+}
+
+struct Timer {
+    state: Mutex<State>,
+    changed: Condvar,
+}
+
+fn timer() -> &'static Timer {
+    static TIMER: OnceLock<&'static Timer> = OnceLock::new();
+    TIMER.get_or_init(|| {
+        let timer: &'static Timer = Box::leak(Box::new(Timer {
+            state: Mutex::new(State {
+                heap: BinaryHeap::new(),
+                wakers: HashMap::new(),
+                next_id: 0,
+            }),
+            changed: Condvar::new(),
+        }));
+        std::thread::Builder::new()
+            .name("sa-timer".into())
+            .spawn(move || run(timer))
+            .expect("streamalloc: the OS could not start the timer thread");
+        timer
+    })
+}
+
+fn run(timer: &'static Timer) {
+    let mut state = timer.state.lock().unwrap_or_else(|e| e.into_inner());
+    loop {
+        let now = Instant::now();
+        let mut due = Vec::new();
+        while let Some(&Reverse((at, id))) = state.heap.peek() {
+            if at > now {
+                break;
+            }
+            state.heap.pop();
+            if let Some(waker) = state.wakers.remove(&id) {
+                due.push(waker);
+            }
+        }
+        if !due.is_empty() {
+            drop(state);
+            due.into_iter().for_each(Waker::wake);
+            state = timer.state.lock().unwrap_or_else(|e| e.into_inner());
+            continue;
+        }
+        state = match state.heap.peek() {
+            Some(&Reverse((at, _))) => {
+                timer
+                    .changed
+                    .wait_timeout(state, at.saturating_duration_since(now))
+                    .unwrap_or_else(|e| e.into_inner())
+                    .0
+            }
+            None => timer.changed.wait(state).unwrap_or_else(|e| e.into_inner()),
+        };
+    }
+}
+
+/// A registered deadline; dropping it cancels the wakeup.
+#[derive(Debug)]
+pub(crate) struct Deadline {
+    id: u64,
+}
+
+impl Deadline {
+    /// Wakes `waker` at `at` (or soon after).
+    pub(crate) fn new(at: Instant, waker: &Waker) -> Deadline {
+        let timer = timer();
+        let mut state = timer.state.lock().unwrap_or_else(|e| e.into_inner());
+        let id = state.next_id;
+        state.next_id += 1;
+        state.heap.push(Reverse((at, id)));
+        state.wakers.insert(id, waker.clone());
+        timer.changed.notify_one();
+        Deadline { id }
+    }
+
+    /// Wakes this waker instead.
+    pub(crate) fn set_waker(&self, waker: &Waker) {
+        let mut state = timer().state.lock().unwrap_or_else(|e| e.into_inner());
+        if let Some(old) = state.wakers.get_mut(&self.id) {
+            if !old.will_wake(waker) {
+                *old = waker.clone();
+            }
+        }
+    }
+}
+
+impl Drop for Deadline {
+    fn drop(&mut self) {
+        // The heap entry stays until it falls due; without its waker it wakes nobody.
+        timer()
+            .state
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .wakers
+            .remove(&self.id);
+    }
+}

@@ -1,0 +1,334 @@
+//! `DeviceBuffer`, `DeviceVec`, `DeviceScalar` on every available device.
+
+mod common;
+
+use std::future::Future;
+use std::sync::Arc;
+use std::task::{Context, Poll};
+use std::time::Duration;
+
+use common::{devices, eventually, label, runtime};
+use streamalloc::resource::cuda::CudaResource;
+use streamalloc::resource::pool::{PoolOptions, PoolResource};
+use streamalloc::{Device, DeviceBuffer, DeviceScalar, DeviceVec, Error, SimConfig};
+
+const MIB: usize = 1 << 20;
+
+fn pool(device: &Device, initial: usize, maximum: usize) -> Arc<PoolResource<CudaResource>> {
+    Arc::new(
+        PoolResource::new(
+            CudaResource::new(device),
+            PoolOptions {
+                initial,
+                maximum: Some(maximum),
+            },
+        )
+        .unwrap(),
+    )
+}
+
+fn all_back(p: &PoolResource<CudaResource>) -> bool {
+    let s = p.stats();
+    s.free == s.reserved
+}
+
+#[test]
+fn round_trips_of_vectors_and_scalars() {
+    let rt = runtime();
+    for device in devices() {
+        let p = pool(&device, 16 * MIB, 64 * MIB);
+        let s = device.create_stream().unwrap();
+        let data: Vec<f32> = (0..100_000).map(|i| i as f32 * 0.5).collect();
+        let v = DeviceVec::from_host(&p, &data, &s).unwrap();
+        assert_eq!(v.len(), data.len());
+        assert_eq!(
+            rt.block_on(v.to_host(&s)).unwrap(),
+            data,
+            "{}",
+            label(&device)
+        );
+
+        // On another stream: ordered after the vector's own.
+        let t = device.create_stream().unwrap();
+        assert_eq!(rt.block_on(v.to_host(&t)).unwrap(), data);
+
+        let z = DeviceVec::<u64>::zeroed(&p, 1000, &s).unwrap();
+        assert!(rt.block_on(z.to_host(&s)).unwrap().iter().all(|&x| x == 0));
+
+        let mut w = v.try_clone().unwrap();
+        w.resize(10).unwrap();
+        assert_eq!(rt.block_on(w.to_host(&s)).unwrap(), data[..10]);
+        w.resize(20).unwrap();
+        assert_eq!(rt.block_on(w.to_host(&s)).unwrap()[..10], data[..10]);
+
+        let mut x = DeviceScalar::from_value(&p, 42u32, &s).unwrap();
+        assert_eq!(rt.block_on(x.value()).unwrap(), 42);
+        x.set(7).unwrap();
+        assert_eq!(rt.block_on(x.value()).unwrap(), 7);
+
+        let mut b = DeviceBuffer::new(&p, 4096, &s).unwrap();
+        b.memset(0x5A).unwrap();
+        assert!(rt.block_on(b.to_host()).unwrap().iter().all(|&x| x == 0x5A));
+        b.copy_from_host(&[1u8; 4096]).unwrap();
+        assert!(rt.block_on(b.to_host()).unwrap().iter().all(|&x| x == 1));
+        assert!(matches!(
+            b.copy_from_host(&[0u8; 10]),
+            Err(Error::InvalidSize { .. })
+        ));
+        drop((v, z, w, x, b));
+        s.synchronize_blocking().unwrap();
+        t.synchronize_blocking().unwrap();
+        assert!(
+            eventually(Duration::from_secs(5), || all_back(&p)),
+            "{}: {:?}",
+            label(&device),
+            p.stats()
+        );
+    }
+}
+
+#[test]
+fn zero_length_and_overflow() {
+    for device in devices() {
+        let p = pool(&device, 0, 16 * MIB);
+        let s = device.create_stream().unwrap();
+        let empty = DeviceVec::<f64>::new(&p, 0, &s).unwrap();
+        assert!(empty.is_empty() && empty.as_ptr().0 == 0);
+        assert!(matches!(
+            DeviceVec::<u64>::new(&p, usize::MAX / 4, &s),
+            Err(Error::InvalidSize { .. })
+        ));
+        let other = Device::simulated(SimConfig::default())
+            .create_stream()
+            .unwrap();
+        assert!(matches!(
+            DeviceBuffer::new(&p, 256, &other),
+            Err(Error::WrongDevice { .. })
+        ));
+    }
+}
+
+/// A buffer used on stream K (a spin, then a fill) and dropped at once: its memory must not be
+/// handed out again until K is done with it. With one block in the pool, the next allocation
+/// fails until then; once it gets the memory and writes its own pattern, K's late fill must not
+/// land on top.
+#[test]
+fn a_drop_waits_for_every_recorded_stream() {
+    let rt = runtime();
+    for device in devices() {
+        let words = 64 * 1024;
+        let bytes = words * 4;
+        let p = pool(&device, bytes, bytes);
+        let (a, k) = (
+            device.create_stream().unwrap(),
+            device.create_stream().unwrap(),
+        );
+        let mut x = DeviceBuffer::new(&p, bytes, &a).unwrap();
+        let addr = x.as_ptr();
+        k.wait(&a.record().unwrap()).unwrap();
+        k.spin(Duration::from_millis(100)).unwrap();
+        // SAFETY: `x`'s memory, used on K, which is recorded on `x` before it is dropped.
+        unsafe { k.fill_u32(addr, 0xAAAA_AAAA, words) }.unwrap();
+        x.record_stream(&k).unwrap();
+        drop(x);
+        assert!(
+            matches!(
+                DeviceBuffer::new(&p, bytes, &a),
+                Err(Error::OutOfMemory { .. })
+            ),
+            "{}: the memory came back while K still used it",
+            label(&device)
+        );
+        // Waiting for it: it comes when K's work completes, through the reactor.
+        let y = rt.block_on(DeviceBuffer::alloc(&p, bytes, &a)).unwrap();
+        assert_eq!(y.as_ptr(), addr);
+        let mut y = y;
+        // SAFETY: `y`'s memory, used on A.
+        unsafe { a.fill_u32(y.as_ptr(), 0xBBBB_BBBB, words) }.unwrap();
+        // Had the memory come back before K finished, K's late fill would land now.
+        k.synchronize_blocking().unwrap();
+        let back = rt.block_on(y.to_host()).unwrap();
+        assert!(
+            back.chunks(4).all(|w| w == [0xBB; 4]),
+            "{}: K's fill landed on the new owner's data",
+            label(&device)
+        );
+        y.memset(0).unwrap();
+        drop(y);
+        a.synchronize_blocking().unwrap();
+        assert!(
+            eventually(Duration::from_secs(5), || all_back(&p)),
+            "{:?}",
+            p.stats()
+        );
+    }
+}
+
+#[test]
+fn memory_comes_back_exactly_once_whatever_the_order() {
+    for device in devices() {
+        let p = pool(&device, 32 * MIB, 32 * MIB);
+        let streams: Vec<_> = (0..4).map(|_| device.create_stream().unwrap()).collect();
+        std::thread::scope(|scope| {
+            for t in 0..4 {
+                let (p, streams) = (p.clone(), streams.clone());
+                scope.spawn(move || {
+                    for i in 0..100 {
+                        let mut b = DeviceBuffer::new(&p, 64 << 10, &streams[t]).unwrap();
+                        // Used on one or two other streams, moved between them.
+                        b.record_stream(&streams[(t + 1) % 4]).unwrap();
+                        if i % 3 == 0 {
+                            streams[(t + 2) % 4]
+                                .spin(Duration::from_micros(50))
+                                .unwrap();
+                            b.record_stream(&streams[(t + 2) % 4]).unwrap();
+                        }
+                        if i % 5 == 0 {
+                            b.set_stream(&streams[(t + 3) % 4]).unwrap();
+                        }
+                        drop(b);
+                    }
+                });
+            }
+        });
+        for s in &streams {
+            s.synchronize_blocking().unwrap();
+        }
+        assert!(
+            eventually(Duration::from_secs(5), || all_back(&p)),
+            "{}: {:?}",
+            label(&device),
+            p.stats()
+        );
+        p.check_invariants().unwrap();
+    }
+}
+
+#[test]
+fn alloc_waits_for_a_free() {
+    let rt = runtime();
+    for device in devices() {
+        let p = pool(&device, 4 * MIB, 4 * MIB);
+        let s = device.create_stream().unwrap();
+        let held = DeviceBuffer::new(&p, 4 * MIB, &s).unwrap();
+        let p2 = p.clone();
+        let s2 = device.create_stream().unwrap();
+        let waiter = rt.spawn(async move {
+            DeviceBuffer::alloc(&p2, 4 * MIB, &s2)
+                .await
+                .map(|b| b.len())
+        });
+        assert!(
+            eventually(Duration::from_secs(5), || p.wait_stats().waiting == 1),
+            "{}",
+            label(&device)
+        );
+        drop(held);
+        assert_eq!(
+            rt.block_on(waiter).unwrap().unwrap(),
+            4 * MIB,
+            "{}",
+            label(&device)
+        );
+        assert_eq!(p.wait_stats().waits, 1);
+        // More than the pool could ever hold fails at once; a deadline ends a wait.
+        assert!(matches!(
+            rt.block_on(DeviceBuffer::alloc(&p, 8 * MIB, &s)),
+            Err(Error::OutOfMemory { .. })
+        ));
+        let _held = DeviceBuffer::new(&p, 4 * MIB, &s).unwrap();
+        let timed = rt.block_on(DeviceBuffer::alloc_timeout(
+            &p,
+            MIB,
+            &s,
+            Duration::from_millis(50),
+        ));
+        match timed {
+            Err(Error::Timeout { waited }) => assert!(waited >= Duration::from_millis(50)),
+            other => panic!("{}: {other:?}", label(&device)),
+        }
+        assert_eq!(p.wait_stats().waiting, 0);
+    }
+}
+
+#[test]
+fn a_cancelled_copy_to_host_does_not_corrupt_staging() {
+    let rt = runtime();
+    for device in devices() {
+        let p = pool(&device, 8 * MIB, 8 * MIB);
+        let s = device.create_stream().unwrap();
+        let v = DeviceVec::from_host(&p, &vec![3u32; 1 << 18], &s).unwrap();
+        s.spin(Duration::from_millis(50)).unwrap();
+        {
+            let mut fut = Box::pin(v.to_host(&s));
+            let waker = futures::task::noop_waker();
+            assert!(fut
+                .as_mut()
+                .poll(&mut Context::from_waker(&waker))
+                .is_pending());
+            // Dropped while the copy into its staging block is still queued.
+        }
+        // Another copy right away must see its own data, not the first one's in-flight bytes.
+        let w = DeviceVec::from_host(&p, &vec![9u32; 1 << 18], &s).unwrap();
+        assert!(
+            rt.block_on(w.to_host(&s)).unwrap().iter().all(|&x| x == 9),
+            "{}",
+            label(&device)
+        );
+        assert!(
+            rt.block_on(v.to_host(&s)).unwrap().iter().all(|&x| x == 3),
+            "{}",
+            label(&device)
+        );
+        assert!(matches!(
+            std::pin::pin!(v.to_host(&s))
+                .poll(&mut Context::from_waker(&futures::task::noop_waker())),
+            Poll::Pending | Poll::Ready(Ok(_))
+        ));
+    }
+}
+
+#[test]
+fn buffers_and_their_futures_are_send_and_sync() {
+    fn send_sync<T: Send + Sync>() {}
+    fn send<T: Send>(_: &T) {}
+    send_sync::<DeviceBuffer>();
+    send_sync::<DeviceVec<f32>>();
+    send_sync::<DeviceScalar<u64>>();
+    let device = Device::simulated(SimConfig::default());
+    let p = pool(&device, 0, MIB);
+    let s = device.create_stream().unwrap();
+    send(&DeviceBuffer::alloc(&p, 256, &s));
+    let v = DeviceVec::<u8>::new(&p, 16, &s).unwrap();
+    send(&v.to_host(&s));
+}
+
+/// Our buffers are cudarc kernel arguments: launch the crate's fill kernel through cudarc's own
+/// launch builder with a `DeviceVec` as the pointer argument.
+#[test]
+fn a_cudarc_launch_takes_our_buffers() {
+    use cudarc::driver::{CudaContext, LaunchConfig, PushKernelArg};
+    let rt = runtime();
+    for device in devices().into_iter().filter(|d| !d.is_simulated()) {
+        let p = pool(&device, 4 * MIB, 4 * MIB);
+        let s = device.create_stream().unwrap();
+        let mut v = DeviceVec::<u32>::zeroed(&p, 4096, &s).unwrap();
+        s.synchronize_blocking().unwrap();
+        let ctx = CudaContext::new(0).unwrap();
+        let module = ctx
+            .load_module(cudarc::nvrtc::Ptx::from_src(include_str!(
+                "../kernels/streamalloc.ptx"
+            )))
+            .unwrap();
+        let fill = module.load_function("streamalloc_fill_u32").unwrap();
+        let stream = ctx.new_stream().unwrap();
+        let (value, count) = (77u32, 4096u64);
+        let mut launch = stream.launch_builder(&fill);
+        launch.arg(&mut v).arg(&value).arg(&count);
+        // SAFETY: the kernel's signature is (u32*, u32, u64) and `v` holds 4096 u32s, idle
+        // (synchronized above) and kept alive until cudarc's stream is synchronized below.
+        unsafe { launch.launch(LaunchConfig::for_num_elems(4096)) }.unwrap();
+        stream.synchronize().unwrap();
+        assert!(rt.block_on(v.to_host(&s)).unwrap().iter().all(|&x| x == 77));
+    }
+}
