@@ -18,6 +18,7 @@
 //!    stolen block stays with D;
 //! 3. *merge idle lists* (RMM issue 2039): lists whose stream the user has dropped (we hold the
 //!    last handle) move wholesale into S's list, after S waits on each, where they coalesce;
+//!    fresh memory joins them (without waiting), or it could never coalesce with freed memory;
 //! 4. *grow* from the upstream ([`Grow`]);
 //! 5. out of memory: *merge every list* into S's and try once more; then the error.
 
@@ -298,6 +299,13 @@ impl StreamLists {
     /// whose stream the user dropped (`idle_only`), which are then retired, or all of them.
     /// Returns how many blocks moved.
     fn merge_into(&self, stream: &Stream, idle_only: bool) -> Result<usize> {
+        // Fresh memory joins too: it needs no ordering, and left apart it could never coalesce
+        // with memory that came back to this list (a request for the whole pool, say).
+        let fresh = self.fresh.lock().drain();
+        for &(addr, size) in &fresh {
+            self.give(addr, size, stream);
+        }
+        let merged_fresh = fresh.len();
         let me = stream.id().get();
         let donors: Vec<(Arc<StreamList>, bool)> = {
             let mut registry = self.registry.lock();
@@ -327,7 +335,7 @@ impl StreamLists {
         let _span =
             tracing::debug_span!("merge", into = %stream.id(), lists = donors.len(), idle_only)
                 .entered();
-        let mut moved = 0;
+        let mut moved = merged_fresh;
         for (donor, idle) in donors {
             let blocks = {
                 let mut state = donor.state.lock();

@@ -1,0 +1,161 @@
+//! [`LimitingAdaptor`]: a byte limit on what goes through it (RMM's
+//! `limiting_resource_adaptor`), with its own queue of tasks waiting for memory.
+
+use std::fmt;
+
+use crate::device::{Device, DevicePtr};
+use crate::error::{Error, Result};
+use crate::resource::{aligned_size, MemoryKind, MemoryResource, MemoryWaiters, WaitStats};
+use crate::stream::Stream;
+use crate::sync::{AtomicUsize, Ordering};
+
+/// Caps the bytes outstanding through it at a limit (RMM's `limiting_resource_adaptor`).
+///
+/// - Each allocation counts as its size rounded up to 256 bytes
+///   ([`ALIGNMENT`](crate::ALIGNMENT)), the memory it really takes. Exact at the edge:
+///   allocations adding up to exactly the limit succeed, one more byte fails.
+/// - Over the limit it returns [`Error::OutOfMemory`] with `requested` = the rounded size,
+///   `available` = limit − used, `maximum` = limit, without calling the upstream.
+/// - The upstream's errors pass through unchanged, and the reservation made for the request
+///   is given back (nothing leaks).
+/// - **It has its own [`MemoryWaiters`]** (returned by `memory_waiters()`, not the upstream's):
+///   every successful `deallocate` through it, and every reservation given back after an
+///   upstream failure, notifies them. So
+///   [`allocate_async`](crate::AllocateAsync::allocate_async) on it waits for memory freed
+///   through it instead of failing, and a request above the limit fails at once. (A wait caused
+///   by the *upstream* running out is woken only by frees through this adaptor too: put the
+///   limit over a pool that nobody else uses.)
+///
+/// `used` is one atomic, reserved by compare-and-swap before the upstream call: threads cannot
+/// pass the limit together, and no lock is taken.
+pub struct LimitingAdaptor<U: MemoryResource> {
+    upstream: U,
+    limit: usize,
+    /// Bytes reserved: outstanding allocations (rounded up to 256), plus requests between
+    /// their reservation and the upstream's answer. Never above `limit`.
+    used: AtomicUsize,
+    waiters: MemoryWaiters,
+}
+
+impl<U: MemoryResource> fmt::Debug for LimitingAdaptor<U> {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("LimitingAdaptor")
+            .field("upstream", &self.upstream)
+            .field("limit", &self.limit)
+            .field("used", &self.used())
+            .field("waiters", &self.waiters)
+            .finish()
+    }
+}
+
+impl<U: MemoryResource> LimitingAdaptor<U> {
+    /// Lets at most `limit` bytes (counted in 256-byte units) be outstanding through it.
+    pub fn new(upstream: U, limit: usize) -> Self {
+        Self {
+            upstream,
+            limit,
+            used: AtomicUsize::new(0),
+            waiters: MemoryWaiters::new(),
+        }
+    }
+
+    /// The upstream resource.
+    pub fn upstream(&self) -> &U {
+        &self.upstream
+    }
+
+    /// The limit, in bytes (RMM's `get_allocation_limit`).
+    pub fn limit(&self) -> usize {
+        self.limit
+    }
+
+    /// Bytes outstanding, each allocation rounded up to 256 (RMM's `get_allocated_bytes`).
+    pub fn used(&self) -> usize {
+        self.used.load(Ordering::Acquire)
+    }
+
+    /// Bytes that can still be allocated: limit − used.
+    pub fn available(&self) -> usize {
+        self.limit.saturating_sub(self.used())
+    }
+
+    /// What waiting for memory in `allocate_async` on this adaptor has cost.
+    pub fn wait_stats(&self) -> WaitStats {
+        self.waiters.stats()
+    }
+
+    /// Reserves `size` bytes under the limit, or says how much there was.
+    fn reserve(&self, size: usize) -> Result<()> {
+        self.used
+            .fetch_update(Ordering::AcqRel, Ordering::Acquire, |used| {
+                used.checked_add(size).filter(|&total| total <= self.limit)
+            })
+            .map(drop)
+            .map_err(|used| {
+                tracing::debug!(
+                    requested = size,
+                    used,
+                    limit = self.limit,
+                    "LimitingAdaptor: over the limit"
+                );
+                Error::OutOfMemory {
+                    requested: size,
+                    available: self.limit.saturating_sub(used),
+                    maximum: self.limit,
+                }
+            })
+    }
+
+    /// Gives `size` reserved bytes back and wakes a waiter.
+    fn release(&self, size: usize) {
+        // Never below zero, even if a caller broke `deallocate`'s contract with a wrong size
+        // that the upstream accepted.
+        let _ = self
+            .used
+            .fetch_update(Ordering::AcqRel, Ordering::Acquire, |used| {
+                Some(used.saturating_sub(size))
+            });
+        self.waiters.notify();
+    }
+}
+
+impl<U: MemoryResource> MemoryResource for LimitingAdaptor<U> {
+    fn device(&self) -> &Device {
+        self.upstream.device()
+    }
+
+    fn memory_kind(&self) -> MemoryKind {
+        self.upstream.memory_kind()
+    }
+
+    fn allocate(&self, bytes: usize, stream: &Stream) -> Result<DevicePtr> {
+        if bytes == 0 {
+            return self.upstream.allocate(bytes, stream);
+        }
+        let size = aligned_size(bytes)?;
+        self.reserve(size)?;
+        match self.upstream.allocate(bytes, stream) {
+            Ok(ptr) => Ok(ptr),
+            Err(e) => {
+                // Our reservation may have made a waiter fail meanwhile: `release` wakes it.
+                self.release(size);
+                Err(e)
+            }
+        }
+    }
+
+    unsafe fn deallocate(&self, ptr: DevicePtr, bytes: usize, stream: &Stream) -> Result<()> {
+        // SAFETY: the caller's contract, passed on: `ptr` came from our `allocate`, which is the
+        // upstream's with the same `bytes`.
+        unsafe { self.upstream.deallocate(ptr, bytes, stream) }?;
+        if bytes > 0 {
+            // `bytes` was accepted by `allocate`, so rounding it cannot overflow.
+            self.release(aligned_size(bytes).unwrap_or(bytes));
+        }
+        Ok(())
+    }
+
+    fn memory_waiters(&self) -> Option<&MemoryWaiters> {
+        Some(&self.waiters)
+    }
+}

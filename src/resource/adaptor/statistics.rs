@@ -1,0 +1,228 @@
+//! [`StatisticsAdaptor`]: current, peak and total bytes and allocation counts, in nested scopes
+//! (RMM's `statistics_resource_adaptor`).
+
+use std::fmt;
+
+use crate::device::{Device, DevicePtr};
+use crate::error::{Error, Result};
+use crate::resource::{MemoryKind, MemoryResource, MemoryWaiters};
+use crate::stream::Stream;
+use crate::sync::Mutex;
+
+/// One statistic: its current value, the highest it reached, and the sum of everything added
+/// to it (RMM's `statistics_resource_adaptor::counter`).
+///
+/// Signed, as RMM's: inside a scope opened with
+/// [`push_counters`](StatisticsAdaptor::push_counters), freeing memory allocated before the scope
+/// takes `value` below zero.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Hash)]
+pub struct Counter {
+    /// What is outstanding now (allocated minus freed).
+    pub value: i64,
+    /// The highest `value` reached.
+    pub peak: i64,
+    /// Everything ever added (allocations only; frees do not subtract).
+    pub total: i64,
+}
+
+impl Counter {
+    fn add(&mut self, n: i64) {
+        self.value += n;
+        self.total += n;
+        self.peak = self.peak.max(self.value);
+    }
+
+    fn sub(&mut self, n: i64) {
+        self.value -= n;
+    }
+
+    /// Undoes a `sub` whose free failed. The peak follows if allocations made meanwhile took
+    /// the value past it: that much was really outstanding.
+    fn restore(&mut self, n: i64) {
+        self.value += n;
+        self.peak = self.peak.max(self.value);
+    }
+
+    /// Folds the counter of a finished inner scope into this one, as RMM's
+    /// `add_counters_from_tracked_sub_block`: the inner peak happened on top of our value.
+    fn fold(&mut self, inner: &Counter) {
+        self.peak = self.peak.max(self.value + inner.peak);
+        self.value += inner.value;
+        self.total += inner.total;
+    }
+}
+
+/// The two counters of a scope: bytes, and number of allocations.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Hash)]
+pub struct Counters {
+    /// Bytes, as requested by the callers (not rounded up to the 256-byte alignment).
+    pub bytes: Counter,
+    /// Allocations.
+    pub allocations: Counter,
+}
+
+impl Counters {
+    fn fold(&mut self, inner: &Counters) {
+        self.bytes.fold(&inner.bytes);
+        self.allocations.fold(&inner.allocations);
+    }
+}
+
+/// Counts what goes through it: current, peak and total bytes and allocations (RMM's
+/// `statistics_resource_adaptor`), exactly.
+///
+/// - A successful allocation of `bytes > 0` adds `bytes` (as requested, not rounded) and one
+///   allocation. A failed allocation counts nothing. **Zero-byte allocations are not counted**:
+///   they hold no memory and return a null pointer that cannot be told apart from another, so
+///   the counts are those of real, distinct allocations (RMM counts them as allocations of 0
+///   bytes; we do not).
+/// - A deallocation subtracts before the upstream is called (so that the counts never run
+///   above what is really outstanding, even while another thread reuses the memory at once);
+///   if the upstream rejects it, the subtraction is undone and the error returned.
+/// - Scopes: [`push_counters`](Self::push_counters) opens a fresh scope (all zeros) on a stack;
+///   every change goes to the innermost scope; [`pop_counters`](Self::pop_counters) closes it,
+///   returns its counters and folds them into the enclosing scope exactly as RMM does
+///   (`value += inner.value`, `total += inner.total`, `peak = max(peak, value_before +
+///   inner.peak)`). So the outermost scope always describes the whole history.
+///
+/// The counters live under one mutex, taken for a few additions per call and never across an
+/// upstream call: exact under any number of threads.
+pub struct StatisticsAdaptor<U: MemoryResource> {
+    upstream: U,
+    /// The scopes, innermost last. Never empty: index 0 is the outermost scope, which
+    /// `pop_counters` never removes.
+    scopes: Mutex<Vec<Counters>>,
+}
+
+impl<U: MemoryResource> fmt::Debug for StatisticsAdaptor<U> {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        let scopes = self.scopes.lock();
+        f.debug_struct("StatisticsAdaptor")
+            .field("upstream", &self.upstream)
+            .field("counters", scopes.last().unwrap_or(&Counters::default()))
+            .field("depth", &scopes.len())
+            .finish()
+    }
+}
+
+impl<U: MemoryResource> StatisticsAdaptor<U> {
+    /// Counts the allocations made through it from `upstream`, starting from zero.
+    pub fn new(upstream: U) -> Self {
+        Self {
+            upstream,
+            scopes: Mutex::new(vec![Counters::default()]),
+        }
+    }
+
+    /// The upstream resource.
+    pub fn upstream(&self) -> &U {
+        &self.upstream
+    }
+
+    /// The counters of the innermost scope.
+    pub fn counters(&self) -> Counters {
+        self.scopes.lock().last().copied().unwrap_or_default()
+    }
+
+    /// The bytes counter of the innermost scope (RMM's `get_bytes_counter`).
+    pub fn bytes_counter(&self) -> Counter {
+        self.counters().bytes
+    }
+
+    /// The allocations counter of the innermost scope (RMM's `get_allocations_counter`).
+    pub fn allocations_counter(&self) -> Counter {
+        self.counters().allocations
+    }
+
+    /// Opens a new scope, with every counter at zero, and returns the counters of the scope it
+    /// enters from (as RMM's `push_counters`).
+    pub fn push_counters(&self) -> Counters {
+        let mut scopes = self.scopes.lock();
+        let outer = scopes.last().copied().unwrap_or_default();
+        scopes.push(Counters::default());
+        outer
+    }
+
+    /// Closes the innermost scope: returns its counters and folds them into the enclosing one
+    /// (see the type's documentation). `Err(InvalidArgument)` if no scope was pushed (the
+    /// outermost scope cannot be popped; RMM throws `std::out_of_range` there).
+    pub fn pop_counters(&self) -> Result<Counters> {
+        let mut scopes = self.scopes.lock();
+        if scopes.len() < 2 {
+            return Err(Error::InvalidArgument {
+                what: "pop_counters: no scope was pushed (the outermost scope cannot be popped)",
+            });
+        }
+        let inner = scopes.pop().unwrap_or_default();
+        if let Some(outer) = scopes.last_mut() {
+            outer.fold(&inner);
+        }
+        Ok(inner)
+    }
+
+    /// How many scopes are open: 1 when none was pushed.
+    pub fn depth(&self) -> usize {
+        self.scopes.lock().len()
+    }
+
+    fn with_top(&self, f: impl FnOnce(&mut Counters)) {
+        let mut scopes = self.scopes.lock();
+        if let Some(top) = scopes.last_mut() {
+            f(top);
+        }
+    }
+}
+
+/// Bytes as a counter value. A `usize` above `i64::MAX` cannot be allocated (no resource holds
+/// it), but saturate rather than wrap.
+fn signed(bytes: usize) -> i64 {
+    i64::try_from(bytes).unwrap_or(i64::MAX)
+}
+
+impl<U: MemoryResource> MemoryResource for StatisticsAdaptor<U> {
+    fn device(&self) -> &Device {
+        self.upstream.device()
+    }
+
+    fn memory_kind(&self) -> MemoryKind {
+        self.upstream.memory_kind()
+    }
+
+    fn allocate(&self, bytes: usize, stream: &Stream) -> Result<DevicePtr> {
+        let ptr = self.upstream.allocate(bytes, stream)?;
+        if bytes > 0 {
+            self.with_top(|c| {
+                c.bytes.add(signed(bytes));
+                c.allocations.add(1);
+            });
+        }
+        Ok(ptr)
+    }
+
+    unsafe fn deallocate(&self, ptr: DevicePtr, bytes: usize, stream: &Stream) -> Result<()> {
+        if bytes == 0 {
+            // SAFETY: the caller's contract, passed on.
+            return unsafe { self.upstream.deallocate(ptr, bytes, stream) };
+        }
+        self.with_top(|c| {
+            c.bytes.sub(signed(bytes));
+            c.allocations.sub(1);
+        });
+        // SAFETY: the caller's contract, passed on: `ptr` came from our `allocate`, which is the
+        // upstream's with the same `bytes`.
+        let result = unsafe { self.upstream.deallocate(ptr, bytes, stream) };
+        if result.is_err() {
+            // Nothing was freed: count it as outstanding again. Not in `total`: it was counted
+            // there when it was allocated.
+            self.with_top(|c| {
+                c.bytes.restore(signed(bytes));
+                c.allocations.restore(1);
+            });
+        }
+        result
+    }
+
+    fn memory_waiters(&self) -> Option<&MemoryWaiters> {
+        self.upstream.memory_waiters()
+    }
+}
