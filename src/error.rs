@@ -76,6 +76,13 @@ pub enum Error {
         /// The size given with it.
         bytes: usize,
     },
+    /// An I/O operation of the crate failed (writing a log, reading a file).
+    Io {
+        /// What was being done.
+        what: &'static str,
+        /// The operating system's message.
+        message: String,
+    },
     /// A bad argument that no more specific variant describes.
     InvalidArgument {
         /// What was wrong.
@@ -102,6 +109,14 @@ impl Error {
             call,
             code: err.0 as u32,
             name,
+        }
+    }
+
+    /// Wraps an I/O error with what was being done.
+    pub(crate) fn io(what: &'static str, err: &std::io::Error) -> Self {
+        Error::Io {
+            what,
+            message: err.to_string(),
         }
     }
 
@@ -159,6 +174,7 @@ impl fmt::Display for Error {
                 "unknown pointer {ptr:#x} ({bytes} bytes): this resource did not hand it out, or \
                  not with this size, or it was already freed"
             ),
+            Error::Io { what, message } => write!(f, "{what}: {message}"),
             Error::InvalidArgument { what } => write!(f, "invalid argument: {what}"),
             Error::Timeout { waited } => write!(f, "timed out after waiting {waited:?}"),
         }

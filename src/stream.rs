@@ -292,6 +292,22 @@ impl Stream {
         )
     }
 
+    /// Migrates managed memory to this stream's device ahead of use (`cuMemPrefetchAsync`), in
+    /// stream order; the host does not wait. A hint: the memory is usable without it. The
+    /// simulated device has no separate memories and does nothing.
+    ///
+    /// # Safety
+    /// `[ptr, ptr + bytes)` is managed memory of this device that stays allocated until the
+    /// stream reaches the prefetch.
+    pub unsafe fn prefetch(&self, ptr: DevicePtr, bytes: usize) -> Result<()> {
+        match (&self.inner.raw, self.inner.device.backend()) {
+            // SAFETY: the caller's contract.
+            (RawStream::Cuda(s), Backend::Cuda(d)) => unsafe { d.prefetch(ptr.0, bytes, *s) },
+            (RawStream::Sim(_), Backend::Sim(_)) => Ok(()),
+            _ => Err(mismatch()),
+        }
+    }
+
     /// Built-in kernel: writes `value` to `count` 32-bit words at `dst` (an `f32` fill is
     /// `value.to_bits()`).
     ///

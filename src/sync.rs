@@ -11,7 +11,9 @@
 
 #[cfg(not(streamalloc_loom))]
 mod imp {
-    pub(crate) use std::sync::atomic::{AtomicBool, AtomicU64, AtomicU8, AtomicUsize, Ordering};
+    pub(crate) use std::sync::atomic::{
+        fence, AtomicBool, AtomicU64, AtomicU8, AtomicUsize, Ordering,
+    };
     pub(crate) use std::sync::Arc;
     pub(crate) use std::sync::MutexGuard;
 
@@ -61,7 +63,9 @@ mod imp {
 
 #[cfg(streamalloc_loom)]
 mod imp {
-    pub(crate) use loom::sync::atomic::{AtomicBool, AtomicU64, AtomicU8, AtomicUsize, Ordering};
+    pub(crate) use loom::sync::atomic::{
+        fence, AtomicBool, AtomicU64, AtomicU8, AtomicUsize, Ordering,
+    };
     pub(crate) use loom::sync::Arc;
     pub(crate) use loom::sync::MutexGuard;
 

@@ -756,7 +756,7 @@ fn logging_to_a_file_and_from_the_environment() {
     let bad = std::env::temp_dir().join("streamalloc-no-such-dir/x/log.csv");
     assert!(matches!(
         LoggingAdaptor::to_file(CudaResource::new(&device), &bad),
-        Err(Error::InvalidArgument { .. })
+        Err(Error::Io { .. })
     ));
 
     // The environment variable: only this test touches it.

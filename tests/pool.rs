@@ -339,6 +339,17 @@ fn bad_construction_arguments_are_errors() {
         ));
     }
     let ptr = p.allocate(1024, &s).unwrap();
+    // SAFETY: deliberately wrong ranges inside and past the pool's only chunk: refused.
+    unsafe {
+        assert!(matches!(
+            p.deallocate(ptr.offset(512), MIB, &s),
+            Err(Error::UnknownPointer { .. })
+        ));
+        assert!(matches!(
+            p.deallocate(DevicePtr(ptr.0 + (1 << 40)), 256, &s),
+            Err(Error::UnknownPointer { .. })
+        ));
+    }
     free(&p, ptr, 1024, &s);
     // SAFETY: a double free, which the pool detects and refuses.
     assert!(matches!(

@@ -562,6 +562,20 @@ impl CudaDevice {
         })
     }
 
+    /// # Safety
+    /// `[ptr, ptr + bytes)` is managed memory that stays allocated until the stream reaches this.
+    pub(crate) unsafe fn prefetch(&self, ptr: u64, bytes: usize, stream: RawStream) -> Result<()> {
+        self.ctx.bind()?;
+        // SAFETY: an all-zero CUmemLocation is valid plain data; we set both fields.
+        let mut location: sys::CUmemLocation = unsafe { std::mem::zeroed() };
+        location.type_ = sys::CUmemLocationType::CU_MEM_LOCATION_TYPE_DEVICE;
+        location.id = self.ordinal as i32;
+        // SAFETY: the caller's contract; the stream is live.
+        check("cuMemPrefetchAsync", unsafe {
+            result::mem_prefetch_async(ptr, bytes, location, stream.0)
+        })
+    }
+
     fn grid(&self, count: usize) -> u32 {
         let needed = count.div_ceil(BLOCK as usize).max(1);
         needed.min(self.multiprocessors as usize * 8) as u32

@@ -11,12 +11,13 @@
 //!
 //! Coalescing is O(1) too: two hash maps find a freed block's neighbours by address (the block
 //! ending where it starts, the block starting where it ends). Blocks never merge across upstream
-//! chunks: `boundaries` holds every chunk's start address, and a merge over one is refused.
+//! chunks: `chunks` holds every chunk's range (a few, sorted), a merge over a chunk start is
+//! refused, and a freed range that does not lie inside one chunk is refused as not ours.
 //!
 //! [`FreeList::check`] verifies every invariant (talc's `scan_for_errors`); the tests call it
 //! after every step.
 
-use rustc_hash::{FxHashMap, FxHashSet};
+use rustc_hash::FxHashMap;
 
 use crate::resource::ALIGNMENT;
 
@@ -50,8 +51,9 @@ pub(crate) struct FreeList {
     sl_maps: [u32; FL],
     by_start: FxHashMap<u64, u32>,
     by_end: FxHashMap<u64, u32>,
-    /// Start addresses of the upstream chunks: no merge crosses one.
-    boundaries: FxHashSet<u64>,
+    /// The upstream chunks' `(start, end)`, sorted: no merge crosses a start, and a freed range
+    /// must lie inside one.
+    chunks: Vec<(u64, u64)>,
     free_bytes: u64,
 }
 
@@ -96,7 +98,7 @@ impl FreeList {
             sl_maps: [0; FL],
             by_start: FxHashMap::default(),
             by_end: FxHashMap::default(),
-            boundaries: FxHashSet::default(),
+            chunks: Vec::new(),
             free_bytes: 0,
         }
     }
@@ -111,13 +113,40 @@ impl FreeList {
         self.by_start.len()
     }
 
-    /// Registers an upstream chunk's start: no block will merge across it.
-    pub(crate) fn add_boundary(&mut self, chunk_start: u64) {
-        self.boundaries.insert(chunk_start);
+    /// Registers an upstream chunk: no block will merge across its start, and freed ranges
+    /// inside it are accepted.
+    pub(crate) fn add_chunk(&mut self, start: u64, size: u64) {
+        let at = self.chunks.partition_point(|c| c.0 < start);
+        if self.chunks.get(at).is_none_or(|c| c.0 != start) {
+            self.chunks.insert(at, (start, start + size));
+        }
     }
 
-    pub(crate) fn remove_boundary(&mut self, chunk_start: u64) {
-        self.boundaries.remove(&chunk_start);
+    pub(crate) fn remove_chunk(&mut self, start: u64) {
+        self.chunks.retain(|c| c.0 != start);
+    }
+
+    /// A chunk start without a known end: merges stop there, and frees after it are not
+    /// checked against an end. (For callers that track their own chunk sizes.)
+    pub(crate) fn add_boundary(&mut self, start: u64) {
+        self.add_chunk(start, u64::MAX - start);
+    }
+
+    pub(crate) fn remove_boundary(&mut self, start: u64) {
+        self.remove_chunk(start);
+    }
+
+    fn is_chunk_start(&self, addr: u64) -> bool {
+        self.chunks.binary_search_by_key(&addr, |c| c.0).is_ok()
+    }
+
+    /// Whether `[addr, addr + size)` lies inside one registered chunk.
+    fn inside_a_chunk(&self, addr: u64, size: u64) -> bool {
+        let at = self.chunks.partition_point(|c| c.0 <= addr);
+        at > 0
+            && addr
+                .checked_add(size)
+                .is_some_and(|end| end <= self.chunks[at - 1].1)
     }
 
     // ===== class lists =====
@@ -273,20 +302,23 @@ impl FreeList {
     }
 
     /// Gives `[addr, addr + size)` back, merging it with free neighbours of the same chunk.
-    /// Returns false, changing nothing, if a free block already starts at `addr` (a double
-    /// free).
+    /// Returns false, changing nothing, if the range is not inside one chunk, or if a free block
+    /// already starts or ends where it does (a double free).
     pub(crate) fn give(&mut self, addr: u64, size: u64) -> bool {
         debug_assert!(size > 0 && size % ALIGNMENT as u64 == 0 && addr % ALIGNMENT as u64 == 0);
-        if self.by_start.contains_key(&addr) || self.by_end.contains_key(&(addr + size)) {
+        if !self.inside_a_chunk(addr, size)
+            || self.by_start.contains_key(&addr)
+            || self.by_end.contains_key(&(addr + size))
+        {
             return false;
         }
         let end = addr + size;
-        let left = if self.boundaries.contains(&addr) {
+        let left = if self.is_chunk_start(addr) {
             None
         } else {
             self.by_end.get(&addr).copied()
         };
-        let right = if self.boundaries.contains(&end) {
+        let right = if self.is_chunk_start(end) {
             None
         } else {
             self.by_start.get(&end).copied()
@@ -337,9 +369,9 @@ impl FreeList {
             .values()
             .map(|&i| (self.blocks[i as usize].addr, self.blocks[i as usize].size))
             .collect();
-        let boundaries = std::mem::take(&mut self.boundaries);
+        let chunks = std::mem::take(&mut self.chunks);
         *self = Self::new();
-        self.boundaries = boundaries;
+        self.chunks = chunks;
         blocks
     }
 
@@ -381,6 +413,9 @@ impl FreeList {
                 {
                     return Err(format!("block {i}: address maps disagree ({b:?})"));
                 }
+                if !self.inside_a_chunk(b.addr, b.size) {
+                    return Err(format!("block {i} lies outside every chunk ({b:?})"));
+                }
                 if b.size == 0 || b.size % ALIGNMENT as u64 != 0 || b.addr % ALIGNMENT as u64 != 0 {
                     return Err(format!("block {i}: misaligned or empty ({b:?})"));
                 }
@@ -410,7 +445,7 @@ impl FreeList {
             if a.0 + a.1 > b.0 {
                 return Err(format!("blocks overlap: {a:x?} and {b:x?}"));
             }
-            if a.0 + a.1 == b.0 && !self.boundaries.contains(&b.0) {
+            if a.0 + a.1 == b.0 && !self.is_chunk_start(b.0) {
                 return Err(format!(
                     "adjacent blocks of one chunk not merged: {a:x?} and {b:x?}"
                 ));
@@ -470,7 +505,9 @@ mod tests {
     #[test]
     fn take_splits_and_give_coalesces() {
         let mut l = FreeList::new();
-        l.add_boundary(0x10000);
+        l.add_chunk(0x10000, 64 * U);
+        assert!(!l.give(0x20000, U), "outside every chunk");
+        assert!(!l.give(0x10000 + 60 * U, 8 * U), "runs past the chunk");
         assert!(l.give(0x10000, 64 * U));
         let a = l.take(4 * U).unwrap();
         let b = l.take(4 * U).unwrap();
@@ -487,8 +524,8 @@ mod tests {
     #[test]
     fn no_merge_across_chunks() {
         let mut l = FreeList::new();
-        l.add_boundary(0x10000);
-        l.add_boundary(0x10000 + 8 * U);
+        l.add_chunk(0x10000, 8 * U);
+        l.add_chunk(0x10000 + 8 * U, 8 * U);
         assert!(l.give(0x10000, 8 * U));
         assert!(l.give(0x10000 + 8 * U, 8 * U));
         l.check().unwrap();
@@ -504,7 +541,7 @@ mod tests {
         // Separate chunks so nothing merges: sizes 37, 40, 33 units in one class.
         for (i, units) in [37u64, 40, 33].iter().enumerate() {
             let base = 0x1_0000_0000 * (i as u64 + 1);
-            l.add_boundary(base);
+            l.add_chunk(base, units * U);
             assert!(l.give(base, units * U));
         }
         assert_eq!(l.take(33 * U), Some(0x3_0000_0000));
@@ -529,7 +566,7 @@ mod tests {
             (0x9000_0000, 2048 * U),
         ];
         for &(base, size) in &chunks {
-            l.add_boundary(base);
+            l.add_chunk(base, size);
             assert!(l.give(base, size));
         }
         let total: u64 = chunks.iter().map(|c| c.1).sum();

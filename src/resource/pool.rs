@@ -131,7 +131,7 @@ impl<U: MemoryResource> PoolResource<U> {
             // The chunk was allocated in stream order on our own stream; once that has run, any
             // stream may use it without waiting: it is fresh.
             pool.own.synchronize_blocking()?;
-            pool.lists.add_boundary(base);
+            pool.lists.add_chunk(base, size);
             pool.lists.give_fresh(base, size);
         }
         Ok(pool)
@@ -251,7 +251,7 @@ impl<U: MemoryResource> PoolResource<U> {
             } {
                 Ok(()) => {
                     self.chunks.lock().remove(&base);
-                    self.lists.remove_boundary(base);
+                    self.lists.remove_chunk(base);
                     self.reserved.fetch_sub(size, Ordering::AcqRel);
                     released += size as usize;
                 }

@@ -55,8 +55,8 @@ struct ListState {
 
 struct Registry {
     lists: FxHashMap<u64, Arc<StreamList>>,
-    /// Start of every chunk, for lists made later.
-    boundaries: Vec<u64>,
+    /// Every chunk's `(start, size)`, for lists made later.
+    chunks: Vec<(u64, u64)>,
 }
 
 /// The free lists of one resource.
@@ -136,7 +136,7 @@ impl StreamLists {
             fresh: Mutex::new(FreeList::new()),
             registry: Mutex::new(Registry {
                 lists: FxHashMap::default(),
-                boundaries: Vec::new(),
+                chunks: Vec::new(),
             }),
             steals: AtomicU64::new(0),
             merges: AtomicU64::new(0),
@@ -151,11 +151,11 @@ impl StreamLists {
         }
         let list = {
             let mut registry = self.registry.lock();
-            let boundaries = &registry.boundaries;
+            let chunks = &registry.chunks;
             let make = || {
                 let mut free = FreeList::new();
-                for &b in boundaries {
-                    free.add_boundary(b);
+                for &(start, size) in chunks {
+                    free.add_chunk(start, size);
                 }
                 Arc::new(StreamList {
                     stream: stream.clone(),
@@ -192,23 +192,23 @@ impl StreamLists {
         }
     }
 
-    /// A new chunk's start: no block will merge across it in any list.
-    pub(crate) fn add_boundary(&self, base: u64) {
+    /// A new chunk: every list accepts frees inside it and merges no block across its start.
+    pub(crate) fn add_chunk(&self, start: u64, size: u64) {
         let mut registry = self.registry.lock();
-        registry.boundaries.push(base);
-        self.fresh.lock().add_boundary(base);
+        registry.chunks.push((start, size));
+        self.fresh.lock().add_chunk(start, size);
         for list in registry.lists.values() {
-            list.state.lock().free.add_boundary(base);
+            list.state.lock().free.add_chunk(start, size);
         }
     }
 
     /// A chunk went back upstream.
-    pub(crate) fn remove_boundary(&self, base: u64) {
+    pub(crate) fn remove_chunk(&self, start: u64) {
         let mut registry = self.registry.lock();
-        registry.boundaries.retain(|&b| b != base);
-        self.fresh.lock().remove_boundary(base);
+        registry.chunks.retain(|c| c.0 != start);
+        self.fresh.lock().remove_chunk(start);
         for list in registry.lists.values() {
-            list.state.lock().free.remove_boundary(base);
+            list.state.lock().free.remove_chunk(start);
         }
     }
 
@@ -241,7 +241,7 @@ impl StreamLists {
         }
         match upstream.grow(size, stream) {
             Ok((base, chunk)) => {
-                self.add_boundary(base);
+                self.add_chunk(base, chunk);
                 let rest = self.with_own(stream, |free| {
                     free.give(base, chunk);
                     free.take(size)

@@ -21,7 +21,7 @@ use std::collections::VecDeque;
 use std::task::Waker;
 use std::time::{Duration, Instant};
 
-use crate::sync::{AtomicU64, AtomicUsize, Mutex, Ordering};
+use crate::sync::{fence, AtomicU64, AtomicUsize, Mutex, Ordering};
 
 struct Entry {
     id: u64,
@@ -98,7 +98,11 @@ impl MemoryWaiters {
     /// Memory came back to the resource: the first waiter tries again. Call it after every
     /// free (and whenever else memory may have become available). Cheap when nobody waits.
     pub fn notify(&self) {
-        if self.len.load(Ordering::Acquire) == 0 {
+        // Store buffering: a waiter writes `len` then reads the resource's state; a free writes
+        // the state then reads `len`. Without a full fence on both sides each could miss the
+        // other's write and the wakeup would be lost (the waiter's fence is in `register`).
+        fence(Ordering::SeqCst);
+        if self.len.load(Ordering::Relaxed) == 0 {
             return;
         }
         let waker = {
@@ -146,6 +150,9 @@ impl MemoryWaiters {
         });
         self.len.fetch_add(1, Ordering::Release);
         self.bytes_waiting.fetch_add(bytes, Ordering::Relaxed);
+        // Pairs with the fence in `notify`: our retry after registering sees a free that missed
+        // us, or that free sees us (see `notify`).
+        fence(Ordering::SeqCst);
         (id, queue.entries.len() == 1)
     }
 

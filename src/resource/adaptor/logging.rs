@@ -106,8 +106,7 @@ impl<U: MemoryResource> LoggingAdaptor<U> {
     }
 
     /// Logs to the file at `path`, created or truncated, through a `BufWriter`.
-    /// `Err(InvalidArgument)` if the file cannot be created (the I/O error is logged with
-    /// `tracing::error!`). `upstream` is dropped on error.
+    /// `Err(Io)` if the file cannot be created. `upstream` is dropped on error.
     pub fn to_file(upstream: U, path: impl AsRef<Path>) -> Result<Self> {
         let path = path.as_ref();
         let file = File::create(path).map_err(|e| {
@@ -116,9 +115,7 @@ impl<U: MemoryResource> LoggingAdaptor<U> {
                 error = %e,
                 "LoggingAdaptor: cannot create the log file"
             );
-            Error::InvalidArgument {
-                what: "LoggingAdaptor: the log file cannot be created",
-            }
+            Error::io("LoggingAdaptor: the log file cannot be created", &e)
         })?;
         Ok(Self::with_sink(
             upstream,
@@ -178,7 +175,7 @@ impl<U: MemoryResource> LoggingAdaptor<U> {
     }
 
     /// Flushes the log. Returns the first write error since the last flush, if any
-    /// (`Err(InvalidArgument)`; the I/O error itself was logged with `tracing::error!`), and
+    /// (`Err(Io)`), and
     /// then forgets it.
     pub fn flush(&self) -> Result<()> {
         let mut sink = self.sink.lock();
@@ -190,9 +187,9 @@ impl<U: MemoryResource> LoggingAdaptor<U> {
         }
         match (error, flushed) {
             (None, Ok(())) => Ok(()),
-            _ => Err(Error::InvalidArgument {
-                what: "LoggingAdaptor: writing the log failed",
-            }),
+            (Some(e), _) | (None, Err(e)) => {
+                Err(Error::io("LoggingAdaptor: writing the log failed", &e))
+            }
         }
     }
 

@@ -20,10 +20,8 @@ use crate::sync::{AtomicU64, Ordering};
 ///   and only a hint: if it cannot be queued, the allocation still succeeds and the failure is
 ///   logged with `tracing::warn!`. Zero-byte allocations are not prefetched.
 ///
-/// **Pending:** the device layer has no prefetch operation yet. The call site is marked
-/// (`PENDING(device layer)` in this file); until `Stream::prefetch(ptr, bytes)`
-/// (`cuMemPrefetchAsync` to the stream's device; a no-op on the simulated device) exists, the
-/// adaptor is correct but does not prefetch: the memory migrates on first touch as without it.
+/// The prefetch is [`Stream::prefetch`] (`cuMemPrefetchAsync` to the stream's device; nothing on
+/// the simulated device).
 pub struct PrefetchAdaptor<U: MemoryResource> {
     upstream: U,
     /// Prefetches requested (allocations of managed memory made through it).
@@ -61,16 +59,9 @@ impl<U: MemoryResource> PrefetchAdaptor<U> {
     /// Queues the prefetch of `bytes` at `ptr` to the device on `stream`.
     fn prefetch(&self, ptr: DevicePtr, bytes: usize, stream: &Stream) -> Result<()> {
         self.requested.fetch_add(1, Ordering::Relaxed);
-        // PENDING(device layer): the one missing piece. When `Stream::prefetch` exists, this
-        // body becomes:
-        //
-        //     stream.prefetch(ptr, bytes)
-        //
-        // (`cuMemPrefetchAsync(ptr, bytes, <the stream's device>, stream)` on CUDA; a no-op on
-        // the simulated device). Until then nothing is queued: correct, only without the
-        // speed-up.
-        let _ = (ptr, bytes, stream);
-        Ok(())
+        // SAFETY: `ptr` is managed memory just allocated from the upstream for `bytes`, which
+        // the caller will free only in stream order after this point of `stream`.
+        unsafe { stream.prefetch(ptr, bytes) }
     }
 }
 
