@@ -99,9 +99,17 @@ impl<R: MemoryResource + ?Sized> Future for Allocate<'_, R> {
     fn poll(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<Result<DevicePtr>> {
         let this = self.get_mut();
         let waiters = this.waiters();
+        // The common case, kept to one try: not queued, nobody waiting.
+        if this.id.is_none() && waiters.is_none_or(|w| w.is_empty()) {
+            match this.resource.allocate(this.bytes, this.stream) {
+                Ok(ptr) => return Poll::Ready(Ok(ptr)),
+                Err(e) if worth_waiting(&e) && waiters.is_some() => {}
+                Err(e) => return Poll::Ready(Err(e)),
+            }
+        }
         let try_now = match (this.id, waiters) {
-            // Not queued: try at once, unless others wait (FIFO: queue behind them).
-            (None, w) => w.is_none_or(|w| w.is_empty()),
+            // Not queued and the try above failed, or others wait (FIFO: queue behind them).
+            (None, _) => false,
             // Queued: try when woken with the baton.
             (Some(id), Some(w)) => w.poll_entry(id, cx.waker()).unwrap_or(true),
             (Some(_), None) => true,
@@ -156,6 +164,8 @@ impl<R: MemoryResource + ?Sized> Future for Allocate<'_, R> {
 impl<R: MemoryResource + ?Sized> Drop for Allocate<'_, R> {
     fn drop(&mut self) {
         // Cancelled while waiting: leave the queue, passing on a wakeup we may have been given.
-        self.leave(Leave::Cancelled);
+        if self.id.is_some() {
+            self.leave(Leave::Cancelled);
+        }
     }
 }
