@@ -17,7 +17,16 @@ use streamalloc::{AllocateAsync, Device, DeviceBuffer, Error, MemoryResource, St
 const MIB: usize = 1 << 20;
 
 fn pool(device: &Device, size: usize) -> Arc<PoolResource<CudaResource>> {
-    Arc::new(PoolResource::new(CudaResource::new(device), PoolOptions { initial: size, maximum: Some(size) }).unwrap())
+    Arc::new(
+        PoolResource::new(
+            CudaResource::new(device),
+            PoolOptions {
+                initial: size,
+                maximum: Some(size),
+            },
+        )
+        .unwrap(),
+    )
 }
 
 /// 64 tasks, each needing a quarter of the pool, loop: all complete, none fails, and the pool
@@ -61,7 +70,11 @@ fn sixty_four_tasks_each_needing_a_quarter() {
         assert_eq!(stats.grows, 0);
         let waits = p.wait_stats();
         assert_eq!(waits.waiting, 0);
-        assert!(waits.waits > 0, "{}: nobody ever waited: {waits:?}", label(&device));
+        assert!(
+            waits.waits > 0,
+            "{}: nobody ever waited: {waits:?}",
+            label(&device)
+        );
     }
 }
 
@@ -83,19 +96,27 @@ fn a_large_waiter_is_not_starved_by_small_ones() {
             o2.lock().unwrap().push("large");
             drop(b);
         });
-        assert!(eventually(Duration::from_secs(5), || p.wait_stats().waiting == 1));
+        assert!(eventually(Duration::from_secs(5), || p
+            .wait_stats()
+            .waiting
+            == 1));
         // Small requests that would fit in the free half: they queue behind the large one.
         let smalls: Vec<_> = (0..20)
             .map(|i| {
                 let (p, s, o) = (p.clone(), s.clone(), order.clone());
                 rt.spawn(async move {
                     let b = DeviceBuffer::alloc(&p, MIB, &s).await.unwrap();
-                    o.lock().unwrap().push(if i == 0 { "small-first" } else { "small" });
+                    o.lock()
+                        .unwrap()
+                        .push(if i == 0 { "small-first" } else { "small" });
                     drop(b);
                 })
             })
             .collect();
-        assert!(eventually(Duration::from_secs(5), || p.wait_stats().waiting == 21));
+        assert!(eventually(Duration::from_secs(5), || p
+            .wait_stats()
+            .waiting
+            == 21));
         drop(half);
         rt.block_on(large).unwrap();
         for t in smalls {
@@ -139,7 +160,9 @@ fn cancellation_at_random_points_loses_nothing() {
                                 1 => {
                                     let mut fut = Box::pin(fut);
                                     let waker = futures::task::noop_waker();
-                                    if let Poll::Ready(b) = fut.as_mut().poll(&mut Context::from_waker(&waker)) {
+                                    if let Poll::Ready(b) =
+                                        fut.as_mut().poll(&mut Context::from_waker(&waker))
+                                    {
                                         drop(b.unwrap());
                                     }
                                 }
@@ -165,11 +188,23 @@ fn cancellation_at_random_points_loses_nothing() {
         }
         assert!(completed.load(Ordering::Relaxed) > 0);
         let waits = p.wait_stats();
-        assert_eq!((waits.waiting, waits.bytes_waiting), (0, 0), "{}: {waits:?}", label(&device));
+        assert_eq!(
+            (waits.waiting, waits.bytes_waiting),
+            (0, 0),
+            "{}: {waits:?}",
+            label(&device)
+        );
         let stats = p.stats();
-        assert_eq!(stats.free, stats.reserved, "{}: bytes lost: {stats:?}", label(&device));
+        assert_eq!(
+            stats.free,
+            stats.reserved,
+            "{}: bytes lost: {stats:?}",
+            label(&device)
+        );
         // The pool still serves everything.
-        let all = rt.block_on(DeviceBuffer::alloc(&p, size, &streams.get())).unwrap();
+        let all = rt
+            .block_on(DeviceBuffer::alloc(&p, size, &streams.get()))
+            .unwrap();
         drop(all);
     }
 }
@@ -183,7 +218,10 @@ fn a_waiter_wakes_only_after_the_gpu_frees_the_memory() {
         let words = 256 * 1024;
         let bytes = words * 4;
         let p = pool(&device, bytes);
-        let (a, k) = (device.create_stream().unwrap(), device.create_stream().unwrap());
+        let (a, k) = (
+            device.create_stream().unwrap(),
+            device.create_stream().unwrap(),
+        );
         let mut x = DeviceBuffer::new(&p, bytes, &a).unwrap();
         let addr = x.as_ptr();
         k.wait(&a.record().unwrap()).unwrap();
@@ -197,14 +235,25 @@ fn a_waiter_wakes_only_after_the_gpu_frees_the_memory() {
             let b = DeviceBuffer::alloc(&p2, bytes, &a2).await.unwrap();
             (b.as_ptr(), b)
         });
-        assert!(eventually(Duration::from_secs(5), || p.wait_stats().waiting == 1));
+        assert!(eventually(Duration::from_secs(5), || p
+            .wait_stats()
+            .waiting
+            == 1));
         drop(x);
         let (got, b) = rt.block_on(waiter).unwrap();
         assert_eq!(got, addr);
-        assert!(kernel_done.is_complete(), "{}: woken before the kernel finished", label(&device));
+        assert!(
+            kernel_done.is_complete(),
+            "{}: woken before the kernel finished",
+            label(&device)
+        );
         // The kernel's data is intact: nothing wrote over it before the waiter got the memory.
         let back = rt.block_on(b.to_host()).unwrap();
-        assert!(back.chunks(4).all(|w| w == 0x1234_5678u32.to_le_bytes()), "{}", label(&device));
+        assert!(
+            back.chunks(4).all(|w| w == 0x1234_5678u32.to_le_bytes()),
+            "{}",
+            label(&device)
+        );
     }
 }
 
@@ -215,7 +264,9 @@ fn too_large_requests_fail_at_once_and_deadlines_expire() {
         let p = pool(&device, 4 * MIB);
         let s = device.create_stream().unwrap();
         match rt.block_on(p.allocate_async(5 * MIB, &s)) {
-            Err(Error::OutOfMemory { requested, maximum, .. }) => {
+            Err(Error::OutOfMemory {
+                requested, maximum, ..
+            }) => {
                 assert_eq!(requested, 5 * MIB);
                 assert_eq!(maximum, 4 * MIB);
             }
@@ -225,8 +276,13 @@ fn too_large_requests_fail_at_once_and_deadlines_expire() {
         let start = std::time::Instant::now();
         match rt.block_on(p.allocate_async(MIB, &s).timeout(Duration::from_millis(30))) {
             Err(Error::Timeout { waited }) => {
-                assert!(waited >= Duration::from_millis(30) && start.elapsed() >= Duration::from_millis(30));
-                assert!(Error::Timeout { waited }.to_string().contains("timed out after"));
+                assert!(
+                    waited >= Duration::from_millis(30)
+                        && start.elapsed() >= Duration::from_millis(30)
+                );
+                assert!(Error::Timeout { waited }
+                    .to_string()
+                    .contains("timed out after"));
             }
             other => panic!("{}: {other:?}", label(&device)),
         }
