@@ -506,10 +506,14 @@ fn tracking_with_backtraces_reports_where_each_allocation_was_made() {
         "{report}"
     );
     assert_eq!(report.matches("allocated at:").count(), 1, "{report}");
-    assert!(
-        report.contains("tracking_with_backtraces_reports_where_each_allocation_was_made"),
-        "the backtrace does not name the allocating function:\n{report}"
-    );
+    // Naming the function needs symbols and no inlining: a debug build. (The GPU runs use
+    // release builds stripped of debug information, where the frame can vanish.)
+    if cfg!(debug_assertions) {
+        assert!(
+            report.contains("tracking_with_backtraces_reports_where_each_allocation_was_made"),
+            "the backtrace does not name the allocating function:\n{report}"
+        );
+    }
     free(&tracking, a, 4096, &s);
 }
 

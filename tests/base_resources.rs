@@ -773,8 +773,12 @@ fn pinned_block_is_reused_only_after_the_gpu_is_done_with_it() {
         // more memory (even if the reactor has not moved it to the cache yet).
         let pinned_before = r.stats().host_allocations;
         let c = r.allocate(bytes, &stream).unwrap();
-        assert_eq!(c, a, "{what}: the finished block was not reused");
-        assert_eq!(r.stats().host_allocations, pinned_before, "{what}");
+        // Unless `b` already got `a` back (the spin was over by then, as a slow queueing can
+        // make it), `c` does, without pinning more memory.
+        if b != a {
+            assert_eq!(c, a, "{what}: the finished block was not reused");
+            assert_eq!(r.stats().host_allocations, pinned_before, "{what}");
+        }
         // SAFETY: unused, freed once each.
         unsafe {
             r.deallocate(b, bytes, &stream).unwrap();
