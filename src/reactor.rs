@@ -6,7 +6,7 @@
 //! waiters and runs the callbacks ([`Completion::complete`]) on this thread, never in a driver
 //! callback.
 //!
-//! How it waits, and why (figures in `benches/doorbell_probe.h200.txt`): on the H200 we
+//! How it waits, and why (figures in `benches/results/doorbell_probe.h200.txt`): on the H200 we
 //! measured, every way the driver has to wake a sleeping thread (a host function, a
 //! blocking-sync event) arrives 20 µs after the event at best and 250-450 µs after it once the
 //! wait is longer than ~100 µs; polling `cuEventQuery` sees it within ~1 µs. So:
