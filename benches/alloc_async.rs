@@ -53,7 +53,8 @@ fn pool(device: &Device, initial: usize, maximum: usize) -> Arc<PoolResource<Cud
 /// Polls a future once with a no-op waker: the cost of the future alone.
 fn poll_once<F: Future>(f: F) -> Option<F::Output> {
     let mut f = std::pin::pin!(f);
-    match f.as_mut().poll(&mut Context::from_waker(Waker::noop())) {
+    // (futures' no-op waker: `Waker::noop` needs Rust 1.85, above the crate's 1.82.)
+    match f.as_mut().poll(&mut Context::from_waker(futures::task::noop_waker_ref())) {
         Poll::Ready(v) => Some(v),
         Poll::Pending => None,
     }

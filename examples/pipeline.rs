@@ -1,32 +1,39 @@
-//! A three-stage GPU pipeline driven by async Rust: `cargo run --example pipeline`.
+//! A two-stream GPU pipeline driven by async Rust: `cargo run --example pipeline`.
 //!
 //! Runs on CUDA device 0 when there is a GPU, else on the simulated device, and says which.
 //! `RUST_LOG=streamalloc=debug` shows what the crate does; `STREAMALLOC_DEVICE=sim|cuda|cuda:N`
-//! picks the device.
+//! picks the device. Exits non-zero on a wrong value.
 //!
-//! Each batch is one tokio task that spreads its work over two streams of a `StreamPool`:
+//! Each batch is one tokio task. All batches share one pool of device memory, sized for only
+//! `POOL_BATCHES` of them at a time: the others wait for memory by `.await` (no thread is
+//! parked) until earlier batches free theirs. A batch spreads its work over two streams of a
+//! `StreamPool`:
 //!
-//! 1. on stream A: allocate device memory in stream order, fill it with `i + 1.0`, record `filled`;
-//! 2. on stream B: wait for `filled` on the GPU (the host does not wait), scale by 2, record `scaled`;
-//! 3. the task `.await`s `scaled` (no thread is blocked), copies the floats back to a host `Vec`
-//!    on B, records `copied`, queues the free, awaits `copied` and checks the values.
-//!
-//! The batches run concurrently, and they wait for the GPU by `.await`, never by blocking a
-//! thread. (This example uses raw device pointers; it moves to pool-allocated buffers when those
-//! land.)
+//! 1. on stream A: fill the `input` vector with `i + 1.0`, record the event `filled`;
+//! 2. on stream B: wait for `filled` on the GPU (the host does not wait), copy `input` into
+//!    `output` and scale `output` by 2. `input` is now used on B too: `record_stream` tells it,
+//!    so dropping it right away frees it only once B's copy has run;
+//! 3. the task awaits `output.to_host(&b)` (the copy back runs after B's work; no thread
+//!    blocks), checks the values and drops `output`, which goes back to the pool on B at once.
 
 use std::process::ExitCode;
 use std::sync::Arc;
-use std::time::Instant;
+use std::time::{Duration, Instant};
 
-use streamalloc::{Device, DeviceKind, StreamPool};
+use streamalloc::resource::cuda::CudaResource;
+use streamalloc::resource::pool::{PoolOptions, PoolResource};
+use streamalloc::{Device, DeviceVec, StreamPool};
+use tokio::sync::Mutex;
 use tokio::task::JoinSet;
 use tracing_subscriber::EnvFilter;
 
 const BATCHES: usize = 32;
-const FLOATS: usize = 1 << 16; // per batch: 256 KiB
+const FLOATS: usize = 1 << 16; // per buffer: 256 KiB
 const STREAMS: usize = 4;
+/// The pool holds the buffers of this many batches at once.
+const POOL_BATCHES: usize = 6;
 
+type Pool = PoolResource<CudaResource>;
 type BoxError = Box<dyn std::error::Error + Send + Sync>;
 
 #[tokio::main]
@@ -48,97 +55,141 @@ async fn main() -> ExitCode {
 
 async fn run() -> Result<(), BoxError> {
     let device = Device::default_device()?;
-    match device.kind() {
-        DeviceKind::Cuda => {
-            let ordinal = device.ordinal().unwrap_or(0);
-            println!("running on CUDA device {ordinal}: {}", device.name());
-        }
-        DeviceKind::Simulated if std::env::var_os("STREAMALLOC_DEVICE").is_some() => {
-            println!("running on the simulated device (chosen by STREAMALLOC_DEVICE)");
-        }
-        DeviceKind::Simulated => {
-            println!("running on the simulated device (no GPU found; RUST_LOG=info says why)");
-        }
-    }
+    let why = match (
+        device.is_simulated(),
+        std::env::var_os("STREAMALLOC_DEVICE"),
+    ) {
+        (false, _) => "",
+        (true, Some(_)) => " (chosen by STREAMALLOC_DEVICE)",
+        (true, None) => " (no GPU found; RUST_LOG=info says why)",
+    };
+    println!("running on {device}{why}");
 
-    let streams = Arc::new(StreamPool::new(&device, STREAMS)?);
+    // One pool for every batch. Its memory is taken from the device up front, in one chunk
+    // (initial = maximum): a pool that grows chunk by chunk cannot serve a request larger than
+    // its largest chunk, however much is free in the others.
+    let batch_bytes = 2 * FLOATS * size_of::<f32>();
+    let pool_bytes = POOL_BATCHES * batch_bytes;
+    let options = PoolOptions {
+        initial: pool_bytes,
+        maximum: Some(pool_bytes),
+    };
+    let pool = Arc::new(PoolResource::new(CudaResource::new(&device), options)?);
+    let streams = StreamPool::new(&device, STREAMS)?;
+    // See `batch`: a batch takes all its memory under this lock.
+    let gate = Arc::new(Mutex::new(()));
+
     let start = Instant::now();
     let mut tasks = JoinSet::new();
     for i in 0..BATCHES {
-        tasks.spawn(batch(device.clone(), streams.clone(), i));
+        tasks.spawn(batch(pool.clone(), streams.clone(), gate.clone(), i));
     }
-    // Drain every task, even after a failure: dropping the JoinSet would abort the tasks still
-    // running, and an aborted task drops its host Vec while a queued copy may still write to it.
+    // Drain every task, even after a failure, so that the first error is the one reported.
     let mut first_error = None;
     while let Some(joined) = tasks.join_next().await {
-        let result = joined.map_err(BoxError::from).and_then(|r| r);
-        if let Err(e) = result {
+        if let Err(e) = joined.map_err(BoxError::from).and_then(|r| r) {
             first_error.get_or_insert(e);
         }
     }
     if let Some(e) = first_error {
         return Err(e);
     }
+    let elapsed = start.elapsed();
+    for stream in streams.streams() {
+        stream.synchronize().await?; // the deferred frees of the last inputs have run
+    }
 
-    let bytes = BATCHES * FLOATS * 4;
     println!(
-        "{BATCHES} batches of {FLOATS} f32 over {STREAMS} streams: filled, scaled and copied \
-         back {} MiB in {:.1?}; all values correct",
-        bytes >> 20,
-        start.elapsed()
+        "{BATCHES} batches of 2 x {FLOATS} f32 over {STREAMS} streams, from one pool of {} MiB \
+         ({POOL_BATCHES} batches at a time): filled, scaled and copied back {} MiB in \
+         {elapsed:.1?}; all values correct",
+        pool_bytes >> 20,
+        (BATCHES * FLOATS * size_of::<f32>()) >> 20,
     );
+    print_stats(&pool);
     Ok(())
 }
 
-/// One batch: three stages on two streams.
-async fn batch(device: Device, streams: Arc<StreamPool>, i: usize) -> Result<(), BoxError> {
-    let bytes = FLOATS * 4;
-    let (a, b) = (streams.get(), streams.get());
+/// One batch: two stages on two streams, then the result back to the host.
+async fn batch(
+    pool: Arc<Pool>,
+    streams: StreamPool,
+    gate: Arc<Mutex<()>>,
+    i: usize,
+) -> Result<(), BoxError> {
+    // Two different streams (by index, so that concurrent tasks cannot hand us the same one).
+    let (a, b) = (streams.get_by_index(i), streams.get_by_index(i + 1));
 
-    // Stage 1, on A. The memory may be used at once by work queued on A after this call, and on
-    // another stream once that stream is ordered after A (B is, through `filled`).
-    let data = device.malloc_async(bytes, &a)?;
+    // Take the batch's memory in one step. A task that holds part of its memory while it waits
+    // for the rest can deadlock with others doing the same, each holding what the others wait
+    // for. Under the lock only one task at a time waits for memory, and every other holder has
+    // all it needs: it finishes, and its frees wake the waiter. Each `alloc` returns at once
+    // when the pool has the memory, and otherwise waits (a future, no thread parked).
+    let (mut input, output) = {
+        let _gate = gate.lock().await;
+        let input = DeviceVec::<f32>::alloc(&pool, FLOATS, &a).await?;
+        let output = DeviceVec::<f32>::alloc(&pool, FLOATS, &b).await?;
+        (input, output)
+    };
+
+    // Stage 1, on A.
     let value = (i + 1) as f32;
-    // SAFETY: `data` is a live, 4-aligned allocation of `bytes` bytes; it is freed only in
-    // stage 3, on B, which is ordered after this fill through `filled`.
-    unsafe { a.fill_u32(data, value.to_bits(), FLOATS)? };
+    // SAFETY: `input` is a live, 256-aligned allocation of FLOATS f32s, used on A. The fill is
+    // queued on A, and the vector's free (at its drop) is ordered after it in stream order.
+    unsafe { a.fill_u32(input.as_ptr(), value.to_bits(), FLOATS)? };
     let filled = a.record()?;
 
-    // Stage 2, on B: a GPU-side wait, so the scale runs after the fill without the host waiting.
+    // Stage 2, on B: a GPU-side wait, so the copy runs after the fill without the host waiting.
     b.wait(&filled)?;
-    // SAFETY: as above; the free is queued on B after this scale.
-    unsafe { b.scale_f32(data, 2.0, FLOATS)? };
-    let scaled = b.record()?;
+    // The copy below reads `input` on B: record that use, so that the free at its drop waits
+    // for B's work queued up to then (an event, and the reactor), not only for A's.
+    input.record_stream(&b)?;
+    // SAFETY: both vectors are live allocations of FLOATS f32s. `output` lives on B; B is
+    // ordered after the fill of `input` (the wait above), and the free of `input` after B's
+    // work (`record_stream`); `output` is freed on B after this work, in stream order.
+    unsafe {
+        b.copy_dtod(output.as_ptr(), input.as_ptr(), FLOATS * size_of::<f32>())?;
+        b.scale_f32(output.as_ptr(), 2.0, FLOATS)?;
+    }
+    drop(input); // never blocks: its memory goes back to the pool once B's copy has run
 
-    // Stage 3: copy back to the host. The task first awaits `scaled` (no thread is blocked): a
-    // Vec is pageable memory, and CUDA returns from a copy into pageable memory only once the
-    // copy has run, so queuing it behind unfinished work would hold this worker thread. (Pinned
-    // host buffers, which come with the buffers, make the copy itself asynchronous.)
-    scaled.await?;
-    let mut host = vec![0.0f32; FLOATS];
-    // SAFETY: `host` has room for `bytes` bytes and is neither read, moved nor dropped until
-    // `copied` (recorded right after the copy) has completed: the one early return before the
-    // await leaks it, and this task is never cancelled mid-await (`run` drains the JoinSet
-    // rather than aborting tasks). `data` is live until the free queued after the copy.
-    unsafe { b.copy_dtoh(host.as_mut_ptr().cast(), data, bytes)? };
-    let copied = match b.record() {
-        Ok(event) => event,
-        Err(e) => {
-            // Without the event we cannot know when the copy is done: leak the Vec rather
-            // than free memory that the copy may still write to.
-            std::mem::forget(host);
-            return Err(e.into());
-        }
-    };
-    // SAFETY: `data` came from `malloc_async` on this device and is freed once, here. Its uses
-    // (the fill on A, the scale and the copy on B) are all ordered before this point of B.
-    let freed = unsafe { device.free_async(data, &b) };
-    copied.await?; // the task waits; no thread is blocked. `host` now holds the result.
-    freed?;
-
+    // Stage 3: await the result. The copy back is queued on B after the scale; the task waits
+    // by `.await` for it, and no thread blocks.
+    let host = output.to_host(&b).await?;
     let expected = value * 2.0;
     if let Some(at) = host.iter().position(|&x| x != expected) {
-        return Err(format!("batch {i}: host[{at}] = {}, expected {expected}", host[at]).into());
+        return Err(format!(
+            "batch {i}: element {at} = {}, expected {expected}",
+            host[at]
+        )
+        .into());
     }
     Ok(())
+}
+
+fn print_stats(pool: &Pool) {
+    let s = pool.stats();
+    let w = pool.wait_stats();
+    println!(
+        "pool: {} KiB reserved (peak {} KiB) in {} chunk(s), {} KiB free in {} block(s); \
+         {} stream lists, {} grows, {} steals, {} merges",
+        s.reserved >> 10,
+        s.peak_reserved >> 10,
+        s.chunks,
+        s.free >> 10,
+        s.free_blocks,
+        s.streams,
+        s.grows,
+        s.steals,
+        s.merges,
+    );
+    let mean = w.total_wait.as_secs_f64() / w.waits.max(1) as f64;
+    println!(
+        "waits for memory: {} (mean {:.1?}, longest {:.1?}), {} timed out, {} waiting now",
+        w.waits,
+        Duration::from_secs_f64(mean),
+        w.max_wait,
+        w.timeouts,
+        w.waiting,
+    );
 }

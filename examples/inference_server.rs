@@ -1,0 +1,810 @@
+//! An inference server on streamalloc: every request takes its GPU buffers by `.await` from one
+//! shared pool, so a burst that needs several times the pool waits for memory instead of failing.
+//!
+//! The load test, one command (it starts the server in-process on 127.0.0.1, drives it over
+//! loopback with 2000 requests, 64 at a time, 10 of them too large for the pool, and exits):
+//!
+//! ```text
+//! cargo run --release --example inference_server -- --load
+//! ```
+//!
+//! A healthy result ends with `healthy: ...` and exit status 0: every request answered, the
+//! normal ones `200` with the right checksum, the too-large ones `413`, and `0` out of memory,
+//! timed out (503), wrong or other; `waits for memory` above zero (the pool really was short:
+//! the demand line shows several times the pool) and the peak in use close to the pool's size.
+//! Anything unexpected is listed and makes the exit status 1. `--requests`, `--concurrency`,
+//! `--pool-mib`, `--deadline-secs` change the load (`--help` lists all). On the simulated device
+//! (no GPU) the release build takes about 2 s on 2 cores; a debug build is some 40 times slower
+//! (the simulated device copies byte by byte), so give it `--requests 200`.
+//!
+//! To serve (until Ctrl-C, or `--max-requests N`):
+//!
+//! ```text
+//! cargo run --release --example inference_server -- --port 8080
+//! curl -s 127.0.0.1:8080/infer -H 'content-type: application/json' -d '{"batch":4,"len":4096}'
+//! curl -s 127.0.0.1:8080/stats
+//! ```
+//!
+//! `POST /infer {"batch": n, "len": m, "seed": s, "scale": k}` (`seed` and `scale` optional):
+//! the input is `n * m` floats `(s + i) % 1024`, copied to the device; the "model" copies it to
+//! an output buffer, scales it by `k` and spins for `--spin-us`; the answer is
+//! `{"elements", "device_bytes", "checksum" (the sum of the outputs), "alloc_wait_us",
+//! "total_us", "stream"}`. Errors are JSON `{"error": kind, "message", ...numbers}`: 400
+//! `bad_request`; 413 `too_large` (needs more than the pool's maximum, refused at once); 503
+//! `timeout` (no memory within `--alloc-timeout-secs`); 500 `out_of_memory` or `device_error`.
+//! `GET /stats` gives the pool's statistics, its waits for memory and the server's demand.
+
+use std::future::IntoFuture;
+use std::net::SocketAddr;
+use std::process::ExitCode;
+use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering::Relaxed};
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use axum::extract::rejection::JsonRejection;
+use axum::extract::State;
+use axum::http::StatusCode;
+use axum::response::{IntoResponse, Response};
+use axum::routing::{get, post};
+use axum::{Json, Router};
+use clap::Parser;
+use serde::{Deserialize, Serialize};
+use serde_json::{json, Value};
+use streamalloc::resource::adaptor::StatisticsAdaptor;
+use streamalloc::resource::cuda::CudaResource;
+use streamalloc::resource::pool::{PoolOptions, PoolResource};
+use streamalloc::{Device, DeviceBuffer, DeviceVec, Error, StreamPool, ALIGNMENT};
+use tokio::sync::{watch, Mutex};
+use tracing_subscriber::EnvFilter;
+
+/// The one pool, with a statistics adaptor in front of it for the bytes in use and their peak.
+type Pool = StatisticsAdaptor<PoolResource<CudaResource>>;
+type BoxError = Box<dyn std::error::Error + Send + Sync>;
+
+/// An inference server whose requests allocate GPU memory by `.await` from one shared pool.
+#[derive(Parser, Debug, Clone)]
+struct Args {
+    /// Port on 127.0.0.1 (0: any free port; the bound address is printed).
+    #[arg(long, default_value_t = 0)]
+    port: u16,
+    /// The pool's size in MiB, taken from the device at start.
+    #[arg(long, default_value_t = 8)]
+    pool_mib: usize,
+    /// Streams in the stream pool.
+    #[arg(long, default_value_t = 8)]
+    streams: usize,
+    /// Simulated model work per request, in microseconds of GPU time.
+    #[arg(long, default_value_t = 300)]
+    spin_us: u64,
+    /// How long a request may wait for memory before it is answered 503.
+    #[arg(long, default_value_t = 30)]
+    alloc_timeout_secs: u64,
+    /// Shut down after answering this many /infer requests.
+    #[arg(long)]
+    max_requests: Option<u64>,
+    /// Run the load test against an in-process server, print its report and exit.
+    #[arg(long)]
+    load: bool,
+    /// Load test: requests to send.
+    #[arg(long, default_value_t = 2000)]
+    requests: usize,
+    /// Load test: requests in flight at once.
+    #[arg(long, default_value_t = 64)]
+    concurrency: usize,
+    /// Load test: how many of the requests are too large for the pool (each must get 413).
+    #[arg(long, default_value_t = 10)]
+    too_large: usize,
+    /// Load test: stop sending after this many seconds (what is left counts as errors).
+    #[arg(long, default_value_t = 60)]
+    deadline_secs: u64,
+}
+
+#[derive(Debug, Clone, Serialize, Deserialize)]
+struct InferRequest {
+    batch: usize,
+    len: usize,
+    #[serde(default)]
+    seed: u32,
+    #[serde(default = "default_scale")]
+    scale: f32,
+}
+
+fn default_scale() -> f32 {
+    2.0
+}
+
+#[derive(Debug, Serialize)]
+struct InferResponse {
+    elements: usize,
+    device_bytes: usize,
+    checksum: f64,
+    alloc_wait_us: u64,
+    total_us: u64,
+    stream: u64,
+}
+
+/// Input element `i` of a request.
+fn input_value(seed: u32, i: usize) -> f32 {
+    ((seed as usize + i) % 1024) as f32
+}
+
+/// Device bytes a request of `elements` floats holds: input and output, each rounded up to the
+/// pool's alignment. `None` on overflow.
+fn device_bytes(elements: usize) -> Option<usize> {
+    let one = elements
+        .checked_mul(4)?
+        .checked_next_multiple_of(ALIGNMENT)?;
+    one.checked_mul(2)
+}
+
+struct App {
+    device: Device,
+    pool: Arc<Pool>,
+    streams: StreamPool,
+    /// A request takes all its buffers under this lock (see `App::infer`).
+    gate: Mutex<()>,
+    spin: Duration,
+    alloc_timeout: Duration,
+    max_requests: Option<u64>,
+    shutdown: watch::Sender<bool>,
+    counts: Counts,
+}
+
+#[derive(Default)]
+struct Counts {
+    answered: AtomicU64,
+    ok: AtomicU64,
+    too_large: AtomicU64,
+    timeouts: AtomicU64,
+    errors: AtomicU64,
+    in_flight: AtomicUsize,
+    peak_in_flight: AtomicUsize,
+    /// Device bytes needed by the requests in flight (holding or waiting for memory).
+    demand: AtomicUsize,
+    peak_demand: AtomicUsize,
+}
+
+/// A request in flight, counted in the demand until dropped.
+struct InFlight<'a>(&'a Counts, usize);
+
+impl<'a> InFlight<'a> {
+    fn new(counts: &'a Counts, bytes: usize) -> Self {
+        let n = counts.in_flight.fetch_add(1, Relaxed) + 1;
+        counts.peak_in_flight.fetch_max(n, Relaxed);
+        let d = counts.demand.fetch_add(bytes, Relaxed) + bytes;
+        counts.peak_demand.fetch_max(d, Relaxed);
+        Self(counts, bytes)
+    }
+}
+
+impl Drop for InFlight<'_> {
+    fn drop(&mut self) {
+        self.0.in_flight.fetch_sub(1, Relaxed);
+        self.0.demand.fetch_sub(self.1, Relaxed);
+    }
+}
+
+/// An HTTP error with a JSON body.
+#[derive(Debug)]
+struct ApiError {
+    status: StatusCode,
+    body: Value,
+}
+
+impl ApiError {
+    fn new(status: StatusCode, kind: &str, message: String, numbers: Value) -> Self {
+        let mut body = json!({ "error": kind, "message": message });
+        if let (Some(body), Value::Object(numbers)) = (body.as_object_mut(), numbers) {
+            body.extend(numbers);
+        }
+        Self { status, body }
+    }
+
+    fn bad_request(message: String) -> Self {
+        Self::new(StatusCode::BAD_REQUEST, "bad_request", message, Value::Null)
+    }
+
+    fn too_large(elements: usize, need: Option<usize>, maximum: usize) -> Self {
+        let message = match need {
+            Some(need) => format!(
+                "{elements} elements need {need} bytes of device memory (input and output), \
+                 more than the pool's maximum of {maximum} bytes"
+            ),
+            None => format!("{elements} elements overflow a byte count"),
+        };
+        let numbers =
+            json!({ "elements": elements, "requested_bytes": need, "maximum_bytes": maximum });
+        Self::new(StatusCode::PAYLOAD_TOO_LARGE, "too_large", message, numbers)
+    }
+
+    fn timeout(waited: Duration) -> Self {
+        let message = format!("no device memory within {waited:.1?}; try again later");
+        let numbers = json!({ "waited_ms": waited.as_millis() as u64 });
+        Self::new(StatusCode::SERVICE_UNAVAILABLE, "timeout", message, numbers)
+    }
+}
+
+impl From<Error> for ApiError {
+    fn from(e: Error) -> Self {
+        match e {
+            Error::Timeout { waited } => Self::timeout(waited),
+            // A request the pool could never hold (a pool that grows chunk by chunk can refuse
+            // one below its maximum; this one takes its memory up front, so this should not
+            // happen past the check in `infer`).
+            Error::OutOfMemory {
+                requested,
+                available,
+                maximum,
+            } => {
+                let (status, kind) = if requested > maximum {
+                    (StatusCode::PAYLOAD_TOO_LARGE, "too_large")
+                } else {
+                    (StatusCode::INTERNAL_SERVER_ERROR, "out_of_memory")
+                };
+                let numbers = json!({
+                    "requested_bytes": requested,
+                    "available_bytes": available,
+                    "maximum_bytes": maximum,
+                });
+                Self::new(status, kind, e.to_string(), numbers)
+            }
+            e => Self::new(
+                StatusCode::INTERNAL_SERVER_ERROR,
+                "device_error",
+                e.to_string(),
+                Value::Null,
+            ),
+        }
+    }
+}
+
+impl IntoResponse for ApiError {
+    fn into_response(self) -> Response {
+        (self.status, Json(self.body)).into_response()
+    }
+}
+
+impl App {
+    async fn infer(&self, req: InferRequest) -> Result<InferResponse, ApiError> {
+        let started = Instant::now();
+        let elements = req.batch.checked_mul(req.len).filter(|&n| n > 0);
+        let Some(elements) = elements else {
+            let (b, l) = (req.batch, req.len);
+            return Err(ApiError::bad_request(format!(
+                "batch ({b}) and len ({l}) must be positive and their product must fit in usize"
+            )));
+        };
+        if !req.scale.is_finite() {
+            return Err(ApiError::bad_request("scale must be finite".to_owned()));
+        }
+        // Refused at once, never left to wait: a request the pool can never hold.
+        let maximum = self.pool.upstream().maximum();
+        let need = device_bytes(elements);
+        let need = match need {
+            Some(need) if need <= maximum => need,
+            _ => return Err(ApiError::too_large(elements, need, maximum)),
+        };
+        let _in_flight = InFlight::new(&self.counts, need);
+        let stream = self.streams.get();
+        let bytes = elements * 4;
+
+        // Take both buffers in one step, under the gate: a request that held its input while
+        // waiting for its output could deadlock with others doing the same (each holding what
+        // the others wait for). Under the gate only one request waits for memory at a time,
+        // and every other holder has all it needs, finishes and frees. Each `alloc_timeout`
+        // returns at once when the pool has the memory, and otherwise waits (a future: no
+        // thread is parked) until frees bring it back, or the deadline passes (503).
+        let deadline = started + self.alloc_timeout;
+        let left = || deadline.saturating_duration_since(Instant::now());
+        let (mut input, output) = {
+            let gate = tokio::time::timeout(left(), self.gate.lock()).await;
+            let _gate = gate.map_err(|_| ApiError::timeout(started.elapsed()))?;
+            let input = DeviceBuffer::alloc_timeout(&self.pool, bytes, &stream, left()).await?;
+            let output = DeviceBuffer::alloc_timeout(&self.pool, bytes, &stream, left()).await?;
+            (
+                DeviceVec::<f32>::from_buffer(input)?,
+                DeviceVec::<f32>::from_buffer(output)?,
+            )
+        };
+        let alloc_wait = started.elapsed();
+
+        // Everything below is queued on `stream` and returns at once; the host waits only for
+        // the result, by `.await`.
+        // The input (made once memory is there, so that waiting requests hold no host memory)
+        // goes through pinned staging memory: the copy never blocks on the GPU.
+        let host: Vec<f32> = (0..elements).map(|i| input_value(req.seed, i)).collect();
+        input.copy_from_host(&host)?;
+        // SAFETY: both vectors are live allocations of `elements` f32s (`bytes` bytes) on
+        // `stream`, where this work is queued; each is freed (at its drop) on `stream` after it.
+        unsafe {
+            stream.copy_dtod(output.as_ptr(), input.as_ptr(), bytes)?;
+            stream.scale_f32(output.as_ptr(), req.scale, elements)?;
+        }
+        // The rest of the model's work.
+        stream.spin(self.spin)?;
+        // Back to the pool at once, in stream order: later work on `stream` may reuse it.
+        drop(input);
+        let result = output.to_host(&stream).await?;
+        drop(output);
+
+        let checksum = result.iter().map(|&x| f64::from(x)).sum();
+        Ok(InferResponse {
+            elements,
+            device_bytes: need,
+            checksum,
+            alloc_wait_us: alloc_wait.as_micros() as u64,
+            total_us: started.elapsed().as_micros() as u64,
+            stream: stream.id().get(),
+        })
+    }
+
+    fn answered(&self, result: &Result<InferResponse, ApiError>) {
+        let counter = match result {
+            Ok(_) => &self.counts.ok,
+            Err(e) if e.status == StatusCode::PAYLOAD_TOO_LARGE => &self.counts.too_large,
+            Err(e) if e.status == StatusCode::SERVICE_UNAVAILABLE => &self.counts.timeouts,
+            Err(_) => &self.counts.errors,
+        };
+        counter.fetch_add(1, Relaxed);
+        let n = self.counts.answered.fetch_add(1, Relaxed) + 1;
+        if self.max_requests == Some(n) {
+            eprintln!("answered {n} requests (--max-requests): shutting down");
+            self.shutdown.send_replace(true);
+        }
+    }
+
+    fn stats(&self) -> Value {
+        let p = self.pool.upstream().stats();
+        let w = self.pool.upstream().wait_stats();
+        let used = self.pool.counters();
+        let c = &self.counts;
+        let mean_wait_us = w.total_wait.as_micros() / u128::from(w.waits.max(1));
+        json!({
+            "device": self.device.to_string(),
+            "pool": {
+                "maximum": self.pool.upstream().maximum(), "reserved": p.reserved,
+                "peak_reserved": p.peak_reserved, "free": p.free, "free_blocks": p.free_blocks,
+                "chunks": p.chunks, "streams": p.streams, "grows": p.grows, "steals": p.steals,
+                "merges": p.merges,
+            },
+            "in_use": {
+                "bytes": used.bytes.value, "peak_bytes": used.bytes.peak,
+                "allocations": used.allocations.value, "total_allocations": used.allocations.total,
+            },
+            "waits": {
+                "waiting": w.waiting, "bytes_waiting": w.bytes_waiting, "waits": w.waits,
+                "mean_wait_us": mean_wait_us as u64,
+                "max_wait_us": w.max_wait.as_micros() as u64, "timeouts": w.timeouts,
+            },
+            "requests": {
+                "answered": c.answered.load(Relaxed), "ok": c.ok.load(Relaxed),
+                "too_large": c.too_large.load(Relaxed), "timeouts": c.timeouts.load(Relaxed),
+                "errors": c.errors.load(Relaxed), "in_flight": c.in_flight.load(Relaxed),
+                "peak_in_flight": c.peak_in_flight.load(Relaxed),
+                "peak_demand_bytes": c.peak_demand.load(Relaxed),
+            },
+        })
+    }
+}
+
+async fn infer(
+    State(app): State<Arc<App>>,
+    body: Result<Json<InferRequest>, JsonRejection>,
+) -> Response {
+    let result = match body {
+        Ok(Json(req)) => app.infer(req).await,
+        Err(rejection) => Err(ApiError::bad_request(rejection.body_text())),
+    };
+    app.answered(&result);
+    match result {
+        Ok(answer) => Json(answer).into_response(),
+        Err(e) => e.into_response(),
+    }
+}
+
+async fn stats(State(app): State<Arc<App>>) -> Json<Value> {
+    Json(app.stats())
+}
+
+/// Resolves on Ctrl-C or when `stop` turns true.
+async fn shutdown_signal(mut stop: watch::Receiver<bool>) {
+    let ctrl_c = async {
+        match tokio::signal::ctrl_c().await {
+            Ok(()) => eprintln!("Ctrl-C: shutting down"),
+            Err(_) => std::future::pending().await, // no signal handling here: wait for `stop`
+        }
+    };
+    tokio::select! {
+        () = ctrl_c => {}
+        _ = stop.wait_for(|&stop| stop) => {}
+    }
+}
+
+#[tokio::main]
+async fn main() -> ExitCode {
+    let filter = EnvFilter::try_from_default_env().unwrap_or_else(|_| EnvFilter::new("warn"));
+    tracing_subscriber::fmt()
+        .with_env_filter(filter)
+        .with_writer(std::io::stderr)
+        .init();
+    match run(Args::parse()).await {
+        Ok(code) => code,
+        Err(e) => {
+            eprintln!("inference_server failed: {e}");
+            ExitCode::FAILURE
+        }
+    }
+}
+
+async fn run(args: Args) -> Result<ExitCode, BoxError> {
+    let device = Device::default_device()?;
+    // The pool takes all its memory up front, in one chunk (initial = maximum): a pool that
+    // grows chunk by chunk cannot serve a request larger than its largest chunk, so a request
+    // below the maximum could wait forever.
+    let pool_bytes = args
+        .pool_mib
+        .checked_mul(1 << 20)
+        .ok_or("--pool-mib is too large")?;
+    let options = PoolOptions {
+        initial: pool_bytes,
+        maximum: Some(pool_bytes),
+    };
+    let pool = PoolResource::new(CudaResource::new(&device), options)?;
+    let (shutdown, stop) = watch::channel(false);
+    let app = Arc::new(App {
+        device: device.clone(),
+        pool: Arc::new(StatisticsAdaptor::new(pool)),
+        streams: StreamPool::new(&device, args.streams)?,
+        gate: Mutex::new(()),
+        spin: Duration::from_micros(args.spin_us),
+        alloc_timeout: Duration::from_secs(args.alloc_timeout_secs),
+        max_requests: args.max_requests,
+        shutdown,
+        counts: Counts::default(),
+    });
+    let router = Router::new()
+        .route("/infer", post(infer))
+        .route("/stats", get(stats))
+        .with_state(app.clone());
+
+    let listener = tokio::net::TcpListener::bind(("127.0.0.1", args.port)).await?;
+    let addr = listener.local_addr()?;
+    println!(
+        "inference server on {device}: pool of {} MiB, {} streams; listening on http://{addr}",
+        args.pool_mib, args.streams
+    );
+    let server = axum::serve(listener, router).with_graceful_shutdown(shutdown_signal(stop));
+    let server = tokio::spawn(server.into_future());
+
+    let code = if args.load {
+        let report = load::run(addr, &args).await;
+        app.shutdown.send_replace(true);
+        server.await??;
+        report?
+    } else {
+        server.await??;
+        ExitCode::SUCCESS
+    };
+    println!(
+        "server stopped after answering {} requests",
+        app.counts.answered.load(Relaxed)
+    );
+    Ok(code)
+}
+
+/// The load generator of `--load`: loopback only, bounded in count and time.
+mod load {
+    use std::collections::BTreeMap;
+
+    use super::*;
+
+    /// A request of the plan and what its answer must be.
+    struct Planned {
+        body: InferRequest,
+        too_large: bool,
+        /// The checksum a correct answer carries (exact: small integers, see `expected`).
+        checksum: f64,
+        need: usize,
+    }
+
+    #[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord)]
+    enum Outcome {
+        Ok,
+        TooLarge,
+        Timeout,
+        OutOfMemory,
+        WrongChecksum,
+        OtherStatus,
+        Transport,
+        Deadline,
+        NotSent,
+    }
+
+    /// The sum of `(seed + i) % 1024 * scale` for `i < elements`, computed without the loop.
+    /// Exact in f64 for the small integer scales used here.
+    fn expected(seed: u32, scale: f32, elements: usize) -> f64 {
+        let start = seed as usize % 1024;
+        let cycles = (elements / 1024) as f64 * (1023.0 * 1024.0 / 2.0);
+        let rest: f64 = (0..elements % 1024)
+            .map(|i| ((start + i) % 1024) as f64)
+            .sum();
+        (cycles + rest) * f64::from(scale)
+    }
+
+    /// SplitMix64: a deterministic plan without a random-number crate.
+    struct Rng(u64);
+    impl Rng {
+        fn next(&mut self) -> u64 {
+            self.0 = self.0.wrapping_add(0x9e37_79b9_7f4a_7c15);
+            let mut z = self.0;
+            z = (z ^ (z >> 30)).wrapping_mul(0xbf58_476d_1ce4_e5b9);
+            z = (z ^ (z >> 27)).wrapping_mul(0x94d0_49bb_1331_11eb);
+            z ^ (z >> 31)
+        }
+        fn unit(&mut self) -> f64 {
+            (self.next() >> 11) as f64 / (1u64 << 53) as f64
+        }
+    }
+
+    /// Normal requests need between 1/256 and 1/2 of the pool (log-uniform); `too_large` of
+    /// them, spread evenly, need four times the pool.
+    fn plan(requests: usize, too_large: usize, maximum: usize) -> Vec<Planned> {
+        let mut rng = Rng(0x5eed);
+        let (lo, hi) = ((maximum / 256) as f64, (maximum / 2) as f64);
+        let every = requests.checked_div(too_large).unwrap_or(usize::MAX).max(1);
+        (0..requests)
+            .map(|i| {
+                let too_large = too_large > 0 && i % every == every / 2 && i / every < too_large;
+                let batch = 1 + (rng.next() % 8) as usize;
+                let elements = if too_large {
+                    2 * maximum / 4 // 2x the pool per buffer
+                } else {
+                    let need = lo * (hi / lo).powf(rng.unit());
+                    (need / 8.0) as usize
+                };
+                let len = (elements / batch).max(1);
+                let (seed, scale) = ((rng.next() % 1024) as u32, (1 + rng.next() % 4) as f32);
+                Planned {
+                    body: InferRequest {
+                        batch,
+                        len,
+                        seed,
+                        scale,
+                    },
+                    too_large,
+                    checksum: expected(seed, scale, batch * len),
+                    need: device_bytes(batch * len).unwrap_or(usize::MAX),
+                }
+            })
+            .collect()
+    }
+
+    async fn one(client: &reqwest::Client, url: &str, p: &Planned) -> (Outcome, String) {
+        let sent = client.post(url).json(&p.body).send().await;
+        let answer = match sent {
+            Ok(r) => (r.status(), r.json::<Value>().await),
+            Err(e) => return (Outcome::Transport, e.to_string()),
+        };
+        let (status, body) = match answer {
+            (status, Ok(body)) => (status, body),
+            (_, Err(e)) => return (Outcome::Transport, e.to_string()),
+        };
+        let outcome = match status {
+            StatusCode::OK if body["checksum"].as_f64() == Some(p.checksum) => Outcome::Ok,
+            StatusCode::OK => Outcome::WrongChecksum,
+            StatusCode::PAYLOAD_TOO_LARGE
+                if body["requested_bytes"].as_u64() > body["maximum_bytes"].as_u64() =>
+            {
+                Outcome::TooLarge
+            }
+            StatusCode::SERVICE_UNAVAILABLE => Outcome::Timeout,
+            _ if body["error"] == "out_of_memory" => Outcome::OutOfMemory,
+            _ => Outcome::OtherStatus,
+        };
+        (outcome, format!("{status}: {body}"))
+    }
+
+    async fn get_stats(client: &reqwest::Client, base: &str) -> Result<Value, BoxError> {
+        Ok(client
+            .get(format!("{base}/stats"))
+            .send()
+            .await?
+            .json()
+            .await?)
+    }
+
+    /// `bytes` in KiB below a MiB, else in MiB.
+    fn mib(bytes: f64) -> String {
+        if bytes < (1 << 20) as f64 {
+            format!("{:.0} KiB", bytes / 1024.0)
+        } else {
+            format!("{:.1} MiB", bytes / (1 << 20) as f64)
+        }
+    }
+
+    pub(super) async fn run(addr: SocketAddr, args: &Args) -> Result<ExitCode, BoxError> {
+        if !addr.ip().is_loopback() {
+            return Err(format!("the load generator only targets loopback, not {addr}").into());
+        }
+        let base = format!("http://{addr}");
+        let client = reqwest::Client::builder()
+            .no_proxy()
+            .pool_max_idle_per_host(args.concurrency)
+            .build()?;
+        let maximum = get_stats(&client, &base).await?["pool"]["maximum"]
+            .as_u64()
+            .ok_or("/stats has no pool maximum")? as usize;
+        let plan = Arc::new(plan(args.requests, args.too_large, maximum));
+        let normal: Vec<_> = plan.iter().filter(|p| !p.too_large).collect();
+        let total_need: usize = normal.iter().map(|p| p.need).sum();
+        let mean_need = total_need as f64 / normal.len().max(1) as f64;
+        let min = normal.iter().map(|p| p.need).min().unwrap_or(0);
+        let max = normal.iter().map(|p| p.need).max().unwrap_or(0);
+        let concurrent = mean_need * args.concurrency as f64;
+        println!(
+            "load: {} requests ({} too large), {} at a time, to {base} (deadline {}s)",
+            plan.len(),
+            plan.len() - normal.len(),
+            args.concurrency,
+            args.deadline_secs,
+        );
+        println!(
+            "  each needs {} to {} of device memory (mean {}): {} at a time need ~{}, \
+             {:.1}x the pool of {}",
+            mib(min as f64),
+            mib(max as f64),
+            mib(mean_need),
+            args.concurrency,
+            mib(concurrent),
+            concurrent / maximum as f64,
+            mib(maximum as f64),
+        );
+
+        // Workers take the next request of the plan until it is done or the deadline passes.
+        let deadline = tokio::time::Instant::now() + Duration::from_secs(args.deadline_secs);
+        let next = Arc::new(AtomicUsize::new(0));
+        let url: Arc<str> = format!("{base}/infer").into();
+        let start = Instant::now();
+        let workers: Vec<_> = (0..args.concurrency.max(1))
+            .map(|_| {
+                let (client, plan, next, url) =
+                    (client.clone(), plan.clone(), next.clone(), url.clone());
+                tokio::spawn(async move {
+                    let mut samples = Vec::new();
+                    loop {
+                        let i = next.fetch_add(1, Relaxed);
+                        let Some(p) = plan.get(i) else { break };
+                        let t0 = Instant::now();
+                        let answer = tokio::time::timeout_at(deadline, one(&client, &url, p)).await;
+                        let (outcome, detail) = answer
+                            .unwrap_or((Outcome::Deadline, "no answer by the deadline".into()));
+                        samples.push((i, outcome, t0.elapsed(), detail));
+                        if outcome == Outcome::Deadline {
+                            break;
+                        }
+                    }
+                    samples
+                })
+            })
+            .collect();
+        let mut samples = Vec::new();
+        for worker in workers {
+            samples.extend(worker.await?);
+        }
+        let elapsed = start.elapsed();
+        samples.sort_by_key(|s| s.0);
+        let after = get_stats(&client, &base).await?;
+        drop(client); // close the connections before the server shuts down
+
+        // Tally: an outcome is expected if it is 200-with-the-right-checksum for a normal
+        // request and 413 for a too-large one.
+        let mut answered = vec![false; plan.len()];
+        let mut counts: BTreeMap<Outcome, usize> = BTreeMap::new();
+        let mut unexpected = Vec::new();
+        let mut latencies = Vec::new();
+        for (i, outcome, latency, detail) in &samples {
+            answered[*i] = true;
+            *counts.entry(*outcome).or_default() += 1;
+            let want = if plan[*i].too_large {
+                Outcome::TooLarge
+            } else {
+                Outcome::Ok
+            };
+            if *outcome != want {
+                unexpected.push(format!(
+                    "request {i} ({:?}): {outcome:?} {detail}",
+                    plan[*i].body
+                ));
+            }
+            if *outcome == Outcome::Ok {
+                latencies.push(*latency);
+            }
+        }
+        let not_sent = answered.iter().filter(|&&a| !a).count();
+        if not_sent > 0 {
+            counts.insert(Outcome::NotSent, not_sent);
+            unexpected.push(format!("{not_sent} requests not sent before the deadline"));
+        }
+        latencies.sort();
+        let pct = |q: f64| -> Duration {
+            let at =
+                ((latencies.len() as f64 * q).ceil() as usize).clamp(1, latencies.len().max(1));
+            latencies.get(at - 1).copied().unwrap_or_default()
+        };
+        let count = |o: Outcome| counts.get(&o).copied().unwrap_or(0);
+
+        let answered = samples.len() - count(Outcome::Deadline);
+        println!(
+            "done in {elapsed:.2?}: {answered} answered, {:.1} req/s",
+            answered as f64 / elapsed.as_secs_f64()
+        );
+        println!(
+            "latency of the {} successful requests: p50 {:.1?}, p90 {:.1?}, p99 {:.1?}, \
+             max {:.1?}",
+            latencies.len(),
+            pct(0.50),
+            pct(0.90),
+            pct(0.99),
+            latencies.last().copied().unwrap_or_default(),
+        );
+        println!(
+            "outcomes: {} ok (checksum right), {} too large (413), {} timed out (503), \
+             {} out of memory, {} wrong checksum, {} other status, {} transport errors, \
+             {} past the deadline, {} not sent",
+            count(Outcome::Ok),
+            count(Outcome::TooLarge),
+            count(Outcome::Timeout),
+            count(Outcome::OutOfMemory),
+            count(Outcome::WrongChecksum),
+            count(Outcome::OtherStatus),
+            count(Outcome::Transport),
+            count(Outcome::Deadline),
+            count(Outcome::NotSent),
+        );
+        let (pool, used, waits, reqs) = (
+            &after["pool"],
+            &after["in_use"],
+            &after["waits"],
+            &after["requests"],
+        );
+        let num = |v: &Value| v.as_f64().unwrap_or(0.0);
+        println!(
+            "pool (/stats): {} reserved in {} chunk(s); peak in use {} ({:.0}% of the pool); \
+             peak demand {} ({:.1}x the pool) from {} requests in flight",
+            mib(num(&pool["reserved"])),
+            pool["chunks"],
+            mib(num(&used["peak_bytes"])),
+            100.0 * num(&used["peak_bytes"]) / maximum as f64,
+            mib(num(&reqs["peak_demand_bytes"])),
+            num(&reqs["peak_demand_bytes"]) / maximum as f64,
+            reqs["peak_in_flight"],
+        );
+        println!(
+            "waits for memory: {} (mean {:.1} ms, longest {:.1} ms), {} timed out; \
+             {} steals, {} merges",
+            waits["waits"],
+            num(&waits["mean_wait_us"]) / 1e3,
+            num(&waits["max_wait_us"]) / 1e3,
+            waits["timeouts"],
+            pool["steals"],
+            pool["merges"],
+        );
+        if unexpected.is_empty() {
+            println!(
+                "healthy: every request answered, no out-of-memory error, only the {} too-large \
+                 ones refused",
+                count(Outcome::TooLarge)
+            );
+            Ok(ExitCode::SUCCESS)
+        } else {
+            println!(
+                "UNHEALTHY: {} unexpected outcomes, the first ones:",
+                unexpected.len()
+            );
+            for line in unexpected.iter().take(10) {
+                println!("  {line}");
+            }
+            Ok(ExitCode::FAILURE)
+        }
+    }
+}
