@@ -53,8 +53,11 @@ fn pool(device: &Device, initial: usize, maximum: usize) -> Arc<PoolResource<Cud
 /// Polls a future once with a no-op waker: the cost of the future alone.
 fn poll_once<F: Future>(f: F) -> Option<F::Output> {
     let mut f = std::pin::pin!(f);
-    // (futures' no-op waker: `Waker::noop` needs Rust 1.85, above the crate's 1.82.)
-    match f.as_mut().poll(&mut Context::from_waker(futures::task::noop_waker_ref())) {
+    // (A no-op waker: the future alone is measured.)
+    match f
+        .as_mut()
+        .poll(&mut Context::from_waker(futures::task::noop_waker_ref()))
+    {
         Poll::Ready(v) => Some(v),
         Poll::Pending => None,
     }

@@ -94,6 +94,16 @@ impl DeviceBuffer {
         Ok(Self::from_parts(ptr, bytes, resource, stream))
     }
 
+    /// Memory from the device's current resource
+    /// ([`current_resource`](crate::resource::current_resource): a `CudaResource` unless set).
+    pub fn with_current_resource(bytes: usize, stream: &Stream) -> Result<Self> {
+        Self::new(
+            &crate::resource::current_resource(stream.device()),
+            bytes,
+            stream,
+        )
+    }
+
     fn from_parts(ptr: DevicePtr, len: usize, resource: ResourceRef, stream: &Stream) -> Self {
         Self {
             ptr,

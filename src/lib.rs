@@ -57,7 +57,8 @@ pub use crate::device::{CudaOptions, Device, DeviceKind, DevicePtr, SimConfig};
 pub use crate::error::{Error, Result};
 pub use crate::event::Event;
 pub use crate::resource::{
-    AllocateAsync, AsResourceRef, MemoryKind, MemoryResource, MemoryWaiters, ResourceRef, ALIGNMENT,
+    AllocateAsync, AsResourceRef, CudaAsyncResource, CudaResource, MemoryKind, MemoryResource,
+    MemoryWaiters, PoolOptions, PoolResource, ResourceRef, ALIGNMENT,
 };
 pub use crate::stream::{Stream, StreamId};
 pub use crate::stream_pool::StreamPool;

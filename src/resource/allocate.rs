@@ -28,6 +28,7 @@ pub trait AllocateAsync: MemoryResource {
             stream,
             id: None,
             started: None,
+            limit: None,
             deadline: None,
             timer: None,
         }
@@ -48,7 +49,10 @@ pub struct Allocate<'a, R: MemoryResource + ?Sized> {
     stream: &'a Stream,
     /// Our entry in the resource's queue, while we wait.
     id: Option<u64>,
+    /// When it started waiting (its first try failed).
     started: Option<Instant>,
+    /// How long it may wait, counted from `started`.
+    limit: Option<Duration>,
     deadline: Option<Instant>,
     timer: Option<Deadline>,
 }
@@ -64,9 +68,10 @@ impl<R: MemoryResource + ?Sized> fmt::Debug for Allocate<'_, R> {
 
 impl<'a, R: MemoryResource + ?Sized> Allocate<'a, R> {
     /// Gives up with [`Error::Timeout`] (saying how long it waited) if no memory came within
-    /// `limit`. Works on any runtime: a crate thread keeps the deadlines.
+    /// `limit` of the moment it started waiting (its first try failing; memory that is there at
+    /// once never times out). Works on any runtime: a crate thread keeps the deadlines.
     pub fn timeout(mut self, limit: Duration) -> Self {
-        self.deadline = Some(Instant::now() + limit);
+        self.limit = Some(limit);
         self
     }
 
@@ -132,7 +137,12 @@ impl<R: MemoryResource + ?Sized> Future for Allocate<'_, R> {
             unreachable!("without a queue every outcome above returns")
         };
         if this.id.is_none() {
-            this.started = Some(waiters::now());
+            let started = waiters::now();
+            this.started = Some(started);
+            if let Some(limit) = this.limit {
+                let at = started + limit;
+                this.deadline = Some(this.deadline.map_or(at, |d| d.min(at)));
+            }
             tracing::debug!(bytes = this.bytes, stream = %this.stream.id(), "waiting for memory");
             let (id, first) = waiters.register(this.bytes, cx.waker());
             this.id = Some(id);

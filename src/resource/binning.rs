@@ -1,1 +1,292 @@
-//! stub
+//! [`BinningResource`]: requests routed by size to bins, RMM's `binning_memory_resource`.
+
+use std::fmt;
+use std::sync::Arc as StdArc;
+
+use super::fixed_size::FixedSizeResource;
+use super::{aligned_size, MemoryKind, MemoryResource, ResourceRef};
+use crate::device::{Device, DevicePtr};
+use crate::error::{Error, Result};
+use crate::stream::Stream;
+
+/// RMM's default for fixed-size bins: blocks taken from the upstream 128 at a time.
+pub const DEFAULT_BLOCKS_PER_CHUNK: usize = 128;
+
+/// What serves one bin.
+enum BinResource<U: MemoryResource> {
+    /// A [`FixedSizeResource`] over the shared upstream.
+    Fixed(Box<FixedSizeResource<StdArc<U>>>),
+    /// A resource given to [`BinningBuilder::add_bin`].
+    Given(ResourceRef),
+}
+
+impl<U: MemoryResource> BinResource<U> {
+    fn resource(&self) -> &dyn MemoryResource {
+        match self {
+            BinResource::Fixed(r) => &**r,
+            BinResource::Given(r) => &**r,
+        }
+    }
+}
+
+struct Bin<U: MemoryResource> {
+    /// The largest request the bin serves.
+    size: usize,
+    resource: BinResource<U>,
+}
+
+/// Where requests larger than every bin go.
+enum Fallback {
+    Upstream,
+    Given(ResourceRef),
+}
+
+/// Requests routed by size (RMM's `binning_memory_resource`): each bin serves the requests of
+/// at most its size that no smaller bin serves, and a *fallback* serves the requests larger
+/// than every bin. A bin is a [`FixedSizeResource`] over the shared upstream (blocks of the
+/// bin's size: constant-time allocation and no fragmentation for small, frequent sizes), or any
+/// resource given to [`add_bin`](BinningBuilder::add_bin). The fallback is the upstream, or a
+/// resource given to [`fallback`](BinningBuilder::fallback).
+///
+/// `allocate(bytes)` picks the smallest bin whose size is at least `bytes`; `deallocate(ptr,
+/// bytes)` picks by the same rule, so memory goes back to the resource it came from (the
+/// `bytes` given back must be those asked for, as for every resource).
+///
+/// ```
+/// use streamalloc::resource::binning::BinningResource;
+/// use streamalloc::resource::cuda::CudaResource;
+/// use streamalloc::resource::pool::{PoolOptions, PoolResource};
+/// use streamalloc::{Device, MemoryResource, SimConfig};
+///
+/// let device = Device::simulated(SimConfig::default());
+/// let pool = PoolResource::new(CudaResource::new(&device), PoolOptions::default())?;
+/// // Fixed-size bins of 256 KiB .. 4 MiB over the pool, the pool itself for larger requests:
+/// // the configuration of RMM's replay benchmark.
+/// let mr = BinningResource::builder(pool).bins_pow2(18, 22).build()?;
+/// assert_eq!(mr.bin_sizes(), vec![1 << 18, 1 << 19, 1 << 20, 1 << 21, 1 << 22]);
+/// let stream = device.create_stream()?;
+/// let ptr = mr.allocate(300_000, &stream)?; // from the 512 KiB bin
+/// // SAFETY: allocated above with these bytes, unused, freed once.
+/// unsafe { mr.deallocate(ptr, 300_000, &stream)? };
+/// # Ok::<(), streamalloc::Error>(())
+/// ```
+///
+/// It has no queue of tasks waiting for memory of its own ([`memory_waiters`] is `None`): its
+/// bins and fallback may each run out and get memory back separately.
+///
+/// [`memory_waiters`]: MemoryResource::memory_waiters
+pub struct BinningResource<U: MemoryResource> {
+    upstream: StdArc<U>,
+    device: Device,
+    /// Sorted by size, sizes distinct.
+    bins: Vec<Bin<U>>,
+    fallback: Fallback,
+}
+
+impl<U: MemoryResource> fmt::Debug for BinningResource<U> {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("BinningResource")
+            .field("upstream", &self.upstream)
+            .field("bins", &self.bin_sizes())
+            .field(
+                "fallback",
+                &match &self.fallback {
+                    Fallback::Upstream => "upstream".to_owned(),
+                    Fallback::Given(r) => format!("{r:?}"),
+                },
+            )
+            .finish()
+    }
+}
+
+/// Builds a [`BinningResource`]: `BinningResource::builder(upstream)`, then bins, then
+/// [`build`](Self::build).
+pub struct BinningBuilder<U: MemoryResource> {
+    upstream: U,
+    bins: Vec<(usize, Option<ResourceRef>)>,
+    fallback: Option<ResourceRef>,
+    blocks_per_chunk: usize,
+    error: Option<Error>,
+}
+
+impl<U: MemoryResource> fmt::Debug for BinningBuilder<U> {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("BinningBuilder")
+            .field("bins", &self.bins.iter().map(|b| b.0).collect::<Vec<_>>())
+            .field("blocks_per_chunk", &self.blocks_per_chunk)
+            .finish_non_exhaustive()
+    }
+}
+
+impl<U: MemoryResource> BinningBuilder<U> {
+    /// A fixed-size bin for each power of two from `2^min_log2` to `2^max_log2` bytes (RMM's
+    /// constructor with minimum and maximum bin exponents). An error at
+    /// [`build`](Self::build) if `min_log2 > max_log2` or `max_log2` does not fit a `usize`.
+    pub fn bins_pow2(mut self, min_log2: u32, max_log2: u32) -> Self {
+        if min_log2 > max_log2 || max_log2 >= usize::BITS {
+            self.error.get_or_insert(Error::InvalidSize {
+                size: max_log2 as usize,
+                reason: "bin exponents must satisfy min_log2 <= max_log2 < usize::BITS",
+            });
+            return self;
+        }
+        for k in min_log2..=max_log2 {
+            self.bins.push((1usize << k, None));
+        }
+        self
+    }
+
+    /// A bin for requests of at most `size` bytes (and more than the next smaller bin's), served
+    /// by `resource`, or, with `None`, by a [`FixedSizeResource`] of `size` bytes (rounded up to
+    /// 256) over the upstream. A later bin of the same size replaces an earlier one. An error at
+    /// [`build`](Self::build) for a zero size or a resource of another device.
+    pub fn add_bin(mut self, size: usize, resource: impl Into<Option<ResourceRef>>) -> Self {
+        self.bins.push((size, resource.into()));
+        self
+    }
+
+    /// Serve requests larger than every bin from `resource` instead of the upstream.
+    pub fn fallback(mut self, resource: ResourceRef) -> Self {
+        self.fallback = Some(resource);
+        self
+    }
+
+    /// Blocks each fixed-size bin takes from the upstream at a time (default
+    /// [`DEFAULT_BLOCKS_PER_CHUNK`], RMM's). A large bin with many blocks per chunk reserves a
+    /// lot of memory on first use: 128 blocks of 4 MiB is 512 MiB.
+    pub fn blocks_per_chunk(mut self, blocks: usize) -> Self {
+        self.blocks_per_chunk = blocks;
+        self
+    }
+
+    /// The resource. Errors: the first bad argument given to the builder; a fixed-size bin that
+    /// cannot be made ([`FixedSizeResource::new`]'s errors); a resource of another device
+    /// ([`Error::WrongDevice`]).
+    pub fn build(self) -> Result<BinningResource<U>> {
+        if let Some(e) = self.error {
+            return Err(e);
+        }
+        let device = self.upstream.device().clone();
+        let upstream = StdArc::new(self.upstream);
+        if let Some(fallback) = &self.fallback {
+            device.check_same(fallback.device())?;
+        }
+        let mut bins: Vec<Bin<U>> = Vec::with_capacity(self.bins.len());
+        for (size, given) in self.bins {
+            if size == 0 {
+                return Err(Error::InvalidSize {
+                    size,
+                    reason: "a bin's size must be non-zero",
+                });
+            }
+            let bin = match given {
+                Some(resource) => {
+                    device.check_same(resource.device())?;
+                    Bin {
+                        size,
+                        resource: BinResource::Given(resource),
+                    }
+                }
+                None => Bin {
+                    size: aligned_size(size)?,
+                    resource: BinResource::Fixed(Box::new(FixedSizeResource::new(
+                        upstream.clone(),
+                        size,
+                        self.blocks_per_chunk,
+                    )?)),
+                },
+            };
+            // A later bin of the same size replaces an earlier one.
+            bins.retain(|b| b.size != bin.size);
+            bins.push(bin);
+        }
+        bins.sort_by_key(|b| b.size);
+        Ok(BinningResource {
+            upstream,
+            device,
+            bins,
+            fallback: self.fallback.map_or(Fallback::Upstream, Fallback::Given),
+        })
+    }
+}
+
+impl<U: MemoryResource> BinningResource<U> {
+    /// A builder of a binning resource over `upstream`, with no bins yet.
+    pub fn builder(upstream: U) -> BinningBuilder<U> {
+        BinningBuilder {
+            upstream,
+            bins: Vec::new(),
+            fallback: None,
+            blocks_per_chunk: DEFAULT_BLOCKS_PER_CHUNK,
+            error: None,
+        }
+    }
+
+    /// RMM's `binning_memory_resource(upstream, min_size_exponent, max_size_exponent)`:
+    /// fixed-size bins of `2^min_log2` .. `2^max_log2` bytes over `upstream`, which serves
+    /// larger requests.
+    pub fn new(upstream: U, min_log2: u32, max_log2: u32) -> Result<Self> {
+        Self::builder(upstream)
+            .bins_pow2(min_log2, max_log2)
+            .build()
+    }
+
+    /// The upstream (shared with the fixed-size bins).
+    pub fn upstream(&self) -> &U {
+        &self.upstream
+    }
+
+    /// The bins' sizes, smallest first (a fixed-size bin's rounded up to 256 bytes).
+    pub fn bin_sizes(&self) -> Vec<usize> {
+        self.bins.iter().map(|b| b.size).collect()
+    }
+
+    /// The index (in [`bin_sizes`](Self::bin_sizes)) of the bin that serves `bytes`; `None`
+    /// for the fallback.
+    pub fn bin_for(&self, bytes: usize) -> Option<usize> {
+        let i = self.bins.partition_point(|b| b.size < bytes);
+        (i < self.bins.len()).then_some(i)
+    }
+
+    /// The resource that serves `bytes` (non-zero).
+    fn route(&self, bytes: usize) -> &dyn MemoryResource {
+        match self.bin_for(bytes) {
+            Some(i) => self.bins[i].resource.resource(),
+            None => match &self.fallback {
+                Fallback::Upstream => &*self.upstream,
+                Fallback::Given(r) => &**r,
+            },
+        }
+    }
+}
+
+impl<U: MemoryResource> MemoryResource for BinningResource<U> {
+    fn device(&self) -> &Device {
+        &self.device
+    }
+
+    fn memory_kind(&self) -> MemoryKind {
+        self.upstream.memory_kind()
+    }
+
+    fn allocate(&self, bytes: usize, stream: &Stream) -> Result<DevicePtr> {
+        if bytes == 0 {
+            return Ok(DevicePtr(0));
+        }
+        self.device.check_same(stream.device())?;
+        self.route(bytes).allocate(bytes, stream)
+    }
+
+    unsafe fn deallocate(&self, ptr: DevicePtr, bytes: usize, stream: &Stream) -> Result<()> {
+        if bytes == 0 {
+            return if ptr.0 == 0 {
+                Ok(())
+            } else {
+                Err(Error::UnknownPointer { ptr: ptr.0, bytes })
+            };
+        }
+        self.device.check_same(stream.device())?;
+        // SAFETY: the caller's contract; the same size picks the resource `allocate` used.
+        unsafe { self.route(bytes).deallocate(ptr, bytes, stream) }
+    }
+}

@@ -1,1 +1,131 @@
-//! stub
+//! [`CallbackResource`]: allocation and free through closures, RMM's
+//! `callback_memory_resource`.
+
+use std::fmt;
+
+use super::{check_stream, MemoryKind, MemoryResource, ALIGNMENT};
+use crate::device::{Device, DevicePtr};
+use crate::error::{Error, Result};
+use crate::stream::Stream;
+
+type AllocateFn = dyn Fn(usize, &Stream) -> Result<DevicePtr> + Send + Sync;
+type DeallocateFn = dyn Fn(DevicePtr, usize, &Stream) -> Result<()> + Send + Sync;
+
+/// A resource that allocates and frees through two closures, for memory that comes from
+/// somewhere this crate does not know (another library's allocator, a test double). RMM's
+/// `callback_memory_resource`, with closures in place of function pointers and a `void*`.
+///
+/// What it adds to the closures, so that it keeps the [`MemoryResource`] contract:
+///
+/// - zero bytes returns a null pointer, and a null pointer with zero bytes is taken back,
+///   without calling the closures;
+/// - a stream of another device is refused ([`Error::WrongDevice`]) before any closure runs;
+/// - a pointer from `allocate` that is null or not 256-aligned is an error
+///   ([`Error::InvalidArgument`]; a misaligned one is first given back through `deallocate`).
+///
+/// Everything else is the closures' business: `deallocate` must be stream-ordered and must not
+/// block if the resource is to keep the crate's promises, and the closures are called from
+/// whatever threads allocate (hence `Send + Sync`).
+///
+/// ```
+/// use std::sync::Arc;
+/// use streamalloc::resource::callback::CallbackResource;
+/// use streamalloc::{Device, MemoryResource, SimConfig};
+///
+/// let device = Device::simulated(SimConfig::default());
+/// let (d1, d2) = (device.clone(), device.clone());
+/// let mr = CallbackResource::new(
+///     &device,
+///     move |bytes, _stream| d1.malloc(bytes),
+///     // SAFETY (of the closure's body): only pointers from `malloc` above come back here.
+///     move |ptr, _bytes, stream| { stream.synchronize_blocking()?; unsafe { d2.free(ptr) } },
+/// );
+/// let stream = device.create_stream()?;
+/// let ptr = mr.allocate(1000, &stream)?;
+/// // SAFETY: allocated above with 1000 bytes, unused, freed once.
+/// unsafe { mr.deallocate(ptr, 1000, &stream)? };
+/// # Ok::<(), streamalloc::Error>(())
+/// ```
+pub struct CallbackResource {
+    device: Device,
+    kind: MemoryKind,
+    allocate: Box<AllocateFn>,
+    deallocate: Box<DeallocateFn>,
+}
+
+impl fmt::Debug for CallbackResource {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("CallbackResource")
+            .field("device", &self.device.id())
+            .field("kind", &self.kind)
+            .finish_non_exhaustive()
+    }
+}
+
+impl CallbackResource {
+    /// A resource of `device` (device memory) whose `allocate(bytes, stream)` calls
+    /// `allocate(bytes, stream)` and whose `deallocate(ptr, bytes, stream)` calls
+    /// `deallocate(ptr, bytes, stream)`.
+    pub fn new<A, D>(device: &Device, allocate: A, deallocate: D) -> Self
+    where
+        A: Fn(usize, &Stream) -> Result<DevicePtr> + Send + Sync + 'static,
+        D: Fn(DevicePtr, usize, &Stream) -> Result<()> + Send + Sync + 'static,
+    {
+        Self {
+            device: device.clone(),
+            kind: MemoryKind::Device,
+            allocate: Box::new(allocate),
+            deallocate: Box::new(deallocate),
+        }
+    }
+
+    /// The same resource, reporting `kind` as the kind of memory its closures hand out.
+    pub fn with_memory_kind(mut self, kind: MemoryKind) -> Self {
+        self.kind = kind;
+        self
+    }
+}
+
+impl MemoryResource for CallbackResource {
+    fn device(&self) -> &Device {
+        &self.device
+    }
+
+    fn memory_kind(&self) -> MemoryKind {
+        self.kind
+    }
+
+    fn allocate(&self, bytes: usize, stream: &Stream) -> Result<DevicePtr> {
+        if bytes == 0 {
+            return Ok(DevicePtr(0));
+        }
+        check_stream(&self.device, stream)?;
+        let ptr = (self.allocate)(bytes, stream)?;
+        if ptr.0 == 0 {
+            return Err(Error::InvalidArgument {
+                what: "the allocate callback returned a null pointer for a non-zero size",
+            });
+        }
+        if ptr.0 % ALIGNMENT as u64 != 0 {
+            if let Err(e) = (self.deallocate)(ptr, bytes, stream) {
+                tracing::warn!(error = %e, ptr = ptr.0, "could not give back a misaligned pointer");
+            }
+            return Err(Error::InvalidArgument {
+                what: "the allocate callback returned a pointer that is not 256-byte aligned",
+            });
+        }
+        Ok(ptr)
+    }
+
+    unsafe fn deallocate(&self, ptr: DevicePtr, bytes: usize, stream: &Stream) -> Result<()> {
+        if bytes == 0 {
+            return if ptr.0 == 0 {
+                Ok(())
+            } else {
+                Err(Error::UnknownPointer { ptr: ptr.0, bytes })
+            };
+        }
+        check_stream(&self.device, stream)?;
+        (self.deallocate)(ptr, bytes, stream)
+    }
+}

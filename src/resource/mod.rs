@@ -153,3 +153,14 @@ pub mod arena;
 pub mod binning;
 pub mod callback;
 pub mod current;
+
+pub use self::arena::{ArenaOptions, ArenaResource, ArenaStats};
+pub use self::binning::{BinningBuilder, BinningResource};
+pub use self::callback::CallbackResource;
+pub use self::cuda::CudaResource;
+pub use self::cuda_async::{CudaAsyncOptions, CudaAsyncResource};
+pub use self::current::{current_resource, reset_current_resource, set_current_resource};
+pub use self::fixed_size::FixedSizeResource;
+pub use self::managed::ManagedResource;
+pub use self::pinned::{PinnedHostOptions, PinnedHostResource, PinnedHostStats};
+pub use self::pool::{PoolOptions, PoolResource, PoolStats};

@@ -1,0 +1,363 @@
+//! The `streamalloc-replay` binary: a hand-written RMM log replayed against every resource,
+//! malformed logs, and a log written by this crate's `LoggingAdaptor`.
+
+use std::path::{Path, PathBuf};
+use std::process::{Command, Output};
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::Arc;
+
+use streamalloc::resource::adaptor::LoggingAdaptor;
+use streamalloc::resource::cuda::CudaResource;
+use streamalloc::resource::pool::{PoolOptions, PoolResource};
+use streamalloc::{Device, DevicePtr, MemoryResource, SimConfig};
+
+const BIN: &str = env!("CARGO_BIN_EXE_streamalloc-replay");
+
+fn data(name: &str) -> PathBuf {
+    Path::new(env!("CARGO_MANIFEST_DIR"))
+        .join("tests/data")
+        .join(name)
+}
+
+/// A fresh path under the target's temporary directory.
+fn temp(name: &str) -> PathBuf {
+    static N: AtomicUsize = AtomicUsize::new(0);
+    Path::new(env!("CARGO_TARGET_TMPDIR")).join(format!(
+        "replay-{}-{}-{name}",
+        std::process::id(),
+        N.fetch_add(1, Ordering::Relaxed)
+    ))
+}
+
+fn run(log: &Path, args: &[&str]) -> Output {
+    Command::new(BIN)
+        .arg(log)
+        .args(args)
+        .output()
+        .expect("run streamalloc-replay")
+}
+
+fn stdout(out: &Output) -> String {
+    String::from_utf8_lossy(&out.stdout).into_owned()
+}
+
+fn stderr(out: &Output) -> String {
+    String::from_utf8_lossy(&out.stderr).into_owned()
+}
+
+/// The value after `key: ` on its line of the output.
+fn field<'a>(text: &'a str, key: &str) -> &'a str {
+    text.lines()
+        .find_map(|l| l.strip_prefix(key)?.strip_prefix(": "))
+        .unwrap_or_else(|| panic!("no `{key}:` line in:\n{text}"))
+}
+
+/// The leading number of a field.
+fn number(text: &str, key: &str) -> u64 {
+    let value = field(text, key);
+    value
+        .split(|c: char| !c.is_ascii_digit())
+        .next()
+        .and_then(|n| n.parse().ok())
+        .unwrap_or_else(|| panic!("`{key}: {value}` has no number"))
+}
+
+/// tests/data/rmm_small.csv: 3 threads, 2 streams, 14 events; frees across threads and
+/// streams, a pointer handed out twice, one `allocate failure` of 1 PiB, one allocation never
+/// freed (512 bytes). Its peak is 8454656 bytes live.
+fn check_small_log(out: &Output, resource: &str) {
+    let text = stdout(out);
+    assert!(
+        out.status.success(),
+        "{resource}: exit {:?}\n{text}\n{}",
+        out.status,
+        stderr(out)
+    );
+    assert!(field(&text, "device").contains("simulated"), "{text}");
+    assert!(field(&text, "resource").starts_with(resource), "{text}");
+    assert!(
+        field(&text, "events").starts_with("14 (3 threads, 2 streams"),
+        "{text}"
+    );
+    assert_eq!(number(&text, "allocations"), 7, "{text}");
+    assert_eq!(number(&text, "failed allocations"), 0, "{text}");
+    assert_eq!(number(&text, "frees"), 6, "{text}");
+    assert_eq!(number(&text, "skipped frees"), 0, "{text}");
+    assert_eq!(
+        field(&text, "log allocation failures"),
+        "1 (failed here too: 1)",
+        "{text}"
+    );
+    assert_eq!(
+        field(&text, "leaked"),
+        "1 allocation(s), 512 bytes (freed after the replay)",
+        "{text}"
+    );
+    assert!(field(&text, "wall time").ends_with(" ms"), "{text}");
+    assert!(
+        field(&text, "peak in use").ends_with("(8454656 bytes)"),
+        "{text}"
+    );
+}
+
+#[test]
+fn an_rmm_log_replays_against_every_resource() {
+    let log = data("rmm_small.csv");
+    for resource in ["pool", "arena", "binning", "cuda", "cuda-async"] {
+        let out = run(&log, &["--device", "sim", "--resource", resource]);
+        check_small_log(&out, resource);
+        let text = stdout(&out);
+        if resource != "cuda-async" {
+            let reserved = field(&text, "peak reserved");
+            let bytes: u64 = reserved
+                .rsplit('(')
+                .next()
+                .and_then(|s| s.split(' ').next())
+                .and_then(|n| n.parse().ok())
+                .unwrap_or_else(|| panic!("{reserved}"));
+            assert!(bytes >= 8454656, "{resource}: {text}");
+            assert!(
+                field(&text, "fragmentation").ends_with("(1 - peak in use / peak reserved)"),
+                "{text}"
+            );
+        }
+        if resource == "cuda" {
+            // Nothing pooled: what is reserved is what is live.
+            assert_eq!(
+                field(&text, "fragmentation"),
+                "0.0% (1 - peak in use / peak reserved)"
+            );
+        }
+    }
+}
+
+#[test]
+fn options_reach_the_resources() {
+    let log = data("rmm_small.csv");
+    let out = run(
+        &log,
+        &["--device", "sim", "-r", "arena", "--arena-size", "16MiB"],
+    );
+    check_small_log(&out, "arena");
+    let text = stdout(&out);
+    assert!(
+        field(&text, "resource").contains("initial 16.00 MiB, maximum 16.00 MiB"),
+        "{text}"
+    );
+    assert!(field(&text, "arena").ends_with("0 grow(s)"), "{text}");
+
+    let out = run(
+        &log,
+        &[
+            "--device",
+            "sim",
+            "-r",
+            "pool",
+            "--initial",
+            "4MiB",
+            "--maximum",
+            "1GiB",
+        ],
+    );
+    check_small_log(&out, "pool");
+    assert!(field(&stdout(&out), "resource").contains("initial 4.00 MiB, maximum 1.00 GiB"));
+
+    let out = run(
+        &log,
+        &[
+            "--device",
+            "sim",
+            "-r",
+            "binning",
+            "--bin-min-log2",
+            "10",
+            "--bin-max-log2",
+            "12",
+            "--blocks-per-chunk",
+            "4",
+        ],
+    );
+    check_small_log(&out, "binning");
+    assert!(field(&stdout(&out), "resource").contains("bins of 1.00 KiB..4.00 KiB"));
+
+    // A pool too small for the log's peak: failures counted, their frees skipped, no error.
+    let out = run(
+        &log,
+        &["--device", "sim", "-r", "pool", "--maximum", "4MiB"],
+    );
+    let text = stdout(&out);
+    assert!(out.status.success(), "{text}\n{}", stderr(&out));
+    assert_eq!(number(&text, "failed allocations"), 1, "{text}");
+    assert_eq!(number(&text, "skipped frees"), 1, "{text}");
+
+    // Free-running threads: the same counts (the peak may differ).
+    let out = run(&log, &["--device", "sim", "--order", "threads"]);
+    let text = stdout(&out);
+    assert!(out.status.success(), "{text}\n{}", stderr(&out));
+    assert!(
+        field(&text, "events").ends_with("order: threads)"),
+        "{text}"
+    );
+    assert_eq!(number(&text, "allocations"), 7);
+    assert_eq!(number(&text, "failed allocations"), 0);
+    assert_eq!(number(&text, "leaked"), 1);
+
+    // The default device (a GPU if there is one).
+    let out = run(&log, &[]);
+    assert!(out.status.success(), "{}", stderr(&out));
+    assert!(!field(&stdout(&out), "device").is_empty());
+}
+
+/// Each malformed log stops the tool before it replays anything: exit code 2, the line number
+/// and what is wrong on stderr.
+#[test]
+fn malformed_logs_report_the_line() {
+    let header = "Thread,Time,Action,Pointer,Size,Stream\n";
+    let good = "1,10:00:00.000001,allocate,0x7f0000000000,1024,0x0\n";
+    let cases: [(String, &str); 9] = [
+        (
+            format!("{header}{good}2,10:00:00.000002,alloc,0x7f0000001000,64,0x0\n"),
+            "line 3: unknown action `alloc`",
+        ),
+        (
+            format!("{header}{good}{good}"),
+            "line 3: allocate returned 0x7f0000000000, which is still live (allocated at line 2)",
+        ),
+        (
+            format!("{header}{good}1,10:00:00.000002,allocate,0x7f0000001000,64\n"),
+            "line 3: expected 6 fields (as in the header), found 5",
+        ),
+        (
+            format!("{header}{good}1,10:00:00.000002,allocate,0x7f0000001000,12x,0x0\n"),
+            "line 3: `12x` is not a size in bytes",
+        ),
+        (
+            format!("{header}{good}1,10:00:00.000002,allocate,0xZZ,64,0x0\n"),
+            "line 3: `0xZZ` is not a pointer",
+        ),
+        (
+            format!("{header}1,10:00:00.000001,free,0x7f0000000400,1024,0x0\n{good}"),
+            "line 2: free of 0x7f0000000400, which no earlier line allocated",
+        ),
+        (
+            format!("{header}{good}1,10:00:00.000002,free,0x7f0000000000,1000,0x0\n"),
+            "line 3: free of 0x7f0000000000 with 1000 bytes, allocated with 1024 bytes at line 2",
+        ),
+        (
+            "Thread,Time,Action,Pointer,Stream\n1,10:00:00.000001,free,0x1,0x0\n".to_owned(),
+            "line 1: the header has no `Size` column",
+        ),
+        (String::new(), "line 1: empty log"),
+    ];
+    for (text, expected) in cases {
+        let path = temp("malformed.csv");
+        std::fs::write(&path, &text).unwrap();
+        let out = run(&path, &["--device", "sim"]);
+        assert_eq!(
+            out.status.code(),
+            Some(2),
+            "{expected}: exit {:?}, stderr {}",
+            out.status,
+            stderr(&out)
+        );
+        assert!(
+            stderr(&out).contains(expected),
+            "expected `{expected}` in: {}",
+            stderr(&out)
+        );
+        assert!(stdout(&out).is_empty(), "replayed anyway: {}", stdout(&out));
+        std::fs::remove_file(&path).ok();
+    }
+
+    // With --ignore-unmatched, an unmatched free is skipped instead.
+    let path = temp("unmatched.csv");
+    std::fs::write(
+        &path,
+        format!("{header}1,10:00:00.000001,free,0x7f0000000400,1024,0x0\n{good}"),
+    )
+    .unwrap();
+    let out = run(&path, &["--device", "sim", "--ignore-unmatched"]);
+    assert!(out.status.success(), "{}", stderr(&out));
+    assert_eq!(number(&stdout(&out), "unmatched frees skipped"), 1);
+    std::fs::remove_file(&path).ok();
+
+    // A file that is not there is an error, not a malformed log.
+    let out = run(Path::new("/nonexistent/log.csv"), &["--device", "sim"]);
+    assert_eq!(out.status.code(), Some(1), "{}", stderr(&out));
+    // Bad arguments are clap's usage errors.
+    let out = run(&data("rmm_small.csv"), &["--resource", "nope"]);
+    assert_eq!(out.status.code(), Some(2));
+    let out = run(&data("rmm_small.csv"), &["--maximum", "12 parsecs"]);
+    assert_eq!(out.status.code(), Some(2));
+}
+
+/// A log written by `LoggingAdaptor` while three threads on three streams allocate, free each
+/// other's memory, ask for zero bytes and for 1 PiB: the replay sees the same counts.
+#[test]
+fn a_log_written_by_the_logging_adaptor_replays() {
+    let device = Device::simulated(SimConfig::default());
+    let path = temp("logging-adaptor.csv");
+    let pool = PoolResource::new(CudaResource::new(&device), PoolOptions::default()).unwrap();
+    let logged = Arc::new(LoggingAdaptor::to_file(pool, &path).unwrap());
+    let (tx, rx) = std::sync::mpsc::channel::<(DevicePtr, usize)>();
+    std::thread::scope(|scope| {
+        // Two producers, each on its own stream: some blocks freed by themselves, some sent to
+        // the consumer.
+        for t in 0..2usize {
+            let (logged, device, tx) = (logged.clone(), device.clone(), tx.clone());
+            scope.spawn(move || {
+                let s = device.create_stream().unwrap();
+                for i in 0..50usize {
+                    let size = 256 + 1000 * (i % 7) + t;
+                    let ptr = logged.allocate(size, &s).unwrap();
+                    if i % 3 == 0 {
+                        // SAFETY: allocated above with `size` bytes, unused, freed once.
+                        unsafe { logged.deallocate(ptr, size, &s) }.unwrap();
+                    } else {
+                        s.synchronize_blocking().unwrap();
+                        tx.send((ptr, size)).unwrap();
+                    }
+                }
+                let zero = logged.allocate(0, &s).unwrap();
+                // SAFETY: the zero-byte allocation, given back with zero bytes.
+                unsafe { logged.deallocate(zero, 0, &s) }.unwrap();
+            });
+        }
+        drop(tx);
+        let (logged, device) = (logged.clone(), device.clone());
+        scope.spawn(move || {
+            let s = device.create_stream().unwrap();
+            assert!(logged.allocate(1 << 50, &s).is_err());
+            for (ptr, size) in rx {
+                // SAFETY: sent by a producer after its stream was synchronized; freed once.
+                unsafe { logged.deallocate(ptr, size, &s) }.unwrap();
+            }
+        });
+    });
+    // Two producers: 50 allocations and one zero-byte allocation each, all freed; one failure.
+    let (allocs, frees, failures) = (2 * 51, 2 * 51, 1);
+    logged.flush().unwrap();
+    drop(logged);
+    for resource in ["pool", "arena", "binning", "cuda"] {
+        let out = run(&path, &["--device", "sim", "--resource", resource]);
+        let text = stdout(&out);
+        assert!(out.status.success(), "{resource}: {text}\n{}", stderr(&out));
+        assert!(
+            field(&text, "events").starts_with(&format!(
+                "{} (3 threads, 3 streams",
+                allocs + frees + failures
+            )),
+            "{text}"
+        );
+        assert_eq!(number(&text, "allocations"), allocs, "{text}");
+        assert_eq!(number(&text, "frees"), frees, "{text}");
+        assert_eq!(number(&text, "failed allocations"), 0, "{text}");
+        assert_eq!(
+            field(&text, "log allocation failures"),
+            "1 (failed here too: 1)",
+            "{text}"
+        );
+        assert_eq!(number(&text, "leaked"), 0, "{text}");
+    }
+    std::fs::remove_file(&path).ok();
+}
