@@ -11,7 +11,19 @@ use streamalloc::resource::cuda::CudaResource;
 use streamalloc::resource::pool::{PoolOptions, PoolResource};
 use streamalloc::{Device, DevicePtr, MemoryResource, SimConfig};
 
-const BIN: &str = env!("CARGO_BIN_EXE_streamalloc-replay");
+/// The tool: where cargo built it, or, in binaries packed by `shared/tools/gpu-pack` for a GPU
+/// machine (tests in `.gpu/tests`, binaries in `.gpu/bin`), beside them.
+fn bin() -> std::path::PathBuf {
+    let built = std::path::PathBuf::from(env!("CARGO_BIN_EXE_streamalloc-replay"));
+    if built.exists() {
+        return built;
+    }
+    std::env::current_exe()
+        .ok()
+        .and_then(|exe| Some(exe.parent()?.parent()?.join("bin").join("streamalloc-replay")))
+        .filter(|packed| packed.exists())
+        .unwrap_or(built)
+}
 
 fn data(name: &str) -> PathBuf {
     Path::new(env!("CARGO_MANIFEST_DIR"))
@@ -30,7 +42,7 @@ fn temp(name: &str) -> PathBuf {
 }
 
 fn run(log: &Path, args: &[&str]) -> Output {
-    Command::new(BIN)
+    Command::new(bin())
         .arg(log)
         .args(args)
         .output()
