@@ -308,6 +308,40 @@ fn growth_stops_at_the_maximum() {
     }
 }
 
+/// A pool that grew in small chunks up to its maximum, then has everything freed, must still
+/// serve a request larger than any of its chunks: it gives the free chunks back and grows one
+/// large enough. (Without that, blocks never merging across chunks, it would fail forever, and
+/// an `allocate_async` would wait forever.)
+#[test]
+fn free_small_chunks_make_room_for_a_large_one_at_the_maximum() {
+    let rt = common::runtime();
+    for device in devices() {
+        let p = pool(&device, 0, 8 * MIB);
+        let s = device.create_stream().unwrap();
+        let small: Vec<_> = (0..40)
+            .map(|_| p.allocate(128 << 10, &s).unwrap())
+            .collect();
+        for ptr in small {
+            free(&p, ptr, 128 << 10, &s);
+        }
+        s.synchronize_blocking().unwrap();
+        assert!(p.stats().chunks > 1, "{:?}", p.stats());
+        let big = rt
+            .block_on(
+                streamalloc::AllocateAsync::allocate_async(&p, 6 * MIB, &s)
+                    .timeout(Duration::from_secs(5)),
+            )
+            .unwrap_or_else(|e| panic!("{}: {e}: {:?}", label(&device), p.stats()));
+        let stats = p.stats();
+        assert!(
+            stats.reserved <= 8 * MIB && stats.peak_reserved <= 8 * MIB,
+            "{stats:?}"
+        );
+        free(&p, big, 6 * MIB, &s);
+        check(&p);
+    }
+}
+
 #[test]
 fn bad_construction_arguments_are_errors() {
     let device = &devices()[0];

@@ -56,7 +56,9 @@ pub struct PoolStats {
 ///   stream's list after ordering its stream behind the donor's (an event and a GPU-side wait),
 ///   else merges the lists of streams the user dropped, else grows: it asks the upstream for a
 ///   chunk (doubling what it holds, at least the request), halving the try on failure, never
-///   past `maximum`. Then [`Error::OutOfMemory`] with requested, available and maximum bytes.
+///   past `maximum`; at the maximum it first gives wholly free chunks back upstream (in stream
+///   order) to make room for one large enough. Then [`Error::OutOfMemory`] with requested,
+///   available and maximum bytes.
 /// - [`trim`](Self::trim) returns wholly free chunks to the upstream.
 ///
 /// Dropping the pool synchronizes the streams it knows and returns every chunk upstream (the
@@ -272,7 +274,27 @@ impl<U: MemoryResource> PoolResource<U> {
 
 impl<U: MemoryResource> Grow for PoolResource<U> {
     fn grow(&self, min: u64, stream: &Stream) -> Result<(u64, u64)> {
-        let reserved = self.reserved.load(Ordering::Relaxed);
+        let mut reserved = self.reserved.load(Ordering::Relaxed);
+        if min > self.maximum.saturating_sub(reserved) {
+            // At the maximum. Blocks never merge across chunks, so free memory spread over
+            // chunks too small for this request would keep it failing (and an
+            // `allocate_async` waiting) forever, everything free or not: give the chunks the
+            // lists hold whole back upstream, in stream order on the streams they were freed
+            // on, and grow one large enough instead.
+            let whole = self.take_whole_chunks();
+            if !whole.is_empty() {
+                let _span = tracing::debug_span!(
+                    "release_for_growth",
+                    requested = min,
+                    chunks = whole.len()
+                )
+                .entered();
+                if let Err(e) = self.release_chunks(whole) {
+                    tracing::warn!(error = %e, "could not release free chunks to grow");
+                }
+                reserved = self.reserved.load(Ordering::Relaxed);
+            }
+        }
         let room = self.maximum.saturating_sub(reserved);
         if min > room {
             let _span = tracing::debug_span!(
