@@ -92,7 +92,7 @@ impl<T: Pod> DeviceVec<T> {
     /// Views a buffer as elements; `Err(InvalidSize)` unless its length is a multiple of the
     /// element size.
     pub fn from_buffer(buf: DeviceBuffer) -> Result<Self> {
-        if buf.len() % size_of::<T>().max(1) != 0 {
+        if !buf.len().is_multiple_of(size_of::<T>().max(1)) {
             return Err(Error::InvalidSize {
                 size: buf.len(),
                 reason: "the buffer's length is not a multiple of the element size",

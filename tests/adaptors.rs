@@ -386,7 +386,7 @@ fn statistics_are_exact_under_threads() {
                         let (mut bytes, mut count) = (0, 0);
                         let mut live = Vec::new();
                         for _ in 0..2000 {
-                            if live.is_empty() || rng.next() % 2 == 0 {
+                            if live.is_empty() || rng.next().is_multiple_of(2) {
                                 let size = 1 + (rng.next() % (64 * KIB as u64)) as usize;
                                 live.push((stats.allocate(size, &s).unwrap(), size));
                                 bytes += size;

@@ -110,9 +110,9 @@ fn random_mix<R: MemoryResource + ?Sized>(mr: &R, device: &Device, check: &dyn F
     let mut live: Vec<(DevicePtr, usize, usize)> = Vec::new();
     for step in 0..3000 {
         let r = rng.next();
-        if live.is_empty() || (r % 2 == 0 && live.len() < 64) {
+        if live.is_empty() || (r.is_multiple_of(2) && live.len() < 64) {
             // Mostly small, sometimes above a superblock.
-            let size = if rng.next() % 8 == 0 {
+            let size = if rng.next().is_multiple_of(8) {
                 1 + (rng.next() % (4 * MIB as u64)) as usize
             } else {
                 1 + (rng.next() % (256 * KIB as u64)) as usize
@@ -154,7 +154,7 @@ fn four_threads<R: MemoryResource + ?Sized>(mr: &R, device: &Device) {
                 let mut rng = SplitMix64(100 + t);
                 let mut live = Vec::new();
                 for _ in 0..2000 {
-                    if live.is_empty() || rng.next() % 2 == 0 {
+                    if live.is_empty() || rng.next().is_multiple_of(2) {
                         let size = 256 + (rng.next() % (256 * KIB as u64)) as usize;
                         live.push((mr.allocate(size, &s).unwrap(), size));
                     } else {
@@ -501,8 +501,8 @@ fn arena_stress_remote_frees_and_defragmentation() {
                             free(a_mr, ptr, size, &s);
                         }
                         let r = rng.next();
-                        if mine.is_empty() || (r % 2 == 0 && mine.len() < 48) {
-                            let size = if r % 17 == 0 {
+                        if mine.is_empty() || (r.is_multiple_of(2) && mine.len() < 48) {
+                            let size = if r.is_multiple_of(17) {
                                 MIB + (rng.next() % (3 * MIB as u64)) as usize
                             } else {
                                 256 + (rng.next() % (128 * KIB as u64)) as usize

@@ -125,7 +125,7 @@ fn random_mixes_keep_the_invariants() {
         let mut live: Vec<(DevicePtr, usize, usize)> = Vec::new();
         for step in 0..4000 {
             let r = rng.next();
-            if live.is_empty() || (r % 2 == 0 && live.len() < 64) {
+            if live.is_empty() || (r.is_multiple_of(2) && live.len() < 64) {
                 let size = 1 + (rng.next() % (2 * MIB as u64)) as usize;
                 let s = (rng.next() % 3) as usize;
                 let ptr = p.allocate(size, &streams[s]).unwrap();
@@ -175,7 +175,7 @@ fn four_threads_at_once() {
                     let mut rng = SplitMix64(100 + t);
                     let mut live = Vec::new();
                     for _ in 0..3000 {
-                        if live.is_empty() || rng.next() % 2 == 0 {
+                        if live.is_empty() || rng.next().is_multiple_of(2) {
                             let size = 256 + (rng.next() % (256 << 10)) as usize;
                             live.push((p.allocate(size, &s).unwrap(), size));
                         } else {

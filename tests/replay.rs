@@ -20,7 +20,14 @@ fn bin() -> std::path::PathBuf {
     }
     std::env::current_exe()
         .ok()
-        .and_then(|exe| Some(exe.parent()?.parent()?.join("bin").join("streamalloc-replay")))
+        .and_then(|exe| {
+            Some(
+                exe.parent()?
+                    .parent()?
+                    .join("bin")
+                    .join("streamalloc-replay"),
+            )
+        })
         .filter(|packed| packed.exists())
         .unwrap_or(built)
 }

@@ -873,7 +873,7 @@ impl Shared<'_> {
                 Order::Threads => self.run(ev.op, stream),
             }
             done += 1;
-            if done % 1024 == 0 {
+            if done.is_multiple_of(1024) {
                 self.progress.inc(1024);
             }
         }

@@ -570,17 +570,18 @@ impl<U: MemoryResource> ArenaResource<U> {
         let checks: [(usize, bool, &'static str); 3] = [
             (
                 options.initial,
-                options.initial % ALIGNMENT == 0,
+                options.initial.is_multiple_of(ALIGNMENT),
                 "the arena's initial size must be a multiple of 256 bytes",
             ),
             (
                 maximum,
-                maximum % ALIGNMENT == 0,
+                maximum.is_multiple_of(ALIGNMENT),
                 "the arena's maximum size must be a multiple of 256 bytes",
             ),
             (
                 options.superblock_size,
-                options.superblock_size >= ALIGNMENT && options.superblock_size % ALIGNMENT == 0,
+                options.superblock_size >= ALIGNMENT
+                    && options.superblock_size.is_multiple_of(ALIGNMENT),
                 "the arena's superblock size must be a non-zero multiple of 256 bytes",
             ),
         ];
@@ -820,7 +821,7 @@ impl<U: MemoryResource> ArenaResource<U> {
         let mut pieces: Vec<(u64, u64, &'static str)> = Vec::new();
         let mut last_end: Option<u64> = None;
         for (&addr, region) in &global.regions {
-            if region.size == 0 || region.size % ALIGNMENT as u64 != 0 {
+            if region.size == 0 || !region.size.is_multiple_of(ALIGNMENT as u64) {
                 return Err(format!("region {addr:#x}: bad size {}", region.size));
             }
             if !global.by_size.contains(&(region.size, addr)) {
@@ -1293,7 +1294,7 @@ impl<U: MemoryResource> MemoryResource for ArenaResource<U> {
         }
         check_stream(&self.device, stream)?;
         let size = aligned_size(bytes)? as u64;
-        if ptr.0 % ALIGNMENT as u64 != 0 {
+        if !ptr.0.is_multiple_of(ALIGNMENT as u64) {
             return Err(Error::UnknownPointer { ptr: ptr.0, bytes });
         }
         if size <= self.superblock {

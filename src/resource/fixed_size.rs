@@ -124,7 +124,7 @@ impl<U: MemoryResource> MemoryResource for FixedSizeResource<U> {
         }
         check_stream(&self.device, stream)?;
         if bytes as u64 > self.block
-            || ptr.0 % ALIGNMENT as u64 != 0
+            || !ptr.0.is_multiple_of(ALIGNMENT as u64)
             || !self.lists.give(ptr.0, self.block, stream)
         {
             return Err(Error::UnknownPointer { ptr: ptr.0, bytes });

@@ -263,7 +263,7 @@ impl FreeList {
     /// Takes `size` bytes (a multiple of [`ALIGNMENT`], non-zero) from the list; the remainder
     /// of the block stays. Returns the address, or `None` if no block is large enough.
     pub(crate) fn take(&mut self, size: u64) -> Option<u64> {
-        debug_assert!(size > 0 && size % ALIGNMENT as u64 == 0);
+        debug_assert!(size > 0 && size.is_multiple_of(ALIGNMENT as u64));
         let i = self.find(size >> UNIT_LOG)?;
         self.unlink(i);
         let Block {
@@ -305,7 +305,11 @@ impl FreeList {
     /// Returns false, changing nothing, if the range is not inside one chunk, or if a free block
     /// already starts or ends where it does (a double free).
     pub(crate) fn give(&mut self, addr: u64, size: u64) -> bool {
-        debug_assert!(size > 0 && size % ALIGNMENT as u64 == 0 && addr % ALIGNMENT as u64 == 0);
+        debug_assert!(
+            size > 0
+                && size.is_multiple_of(ALIGNMENT as u64)
+                && addr.is_multiple_of(ALIGNMENT as u64)
+        );
         if !self.inside_a_chunk(addr, size)
             || self.by_start.contains_key(&addr)
             || self.by_end.contains_key(&(addr + size))
@@ -416,7 +420,10 @@ impl FreeList {
                 if !self.inside_a_chunk(b.addr, b.size) {
                     return Err(format!("block {i} lies outside every chunk ({b:?})"));
                 }
-                if b.size == 0 || b.size % ALIGNMENT as u64 != 0 || b.addr % ALIGNMENT as u64 != 0 {
+                if b.size == 0
+                    || !b.size.is_multiple_of(ALIGNMENT as u64)
+                    || !b.addr.is_multiple_of(ALIGNMENT as u64)
+                {
                     return Err(format!("block {i}: misaligned or empty ({b:?})"));
                 }
                 listed += 1;
@@ -571,9 +578,9 @@ mod tests {
         }
         let total: u64 = chunks.iter().map(|c| c.1).sum();
         let mut live: Vec<(u64, u64)> = Vec::new();
-        for step in 0..20_000 {
+        for step in 0..20_000u32 {
             let r = next();
-            if live.is_empty() || r % 3 != 0 {
+            if live.is_empty() || !r.is_multiple_of(3) {
                 let size = (1 + next() % 64) * U;
                 if let Some(addr) = l.take(size) {
                     live.push((addr, size));
@@ -582,7 +589,7 @@ mod tests {
                 let (addr, size) = live.swap_remove((next() as usize) % live.len());
                 assert!(l.give(addr, size));
             }
-            if step % 97 == 0 {
+            if step.is_multiple_of(97) {
                 l.check().unwrap();
             }
             let live_bytes: u64 = live.iter().map(|b| b.1).sum();

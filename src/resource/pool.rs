@@ -99,7 +99,7 @@ impl<U: MemoryResource> PoolResource<U> {
         let device = upstream.device().clone();
         let maximum = options.maximum.unwrap_or(device.total_memory());
         for (size, what) in [(options.initial, "initial"), (maximum, "maximum")] {
-            if size % ALIGNMENT != 0 {
+            if !size.is_multiple_of(ALIGNMENT) {
                 return Err(Error::InvalidSize {
                     size,
                     reason: if what == "initial" {
@@ -365,7 +365,7 @@ impl<U: MemoryResource> MemoryResource for PoolResource<U> {
         }
         check_stream(&self.device, stream)?;
         let size = aligned_size(bytes)? as u64;
-        if ptr.0 % ALIGNMENT as u64 != 0 || !self.lists.give(ptr.0, size, stream) {
+        if !ptr.0.is_multiple_of(ALIGNMENT as u64) || !self.lists.give(ptr.0, size, stream) {
             return Err(Error::UnknownPointer { ptr: ptr.0, bytes });
         }
         self.waiters.notify();
