@@ -6,19 +6,31 @@
 //! - [`reactor`]: the registration path of an event future into a running reactor thread, with a
 //!   fake device that rings the bell as the simulated one does. Run on a mirror of the reactor
 //!   that works around two loom 0.7.2 bugs; see that module and README.md.
+//! - [`waiters`]: the memory waiters queue behind `allocate_async` (FIFO, baton passing, the
+//!   fences against store buffering, cancellation), on src/resource/waiters.rs itself, with a
+//!   copy of `Allocate::poll` and a fake resource.
+//! - [`free_lists`]: the pool's per-stream free lists (`StreamLists`) on fake streams that
+//!   record the ordering edges: no block handed out twice or lost, every steal and merge ordered
+//!   behind the donor's free.
+//! - [`deferred_free`]: the countdown that frees a buffer used on several streams once all their
+//!   events completed (`release_after_all`), on the crate's `Completion`s.
 //!
 //! Each model states its preemption bound; it is set in the model, so `LOOM_MAX_PREEMPTIONS`
-//! does not change it. The `#[ignore]`d tests, run with `-- --ignored`:
-//! - `planted_*`: the same model against a copy of the code with a bug planted in it; each
-//!   expects loom to catch it, and says how;
+//! does not change it. `reactor::real_reactor_models` runs the reactor models on the crate's
+//! `Reactor` (it passes since the src changes of README.md, "Findings"). The `#[ignore]`d
+//! tests, run with `-- --ignored`:
+//! - `planted_*`: the same model against a copy of the code with a bug planted in it (the
+//!   waiters' copy of `Allocate::poll` carries its bugs as switches); each expects loom to catch
+//!   it, and says how;
 //! - `loom_false_positive_*`: pin down the two loom bugs (they pass while loom has them);
-//! - `real_reactor_models`: the reactor models on the crate's `Reactor`, which fail under loom
-//!   0.7.2 until src changes (README.md, "Findings").
 //!
 //! See `loom-tests/README.md` for the command, timings and what each test catches.
 
 mod completion;
+mod deferred_free;
+mod free_lists;
 mod reactor;
+mod waiters;
 
 use std::task::{Wake, Waker};
 
@@ -42,6 +54,50 @@ fn check(preemption_bound: Option<usize>, f: impl Fn() + Sync + Send + 'static) 
         "loom: {} executions, preemption bound {preemption_bound:?}",
         runs.load(Relaxed)
     );
+}
+
+/// Shared through std's `Arc`: the models' own bookkeeping, which loom does not see (it adds no
+/// scheduling point and no happens-before edge), and which outlives one execution.
+type Shared<T> = std::sync::Arc<T>;
+
+/// How many executions of a `check` took each named path of the code under test. A model whose
+/// executions never reach a path (never steal, never wait) would check nothing about it, so
+/// [`check_paths`] asserts that each path it is given was taken at least once.
+#[derive(Default)]
+struct Seen(std::sync::Mutex<std::collections::BTreeMap<&'static str, usize>>);
+
+impl Seen {
+    /// Notes that this execution took `path` (if `taken`). Call once per execution and path.
+    fn note(&self, path: &'static str, taken: bool) {
+        if taken {
+            *self
+                .0
+                .lock()
+                .unwrap_or_else(|e| e.into_inner())
+                .entry(path)
+                .or_default() += 1;
+        }
+    }
+}
+
+/// [`check`], then asserts that some executions took each of `paths`, and prints how many.
+fn check_paths(
+    preemption_bound: Option<usize>,
+    paths: &[&str],
+    model: impl Fn(&Shared<Seen>) + Sync + Send + 'static,
+) {
+    let seen = Shared::new(Seen::default());
+    let theirs = seen.clone();
+    check(preemption_bound, move || model(&theirs));
+    let seen = seen.0.lock().unwrap_or_else(|e| e.into_inner());
+    for path in paths {
+        let n = seen.get(path).copied().unwrap_or(0);
+        assert!(
+            n > 0,
+            "no execution took the path {path:?}: the model checks nothing there"
+        );
+    }
+    println!("paths taken (executions): {seen:?}");
 }
 
 /// Set in the child process that [`must_fail`] starts.

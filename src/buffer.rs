@@ -3,6 +3,7 @@
 use std::fmt;
 use std::time::Duration;
 
+use crate::completion::Callback;
 use crate::device::DevicePtr;
 use crate::error::{Error, Result};
 use crate::event::Event;
@@ -347,7 +348,6 @@ struct PendingFree {
     len: usize,
     resource: ResourceRef,
     stream: Stream,
-    remaining: AtomicUsize,
 }
 
 impl PendingFree {
@@ -381,21 +381,45 @@ impl Drop for DeviceBuffer {
                 return;
             }
         };
-        let pending = Arc::new(PendingFree {
+        let pending = PendingFree {
             ptr: self.ptr,
             len: self.len,
             resource: self.resource.clone(),
             stream: self.stream.clone(),
-            remaining: AtomicUsize::new(events.len()),
-        });
-        for event in events {
-            let pending = pending.clone();
-            event.on_complete(Box::new(move |_| {
-                if pending.remaining.fetch_sub(1, Ordering::AcqRel) == 1 {
-                    pending.release();
+        };
+        release_after_all(&events, move || pending.release(), Event::on_complete);
+    }
+}
+
+/// Runs `release` exactly once, after every one of `events` has completed (`on_complete`
+/// registers a callback with one event, or runs it at once if the event is already complete).
+///
+/// The countdown starts at the number of events *before* the first callback is registered: a
+/// callback may run during `on_complete`, or on another thread while the next one registers, so
+/// counting up while registering could reach zero early. The callback that brings it to zero
+/// releases; its `AcqRel` decrement makes the release see everything the other events'
+/// callbacks saw. With no events, releases at once. The loom model `loom-tests/deferred_free.rs`
+/// checks it.
+pub(crate) fn release_after_all<E>(
+    events: &[E],
+    release: impl Fn() + Send + Sync + 'static,
+    on_complete: impl Fn(&E, Callback),
+) {
+    if events.is_empty() {
+        return release();
+    }
+    let countdown = Arc::new((AtomicUsize::new(events.len()), release));
+    for event in events {
+        let countdown = countdown.clone();
+        on_complete(
+            event,
+            Box::new(move |_| {
+                let (remaining, release) = &*countdown;
+                if remaining.fetch_sub(1, Ordering::AcqRel) == 1 {
+                    release();
                 }
-            }));
-        }
+            }),
+        );
     }
 }
 

@@ -21,6 +21,10 @@
 //!    fresh memory joins them (without waiting), or it could never coalesce with freed memory;
 //! 4. *grow* from the upstream ([`Grow`]);
 //! 5. out of memory: *merge every list* into S's and try once more; then the error.
+//!
+//! The engine is generic over what it needs from a stream ([`EngineStream`]): the resources use
+//! it with [`Stream`] (the default), and the loom model `loom-tests/free_lists.rs` with a fake
+//! stream that records the ordering edges. Monomorphized: no dynamic dispatch.
 
 use std::collections::HashMap;
 use std::fmt;
@@ -32,18 +36,78 @@ use crate::error::{Error, Result};
 use crate::stream::Stream;
 use crate::sync::{Arc, AtomicU64, Mutex, Ordering};
 
+/// What the engine needs from a stream.
+pub(crate) trait EngineStream: Clone {
+    /// How the stream is named in traces and messages.
+    type Name: fmt::Display;
+
+    /// The stream's process-unique id (a driver handle can be reused; this cannot).
+    fn uid(&self) -> u64;
+
+    /// The stream's name, for traces and messages.
+    fn name(&self) -> Self::Name;
+
+    /// How many handles to the stream exist; 1 when the engine holds the only one (the user
+    /// dropped the stream: its list is idle).
+    fn handle_count(&self) -> usize;
+
+    /// Orders `later` after all work queued on `self` so far: an event recorded on `self` now,
+    /// and a (GPU-side) wait for it queued on `later`.
+    fn order_before(&self, later: &Self) -> Result<()>;
+
+    /// The last list this thread looked up for (engine `uid`, stream `uid`), if the stream type
+    /// keeps a thread-local cache. None by default.
+    fn cached(_engine: u64, _stream: u64) -> Option<Arc<StreamList<Self>>> {
+        None
+    }
+
+    /// Remembers `list` as the last lookup of this thread (stream uid 0 forgets it).
+    fn cache(_engine: u64, _stream: u64, _list: &Arc<StreamList<Self>>) {}
+}
+
+impl EngineStream for Stream {
+    type Name = crate::stream::StreamId;
+
+    #[inline]
+    fn uid(&self) -> u64 {
+        Stream::id(self).get()
+    }
+
+    fn name(&self) -> crate::stream::StreamId {
+        Stream::id(self)
+    }
+
+    fn handle_count(&self) -> usize {
+        Stream::handle_count(self)
+    }
+
+    fn order_before(&self, later: &Self) -> Result<()> {
+        self.record().and_then(|event| later.wait(&event))
+    }
+
+    #[inline]
+    fn cached(engine: u64, stream: u64) -> Option<Arc<StreamList<Self>>> {
+        cache::get(engine, stream)
+    }
+
+    #[inline]
+    fn cache(engine: u64, stream: u64, list: &Arc<StreamList<Self>>) {
+        cache::put(engine, stream, list)
+    }
+}
+
 /// Where new memory comes from.
-pub(crate) trait Grow {
+pub(crate) trait Grow<S = Stream> {
     /// A new chunk of at least `min` bytes, allocated for use on `stream`: `(base, size)`. Its
     /// error is the resource's out-of-memory error, with its numbers.
-    fn grow(&self, min: u64, stream: &Stream) -> Result<(u64, u64)>;
+    fn grow(&self, min: u64, stream: &S) -> Result<(u64, u64)>;
 }
 
 /// One stream's free memory.
-pub(crate) struct StreamList {
+pub(crate) struct StreamList<S = Stream> {
     /// The stream, kept so a steal can record an event on it. Holding it keeps a dropped
     /// stream's handle alive until its list is merged away.
-    stream: Stream,
+    stream: S,
     state: Mutex<ListState>,
 }
 
@@ -53,24 +117,24 @@ struct ListState {
     retired: bool,
 }
 
-struct Registry {
-    lists: FxHashMap<u64, Arc<StreamList>>,
+struct Registry<S> {
+    lists: FxHashMap<u64, Arc<StreamList<S>>>,
     /// Every chunk's `(start, size)`, for lists made later.
     chunks: Vec<(u64, u64)>,
 }
 
 /// The free lists of one resource.
-pub(crate) struct StreamLists {
+pub(crate) struct StreamLists<S = Stream> {
     /// Distinguishes this engine's entries in the thread-local cache.
     uid: u64,
     /// Memory that no stream has used yet: anyone takes from it without waiting.
     fresh: Mutex<FreeList>,
-    registry: Mutex<Registry>,
+    registry: Mutex<Registry<S>>,
     steals: AtomicU64,
     merges: AtomicU64,
 }
 
-impl fmt::Debug for StreamLists {
+impl<S: EngineStream> fmt::Debug for StreamLists<S> {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         f.debug_struct("StreamLists")
             .field("streams", &self.registry.lock().lists.len())
@@ -81,25 +145,33 @@ impl fmt::Debug for StreamLists {
 
 #[cfg(not(streamalloc_loom))]
 mod cache {
-    //! The thread-local cache of the last (engine, stream) → list lookup. Not under loom: loom
-    //! objects must not outlive a model.
+    //! The thread-local cache of the last (engine, stream) → list lookup, for [`Stream`]'s
+    //! lists. Not under loom: loom objects must not outlive a model.
     use std::cell::RefCell;
 
     use super::StreamList;
+    use crate::stream::Stream;
     use crate::sync::Arc;
 
+    /// (engine uid, stream uid, the stream's list).
+    type Last = Option<(u64, u64, Arc<StreamList<Stream>>)>;
+
     thread_local! {
-        static LAST: RefCell<Option<(u64, u64, Arc<StreamList>)>> = const { RefCell::new(None) };
+        static LAST: RefCell<Last> = const { RefCell::new(None) };
     }
 
-    pub(super) fn get(uid: u64, stream: u64) -> Option<Arc<StreamList>> {
+    // `#[inline]`: the engine is generic, so its lookups are compiled in the crate that uses the
+    // pool; without it this small function would be called across crates on every operation.
+    #[inline]
+    pub(super) fn get(uid: u64, stream: u64) -> Option<Arc<StreamList<Stream>>> {
         LAST.with(|last| match &*last.borrow() {
             Some((u, s, list)) if *u == uid && *s == stream => Some(list.clone()),
             _ => None,
         })
     }
 
-    pub(super) fn put(uid: u64, stream: u64, list: &Arc<StreamList>) {
+    #[inline]
+    pub(super) fn put(uid: u64, stream: u64, list: &Arc<StreamList<Stream>>) {
         // `try_with`: during thread teardown the cache may already be gone.
         let _ = LAST.try_with(|last| *last.borrow_mut() = Some((uid, stream, list.clone())));
     }
@@ -108,13 +180,14 @@ mod cache {
 #[cfg(streamalloc_loom)]
 mod cache {
     use super::StreamList;
+    use crate::stream::Stream;
     use crate::sync::Arc;
 
-    pub(super) fn get(_: u64, _: u64) -> Option<Arc<StreamList>> {
+    pub(super) fn get(_: u64, _: u64) -> Option<Arc<StreamList<Stream>>> {
         None
     }
 
-    pub(super) fn put(_: u64, _: u64, _: &Arc<StreamList>) {}
+    pub(super) fn put(_: u64, _: u64, _: &Arc<StreamList<Stream>>) {}
 }
 
 static NEXT_UID: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(1);
@@ -129,7 +202,7 @@ pub(crate) struct EngineStats {
     pub(crate) merges: u64,
 }
 
-impl StreamLists {
+impl<S: EngineStream> StreamLists<S> {
     pub(crate) fn new() -> Self {
         Self {
             uid: NEXT_UID.fetch_add(1, std::sync::atomic::Ordering::Relaxed),
@@ -144,9 +217,9 @@ impl StreamLists {
     }
 
     /// The list of `stream`, made on first use.
-    fn list_for(&self, stream: &Stream) -> Arc<StreamList> {
-        let id = stream.id().get();
-        if let Some(list) = cache::get(self.uid, id) {
+    fn list_for(&self, stream: &S) -> Arc<StreamList<S>> {
+        let id = stream.uid();
+        if let Some(list) = S::cached(self.uid, id) {
             return list;
         }
         let list = {
@@ -174,12 +247,12 @@ impl StreamLists {
                 }
             }
         };
-        cache::put(self.uid, id, &list);
+        S::cache(self.uid, id, &list);
         list
     }
 
     /// Runs `f` on `stream`'s free list, under its lock.
-    fn with_own<R>(&self, stream: &Stream, mut f: impl FnMut(&mut FreeList) -> R) -> R {
+    fn with_own<R>(&self, stream: &S, mut f: impl FnMut(&mut FreeList) -> R) -> R {
         loop {
             let list = self.list_for(stream);
             let mut state = list.state.lock();
@@ -188,7 +261,7 @@ impl StreamLists {
             }
             // Only reachable through a stale cache entry; the registry has the live list.
             drop(state);
-            cache::put(self.uid, 0, &list);
+            S::cache(self.uid, 0, &list);
         }
     }
 
@@ -219,12 +292,12 @@ impl StreamLists {
     }
 
     /// Gives memory back on `stream` (a free). False if it is already free there.
-    pub(crate) fn give(&self, addr: u64, size: u64, stream: &Stream) -> bool {
+    pub(crate) fn give(&self, addr: u64, size: u64, stream: &S) -> bool {
         self.with_own(stream, |free| free.give(addr, size))
     }
 
     /// `size` bytes for use on `stream`, by the whole policy of this module's doc.
-    pub(crate) fn take(&self, size: u64, stream: &Stream, upstream: &impl Grow) -> Result<u64> {
+    pub(crate) fn take(&self, size: u64, stream: &S, upstream: &impl Grow<S>) -> Result<u64> {
         if let Some(addr) = self.with_own(stream, |free| free.take(size)) {
             return Ok(addr);
         }
@@ -262,9 +335,9 @@ impl StreamLists {
     }
 
     /// Takes a block from another stream's list, ordering `stream` after that stream.
-    fn steal(&self, size: u64, stream: &Stream) -> Result<Option<u64>> {
-        let me = stream.id().get();
-        let donors: Vec<Arc<StreamList>> = self
+    fn steal(&self, size: u64, stream: &S) -> Result<Option<u64>> {
+        let me = stream.uid();
+        let donors: Vec<Arc<StreamList<S>>> = self
             .registry
             .lock()
             .lists
@@ -281,10 +354,10 @@ impl StreamLists {
                 state.free.take(size)
             };
             let Some(addr) = got else { continue };
-            let _span = tracing::debug_span!("steal", bytes = size, from = %donor.stream.id(), to = %stream.id()).entered();
+            let _span = tracing::debug_span!("steal", bytes = size, from = %donor.stream.name(), to = %stream.name()).entered();
             // The block's free was enqueued on the donor before we found it in its list, so an
             // event recorded on the donor now comes after it.
-            let ordered = donor.stream.record().and_then(|event| stream.wait(&event));
+            let ordered = donor.stream.order_before(stream);
             if let Err(e) = ordered {
                 donor.state.lock().free.give(addr, size);
                 return Err(e);
@@ -298,7 +371,7 @@ impl StreamLists {
     /// Moves other streams' lists into `stream`'s, after `stream` waits on each: only lists
     /// whose stream the user dropped (`idle_only`), which are then retired, or all of them.
     /// Returns how many blocks moved.
-    fn merge_into(&self, stream: &Stream, idle_only: bool) -> Result<usize> {
+    fn merge_into(&self, stream: &S, idle_only: bool) -> Result<usize> {
         // Fresh memory joins too: it needs no ordering, and left apart it could never coalesce
         // with memory that came back to this list (a request for the whole pool, say).
         let fresh = self.fresh.lock().drain();
@@ -306,8 +379,8 @@ impl StreamLists {
             self.give(addr, size, stream);
         }
         let merged_fresh = fresh.len();
-        let me = stream.id().get();
-        let donors: Vec<(Arc<StreamList>, bool)> = {
+        let me = stream.uid();
+        let donors: Vec<(Arc<StreamList<S>>, bool)> = {
             let mut registry = self.registry.lock();
             let chosen: Vec<(u64, bool)> = registry
                 .lists
@@ -333,7 +406,7 @@ impl StreamLists {
             return Ok(0);
         }
         let _span =
-            tracing::debug_span!("merge", into = %stream.id(), lists = donors.len(), idle_only)
+            tracing::debug_span!("merge", into = %stream.name(), lists = donors.len(), idle_only)
                 .entered();
         let mut moved = merged_fresh;
         for (donor, idle) in donors {
@@ -345,7 +418,7 @@ impl StreamLists {
             if blocks.is_empty() {
                 continue;
             }
-            let ordered = donor.stream.record().and_then(|event| stream.wait(&event));
+            let ordered = donor.stream.order_before(stream);
             // On failure the blocks go back where they were (the donor, even if retired: it is
             // put back in the registry), so nothing is lost.
             let target_is_donor = ordered.is_err();
@@ -354,7 +427,7 @@ impl StreamLists {
                 self.registry
                     .lock()
                     .lists
-                    .insert(donor.stream.id().get(), donor.clone());
+                    .insert(donor.stream.uid(), donor.clone());
             }
             for &(addr, size) in &blocks {
                 if target_is_donor {
@@ -372,10 +445,7 @@ impl StreamLists {
 
     /// Takes out every block that is exactly one of `chunks`, for returning upstream. Returns
     /// `(base, size, the stream it was freed on)`, `None` for fresh memory.
-    pub(crate) fn take_whole_chunks(
-        &self,
-        chunks: &[(u64, u64)],
-    ) -> Vec<(u64, u64, Option<Stream>)> {
+    pub(crate) fn take_whole_chunks(&self, chunks: &[(u64, u64)]) -> Vec<(u64, u64, Option<S>)> {
         let mut out = Vec::new();
         let mut left: HashMap<u64, u64> = chunks.iter().copied().collect();
         {
@@ -388,7 +458,7 @@ impl StreamLists {
                 !whole
             });
         }
-        let lists: Vec<Arc<StreamList>> = self.registry.lock().lists.values().cloned().collect();
+        let lists: Vec<Arc<StreamList<S>>> = self.registry.lock().lists.values().cloned().collect();
         for list in lists {
             let mut state = list.state.lock();
             left.retain(|&base, &mut size| {
@@ -418,7 +488,7 @@ impl StreamLists {
             stats.free_bytes += fresh.free_bytes();
             stats.free_blocks += fresh.len();
         }
-        let lists: Vec<Arc<StreamList>> = self.registry.lock().lists.values().cloned().collect();
+        let lists: Vec<Arc<StreamList<S>>> = self.registry.lock().lists.values().cloned().collect();
         stats.streams = lists.len();
         for list in lists {
             let state = list.state.lock();
@@ -429,7 +499,7 @@ impl StreamLists {
     }
 
     /// The streams whose lists hold memory (to synchronize before returning chunks upstream).
-    pub(crate) fn streams(&self) -> Vec<Stream> {
+    pub(crate) fn streams(&self) -> Vec<S> {
         self.registry
             .lock()
             .lists
@@ -446,13 +516,13 @@ impl StreamLists {
             fresh.check().map_err(|e| format!("fresh list: {e}"))?;
             all.extend(fresh.blocks());
         }
-        let lists: Vec<Arc<StreamList>> = self.registry.lock().lists.values().cloned().collect();
+        let lists: Vec<Arc<StreamList<S>>> = self.registry.lock().lists.values().cloned().collect();
         for list in lists {
             let state = list.state.lock();
             state
                 .free
                 .check()
-                .map_err(|e| format!("{}: {e}", list.stream.id()))?;
+                .map_err(|e| format!("{}: {e}", list.stream.name()))?;
             all.extend(state.free.blocks());
         }
         all.sort_unstable();
