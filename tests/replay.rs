@@ -32,16 +32,23 @@ fn bin() -> std::path::PathBuf {
         .unwrap_or(built)
 }
 
+/// A test log: its text is compiled into the test (so packed test binaries run anywhere, a GPU
+/// machine included) and written to a fresh temporary file.
 fn data(name: &str) -> PathBuf {
-    Path::new(env!("CARGO_MANIFEST_DIR"))
-        .join("tests/data")
-        .join(name)
+    let text = match name {
+        "rmm_small.csv" => include_str!("data/rmm_small.csv"),
+        other => panic!("no test log named {other}"),
+    };
+    let path = temp(name);
+    std::fs::write(&path, text).unwrap();
+    path
 }
 
-/// A fresh path under the target's temporary directory.
+/// A fresh path in the system's temporary directory (not the build's: packed test binaries run
+/// on machines without it).
 fn temp(name: &str) -> PathBuf {
     static N: AtomicUsize = AtomicUsize::new(0);
-    Path::new(env!("CARGO_TARGET_TMPDIR")).join(format!(
+    std::env::temp_dir().join(format!(
         "replay-{}-{}-{name}",
         std::process::id(),
         N.fetch_add(1, Ordering::Relaxed)
