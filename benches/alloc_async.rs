@@ -13,12 +13,13 @@
 //! `cargo bench --bench alloc_async`. GPU if there is one, else the simulated device.
 
 use std::future::Future;
-use std::pin::Pin;
-use std::sync::atomic::{AtomicU64, Ordering};
-use std::sync::{mpsc, Arc, Mutex, OnceLock};
-use std::task::{Context, Poll, Wake, Waker};
+use std::sync::{mpsc, Arc};
+use std::task::{Context, Poll};
 use std::time::{Duration, Instant};
 
+mod common;
+
+use common::{now_ns, quantiles, Stamp, Stamped};
 use streamalloc::resource::cuda::CudaResource;
 use streamalloc::resource::pool::{PoolOptions, PoolResource};
 use streamalloc::{
@@ -27,11 +28,6 @@ use streamalloc::{
 };
 
 const MIB: usize = 1 << 20;
-
-static BASE: OnceLock<Instant> = OnceLock::new();
-fn now_ns() -> u64 {
-    BASE.get_or_init(Instant::now).elapsed().as_nanos() as u64
-}
 
 fn open(options: CudaOptions) -> Device {
     Device::cuda_with(0, options).unwrap_or_else(|_| Device::simulated(SimConfig::default()))
@@ -146,43 +142,6 @@ fn overhead(device: &Device) {
     }
 }
 
-struct Stamp {
-    at: AtomicU64,
-    inner: Mutex<Option<Waker>>,
-}
-impl Wake for Stamp {
-    fn wake(self: Arc<Self>) {
-        self.wake_by_ref()
-    }
-    fn wake_by_ref(self: &Arc<Self>) {
-        let _ = self
-            .at
-            .compare_exchange(0, now_ns(), Ordering::AcqRel, Ordering::Acquire);
-        if let Some(w) = self.inner.lock().unwrap().as_ref() {
-            w.wake_by_ref();
-        }
-    }
-}
-struct Stamped<F> {
-    fut: Pin<Box<F>>,
-    stamp: Arc<Stamp>,
-}
-impl<F: Future> Future for Stamped<F> {
-    type Output = F::Output;
-    fn poll(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<F::Output> {
-        *self.stamp.inner.lock().unwrap() = Some(cx.waker().clone());
-        let waker = Waker::from(self.stamp.clone());
-        self.fut.as_mut().poll(&mut Context::from_waker(&waker))
-    }
-}
-
-fn quantiles(mut v: Vec<i64>) -> String {
-    v.sort();
-    let at =
-        |q: f64| Duration::from_nanos(v[((v.len() - 1) as f64 * q).round() as usize].max(0) as u64);
-    format!("{:>9.1?} {:>9.1?} {:>9.1?}", at(0.5), at(0.99), at(1.0))
-}
-
 fn wake_latency(
     rt: &tokio::runtime::Runtime,
     name: &str,
@@ -217,21 +176,15 @@ fn wake_latency(
             drop(x);
             let (tx, reached) = tokio::sync::oneshot::channel();
             to_observer.send((done, tx)).unwrap();
-            let stamp = Arc::new(Stamp {
-                at: AtomicU64::new(0),
-                inner: Mutex::new(None),
-            });
-            let buf = Stamped {
-                fut: Box::pin(DeviceBuffer::alloc(&p, bytes, &a)),
-                stamp: stamp.clone(),
-            }
-            .await
-            .unwrap();
+            let stamp = Stamp::new();
+            let buf = Stamped::new(DeviceBuffer::alloc(&p, bytes, &a), stamp.clone())
+                .await
+                .unwrap();
             let resumed = now_ns();
             let reached = reached.await.unwrap();
             drop(buf);
             if i >= 50 {
-                let woken = stamp.at.load(Ordering::Acquire);
+                let woken = stamp.woken_at();
                 w.push(if woken == 0 {
                     0
                 } else {

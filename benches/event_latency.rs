@@ -20,20 +20,13 @@
 //! `cargo bench --bench event_latency [-- --samples N]`. Runs on the GPU if there is one, else
 //! on the simulated device (whose figures only check the plumbing).
 
-use std::future::Future;
-use std::pin::Pin;
-use std::sync::atomic::{AtomicU64, Ordering};
-use std::sync::{mpsc, Arc, Mutex, OnceLock};
-use std::task::{Context, Poll, Wake, Waker};
+use std::sync::mpsc;
 use std::time::{Duration, Instant};
 
+mod common;
+
+use common::{now_ns, quantiles, Stamp, Stamped};
 use streamalloc::{CudaOptions, Device, Event, SimConfig};
-
-static BASE: OnceLock<Instant> = OnceLock::new();
-
-fn now_ns() -> u64 {
-    BASE.get_or_init(Instant::now).elapsed().as_nanos() as u64
-}
 
 fn open(options: CudaOptions) -> Device {
     match Device::cuda_with(0, options) {
@@ -43,43 +36,6 @@ fn open(options: CudaOptions) -> Device {
             SAID.call_once(|| eprintln!("no GPU ({why}): measuring the simulated device"));
             Device::simulated(SimConfig::default())
         }
-    }
-}
-
-/// A waker that stamps the time it is woken, then wakes the task's own waker.
-struct Stamp {
-    at: AtomicU64,
-    inner: Mutex<Option<Waker>>,
-}
-
-impl Wake for Stamp {
-    fn wake(self: Arc<Self>) {
-        self.wake_by_ref()
-    }
-
-    fn wake_by_ref(self: &Arc<Self>) {
-        let _ = self
-            .at
-            .compare_exchange(0, now_ns(), Ordering::AcqRel, Ordering::Acquire);
-        if let Some(w) = self.inner.lock().unwrap().as_ref() {
-            w.wake_by_ref();
-        }
-    }
-}
-
-/// Awaits `event` through a [`Stamp`] waker.
-struct Stamped {
-    event: Event,
-    stamp: Arc<Stamp>,
-}
-
-impl Future for Stamped {
-    type Output = streamalloc::Result<()>;
-
-    fn poll(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<Self::Output> {
-        *self.stamp.inner.lock().unwrap() = Some(cx.waker().clone());
-        let waker = Waker::from(self.stamp.clone());
-        Pin::new(&mut self.event).poll(&mut Context::from_waker(&waker))
     }
 }
 
@@ -94,13 +50,6 @@ fn thread_cpu_ns(name: &str) -> Option<u64> {
         }
     }
     None
-}
-
-fn quantiles(mut v: Vec<i64>) -> String {
-    v.sort();
-    let at =
-        |q: f64| Duration::from_nanos(v[((v.len() - 1) as f64 * q).round() as usize].max(0) as u64);
-    format!("{:>9.1?} {:>9.1?} {:>9.1?}", at(0.5), at(0.99), at(1.0))
 }
 
 /// (to waker, to task) latencies in ns; negative when the task ran before the observer saw it.
@@ -129,19 +78,11 @@ fn latency(
             let theirs = stream.record().unwrap();
             let (tx, rx) = tokio::sync::oneshot::channel();
             to_observer.send((theirs, tx)).unwrap();
-            let stamp = Arc::new(Stamp {
-                at: AtomicU64::new(0),
-                inner: Mutex::new(None),
-            });
-            Stamped {
-                event: ours,
-                stamp: stamp.clone(),
-            }
-            .await
-            .unwrap();
+            let stamp = Stamp::new();
+            Stamped::new(ours, stamp.clone()).await.unwrap();
             let resumed = now_ns();
             let reached = rx.await.unwrap();
-            let woken = stamp.at.load(Ordering::Acquire);
+            let woken = stamp.woken_at();
             if i >= 100 {
                 // The first 100 samples are warm-up. A task that found its event complete on its
                 // first poll was never woken: count that as zero reactor latency.
