@@ -1,10 +1,13 @@
 //! The `churn` workloads of `shared/bench/WORKLOADS.md`, exactly: splitmix64, the same decision
 //! sequence for every allocator, and its checksums (allocations and bytes allocated).
 //!
-//! `cargo bench --bench churn [-- --resource pool|cuda-async|all] [--run churn-1t|churn-4t|scaling|all] [--repeat N]`
+//! `cargo bench --bench churn [-- --resource pool|cuda-async|arena|binning|cuda|all] [--run churn-1t|churn-4t|scaling|all] [--repeat N]`
 //!
-//! The pool under test starts with 2 GiB reserved and may grow to 8 GiB, so the timed loop
-//! measures suballocation, not the driver. Reports wall time (start to the last stream
+//! Resources: the pool (`PoolResource` over `CudaResource`), the driver's pool
+//! (`CudaAsyncResource`), the arena, binning (fixed-size bins 2^18..2^22 over a pool, as the RMM
+//! reference), and raw `cuMemAlloc` (`CudaResource`, sampled on 20,000 operations as
+//! WORKLOADS.md did, so without checksums). The pool and the arena start with 2 GiB reserved and
+//! may grow to 8 GiB, so the timed loop measures suballocation, not the driver. Reports wall time (start to the last stream
 //! synchronized), ns per operation (wall / total ops), the checksums, and for the pool its peak
 //! reserved bytes against the peak live bytes (summed over threads, an upper bound, as
 //! WORKLOADS.md states RMM's). Runs on the GPU if there is one, else on the simulated device.
@@ -12,6 +15,8 @@
 use std::sync::Barrier;
 use std::time::{Duration, Instant};
 
+use streamalloc::resource::arena::{ArenaOptions, ArenaResource};
+use streamalloc::resource::binning::BinningResource;
 use streamalloc::resource::cuda::CudaResource;
 use streamalloc::resource::cuda_async::{CudaAsyncOptions, CudaAsyncResource};
 use streamalloc::resource::pool::{PoolOptions, PoolResource};
@@ -244,6 +249,57 @@ fn main() {
                     r.reserved_bytes().unwrap_or(0) / MIB
                 );
                 report("cuda-async", run, wall, o, extra);
+            }
+            if resource == "all" || resource == "arena" {
+                // RMM's arena, sized as the pool: 2 GiB up front, up to 8 GiB.
+                let r = ArenaResource::new(
+                    CudaResource::new(&device),
+                    ArenaOptions {
+                        initial: 2 * GIB,
+                        maximum: Some(8 * GIB),
+                        ..ArenaOptions::default()
+                    },
+                )
+                .unwrap();
+                let (wall, o) = run_on(&r, &device, run);
+                let s = r.stats();
+                let extra = format!("peak reserved {} MiB", s.peak_reserved / MIB);
+                report("arena", run, wall, o, extra);
+            }
+            if resource == "all" || resource == "binning" {
+                // As WORKLOADS.md's RMM reference: fixed-size bins 2^18..2^22 over a pool, the
+                // pool serving what is larger.
+                let pool = PoolResource::new(
+                    CudaResource::new(&device),
+                    PoolOptions {
+                        initial: 2 * GIB,
+                        maximum: Some(8 * GIB),
+                    },
+                )
+                .unwrap();
+                let r = BinningResource::new(pool, 18, 22).unwrap();
+                let (wall, o) = run_on(&r, &device, run);
+                report("binning", run, wall, o, String::new());
+            }
+            if resource == "all" || resource == "cuda" {
+                // Raw cuMemAlloc/cuMemFree, sampled as WORKLOADS.md did (20,000 operations in
+                // all): the sequence is the same, cut short, so there is no checksum.
+                let sampled = Run {
+                    name: run.name,
+                    threads: run.threads,
+                    ops: 20_000 / run.threads,
+                    max_live: run.max_live,
+                    checksum: None,
+                };
+                let r = CudaResource::new(&device);
+                let (wall, o) = run_on(&r, &device, &sampled);
+                report(
+                    "cuda",
+                    &sampled,
+                    wall,
+                    o,
+                    "sampled: 20,000 operations".to_owned(),
+                );
             }
         }
     }

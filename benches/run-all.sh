@@ -38,11 +38,14 @@ import statistics, sys
 runs = {}
 for line in open(sys.argv[1]):
     f = line.split()
-    if f and f[0] in ("pool", "cuda-async"):
+    if f and f[0] in ("pool", "cuda-async", "arena", "binning", "cuda"):
         key = f"{f[0]} {f[1]}" + (f" {f[2]}t" if f[1] == "scaling" else "")
         runs.setdefault(key, []).append(float(f[4]))
 ref = {"pool churn-1t": "RMM pool 495, target <= 100", "pool churn-4t": "RMM pool 1141, target <= 40",
-       "cuda-async churn-1t": "RMM cuda_async 726", "cuda-async churn-4t": "RMM cuda_async 2450"}
+       "cuda-async churn-1t": "RMM cuda_async 726", "cuda-async churn-4t": "RMM cuda_async 2450",
+       "arena churn-1t": "RMM arena 622", "arena churn-4t": "RMM arena 709",
+       "binning churn-1t": "RMM binning 194", "binning churn-4t": "RMM binning 460",
+       "cuda churn-1t": "raw cuMemAlloc ~8,700", "cuda churn-4t": "raw cuMemAlloc ~12,700"}
 print(f"{'churn (ns/op)':<26} {'median':>8}   runs / reference")
 for key in sorted(runs):
     note = f"   ({ref[key]})" if key in ref else ""
