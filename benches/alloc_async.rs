@@ -19,7 +19,7 @@ use std::time::{Duration, Instant};
 
 mod common;
 
-use common::{now_ns, quantiles, Stamp, Stamped};
+use common::{now_ns, quantiles, SplitMix64, Stamp, Stamped};
 use streamalloc::resource::cuda::CudaResource;
 use streamalloc::resource::pool::{PoolOptions, PoolResource};
 use streamalloc::{
@@ -56,17 +56,6 @@ fn poll_once<F: Future>(f: F) -> Option<F::Output> {
     {
         Poll::Ready(v) => Some(v),
         Poll::Pending => None,
-    }
-}
-
-struct SplitMix64(u64);
-impl SplitMix64 {
-    fn next(&mut self) -> u64 {
-        self.0 = self.0.wrapping_add(0x9E37_79B9_7F4A_7C15);
-        let mut z = self.0;
-        z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
-        z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
-        z ^ (z >> 31)
     }
 }
 

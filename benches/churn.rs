@@ -15,6 +15,9 @@
 use std::sync::Barrier;
 use std::time::{Duration, Instant};
 
+mod common;
+
+use common::SplitMix64;
 use streamalloc::resource::arena::{ArenaOptions, ArenaResource};
 use streamalloc::resource::binning::BinningResource;
 use streamalloc::resource::cuda::CudaResource;
@@ -24,18 +27,6 @@ use streamalloc::{Device, MemoryResource};
 
 const GIB: usize = 1 << 30;
 const MIB: usize = 1 << 20;
-
-struct SplitMix64(u64);
-
-impl SplitMix64 {
-    fn next(&mut self) -> u64 {
-        self.0 = self.0.wrapping_add(0x9E37_79B9_7F4A_7C15);
-        let mut z = self.0;
-        z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
-        z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
-        z ^ (z >> 31)
-    }
-}
 
 #[derive(Default, Clone, Copy)]
 struct Outcome {

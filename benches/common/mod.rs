@@ -1,5 +1,5 @@
-//! What the latency benchmarks share: a process clock, a waker that stamps when it is woken, and
-//! quantiles.
+//! What the benchmarks share: WORKLOADS.md's generator, a process clock, a waker that stamps
+//! when it is woken, and quantiles.
 
 #![allow(dead_code)] // each benchmark uses its own part
 
@@ -9,6 +9,19 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, OnceLock};
 use std::task::{Context, Poll, Wake, Waker};
 use std::time::{Duration, Instant};
+
+/// splitmix64, exactly as `shared/bench/WORKLOADS.md` specifies it.
+pub struct SplitMix64(pub u64);
+
+impl SplitMix64 {
+    pub fn next(&mut self) -> u64 {
+        self.0 = self.0.wrapping_add(0x9E37_79B9_7F4A_7C15);
+        let mut z = self.0;
+        z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
+        z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
+        z ^ (z >> 31)
+    }
+}
 
 static BASE: OnceLock<Instant> = OnceLock::new();
 
