@@ -53,7 +53,7 @@ mod timer;
 mod vec;
 
 pub use crate::buffer::DeviceBuffer;
-pub use crate::device::{CudaOptions, Device, DeviceKind, DevicePtr, SimConfig};
+pub use crate::device::{CudaOptions, Device, DeviceKind, DevicePtr, FaultKind, Faults, SimConfig};
 pub use crate::error::{Error, Result};
 pub use crate::event::Event;
 pub use crate::resource::{

@@ -5,7 +5,7 @@ use std::num::NonZeroU64;
 use std::time::Duration;
 
 use crate::device::sim::{HostPtr, Op};
-use crate::device::{cuda, mismatch, sim, Backend, Device, DevicePtr};
+use crate::device::{cuda, mismatch, sim, Backend, Device, DevicePtr, FaultKind};
 use crate::error::{Error, Result};
 use crate::event::{Event, RawEvent};
 use crate::sync::{Arc, AtomicU64, Ordering};
@@ -133,7 +133,10 @@ impl Stream {
         let device = &self.inner.device;
         let raw = match (&self.inner.raw, device.backend()) {
             (RawStream::Cuda(s), Backend::Cuda(d)) => RawEvent::Cuda(d.record(*s)?),
-            (RawStream::Sim(s), Backend::Sim(d)) => RawEvent::Sim(d.record(s)),
+            (RawStream::Sim(s), Backend::Sim(d)) => {
+                d.fault(FaultKind::Record)?;
+                RawEvent::Sim(d.record(s))
+            }
             _ => return Err(mismatch()),
         };
         let seq = self.inner.seq.fetch_add(1, Ordering::Relaxed);
@@ -146,7 +149,8 @@ impl Stream {
         self.inner.device.check_same(event.device())?;
         match (&self.inner.raw, event.raw(), self.inner.device.backend()) {
             (RawStream::Cuda(s), RawEvent::Cuda(e), Backend::Cuda(d)) => d.wait(*s, *e),
-            (RawStream::Sim(s), RawEvent::Sim(m), _) => {
+            (RawStream::Sim(s), RawEvent::Sim(m), Backend::Sim(d)) => {
+                d.fault(FaultKind::Wait)?;
                 s.push(Op::Wait(m.clone()));
                 Ok(())
             }
@@ -167,7 +171,10 @@ impl Stream {
     pub fn synchronize_blocking(&self) -> Result<()> {
         match (&self.inner.raw, self.inner.device.backend()) {
             (RawStream::Cuda(s), Backend::Cuda(d)) => d.synchronize_stream(*s),
-            (RawStream::Sim(_), Backend::Sim(_)) => self.record()?.synchronize_blocking(),
+            (RawStream::Sim(_), Backend::Sim(d)) => {
+                d.fault(FaultKind::Synchronize)?;
+                self.record()?.synchronize_blocking()
+            }
             _ => Err(mismatch()),
         }
     }
@@ -175,18 +182,24 @@ impl Stream {
     /// Queues a kernel that keeps the stream busy for `duration` of GPU time and touches no
     /// memory: for tests and benchmarks that need work in flight.
     pub fn spin(&self, duration: Duration) -> Result<()> {
-        self.enqueue(|d, s| d.spin(duration, s), || Op::Spin(duration))
+        self.enqueue(
+            FaultKind::Launch,
+            |d, s| d.spin(duration, s),
+            || Op::Spin(duration),
+        )
     }
 
     /// Runs the CUDA or the simulated form of one operation.
     fn enqueue(
         &self,
+        kind: FaultKind,
         cuda: impl FnOnce(&cuda::CudaDevice, cuda::RawStream) -> Result<()>,
         sim: impl FnOnce() -> Op,
     ) -> Result<()> {
         match (&self.inner.raw, self.inner.device.backend()) {
             (RawStream::Cuda(s), Backend::Cuda(d)) => cuda(d, *s),
-            (RawStream::Sim(s), Backend::Sim(_)) => {
+            (RawStream::Sim(s), Backend::Sim(d)) => {
+                d.fault(kind)?;
                 s.push(sim());
                 Ok(())
             }
@@ -206,6 +219,7 @@ impl Stream {
     pub unsafe fn memset_d8(&self, dst: DevicePtr, value: u8, bytes: usize) -> Result<()> {
         // SAFETY: the caller's contract.
         self.enqueue(
+            FaultKind::Copy,
             |d, s| unsafe { d.memset_d8(dst.0, value, bytes, s) },
             || Op::Memset8 {
                 dst: dst.0,
@@ -223,6 +237,7 @@ impl Stream {
         check_words(count)?;
         // SAFETY: the caller's contract.
         self.enqueue(
+            FaultKind::Copy,
             |d, s| unsafe { d.memset_d32(dst.0, value, count, s) },
             || Op::Memset32 {
                 dst: dst.0,
@@ -244,6 +259,7 @@ impl Stream {
     pub unsafe fn copy_htod(&self, dst: DevicePtr, src: *const u8, bytes: usize) -> Result<()> {
         // SAFETY: the caller's contract.
         self.enqueue(
+            FaultKind::Copy,
             |d, s| unsafe { d.copy_htod(dst.0, src, bytes, s) },
             || Op::HtoD {
                 dst: dst.0,
@@ -267,6 +283,7 @@ impl Stream {
     pub unsafe fn copy_dtoh(&self, dst: *mut u8, src: DevicePtr, bytes: usize) -> Result<()> {
         // SAFETY: the caller's contract.
         self.enqueue(
+            FaultKind::Copy,
             |d, s| unsafe { d.copy_dtoh(dst, src.0, bytes, s) },
             || Op::DtoH {
                 dst: HostPtr(dst),
@@ -283,6 +300,7 @@ impl Stream {
     pub unsafe fn copy_dtod(&self, dst: DevicePtr, src: DevicePtr, bytes: usize) -> Result<()> {
         // SAFETY: the caller's contract.
         self.enqueue(
+            FaultKind::Copy,
             |d, s| unsafe { d.copy_dtod(dst.0, src.0, bytes, s) },
             || Op::DtoD {
                 dst: dst.0,
@@ -320,6 +338,7 @@ impl Stream {
         }
         // SAFETY: the caller's contract.
         self.enqueue(
+            FaultKind::Launch,
             |d, s| unsafe { d.fill_u32(dst.0, value, count, s) },
             || Op::FillU32 {
                 dst: dst.0,
@@ -340,6 +359,7 @@ impl Stream {
         }
         // SAFETY: the caller's contract.
         self.enqueue(
+            FaultKind::Launch,
             |d, s| unsafe { d.scale_f32(dst.0, factor, count, s) },
             || Op::ScaleF32 {
                 dst: dst.0,

@@ -16,7 +16,7 @@ use crate::reactor::Reactor;
 use crate::stream::Stream;
 use crate::sync::{Arc, AtomicU64, Ordering};
 
-pub use self::sim::SimConfig;
+pub use self::sim::{FaultKind, Faults, SimConfig};
 
 /// A device address. Plain data: holding one is safe, using it is what the unsafe methods of
 /// [`Stream`] and [`Device`] guard.
@@ -263,6 +263,15 @@ impl Device {
         }
     }
 
+    /// The fault plan of a simulated device (`None` on CUDA): arm it to make driver calls
+    /// fail. See [`Faults`].
+    pub fn faults(&self) -> Option<&Faults> {
+        match &self.inner.backend {
+            Backend::Cuda(_) => None,
+            Backend::Sim(d) => Some(&d.config.faults),
+        }
+    }
+
     /// True for the simulated device.
     pub fn is_simulated(&self) -> bool {
         self.kind() == DeviceKind::Simulated
@@ -370,7 +379,9 @@ impl Device {
         check_size(bytes)?;
         match &self.inner.backend {
             Backend::Cuda(d) => d.malloc(bytes),
-            Backend::Sim(d) => d.memory.alloc(bytes),
+            Backend::Sim(d) => d
+                .fault(FaultKind::Allocate)
+                .and_then(|()| d.memory.alloc(bytes)),
         }
         .map(DevicePtr)
         .map_err(|e| self.oom(bytes, e))
@@ -385,7 +396,7 @@ impl Device {
         match &self.inner.backend {
             // SAFETY: the caller's contract.
             Backend::Cuda(d) => unsafe { d.free(ptr.0) },
-            Backend::Sim(d) => d.memory.free(ptr.0),
+            Backend::Sim(d) => d.fault(FaultKind::Free).and_then(|()| d.memory.free(ptr.0)),
         }
     }
 
@@ -408,6 +419,7 @@ impl Device {
             // which includes every use queued on `stream`.
             (Backend::Cuda(d), crate::stream::RawStream::Cuda(_)) => unsafe { d.free(ptr.0) },
             (Backend::Sim(d), crate::stream::RawStream::Sim(s)) => {
+                d.fault(FaultKind::Free)?;
                 if !d.memory.is_allocation(ptr.0) {
                     return Err(Error::UnknownPointer {
                         ptr: ptr.0,
@@ -436,7 +448,9 @@ impl Device {
         check_size(bytes)?;
         match &self.inner.backend {
             Backend::Cuda(d) => d.malloc_managed(bytes),
-            Backend::Sim(d) => d.memory.alloc(bytes),
+            Backend::Sim(d) => d
+                .fault(FaultKind::Allocate)
+                .and_then(|()| d.memory.alloc(bytes)),
         }
         .map(DevicePtr)
         .map_err(|e| self.oom(bytes, e))
@@ -466,7 +480,9 @@ impl Device {
         }
         match &self.inner.backend {
             Backend::Cuda(d) => d.malloc_host(bytes),
-            Backend::Sim(d) => d.host.alloc(bytes),
+            Backend::Sim(d) => d
+                .fault(FaultKind::HostAllocate)
+                .and_then(|()| d.host.alloc(bytes)),
         }
         .map_err(|e| Self::host_oom(bytes, e))
     }
@@ -482,7 +498,7 @@ impl Device {
         match &self.inner.backend {
             // SAFETY: the caller's contract.
             Backend::Cuda(d) => unsafe { d.free_host(ptr) },
-            Backend::Sim(d) => d.host.free(ptr),
+            Backend::Sim(d) => d.fault(FaultKind::HostFree).and_then(|()| d.host.free(ptr)),
         }
     }
 
@@ -495,7 +511,9 @@ impl Device {
         self.check_same(stream.device())?;
         match (&self.inner.backend, stream.raw()) {
             (Backend::Cuda(d), crate::stream::RawStream::Cuda(s)) => d.malloc_async(bytes, *s),
-            (Backend::Sim(d), crate::stream::RawStream::Sim(_)) => d.memory.alloc(bytes),
+            (Backend::Sim(d), crate::stream::RawStream::Sim(_)) => d
+                .fault(FaultKind::Allocate)
+                .and_then(|()| d.memory.alloc(bytes)),
             _ => Err(mismatch()),
         }
         .map(DevicePtr)
@@ -515,7 +533,8 @@ impl Device {
             (Backend::Cuda(d), crate::stream::RawStream::Cuda(s)) => unsafe {
                 d.free_async(ptr.0, *s)
             },
-            (Backend::Sim(_), crate::stream::RawStream::Sim(s)) => {
+            (Backend::Sim(d), crate::stream::RawStream::Sim(s)) => {
+                d.fault(FaultKind::Free)?;
                 s.push(sim::Op::Free(ptr.0));
                 Ok(())
             }
@@ -622,7 +641,9 @@ impl AsyncPool {
             (RawPool::Cuda(p), Backend::Cuda(d), crate::stream::RawStream::Cuda(s)) => {
                 d.pool_alloc(*p, bytes, *s)
             }
-            (RawPool::Sim(p), Backend::Sim(_), crate::stream::RawStream::Sim(_)) => p.alloc(bytes),
+            (RawPool::Sim(p), Backend::Sim(d), crate::stream::RawStream::Sim(_)) => {
+                d.fault(FaultKind::Allocate).and_then(|()| p.alloc(bytes))
+            }
             _ => Err(mismatch()),
         }
         .map(DevicePtr)
@@ -664,7 +685,8 @@ impl AsyncPool {
             (RawPool::Cuda(_), Backend::Cuda(d), crate::stream::RawStream::Cuda(s)) => unsafe {
                 d.free_async(ptr.0, *s)
             },
-            (RawPool::Sim(p), Backend::Sim(_), crate::stream::RawStream::Sim(s)) => {
+            (RawPool::Sim(p), Backend::Sim(d), crate::stream::RawStream::Sim(s)) => {
+                d.fault(FaultKind::Free)?;
                 if !p.owns(ptr.0) {
                     return Err(Error::UnknownPointer {
                         ptr: ptr.0,

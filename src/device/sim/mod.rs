@@ -5,12 +5,14 @@
 //! memory is host memory at device-like addresses, checked on every access. It is what CI runs,
 //! what the tests use when there is no GPU, and what a user without a GPU gets by default.
 
+pub(crate) mod faults;
 mod kernels;
 pub(crate) mod memory;
 pub(crate) mod stream;
 
 use std::time::Duration;
 
+pub use self::faults::{FaultKind, Faults};
 use self::memory::{SimHostMemory, SimMemory};
 pub(crate) use self::stream::{HostPtr, Op, SimMarker, SimStream};
 use crate::error::Result;
@@ -44,6 +46,9 @@ pub struct SimConfig {
     pub op_jitter: Duration,
     /// Seed of the jitter.
     pub seed: u64,
+    /// Driver faults to inject (none by default). Keep a clone to arm it while the device
+    /// runs; see [`Faults`].
+    pub faults: Faults,
 }
 
 impl Default for SimConfig {
@@ -54,6 +59,7 @@ impl Default for SimConfig {
             op_delay: Duration::ZERO,
             op_jitter: Duration::ZERO,
             seed: 0,
+            faults: Faults::new(),
         }
     }
 }
@@ -77,7 +83,13 @@ impl SimDevice {
         }
     }
 
+    /// `Err` with the injected error if the fault plan says this call of `kind` fails.
+    pub(crate) fn fault(&self, kind: FaultKind) -> Result<()> {
+        self.config.faults.check(kind)
+    }
+
     pub(crate) fn create_stream(&self, id: u64) -> Result<Arc<SimStream>> {
+        self.fault(FaultKind::CreateStream)?;
         SimStream::start(id, self.memory.clone(), &self.config)
     }
 
