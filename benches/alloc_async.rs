@@ -40,6 +40,7 @@ fn pool(device: &Device, initial: usize, maximum: usize) -> Arc<PoolResource<Cud
             PoolOptions {
                 initial,
                 maximum: Some(maximum),
+                ..PoolOptions::default()
             },
         )
         .unwrap(),

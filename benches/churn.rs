@@ -1,7 +1,11 @@
 //! The `churn` workloads of `shared/bench/WORKLOADS.md`, exactly: splitmix64, the same decision
 //! sequence for every allocator, and its checksums (allocations and bytes allocated).
 //!
-//! `cargo bench --bench churn [-- --resource pool|cuda-async|arena|binning|cuda|all] [--run churn-1t|churn-4t|scaling|all] [--repeat N]`
+//! `cargo bench --bench churn [-- --resource pool|cuda-async|arena|binning|cuda|all] [--run churn-1t|churn-4t|churn-xs-1t|churn-xs-4t|scaling|all] [--repeat N] [--initial MIB[,MIB..]]`
+//!
+//! `--initial` lists the sizes (MiB) the pool and the arena start with, each run once per size:
+//! `2048` (the timed loop measures suballocation), `256` (WORKLOADS.md's growth from small), or
+//! both (the default, `2048,256`); the maximum is 8 GiB.
 //!
 //! Resources: the pool (`PoolResource` over `CudaResource`), the driver's pool
 //! (`CudaAsyncResource`), the arena, binning (fixed-size bins 2^18..2^22 over a pool, as the RMM
@@ -35,73 +39,86 @@ struct Outcome {
     peak_live: u64,
 }
 
-/// One thread of `churn(seed, ops, max_live)` on `stream`, with min_exp 8 and max_exp 22.
+/// One thread of `churn(seed, ops, max_live)` with min_exp 8 and max_exp 22, over `streams`.
+///
+/// Plain churn (`xs` false) allocates and frees on `streams[mine]`. `churn-xs` frees every block
+/// on the stream after the one it was allocated on; one thread driving every stream picks the
+/// allocating stream as `(a >> 40) % len` (`mine` is `None`), thread t allocates on stream t.
 fn churn(
     r: &impl MemoryResource,
-    stream: &streamalloc::Stream,
+    streams: &[streamalloc::Stream],
+    mine: Option<usize>,
+    xs: bool,
     seed: u64,
     ops: u64,
     max_live: u64,
 ) -> Outcome {
     const MIN_EXP: u64 = 8;
     const MAX_EXP: u64 = 22;
+    let n = streams.len();
+    let free_on = |s: usize| if xs { (s + 1) % n } else { s };
     let mut rng = SplitMix64(seed);
-    let mut live: Vec<(streamalloc::DevicePtr, usize)> = Vec::with_capacity(4096);
+    let mut live: Vec<(streamalloc::DevicePtr, usize, usize)> = Vec::with_capacity(4096);
     let (mut live_bytes, mut out) = (0u64, Outcome::default());
     for _ in 0..ops {
         let (a, b) = (rng.next(), rng.next());
         let e = MIN_EXP + b % (MAX_EXP - MIN_EXP + 1);
         let size = (1u64 << e) + (b >> 8) % (1u64 << e);
         if live.is_empty() || (a & 1 == 0 && live_bytes + size <= max_live) {
-            let p = r.allocate(size as usize, stream).expect("allocate");
-            live.push((p, size as usize));
+            let s = mine.unwrap_or(((a >> 40) % n as u64) as usize);
+            let p = r.allocate(size as usize, &streams[s]).expect("allocate");
+            live.push((p, size as usize, s));
             live_bytes += size;
             out.allocations += 1;
             out.bytes += size;
             out.peak_live = out.peak_live.max(live_bytes);
         } else {
             let i = ((a >> 1) % live.len() as u64) as usize;
-            let (p, s) = live.swap_remove(i);
-            // SAFETY: allocated above from `r` with this size, never used, freed once.
-            unsafe { r.deallocate(p, s, stream) }.expect("deallocate");
-            live_bytes -= s as u64;
+            let (p, size, s) = live.swap_remove(i);
+            // SAFETY: allocated above from `r` with this size, never used, freed once; the
+            // stream it is freed on is ordered after nothing, but nothing used the block.
+            unsafe { r.deallocate(p, size, &streams[free_on(s)]) }.expect("deallocate");
+            live_bytes -= size as u64;
         }
     }
-    for (p, s) in live.drain(..) {
+    for (p, size, s) in live.drain(..) {
         // SAFETY: as above.
-        unsafe { r.deallocate(p, s, stream) }.expect("deallocate");
+        unsafe { r.deallocate(p, size, &streams[free_on(s)]) }.expect("deallocate");
     }
-    stream.synchronize_blocking().expect("synchronize");
     out
 }
 
-/// `threads` threads, thread t with seed 42 + t on its own stream; (wall, summed outcome).
-fn run_threads(
-    r: &impl MemoryResource,
-    device: &Device,
-    threads: u64,
-    ops: u64,
-    max_live: u64,
-) -> (Duration, Outcome) {
-    let streams: Vec<_> = (0..threads)
+/// `threads` threads, thread t with seed 42 + t; (wall to the last stream synchronized,
+/// summed outcome). Plain churn: a stream per thread. `xs`: four streams, driven by one thread
+/// or by four (thread t allocating on stream t).
+fn run_threads(r: &impl MemoryResource, device: &Device, run: &Run) -> (Duration, Outcome) {
+    let count = if run.xs { 4 } else { run.threads as usize };
+    let streams: Vec<_> = (0..count)
         .map(|_| device.create_stream().unwrap())
         .collect();
-    let barrier = Barrier::new(threads as usize + 1);
+    let barrier = Barrier::new(run.threads as usize + 1);
     std::thread::scope(|scope| {
-        let handles: Vec<_> = streams
-            .iter()
-            .enumerate()
-            .map(|(t, stream)| {
+        let handles: Vec<_> = (0..run.threads as usize)
+            .map(|t| {
                 let barrier = &barrier;
+                let streams = &streams;
                 scope.spawn(move || {
                     barrier.wait();
-                    churn(r, stream, 42 + t as u64, ops, max_live)
+                    let (slice, mine) = match (run.xs, run.threads) {
+                        (false, _) => (&streams[t..t + 1], Some(0)),
+                        (true, 1) => (&streams[..], None),
+                        (true, _) => (&streams[..], Some(t)),
+                    };
+                    churn(r, slice, mine, run.xs, 42 + t as u64, run.ops, run.max_live)
                 })
             })
             .collect();
         barrier.wait();
         let start = Instant::now();
         let outcomes: Vec<Outcome> = handles.into_iter().map(|h| h.join().unwrap()).collect();
+        for stream in &streams {
+            stream.synchronize_blocking().expect("synchronize");
+        }
         let wall = start.elapsed();
         let sum = outcomes.iter().fold(Outcome::default(), |a, o| Outcome {
             allocations: a.allocations + o.allocations,
@@ -115,15 +132,18 @@ fn run_threads(
 struct Run {
     name: &'static str,
     threads: u64,
+    /// `churn-xs`: blocks freed on the next of four streams.
+    xs: bool,
     ops: u64,
     max_live: u64,
     checksum: Option<(u64, u64)>,
 }
 
-const RUNS: [Run; 2] = [
+const RUNS: [Run; 4] = [
     Run {
         name: "churn-1t",
         threads: 1,
+        xs: false,
         ops: 1_000_000,
         max_live: GIB as u64,
         checksum: Some((500_021, 418_895_256_400)),
@@ -131,6 +151,23 @@ const RUNS: [Run; 2] = [
     Run {
         name: "churn-4t",
         threads: 4,
+        xs: false,
+        ops: 250_000,
+        max_live: 256 * MIB as u64,
+        checksum: Some((500_319, 417_711_213_153)),
+    },
+    Run {
+        name: "churn-xs-1t",
+        threads: 1,
+        xs: true,
+        ops: 1_000_000,
+        max_live: GIB as u64,
+        checksum: Some((500_021, 418_895_256_400)),
+    },
+    Run {
+        name: "churn-xs-4t",
+        threads: 4,
+        xs: true,
         ops: 250_000,
         max_live: 256 * MIB as u64,
         checksum: Some((500_319, 417_711_213_153)),
@@ -149,6 +186,15 @@ fn main() {
     let resource = arg("--resource", "all");
     let which = arg("--run", "all");
     let repeat: usize = arg("--repeat", "1").parse().unwrap_or(1);
+    let initials: Vec<usize> = arg("--initial", "2048,256")
+        .split(',')
+        .map(|m| {
+            m.trim()
+                .parse::<usize>()
+                .expect("--initial takes MiB, comma-separated")
+                * MIB
+        })
+        .collect();
     println!("device: {device}");
     let date = std::process::Command::new("date").arg("-u").output();
     println!(
@@ -172,6 +218,7 @@ fn main() {
             runs.push(Run {
                 name: "scaling",
                 threads,
+                xs: false,
                 ops: 1_000_000 / threads,
                 max_live: GIB as u64 / threads,
                 checksum: None,
@@ -211,26 +258,67 @@ fn main() {
 
     for run in &runs {
         for _ in 0..repeat {
-            if resource == "all" || resource == "pool" {
-                let pool = PoolResource::new(
-                    CudaResource::new(&device),
-                    PoolOptions {
-                        initial: 2 * GIB,
-                        maximum: Some(8 * GIB),
-                    },
-                )
-                .unwrap();
-                let (wall, o) = run_on(&pool, &device, run);
-                let s = pool.stats();
-                let extra = format!(
-                    "{} MiB / {} MiB = {:.2} ({} grows, {} steals)",
-                    s.peak_reserved / MIB,
-                    o.peak_live / MIB as u64,
-                    s.peak_reserved as f64 / o.peak_live as f64,
-                    s.grows,
-                    s.steals
-                );
-                report("pool", run, wall, o, extra);
+            for &initial in &initials {
+                let start = format!(":{}M", initial / MIB);
+                if resource == "all" || resource == "pool" {
+                    let pool = PoolResource::new(
+                        CudaResource::new(&device),
+                        PoolOptions {
+                            initial,
+                            maximum: Some(8 * GIB),
+                            ..PoolOptions::default()
+                        },
+                    )
+                    .unwrap();
+                    let (wall, o) = run_on(&pool, &device, run);
+                    let s = pool.stats();
+                    let extra = format!(
+                        "{} MiB / {} MiB = {:.2} ({} grows, {} steals)",
+                        s.peak_reserved / MIB,
+                        o.peak_live / MIB as u64,
+                        s.peak_reserved as f64 / o.peak_live as f64,
+                        s.grows,
+                        s.steals
+                    );
+                    report(&format!("pool{start}"), run, wall, o, extra);
+                }
+                if resource == "all" || resource == "arena" {
+                    // RMM's arena, sized as the pool: 2 GiB up front, up to 8 GiB.
+                    let r = ArenaResource::new(
+                        CudaResource::new(&device),
+                        ArenaOptions {
+                            initial,
+                            maximum: Some(8 * GIB),
+                            ..ArenaOptions::default()
+                        },
+                    )
+                    .unwrap();
+                    let (wall, o) = run_on(&r, &device, run);
+                    let s = r.stats();
+                    let extra = format!(
+                        "{} MiB / {} MiB = {:.2}",
+                        s.peak_reserved / MIB,
+                        o.peak_live / MIB as u64,
+                        s.peak_reserved as f64 / o.peak_live as f64
+                    );
+                    report(&format!("arena{start}"), run, wall, o, extra);
+                }
+                if resource == "all" || resource == "binning" {
+                    // As WORKLOADS.md's RMM reference: fixed-size bins 2^18..2^22 over a pool, the
+                    // pool serving what is larger.
+                    let pool = PoolResource::new(
+                        CudaResource::new(&device),
+                        PoolOptions {
+                            initial,
+                            maximum: Some(8 * GIB),
+                            ..PoolOptions::default()
+                        },
+                    )
+                    .unwrap();
+                    let r = BinningResource::new(pool, 18, 22).unwrap();
+                    let (wall, o) = run_on(&r, &device, run);
+                    report(&format!("binning{start}"), run, wall, o, String::new());
+                }
             }
             if resource == "all" || resource == "cuda-async" {
                 let r = CudaAsyncResource::new(&device, CudaAsyncOptions::default()).unwrap();
@@ -241,43 +329,13 @@ fn main() {
                 );
                 report("cuda-async", run, wall, o, extra);
             }
-            if resource == "all" || resource == "arena" {
-                // RMM's arena, sized as the pool: 2 GiB up front, up to 8 GiB.
-                let r = ArenaResource::new(
-                    CudaResource::new(&device),
-                    ArenaOptions {
-                        initial: 2 * GIB,
-                        maximum: Some(8 * GIB),
-                        ..ArenaOptions::default()
-                    },
-                )
-                .unwrap();
-                let (wall, o) = run_on(&r, &device, run);
-                let s = r.stats();
-                let extra = format!("peak reserved {} MiB", s.peak_reserved / MIB);
-                report("arena", run, wall, o, extra);
-            }
-            if resource == "all" || resource == "binning" {
-                // As WORKLOADS.md's RMM reference: fixed-size bins 2^18..2^22 over a pool, the
-                // pool serving what is larger.
-                let pool = PoolResource::new(
-                    CudaResource::new(&device),
-                    PoolOptions {
-                        initial: 2 * GIB,
-                        maximum: Some(8 * GIB),
-                    },
-                )
-                .unwrap();
-                let r = BinningResource::new(pool, 18, 22).unwrap();
-                let (wall, o) = run_on(&r, &device, run);
-                report("binning", run, wall, o, String::new());
-            }
             if resource == "all" || resource == "cuda" {
                 // Raw cuMemAlloc/cuMemFree, sampled as WORKLOADS.md did (20,000 operations in
                 // all): the sequence is the same, cut short, so there is no checksum.
                 let sampled = Run {
                     name: run.name,
                     threads: run.threads,
+                    xs: run.xs,
                     ops: 20_000 / run.threads,
                     max_live: run.max_live,
                     checksum: None,
@@ -297,5 +355,5 @@ fn main() {
 }
 
 fn run_on(r: &impl MemoryResource, device: &Device, run: &Run) -> (Duration, Outcome) {
-    run_threads(r, device, run.threads, run.ops, run.max_live)
+    run_threads(r, device, run)
 }

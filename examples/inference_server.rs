@@ -448,6 +448,7 @@ async fn run(args: Args) -> Result<ExitCode, BoxError> {
     let options = PoolOptions {
         initial: pool_bytes,
         maximum: Some(pool_bytes),
+        ..PoolOptions::default()
     };
     let pool = PoolResource::new(CudaResource::new(&device), options)?;
     let (shutdown, stop) = watch::channel(false);

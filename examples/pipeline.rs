@@ -73,6 +73,7 @@ async fn run() -> Result<(), BoxError> {
     let options = PoolOptions {
         initial: pool_bytes,
         maximum: Some(pool_bytes),
+        ..PoolOptions::default()
     };
     let pool = Arc::new(PoolResource::new(CudaResource::new(&device), options)?);
     let streams = StreamPool::new(&device, STREAMS)?;

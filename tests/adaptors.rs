@@ -35,6 +35,7 @@ fn pool(device: &Device, initial: usize, maximum: usize) -> Pool {
         PoolOptions {
             initial,
             maximum: Some(maximum),
+            ..PoolOptions::default()
         },
     )
     .unwrap()

@@ -738,6 +738,7 @@ fn binning_over_pool(device: &Device) -> BinningResource<PoolResource<CudaResour
         PoolOptions {
             initial: 0,
             maximum: Some(4096 * MIB),
+            ..PoolOptions::default()
         },
     )
     .unwrap();

@@ -23,6 +23,7 @@ fn pool(device: &Device, size: usize) -> Arc<PoolResource<CudaResource>> {
             PoolOptions {
                 initial: size,
                 maximum: Some(size),
+                ..PoolOptions::default()
             },
         )
         .unwrap(),

@@ -21,6 +21,7 @@ fn pool(device: &Device, initial: usize, maximum: usize) -> PoolResource<CudaRes
         PoolOptions {
             initial,
             maximum: Some(maximum),
+            ..PoolOptions::default()
         },
     )
     .unwrap()
@@ -347,7 +348,15 @@ fn bad_construction_arguments_are_errors() {
     let device = &devices()[0];
     let upstream = || CudaResource::new(device);
     let bad = |initial, maximum| {
-        PoolResource::new(upstream(), PoolOptions { initial, maximum }).unwrap_err()
+        PoolResource::new(
+            upstream(),
+            PoolOptions {
+                initial,
+                maximum,
+                ..PoolOptions::default()
+            },
+        )
+        .unwrap_err()
     };
     assert!(matches!(
         bad(1000, Some(MIB)),

@@ -594,6 +594,7 @@ fn build(args: &Args, device: &Device) -> streamalloc::Result<(Built, String)> {
         let options = PoolOptions {
             initial: round256(args.initial.unwrap_or(0)),
             maximum: args.maximum.map(round256),
+            ..PoolOptions::default()
         };
         let text = format!(
             "initial {}, maximum {}",

@@ -260,6 +260,13 @@ impl FreeList {
 
     // ===== take and give =====
 
+    /// The size of the block [`take`](Self::take) would split for `size` bytes, if any: how
+    /// good a fit this list has, to choose between lists.
+    pub(crate) fn fit(&self, size: u64) -> Option<u64> {
+        self.find(size >> UNIT_LOG)
+            .map(|i| self.blocks[i as usize].size)
+    }
+
     /// Takes `size` bytes (a multiple of [`ALIGNMENT`], non-zero) from the list; the remainder
     /// of the block stays. Returns the address, or `None` if no block is large enough.
     pub(crate) fn take(&mut self, size: u64) -> Option<u64> {

@@ -11,15 +11,53 @@ use crate::error::{Error, Result};
 use crate::stream::Stream;
 use crate::sync::{AtomicU64, Mutex, Ordering};
 
-/// Sizes of a [`PoolResource`].
-#[derive(Debug, Clone, Default)]
+/// Sizes and policies of a [`PoolResource`].
+///
+/// ```
+/// use streamalloc::PoolOptions;
+///
+/// let options = PoolOptions {
+///     initial: 256 << 20,
+///     maximum: Some(8 << 30),
+///     ..PoolOptions::default()
+/// };
+/// assert_eq!(options.growth_divisor, 8);
+/// ```
+#[derive(Debug, Clone)]
 pub struct PoolOptions {
     /// Bytes taken from the upstream at construction (a multiple of 256; may be 0).
     pub initial: usize,
     /// The most the pool may ever hold from its upstream (a multiple of 256, at least
     /// `initial`); `None` for the device's total memory.
     pub maximum: Option<usize>,
+    /// How much the pool asks for when it grows: at least the request, and at least
+    /// 1/`growth_divisor` of what it holds (and never less than 2 MiB, nor past the maximum).
+    /// 1 doubles the pool at each growth (few, large chunks: more memory held than used);
+    /// the default, 8, holds at most about 1/8 more than the peak needed, in more chunks
+    /// (`BENCHMARKS.md` has the figures). 0 is taken as 1.
+    pub growth_divisor: u32,
+    /// How many other streams' free lists a request may take over (its stream waiting on
+    /// each on the GPU: one event and one wait per list; the host never waits) before the
+    /// pool grows. Merged lists coalesce, so memory freed on other streams is reused instead
+    /// of stranding. `usize::MAX` (the default) merges them all; 0 grows as soon as no single
+    /// free block fits (less waiting between streams, more memory held). The lists of streams
+    /// the user has dropped are always merged.
+    pub merge_limit: usize,
 }
+
+impl Default for PoolOptions {
+    fn default() -> Self {
+        Self {
+            initial: 0,
+            maximum: None,
+            growth_divisor: 8,
+            merge_limit: usize::MAX,
+        }
+    }
+}
+
+/// The least a pool grows by: smaller chunks would cost more upstream calls than they save.
+const MIN_GROWTH: u64 = 2 << 20;
 
 /// What a pool holds and has done.
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
@@ -42,6 +80,12 @@ pub struct PoolStats {
     pub steals: u64,
     /// Times lists were merged (idle streams' before growing, all before failing).
     pub merges: u64,
+    /// Bytes handed out and not yet given back.
+    pub in_use: usize,
+    /// The most bytes ever handed out at once (exact to within 1 MiB per stream: each
+    /// stream's list counts locally and shares its count in 1 MiB steps, so the fast path
+    /// touches no shared counter).
+    pub peak_in_use: usize,
 }
 
 /// A coalescing suballocator over any upstream (RMM's `pool_memory_resource`), with a free list
@@ -54,12 +98,15 @@ pub struct PoolStats {
 ///   chunks.
 /// - A request its stream's list cannot serve takes fresh memory, else steals from another
 ///   stream's list after ordering its stream behind the donor's (an event and a GPU-side wait),
-///   else merges the lists of streams the user dropped, else grows: it asks the upstream for a
-///   chunk (doubling what it holds, at least the request), halving the try on failure, never
+///   else merges the lists of streams the user dropped and of other streams (up to
+///   [`PoolOptions::merge_limit`]) into its own, where free neighbours coalesce whatever stream
+///   freed them, else grows: it asks the upstream for a chunk (at least the request and
+///   1/[`PoolOptions::growth_divisor`] of what it holds), halving the try on failure, never
 ///   past `maximum`; at the maximum it first gives wholly free chunks back upstream (in stream
-///   order) to make room for one large enough. Then [`Error::OutOfMemory`] with requested,
-///   available and maximum bytes.
-/// - [`trim`](Self::trim) returns wholly free chunks to the upstream.
+///   order) to make room for one large enough. Only when all of that fails,
+///   [`Error::OutOfMemory`] with requested, available and maximum bytes.
+/// - [`trim`](Self::trim) folds the lists of dropped streams back (releasing the streams) and
+///   returns wholly free chunks to the upstream.
 ///
 /// Dropping the pool synchronizes the streams it knows and returns every chunk upstream (the
 /// buffers that hold it keep it alive until they are gone).
@@ -75,6 +122,7 @@ pub struct PoolResource<U: MemoryResource> {
     peak_reserved: AtomicU64,
     grows: AtomicU64,
     maximum: u64,
+    growth_divisor: u64,
     /// Tasks waiting in `allocate_async` for memory to come back.
     waiters: MemoryWaiters,
     /// A stream of the pool's own, for the initial chunk and for returning chunks at drop.
@@ -120,12 +168,13 @@ impl<U: MemoryResource> PoolResource<U> {
             own: device.create_stream()?,
             device,
             upstream,
-            lists: StreamLists::new(),
+            lists: StreamLists::with_merge_limit(options.merge_limit),
             chunks: Mutex::new(BTreeMap::new()),
             reserved: AtomicU64::new(0),
             peak_reserved: AtomicU64::new(0),
             grows: AtomicU64::new(0),
             maximum: maximum as u64,
+            growth_divisor: u64::from(options.growth_divisor.max(1)),
             waiters: MemoryWaiters::new(),
         };
         if options.initial > 0 {
@@ -162,6 +211,8 @@ impl<U: MemoryResource> PoolResource<U> {
             grows: self.grows.load(Ordering::Relaxed),
             steals: engine.steals,
             merges: engine.merges,
+            in_use: engine.in_use as usize,
+            peak_in_use: engine.peak_in_use as usize,
         }
     }
 
@@ -206,17 +257,29 @@ impl<U: MemoryResource> PoolResource<U> {
         self.lists.check()
     }
 
-    /// Returns every wholly free chunk to the upstream, waiting (by `.await`, never inside a
-    /// lock) for the GPU work on the streams they were freed on. Returns the bytes released.
+    /// Folds the lists of streams the user has dropped back into the pool (their memory
+    /// becomes usable by every stream, and the pool lets go of the streams), then returns
+    /// every wholly free chunk to the upstream, waiting (by `.await`, never inside a lock) for
+    /// the GPU work on the streams they were freed on. Returns the bytes released.
+    ///
+    /// On an error (a failed synchronization or upstream free), every block taken out is put
+    /// back where it was: nothing is lost, and the pool works as before.
     ///
     /// # Cancel safety
-    /// Not cancel-safe: chunks taken out of the lists before the future is dropped stay out
+    /// Not cancel-safe: blocks taken out of the lists before the future is dropped stay out
     /// (counted in `reserved`, never handed out) until the pool is dropped.
     pub async fn trim(&self) -> Result<usize> {
+        for (stream, blocks) in self.lists.retire_idle() {
+            let synced = stream.synchronize().await;
+            self.fold_idle(stream, blocks, synced)?;
+        }
         let taken = self.take_whole_chunks();
         for (_, _, stream) in &taken {
             if let Some(stream) = stream {
-                stream.synchronize().await?;
+                if let Err(e) = stream.synchronize().await {
+                    self.put_back(&taken);
+                    return Err(e);
+                }
             }
         }
         self.release_chunks(taken)
@@ -224,13 +287,46 @@ impl<U: MemoryResource> PoolResource<U> {
 
     /// [`trim`](Self::trim) for synchronous code: blocks the calling thread while it waits.
     pub fn trim_blocking(&self) -> Result<usize> {
+        for (stream, blocks) in self.lists.retire_idle() {
+            let synced = stream.synchronize_blocking();
+            self.fold_idle(stream, blocks, synced)?;
+        }
         let taken = self.take_whole_chunks();
         for (_, _, stream) in &taken {
             if let Some(stream) = stream {
-                stream.synchronize_blocking()?;
+                if let Err(e) = stream.synchronize_blocking() {
+                    self.put_back(&taken);
+                    return Err(e);
+                }
             }
         }
         self.release_chunks(taken)
+    }
+
+    /// A dropped stream's list, once its stream was synchronized (`synced`): its blocks are
+    /// fresh. If the synchronization failed, they go back to a list of that stream.
+    fn fold_idle(&self, stream: Stream, blocks: Vec<(u64, u64)>, synced: Result<()>) -> Result<()> {
+        match synced {
+            Ok(()) => {
+                self.lists.give_fresh_blocks(&blocks);
+                self.waiters.notify();
+                Ok(())
+            }
+            Err(e) => {
+                self.lists.give_blocks_to(&blocks, &stream);
+                Err(e)
+            }
+        }
+    }
+
+    /// Whole chunks taken out for release go back to the lists they came from.
+    fn put_back(&self, taken: &[(u64, u64, Option<Stream>)]) {
+        for (base, size, stream) in taken {
+            match stream {
+                Some(stream) => self.lists.give_blocks_to(&[(*base, *size)], stream),
+                None => self.lists.give_fresh(*base, *size),
+            }
+        }
     }
 
     fn take_whole_chunks(&self) -> Vec<(u64, u64, Option<Stream>)> {
@@ -238,28 +334,33 @@ impl<U: MemoryResource> PoolResource<U> {
         self.lists.take_whole_chunks(&chunks)
     }
 
+    /// Gives whole chunks (out of every list) back upstream, each on the stream it was freed
+    /// on (or our own, for fresh memory), which orders the release after its last use.
     fn release_chunks(&self, taken: Vec<(u64, u64, Option<Stream>)>) -> Result<usize> {
         let _span = tracing::debug_span!("trim", chunks = taken.len()).entered();
         let mut released = 0;
         let mut first_error = None;
         for (base, size, stream) in taken {
-            let stream = stream.as_ref().unwrap_or(&self.own);
-            // SAFETY: a whole chunk, out of every list, so nothing can hand it out again; it
-            // came from this upstream with this size, and its last use is ordered before this
-            // point of `stream` (we waited for that stream, or it was never used).
-            match unsafe {
-                self.upstream
-                    .deallocate(DevicePtr(base), size as usize, stream)
-            } {
+            // Unregister first: once the upstream has the chunk back it may hand the same
+            // address out again, and a concurrent grow would register it; removing after the
+            // call would then delete that new, live chunk.
+            self.chunks.lock().remove(&base);
+            self.lists.remove_chunk(base);
+            let on = stream.as_ref().unwrap_or(&self.own);
+            // SAFETY: a whole chunk, out of every list and unregistered, so nothing can hand
+            // it out again; it came from this upstream with this size, and its last use is
+            // ordered before this point of `on` (it was freed there, or never used).
+            match unsafe { self.upstream.deallocate(DevicePtr(base), size as usize, on) } {
                 Ok(()) => {
-                    self.chunks.lock().remove(&base);
-                    self.lists.remove_chunk(base);
                     self.reserved.fetch_sub(size, Ordering::AcqRel);
                     released += size as usize;
                 }
                 Err(e) => {
-                    // Keep it: back to the fresh list, usable as before.
-                    self.lists.give_fresh(base, size);
+                    // Keep it: registered again, and back where it was (the list of the stream
+                    // it was freed on, so reuse elsewhere is still ordered after that stream).
+                    self.chunks.lock().insert(base, size);
+                    self.lists.add_chunk(base, size);
+                    self.put_back(&[(base, size, stream)]);
                     first_error.get_or_insert(e);
                 }
             }
@@ -307,8 +408,10 @@ impl<U: MemoryResource> Grow for PoolResource<U> {
             tracing::debug!("request above the room left under the maximum");
             return Err(self.out_of_memory(min));
         }
-        // Double what we hold (at least the request, at most the room left); halve on failure.
-        let mut attempt = reserved
+        // At least the request and a share of what we hold (at most the room left); halve on
+        // failure.
+        let mut attempt = (reserved / self.growth_divisor)
+            .max(MIN_GROWTH)
             .max(min)
             .min(room)
             .next_multiple_of(ALIGNMENT as u64)

@@ -15,12 +15,20 @@
 //!    event per steal rather than per free, and it covers every block D holds, including blocks
 //!    D took over from other lists (D waited on their streams first, so the fix of RMM issue
 //!    2489, recording the guard again after a merge, holds by construction). The remainder of the
-//!    stolen block stays with D;
-//! 3. *merge idle lists* (RMM issue 2039): lists whose stream the user has dropped (we hold the
-//!    last handle) move wholesale into S's list, after S waits on each, where they coalesce;
-//!    fresh memory joins them (without waiting), or it could never coalesce with freed memory;
-//! 4. *grow* from the upstream ([`Grow`]);
-//! 5. out of memory: *merge every list* into S's and try once more; then the error.
+//!    stolen block stays with D. D's lock is held from the take to the end of the ordering, so a
+//!    failed ordering puts the block back into a list that no merge can have retired meanwhile;
+//! 3. *merge* (RMM issue 2039, and what keeps memory from stranding across streams): the lists
+//!    of streams the user has dropped (we hold the last handle), and then up to
+//!    `merge_limit` other streams' lists, fullest first, move wholesale into S's list after S
+//!    waits on each (one event and one GPU-side wait per list: the host never waits, and no
+//!    request waits on more than one event per stream). There free neighbours coalesce whatever
+//!    stream freed them; fresh memory joins too (without waiting), or it could never coalesce
+//!    with freed memory. Dropped streams' lists are retired and their stream handles released;
+//! 4. *grow* from the upstream ([`Grow`]; at its maximum the upstream may first give back
+//!    wholly free chunks, which after step 3 mostly sit in S's list, so they go back on S);
+//! 5. out of memory: *merge every list* into S's, try once more, and if that moved anything,
+//!    grow once more (a chunk that the merge made whole can now go back to make room); then the
+//!    error.
 //!
 //! The engine is generic over what it needs from a stream ([`EngineStream`]): the resources use
 //! it with [`Stream`] (the default), and the loom model `loom-tests/free_lists.rs` with a fake
@@ -34,7 +42,7 @@ use rustc_hash::FxHashMap;
 use super::free_list::FreeList;
 use crate::error::{Error, Result};
 use crate::stream::Stream;
-use crate::sync::{Arc, AtomicU64, Mutex, Ordering};
+use crate::sync::{Arc, AtomicI64, AtomicU64, Mutex, Ordering};
 
 /// What the engine needs from a stream.
 pub(crate) trait EngineStream: Clone {
@@ -63,6 +71,10 @@ pub(crate) trait EngineStream: Clone {
 
     /// Remembers `list` as the last lookup of this thread (stream uid 0 forgets it).
     fn cache(_engine: u64, _stream: u64, _list: &Arc<StreamList<Self>>) {}
+
+    /// Drops this thread's cached list of engine `engine`, if it has one (so that a retired
+    /// list, and the stream handle it holds, can go).
+    fn forget_cached(_engine: u64) {}
 }
 
 impl EngineStream for Stream {
@@ -94,6 +106,10 @@ impl EngineStream for Stream {
     fn cache(engine: u64, stream: u64, list: &Arc<StreamList<Self>>) {
         cache::put(engine, stream, list)
     }
+
+    fn forget_cached(engine: u64) {
+        cache::forget(engine)
+    }
 }
 
 /// Where new memory comes from.
@@ -115,7 +131,15 @@ struct ListState {
     free: FreeList,
     /// Merged away: its blocks moved to another list. A stale cached handle must look again.
     retired: bool,
+    /// Bytes handed out minus bytes given back through this list since its last flush into
+    /// [`StreamLists::in_use`]: a count kept under the lock the fast path already holds, so
+    /// that the statistics cost no shared atomic per operation.
+    net: i64,
 }
+
+/// A list flushes its `net` count into the shared one once it reaches this many bytes either
+/// way: the peak in use is exact to within this much per stream.
+const FLUSH: i64 = 1 << 20;
 
 struct Registry<S> {
     lists: FxHashMap<u64, Arc<StreamList<S>>>,
@@ -132,6 +156,14 @@ pub(crate) struct StreamLists<S = Stream> {
     registry: Mutex<Registry<S>>,
     steals: AtomicU64,
     merges: AtomicU64,
+    /// How many non-idle lists a request may merge into its own before the pool grows.
+    merge_limit: usize,
+    /// Held by a request through its merges and growth (see `take_slow`).
+    slow: Mutex<()>,
+    /// Bytes handed out, less what the lists' `net` counts hold back.
+    in_use: AtomicI64,
+    /// The most `in_use` has been (to within [`FLUSH`] per list).
+    peak_in_use: AtomicI64,
 }
 
 impl<S: EngineStream> fmt::Debug for StreamLists<S> {
@@ -175,6 +207,15 @@ mod cache {
         // `try_with`: during thread teardown the cache may already be gone.
         let _ = LAST.try_with(|last| *last.borrow_mut() = Some((uid, stream, list.clone())));
     }
+
+    pub(super) fn forget(uid: u64) {
+        let _ = LAST.try_with(|last| {
+            let mut last = last.borrow_mut();
+            if last.as_ref().is_some_and(|(u, _, _)| *u == uid) {
+                *last = None;
+            }
+        });
+    }
 }
 
 #[cfg(streamalloc_loom)]
@@ -188,6 +229,8 @@ mod cache {
     }
 
     pub(super) fn put(_: u64, _: u64, _: &Arc<StreamList<Stream>>) {}
+
+    pub(super) fn forget(_: u64) {}
 }
 
 static NEXT_UID: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(1);
@@ -200,11 +243,24 @@ pub(crate) struct EngineStats {
     pub(crate) free_blocks: usize,
     pub(crate) steals: u64,
     pub(crate) merges: u64,
+    pub(crate) in_use: u64,
+    pub(crate) peak_in_use: u64,
 }
 
 impl<S: EngineStream> StreamLists<S> {
+    /// An engine whose requests merge every other list before the resource grows.
     pub(crate) fn new() -> Self {
+        Self::with_merge_limit(usize::MAX)
+    }
+
+    /// An engine whose requests merge at most `merge_limit` other streams' lists (besides
+    /// the lists of dropped streams, which are always merged) before the resource grows.
+    pub(crate) fn with_merge_limit(merge_limit: usize) -> Self {
         Self {
+            merge_limit,
+            slow: Mutex::new(()),
+            in_use: AtomicI64::new(0),
+            peak_in_use: AtomicI64::new(0),
             uid: NEXT_UID.fetch_add(1, std::sync::atomic::Ordering::Relaxed),
             fresh: Mutex::new(FreeList::new()),
             registry: Mutex::new(Registry {
@@ -235,6 +291,7 @@ impl<S: EngineStream> StreamLists<S> {
                     state: Mutex::new(ListState {
                         free,
                         retired: false,
+                        net: 0,
                     }),
                 })
             };
@@ -253,11 +310,17 @@ impl<S: EngineStream> StreamLists<S> {
 
     /// Runs `f` on `stream`'s free list, under its lock.
     fn with_own<R>(&self, stream: &S, mut f: impl FnMut(&mut FreeList) -> R) -> R {
+        self.with_own_state(stream, |state| f(&mut state.free))
+    }
+
+    /// Runs `f` on `stream`'s list state, under its lock.
+    #[inline]
+    fn with_own_state<R>(&self, stream: &S, mut f: impl FnMut(&mut ListState) -> R) -> R {
         loop {
             let list = self.list_for(stream);
             let mut state = list.state.lock();
             if !state.retired {
-                return f(&mut state.free);
+                return f(&mut state);
             }
             // Only reachable through a stale cache entry; the registry has the live list.
             drop(state);
@@ -292,12 +355,77 @@ impl<S: EngineStream> StreamLists<S> {
     }
 
     /// Gives memory back on `stream` (a free). False if it is already free there.
+    #[inline]
     pub(crate) fn give(&self, addr: u64, size: u64, stream: &S) -> bool {
-        self.with_own(stream, |free| free.give(addr, size))
+        self.with_own_state(stream, |state| {
+            let given = state.free.give(addr, size);
+            if given {
+                self.count(state, -(size as i64));
+            }
+            given
+        })
+    }
+
+    /// Moves blocks (not handed out) into `stream`'s list, coalescing them there.
+    fn give_blocks(&self, blocks: &[(u64, u64)], stream: &S) {
+        self.with_own(stream, |free| {
+            for &(addr, size) in blocks {
+                let given = free.give(addr, size);
+                debug_assert!(given, "a moved block overlapped free memory");
+            }
+        });
+    }
+
+    /// Counts `bytes` handed out (positive) or given back (negative) through a list.
+    #[inline]
+    fn count(&self, state: &mut ListState, bytes: i64) {
+        state.net += bytes;
+        if state.net.abs() >= FLUSH {
+            self.flush(state);
+        }
+    }
+
+    fn flush(&self, state: &mut ListState) {
+        let now = self.in_use.fetch_add(state.net, Ordering::Relaxed) + state.net;
+        state.net = 0;
+        self.peak_in_use.fetch_max(now, Ordering::Relaxed);
+    }
+
+    /// Counts bytes handed out other than from a stream's own list (the slow paths).
+    fn count_shared(&self, bytes: u64) {
+        let now = self.in_use.fetch_add(bytes as i64, Ordering::Relaxed) + bytes as i64;
+        self.peak_in_use.fetch_max(now, Ordering::Relaxed);
     }
 
     /// `size` bytes for use on `stream`, by the whole policy of this module's doc.
+    #[inline]
     pub(crate) fn take(&self, size: u64, stream: &S, upstream: &impl Grow<S>) -> Result<u64> {
+        let own = self.with_own_state(stream, |state| {
+            let addr = state.free.take(size);
+            if addr.is_some() {
+                self.count(state, size as i64);
+            }
+            addr
+        });
+        match own {
+            Some(addr) => Ok(addr),
+            None => {
+                let addr = self.take_slow(size, stream, upstream)?;
+                self.count_shared(size);
+                Ok(addr)
+            }
+        }
+    }
+
+    /// Everything after the stream's own list.
+    #[cold]
+    fn take_slow(&self, size: u64, stream: &S, upstream: &impl Grow<S>) -> Result<u64> {
+        if let Some(addr) = self.fresh.lock().take(size) {
+            return Ok(addr);
+        }
+        // One request at a time past this point: blocks in flight between lists during a
+        // merge would look missing to a second request, which would grow the pool for them.
+        let _slow = self.slow.lock();
         if let Some(addr) = self.with_own(stream, |free| free.take(size)) {
             return Ok(addr);
         }
@@ -307,34 +435,42 @@ impl<S: EngineStream> StreamLists<S> {
         if let Some(addr) = self.steal(size, stream)? {
             return Ok(addr);
         }
-        if self.merge_into(stream, true)? > 0 {
-            if let Some(addr) = self.with_own(stream, |free| free.take(size)) {
+        let own = |this: &Self| this.with_own(stream, |free| free.take(size));
+        if self.merge_into(stream, self.merge_limit)? > 0 {
+            if let Some(addr) = own(self) {
                 return Ok(addr);
             }
         }
-        match upstream.grow(size, stream) {
-            Ok((base, chunk)) => {
-                self.add_chunk(base, chunk);
-                let rest = self.with_own(stream, |free| {
-                    free.give(base, chunk);
-                    free.take(size)
-                });
-                rest.ok_or(Error::InvalidArgument {
-                    what: "the upstream gave a chunk smaller than asked for",
-                })
-            }
-            Err(oom) => {
-                if self.merge_into(stream, false)? > 0 {
-                    if let Some(addr) = self.with_own(stream, |free| free.take(size)) {
-                        return Ok(addr);
-                    }
+        let grown = match upstream.grow(size, stream) {
+            Err(e) if e.is_out_of_memory() => {
+                // Other streams may have freed memory since, or the merge above was limited:
+                // merge everything, and if that moved anything, try again, growing once more
+                // (a chunk the merge made whole can go back upstream to make room).
+                if self.merge_into(stream, usize::MAX)? == 0 {
+                    return Err(e);
                 }
-                Err(oom)
+                if let Some(addr) = own(self) {
+                    return Ok(addr);
+                }
+                upstream.grow(size, stream)?
             }
-        }
+            other => other?,
+        };
+        let (base, chunk) = grown;
+        self.add_chunk(base, chunk);
+        let rest = self.with_own(stream, |free| {
+            free.give(base, chunk);
+            free.take(size)
+        });
+        rest.ok_or(Error::InvalidArgument {
+            what: "the upstream gave a chunk smaller than asked for",
+        })
     }
 
-    /// Takes a block from another stream's list, ordering `stream` after that stream.
+    /// Takes a block from another stream's list, ordering `stream` after that stream. The
+    /// donor is the list with the closest fit (as one list holding every block would choose):
+    /// taking the first fit found would split large blocks that a later request needs whole,
+    /// while smaller fits sat in other lists.
     fn steal(&self, size: u64, stream: &S) -> Result<Option<u64>> {
         let me = stream.uid();
         let donors: Vec<Arc<StreamList<S>>> = self
@@ -345,102 +481,189 @@ impl<S: EngineStream> StreamLists<S> {
             .filter(|(&id, _)| id != me)
             .map(|(_, list)| list.clone())
             .collect();
-        for donor in donors {
-            let got = {
+        let mut best: Option<(u64, &Arc<StreamList<S>>)> = None;
+        for donor in &donors {
+            let state = donor.state.lock();
+            if state.retired {
+                continue;
+            }
+            if let Some(fit) = state.free.fit(size) {
+                if best.is_none_or(|(b, _)| fit < b) {
+                    best = Some((fit, donor));
+                    if fit == size {
+                        break;
+                    }
+                }
+            }
+        }
+        let Some((_, donor)) = best else {
+            return Ok(None);
+        };
+
+        // The donor's lock stays held through the ordering: if it fails, the block goes back
+        // into a list that no merge can have retired meanwhile. Recording an event and
+        // queueing a wait are quick enqueues that never wait for the GPU.
+        let mut state = donor.state.lock();
+        if state.retired {
+            return Ok(None);
+        }
+        // Another request may have taken the fit since we looked: then there is none.
+        let Some(addr) = state.free.take(size) else {
+            return Ok(None);
+        };
+        let _span = tracing::debug_span!("steal", bytes = size, from = %donor.stream.name(), to = %stream.name()).entered();
+        // The block's free was enqueued on the donor before we found it in its list, so an
+        // event recorded on the donor now comes after it.
+        if let Err(e) = donor.stream.order_before(stream) {
+            let given = state.free.give(addr, size);
+            debug_assert!(given, "a stolen block could not go back");
+            return Err(e);
+        }
+        drop(state);
+        self.steals.fetch_add(1, Ordering::Relaxed);
+        Ok(Some(addr))
+    }
+
+    /// Moves other streams' lists into `stream`'s, after `stream` waits on each: every list
+    /// whose stream the user dropped (it is then retired, and its stream handle released), and
+    /// up to `limit` others that hold memory, fullest first. Fresh memory joins too. Returns
+    /// how many blocks moved.
+    fn merge_into(&self, stream: &S, limit: usize) -> Result<usize> {
+        // Fresh memory joins too: it needs no ordering, and left apart it could never coalesce
+        // with memory that came back to this list (a request for the whole pool, say).
+        let fresh = self.fresh.lock().drain();
+        self.give_blocks(&fresh, stream);
+        let mut moved = fresh.len();
+        let me = stream.uid();
+        let donors: Vec<(Arc<StreamList<S>>, bool)> = {
+            let mut registry = self.registry.lock();
+            let mut busy: Vec<(u64, u64)> = Vec::new();
+            let mut idle: Vec<u64> = Vec::new();
+            for (&id, list) in registry.lists.iter().filter(|(&id, _)| id != me) {
+                // The list holds one handle; if that is the only one, the stream is idle.
+                if list.stream.handle_count() == 1 {
+                    idle.push(id);
+                } else if limit > 0 {
+                    let bytes = list.state.lock().free.free_bytes();
+                    if bytes > 0 {
+                        busy.push((id, bytes));
+                    }
+                }
+            }
+            busy.sort_unstable_by_key(|&(_, bytes)| std::cmp::Reverse(bytes));
+            busy.truncate(limit);
+            let mut donors: Vec<(Arc<StreamList<S>>, bool)> = Vec::new();
+            for id in idle {
+                if let Some(list) = registry.lists.remove(&id) {
+                    donors.push((list, true));
+                }
+            }
+            for (id, _) in busy {
+                if let Some(list) = registry.lists.get(&id) {
+                    donors.push((list.clone(), false));
+                }
+            }
+            donors
+        };
+        if donors.is_empty() {
+            return Ok(moved);
+        }
+        let _span =
+            tracing::debug_span!("merge", into = %stream.name(), lists = donors.len(), limit)
+                .entered();
+        let mut result = Ok(());
+        for (donor, idle) in donors {
+            let blocks = {
                 let mut state = donor.state.lock();
                 if state.retired {
                     continue;
                 }
-                state.free.take(size)
-            };
-            let Some(addr) = got else { continue };
-            let _span = tracing::debug_span!("steal", bytes = size, from = %donor.stream.name(), to = %stream.name()).entered();
-            // The block's free was enqueued on the donor before we found it in its list, so an
-            // event recorded on the donor now comes after it.
-            let ordered = donor.stream.order_before(stream);
-            if let Err(e) = ordered {
-                donor.state.lock().free.give(addr, size);
-                return Err(e);
-            }
-            self.steals.fetch_add(1, Ordering::Relaxed);
-            return Ok(Some(addr));
-        }
-        Ok(None)
-    }
-
-    /// Moves other streams' lists into `stream`'s, after `stream` waits on each: only lists
-    /// whose stream the user dropped (`idle_only`), which are then retired, or all of them.
-    /// Returns how many blocks moved.
-    fn merge_into(&self, stream: &S, idle_only: bool) -> Result<usize> {
-        // Fresh memory joins too: it needs no ordering, and left apart it could never coalesce
-        // with memory that came back to this list (a request for the whole pool, say).
-        let fresh = self.fresh.lock().drain();
-        for &(addr, size) in &fresh {
-            self.give(addr, size, stream);
-        }
-        let merged_fresh = fresh.len();
-        let me = stream.uid();
-        let donors: Vec<(Arc<StreamList<S>>, bool)> = {
-            let mut registry = self.registry.lock();
-            let chosen: Vec<(u64, bool)> = registry
-                .lists
-                .iter()
-                .filter(|(&id, _)| id != me)
-                // The list holds one handle; if that is the only one, the stream is idle.
-                .map(|(&id, list)| (id, list.stream.handle_count() == 1))
-                .filter(|&(_, idle)| idle || !idle_only)
-                .collect();
-            chosen
-                .into_iter()
-                .map(|(id, idle)| {
-                    let list = if idle {
-                        registry.lists.remove(&id)
-                    } else {
-                        registry.lists.get(&id).cloned()
-                    };
-                    (list.expect("chosen from the registry under its lock"), idle)
-                })
-                .collect()
-        };
-        if donors.is_empty() {
-            return Ok(0);
-        }
-        let _span =
-            tracing::debug_span!("merge", into = %stream.name(), lists = donors.len(), idle_only)
-                .entered();
-        let mut moved = merged_fresh;
-        for (donor, idle) in donors {
-            let blocks = {
-                let mut state = donor.state.lock();
                 state.retired |= idle;
+                if idle {
+                    // Its count moves to the shared one: the list is going away.
+                    self.flush(&mut state);
+                }
                 state.free.drain()
             };
-            if blocks.is_empty() {
-                continue;
-            }
-            let ordered = donor.stream.order_before(stream);
-            // On failure the blocks go back where they were (the donor, even if retired: it is
-            // put back in the registry), so nothing is lost.
-            let target_is_donor = ordered.is_err();
-            if target_is_donor && idle {
-                donor.state.lock().retired = false;
-                self.registry
-                    .lock()
-                    .lists
-                    .insert(donor.stream.uid(), donor.clone());
-            }
-            for &(addr, size) in &blocks {
-                if target_is_donor {
-                    donor.state.lock().free.give(addr, size);
-                } else {
-                    self.give(addr, size, stream);
+            // After a failure, lists are put back as they were (retired ones into the
+            // registry again), so nothing is lost.
+            let ordered = if result.is_ok() && !blocks.is_empty() {
+                donor.stream.order_before(stream)
+            } else {
+                result.clone()
+            };
+            match ordered {
+                Ok(()) => {
+                    self.give_blocks(&blocks, stream);
+                    moved += blocks.len();
+                }
+                Err(e) => {
+                    let mut state = donor.state.lock();
+                    for &(addr, size) in &blocks {
+                        state.free.give(addr, size);
+                    }
+                    if idle {
+                        state.retired = false;
+                        drop(state);
+                        self.registry
+                            .lock()
+                            .lists
+                            .insert(donor.stream.uid(), donor.clone());
+                    }
+                    result = Err(e);
                 }
             }
-            ordered?;
-            moved += blocks.len();
         }
         self.merges.fetch_add(1, Ordering::Relaxed);
-        Ok(moved)
+        result.map(|()| moved)
+    }
+
+    /// Takes the lists of streams the user has dropped out of the registry: `(stream, its
+    /// blocks)`. The caller waits for each stream and then gives the blocks to
+    /// [`give_fresh_blocks`](Self::give_fresh_blocks), or back with
+    /// [`give_blocks_to`](Self::give_blocks_to) if it cannot.
+    pub(crate) fn retire_idle(&self) -> Vec<(S, Vec<(u64, u64)>)> {
+        S::forget_cached(self.uid);
+        let lists: Vec<Arc<StreamList<S>>> = {
+            let mut registry = self.registry.lock();
+            let idle: Vec<u64> = registry
+                .lists
+                .iter()
+                .filter(|(_, list)| list.stream.handle_count() == 1)
+                .map(|(&id, _)| id)
+                .collect();
+            idle.into_iter()
+                .filter_map(|id| registry.lists.remove(&id))
+                .collect()
+        };
+        lists
+            .into_iter()
+            .filter_map(|list| {
+                let mut state = list.state.lock();
+                if state.retired {
+                    return None;
+                }
+                state.retired = true;
+                self.flush(&mut state);
+                let blocks = state.free.drain();
+                drop(state);
+                Some((list.stream.clone(), blocks))
+            })
+            .collect()
+    }
+
+    /// Blocks whose last use the host knows to be finished: any stream may take them at once.
+    pub(crate) fn give_fresh_blocks(&self, blocks: &[(u64, u64)]) {
+        let mut fresh = self.fresh.lock();
+        for &(addr, size) in blocks {
+            let given = fresh.give(addr, size);
+            debug_assert!(given, "a block overlapped fresh memory");
+        }
+    }
+
+    /// Blocks (not handed out) back into `stream`'s list, as if freed there.
+    pub(crate) fn give_blocks_to(&self, blocks: &[(u64, u64)], stream: &S) {
+        self.give_blocks(blocks, stream);
     }
 
     /// Takes out every block that is exactly one of `chunks`, for returning upstream. Returns
@@ -483,6 +706,7 @@ impl<S: EngineStream> StreamLists<S> {
             merges: self.merges.load(Ordering::Relaxed),
             ..EngineStats::default()
         };
+        let mut in_use = self.in_use.load(Ordering::Relaxed);
         {
             let fresh = self.fresh.lock();
             stats.free_bytes += fresh.free_bytes();
@@ -494,7 +718,11 @@ impl<S: EngineStream> StreamLists<S> {
             let state = list.state.lock();
             stats.free_bytes += state.free.free_bytes();
             stats.free_blocks += state.free.len();
+            in_use += state.net;
         }
+        let peak = self.peak_in_use.fetch_max(in_use, Ordering::Relaxed);
+        stats.in_use = in_use.max(0) as u64;
+        stats.peak_in_use = peak.max(in_use).max(0) as u64;
         stats
     }
 
