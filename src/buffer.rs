@@ -9,7 +9,7 @@ use crate::error::{Error, Result};
 use crate::event::Event;
 use crate::resource::{AllocateAsync, AsResourceRef, ResourceRef};
 use crate::stream::Stream;
-use crate::sync::{Arc, AtomicUsize, Ordering};
+use crate::sync::{Arc, AtomicUsize, Mutex, Ordering};
 
 /// Device memory of `len()` bytes from a [`MemoryResource`](crate::MemoryResource), used on a
 /// stream (RMM's `device_buffer`).
@@ -28,8 +28,11 @@ pub struct DeviceBuffer {
     len: usize,
     resource: ResourceRef,
     stream: Stream,
-    /// Other streams that used the memory; the free waits for each.
-    uses: Vec<Stream>,
+    /// Other streams that used the memory (each once); the free waits for each. Behind a lock
+    /// so that `&self` methods that queue work on another stream (`DeviceVec::to_host`, the
+    /// copies) can add theirs: a use is added *before* its work is queued, so a drop that
+    /// follows (which needs the borrow to have ended) always sees it.
+    uses: Mutex<Vec<Stream>>,
 }
 
 impl fmt::Debug for DeviceBuffer {
@@ -40,7 +43,7 @@ impl fmt::Debug for DeviceBuffer {
             .field("stream", &self.stream.id())
             .field(
                 "uses",
-                &self.uses.iter().map(|s| s.id()).collect::<Vec<_>>(),
+                &self.uses.lock().iter().map(|s| s.id()).collect::<Vec<_>>(),
             )
             .finish()
     }
@@ -111,7 +114,7 @@ impl DeviceBuffer {
             len,
             resource,
             stream: stream.clone(),
-            uses: Vec::new(),
+            uses: Mutex::new(Vec::new()),
         }
     }
 
@@ -131,8 +134,8 @@ impl DeviceBuffer {
     /// Gives up ownership without freeing: `(ptr, len, resource, stream)`. Other streams
     /// recorded with `record_stream` are ordered into `stream` first (GPU-side), so freeing on
     /// it later is safe.
-    pub fn into_raw_parts(mut self) -> Result<(DevicePtr, usize, ResourceRef, Stream)> {
-        for other in std::mem::take(&mut self.uses) {
+    pub fn into_raw_parts(self) -> Result<(DevicePtr, usize, ResourceRef, Stream)> {
+        for other in std::mem::take(&mut *self.uses.lock()) {
             self.stream.wait(&other.record()?)?;
         }
         let this = std::mem::ManuallyDrop::new(self);
@@ -189,10 +192,27 @@ impl DeviceBuffer {
         Ok(())
     }
 
-    fn add_use(&mut self, other: Stream) {
-        if !self.uses.iter().any(|s| s.id() == other.id()) {
-            self.uses.push(other);
+    fn add_use(&self, other: Stream) {
+        let mut uses = self.uses.lock();
+        if !uses.iter().any(|s| s.id() == other.id()) {
+            uses.push(other);
         }
+    }
+
+    /// Prepares a use of the memory by work queued on `other` from here on, for methods that
+    /// take `&self`: checks the device, and for a stream other than the buffer's own, records
+    /// it as a use (so the free waits for it, whatever becomes of the work queued there) and
+    /// orders `other` after the work queued on the buffer's stream so far (GPU-side).
+    ///
+    /// The use is recorded before anything can fail, so a caller that then queues nothing
+    /// costs only a later event at drop.
+    pub(crate) fn use_on(&self, other: &Stream) -> Result<()> {
+        check_device(&self.resource, other)?;
+        if other.id() != self.stream.id() {
+            self.add_use(other.clone());
+            other.wait(&self.stream.record()?)?;
+        }
+        Ok(())
     }
 
     /// The resource it came from.
@@ -363,7 +383,8 @@ impl PendingFree {
 
 impl Drop for DeviceBuffer {
     fn drop(&mut self) {
-        if self.uses.is_empty() {
+        let uses = std::mem::take(&mut *self.uses.lock());
+        if uses.is_empty() {
             // SAFETY: our memory, from this resource with this length, used only on `stream`
             // (in stream order before this point), freed once.
             if let Err(e) = unsafe { self.resource.deallocate(self.ptr, self.len, &self.stream) } {
@@ -371,7 +392,7 @@ impl Drop for DeviceBuffer {
             }
             return;
         }
-        let events: Result<Vec<Event>> = self.uses.iter().map(Stream::record).collect();
+        let events: Result<Vec<Event>> = uses.iter().map(Stream::record).collect();
         let events = match events {
             Ok(events) => events,
             Err(e) => {

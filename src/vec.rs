@@ -165,13 +165,16 @@ impl<T: Pod> DeviceVec<T> {
     /// The elements, copied to the host on `stream` after the work queued on the vector's own
     /// stream so far (`stream` is ordered after it GPU-side). The task waits by `.await`.
     ///
+    /// A `stream` other than the vector's own is recorded as a use of its memory (as
+    /// [`record_stream`](Self::record_stream) would, though this takes `&self`): the vector's
+    /// free waits for the copy queued there, whether this future completes, fails or is
+    /// dropped.
+    ///
     /// # Cancel safety
-    /// Cancel-safe: a dropped future's staging block is reused only once its copy has run.
+    /// Cancel-safe: a dropped future's staging block is reused only once its copy has run, and
+    /// the vector's memory is freed only after it.
     pub async fn to_host(&self, stream: &Stream) -> Result<Vec<T>> {
-        if stream.id() != self.stream().id() {
-            self.buf.resource().device().check_same(stream.device())?;
-            stream.wait(&self.stream().record()?)?;
-        }
+        self.buf.use_on(stream)?;
         let mut out = vec![T::zeroed(); self.len];
         copy_out(stream, self.as_ptr(), bytemuck::cast_slice_mut(&mut out)).await?;
         Ok(out)
