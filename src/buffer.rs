@@ -132,15 +132,25 @@ impl DeviceBuffer {
     }
 
     /// Gives up ownership without freeing: `(ptr, len, resource, stream)`. Other streams
-    /// recorded with `record_stream` are ordered into `stream` first (GPU-side), so freeing on
-    /// it later is safe.
+    /// recorded with `record_stream` (or used by a copy) are ordered into `stream` first
+    /// (GPU-side), so freeing on it later is safe.
+    ///
+    /// On error (an event could not be recorded on another stream, or `stream` could not be
+    /// made to wait for it) the buffer is dropped as [`drop`](Drop) drops it: its free still
+    /// waits for every stream that used it, so nothing is lost and stream order holds.
     pub fn into_raw_parts(self) -> Result<(DevicePtr, usize, ResourceRef, Stream)> {
-        for other in std::mem::take(&mut *self.uses.lock()) {
+        // Not taken out of the buffer before the loop: if any step fails, the buffer's drop
+        // still sees every use and orders the free after each.
+        let uses = self.uses.lock().clone();
+        for other in &uses {
             self.stream.wait(&other.record()?)?;
         }
         let this = std::mem::ManuallyDrop::new(self);
-        // SAFETY: `this` is never dropped, so each field is moved out exactly once.
+        // SAFETY: `this` is never dropped, so each field is moved out exactly once (the
+        // `Copy` ones are copied); the list of uses is dropped here, its streams now ordered
+        // before `stream`.
         unsafe {
+            drop(std::ptr::read(&this.uses));
             Ok((
                 this.ptr,
                 this.len,

@@ -11,7 +11,7 @@ use std::time::Duration;
 use common::{eventually, runtime};
 use streamalloc::resource::cuda::CudaResource;
 use streamalloc::resource::pool::{PoolOptions, PoolResource};
-use streamalloc::{Device, DeviceVec, Error, FaultKind, Faults, SimConfig};
+use streamalloc::{Device, DeviceBuffer, DeviceVec, Error, FaultKind, Faults, SimConfig};
 
 const MIB: usize = 1 << 20;
 
@@ -118,6 +118,76 @@ fn a_completed_copy_on_another_stream_frees_normally() {
     drop(v);
     a.synchronize_blocking().unwrap();
     b.synchronize_blocking().unwrap();
+    assert!(
+        eventually(Duration::from_secs(10), || all_back(&p)),
+        "{:?}",
+        p.stats()
+    );
+}
+
+/// A buffer used on a busy stream `b` (a fill queued behind a spin), given up with
+/// `into_raw_parts` while a fault makes the ordering fail.
+fn into_raw_parts_with_fault(kind: FaultKind) {
+    let (device, faults) = sim();
+    let p = pool(&device);
+    let a = device.create_stream().unwrap();
+    let b = device.create_stream().unwrap();
+    let mut buf = DeviceBuffer::new(&p, 256 * 1024, &a).unwrap();
+    buf.record_stream(&b).unwrap();
+    b.spin(Duration::from_millis(300)).unwrap();
+    // SAFETY: 64 Ki words of live memory; `b` is recorded on the buffer, so its free waits.
+    unsafe { b.fill_u32(buf.as_ptr(), 7, 1 << 16) }.unwrap();
+    faults.fail_next(kind);
+    let err = buf.into_raw_parts().unwrap_err();
+    assert!(matches!(err, Error::Driver { .. }), "{kind:?}: {err:?}");
+    assert_eq!(faults.injected(kind), 1);
+    // The buffer is gone (freed as a drop frees it): the free must still wait for `b`.
+    p.trim_blocking().unwrap();
+    b.synchronize_blocking()
+        .unwrap_or_else(|e| panic!("{kind:?}: b's fill ran on freed memory: {e}"));
+    assert!(
+        eventually(Duration::from_secs(10), || all_back(&p)),
+        "{kind:?}: memory lost: {:?}",
+        p.stats()
+    );
+    p.trim_blocking().unwrap();
+    assert_eq!(p.stats().reserved, 0, "{kind:?}: {:?}", p.stats());
+}
+
+/// Issue 19: `into_raw_parts` took the other streams out before a record/wait that can fail,
+/// then freed at once on its own stream: `b`'s fill hit memory trimmed upstream.
+#[test]
+fn into_raw_parts_keeps_stream_order_when_record_fails() {
+    into_raw_parts_with_fault(FaultKind::Record);
+}
+
+/// As above, with the GPU-side wait failing.
+#[test]
+fn into_raw_parts_keeps_stream_order_when_wait_fails() {
+    into_raw_parts_with_fault(FaultKind::Wait);
+}
+
+/// `into_raw_parts` without faults: the parts come back with every other use ordered before
+/// their stream, and freeing them there is safe.
+#[test]
+fn into_raw_parts_orders_other_streams_before_its_stream() {
+    let (device, _) = sim();
+    let p = pool(&device);
+    let a = device.create_stream().unwrap();
+    let b = device.create_stream().unwrap();
+    let mut buf = DeviceBuffer::new(&p, 4096, &a).unwrap();
+    buf.record_stream(&b).unwrap();
+    b.spin(Duration::from_millis(50)).unwrap();
+    // SAFETY: 1 Ki words of live memory, `b` recorded on the buffer.
+    unsafe { b.fill_u32(buf.as_ptr(), 3, 1024) }.unwrap();
+    let (ptr, len, resource, stream) = buf.into_raw_parts().unwrap();
+    assert_eq!((len, stream.id()), (4096, a.id()));
+    // SAFETY: the parts of a buffer, taken back whole.
+    let buf = unsafe { DeviceBuffer::from_raw_parts(ptr, len, resource, &stream) };
+    let rt = runtime();
+    let host = rt.block_on(buf.to_host()).unwrap();
+    assert!(host.chunks(4).all(|w| w == 3u32.to_ne_bytes()));
+    drop(buf);
     assert!(
         eventually(Duration::from_secs(10), || all_back(&p)),
         "{:?}",
