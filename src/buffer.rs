@@ -301,7 +301,11 @@ fn check_device(resource: &ResourceRef, stream: &Stream) -> Result<()> {
     resource.device().check_same(stream.device())
 }
 
-/// Stages `data` and queues its copy to `dst` on `stream`.
+/// Stages `data` and queues its copy to `dst` on `stream`. Never blocks on the GPU.
+///
+/// On error the copy may or may not have been queued (the event after it could not be
+/// recorded): the destination's contents are then unspecified, and the staging block goes back
+/// to the cache only behind a later event of `stream` (`Device::return_staging_after_queued`).
 pub(crate) fn copy_in(stream: &Stream, dst: DevicePtr, data: &[u8]) -> Result<()> {
     if data.is_empty() {
         return Ok(());
@@ -320,9 +324,8 @@ pub(crate) fn copy_in(stream: &Stream, dst: DevicePtr, data: &[u8]) -> Result<()
             Ok(())
         }
         Err(e) => {
-            // The copy may or may not be queued: make sure it has run before reusing the block.
-            let _ = stream.synchronize_blocking();
-            device.return_staging(block);
+            // The copy may be queued: the block is reused only behind a later event.
+            device.return_staging_after_queued(block, stream);
             Err(e)
         }
     }
@@ -330,23 +333,33 @@ pub(crate) fn copy_in(stream: &Stream, dst: DevicePtr, data: &[u8]) -> Result<()
 
 /// Copies `out.len()` bytes from `src` to `out` through a staging block, after the work queued
 /// on `stream`.
+///
+/// The staging block goes back to the device's cache only once nothing queued can still write
+/// it: at once if no copy was attempted, after the copy's event if it was recorded, else behind
+/// a later event of `stream` (or never, if none can be recorded): whether the future
+/// completes, fails or is dropped.
 pub(crate) async fn copy_out(stream: &Stream, src: DevicePtr, out: &mut [u8]) -> Result<()> {
     if out.is_empty() {
         return Ok(());
     }
-    /// Returns the block when dropped: at once if no copy used it, else after the copy's event.
+    /// Returns the block when dropped, as above.
     struct Guard<'a> {
         stream: &'a Stream,
         block: Option<crate::device::staging::StagingBlock>,
+        /// A copy into the block was asked of the stream (it may be queued even if the call
+        /// failed).
+        queued: bool,
+        /// Recorded after the copy.
         event: Option<Event>,
     }
     impl Drop for Guard<'_> {
         fn drop(&mut self) {
             if let Some(block) = self.block.take() {
                 let device = self.stream.device();
-                match &self.event {
-                    Some(event) => device.return_staging_after(block, event),
-                    None => device.return_staging(block),
+                match (&self.event, self.queued) {
+                    (Some(event), _) => device.return_staging_after(block, event),
+                    (None, true) => device.return_staging_after_queued(block, self.stream),
+                    (None, false) => device.return_staging(block),
                 }
             }
         }
@@ -355,14 +368,16 @@ pub(crate) async fn copy_out(stream: &Stream, src: DevicePtr, out: &mut [u8]) ->
     let mut guard = Guard {
         stream,
         block: Some(device.staging_block(out.len())?),
+        queued: false,
         event: None,
     };
     // (The raw pointer is re-read from the guard after the await, so the future stays `Send`.)
     let block_ptr =
         |guard: &Guard<'_>| guard.block.as_ref().map_or(std::ptr::null_mut(), |b| b.ptr);
+    guard.queued = true;
     // SAFETY: `src` is a live allocation of `out.len()` bytes (the caller's buffer); the block
-    // has at least that many bytes and nobody else touches it until the guard returns it after
-    // the copy's event.
+    // has at least that many bytes and nobody else touches it until the guard returns it, which
+    // is only once the copy can no longer write it.
     unsafe { stream.copy_dtoh(block_ptr(&guard), src, out.len()) }?;
     let event = stream.record()?;
     guard.event = Some(event.clone());

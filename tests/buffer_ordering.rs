@@ -194,3 +194,64 @@ fn into_raw_parts_orders_other_streams_before_its_stream() {
         p.stats()
     );
 }
+
+/// Issue 19: a copy to the host whose event could not be recorded gave its staging block back
+/// to the cache while the copy into it was still queued; the next copy from the host staged its
+/// data in the same block, and the late copy overwrote it (the second vector read back the
+/// first one's data).
+#[test]
+fn a_failed_record_after_a_copy_out_keeps_its_staging_block() {
+    let (device, faults) = sim();
+    let rt = runtime();
+    let p = pool(&device);
+    let s = device.create_stream().unwrap();
+    let v = DeviceVec::from_host(&p, &vec![3u32; 1 << 16], &s).unwrap();
+    s.synchronize_blocking().unwrap();
+    s.spin(Duration::from_millis(200)).unwrap();
+    faults.fail_next(FaultKind::Record);
+    let err = rt.block_on(v.to_host(&s)).unwrap_err();
+    assert!(matches!(err, Error::Driver { .. }), "{err:?}");
+    // Queued on `s` behind that copy: staged through a block of the same size.
+    let w = DeviceVec::from_host(&p, &vec![9u32; 1 << 16], &s).unwrap();
+    assert!(
+        rt.block_on(w.to_host(&s)).unwrap().iter().all(|&x| x == 9),
+        "the staging block was reused while a copy into it was queued"
+    );
+    assert!(rt.block_on(v.to_host(&s)).unwrap().iter().all(|&x| x == 3));
+}
+
+/// As above, with every record failing: the block cannot be given back safely and is kept out
+/// of the cache (leaked); later copies still see their own data.
+#[test]
+fn a_copy_out_that_cannot_be_fenced_never_recycles_its_block() {
+    let (device, faults) = sim();
+    let rt = runtime();
+    let p = pool(&device);
+    let s = device.create_stream().unwrap();
+    let v = DeviceVec::from_host(&p, &vec![3u32; 1 << 16], &s).unwrap();
+    s.synchronize_blocking().unwrap();
+    s.spin(Duration::from_millis(200)).unwrap();
+    faults.fail_always(FaultKind::Record);
+    assert!(rt.block_on(v.to_host(&s)).is_err());
+    faults.clear();
+    let w = DeviceVec::from_host(&p, &vec![9u32; 1 << 16], &s).unwrap();
+    assert!(rt.block_on(w.to_host(&s)).unwrap().iter().all(|&x| x == 9));
+}
+
+/// The same for a copy *to* the device whose event could not be recorded: its block must not be
+/// reused while the copy out of it is still queued.
+#[test]
+fn a_failed_record_after_a_copy_in_keeps_its_staging_block() {
+    let (device, faults) = sim();
+    let rt = runtime();
+    let p = pool(&device);
+    let s = device.create_stream().unwrap();
+    let mut v = DeviceVec::<u32>::new(&p, 1 << 16, &s).unwrap();
+    s.spin(Duration::from_millis(200)).unwrap();
+    faults.fail_next(FaultKind::Record);
+    assert!(v.copy_from_host(&vec![3u32; 1 << 16]).is_err());
+    // The copy was queued; it carries 3s whatever happens next to its block.
+    let w = DeviceVec::from_host(&p, &vec![9u32; 1 << 16], &s).unwrap();
+    assert!(rt.block_on(v.to_host(&s)).unwrap().iter().all(|&x| x == 3));
+    assert!(rt.block_on(w.to_host(&s)).unwrap().iter().all(|&x| x == 9));
+}

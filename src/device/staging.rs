@@ -5,8 +5,13 @@
 //! blocks instead. The cache lives in the device and holds only raw blocks (a resource would
 //! hold a `Device`, a cycle that would keep the device alive forever); a block goes back to it
 //! once the copy that used it has completed (`Event::on_complete`), never before.
+//!
+//! A block whose copy may be queued but whose event could not be recorded goes back behind a
+//! later event of the same stream; if no event can be recorded at all (the stream or the
+//! context is broken) it is leaked rather than reused under a copy that may still write it.
 
 use crate::error::Result;
+use crate::stream::Stream;
 use crate::sync::Mutex;
 
 /// Blocks are cached in power-of-two sizes from this one up.
@@ -96,5 +101,20 @@ impl super::Device {
     pub(crate) fn return_staging_after(&self, block: StagingBlock, event: &crate::Event) {
         let device = self.clone();
         event.on_complete(Box::new(move |_| device.return_staging(block)));
+    }
+
+    /// Gives a block back whose copy on `stream` may be queued but has no event after it (the
+    /// record failed): behind a new event of `stream`, which the copy precedes. If that cannot
+    /// be recorded either, the block is leaked (logged): reusing it could let the copy write
+    /// into the next user's data.
+    pub(crate) fn return_staging_after_queued(&self, block: StagingBlock, stream: &Stream) {
+        match stream.record() {
+            Ok(event) => self.return_staging_after(block, &event),
+            Err(e) => tracing::error!(
+                error = %e,
+                bytes = block.size,
+                "could not fence a staging block behind its copy; it is leaked"
+            ),
+        }
     }
 }
