@@ -255,3 +255,48 @@ fn a_failed_record_after_a_copy_in_keeps_its_staging_block() {
     assert!(rt.block_on(v.to_host(&s)).unwrap().iter().all(|&x| x == 3));
     assert!(rt.block_on(w.to_host(&s)).unwrap().iter().all(|&x| x == 9));
 }
+
+/// Issue 19: a staging block returned when the device's cache (64 MiB) is full was freed with
+/// `cuMemFreeHost` from the completion callback, on the reactor thread. Every host free is
+/// made to fail here, so each attempt is counted: none may happen while only the reactor has
+/// run, and the next copy on a host thread frees the block.
+#[test]
+fn staging_blocks_over_the_cache_are_freed_off_the_reactor() {
+    let (device, faults) = sim();
+    let p = Arc::new(
+        PoolResource::new(
+            CudaResource::new(&device),
+            PoolOptions {
+                initial: 0,
+                maximum: Some(128 * MIB),
+            },
+        )
+        .unwrap(),
+    );
+    let s = device.create_stream().unwrap();
+    let mut big = DeviceBuffer::new(&p, 64 * MIB, &s).unwrap();
+    let mut small = DeviceBuffer::new(&p, 4096, &s).unwrap();
+    let mut other = DeviceBuffer::new(&p, 8192, &s).unwrap();
+    let idle = device.handle_count();
+    s.spin(Duration::from_millis(100)).unwrap();
+    // Two blocks in flight at once: 64 MiB fills the cache, the 4 KiB one is over it.
+    big.copy_from_host(&vec![1u8; 64 * MIB]).unwrap();
+    small.copy_from_host(&[2u8; 4096]).unwrap();
+    faults.fail_always(FaultKind::HostFree);
+    // Nobody awaits the copies' events: only the reactor sees them complete and runs the
+    // callbacks that give the blocks back (each holds a device handle until it has run).
+    assert!(
+        eventually(Duration::from_secs(10), || device.handle_count() == idle),
+        "the staging callbacks never ran"
+    );
+    assert_eq!(
+        faults.injected(FaultKind::HostFree),
+        0,
+        "a staging block was freed on the reactor thread"
+    );
+    // The next staging call on a host thread frees it (a 8 KiB block: another size class).
+    other.copy_from_host(&[3u8; 8192]).unwrap();
+    assert_eq!(faults.injected(FaultKind::HostFree), 1);
+    faults.clear();
+    s.synchronize_blocking().unwrap();
+}
