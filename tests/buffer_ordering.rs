@@ -300,3 +300,31 @@ fn staging_blocks_over_the_cache_are_freed_off_the_reactor() {
     faults.clear();
     s.synchronize_blocking().unwrap();
 }
+
+/// Every API that queues work on a stream other than the memory's own: the copy onto another
+/// stream (`try_clone_to`, issue 20's API) reads the source on the target stream, so the
+/// source's free waits for it. With the target stream busy, the source dropped and its pool
+/// trimmed at once, the copy must still read live memory and get the source's bytes.
+#[test]
+fn a_copy_onto_a_busy_stream_holds_the_source_free() {
+    let (device, _) = sim();
+    let rt = runtime();
+    let src_pool = pool(&device);
+    let dst_pool = pool(&device);
+    let a = device.create_stream().unwrap();
+    let b = device.create_stream().unwrap();
+    let v = DeviceVec::from_host(&src_pool, &vec![6u32; 1 << 16], &a).unwrap();
+    let mut buf = DeviceBuffer::new(&src_pool, 4096, &a).unwrap();
+    buf.memset(4).unwrap();
+    b.spin(Duration::from_millis(300)).unwrap();
+    let w = v.try_clone_to(&dst_pool, &b).unwrap();
+    let c = buf.try_clone_to(&dst_pool, &b).unwrap();
+    drop((v, buf));
+    a.synchronize_blocking().unwrap();
+    src_pool.trim_blocking().unwrap();
+    b.synchronize_blocking()
+        .expect("b's copy ran on memory that was freed under it");
+    assert!(rt.block_on(w.to_host(&b)).unwrap().iter().all(|&x| x == 6));
+    assert!(rt.block_on(c.to_host()).unwrap().iter().all(|&x| x == 4));
+    assert!(eventually(Duration::from_secs(10), || all_back(&src_pool)));
+}
