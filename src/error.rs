@@ -88,6 +88,13 @@ pub enum Error {
         /// What was wrong.
         what: &'static str,
     },
+    /// An element index past the end of a device vector.
+    IndexOutOfBounds {
+        /// The index given.
+        index: usize,
+        /// The vector's length.
+        len: usize,
+    },
     /// A wait ran past its deadline.
     Timeout {
         /// How long it waited.
@@ -176,6 +183,10 @@ impl fmt::Display for Error {
             ),
             Error::Io { what, message } => write!(f, "{what}: {message}"),
             Error::InvalidArgument { what } => write!(f, "invalid argument: {what}"),
+            Error::IndexOutOfBounds { index, len } => write!(
+                f,
+                "index {index} out of bounds: the vector has {len} element(s)"
+            ),
             Error::Timeout { waited } => write!(f, "timed out after waiting {waited:?}"),
         }
     }

@@ -122,6 +122,206 @@ impl<T: Pod> DeviceVec<T> {
         self.len == 0
     }
 
+    /// Elements the allocation can hold: at least [`len`](Self::len) (`usize::MAX` for a
+    /// zero-sized `T`). A resize up to it keeps the memory and its address.
+    ///
+    /// ```
+    /// # use std::sync::Arc;
+    /// # use streamalloc::{CudaResource, Device, DeviceVec, PoolOptions, PoolResource, SimConfig};
+    /// # let device = Device::simulated(SimConfig::default());
+    /// # let pool = Arc::new(PoolResource::new(CudaResource::new(&device), PoolOptions::default())?);
+    /// # let stream = device.create_stream()?;
+    /// # let rt = tokio::runtime::Builder::new_current_thread().build().unwrap();
+    /// let mut v = DeviceVec::<u32>::new(&pool, 1000, &stream)?;
+    /// let ptr = v.as_ptr();
+    /// v.resize(10)?; // smaller: the same memory (RMM's ResizeSmaller)
+    /// assert_eq!((v.len(), v.capacity(), v.as_ptr()), (10, 1000, ptr));
+    /// # Ok::<(), streamalloc::Error>(())
+    /// ```
+    pub fn capacity(&self) -> usize {
+        match size_of::<T>() {
+            0 => usize::MAX,
+            size => self.buf.capacity() / size,
+        }
+    }
+
+    /// Makes room for at least `additional` more elements past [`len`](Self::len), moving the
+    /// contents to a new allocation of exactly that much if the capacity is smaller (see
+    /// [`DeviceBuffer::reserve`]). The length stays.
+    ///
+    /// `Err(InvalidSize)` if the new capacity overflows (in elements or in bytes); on any error
+    /// the vector is as it was.
+    ///
+    /// ```
+    /// # use std::sync::Arc;
+    /// # use streamalloc::{CudaResource, Device, DeviceVec, PoolOptions, PoolResource, SimConfig};
+    /// # let device = Device::simulated(SimConfig::default());
+    /// # let pool = Arc::new(PoolResource::new(CudaResource::new(&device), PoolOptions::default())?);
+    /// # let stream = device.create_stream()?;
+    /// # let rt = tokio::runtime::Builder::new_current_thread().build().unwrap();
+    /// let mut v = DeviceVec::from_host(&pool, &[1.0f32, 2.0], &stream)?;
+    /// v.reserve(98)?;
+    /// assert_eq!((v.len(), v.capacity()), (2, 100));
+    /// let ptr = v.as_ptr();
+    /// v.resize(100)?; // fits: no reallocation
+    /// assert_eq!(v.as_ptr(), ptr);
+    /// assert_eq!(rt.block_on(v.to_host(&stream))?[..2], [1.0, 2.0]);
+    /// # Ok::<(), streamalloc::Error>(())
+    /// ```
+    pub fn reserve(&mut self, additional: usize) -> Result<()> {
+        let needed = self.len.checked_add(additional).ok_or(Error::InvalidSize {
+            size: additional,
+            reason: "the length plus the additional elements overflows usize",
+        })?;
+        let bytes = bytes_for::<T>(needed)?;
+        self.buf.reserve(bytes.saturating_sub(self.buf.len()))
+    }
+
+    /// Gives the memory past [`len`](Self::len) back, moving the contents to an allocation of
+    /// exactly `len` elements (see [`DeviceBuffer::shrink_to_fit`]): the one call that shrinks
+    /// the allocation. On error the vector is as it was.
+    ///
+    /// ```
+    /// # use std::sync::Arc;
+    /// # use streamalloc::{CudaResource, Device, DeviceVec, PoolOptions, PoolResource, SimConfig};
+    /// # let device = Device::simulated(SimConfig::default());
+    /// # let pool = Arc::new(PoolResource::new(CudaResource::new(&device), PoolOptions::default())?);
+    /// # let stream = device.create_stream()?;
+    /// # let rt = tokio::runtime::Builder::new_current_thread().build().unwrap();
+    /// let mut v = DeviceVec::from_host(&pool, &[7u64; 1000], &stream)?;
+    /// v.resize(3)?;
+    /// v.shrink_to_fit()?;
+    /// assert_eq!((v.len(), v.capacity()), (3, 3));
+    /// assert_eq!(rt.block_on(v.to_host(&stream))?, [7, 7, 7]);
+    /// # Ok::<(), streamalloc::Error>(())
+    /// ```
+    pub fn shrink_to_fit(&mut self) -> Result<()> {
+        self.buf.shrink_to_fit()
+    }
+
+    /// `Err(IndexOutOfBounds)` unless `index < len`.
+    fn check_index(&self, index: usize) -> Result<()> {
+        if index < self.len {
+            Ok(())
+        } else {
+            Err(Error::IndexOutOfBounds {
+                index,
+                len: self.len,
+            })
+        }
+    }
+
+    /// The device address of element `index` (which must be in bounds).
+    fn element_ptr(&self, index: usize) -> DevicePtr {
+        // In bounds, so `index * size` is below the byte length and cannot overflow.
+        self.as_ptr().offset(index * size_of::<T>())
+    }
+
+    /// Element `index`, copied to the host after the work queued on the vector's stream so far
+    /// (RMM's `element`), without copying the rest. The task waits by `.await`.
+    ///
+    /// `Err(IndexOutOfBounds)` for `index >= len()`.
+    ///
+    /// # Cancel safety
+    /// Cancel-safe: a dropped future's staging block is reused only once its copy has run.
+    ///
+    /// ```
+    /// # use std::sync::Arc;
+    /// # use streamalloc::{CudaResource, Device, DeviceVec, PoolOptions, PoolResource, SimConfig};
+    /// # let device = Device::simulated(SimConfig::default());
+    /// # let pool = Arc::new(PoolResource::new(CudaResource::new(&device), PoolOptions::default())?);
+    /// # let stream = device.create_stream()?;
+    /// # let rt = tokio::runtime::Builder::new_current_thread().build().unwrap();
+    /// let v = DeviceVec::from_host(&pool, &[10u32, 20, 30], &stream)?;
+    /// assert_eq!(rt.block_on(v.element(1))?, 20);
+    /// assert!(matches!(
+    ///     rt.block_on(v.element(3)),
+    ///     Err(streamalloc::Error::IndexOutOfBounds { index: 3, len: 3 })
+    /// ));
+    /// # Ok::<(), streamalloc::Error>(())
+    /// ```
+    pub async fn element(&self, index: usize) -> Result<T> {
+        self.check_index(index)?;
+        let mut value = T::zeroed();
+        copy_out(
+            self.stream(),
+            self.element_ptr(index),
+            bytemuck::bytes_of_mut(&mut value),
+        )
+        .await?;
+        Ok(value)
+    }
+
+    /// The first element, or `None` for an empty vector (as `[T]::first`; RMM's
+    /// `front_element`). Stream-ordered as [`element`](Self::element).
+    ///
+    /// # Cancel safety
+    /// Cancel-safe, as [`element`](Self::element).
+    ///
+    /// ```
+    /// # use std::sync::Arc;
+    /// # use streamalloc::{CudaResource, Device, DeviceVec, PoolOptions, PoolResource, SimConfig};
+    /// # let device = Device::simulated(SimConfig::default());
+    /// # let pool = Arc::new(PoolResource::new(CudaResource::new(&device), PoolOptions::default())?);
+    /// # let stream = device.create_stream()?;
+    /// # let rt = tokio::runtime::Builder::new_current_thread().build().unwrap();
+    /// let v = DeviceVec::from_host(&pool, &[1i16, 2, 3], &stream)?;
+    /// assert_eq!(rt.block_on(v.first())?, Some(1));
+    /// assert_eq!(rt.block_on(v.last())?, Some(3));
+    /// let empty = DeviceVec::<i16>::new(&pool, 0, &stream)?;
+    /// assert_eq!(rt.block_on(empty.first())?, None);
+    /// # Ok::<(), streamalloc::Error>(())
+    /// ```
+    pub async fn first(&self) -> Result<Option<T>> {
+        match self.len {
+            0 => Ok(None),
+            _ => self.element(0).await.map(Some),
+        }
+    }
+
+    /// The last element, or `None` for an empty vector (as `[T]::last`; RMM's
+    /// `back_element`). Stream-ordered as [`element`](Self::element); see
+    /// [`first`](Self::first) for an example.
+    ///
+    /// # Cancel safety
+    /// Cancel-safe, as [`element`](Self::element).
+    pub async fn last(&self) -> Result<Option<T>> {
+        match self.len {
+            0 => Ok(None),
+            len => self.element(len - 1).await.map(Some),
+        }
+    }
+
+    /// Writes `value` to element `index`, queued on the vector's stream (RMM's
+    /// `set_element_async`): work queued there later sees it. Never blocks on the GPU: the
+    /// value is staged through page-locked memory, so unlike RMM's it need not outlive the
+    /// call.
+    ///
+    /// `Err(IndexOutOfBounds)` for `index >= len()`; on a driver error the element may or may
+    /// not be written.
+    ///
+    /// ```
+    /// # use std::sync::Arc;
+    /// # use streamalloc::{CudaResource, Device, DeviceVec, PoolOptions, PoolResource, SimConfig};
+    /// # let device = Device::simulated(SimConfig::default());
+    /// # let pool = Arc::new(PoolResource::new(CudaResource::new(&device), PoolOptions::default())?);
+    /// # let stream = device.create_stream()?;
+    /// # let rt = tokio::runtime::Builder::new_current_thread().build().unwrap();
+    /// let mut v = DeviceVec::<f64>::zeroed(&pool, 4, &stream)?;
+    /// v.set_element(2, 0.5)?;
+    /// assert_eq!(rt.block_on(v.to_host(&stream))?, [0.0, 0.0, 0.5, 0.0]);
+    /// assert!(v.set_element(4, 1.0).is_err()); // out of bounds: a typed error, nothing written
+    /// # Ok::<(), streamalloc::Error>(())
+    /// ```
+    pub fn set_element(&mut self, index: usize, value: T) -> Result<()> {
+        self.check_index(index)?;
+        copy_in(
+            self.buf.stream(),
+            self.element_ptr(index),
+            bytemuck::bytes_of(&value),
+        )
+    }
+
     /// The device address of the first element.
     pub fn as_ptr(&self) -> DevicePtr {
         self.buf.as_ptr()
@@ -165,29 +365,102 @@ impl<T: Pod> DeviceVec<T> {
     /// The elements, copied to the host on `stream` after the work queued on the vector's own
     /// stream so far (`stream` is ordered after it GPU-side). The task waits by `.await`.
     ///
+    /// A `stream` other than the vector's own is recorded as a use of its memory (as
+    /// [`record_stream`](Self::record_stream) would, though this takes `&self`): the vector's
+    /// free waits for the copy queued there, whether this future completes, fails or is
+    /// dropped.
+    ///
     /// # Cancel safety
-    /// Cancel-safe: a dropped future's staging block is reused only once its copy has run.
+    /// Cancel-safe: a dropped future's staging block is reused only once its copy has run, and
+    /// the vector's memory is freed only after it.
     pub async fn to_host(&self, stream: &Stream) -> Result<Vec<T>> {
-        if stream.id() != self.stream().id() {
-            self.buf.resource().device().check_same(stream.device())?;
-            stream.wait(&self.stream().record()?)?;
-        }
+        self.buf.use_on(stream)?;
         let mut out = vec![T::zeroed(); self.len];
         copy_out(stream, self.as_ptr(), bytemuck::cast_slice_mut(&mut out)).await?;
         Ok(out)
     }
 
     /// Resizes to `len` elements, keeping the first `min(old, new)`; new elements are
-    /// uninitialized.
+    /// uninitialized. Within the [`capacity`](Self::capacity) the memory and its address stay
+    /// (a resize to smaller never reallocates: [`shrink_to_fit`](Self::shrink_to_fit) does);
+    /// past it the vector moves to an allocation of exactly `len` elements (see
+    /// [`DeviceBuffer::resize`]). On error the vector is as it was.
     pub fn resize(&mut self, len: usize) -> Result<()> {
         self.buf.resize(bytes_for::<T>(len)?)?;
         self.len = len;
         Ok(())
     }
 
-    /// A copy in new memory from the same resource.
+    /// A copy in new memory (of exactly `len()` elements) from the same resource, on the
+    /// vector's stream.
     pub fn try_clone(&self) -> Result<Self> {
         Ok(Self::from_buffer_unchecked(self.buf.try_clone()?, self.len))
+    }
+
+    /// A copy in new memory from `resource`, for use on `stream`, in one call (RMM's
+    /// `device_uvector(other, stream, mr)`): queued on `stream` after the work queued on this
+    /// vector's stream so far, with `stream` recorded as a use of this vector (its free waits
+    /// for the copy). See [`DeviceBuffer::try_clone_to`] for the errors.
+    ///
+    /// ```
+    /// # use std::sync::Arc;
+    /// # use streamalloc::{CudaResource, Device, DeviceVec, PoolOptions, PoolResource, SimConfig};
+    /// # let device = Device::simulated(SimConfig::default());
+    /// # let pool = Arc::new(PoolResource::new(CudaResource::new(&device), PoolOptions::default())?);
+    /// # let stream = device.create_stream()?;
+    /// # let rt = tokio::runtime::Builder::new_current_thread().build().unwrap();
+    /// let host_side = Arc::new(streamalloc::CudaResource::new(&device));
+    /// let other = device.create_stream()?;
+    /// let v = DeviceVec::from_host(&pool, &[1u8, 2, 3], &stream)?;
+    /// let w = v.try_clone_to(&host_side, &other)?;
+    /// drop(v); // its free waits for the copy on `other`
+    /// assert_eq!(rt.block_on(w.to_host(&other))?, [1, 2, 3]);
+    /// # Ok::<(), streamalloc::Error>(())
+    /// ```
+    pub fn try_clone_to(&self, resource: &impl AsResourceRef, stream: &Stream) -> Result<Self> {
+        Ok(Self::from_buffer_unchecked(
+            self.buf.try_clone_to(resource, stream)?,
+            self.len,
+        ))
+    }
+
+    /// A vector of `len` elements from `resource` on `stream`, holding a copy of the `T`s at
+    /// the device address `src` (queued on `stream`; the host does not wait). See
+    /// [`DeviceBuffer::copy_from_device_ptr`].
+    ///
+    /// `Err(InvalidSize)` if `len` elements overflow `usize` in bytes.
+    ///
+    /// # Safety
+    /// As [`DeviceBuffer::copy_from_device_ptr`], for `len * size_of::<T>()` bytes at `src`,
+    /// which hold valid `T`s (any bytes are, for plain data) once the writes ordered before
+    /// the copy have run.
+    ///
+    /// ```
+    /// # use std::sync::Arc;
+    /// # use streamalloc::{CudaResource, Device, DeviceVec, PoolOptions, PoolResource, SimConfig};
+    /// # let device = Device::simulated(SimConfig::default());
+    /// # let pool = Arc::new(PoolResource::new(CudaResource::new(&device), PoolOptions::default())?);
+    /// # let stream = device.create_stream()?;
+    /// # let rt = tokio::runtime::Builder::new_current_thread().build().unwrap();
+    /// let v = DeviceVec::from_host(&pool, &[5u32, 6, 7, 8], &stream)?;
+    /// // SAFETY: the last two elements of `v`: live, written before this point of `stream`, and
+    /// // `v` outlives the copy (it is dropped at the end, after the read below).
+    /// let tail = unsafe {
+    ///     DeviceVec::<u32>::copy_from_device_ptr(&pool, v.as_ptr().offset(8), 2, &stream)?
+    /// };
+    /// assert_eq!(rt.block_on(tail.to_host(&stream))?, [7, 8]);
+    /// # Ok::<(), streamalloc::Error>(())
+    /// ```
+    pub unsafe fn copy_from_device_ptr(
+        resource: &impl AsResourceRef,
+        src: DevicePtr,
+        len: usize,
+        stream: &Stream,
+    ) -> Result<Self> {
+        let bytes = bytes_for::<T>(len)?;
+        // SAFETY: the caller's contract, for these `bytes`.
+        let buf = unsafe { DeviceBuffer::copy_from_device_ptr(resource, src, bytes, stream) }?;
+        Ok(Self::from_buffer_unchecked(buf, len))
     }
 }
 

@@ -5,8 +5,24 @@
 //! blocks instead. The cache lives in the device and holds only raw blocks (a resource would
 //! hold a `Device`, a cycle that would keep the device alive forever); a block goes back to it
 //! once the copy that used it has completed (`Event::on_complete`), never before.
+//!
+//! ## Where blocks are freed
+//!
+//! The completion callback that gives a block back runs on the device's reactor thread, where
+//! no blocking driver call may run (`cuMemFreeHost` may wait for the device, and every wake-up
+//! of the device would stall behind it). So the callback only files the block: in the cache,
+//! or, when the cache already holds [`MAX_CACHED`] bytes, in a list of *retired* blocks. Retired
+//! blocks are freed by the next staging call on a user's thread (a copy to or from the device,
+//! which may pin memory anyway), or reused by it if one has the size it needs, or freed when
+//! the device is dropped. A user thread that gives a block back directly (no copy pending on
+//! it) frees an excess block at once.
+//!
+//! A block whose copy may be queued but whose event could not be recorded goes back behind a
+//! later event of the same stream; if no event can be recorded at all (the stream or the
+//! context is broken) it is leaked rather than reused under a copy that may still write it.
 
 use crate::error::Result;
+use crate::stream::Stream;
 use crate::sync::Mutex;
 
 /// Blocks are cached in power-of-two sizes from this one up.
@@ -22,13 +38,25 @@ pub(crate) struct StagingBlock {
 }
 
 // SAFETY: a block is plain page-locked host memory; whoever holds the `StagingBlock` owns it
-// exclusively (it is in the cache or with exactly one copy, never both).
+// exclusively (it is in the cache, retired, or with exactly one copy, never two of these).
 unsafe impl Send for StagingBlock {}
+
+/// The cached blocks. Only read or written under `Staging::free`'s lock; no driver call is made
+/// under it.
+#[derive(Default)]
+struct Cache {
+    /// Free blocks by size class (log2 of the size).
+    classes: Vec<Vec<StagingBlock>>,
+    /// Bytes in `classes`.
+    bytes: usize,
+    /// Blocks given back on the reactor thread when the cache was full: to be freed (or reused)
+    /// by a user thread.
+    retired: Vec<StagingBlock>,
+}
 
 #[derive(Default)]
 pub(crate) struct Staging {
-    /// Free blocks by size (log2).
-    free: Mutex<(Vec<Vec<StagingBlock>>, usize)>,
+    free: Mutex<Cache>,
 }
 
 impl Staging {
@@ -37,42 +65,77 @@ impl Staging {
         bytes.max(MIN_BLOCK).next_power_of_two()
     }
 
-    /// A cached block of at least `bytes`, or `None`.
-    pub(crate) fn take(&self, bytes: usize) -> Option<StagingBlock> {
-        let class = Self::block_size(bytes).trailing_zeros() as usize;
+    /// A cached (or retired) block of `bytes`' size class, or `None`; and every other retired
+    /// block, for the caller to free.
+    fn take(&self, bytes: usize) -> (Option<StagingBlock>, Vec<StagingBlock>) {
+        let size = Self::block_size(bytes);
+        let class = size.trailing_zeros() as usize;
         let mut free = self.free.lock();
-        let block = free.0.get_mut(class)?.pop()?;
-        free.1 -= block.size;
-        Some(block)
+        let mut retired = std::mem::take(&mut free.retired);
+        if let Some(block) = free.classes.get_mut(class).and_then(Vec::pop) {
+            free.bytes -= block.size;
+            return (Some(block), retired);
+        }
+        let reuse = retired
+            .iter()
+            .position(|b| b.size == size)
+            .map(|at| retired.swap_remove(at));
+        (reuse, retired)
     }
 
-    /// Keeps `block` for reuse, or hands it back to be freed if the cache is full.
-    pub(crate) fn put(&self, block: StagingBlock) -> Option<StagingBlock> {
+    /// Keeps `block` for reuse; hands it back if the cache is full.
+    fn put(&self, block: StagingBlock) -> Option<StagingBlock> {
         let mut free = self.free.lock();
-        if free.1 + block.size > MAX_CACHED {
+        Self::cache(&mut free, block)
+    }
+
+    /// Keeps `block` for reuse, or retires it if the cache is full. Never frees: for the
+    /// reactor thread.
+    fn put_or_retire(&self, block: StagingBlock) {
+        let mut free = self.free.lock();
+        if let Some(block) = Self::cache(&mut free, block) {
+            free.retired.push(block);
+        }
+    }
+
+    fn cache(free: &mut Cache, block: StagingBlock) -> Option<StagingBlock> {
+        if free.bytes + block.size > MAX_CACHED {
             return Some(block);
         }
         let class = block.size.trailing_zeros() as usize;
-        if free.0.len() <= class {
-            free.0.resize_with(class + 1, Vec::new);
+        if free.classes.len() <= class {
+            free.classes.resize_with(class + 1, Vec::new);
         }
-        free.1 += block.size;
-        free.0[class].push(block);
+        free.bytes += block.size;
+        free.classes[class].push(block);
         None
     }
 
-    /// Every cached block, for freeing when the device goes away.
+    /// Every cached and retired block, for freeing when the device goes away.
     pub(crate) fn drain(&self) -> Vec<StagingBlock> {
         let mut free = self.free.lock();
-        free.1 = 0;
-        free.0.drain(..).flatten().collect()
+        free.bytes = 0;
+        let mut blocks: Vec<StagingBlock> = free.classes.drain(..).flatten().collect();
+        blocks.append(&mut free.retired);
+        blocks
     }
 }
 
+/// True on a device's completion reactor thread (named `sa-reactor-N`), where no blocking driver
+/// call may run.
+fn on_reactor_thread() -> bool {
+    std::thread::current()
+        .name()
+        .is_some_and(|name| name.starts_with("sa-reactor-"))
+}
+
 impl super::Device {
-    /// A pinned block of at least `bytes` for staging a copy: from the cache, else new.
+    /// A pinned block of at least `bytes` for staging a copy: from the cache, else new. Frees
+    /// the blocks the reactor retired meanwhile (this runs on a user's thread).
     pub(crate) fn staging_block(&self, bytes: usize) -> Result<StagingBlock> {
-        if let Some(block) = self.inner.staging.take(bytes) {
+        let (block, retired) = self.inner.staging.take(bytes);
+        self.free_staging(retired);
+        if let Some(block) = block {
             return Ok(block);
         }
         let size = Staging::block_size(bytes);
@@ -82,19 +145,50 @@ impl super::Device {
         })
     }
 
-    /// Gives a block back at once: the caller knows no queued copy uses it any more.
+    /// Gives a block back at once: the caller knows no queued copy uses it any more. Frees it
+    /// if the cache is full, so it must not run on the reactor thread.
     pub(crate) fn return_staging(&self, block: StagingBlock) {
         if let Some(block) = self.inner.staging.put(block) {
-            // SAFETY: the block came from `malloc_host` of this device and nothing uses it.
-            if let Err(e) = unsafe { self.free_host(block.ptr) } {
-                tracing::warn!(error = %e, "could not free a staging block");
-            }
+            self.free_staging([block]);
         }
     }
 
     /// Gives a block back once `event` completes (the copy that used it is queued before it).
+    /// The callback runs on the reactor thread: it caches or retires the block, never frees it.
     pub(crate) fn return_staging_after(&self, block: StagingBlock, event: &crate::Event) {
         let device = self.clone();
-        event.on_complete(Box::new(move |_| device.return_staging(block)));
+        event.on_complete(Box::new(move |_| device.inner.staging.put_or_retire(block)));
+    }
+
+    /// Gives a block back whose copy on `stream` may be queued but has no event after it (the
+    /// record failed): behind a new event of `stream`, which the copy precedes. If that cannot
+    /// be recorded either, the block is leaked (logged): reusing it could let the copy write
+    /// into the next user's data.
+    pub(crate) fn return_staging_after_queued(&self, block: StagingBlock, stream: &Stream) {
+        match stream.record() {
+            Ok(event) => self.return_staging_after(block, &event),
+            Err(e) => tracing::error!(
+                error = %e,
+                bytes = block.size,
+                "could not fence a staging block behind its copy; it is leaked"
+            ),
+        }
+    }
+
+    /// Frees staging blocks (`cuMemFreeHost`, which may wait for the device): never on the
+    /// reactor thread.
+    fn free_staging(&self, blocks: impl IntoIterator<Item = StagingBlock>) {
+        for block in blocks {
+            debug_assert!(
+                !on_reactor_thread(),
+                "a staging block freed on the reactor thread"
+            );
+            // SAFETY: the block came from `malloc_host` of this device, was cached or retired
+            // (so the copy that used it completed) and has just left the cache: nothing uses
+            // it and it is freed once.
+            if let Err(e) = unsafe { self.free_host(block.ptr) } {
+                tracing::warn!(error = %e, "could not free a staging block");
+            }
+        }
     }
 }

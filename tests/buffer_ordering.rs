@@ -1,0 +1,330 @@
+//! Issue 19's buffer findings: frees ordered after every stream that used the memory, and the
+//! staging blocks of host copies, on the error paths too (simulated device, fault injection).
+
+mod common;
+
+use std::future::Future;
+use std::sync::Arc;
+use std::task::Context;
+use std::time::Duration;
+
+use common::{eventually, runtime};
+use streamalloc::resource::cuda::CudaResource;
+use streamalloc::resource::pool::{PoolOptions, PoolResource};
+use streamalloc::{Device, DeviceBuffer, DeviceVec, Error, FaultKind, Faults, SimConfig};
+
+const MIB: usize = 1 << 20;
+
+fn sim() -> (Device, Faults) {
+    let faults = Faults::new();
+    let device = Device::simulated(SimConfig {
+        faults: faults.clone(),
+        ..SimConfig::default()
+    });
+    (device, faults)
+}
+
+/// A pool that starts empty, so that each allocation grows a chunk that `trim` can give back.
+fn pool(device: &Device) -> Arc<PoolResource<CudaResource>> {
+    Arc::new(
+        PoolResource::new(
+            CudaResource::new(device),
+            PoolOptions {
+                initial: 0,
+                maximum: Some(64 * MIB),
+            },
+        )
+        .unwrap(),
+    )
+}
+
+fn all_back(p: &PoolResource<CudaResource>) -> bool {
+    let s = p.stats();
+    s.free == s.reserved
+}
+
+/// Polls `fut` once, then drops it.
+fn poll_once_and_drop<F: Future>(fut: F) {
+    let mut fut = std::pin::pin!(fut);
+    let waker = futures::task::noop_waker();
+    let _ = fut.as_mut().poll(&mut Context::from_waker(&waker));
+}
+
+/// Issue 19, finding 1: `DeviceVec::to_host(&self, b)` queues a copy on `b`; the vector's free
+/// (on its own stream) must wait for it even when the future is dropped before the copy ran.
+/// Before the fix the free went back to the pool at once, `trim` returned the chunk upstream,
+/// and `b`'s copy read freed memory (`InvalidAddress` from `b`).
+#[test]
+fn a_dropped_copy_on_another_stream_holds_the_free() {
+    let (device, _) = sim();
+    let p = pool(&device);
+    let a = device.create_stream().unwrap();
+    let b = device.create_stream().unwrap();
+    let v = DeviceVec::from_host(&p, &vec![5u32; 1 << 16], &a).unwrap(); // 256 KiB
+    b.spin(Duration::from_millis(300)).unwrap();
+    poll_once_and_drop(v.to_host(&b));
+    drop(v);
+    p.trim_blocking().unwrap();
+    b.synchronize_blocking()
+        .expect("b's copy ran on memory that was freed under it");
+    a.synchronize_blocking().unwrap();
+    assert!(
+        eventually(Duration::from_secs(10), || all_back(&p)),
+        "{:?}",
+        p.stats()
+    );
+    p.trim_blocking().unwrap();
+    assert_eq!(p.stats().reserved, 0, "{:?}", p.stats());
+}
+
+/// The same with a future that failed after its copy was queued (the event after the copy could
+/// not be recorded): the copy still runs, so the free must still wait for it.
+#[test]
+fn a_failed_copy_on_another_stream_holds_the_free() {
+    let (device, faults) = sim();
+    let rt = runtime();
+    let p = pool(&device);
+    let a = device.create_stream().unwrap();
+    let b = device.create_stream().unwrap();
+    let v = DeviceVec::from_host(&p, &vec![5u32; 1 << 16], &a).unwrap();
+    b.spin(Duration::from_millis(300)).unwrap();
+    // Record #1 orders `b` after `a`; #2 is the event after the copy on `b`.
+    faults.fail_nth(FaultKind::Record, 2);
+    let err = rt.block_on(v.to_host(&b)).unwrap_err();
+    assert!(matches!(err, Error::Driver { .. }), "{err:?}");
+    assert_eq!(faults.injected(FaultKind::Record), 1);
+    drop(v);
+    p.trim_blocking().unwrap();
+    b.synchronize_blocking()
+        .expect("b's copy ran on memory that was freed under it");
+    assert!(
+        eventually(Duration::from_secs(10), || all_back(&p)),
+        "{:?}",
+        p.stats()
+    );
+}
+
+/// And with a future that completed: nothing is pending, the free is immediate and the memory
+/// comes back.
+#[test]
+fn a_completed_copy_on_another_stream_frees_normally() {
+    let (device, _) = sim();
+    let rt = runtime();
+    let p = pool(&device);
+    let a = device.create_stream().unwrap();
+    let b = device.create_stream().unwrap();
+    let v = DeviceVec::from_host(&p, &[1u16, 2, 3], &a).unwrap();
+    assert_eq!(rt.block_on(v.to_host(&b)).unwrap(), [1, 2, 3]);
+    drop(v);
+    a.synchronize_blocking().unwrap();
+    b.synchronize_blocking().unwrap();
+    assert!(
+        eventually(Duration::from_secs(10), || all_back(&p)),
+        "{:?}",
+        p.stats()
+    );
+}
+
+/// A buffer used on a busy stream `b` (a fill queued behind a spin), given up with
+/// `into_raw_parts` while a fault makes the ordering fail.
+fn into_raw_parts_with_fault(kind: FaultKind) {
+    let (device, faults) = sim();
+    let p = pool(&device);
+    let a = device.create_stream().unwrap();
+    let b = device.create_stream().unwrap();
+    let mut buf = DeviceBuffer::new(&p, 256 * 1024, &a).unwrap();
+    buf.record_stream(&b).unwrap();
+    b.spin(Duration::from_millis(300)).unwrap();
+    // SAFETY: 64 Ki words of live memory; `b` is recorded on the buffer, so its free waits.
+    unsafe { b.fill_u32(buf.as_ptr(), 7, 1 << 16) }.unwrap();
+    faults.fail_next(kind);
+    let err = buf.into_raw_parts().unwrap_err();
+    assert!(matches!(err, Error::Driver { .. }), "{kind:?}: {err:?}");
+    assert_eq!(faults.injected(kind), 1);
+    // The buffer is gone (freed as a drop frees it): the free must still wait for `b`.
+    p.trim_blocking().unwrap();
+    b.synchronize_blocking()
+        .unwrap_or_else(|e| panic!("{kind:?}: b's fill ran on freed memory: {e}"));
+    assert!(
+        eventually(Duration::from_secs(10), || all_back(&p)),
+        "{kind:?}: memory lost: {:?}",
+        p.stats()
+    );
+    p.trim_blocking().unwrap();
+    assert_eq!(p.stats().reserved, 0, "{kind:?}: {:?}", p.stats());
+}
+
+/// Issue 19: `into_raw_parts` took the other streams out before a record/wait that can fail,
+/// then freed at once on its own stream: `b`'s fill hit memory trimmed upstream.
+#[test]
+fn into_raw_parts_keeps_stream_order_when_record_fails() {
+    into_raw_parts_with_fault(FaultKind::Record);
+}
+
+/// As above, with the GPU-side wait failing.
+#[test]
+fn into_raw_parts_keeps_stream_order_when_wait_fails() {
+    into_raw_parts_with_fault(FaultKind::Wait);
+}
+
+/// `into_raw_parts` without faults: the parts come back with every other use ordered before
+/// their stream, and freeing them there is safe.
+#[test]
+fn into_raw_parts_orders_other_streams_before_its_stream() {
+    let (device, _) = sim();
+    let p = pool(&device);
+    let a = device.create_stream().unwrap();
+    let b = device.create_stream().unwrap();
+    let mut buf = DeviceBuffer::new(&p, 4096, &a).unwrap();
+    buf.record_stream(&b).unwrap();
+    b.spin(Duration::from_millis(50)).unwrap();
+    // SAFETY: 1 Ki words of live memory, `b` recorded on the buffer.
+    unsafe { b.fill_u32(buf.as_ptr(), 3, 1024) }.unwrap();
+    let (ptr, len, resource, stream) = buf.into_raw_parts().unwrap();
+    assert_eq!((len, stream.id()), (4096, a.id()));
+    // SAFETY: the parts of a buffer, taken back whole.
+    let buf = unsafe { DeviceBuffer::from_raw_parts(ptr, len, resource, &stream) };
+    let rt = runtime();
+    let host = rt.block_on(buf.to_host()).unwrap();
+    assert!(host.chunks(4).all(|w| w == 3u32.to_ne_bytes()));
+    drop(buf);
+    assert!(
+        eventually(Duration::from_secs(10), || all_back(&p)),
+        "{:?}",
+        p.stats()
+    );
+}
+
+/// Issue 19: a copy to the host whose event could not be recorded gave its staging block back
+/// to the cache while the copy into it was still queued; the next copy from the host staged its
+/// data in the same block, and the late copy overwrote it (the second vector read back the
+/// first one's data).
+#[test]
+fn a_failed_record_after_a_copy_out_keeps_its_staging_block() {
+    let (device, faults) = sim();
+    let rt = runtime();
+    let p = pool(&device);
+    let s = device.create_stream().unwrap();
+    let v = DeviceVec::from_host(&p, &vec![3u32; 1 << 16], &s).unwrap();
+    s.synchronize_blocking().unwrap();
+    s.spin(Duration::from_millis(200)).unwrap();
+    faults.fail_next(FaultKind::Record);
+    let err = rt.block_on(v.to_host(&s)).unwrap_err();
+    assert!(matches!(err, Error::Driver { .. }), "{err:?}");
+    // Queued on `s` behind that copy: staged through a block of the same size.
+    let w = DeviceVec::from_host(&p, &vec![9u32; 1 << 16], &s).unwrap();
+    assert!(
+        rt.block_on(w.to_host(&s)).unwrap().iter().all(|&x| x == 9),
+        "the staging block was reused while a copy into it was queued"
+    );
+    assert!(rt.block_on(v.to_host(&s)).unwrap().iter().all(|&x| x == 3));
+}
+
+/// As above, with every record failing: the block cannot be given back safely and is kept out
+/// of the cache (leaked); later copies still see their own data.
+#[test]
+fn a_copy_out_that_cannot_be_fenced_never_recycles_its_block() {
+    let (device, faults) = sim();
+    let rt = runtime();
+    let p = pool(&device);
+    let s = device.create_stream().unwrap();
+    let v = DeviceVec::from_host(&p, &vec![3u32; 1 << 16], &s).unwrap();
+    s.synchronize_blocking().unwrap();
+    s.spin(Duration::from_millis(200)).unwrap();
+    faults.fail_always(FaultKind::Record);
+    assert!(rt.block_on(v.to_host(&s)).is_err());
+    faults.clear();
+    let w = DeviceVec::from_host(&p, &vec![9u32; 1 << 16], &s).unwrap();
+    assert!(rt.block_on(w.to_host(&s)).unwrap().iter().all(|&x| x == 9));
+}
+
+/// The same for a copy *to* the device whose event could not be recorded: its block must not be
+/// reused while the copy out of it is still queued.
+#[test]
+fn a_failed_record_after_a_copy_in_keeps_its_staging_block() {
+    let (device, faults) = sim();
+    let rt = runtime();
+    let p = pool(&device);
+    let s = device.create_stream().unwrap();
+    let mut v = DeviceVec::<u32>::new(&p, 1 << 16, &s).unwrap();
+    s.spin(Duration::from_millis(200)).unwrap();
+    faults.fail_next(FaultKind::Record);
+    assert!(v.copy_from_host(&vec![3u32; 1 << 16]).is_err());
+    // The copy was queued; it carries 3s whatever happens next to its block.
+    let w = DeviceVec::from_host(&p, &vec![9u32; 1 << 16], &s).unwrap();
+    assert!(rt.block_on(v.to_host(&s)).unwrap().iter().all(|&x| x == 3));
+    assert!(rt.block_on(w.to_host(&s)).unwrap().iter().all(|&x| x == 9));
+}
+
+/// Issue 19: a staging block returned when the device's cache (64 MiB) is full was freed with
+/// `cuMemFreeHost` from the completion callback, on the reactor thread. Every host free is
+/// made to fail here, so each attempt is counted: none may happen while only the reactor has
+/// run, and the next copy on a host thread frees the block.
+#[test]
+fn staging_blocks_over_the_cache_are_freed_off_the_reactor() {
+    let (device, faults) = sim();
+    let p = Arc::new(
+        PoolResource::new(
+            CudaResource::new(&device),
+            PoolOptions {
+                initial: 0,
+                maximum: Some(128 * MIB),
+            },
+        )
+        .unwrap(),
+    );
+    let s = device.create_stream().unwrap();
+    let mut big = DeviceBuffer::new(&p, 64 * MIB, &s).unwrap();
+    let mut small = DeviceBuffer::new(&p, 4096, &s).unwrap();
+    let mut other = DeviceBuffer::new(&p, 8192, &s).unwrap();
+    let idle = device.handle_count();
+    s.spin(Duration::from_millis(100)).unwrap();
+    // Two blocks in flight at once: 64 MiB fills the cache, the 4 KiB one is over it.
+    big.copy_from_host(&vec![1u8; 64 * MIB]).unwrap();
+    small.copy_from_host(&[2u8; 4096]).unwrap();
+    faults.fail_always(FaultKind::HostFree);
+    // Nobody awaits the copies' events: only the reactor sees them complete and runs the
+    // callbacks that give the blocks back (each holds a device handle until it has run).
+    assert!(
+        eventually(Duration::from_secs(10), || device.handle_count() == idle),
+        "the staging callbacks never ran"
+    );
+    assert_eq!(
+        faults.injected(FaultKind::HostFree),
+        0,
+        "a staging block was freed on the reactor thread"
+    );
+    // The next staging call on a host thread frees it (a 8 KiB block: another size class).
+    other.copy_from_host(&[3u8; 8192]).unwrap();
+    assert_eq!(faults.injected(FaultKind::HostFree), 1);
+    faults.clear();
+    s.synchronize_blocking().unwrap();
+}
+
+/// Every API that queues work on a stream other than the memory's own: the copy onto another
+/// stream (`try_clone_to`, issue 20's API) reads the source on the target stream, so the
+/// source's free waits for it. With the target stream busy, the source dropped and its pool
+/// trimmed at once, the copy must still read live memory and get the source's bytes.
+#[test]
+fn a_copy_onto_a_busy_stream_holds_the_source_free() {
+    let (device, _) = sim();
+    let rt = runtime();
+    let src_pool = pool(&device);
+    let dst_pool = pool(&device);
+    let a = device.create_stream().unwrap();
+    let b = device.create_stream().unwrap();
+    let v = DeviceVec::from_host(&src_pool, &vec![6u32; 1 << 16], &a).unwrap();
+    let mut buf = DeviceBuffer::new(&src_pool, 4096, &a).unwrap();
+    buf.memset(4).unwrap();
+    b.spin(Duration::from_millis(300)).unwrap();
+    let w = v.try_clone_to(&dst_pool, &b).unwrap();
+    let c = buf.try_clone_to(&dst_pool, &b).unwrap();
+    drop((v, buf));
+    a.synchronize_blocking().unwrap();
+    src_pool.trim_blocking().unwrap();
+    b.synchronize_blocking()
+        .expect("b's copy ran on memory that was freed under it");
+    assert!(rt.block_on(w.to_host(&b)).unwrap().iter().all(|&x| x == 6));
+    assert!(rt.block_on(c.to_host()).unwrap().iter().all(|&x| x == 4));
+    assert!(eventually(Duration::from_secs(10), || all_back(&src_pool)));
+}
