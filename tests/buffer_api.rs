@@ -25,6 +25,7 @@ fn pool_with(device: &Device, initial: usize, maximum: usize) -> Arc<PoolResourc
             PoolOptions {
                 initial,
                 maximum: Some(maximum),
+                ..PoolOptions::default()
             },
         )
         .unwrap(),

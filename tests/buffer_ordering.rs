@@ -32,6 +32,7 @@ fn pool(device: &Device) -> Arc<PoolResource<CudaResource>> {
             PoolOptions {
                 initial: 0,
                 maximum: Some(64 * MIB),
+                ..PoolOptions::default()
             },
         )
         .unwrap(),
@@ -269,6 +270,7 @@ fn staging_blocks_over_the_cache_are_freed_off_the_reactor() {
             PoolOptions {
                 initial: 0,
                 maximum: Some(128 * MIB),
+                ..PoolOptions::default()
             },
         )
         .unwrap(),
