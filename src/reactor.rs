@@ -207,11 +207,55 @@ const FIRST_SLEEP: Duration = Duration::from_micros(20);
 fn run(shared: Arc<Shared>, mut doorbells: impl Doorbells) {
     *shared.bell.thread.lock() = Some(thread::current());
     doorbells.start();
-    let (spin, max_sleep) = (doorbells.spin(), doorbells.max_sleep());
-    let mut queues: BTreeMap<u64, StreamQueue> = BTreeMap::new();
-    let mut hot_since: Option<Instant> = None;
-    let mut sleep = FIRST_SLEEP;
+    let mut state = Loop {
+        spin: doorbells.spin(),
+        max_sleep: doorbells.max_sleep(),
+        doorbells,
+        queues: BTreeMap::new(),
+        hot_since: None,
+        sleep: FIRST_SLEEP,
+    };
     loop {
+        // Wakers and callbacks are guarded one by one (`Completion::complete`); this catches
+        // anything else, so that the thread, and with it every pending wakeup and deferred free
+        // of the device, outlives a panic. The queues stay as they were: an event the panic
+        // interrupted is polled again on the next turn.
+        match crate::completion::catch_unwind(|| state.turn(&shared)) {
+            Ok(Turn::Again) => {}
+            Ok(Turn::Exit) => return,
+            Err(payload) => {
+                tracing::error!(
+                    panic = crate::completion::panic_message(&*payload),
+                    thread = std::thread::current().name().unwrap_or("<unnamed>"),
+                    "the completion reactor caught a panic in its loop and goes on"
+                );
+                // Should the same panic come back on every turn, this keeps it from spinning.
+                shared.bell.wait(Some(Duration::from_millis(1)));
+            }
+        }
+    }
+}
+
+/// What the loop does after a turn.
+enum Turn {
+    Again,
+    Exit,
+}
+
+/// The reactor thread's state between turns of its loop.
+struct Loop<D> {
+    doorbells: D,
+    spin: Duration,
+    max_sleep: Option<Duration>,
+    queues: BTreeMap<u64, StreamQueue>,
+    hot_since: Option<Instant>,
+    sleep: Duration,
+}
+
+impl<D: Doorbells> Loop<D> {
+    /// Takes new registrations, completes what the device reports done, then spins, sleeps or
+    /// parks. `Exit` once shut down with nothing left to watch.
+    fn turn(&mut self, shared: &Shared) -> Turn {
         let (new, forget, shutdown) = {
             let mut inbox = shared.inbox.lock();
             (
@@ -222,44 +266,44 @@ fn run(shared: Arc<Shared>, mut doorbells: impl Doorbells) {
         };
         let registered = !new.is_empty();
         for event in new {
-            let queue = queues.entry(event.stream_id()).or_default();
+            let queue = self.queues.entry(event.stream_id()).or_default();
             let at = queue.events.partition_point(|e| e.seq() < event.seq());
             queue.events.insert(at, event);
         }
         for stream in forget {
-            doorbells.forget(stream);
+            self.doorbells.forget(stream);
         }
 
-        let progressed = poll_heads(&mut queues);
-        if queues.is_empty() {
+        let progressed = poll_heads(&mut self.queues);
+        if self.queues.is_empty() {
             if shutdown {
-                return;
+                return Turn::Exit;
             }
-            hot_since = None;
+            self.hot_since = None;
             shared.bell.wait(None);
-            continue;
+            return Turn::Again;
         }
         if progressed || registered {
-            sleep = FIRST_SLEEP;
+            self.sleep = FIRST_SLEEP;
             // Time is only read when spinning is on, so a loom model (spin zero) stays
             // deterministic.
-            hot_since = (spin > Duration::ZERO).then(Instant::now);
+            self.hot_since = (self.spin > Duration::ZERO).then(Instant::now);
         }
-        if let Some(since) = hot_since {
-            if since.elapsed() < spin {
+        if let Some(since) = self.hot_since {
+            if since.elapsed() < self.spin {
                 std::hint::spin_loop();
-                continue;
+                return Turn::Again;
             }
-            hot_since = None;
+            self.hot_since = None;
         } else if progressed {
-            continue;
+            return Turn::Again;
         }
 
         let mut all_armed = true;
-        for queue in queues.values_mut() {
+        for queue in self.queues.values_mut() {
             if let Some(head) = queue.events.front() {
                 if queue.armed != Some(head.seq()) {
-                    if doorbells.arm(&**head, &shared.bell) {
+                    if self.doorbells.arm(&**head, &shared.bell) {
                         queue.armed = Some(head.seq());
                     } else {
                         all_armed = false;
@@ -267,14 +311,15 @@ fn run(shared: Arc<Shared>, mut doorbells: impl Doorbells) {
                 }
             }
         }
-        match max_sleep {
+        match self.max_sleep {
             Some(cap) => {
-                shared.bell.wait(Some(sleep.min(cap)));
-                sleep = (sleep * 2).min(cap);
+                shared.bell.wait(Some(self.sleep.min(cap)));
+                self.sleep = (self.sleep * 2).min(cap);
             }
             None if all_armed => shared.bell.wait(None),
             None => shared.bell.wait(Some(Duration::from_millis(1))),
         }
+        Turn::Again
     }
 }
 
@@ -286,7 +331,8 @@ fn poll_heads(queues: &mut BTreeMap<u64, StreamQueue>) -> bool {
             if head.completion().result().is_none() {
                 match head.query() {
                     Some(result) => {
-                        head.completion().complete(result);
+                        head.completion()
+                            .complete_for(result, Some((head.stream_id(), head.seq())));
                     }
                     None => break,
                 }
