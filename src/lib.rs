@@ -44,6 +44,7 @@ mod completion;
 mod device;
 mod error;
 mod event;
+mod offload;
 mod reactor;
 pub mod resource;
 mod stream;

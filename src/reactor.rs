@@ -25,6 +25,7 @@ use std::time::{Duration, Instant};
 
 use crate::completion::Completion;
 use crate::error::Result;
+use crate::offload::Offload;
 use crate::sync::thread::{self, Thread};
 use crate::sync::{Arc, AtomicBool, Mutex, Ordering};
 
@@ -137,9 +138,12 @@ struct Shared {
     bell: Arc<Bell>,
 }
 
-/// The handle a device keeps. Dropping it stops the thread once nothing is left to watch.
+/// The handle a device keeps. Dropping it stops the thread once nothing is left to watch (and
+/// the blocking-work thread once its queue is empty).
 pub(crate) struct Reactor {
     shared: Arc<Shared>,
+    /// Blocking work handed off the reactor thread (see `offload.rs`).
+    offload: Offload,
 }
 
 impl std::fmt::Debug for Reactor {
@@ -159,11 +163,27 @@ impl Reactor {
             bell: Arc::new(Bell::new()),
         });
         let theirs = shared.clone();
+        // `sa-reactor-N` → `sa-blocking-N`: never a name that starts with `sa-reactor`.
+        let blocking = match name.strip_prefix("sa-reactor") {
+            Some(rest) => format!("sa-blocking{rest}"),
+            None => format!("sa-blocking ({name})"),
+        };
         thread::Builder::new()
             .name(name)
             .spawn(move || run(theirs, doorbells))
             .expect("streamalloc: the OS could not start the completion reactor thread");
-        Self { shared }
+        Self {
+            shared,
+            offload: Offload::new(blocking),
+        }
+    }
+
+    /// Runs `job` on the device's blocking-work thread, started on first use, after every job
+    /// handed over before it; never blocks on it. For blocking driver calls that work on the
+    /// reactor thread would otherwise make (`offload::run_blocking` decides). `what` names the
+    /// job in logs.
+    pub(crate) fn offload(&self, what: &'static str, job: crate::offload::Job) {
+        self.offload.run(what, job);
     }
 
     /// The bell a device rings when one of its streams reaches an event.
@@ -205,6 +225,7 @@ struct StreamQueue {
 const FIRST_SLEEP: Duration = Duration::from_micros(20);
 
 fn run(shared: Arc<Shared>, mut doorbells: impl Doorbells) {
+    crate::offload::mark_reactor_thread();
     *shared.bell.thread.lock() = Some(thread::current());
     doorbells.start();
     let mut state = Loop {

@@ -13,6 +13,7 @@ use std::time::Duration;
 
 use common::eventually;
 use streamalloc::resource::callback::CallbackResource;
+use streamalloc::resource::managed::ManagedResource;
 use streamalloc::{CudaResource, Device, DeviceBuffer, Event, SimConfig};
 
 /// A bound on waits that only a dead or stuck reactor exceeds.
@@ -209,4 +210,55 @@ fn a_panicking_waker_does_not_kill_the_reactor() {
         "the log does not say what panicked: {}",
         logged[0]
     );
+}
+
+// ===== blocking driver calls off the reactor =====
+
+/// Deferred frees into `CudaResource` and `ManagedResource` (`cuMemFree`, which on a GPU waits
+/// until the device is idle) do not run on the reactor thread, and none is lost: the device's
+/// free memory and the managed resource's count come back.
+#[test]
+fn deferred_driver_frees_run_off_the_reactor() {
+    logs();
+    let device = Device::simulated(SimConfig::default());
+    let cuda = Arc::new(CudaResource::new(&device));
+    let managed = Arc::new(ManagedResource::new(&device));
+    let (s, busy) = (
+        device.create_stream().unwrap(),
+        device.create_stream().unwrap(),
+    );
+    let free_before = device.free_memory().unwrap();
+    busy.spin(Duration::from_millis(50)).unwrap();
+    // Sizes no other test here frees, to find these frees' log lines.
+    let (cuda_bytes, managed_bytes) = ((3 << 20) + 256, (5 << 20) + 256);
+    let mut a = DeviceBuffer::new(&cuda, cuda_bytes, &s).unwrap();
+    let mut b = DeviceBuffer::new(&managed, managed_bytes, &s).unwrap();
+    a.record_stream(&busy).unwrap();
+    b.record_stream(&busy).unwrap();
+    let freed = [(a.as_ptr(), cuda_bytes), (b.as_ptr(), managed_bytes)];
+    drop((a, b)); // both frees wait for `busy`, then run from the reactor's callbacks
+
+    assert!(
+        eventually(HANG, || device.free_memory().unwrap() == free_before),
+        "a deferred driver free was lost"
+    );
+    assert!(
+        eventually(HANG, || managed.outstanding_bytes() == 0),
+        "ManagedResource still counts {} bytes",
+        managed.outstanding_bytes()
+    );
+    for (ptr, bytes) in freed {
+        let lines = lines_with(&["cuMemFree", &format!("ptr={ptr:?} bytes={bytes}")]);
+        assert_eq!(lines.len(), 1, "one cuMemFree of {ptr:?}: {lines:?}");
+        assert!(
+            !lines[0].contains(" sa-reactor-"),
+            "cuMemFree ran on the reactor thread: {}",
+            lines[0]
+        );
+        assert!(
+            lines[0].contains(" sa-blocking-"),
+            "cuMemFree did not run on the device's blocking-work thread: {}",
+            lines[0]
+        );
+    }
 }
