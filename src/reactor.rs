@@ -4,7 +4,24 @@
 //! in one queue per stream, ordered by record sequence: events of one stream complete in order,
 //! so it only asks the device about each queue's head. When a head completes it wakes the
 //! waiters and runs the callbacks ([`Completion::complete`]) on this thread, never in a driver
-//! callback.
+//! callback. The order by sequence number is only right if the numbers follow the order in
+//! which the records reach the GPU: `Stream::record` takes its number under the same lock as
+//! the driver's record.
+//!
+//! # What runs on this thread, and what must not
+//! (The user's side of this is in the crate docs, "The completion reactor thread".)
+//! - Wakers and callbacks: other people's code. Each runs under `catch_unwind`
+//!   ([`Completion::complete`]); a panic is logged at error level with what ran and the event,
+//!   and the rest run. Each turn of the loop is guarded as well (`run`), so no panic ends the
+//!   thread while wakeups or deferred frees are pending.
+//! - Nothing that blocks: every wakeup of the device waits for it. A callback whose work is a
+//!   blocking driver call (`cuMemFree` of a deferred free into `CudaResource` or
+//!   `ManagedResource`) hands it to the device's blocking-work thread: [`Reactor::offload`],
+//!   through `offload::run_blocking`, which knows this thread by a thread-local mark set in
+//!   `run`. What the reactor itself calls is non-blocking: `cuEventQuery`, and for doorbells
+//!   `cuStreamWaitEvent` and `cuLaunchHostFunc` on watcher streams.
+//! - In a driver callback (the doorbell's host function): only the bell's atomic swap and
+//!   unpark; no CUDA call, and nothing dropped whose Drop could make one.
 //!
 //! How it waits, and why (figures in `benches/results/doorbell_probe.h200.txt`): on the H200 we
 //! measured, every way the driver has to wake a sleeping thread (a host function, a
