@@ -625,7 +625,9 @@ fn loom_false_positive_unpark_in_lock() {
 
 /// A copy of src/reactor.rs's `Bell`, `Reactor`, `run` and `poll_heads`, cut down to what the
 /// simulated device uses (no spin, no timed sleeps, nothing to arm, no `forget_stream`), with
-/// the two loom workarounds and the planted bugs as switches.
+/// the two loom workarounds and the planted bugs as switches. (src splits the loop body into
+/// `Loop::turn`, run under `catch_unwind`, which is the identity under loom, and its `Reactor`
+/// also owns the blocking-work queue; the steps of a turn are the same as here.)
 mod mirror {
     use std::collections::{BTreeMap, VecDeque};
 
