@@ -102,12 +102,26 @@ fn woken_in_time(mut event: Event) -> bool {
 }
 
 /// A waker whose `wake` panics.
-struct PanickingWaker(&'static str);
+struct PanickingWaker(String);
 
 impl Wake for PanickingWaker {
     fn wake(self: Arc<Self>) {
         panic!("{}", self.0);
     }
+}
+
+/// Runs `attempt` with a busy stream's spin of 200 ms, then twice as long each time, until it
+/// returns true: the attempt got its work queued before the GPU reached it, so the path under
+/// test (the reactor's) was taken. On a slow machine the GPU may get there first and the work
+/// runs on the test's thread instead, which proves nothing: then try again with a longer spin.
+/// An attempt's own assertions hold whichever way it went.
+fn with_growing_spin(mut attempt: impl FnMut(u32, Duration) -> bool) {
+    for n in 0..6 {
+        if attempt(n, Duration::from_millis(200 << n)) {
+            return;
+        }
+    }
+    panic!("in six attempts the GPU always reached the event before the test could queue its work");
 }
 
 // ===== panics on the reactor thread =====
@@ -118,49 +132,54 @@ impl Wake for PanickingWaker {
 #[test]
 fn a_panicking_deferred_free_does_not_kill_the_reactor() {
     logs();
-    let device = Device::simulated(SimConfig::default());
-    let d = device.clone();
-    const PANIC: &str = "test deallocate panics (reactor_faults: deferred free)";
-    let panicking = Arc::new(CallbackResource::new(
-        &device,
-        move |bytes, _| d.malloc(bytes),
-        |_, _, _| panic!("{PANIC}"),
-    ));
-    let good = Arc::new(CudaResource::new(&device));
-    let (s, busy) = (
-        device.create_stream().unwrap(),
-        device.create_stream().unwrap(),
-    );
-    busy.spin(Duration::from_millis(50)).unwrap();
+    with_growing_spin(|n, spin| {
+        let device = Device::simulated(SimConfig::default());
+        let d = device.clone();
+        let message = format!("test deallocate panics (reactor_faults: deferred free, try {n})");
+        let panicked = message.clone();
+        let panicking = Arc::new(CallbackResource::new(
+            &device,
+            move |bytes, _| d.malloc(bytes),
+            move |_, _, _| panic!("{panicked}"),
+        ));
+        let good = Arc::new(CudaResource::new(&device));
+        let (s, busy) = (
+            device.create_stream().unwrap(),
+            device.create_stream().unwrap(),
+        );
+        busy.spin(spin).unwrap();
 
-    let mut doomed = DeviceBuffer::new(&panicking, 4096, &s).unwrap();
-    doomed.record_stream(&busy).unwrap();
-    drop(doomed); // its free waits for `busy`, then panics on the reactor thread
-    let free_before = device.free_memory().unwrap();
-    let mut kept = DeviceBuffer::new(&good, 1 << 20, &s).unwrap();
-    kept.record_stream(&busy).unwrap();
-    drop(kept); // a second deferred free, right behind the panicking one
+        let mut doomed = DeviceBuffer::new(&panicking, 4096, &s).unwrap();
+        doomed.record_stream(&busy).unwrap();
+        drop(doomed); // its free waits for `busy`, then panics on the reactor thread
+        let free_before = device.free_memory().unwrap();
+        let mut kept = DeviceBuffer::new(&good, 1 << 20, &s).unwrap();
+        kept.record_stream(&busy).unwrap();
+        drop(kept); // a second deferred free, right behind the panicking one
 
-    busy.spin(Duration::from_millis(100)).unwrap();
-    let later = busy.record().unwrap();
-    assert!(
-        woken_in_time(later),
-        "an event 100 ms after the panic never woke its task: the reactor died"
-    );
-    assert!(
-        eventually(HANG, || device.free_memory().unwrap() == free_before),
-        "the deferred free behind the panicking one was lost"
-    );
-    let logged = lines_with(&["ERROR", PANIC]);
-    assert!(
-        !logged.is_empty(),
-        "the panic was not logged at error level"
-    );
-    assert!(
-        logged[0].contains("callback"),
-        "the log does not say what panicked: {}",
-        logged[0]
-    );
+        busy.spin(Duration::from_millis(100)).unwrap();
+        let later = busy.record().unwrap();
+        assert!(
+            woken_in_time(later),
+            "an event 100 ms after the panic never woke its task: the reactor died"
+        );
+        assert!(
+            eventually(HANG, || device.free_memory().unwrap() == free_before),
+            "the deferred free behind the panicking one was lost"
+        );
+        let logged = lines_with(&["ERROR", &message]);
+        assert_eq!(
+            logged.len(),
+            1,
+            "the panic was not logged at error level once: {logged:?}"
+        );
+        assert!(
+            logged[0].contains("callback"),
+            "the log does not say what panicked: {}",
+            logged[0]
+        );
+        logged[0].contains(" sa-reactor-")
+    });
 }
 
 /// A waker whose `wake` panics, registered before a good one on the same event: the good one
@@ -168,48 +187,52 @@ fn a_panicking_deferred_free_does_not_kill_the_reactor() {
 #[test]
 fn a_panicking_waker_does_not_kill_the_reactor() {
     logs();
-    let device = Device::simulated(SimConfig::default());
-    let busy = device.create_stream().unwrap();
-    busy.spin(Duration::from_millis(50)).unwrap();
-    let event = busy.record().unwrap();
+    with_growing_spin(|n, spin| {
+        let device = Device::simulated(SimConfig::default());
+        let busy = device.create_stream().unwrap();
+        busy.spin(spin).unwrap();
+        let event = busy.record().unwrap();
 
-    const PANIC: &str = "test waker panics (reactor_faults: waker)";
-    let mut polled = event.clone();
-    let waker = Waker::from(Arc::new(PanickingWaker(PANIC)));
-    assert!(
-        Pin::new(&mut polled)
+        let message = format!("test waker panics (reactor_faults: waker, try {n})");
+        let mut polled = event.clone();
+        let waker = Waker::from(Arc::new(PanickingWaker(message.clone())));
+        if Pin::new(&mut polled)
             .poll(&mut Context::from_waker(&waker))
-            .is_pending(),
-        "the event completed before the test could wait for it"
-    );
-    // A task awaiting the same event, registered after the panicking waker.
-    let mut other = event.clone();
-    let (other_waker, other_woken) = channel_waker();
-    assert!(Pin::new(&mut other)
-        .poll(&mut Context::from_waker(&other_waker))
-        .is_pending());
+            .is_ready()
+        {
+            return false; // the GPU got there first: nothing was registered
+        }
+        // A task awaiting the same event, registered after the panicking waker.
+        let mut other = event.clone();
+        let (other_waker, other_woken) = channel_waker();
+        let registered = Pin::new(&mut other)
+            .poll(&mut Context::from_waker(&other_waker))
+            .is_pending();
 
-    busy.spin(Duration::from_millis(100)).unwrap();
-    let later = busy.record().unwrap();
-    assert!(
-        woken_in_time(later),
-        "an event after the panicking waker never woke its task: the reactor died"
-    );
-    assert!(
-        other_woken.recv_timeout(HANG).is_ok(),
-        "the waker behind the panicking one was never woken"
-    );
-    drop(polled);
-    let logged = lines_with(&["ERROR", PANIC]);
-    assert!(
-        !logged.is_empty(),
-        "the panic was not logged at error level"
-    );
-    assert!(
-        logged[0].contains("wake"),
-        "the log does not say what panicked: {}",
-        logged[0]
-    );
+        busy.spin(Duration::from_millis(100)).unwrap();
+        let later = busy.record().unwrap();
+        assert!(
+            woken_in_time(later),
+            "an event after the panicking waker never woke its task: the reactor died"
+        );
+        assert!(
+            !registered || other_woken.recv_timeout(HANG).is_ok(),
+            "the waker behind the panicking one was never woken"
+        );
+        drop(polled);
+        let logged = lines_with(&["ERROR", &message]);
+        assert_eq!(
+            logged.len(),
+            1,
+            "the panic was not logged at error level once: {logged:?}"
+        );
+        assert!(
+            logged[0].contains("wake"),
+            "the log does not say what panicked: {}",
+            logged[0]
+        );
+        registered
+    });
 }
 
 // ===== blocking driver calls off the reactor =====
@@ -220,45 +243,47 @@ fn a_panicking_waker_does_not_kill_the_reactor() {
 #[test]
 fn deferred_driver_frees_run_off_the_reactor() {
     logs();
-    let device = Device::simulated(SimConfig::default());
-    let cuda = Arc::new(CudaResource::new(&device));
-    let managed = Arc::new(ManagedResource::new(&device));
-    let (s, busy) = (
-        device.create_stream().unwrap(),
-        device.create_stream().unwrap(),
-    );
-    let free_before = device.free_memory().unwrap();
-    busy.spin(Duration::from_millis(50)).unwrap();
-    // Sizes no other test here frees, to find these frees' log lines.
-    let (cuda_bytes, managed_bytes) = ((3 << 20) + 256, (5 << 20) + 256);
-    let mut a = DeviceBuffer::new(&cuda, cuda_bytes, &s).unwrap();
-    let mut b = DeviceBuffer::new(&managed, managed_bytes, &s).unwrap();
-    a.record_stream(&busy).unwrap();
-    b.record_stream(&busy).unwrap();
-    let freed = [(a.as_ptr(), cuda_bytes), (b.as_ptr(), managed_bytes)];
-    drop((a, b)); // both frees wait for `busy`, then run from the reactor's callbacks
+    with_growing_spin(|n, spin| {
+        let device = Device::simulated(SimConfig::default());
+        let cuda = Arc::new(CudaResource::new(&device));
+        let managed = Arc::new(ManagedResource::new(&device));
+        let (s, busy) = (
+            device.create_stream().unwrap(),
+            device.create_stream().unwrap(),
+        );
+        let free_before = device.free_memory().unwrap();
+        busy.spin(spin).unwrap();
+        // Sizes no other test or try frees, to find these frees' log lines.
+        let tag = 256 * (n as usize + 1);
+        let (cuda_bytes, managed_bytes) = ((3 << 20) + tag, (5 << 20) + tag);
+        let mut a = DeviceBuffer::new(&cuda, cuda_bytes, &s).unwrap();
+        let mut b = DeviceBuffer::new(&managed, managed_bytes, &s).unwrap();
+        a.record_stream(&busy).unwrap();
+        b.record_stream(&busy).unwrap();
+        let freed = [(a.as_ptr(), cuda_bytes), (b.as_ptr(), managed_bytes)];
+        drop((a, b)); // both frees wait for `busy`, then run from the reactor's callbacks
 
-    assert!(
-        eventually(HANG, || device.free_memory().unwrap() == free_before),
-        "a deferred driver free was lost"
-    );
-    assert!(
-        eventually(HANG, || managed.outstanding_bytes() == 0),
-        "ManagedResource still counts {} bytes",
-        managed.outstanding_bytes()
-    );
-    for (ptr, bytes) in freed {
-        let lines = lines_with(&["cuMemFree", &format!("ptr={ptr:?} bytes={bytes}")]);
-        assert_eq!(lines.len(), 1, "one cuMemFree of {ptr:?}: {lines:?}");
         assert!(
-            !lines[0].contains(" sa-reactor-"),
-            "cuMemFree ran on the reactor thread: {}",
-            lines[0]
+            eventually(HANG, || device.free_memory().unwrap() == free_before),
+            "a deferred driver free was lost"
         );
         assert!(
-            lines[0].contains(" sa-blocking-"),
-            "cuMemFree did not run on the device's blocking-work thread: {}",
-            lines[0]
+            eventually(HANG, || managed.outstanding_bytes() == 0),
+            "ManagedResource still counts {} bytes",
+            managed.outstanding_bytes()
         );
-    }
+        let mut off_reactor = true;
+        for (ptr, bytes) in freed {
+            let lines = lines_with(&["cuMemFree", &format!("ptr={ptr:?} bytes={bytes}")]);
+            assert_eq!(lines.len(), 1, "one cuMemFree of {ptr:?}: {lines:?}");
+            assert!(
+                !lines[0].contains(" sa-reactor-"),
+                "cuMemFree ran on the reactor thread: {}",
+                lines[0]
+            );
+            // Else it ran on this thread, at the drop: the GPU was already done.
+            off_reactor &= lines[0].contains(" sa-blocking-");
+        }
+        off_reactor
+    });
 }
