@@ -435,6 +435,45 @@ fn real_reactor_models() {
     each_publish(Some(3), |p| callback_then_shutdown::<Reactor>((), p));
 }
 
+/// The blocking-work queue (src/offload.rs), on the crate's `Offload`: two threads hand over
+/// jobs (the first one starts the worker thread) while the queue's owner is dropped, as a
+/// device goes away while its reactor still hands off frees. Every job runs exactly once
+/// (`MustRun`), one thread's jobs in the order given, and the worker exits (loom requires every
+/// thread to finish: a worker that misses the shutdown is a deadlock). Preemption bound 3.
+#[test]
+fn offload_jobs_vs_shutdown() {
+    use crate::offload::{Job, Offload};
+
+    fn job(after: Option<Arc<AtomicBool>>, done: Arc<AtomicBool>) -> Job {
+        let guard = MustRun {
+            ran: Arc::new(AtomicUsize::new(0)),
+        };
+        Box::new(move || {
+            if let Some(before) = after {
+                assert!(before.load(Ordering::SeqCst), "jobs out of order");
+            }
+            done.store(true, Ordering::SeqCst);
+            guard.ran.fetch_add(1, Ordering::SeqCst);
+        })
+    }
+
+    check(Some(3), || {
+        let offload = Arc::new(Offload::new("sa-blocking-loom".to_string()));
+        let other = {
+            let offload = offload.clone();
+            let late = job(None, Arc::new(AtomicBool::new(false)));
+            thread::spawn(move || offload.run("loom: the other thread's job", late))
+        };
+        let a_done = Arc::new(AtomicBool::new(false));
+        let a = job(None, a_done.clone());
+        let b = job(Some(a_done), Arc::new(AtomicBool::new(false)));
+        offload.run("loom: job a", a);
+        offload.run("loom: job b", b);
+        drop(offload);
+        other.join().unwrap();
+    });
+}
+
 // ---------------------------------------------------------------------------------------------
 // Planted bugs: the models against the mirror with one bug each. Each must fail; they are
 // ignored by default (`-- --ignored` runs them) and check how loom caught the bug.
@@ -586,7 +625,9 @@ fn loom_false_positive_unpark_in_lock() {
 
 /// A copy of src/reactor.rs's `Bell`, `Reactor`, `run` and `poll_heads`, cut down to what the
 /// simulated device uses (no spin, no timed sleeps, nothing to arm, no `forget_stream`), with
-/// the two loom workarounds and the planted bugs as switches.
+/// the two loom workarounds and the planted bugs as switches. (src splits the loop body into
+/// `Loop::turn`, run under `catch_unwind`, which is the identity under loom, and its `Reactor`
+/// also owns the blocking-work queue; the steps of a turn are the same as here.)
 mod mirror {
     use std::collections::{BTreeMap, VecDeque};
 

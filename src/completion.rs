@@ -6,6 +6,12 @@
 //! checks for a result under that same lock before it stores a waker. So a waker is either stored
 //! before the drain (and woken by it) or sees the result (and never waits). The loom model in
 //! `loom-tests/reactor.rs` checks this.
+//!
+//! Wakers and callbacks are other people's code (a runtime's waker, a free into a user's memory
+//! resource), run on whichever thread completes the event: usually the device's completion
+//! reactor. Each one runs under `catch_unwind`: a panic is logged (error level, with what ran
+//! and for which event) and the others still run, so one panic neither kills the reactor nor
+//! loses the wakeups and frees queued behind it.
 
 use std::task::Waker;
 
@@ -72,7 +78,18 @@ impl Completion {
 
     /// Records the result, wakes every waiting future and runs every callback, on this thread,
     /// outside the lock. Only the first call has an effect; it returns whether this was it.
+    ///
+    /// A waker or callback that panics is caught and logged; the rest still run (see the
+    /// module docs). (The crate calls [`complete_for`](Self::complete_for); the loom models
+    /// and the unit tests call this.)
+    #[cfg_attr(not(any(test, streamalloc_loom)), allow(dead_code))]
     pub(crate) fn complete(&self, result: Result<()>) -> bool {
+        self.complete_for(result, None)
+    }
+
+    /// [`complete`](Self::complete) for the event `(stream id, sequence number)`, which a
+    /// caught panic's log names.
+    pub(crate) fn complete_for(&self, result: Result<()>, event: Option<(u64, u64)>) -> bool {
         let (wakers, callbacks) = {
             let mut waiters = self.waiters.lock();
             if self.state.load(Ordering::Relaxed) != PENDING {
@@ -93,10 +110,10 @@ impl Completion {
             )
         };
         for waker in wakers.into_iter().flatten() {
-            waker.wake();
+            guarded(WAKER, event, || waker.wake());
         }
         for callback in callbacks {
-            callback(&result);
+            run_callback(callback, &result, event);
         }
         true
     }
@@ -170,5 +187,128 @@ impl Completion {
             .iter()
             .filter(|w| w.is_some())
             .count()
+    }
+}
+
+/// What a caught panic's log says ran: a task's waker.
+const WAKER: &str = "Waker::wake of a task awaiting the event";
+/// ... or a callback.
+const CALLBACK: &str =
+    "a callback run at the event's completion (a deferred free into a memory resource, or the \
+     return of a staging block)";
+
+/// Runs `callback` with `result`, catching and logging a panic (see the module docs). For
+/// callers that run a callback themselves (`Event::on_complete` on an event already complete).
+pub(crate) fn run_callback(callback: Callback, result: &Result<()>, event: Option<(u64, u64)>) {
+    guarded(CALLBACK, event, move || callback(result));
+}
+
+/// Runs `f`; a panic is caught and logged at error level with `what` ran, for which event, and
+/// on which thread.
+fn guarded(what: &'static str, event: Option<(u64, u64)>, f: impl FnOnce()) {
+    if let Err(payload) = catch_unwind(f) {
+        let (stream, seq) = event.unzip();
+        tracing::error!(
+            ran = what,
+            stream,
+            seq,
+            thread = std::thread::current().name().unwrap_or("<unnamed>"),
+            panic = panic_message(&*payload),
+            "a panic in a waker or callback was caught while completing an event; the event's \
+             other wakers and callbacks still run"
+        );
+    }
+}
+
+/// The message of a panic payload (`panic!` makes a `&str` or a `String`).
+pub(crate) fn panic_message(payload: &(dyn std::any::Any + Send)) -> &str {
+    payload
+        .downcast_ref::<&str>()
+        .copied()
+        .or_else(|| payload.downcast_ref::<String>().map(String::as_str))
+        .unwrap_or("<a panic payload that is not a string>")
+}
+
+/// `std::panic::catch_unwind`. Under loom it catches nothing: loom reports a failed model
+/// (an assertion, a causality violation, a deadlock) by panicking, and that panic must reach
+/// loom, not a log.
+#[cfg(not(streamalloc_loom))]
+pub(crate) fn catch_unwind<R>(
+    f: impl FnOnce() -> R,
+) -> std::result::Result<R, Box<dyn std::any::Any + Send>> {
+    // Unwind safety: what `f` touches is its own (a waker, a callback and what it captured) or
+    // state that is complete before `f` runs (the event's result); nothing of ours is left
+    // half-updated by a panic in it.
+    std::panic::catch_unwind(std::panic::AssertUnwindSafe(f))
+}
+
+/// `std::panic::catch_unwind`. Under loom it catches nothing: loom reports a failed model
+/// (an assertion, a causality violation, a deadlock) by panicking, and that panic must reach
+/// loom, not a log.
+#[cfg(streamalloc_loom)]
+pub(crate) fn catch_unwind<R>(
+    f: impl FnOnce() -> R,
+) -> std::result::Result<R, Box<dyn std::any::Any + Send>> {
+    Ok(f())
+}
+
+#[cfg(all(test, not(streamalloc_loom)))]
+mod tests {
+    use std::sync::atomic::{AtomicUsize, Ordering::SeqCst};
+    use std::sync::Arc;
+    use std::task::{Wake, Waker};
+
+    use super::*;
+
+    struct Counting(AtomicUsize);
+
+    impl Wake for Counting {
+        fn wake(self: Arc<Self>) {
+            self.0.fetch_add(1, SeqCst);
+        }
+    }
+
+    struct Panicking;
+
+    impl Wake for Panicking {
+        fn wake(self: Arc<Self>) {
+            panic!("a waker that panics (completion unit test)");
+        }
+    }
+
+    /// Wakers and callbacks that panic, each stored before a good one: `complete` returns, every
+    /// good one ran, and the result stands.
+    #[test]
+    fn panics_in_wakers_and_callbacks_are_contained() {
+        let completion = Completion::new();
+        let good = Arc::new(Counting(AtomicUsize::new(0)));
+        let (mut bad_key, mut good_key) = (None, None);
+        let _ = completion.register_waker(&mut bad_key, &Waker::from(Arc::new(Panicking)));
+        let _ = completion.register_waker(&mut good_key, &Waker::from(good.clone()));
+        let ran = Arc::new(AtomicUsize::new(0));
+        assert!(matches!(
+            completion
+                .register_callback(Box::new(|_| panic!("a callback that panics (unit test)"))),
+            Ok(Registration::Stored { first: false })
+        ));
+        let r = ran.clone();
+        assert!(matches!(
+            completion.register_callback(Box::new(move |result| {
+                assert_eq!(*result, Ok(()));
+                r.fetch_add(1, SeqCst);
+            })),
+            Ok(Registration::Stored { first: false })
+        ));
+
+        assert!(completion.complete(Ok(())));
+        assert_eq!(good.0.load(SeqCst), 1, "the good waker was not woken");
+        assert_eq!(ran.load(SeqCst), 1, "the good callback did not run");
+        assert_eq!(completion.result(), Some(Ok(())));
+        // A callback handed back for an event already complete is guarded too.
+        run_callback(
+            Box::new(|_| panic!("a late callback that panics (unit test)")),
+            &Ok(()),
+            Some((1, 2)),
+        );
     }
 }

@@ -5,7 +5,7 @@ use std::future::Future;
 use std::pin::Pin;
 use std::task::{Context, Poll};
 
-use crate::completion::{Callback, Completion, Registration};
+use crate::completion::{run_callback, Callback, Completion, Registration};
 use crate::device::{cuda, sim, Backend, Device};
 use crate::error::Result;
 use crate::reactor::Watch;
@@ -18,6 +18,9 @@ use crate::sync::Arc;
 /// when the GPU reaches it, with the error of a failed stream if there was one. While it waits,
 /// the device's completion reactor watches it: no thread per future, no thread parked. Polling
 /// from another task or thread moves the wakeup there.
+///
+/// The waker is called on the device's completion reactor thread: it must not block, and a
+/// panic in it is caught and logged (see the crate docs, "The completion reactor thread").
 ///
 /// # Cancel safety
 /// Cancel-safe: dropping a waiting `Event` removes its waker; nothing on the GPU changes.
@@ -84,8 +87,13 @@ impl EventInner {
             return Some(result);
         }
         let result = self.query()?;
-        self.completion.complete(result.clone());
+        self.completion.complete_for(result.clone(), self.id());
         Some(result)
+    }
+
+    /// `(stream id, sequence number)`, for logs.
+    fn id(&self) -> Option<(u64, u64)> {
+        Some((self.stream.get(), self.seq))
     }
 }
 
@@ -138,24 +146,29 @@ impl Event {
             (RawEvent::Sim(m), _) => m.wait(),
             _ => Err(crate::device::mismatch()),
         };
-        self.inner.completion.complete(result.clone());
+        self.inner
+            .completion
+            .complete_for(result.clone(), self.inner.id());
         result
     }
 
     /// Runs `callback` once the GPU reaches the event: on the reactor thread, or right here if
     /// it already has. Never blocks. This is how frees are deferred until the GPU is done with
-    /// the memory. (Its users, the buffers' deferred frees, come with the memory resources.)
-    #[allow(dead_code)]
+    /// the memory (buffers used on several streams, staging blocks).
+    ///
+    /// Wherever it runs, a panic in it is caught and logged, never propagated (see
+    /// `completion.rs`). On the reactor thread it must not block: see the crate docs, "The
+    /// completion reactor thread".
     pub(crate) fn on_complete(&self, callback: Callback) {
         if let Some(result) = self.inner.check() {
-            return callback(&result);
+            return run_callback(callback, &result, self.inner.id());
         }
         match self.inner.completion.register_callback(callback) {
             Ok(Registration::Stored { first: true }) => {
                 self.inner.device.reactor().watch(self.inner.clone());
             }
             Ok(_) => {}
-            Err((callback, result)) => callback(&result),
+            Err((callback, result)) => run_callback(callback, &result, self.inner.id()),
         }
     }
 }

@@ -30,6 +30,39 @@
 //! ## Layers
 //! `device` (CUDA through cudarc, or simulated) → `stream`, `event` and the completion
 //! reactor → (memory resources and buffers build on these).
+//!
+//! ## The completion reactor thread
+//!
+//! Each [`Device`] has one completion reactor thread, `sa-reactor-N`. It turns finished events
+//! into wakeups: it calls the [`Waker`](std::task::Waker)s of the tasks that await an
+//! [`Event`] (and what is built on events: [`Stream::synchronize`], [`DeviceBuffer::alloc`],
+//! `to_host`, ...), and it runs the work deferred until an event completes: the free of a
+//! [`DeviceBuffer`] used on other streams ([`record_stream`](DeviceBuffer::record_stream)),
+//! which calls its resource's [`deallocate`](MemoryResource::deallocate), and the return of
+//! the page-locked blocks that host copies stage through. Every wakeup of the device waits while
+//! any of that runs. So, for code that can end up there (a waker, a `deallocate` of your own
+//! resource or of a [`CallbackResource`](resource::callback::CallbackResource), the `Drop` of
+//! anything such a callback owns):
+//!
+//! - **Nothing may block.** No blocking driver call (`cuMemFree`, `cuMemFreeHost`,
+//!   `cuStreamSynchronize`, `synchronize_blocking`, a `cuMemAlloc` that may wait), no lock that
+//!   a thread waiting for the GPU may hold, no blocking I/O. A waker should only schedule its
+//!   task, as every async runtime's does; a `deallocate` should be a stream-ordered free that
+//!   returns at once (a pool's, `cuMemFreeAsync`). The crate's own resources whose free blocks,
+//!   [`CudaResource`] and [`ManagedResource`](resource::managed::ManagedResource) (`cuMemFree`
+//!   waits until the device is idle), notice that they run on a reactor thread and hand the free
+//!   to the device's *blocking-work thread* (`sa-blocking-N`, started on first use), logging an
+//!   error there instead of returning it. A resource of yours must do the same with its own
+//!   thread.
+//! - **Keep it short.** Microseconds, not milliseconds: the median wake latency the reactor
+//!   aims at on a GPU is under 10 µs.
+//! - **Panics are caught, not propagated.** A waker or deferred callback that panics is caught
+//!   and logged through `tracing` at error level (what ran, the event's stream and sequence
+//!   number, the panic's message); the reactor goes on, and the event's other wakers and
+//!   callbacks still run. Whatever the panicking code was to do is not done: memory that a
+//!   panicking `deallocate` was to free stays allocated. (With `panic = "abort"` there is
+//!   nothing to catch.) The same holds on any thread that completes an event, e.g. a task that
+//!   polls an `Event` and finds it done.
 
 #![warn(
     missing_docs,
@@ -44,6 +77,7 @@ mod completion;
 mod device;
 mod error;
 mod event;
+mod offload;
 mod reactor;
 pub mod resource;
 mod stream;

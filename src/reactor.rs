@@ -4,7 +4,24 @@
 //! in one queue per stream, ordered by record sequence: events of one stream complete in order,
 //! so it only asks the device about each queue's head. When a head completes it wakes the
 //! waiters and runs the callbacks ([`Completion::complete`]) on this thread, never in a driver
-//! callback.
+//! callback. The order by sequence number is only right if the numbers follow the order in
+//! which the records reach the GPU: `Stream::record` takes its number under the same lock as
+//! the driver's record.
+//!
+//! # What runs on this thread, and what must not
+//! (The user's side of this is in the crate docs, "The completion reactor thread".)
+//! - Wakers and callbacks: other people's code. Each runs under `catch_unwind`
+//!   ([`Completion::complete`]); a panic is logged at error level with what ran and the event,
+//!   and the rest run. Each turn of the loop is guarded as well (`run`), so no panic ends the
+//!   thread while wakeups or deferred frees are pending.
+//! - Nothing that blocks: every wakeup of the device waits for it. A callback whose work is a
+//!   blocking driver call (`cuMemFree` of a deferred free into `CudaResource` or
+//!   `ManagedResource`) hands it to the device's blocking-work thread: [`Reactor::offload`],
+//!   through `offload::run_blocking`, which knows this thread by a thread-local mark set in
+//!   `run`. What the reactor itself calls is non-blocking: `cuEventQuery`, and for doorbells
+//!   `cuStreamWaitEvent` and `cuLaunchHostFunc` on watcher streams.
+//! - In a driver callback (the doorbell's host function): only the bell's atomic swap and
+//!   unpark; no CUDA call, and nothing dropped whose Drop could make one.
 //!
 //! How it waits, and why (figures in `benches/results/doorbell_probe.h200.txt`): on the H200 we
 //! measured, every way the driver has to wake a sleeping thread (a host function, a
@@ -25,6 +42,7 @@ use std::time::{Duration, Instant};
 
 use crate::completion::Completion;
 use crate::error::Result;
+use crate::offload::Offload;
 use crate::sync::thread::{self, Thread};
 use crate::sync::{Arc, AtomicBool, Mutex, Ordering};
 
@@ -137,9 +155,12 @@ struct Shared {
     bell: Arc<Bell>,
 }
 
-/// The handle a device keeps. Dropping it stops the thread once nothing is left to watch.
+/// The handle a device keeps. Dropping it stops the thread once nothing is left to watch (and
+/// the blocking-work thread once its queue is empty).
 pub(crate) struct Reactor {
     shared: Arc<Shared>,
+    /// Blocking work handed off the reactor thread (see `offload.rs`).
+    offload: Offload,
 }
 
 impl std::fmt::Debug for Reactor {
@@ -159,11 +180,27 @@ impl Reactor {
             bell: Arc::new(Bell::new()),
         });
         let theirs = shared.clone();
+        // `sa-reactor-N` → `sa-blocking-N`: never a name that starts with `sa-reactor`.
+        let blocking = match name.strip_prefix("sa-reactor") {
+            Some(rest) => format!("sa-blocking{rest}"),
+            None => format!("sa-blocking ({name})"),
+        };
         thread::Builder::new()
             .name(name)
             .spawn(move || run(theirs, doorbells))
             .expect("streamalloc: the OS could not start the completion reactor thread");
-        Self { shared }
+        Self {
+            shared,
+            offload: Offload::new(blocking),
+        }
+    }
+
+    /// Runs `job` on the device's blocking-work thread, started on first use, after every job
+    /// handed over before it; never blocks on it. For blocking driver calls that work on the
+    /// reactor thread would otherwise make (`offload::run_blocking` decides). `what` names the
+    /// job in logs.
+    pub(crate) fn offload(&self, what: &'static str, job: crate::offload::Job) {
+        self.offload.run(what, job);
     }
 
     /// The bell a device rings when one of its streams reaches an event.
@@ -205,13 +242,58 @@ struct StreamQueue {
 const FIRST_SLEEP: Duration = Duration::from_micros(20);
 
 fn run(shared: Arc<Shared>, mut doorbells: impl Doorbells) {
+    crate::offload::mark_reactor_thread();
     *shared.bell.thread.lock() = Some(thread::current());
     doorbells.start();
-    let (spin, max_sleep) = (doorbells.spin(), doorbells.max_sleep());
-    let mut queues: BTreeMap<u64, StreamQueue> = BTreeMap::new();
-    let mut hot_since: Option<Instant> = None;
-    let mut sleep = FIRST_SLEEP;
+    let mut state = Loop {
+        spin: doorbells.spin(),
+        max_sleep: doorbells.max_sleep(),
+        doorbells,
+        queues: BTreeMap::new(),
+        hot_since: None,
+        sleep: FIRST_SLEEP,
+    };
     loop {
+        // Wakers and callbacks are guarded one by one (`Completion::complete`); this catches
+        // anything else, so that the thread, and with it every pending wakeup and deferred free
+        // of the device, outlives a panic. The queues stay as they were: an event the panic
+        // interrupted is polled again on the next turn.
+        match crate::completion::catch_unwind(|| state.turn(&shared)) {
+            Ok(Turn::Again) => {}
+            Ok(Turn::Exit) => return,
+            Err(payload) => {
+                tracing::error!(
+                    panic = crate::completion::panic_message(&*payload),
+                    thread = std::thread::current().name().unwrap_or("<unnamed>"),
+                    "the completion reactor caught a panic in its loop and goes on"
+                );
+                // Should the same panic come back on every turn, this keeps it from spinning.
+                shared.bell.wait(Some(Duration::from_millis(1)));
+            }
+        }
+    }
+}
+
+/// What the loop does after a turn.
+enum Turn {
+    Again,
+    Exit,
+}
+
+/// The reactor thread's state between turns of its loop.
+struct Loop<D> {
+    doorbells: D,
+    spin: Duration,
+    max_sleep: Option<Duration>,
+    queues: BTreeMap<u64, StreamQueue>,
+    hot_since: Option<Instant>,
+    sleep: Duration,
+}
+
+impl<D: Doorbells> Loop<D> {
+    /// Takes new registrations, completes what the device reports done, then spins, sleeps or
+    /// parks. `Exit` once shut down with nothing left to watch.
+    fn turn(&mut self, shared: &Shared) -> Turn {
         let (new, forget, shutdown) = {
             let mut inbox = shared.inbox.lock();
             (
@@ -222,44 +304,44 @@ fn run(shared: Arc<Shared>, mut doorbells: impl Doorbells) {
         };
         let registered = !new.is_empty();
         for event in new {
-            let queue = queues.entry(event.stream_id()).or_default();
+            let queue = self.queues.entry(event.stream_id()).or_default();
             let at = queue.events.partition_point(|e| e.seq() < event.seq());
             queue.events.insert(at, event);
         }
         for stream in forget {
-            doorbells.forget(stream);
+            self.doorbells.forget(stream);
         }
 
-        let progressed = poll_heads(&mut queues);
-        if queues.is_empty() {
+        let progressed = poll_heads(&mut self.queues);
+        if self.queues.is_empty() {
             if shutdown {
-                return;
+                return Turn::Exit;
             }
-            hot_since = None;
+            self.hot_since = None;
             shared.bell.wait(None);
-            continue;
+            return Turn::Again;
         }
         if progressed || registered {
-            sleep = FIRST_SLEEP;
+            self.sleep = FIRST_SLEEP;
             // Time is only read when spinning is on, so a loom model (spin zero) stays
             // deterministic.
-            hot_since = (spin > Duration::ZERO).then(Instant::now);
+            self.hot_since = (self.spin > Duration::ZERO).then(Instant::now);
         }
-        if let Some(since) = hot_since {
-            if since.elapsed() < spin {
+        if let Some(since) = self.hot_since {
+            if since.elapsed() < self.spin {
                 std::hint::spin_loop();
-                continue;
+                return Turn::Again;
             }
-            hot_since = None;
+            self.hot_since = None;
         } else if progressed {
-            continue;
+            return Turn::Again;
         }
 
         let mut all_armed = true;
-        for queue in queues.values_mut() {
+        for queue in self.queues.values_mut() {
             if let Some(head) = queue.events.front() {
                 if queue.armed != Some(head.seq()) {
-                    if doorbells.arm(&**head, &shared.bell) {
+                    if self.doorbells.arm(&**head, &shared.bell) {
                         queue.armed = Some(head.seq());
                     } else {
                         all_armed = false;
@@ -267,14 +349,15 @@ fn run(shared: Arc<Shared>, mut doorbells: impl Doorbells) {
                 }
             }
         }
-        match max_sleep {
+        match self.max_sleep {
             Some(cap) => {
-                shared.bell.wait(Some(sleep.min(cap)));
-                sleep = (sleep * 2).min(cap);
+                shared.bell.wait(Some(self.sleep.min(cap)));
+                self.sleep = (self.sleep * 2).min(cap);
             }
             None if all_armed => shared.bell.wait(None),
             None => shared.bell.wait(Some(Duration::from_millis(1))),
         }
+        Turn::Again
     }
 }
 
@@ -286,7 +369,8 @@ fn poll_heads(queues: &mut BTreeMap<u64, StreamQueue>) -> bool {
             if head.completion().result().is_none() {
                 match head.query() {
                     Some(result) => {
-                        head.completion().complete(result);
+                        head.completion()
+                            .complete_for(result, Some((head.stream_id(), head.seq())));
                     }
                     None => break,
                 }

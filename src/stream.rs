@@ -8,7 +8,7 @@ use crate::device::sim::{HostPtr, Op};
 use crate::device::{cuda, mismatch, sim, Backend, Device, DevicePtr, FaultKind};
 use crate::error::{Error, Result};
 use crate::event::{Event, RawEvent};
-use crate::sync::{Arc, AtomicU64, Ordering};
+use crate::sync::{Arc, Mutex};
 
 /// A process-unique stream id: the key of per-stream state (free lists, the reactor's queues).
 /// Unlike a driver handle, it is never reused while the process lives.
@@ -57,8 +57,13 @@ struct StreamInner {
     id: StreamId,
     device: Device,
     raw: RawStream,
-    /// Record sequence numbers; the reactor orders a stream's events by them.
-    seq: AtomicU64,
+    /// The next record sequence number; the reactor orders a stream's events by them and asks
+    /// the device only about each stream's first, so the numbers must follow the order in which
+    /// the records reach the GPU. Locked across the driver's record for that: with the number
+    /// taken after the record, two threads recording on one stream could get them the other
+    /// way round, and the earlier event's waiters would be woken only once the later one
+    /// completes (issue 19).
+    seq: Mutex<u64>,
 }
 
 impl fmt::Debug for Stream {
@@ -93,7 +98,7 @@ impl Stream {
                 id,
                 device: device.clone(),
                 raw,
-                seq: AtomicU64::new(0),
+                seq: Mutex::new(0),
             }),
         })
     }
@@ -131,6 +136,9 @@ impl Stream {
     /// On CUDA, events come from a per-device free list, so recording does not create one.
     pub fn record(&self) -> Result<Event> {
         let device = &self.inner.device;
+        // Uncontended unless threads record on this stream at once, when the driver
+        // serializes the records anyway.
+        let mut next = self.inner.seq.lock();
         let raw = match (&self.inner.raw, device.backend()) {
             (RawStream::Cuda(s), Backend::Cuda(d)) => RawEvent::Cuda(d.record(*s)?),
             (RawStream::Sim(s), Backend::Sim(d)) => {
@@ -139,7 +147,11 @@ impl Stream {
             }
             _ => return Err(mismatch()),
         };
-        let seq = self.inner.seq.fetch_add(1, Ordering::Relaxed);
+        #[cfg(all(test, not(streamalloc_loom)))]
+        tests::after_raw_record();
+        let seq = *next;
+        *next += 1;
+        drop(next);
         Ok(Event::new(device.clone(), self.inner.id, seq, raw))
     }
 
@@ -376,4 +388,102 @@ fn check_words(count: usize) -> Result<()> {
         size: count,
         reason: "the word count overflows usize when multiplied by 4",
     })
+}
+
+#[cfg(all(test, not(streamalloc_loom)))]
+mod tests {
+    use std::cell::RefCell;
+    use std::future::Future;
+    use std::pin::Pin;
+    use std::sync::mpsc;
+    use std::sync::Mutex;
+    use std::task::{Context, Poll, Wake, Waker};
+    use std::time::Duration;
+
+    use crate::{Device, SimConfig};
+
+    thread_local! {
+        /// Runs inside `Stream::record` between the driver's record and the sequence number.
+        static AFTER_RAW_RECORD: RefCell<Option<Box<dyn FnMut()>>> = RefCell::new(None);
+    }
+
+    /// The test seam `Stream::record` calls (only in this crate's unit tests).
+    pub(super) fn after_raw_record() {
+        AFTER_RAW_RECORD.with(|hook| {
+            if let Some(hook) = hook.borrow_mut().as_mut() {
+                hook();
+            }
+        });
+    }
+
+    struct ChannelWaker(Mutex<mpsc::Sender<()>>);
+
+    impl Wake for ChannelWaker {
+        fn wake(self: std::sync::Arc<Self>) {
+            let _ = self.0.lock().unwrap_or_else(|e| e.into_inner()).send(());
+        }
+    }
+
+    /// Two threads record on one stream: thread 1's event is recorded first on the GPU, but
+    /// thread 2 takes its sequence number first (it records while thread 1 is between the
+    /// driver's record and its own number). The reactor orders a stream's events by number and
+    /// asks the device only about the head, so with inverted numbers thread 1's event, reached
+    /// long before, would wait behind thread 2's, which is queued after a minute of GPU work.
+    /// Record order and number order must agree: thread 1's waiter is woken when its event is
+    /// reached.
+    #[test]
+    fn sequence_numbers_follow_the_gpu_order_of_records() {
+        const HANG: Duration = Duration::from_secs(20);
+        let device = Device::simulated(SimConfig::default());
+        let stream = device.create_stream().unwrap();
+        // Keeps the GPU from reaching thread 1's event before it is awaited.
+        stream.spin(Duration::from_millis(500)).unwrap();
+
+        let (recorded_tx, recorded) = mpsc::channel();
+        let (go_tx, go) = mpsc::channel::<()>();
+        let first = {
+            let stream = stream.clone();
+            std::thread::spawn(move || {
+                AFTER_RAW_RECORD.with(|hook| {
+                    *hook.borrow_mut() = Some(Box::new(move || {
+                        let _ = recorded_tx.send(());
+                        // Wait for thread 2's record; with record and number taken atomically,
+                        // thread 2 is blocked until this one is done, hence the bound.
+                        let _ = go.recv_timeout(Duration::from_millis(300));
+                    }));
+                });
+                let event = stream.record().unwrap();
+                AFTER_RAW_RECORD.with(|hook| hook.borrow_mut().take());
+                event
+            })
+        };
+        recorded.recv().unwrap();
+        // Thread 2 (this one): a minute of GPU work, then an event, behind thread 1's.
+        stream.spin(Duration::from_secs(60)).unwrap();
+        let mut second = stream.record().unwrap();
+        let _ = go_tx.send(());
+        let mut first = first.join().unwrap();
+
+        let (tx, woken) = mpsc::channel();
+        let waker = Waker::from(std::sync::Arc::new(ChannelWaker(Mutex::new(tx))));
+        let mut cx = Context::from_waker(&waker);
+        // Both events are watched by the reactor.
+        assert!(Pin::new(&mut second).poll(&mut cx).is_pending());
+        let mut ready = false;
+        for _ in 0..10 {
+            if let Poll::Ready(result) = Pin::new(&mut first).poll(&mut cx) {
+                result.unwrap();
+                ready = true;
+                break;
+            }
+            if woken.recv_timeout(HANG).is_err() {
+                break;
+            }
+        }
+        assert!(
+            ready,
+            "the first recorded event was not woken when the GPU reached it: it waits behind \
+             a later event of its stream"
+        );
+    }
 }

@@ -21,7 +21,12 @@ use crate::stream::Stream;
 ///   `cuMemFree` waits for all the device's pending work before it frees, so it is safe for
 ///   memory still used by queued work, but **the calling thread may block** until the device is
 ///   idle. (The simulated device queues the free on the stream instead, which is as safe and
-///   does not block.) Put a pool in front of it where frees must not block.
+///   does not block.) Put a pool in front of it where frees must not block;
+/// - a `deallocate` called on a device's completion reactor thread (a buffer's deferred free,
+///   once the other streams it was used on are done) does not block that thread: the
+///   `cuMemFree` is handed to the device's blocking-work thread (`sa-blocking-N`), and an error
+///   is logged there instead of returned (see the crate docs, "The completion reactor
+///   thread").
 ///
 /// It holds only a [`Device`] handle, so it is cheap to make and to clone.
 #[derive(Clone)]
@@ -66,19 +71,45 @@ impl MemoryResource for CudaResource {
     }
 
     /// `cuMemFree`: may block the calling thread until the device is idle (see the type's
-    /// documentation).
+    /// documentation). On a completion reactor thread (a deferred free) it is handed to the
+    /// device's blocking-work thread instead, and returns at once.
     unsafe fn deallocate(&self, ptr: DevicePtr, bytes: usize, stream: &Stream) -> Result<()> {
         check_stream(&self.device, stream)?;
         match (ptr.0, bytes) {
             (0, 0) => Ok(()),
             (0, _) | (_, 0) => Err(Error::UnknownPointer { ptr: ptr.0, bytes }),
-            // SAFETY: the caller's contract: `ptr` came from `allocate` (so from
-            // `Device::malloc` of this device), is freed once, and its uses are ordered before
-            // this point of `stream`.
-            _ => unsafe { self.device.free_after(ptr, stream) }.map_err(|e| match e {
-                Error::UnknownPointer { ptr, .. } => Error::UnknownPointer { ptr, bytes },
-                other => other,
-            }),
+            _ => {
+                let (device, stream) = (self.device.clone(), stream.clone());
+                crate::offload::run_blocking(
+                    &self.device,
+                    "cuMemFree (CudaResource::deallocate)",
+                    // SAFETY: the caller's contract: `ptr` came from `allocate` (so from
+                    // `Device::malloc` of this device), is freed once, and its uses are
+                    // ordered before this point of `stream`, so also before any later point
+                    // (the blocking-work thread may free it later; nobody else uses it).
+                    move || unsafe { free(&device, ptr, bytes, &stream) },
+                )
+            }
         }
     }
+}
+
+/// `cuMemFree` of `bytes` at `ptr` (the simulated device queues the free on `stream`), logged
+/// at trace level. Shared with [`ManagedResource`](crate::resource::managed::ManagedResource).
+///
+/// # Safety
+/// `ptr` came from `Device::malloc` or `Device::malloc_managed` of `device`, is freed once, and
+/// its uses are ordered before this point of `stream`.
+pub(crate) unsafe fn free(
+    device: &Device,
+    ptr: DevicePtr,
+    bytes: usize,
+    stream: &Stream,
+) -> Result<()> {
+    tracing::trace!(?ptr, bytes, "cuMemFree");
+    // SAFETY: the caller's contract.
+    unsafe { device.free_after(ptr, stream) }.map_err(|e| match e {
+        Error::UnknownPointer { ptr, .. } => Error::UnknownPointer { ptr, bytes },
+        other => other,
+    })
 }

@@ -7,7 +7,7 @@ use crate::device::{Device, DevicePtr};
 use crate::error::{Error, Result};
 use crate::resource::{check_stream, MemoryKind, MemoryResource};
 use crate::stream::Stream;
-use crate::sync::Mutex;
+use crate::sync::{Arc, Mutex};
 
 /// Managed memory (`cuMemAllocManaged`, attached globally): one address that the host and
 /// every stream of the GPU can use, with the driver migrating pages on demand.
@@ -28,14 +28,18 @@ use crate::sync::Mutex;
 /// - `deallocate` is `cuMemFree`, which ignores stream order as in
 ///   [`CudaResource`](crate::resource::cuda::CudaResource): it waits for the device's pending
 ///   work, so the calling thread may block. The simulated device queues the free on the stream.
+///   On a device's completion reactor thread (a buffer's deferred free) the `cuMemFree` is
+///   handed to the device's blocking-work thread instead, and
+///   [`outstanding_bytes`](Self::outstanding_bytes) counts the memory until it has run.
 ///
 /// On the simulated device managed memory is device memory: the host cannot dereference it
 /// there, only device operations can use it.
 pub struct ManagedResource {
     device: Device,
     /// Bytes handed out and not yet given back. Read and updated, together with the driver
-    /// call it guards, only while the lock is held.
-    outstanding: Mutex<usize>,
+    /// call it guards, only while the lock is held. Shared with frees handed to the
+    /// blocking-work thread, which count down once they have run.
+    outstanding: Arc<Mutex<usize>>,
 }
 
 impl ManagedResource {
@@ -43,11 +47,12 @@ impl ManagedResource {
     pub fn new(device: &Device) -> Self {
         Self {
             device: device.clone(),
-            outstanding: Mutex::new(0),
+            outstanding: Arc::new(Mutex::new(0)),
         }
     }
 
-    /// Bytes this resource has handed out and not yet got back.
+    /// Bytes this resource has handed out and not yet got back (a free handed to the
+    /// blocking-work thread counts until it has run).
     pub fn outstanding_bytes(&self) -> usize {
         *self.outstanding.lock()
     }
@@ -102,7 +107,9 @@ impl MemoryResource for ManagedResource {
         Ok(ptr)
     }
 
-    /// `cuMemFree`: may block the calling thread until the device is idle.
+    /// `cuMemFree`: may block the calling thread until the device is idle. On a completion
+    /// reactor thread (a deferred free) it is handed to the device's blocking-work thread
+    /// instead, and returns at once.
     unsafe fn deallocate(&self, ptr: DevicePtr, bytes: usize, stream: &Stream) -> Result<()> {
         check_stream(&self.device, stream)?;
         match (ptr.0, bytes) {
@@ -110,15 +117,26 @@ impl MemoryResource for ManagedResource {
             (0, _) | (_, 0) => return Err(Error::UnknownPointer { ptr: ptr.0, bytes }),
             _ => {}
         }
-        // SAFETY: the caller's contract: `ptr` came from `allocate` (so from
-        // `Device::malloc_managed` of this device), is freed once, and its uses are ordered
-        // before this point of `stream`.
-        unsafe { self.device.free_after(ptr, stream) }.map_err(|e| match e {
-            Error::UnknownPointer { ptr, .. } => Error::UnknownPointer { ptr, bytes },
-            other => other,
-        })?;
-        let mut outstanding = self.outstanding.lock();
-        *outstanding = outstanding.saturating_sub(bytes);
-        Ok(())
+        let (device, stream, outstanding) = (
+            self.device.clone(),
+            stream.clone(),
+            self.outstanding.clone(),
+        );
+        crate::offload::run_blocking(
+            &self.device,
+            "cuMemFree (ManagedResource::deallocate)",
+            move || {
+                // SAFETY: the caller's contract: `ptr` came from `allocate` (so from
+                // `Device::malloc_managed` of this device), is freed once, and its uses are
+                // ordered before this point of `stream`, so also before any later point (the
+                // blocking-work thread may free it later; nobody else uses it).
+                unsafe { super::cuda::free(&device, ptr, bytes, &stream) }?;
+                // Counted down only once freed, so the oversubscription check stays on the
+                // safe side while the free waits on the blocking-work thread.
+                let mut outstanding = outstanding.lock();
+                *outstanding = outstanding.saturating_sub(bytes);
+                Ok(())
+            },
+        )
     }
 }
