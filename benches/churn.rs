@@ -1,7 +1,10 @@
 //! The `churn` workloads of `shared/bench/WORKLOADS.md`, exactly: splitmix64, the same decision
 //! sequence for every allocator, and its checksums (allocations and bytes allocated).
 //!
-//! `cargo bench --bench churn [-- --resource pool|cuda-async|arena|binning|cuda|all] [--run churn-1t|churn-4t|churn-xs-1t|churn-xs-4t|scaling|all] [--repeat N] [--initial MIB[,MIB..]]`
+//! `cargo bench --bench churn [-- --resource pool|cuda-async|arena|binning|cuda|all] [--run RUN[,RUN..]|workloads|all] [--repeat N] [--initial MIB[,MIB..]]`
+//!
+//! Runs: `churn-1t`, `churn-4t`, `churn-xs-1t`, `churn-xs-4t` (`workloads`: these four), and
+//! `scaling` (1, 2, 4 and 8 threads); `all` is every one.
 //!
 //! `--initial` lists the sizes (MiB) the pool and the arena start with, each run once per size:
 //! `2048` (the timed loop measures suballocation), `256` (WORKLOADS.md's growth from small), or
@@ -209,11 +212,11 @@ fn main() {
 
     let mut runs: Vec<Run> = Vec::new();
     for r in RUNS {
-        if which == "all" || which == r.name {
+        if which == "all" || which == "workloads" || which.split(',').any(|w| w == r.name) {
             runs.push(r);
         }
     }
-    if which == "all" || which == "scaling" {
+    if which == "all" || which.split(',').any(|w| w == "scaling") {
         for threads in [1, 2, 4, 8] {
             runs.push(Run {
                 name: "scaling",

@@ -15,8 +15,8 @@
 //!
 //! Fresh memory (never used by a stream) needs no ordering. The upstream cannot grow
 //! ([`NoGrow`]; [`GrowOnce`] in `grow_vs_same_stream_reuse`), so a take that finds nothing goes
-//! down the whole policy: own list, fresh, steal, merge idle lists, grow, merge every list, out
-//! of memory. Each test also checks that some of its executions stole, merged (and grew) and
+//! down the whole policy: own list, fresh, steal (best fit over the other lists), merge idle
+//! lists and every other list, grow, merge every list again, out of memory. Each test also checks that some of its executions stole, merged (and grew) and
 //! ran out of memory ([`check_paths`]), so that no check is vacuous.
 //!
 //! The thread-local list cache is compiled out under loom (and [`FakeStream`] has none), and

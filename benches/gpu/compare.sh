@@ -1,0 +1,37 @@
+#!/usr/bin/env bash
+# One GPU session, in one command (run on the GPU machine from the repository root, with `.gpu`,
+# `.rmm` and, if present, `.before` carried): the whole test suite with the GPU required, then
+# RMM's churn harness and our churn benchmark alternating ROUNDS times (so that both see the same
+# machine: only same-run ratios count), then the examples. Everything goes to $OUT.
+#
+# Here:  ../shared/tools/gpu-pack --bench churn --example pipeline --example inference_server
+#        bash ../shared/bench/rmm/run.sh fetch
+#        (optional) a churn binary of an earlier commit in .before/churn, for before/after
+# There: bash benches/gpu/compare.sh
+set -uo pipefail
+OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
+ROUNDS=${ROUNDS:-3}
+nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader | tee "$OUT/gpu.txt"
+date -u | tee -a "$OUT/gpu.txt"
+if [ "${SKIP_TESTS:-0}" != 1 ]; then
+  echo "===== tests (STREAMALLOC_REQUIRE_GPU=1)"
+  bash .gpu/run > "$OUT/tests.txt" 2>&1
+  echo "tests exit $?"; grep -E "^(=== |FAILED|test result)|passed|failed" "$OUT/tests.txt" | tail -40
+fi
+churn=$(ls .gpu/bin/churn-* 2>/dev/null | head -1)
+for r in $(seq "$ROUNDS"); do
+  echo "===== round $r: RMM"
+  bash .rmm/run.sh >> "$OUT/rmm.txt" 2>&1; tail -40 "$OUT/rmm.txt" | grep -E "ns/op|ratio" | tail -24
+  echo "===== round $r: streamalloc (this build)"
+  "$churn" --resource pool --run workloads --initial 2048,256 2>&1 | tee -a "$OUT/churn.txt" | grep -E "^pool"
+  if [ -x .before/churn ]; then
+    echo "===== round $r: streamalloc (before)"
+    .before/churn --resource pool --run workloads --initial 2048,256 2>&1 | tee -a "$OUT/churn-before.txt" | grep -E "^pool"
+  fi
+done
+if [ "${SKIP_EXAMPLES:-0}" != 1 ]; then
+  echo "===== examples"
+  ex() { local b; b=$(ls .gpu/bin/"$1"-* 2>/dev/null | head -1); shift; [ -n "$b" ] && timeout 120 "$b" "$@"; }
+  ex pipeline 2>&1 | tee "$OUT/pipeline.txt" | tail -3
+  ex inference_server --load 2>&1 | tee "$OUT/server.txt" | tail -3
+fi
