@@ -214,3 +214,63 @@ fn two_waiters_behind_a_limit_over_a_full_pool() {
         }
     }
 }
+
+/// `Duration::MAX` as a timeout is no limit: the wait neither panics nor times out, and is
+/// served when memory comes back; through `DeviceBuffer::alloc_timeout` and through
+/// `Allocate::timeout`.
+#[test]
+fn a_timeout_of_duration_max_means_no_limit() {
+    let rt = runtime();
+    for device in devices() {
+        let what = label(&device);
+        let mr: Arc<PoolResource<CudaResource>> = Arc::new(pool(&device, MIB));
+        for through_buffer in [true, false] {
+            let holder = device.create_stream().unwrap();
+            let held = mr.allocate(MIB, &holder).unwrap();
+            let waiter = {
+                let (mr, device) = (mr.clone(), device.clone());
+                rt.spawn(async move {
+                    let stream = device.create_stream().unwrap();
+                    if through_buffer {
+                        let buf =
+                            DeviceBuffer::alloc_timeout(&mr, MIB, &stream, Duration::MAX).await?;
+                        drop(buf);
+                    } else {
+                        let ptr = mr
+                            .allocate_async(MIB, &stream)
+                            .timeout(Duration::MAX)
+                            .await?;
+                        free(&*mr, ptr, MIB, &stream);
+                    }
+                    Ok::<(), Error>(())
+                })
+            };
+            std::thread::sleep(Duration::from_millis(100));
+            assert!(
+                !waiter.is_finished(),
+                "{what} (buffer: {through_buffer}): ended with nothing freed: {:?}",
+                rt.block_on(waiter)
+            );
+            free(&*mr, held, MIB, &holder);
+            rt.block_on(waiter)
+                .unwrap_or_else(|e| panic!("{what} (buffer: {through_buffer}): {e}"))
+                .unwrap();
+        }
+        // A limit that does fit still times out, and the shorter of a limit and a deadline
+        // wins.
+        let holder = device.create_stream().unwrap();
+        let held = mr.allocate(MIB, &holder).unwrap();
+        let stream = device.create_stream().unwrap();
+        let far = std::time::Instant::now() + Duration::from_secs(3600);
+        let timed_out = rt.block_on(
+            mr.allocate_async(MIB, &stream)
+                .timeout(Duration::from_millis(20))
+                .deadline(far),
+        );
+        assert!(
+            matches!(timed_out, Err(Error::Timeout { .. })),
+            "{what}: {timed_out:?}"
+        );
+        free(&*mr, held, MIB, &holder);
+    }
+}
