@@ -364,7 +364,7 @@ fn moves_trims_and_remote_frees_under_stress() {
                             free(mr, ptr, size, &s);
                         }
                         let r = rng.next();
-                        if mine.is_empty() || (r % 3 != 0 && mine.len() < 64) {
+                        if mine.is_empty() || (!r.is_multiple_of(3) && mine.len() < 64) {
                             let size = if r.is_multiple_of(29) {
                                 MIB + (rng.next() % (2 * MIB as u64)) as usize
                             } else {
