@@ -33,6 +33,14 @@ use crate::sync::{AtomicUsize, Ordering};
 /// pass the limit together, and no lock is taken.
 pub struct LimitingAdaptor<U: MemoryResource> {
     upstream: U,
+    limit: Limit,
+    waiters: MemoryWaiters,
+}
+
+/// The byte count of a [`LimitingAdaptor`] and its refusal mark, apart from the adaptor so that
+/// the loom models (`loom-tests/waiters.rs`) run this very code.
+#[derive(Debug)]
+pub(crate) struct Limit {
     limit: usize,
     /// Bytes reserved (outstanding allocations, rounded up to 256, plus requests between their
     /// reservation and the upstream's answer; never above `limit`), and in bit 0 (`REFUSED`)
@@ -40,62 +48,31 @@ pub struct LimitingAdaptor<U: MemoryResource> {
     /// so bit 0 is free. One atomic, so that a refusal and a release are ordered: a rollback
     /// either sees the refusal its reservation caused, or the refused request saw the rollback.
     state: AtomicUsize,
-    waiters: MemoryWaiters,
 }
 
-/// Bit 0 of `LimitingAdaptor::state`: the limit refused a request since the last release.
+/// Bit 0 of `Limit::state`: the limit refused a request since the last release.
 const REFUSED: usize = 1;
 
-impl<U: MemoryResource> fmt::Debug for LimitingAdaptor<U> {
-    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        f.debug_struct("LimitingAdaptor")
-            .field("upstream", &self.upstream)
-            .field("limit", &self.limit)
-            .field("used", &self.used())
-            .field("waiters", &self.waiters)
-            .finish()
-    }
-}
-
-impl<U: MemoryResource> LimitingAdaptor<U> {
-    /// Lets at most `limit` bytes (counted in 256-byte units) be outstanding through it.
-    pub fn new(upstream: U, limit: usize) -> Self {
+impl Limit {
+    pub(crate) fn new(limit: usize) -> Self {
         Self {
-            upstream,
             limit,
             state: AtomicUsize::new(0),
-            waiters: MemoryWaiters::new(),
         }
     }
 
-    /// The upstream resource.
-    pub fn upstream(&self) -> &U {
-        &self.upstream
-    }
-
-    /// The limit, in bytes (RMM's `get_allocation_limit`).
-    pub fn limit(&self) -> usize {
+    pub(crate) fn limit(&self) -> usize {
         self.limit
     }
 
-    /// Bytes outstanding, each allocation rounded up to 256 (RMM's `get_allocated_bytes`).
-    pub fn used(&self) -> usize {
+    /// Bytes reserved now.
+    pub(crate) fn used(&self) -> usize {
         self.state.load(Ordering::Acquire) & !REFUSED
     }
 
-    /// Bytes that can still be allocated: limit − used.
-    pub fn available(&self) -> usize {
-        self.limit.saturating_sub(self.used())
-    }
-
-    /// What waiting for memory in `allocate_async` on this adaptor has cost.
-    pub fn wait_stats(&self) -> WaitStats {
-        self.waiters.stats()
-    }
-
-    /// Reserves `size` bytes (a multiple of 256) under the limit, or says how much there was
-    /// (and marks the refusal, for `rollback`).
-    fn reserve(&self, size: usize) -> Result<()> {
+    /// Reserves `size` bytes (a multiple of 256) under the limit, or returns the bytes that
+    /// were reserved then (and marks the refusal, for [`give_back`](Self::give_back)).
+    pub(crate) fn reserve(&self, size: usize) -> std::result::Result<(), usize> {
         let mut state = self.state.load(Ordering::Acquire);
         loop {
             let used = state & !REFUSED;
@@ -111,26 +88,15 @@ impl<U: MemoryResource> LimitingAdaptor<U> {
                 .compare_exchange_weak(state, next, Ordering::AcqRel, Ordering::Acquire)
             {
                 Ok(_) if fits.is_some() => return Ok(()),
-                Ok(_) => {
-                    tracing::debug!(
-                        requested = size,
-                        used,
-                        limit = self.limit,
-                        "LimitingAdaptor: over the limit"
-                    );
-                    return Err(Error::OutOfMemory {
-                        requested: size,
-                        available: self.limit.saturating_sub(used),
-                        maximum: self.limit,
-                    });
-                }
+                Ok(_) => return Err(used),
                 Err(actual) => state = actual,
             }
         }
     }
 
-    /// Gives `size` bytes back, clearing the refusal mark; returns whether it was set.
-    fn give_back(&self, size: usize) -> bool {
+    /// Gives `size` bytes back, clearing the refusal mark; returns whether it was set: whether
+    /// the limit refused a request since the last release (perhaps because of these bytes).
+    pub(crate) fn give_back(&self, size: usize) -> bool {
         // Never below zero, even if a caller broke `deallocate`'s contract with a wrong size
         // that the upstream accepted.
         let previous = self
@@ -141,10 +107,75 @@ impl<U: MemoryResource> LimitingAdaptor<U> {
             .unwrap_or_else(|state| state);
         previous & REFUSED != 0
     }
+}
+
+impl<U: MemoryResource> fmt::Debug for LimitingAdaptor<U> {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("LimitingAdaptor")
+            .field("upstream", &self.upstream)
+            .field("limit", &self.limit())
+            .field("used", &self.used())
+            .field("waiters", &self.waiters)
+            .finish()
+    }
+}
+
+impl<U: MemoryResource> LimitingAdaptor<U> {
+    /// Lets at most `limit` bytes (counted in 256-byte units) be outstanding through it.
+    pub fn new(upstream: U, limit: usize) -> Self {
+        Self {
+            upstream,
+            limit: Limit::new(limit),
+            waiters: MemoryWaiters::new(),
+        }
+    }
+
+    /// The upstream resource.
+    pub fn upstream(&self) -> &U {
+        &self.upstream
+    }
+
+    /// The limit, in bytes (RMM's `get_allocation_limit`).
+    pub fn limit(&self) -> usize {
+        self.limit.limit()
+    }
+
+    /// Bytes outstanding, each allocation rounded up to 256 (RMM's `get_allocated_bytes`).
+    pub fn used(&self) -> usize {
+        self.limit.used()
+    }
+
+    /// Bytes that can still be allocated: limit − used.
+    pub fn available(&self) -> usize {
+        self.limit().saturating_sub(self.used())
+    }
+
+    /// What waiting for memory in `allocate_async` on this adaptor has cost.
+    pub fn wait_stats(&self) -> WaitStats {
+        self.waiters.stats()
+    }
+
+    /// Reserves `size` bytes (a multiple of 256) under the limit, or says how much there was
+    /// (and marks the refusal, for `rollback`).
+    fn reserve(&self, size: usize) -> Result<()> {
+        self.limit.reserve(size).map_err(|used| {
+            tracing::debug!(
+                requested = size,
+                used,
+                limit = self.limit(),
+                "LimitingAdaptor: over the limit"
+            );
+            Error::OutOfMemory {
+                requested: size,
+                available: self.limit().saturating_sub(used),
+                maximum: self.limit(),
+            }
+        })
+    }
 
     /// Memory freed through the adaptor: give it back and wake the first waiter.
     fn release(&self, size: usize) {
-        self.give_back(size);
+        self.limit.give_back(size);
         self.waiters.notify();
     }
 
@@ -153,7 +184,7 @@ impl<U: MemoryResource> LimitingAdaptor<U> {
     /// the waiter's retry). Otherwise nobody's failure was ours, and the first waiter is often
     /// the caller itself: waking it would only make it fail again at once, in a loop.
     fn rollback(&self, size: usize) {
-        if self.give_back(size) {
+        if self.limit.give_back(size) {
             self.waiters.notify();
         }
     }
