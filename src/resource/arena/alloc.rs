@@ -2,7 +2,7 @@
 //! the global arena, moved between streams and returned to it, large blocks, growth, and
 //! frees (on the owner's stream or on another).
 
-use super::global::{Guards, Large, Lent};
+use super::global::{Guard, Guards, Large, Lent};
 use super::stream_arena::{cache, LocalFree, Remote, StreamArena};
 use super::ArenaResource;
 use crate::error::{Error, Result};
@@ -112,25 +112,33 @@ impl<U: MemoryResource> ArenaResource<U> {
             count = superblocks.len()
         )
         .entered();
-        {
-            let mut global = self.global.lock();
-            match global.guard(&arena.stream) {
-                Ok(guard) => {
-                    for (base, size) in superblocks {
-                        global.lent.remove(&base);
-                        global.insert_free(base, size, Guards::one(guard.clone()));
-                    }
-                    return;
+        match self.record_guard(arena) {
+            Ok(guard) => {
+                let mut global = self.global.lock();
+                for (base, size) in superblocks {
+                    global.lent.remove(&base);
+                    global.insert_free(base, size, Guards::one(guard.clone()));
                 }
-                Err(e) => {
-                    tracing::warn!(error = %e, "could not record an event: superblocks stay with their stream")
+            }
+            Err(e) => {
+                tracing::warn!(error = %e, "could not record an event: superblocks stay with their stream");
+                let mut state = arena.state.lock();
+                for (base, size) in superblocks {
+                    state.add_superblock(base, size);
                 }
             }
         }
-        let mut state = arena.state.lock();
-        for (base, size) in superblocks {
-            state.add_superblock(base, size);
-        }
+    }
+
+    /// Records a guard on `arena`'s stream. Every guard of a stream is recorded under its
+    /// arena's lock, with a ticket taken there: so of two guards of one stream the higher ticket
+    /// is the later event, and the global lock is never held across the driver call (it was,
+    /// and every large free and superblock release waited on it: the arena's poor scaling).
+    pub(super) fn record_guard(&self, arena: &StreamArena) -> Result<Guard> {
+        let _order = arena.state.lock();
+        let ticket = self.next_ticket.fetch_add(1, Ordering::Relaxed);
+        let event = arena.stream.record()?;
+        Ok(Guard::new(arena.stream.id(), ticket, event))
     }
 
     /// [`defragment`](Self::defragment) without waking the waiters: what an allocation does
@@ -390,11 +398,9 @@ impl<U: MemoryResource> ArenaResource<U> {
             };
             match result {
                 Ok(ptr) => {
-                    let mut global = self.global.lock();
-                    let guard = match global.guard(stream) {
+                    let guard = match self.record_guard(&self.arena_for(stream)) {
                         Ok(guard) => guard,
                         Err(e) => {
-                            drop(global);
                             // SAFETY: just allocated from this upstream on `stream` with this
                             // size, never handed out.
                             let _ =
@@ -403,6 +409,7 @@ impl<U: MemoryResource> ArenaResource<U> {
                             return Err(e);
                         }
                     };
+                    let mut global = self.global.lock();
                     global.chunks.insert(ptr.0, attempt);
                     global.insert_free(ptr.0, attempt, Guards::one(guard));
                     drop(global);
@@ -510,19 +517,35 @@ impl<U: MemoryResource> ArenaResource<U> {
     }
 
     pub(super) fn free_large(&self, addr: u64, size: u64, stream: &Stream) -> Result<()> {
-        let mut global = self.global.lock();
-        let large = match global.large.get(&addr) {
-            Some(&large) if large.size == size => large,
-            _ => {
-                return Err(Error::UnknownPointer {
-                    ptr: addr,
-                    bytes: size as usize,
-                })
+        // Claimed under the global lock (a second free of it is refused from here on), guarded
+        // outside it, given back under it.
+        let large = {
+            let mut global = self.global.lock();
+            match global.large.get(&addr) {
+                Some(&large) if large.size == size => {
+                    global.large.remove(&addr);
+                    large
+                }
+                _ => {
+                    return Err(Error::UnknownPointer {
+                        ptr: addr,
+                        bytes: size as usize,
+                    })
+                }
             }
         };
-        let guard = global.guard(stream)?;
-        global.large.remove(&addr);
-        global.insert_free(addr, large.extent, Guards::one(guard));
-        Ok(())
+        match self.record_guard(&self.arena_for(stream)) {
+            Ok(guard) => {
+                self.global
+                    .lock()
+                    .insert_free(addr, large.extent, Guards::one(guard));
+                Ok(())
+            }
+            Err(e) => {
+                // Not freed: still handed out.
+                self.global.lock().large.insert(addr, large);
+                Err(e)
+            }
+        }
     }
 }

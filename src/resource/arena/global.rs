@@ -18,10 +18,23 @@ use crate::sync::Arc;
 #[derive(Clone)]
 pub(super) struct Guard {
     pub(super) stream: StreamId,
-    /// Taken under the global lock together with the recording: of two guards of one stream,
-    /// the higher ticket is the later event.
+    /// Taken together with the recording, under the lock of the stream's arena (see
+    /// `ArenaResource::record_guard`): of two guards of one stream, the higher ticket is the
+    /// later event.
     ticket: u64,
     pub(super) event: Event,
+}
+
+impl Guard {
+    /// A guard from an event just recorded on `stream` with `ticket`. The caller holds the lock
+    /// that orders every recording of a guard on `stream`.
+    pub(super) fn new(stream: StreamId, ticket: u64, event: Event) -> Self {
+        Guard {
+            stream,
+            ticket,
+            event,
+        }
+    }
 }
 
 /// The guards of a free region: at most one per stream.
@@ -41,16 +54,14 @@ impl Guards {
         }
     }
 
+    /// Merges in another region's guards: at most one per stream stays, so the list is bounded
+    /// by the streams that used the memory. Guards the GPU has passed are not dropped here:
+    /// that needs a driver query per event, and this runs under the global lock (it did, once);
+    /// `order` skips them.
     fn merge(&mut self, other: Guards) {
         for guard in other.0 {
             self.add(guard);
         }
-        self.prune();
-    }
-
-    /// Drops the guards the GPU has passed.
-    pub(super) fn prune(&mut self) {
-        self.0.retain(|g| !g.event.is_complete());
     }
 
     /// Makes `stream` wait for every guard of another stream that is not complete yet.
@@ -63,11 +74,17 @@ impl Guards {
         Ok(())
     }
 
+    /// The streams of the guards the GPU has not passed yet, for the dump.
     pub(super) fn describe(&self) -> String {
-        if self.0.is_empty() {
+        let streams: Vec<String> = self
+            .0
+            .iter()
+            .filter(|g| !g.event.is_complete())
+            .map(|g| g.stream.to_string())
+            .collect();
+        if streams.is_empty() {
             return String::new();
         }
-        let streams: Vec<String> = self.0.iter().map(|g| g.stream.to_string()).collect();
         format!(", ordered after {}", streams.join(", "))
     }
 }
@@ -113,7 +130,6 @@ pub(super) struct Global {
     /// way back upstream is not in it (nor in `regions`), but still counts in the resource's
     /// `reserved` until the upstream took it.
     pub(super) chunks: BTreeMap<u64, u64>,
-    next_ticket: u64,
 }
 
 impl Global {
@@ -124,20 +140,7 @@ impl Global {
             lent: BTreeMap::new(),
             large: FxHashMap::default(),
             chunks: BTreeMap::new(),
-            next_ticket: 0,
         }
-    }
-
-    /// Records a guard on `stream`. Recording under the global lock makes tickets follow the
-    /// order of the events on each stream.
-    pub(super) fn guard(&mut self, stream: &Stream) -> Result<Guard> {
-        let event = stream.record()?;
-        self.next_ticket += 1;
-        Ok(Guard {
-            stream: stream.id(),
-            ticket: self.next_ticket,
-            event,
-        })
     }
 
     pub(super) fn free_bytes(&self) -> u64 {
@@ -172,7 +175,6 @@ impl Global {
                 size += region.size;
             }
         }
-        guards.prune();
         self.by_size.insert((size, addr));
         self.regions.insert(addr, Region { size, guards });
     }

@@ -34,8 +34,9 @@
 //!   Whoever takes the memory from the global arena later makes its stream wait on every guard
 //!   of the region it came from (unless the guard is its own stream's, or already complete).
 //!   Coalesced regions keep the union of their guards, one per stream: the latest, known by a
-//!   ticket taken under the global lock together with the recording. A chunk grown on stream T
-//!   is guarded by T as well (a stream-ordered upstream hands it out in T's order).
+//!   ticket taken together with the recording under the lock of the stream's arena (every
+//!   guard of a stream is recorded under it, never under the global lock). A chunk grown on
+//!   stream T is guarded by T as well (a stream-ordered upstream hands it out in T's order).
 //!
 //! ## Superblocks going back, and moving between streams
 //!
@@ -102,7 +103,11 @@
 //! fast path takes only its stream arena's lock; a free of a block of another stream's arena
 //! looks its owner up under the global lock and takes the owner's lock before letting the
 //! global one go, so that a superblock moving between stream arenas (under the global lock)
-//! is never seen halfway.
+//! is never seen halfway. No driver call is made under the global lock on the paths that run
+//! often: a guard's event is recorded under its stream arena's lock, and guards are merged
+//! without querying their events (at most one per stream is kept; waits skip the complete
+//! ones). Moving a superblock between streams records and waits under it: rare, and it must
+//! not be seen halfway.
 //!
 //! ## Files
 //!
@@ -236,6 +241,8 @@ pub struct ArenaResource<U: MemoryResource> {
     defragments: AtomicU64,
     superblock_moves: AtomicU64,
     chunks_released: AtomicU64,
+    /// Tickets of guard events (see `record_guard`).
+    next_ticket: AtomicU64,
     /// Tasks waiting in `allocate_async` for memory to come back.
     waiters: MemoryWaiters,
     /// A stream of the arena's own, for the initial chunk and for returning chunks upstream.
@@ -304,6 +311,7 @@ impl<U: MemoryResource> ArenaResource<U> {
             defragments: AtomicU64::new(0),
             superblock_moves: AtomicU64::new(0),
             chunks_released: AtomicU64::new(0),
+            next_ticket: AtomicU64::new(0),
             waiters: MemoryWaiters::new(),
         };
         if options.initial > 0 {
