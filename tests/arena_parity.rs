@@ -305,6 +305,17 @@ fn trim_waits_for_the_work_on_its_chunks() {
     }
 }
 
+/// The trim future can be sent to another thread (a runtime's worker).
+#[test]
+fn the_trim_future_is_send() {
+    fn send<T: Send>(_: &T) {}
+    let device = &devices()[0];
+    let mr = arena(device, 0, MIB);
+    let trim = mr.trim();
+    send(&trim);
+    drop(trim);
+}
+
 /// A `trim` dropped while it waits for the GPU puts the chunks it took back: nothing is lost,
 /// the arena is whole and serves its maximum, and a later trim gives them back.
 #[test]
