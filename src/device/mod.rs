@@ -550,20 +550,34 @@ impl Device {
 pub(crate) struct AsyncPoolSettings {
     /// Freed bytes the pool keeps across synchronizations (`u64::MAX`: all of them).
     pub(crate) release_threshold: u64,
-    /// The most the pool may hold; `None`: the device's memory.
+    /// The most the pool may hold (`maxSize` on CUDA, which the driver rounds up; no cap on
+    /// the simulated pool, see `AsyncPool::new`); `None`: the device's memory.
     pub(crate) maximum: Option<usize>,
 }
 
-/// A driver memory pool that one owner (a resource) holds: `cuMemPoolCreate` on CUDA (its own,
-/// not the device's default pool), [`sim::memory::SimPool`] on the simulated device.
+/// A driver memory pool, as a resource holds it: one it created and owns (`cuMemPoolCreate` on
+/// CUDA, [`sim::memory::SimPool`] on the simulated device), or a view of one that exists
+/// already (the device's default pool, or a pool someone else made), which it only uses.
 /// Allocations are stream-ordered (`cuMemAllocFromPoolAsync`), and so are frees
-/// (`cuMemFreeAsync`). Dropping it destroys the pool; memory still allocated from it is
-/// released once freed (the driver's rule, which the simulated pool follows).
+/// (`cuMemFreeAsync`). Dropping an owned pool destroys it; memory still allocated from it is
+/// released once freed (the driver's rule, which the simulated pool follows). Dropping a view
+/// leaves the pool as it is.
 pub(crate) struct AsyncPool {
     device: Device,
     raw: RawPool,
     maximum: Option<usize>,
+    /// Created by this handle, destroyed by its drop; false for a view.
+    owned: bool,
 }
+
+/// The simulated devices' default pools: one per device, made on first use and kept while the
+/// device lives (as a CUDA context keeps its device's default pool). Entries of dropped devices
+/// are let go at the next lookup. Not in the loom build, where a model's objects must not
+/// outlive it: there each lookup makes a new pool.
+#[cfg(not(streamalloc_loom))]
+static SIM_DEFAULT_POOLS: std::sync::Mutex<
+    Vec<(std::sync::Weak<DeviceInner>, Arc<sim::memory::SimPool>)>,
+> = std::sync::Mutex::new(Vec::new());
 
 enum RawPool {
     Cuda(cuda::RawPool),
@@ -580,7 +594,9 @@ impl fmt::Debug for AsyncPool {
         if let Ok(used) = self.used() {
             s.field("used", &used);
         }
-        s.field("maximum", &self.maximum).finish()
+        s.field("maximum", &self.maximum)
+            .field("owned", &self.owned)
+            .finish()
     }
 }
 
@@ -596,17 +612,113 @@ impl AsyncPool {
             Backend::Cuda(d) => RawPool::Cuda(
                 d.create_pool(settings.release_threshold, settings.maximum.unwrap_or(0))?,
             ),
+            // No cap on the simulated pool: the driver's `maxSize` is only a physical cap,
+            // rounded up to its own granularity and loose (it reuses a block freed on the same
+            // stream before the GPU reaches the free, which the simulated pool cannot), so the
+            // resource above enforces the maximum by counting, on both devices alike.
             Backend::Sim(d) => RawPool::Sim(Arc::new(sim::memory::SimPool::new(
                 d.memory.clone(),
                 settings.release_threshold,
-                settings.maximum.unwrap_or(usize::MAX),
+                usize::MAX,
             ))),
         };
         Ok(AsyncPool {
             device: device.clone(),
             raw,
             maximum: settings.maximum,
+            owned: true,
         })
+    }
+
+    /// A view of `device`'s default pool (`cuDeviceGetDefaultMemPool`): the pool that
+    /// `cuMemAllocAsync` and other libraries in the process use. On the simulated device, a
+    /// pool per device made on first use (release threshold 0, no maximum, as the driver's).
+    pub(crate) fn default_pool(device: &Device) -> Result<AsyncPool> {
+        let raw = match device.backend() {
+            Backend::Cuda(d) => {
+                // Here rather than in cuda.rs, which holds every other driver call, only
+                // because this change was limited to this section; it belongs there.
+                d.ctx.bind()?;
+                let dev = cudarc::driver::result::device::get(d.ordinal as i32)
+                    .map_err(|e| Error::driver("cuDeviceGet", e))?;
+                let mut pool: cudarc::driver::sys::CUmemoryPool = std::ptr::null_mut();
+                // SAFETY: `dev` is a valid device (the context is retained) and `pool` is a
+                // place for one handle, which the driver writes on success.
+                unsafe { cudarc::driver::sys::cuDeviceGetDefaultMemPool(&mut pool, dev) }
+                    .result()
+                    .map_err(|e| Error::driver("cuDeviceGetDefaultMemPool", e))?;
+                RawPool::Cuda(cuda::Handle(pool))
+            }
+            Backend::Sim(d) => RawPool::Sim(Self::sim_default_pool(device, d)),
+        };
+        Ok(AsyncPool {
+            device: device.clone(),
+            raw,
+            maximum: None,
+            owned: false,
+        })
+    }
+
+    #[cfg(not(streamalloc_loom))]
+    fn sim_default_pool(device: &Device, d: &sim::SimDevice) -> Arc<sim::memory::SimPool> {
+        let mut pools = SIM_DEFAULT_POOLS.lock().unwrap_or_else(|e| e.into_inner());
+        pools.retain(|(owner, _)| owner.strong_count() > 0);
+        let me = Arc::downgrade(&device.inner);
+        if let Some((_, pool)) = pools.iter().find(|(owner, _)| owner.ptr_eq(&me)) {
+            return pool.clone();
+        }
+        let pool = Arc::new(sim::memory::SimPool::new(d.memory.clone(), 0, usize::MAX));
+        pools.push((me, pool.clone()));
+        pool
+    }
+
+    #[cfg(streamalloc_loom)]
+    fn sim_default_pool(_: &Device, d: &sim::SimDevice) -> Arc<sim::memory::SimPool> {
+        Arc::new(sim::memory::SimPool::new(d.memory.clone(), 0, usize::MAX))
+    }
+
+    /// A view of an existing driver pool, which this handle uses and never destroys. CUDA
+    /// only: a raw pool handle means nothing to the simulated device
+    /// ([`Error::InvalidArgument`] there).
+    ///
+    /// # Safety
+    /// `pool` is a live `CUmemoryPool` of `device`'s memory, and stays live as long as this
+    /// view and every allocation made through it.
+    pub(crate) unsafe fn view(
+        device: &Device,
+        pool: cudarc::driver::sys::CUmemoryPool,
+    ) -> Result<AsyncPool> {
+        match device.backend() {
+            Backend::Cuda(_) if !pool.is_null() => Ok(AsyncPool {
+                device: device.clone(),
+                raw: RawPool::Cuda(cuda::Handle(pool)),
+                maximum: None,
+                owned: false,
+            }),
+            Backend::Cuda(_) => Err(Error::InvalidArgument {
+                what: "a null driver memory pool handle",
+            }),
+            Backend::Sim(_) => Err(Error::InvalidArgument {
+                what: "a raw driver memory pool handle can only be viewed on a CUDA device",
+            }),
+        }
+    }
+
+    /// The driver's handle of the pool (CUDA only), to give to code that uses it directly.
+    pub(crate) fn raw_handle(&self) -> Option<cudarc::driver::sys::CUmemoryPool> {
+        match &self.raw {
+            RawPool::Cuda(p) => Some(p.0),
+            RawPool::Sim(_) => None,
+        }
+    }
+
+    /// Whether two handles use the same pool.
+    pub(crate) fn same_pool(&self, other: &AsyncPool) -> bool {
+        match (&self.raw, &other.raw) {
+            (RawPool::Cuda(a), RawPool::Cuda(b)) => a.0 == b.0,
+            (RawPool::Sim(a), RawPool::Sim(b)) => Arc::ptr_eq(a, b),
+            _ => false,
+        }
     }
 
     pub(crate) fn device(&self) -> &Device {
@@ -756,6 +868,10 @@ impl AsyncPool {
 
 impl Drop for AsyncPool {
     fn drop(&mut self) {
+        if !self.owned {
+            // A view: the pool is someone else's (or the device's), and stays.
+            return;
+        }
         match (&self.raw, self.device.backend()) {
             // SAFETY: the pool is ours, destroyed only here, and `&mut self` means nothing
             // allocates from it any more.

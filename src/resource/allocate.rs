@@ -69,7 +69,8 @@ impl<R: MemoryResource + ?Sized> fmt::Debug for Allocate<'_, R> {
 impl<'a, R: MemoryResource + ?Sized> Allocate<'a, R> {
     /// Gives up with [`Error::Timeout`] (saying how long it waited) if no memory came within
     /// `limit` of the moment it started waiting (its first try failing; memory that is there at
-    /// once never times out). Works on any runtime: a crate thread keeps the deadlines.
+    /// once never times out). Works on any runtime: a crate thread keeps the deadlines. A limit
+    /// so long that its end cannot be represented (`Duration::MAX`, say) means no limit.
     pub fn timeout(mut self, limit: Duration) -> Self {
         self.limit = Some(limit);
         self
@@ -139,8 +140,9 @@ impl<R: MemoryResource + ?Sized> Future for Allocate<'_, R> {
         if this.id.is_none() {
             let started = waiters::now();
             this.started = Some(started);
-            if let Some(limit) = this.limit {
-                let at = started + limit;
+            // A limit too far ahead to be an `Instant` (`Duration::MAX`: "no limit") sets no
+            // deadline.
+            if let Some(at) = this.limit.and_then(|limit| started.checked_add(limit)) {
                 this.deadline = Some(this.deadline.map_or(at, |d| d.min(at)));
             }
             tracing::debug!(bytes = this.bytes, stream = %this.stream.id(), "waiting for memory");

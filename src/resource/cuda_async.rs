@@ -1,12 +1,15 @@
 //! [`CudaAsyncResource`]: the driver's stream-ordered allocator (`cuMemAllocFromPoolAsync` /
-//! `cuMemFreeAsync`) on a pool of its own, as RMM's `cuda_async_memory_resource`.
+//! `cuMemFreeAsync`) on a pool of its own, as RMM's `cuda_async_memory_resource`, or on a pool
+//! that exists already (the device's default pool among them), as RMM's
+//! `cuda_async_view_memory_resource`.
 
 use std::fmt;
 
 use crate::device::{AsyncPool, AsyncPoolSettings, Device, DevicePtr};
 use crate::error::{Error, Result};
-use crate::resource::{check_stream, MemoryKind, MemoryResource};
+use crate::resource::{aligned_size, check_stream, MemoryKind, MemoryResource};
 use crate::stream::Stream;
+use crate::sync::{AtomicUsize, Ordering};
 
 /// Settings of a [`CudaAsyncResource`].
 ///
@@ -31,13 +34,18 @@ pub struct CudaAsyncOptions {
     /// memory (RMM's `initial_pool_size`). Only stays if the release threshold allows it.
     /// `None` or zero: start empty.
     pub initial_pool_size: Option<usize>,
-    /// The most the pool may hold (`CUmemPoolProps::maxSize`); `None`: the device's memory.
+    /// The most this resource hands out at once, in bytes: the driver pool's
+    /// `CUmemPoolProps::maxSize`, and a count the resource keeps itself (see
+    /// [`CudaAsyncResource`]: the driver rounds `maxSize` up to its own granularity, so it
+    /// alone would let a little more through). `None`: the device's memory.
     pub maximum_pool_size: Option<usize>,
 }
 
 /// Device memory from the driver's stream-ordered allocator, on a driver pool that this
-/// resource creates and owns (not the device's default pool, which other libraries in the
-/// process may reconfigure or trim).
+/// resource creates and owns ([`new`](Self::new): not the device's default pool, which other
+/// libraries in the process may reconfigure or trim), or on one that exists already
+/// ([`default_pool`](Self::default_pool), [`view`](Self::view)), to share memory with code that
+/// allocates from it directly.
 ///
 /// What it promises:
 ///
@@ -47,22 +55,42 @@ pub struct CudaAsyncOptions {
 ///   that itself);
 /// - allocations are at least 256-aligned; zero bytes gives a null pointer without a driver
 ///   call, and `deallocate` takes it back with zero bytes;
+/// - **the maximum holds exactly, on every device.** The driver rounds a pool's `maxSize` up
+///   to its own granularity (on an H200, a pool of 4 MiB served 4 MiB and then 1 MiB more), so
+///   the resource counts the bytes it has handed out itself, each allocation rounded up to 256
+///   bytes ([`allocated_bytes`](Self::allocated_bytes)), and refuses a request that would take
+///   the count past `maximum_pool_size`, before calling the driver. A free counts when it is
+///   *issued*, not when the GPU reaches it: the count is the bytes the program holds, which is
+///   what a maximum is about, and it needs no host wait. So right after a free the driver may
+///   still refuse a request the count allows (the freed memory is not reusable until the
+///   stream reaches the free, and the pool's physical limit is the driver's); that is an
+///   [`Error::OutOfMemory`] too, and nothing is lost;
 /// - `allocate` fails with [`Error::OutOfMemory`] carrying the bytes requested, what could
-///   still be had (the device's free memory plus what the pool keeps, within the pool's
-///   maximum) and the maximum; the resource works as before afterwards;
+///   still be had (under the resource's own maximum: the maximum minus the count; from the
+///   driver: the device's free memory plus what the pool keeps, within the pool's maximum) and
+///   the maximum; the resource works as before afterwards;
 /// - [`trim_to`](Self::trim_to), [`reserved_bytes`](Self::reserved_bytes) and
-///   [`used_bytes`](Self::used_bytes) expose the pool's state;
-/// - dropping it destroys the pool. Memory still allocated from it is released by the driver
-///   once freed, so drop every buffer made from it first; buffers hold a
-///   [`ResourceRef`](crate::ResourceRef), so as long as they are made through one they keep
-///   the resource alive and this happens by itself.
+///   [`used_bytes`](Self::used_bytes) expose the pool's state (for a view, the shared pool's:
+///   every user's memory, not only this resource's);
+/// - dropping a resource made by [`new`](Self::new) destroys its pool. Memory still allocated
+///   from it is released by the driver once freed, so drop every buffer made from it first;
+///   buffers hold a [`ResourceRef`](crate::ResourceRef), so as long as they are made through
+///   one they keep the resource alive and this happens by itself. Dropping a view leaves its
+///   pool alone.
 ///
 /// On the simulated device the pool is modelled: see `SimPool` in the device layer. Freed
 /// blocks are kept once the stream reaches the free and are reused for requests of the same
 /// rounded size; the release threshold is applied at each free rather than at each
-/// synchronization.
+/// synchronization; it has no `maxSize` of its own (the resource's count is the maximum on
+/// both devices).
 pub struct CudaAsyncResource {
     pool: AsyncPool,
+    /// The most it hands out at once (`maximum_pool_size`); `None`: no limit of its own.
+    maximum: Option<usize>,
+    /// Bytes handed out and not given back through this resource, each allocation rounded up
+    /// to 256: raised before the driver is asked (so threads cannot pass the maximum
+    /// together), lowered when a free is issued.
+    allocated: AtomicUsize,
 }
 
 impl CudaAsyncResource {
@@ -82,7 +110,11 @@ impl CudaAsyncResource {
                 maximum: options.maximum_pool_size,
             },
         )?;
-        let resource = Self { pool };
+        let resource = Self {
+            pool,
+            maximum: options.maximum_pool_size,
+            allocated: AtomicUsize::new(0),
+        };
         if let Some(initial) = options.initial_pool_size.filter(|&n| n > 0) {
             let stream = device.create_stream()?;
             let ptr = resource.pool.alloc_async(initial, &stream)?;
@@ -99,6 +131,74 @@ impl CudaAsyncResource {
             "created a stream-ordered driver pool"
         );
         Ok(resource)
+    }
+
+    /// A resource over `device`'s default memory pool, the pool that `cuMemAllocAsync` (and so
+    /// most libraries that allocate stream-ordered) uses: RMM's
+    /// `cuda_async_view_memory_resource` of `cudaDeviceGetDefaultMemPool`. Memory freed by
+    /// either side is reused by the other. It changes no setting of the pool (its release
+    /// threshold is the driver's default, 0, unless someone raised it) and has no maximum of
+    /// its own. On the simulated device, every call for one device shares one pool, kept while
+    /// the device lives.
+    ///
+    /// ```
+    /// use streamalloc::{CudaAsyncResource, Device, MemoryResource, SimConfig};
+    ///
+    /// let device = Device::simulated(SimConfig::default());
+    /// let stream = device.create_stream()?;
+    /// let a = CudaAsyncResource::default_pool(&device)?;
+    /// let b = CudaAsyncResource::default_pool(&device)?;
+    /// assert!(a.shares_pool_with(&b));
+    /// let ptr = a.allocate(1 << 20, &stream)?;
+    /// // SAFETY: unused, freed once, on the stream it was allocated on.
+    /// unsafe { a.deallocate(ptr, 1 << 20, &stream)? };
+    /// # Ok::<(), streamalloc::Error>(())
+    /// ```
+    ///
+    /// Errors: [`Error::Driver`] if the driver has no pool for the device.
+    pub fn default_pool(device: &Device) -> Result<Self> {
+        Ok(Self {
+            pool: AsyncPool::default_pool(device)?,
+            maximum: None,
+            allocated: AtomicUsize::new(0),
+        })
+    }
+
+    /// A resource over an existing driver pool, made by other code (`cuMemPoolCreate`, or
+    /// `cuDeviceGetMemPool`): RMM's `cuda_async_view_memory_resource`. It uses the pool and
+    /// never destroys it, changes none of its settings, and has no maximum of its own. CUDA
+    /// only: on the simulated device it returns [`Error::InvalidArgument`] (use
+    /// [`default_pool`](Self::default_pool) there, or share the resource itself).
+    ///
+    /// # Safety
+    /// `pool` is a live `CUmemoryPool` of `device`'s memory (device-located, of this device),
+    /// and stays live as long as this resource and every allocation made through it.
+    pub unsafe fn view(device: &Device, pool: cudarc::driver::sys::CUmemoryPool) -> Result<Self> {
+        Ok(Self {
+            // SAFETY: the caller's contract, passed on.
+            pool: unsafe { AsyncPool::view(device, pool) }?,
+            maximum: None,
+            allocated: AtomicUsize::new(0),
+        })
+    }
+
+    /// The driver's handle of the pool, to give to code that allocates from it directly (CUDA
+    /// only; `None` on the simulated device). Valid as long as this resource lives (for a
+    /// view, as long as its owner keeps it).
+    pub fn raw_pool(&self) -> Option<cudarc::driver::sys::CUmemoryPool> {
+        self.pool.raw_handle()
+    }
+
+    /// Whether `other` allocates from the same driver pool (two views of the default pool do).
+    pub fn shares_pool_with(&self, other: &CudaAsyncResource) -> bool {
+        self.pool.same_pool(&other.pool)
+    }
+
+    /// Bytes handed out through this resource and not given back, each allocation rounded up
+    /// to 256 bytes; a free counts when it is issued (see the type's documentation). What the
+    /// maximum is checked against.
+    pub fn allocated_bytes(&self) -> usize {
+        self.allocated.load(Ordering::Acquire)
     }
 
     /// Gives freed memory back to the device until the pool holds at most `keep_bytes`
@@ -134,9 +234,46 @@ impl CudaAsyncResource {
         self.pool.set_release_threshold(bytes as u64)
     }
 
-    /// The most the pool may hold: its maximum size, or the device's memory.
+    /// The most this resource hands out at once: its maximum size, or the device's memory.
     pub fn maximum_bytes(&self) -> usize {
-        self.pool.maximum()
+        self.maximum.unwrap_or_else(|| self.pool.maximum())
+    }
+
+    /// Counts `size` more bytes, unless that would pass the maximum.
+    fn reserve(&self, bytes: usize, size: usize) -> Result<()> {
+        let Some(maximum) = self.maximum else {
+            self.allocated.fetch_add(size, Ordering::AcqRel);
+            return Ok(());
+        };
+        self.allocated
+            .fetch_update(Ordering::AcqRel, Ordering::Acquire, |allocated| {
+                allocated
+                    .checked_add(size)
+                    .filter(|&total| total <= maximum)
+            })
+            .map(drop)
+            .map_err(|allocated| {
+                tracing::debug!(
+                    requested = bytes,
+                    allocated,
+                    maximum,
+                    "CudaAsyncResource: over its maximum"
+                );
+                Error::OutOfMemory {
+                    requested: bytes,
+                    available: maximum.saturating_sub(allocated),
+                    maximum,
+                }
+            })
+    }
+
+    fn unreserve(&self, size: usize) {
+        // Never below zero, even if a caller broke `deallocate`'s contract with a wrong size.
+        let _ = self
+            .allocated
+            .fetch_update(Ordering::AcqRel, Ordering::Acquire, |allocated| {
+                Some(allocated.saturating_sub(size))
+            });
     }
 }
 
@@ -144,6 +281,8 @@ impl fmt::Debug for CudaAsyncResource {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         f.debug_struct("CudaAsyncResource")
             .field("pool", &self.pool)
+            .field("maximum", &self.maximum)
+            .field("allocated", &self.allocated_bytes())
             .finish()
     }
 }
@@ -157,13 +296,17 @@ impl MemoryResource for CudaAsyncResource {
         MemoryKind::Device
     }
 
-    /// `cuMemAllocFromPoolAsync` on `stream`. Never blocks.
+    /// `cuMemAllocFromPoolAsync` on `stream`, within the resource's maximum. Never blocks.
     fn allocate(&self, bytes: usize, stream: &Stream) -> Result<DevicePtr> {
         check_stream(self.pool.device(), stream)?;
         if bytes == 0 {
             return Ok(DevicePtr(0));
         }
-        self.pool.alloc_async(bytes, stream)
+        let size = aligned_size(bytes)?;
+        self.reserve(bytes, size)?;
+        self.pool.alloc_async(bytes, stream).inspect_err(|_| {
+            self.unreserve(size);
+        })
     }
 
     /// `cuMemFreeAsync` on `stream`. Never blocks.
@@ -172,12 +315,18 @@ impl MemoryResource for CudaAsyncResource {
         match (ptr.0, bytes) {
             (0, 0) => Ok(()),
             (0, _) | (_, 0) => Err(Error::UnknownPointer { ptr: ptr.0, bytes }),
-            // SAFETY: the caller's contract: `ptr` came from `allocate` (so from this pool),
-            // is freed once, and its uses are ordered before this point of `stream`.
-            _ => unsafe { self.pool.free_async(ptr, stream) }.map_err(|e| match e {
-                Error::UnknownPointer { ptr, .. } => Error::UnknownPointer { ptr, bytes },
-                other => other,
-            }),
+            _ => {
+                // SAFETY: the caller's contract: `ptr` came from `allocate` (so from this
+                // pool), is freed once, and its uses are ordered before this point of `stream`.
+                unsafe { self.pool.free_async(ptr, stream) }.map_err(|e| match e {
+                    Error::UnknownPointer { ptr, .. } => Error::UnknownPointer { ptr, bytes },
+                    other => other,
+                })?;
+                // Counted when issued (see the type's documentation). `bytes` was accepted by
+                // `allocate`, so rounding it cannot overflow.
+                self.unreserve(aligned_size(bytes).unwrap_or(bytes));
+                Ok(())
+            }
         }
     }
 }

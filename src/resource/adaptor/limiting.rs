@@ -19,8 +19,11 @@ use crate::sync::{AtomicUsize, Ordering};
 /// - The upstream's errors pass through unchanged, and the reservation made for the request
 ///   is given back (nothing leaks).
 /// - **It has its own [`MemoryWaiters`]** (returned by `memory_waiters()`, not the upstream's):
-///   every successful `deallocate` through it, and every reservation given back after an
-///   upstream failure, notifies them. So
+///   every successful `deallocate` through it notifies them, and so does a reservation given
+///   back after an upstream failure *if the limit refused someone meanwhile* (that refusal may
+///   have been a waiter's retry, which our reservation made fail). A rollback that refused
+///   nobody notifies nobody: the caller is often the first waiter itself, and waking it for its
+///   own rollback would make it retry at once, forever, while the upstream stays full. So
 ///   [`allocate_async`](crate::AllocateAsync::allocate_async) on it waits for memory freed
 ///   through it instead of failing, and a request above the limit fails at once. (A wait caused
 ///   by the *upstream* running out is woken only by frees through this adaptor too: put the
@@ -30,18 +33,87 @@ use crate::sync::{AtomicUsize, Ordering};
 /// pass the limit together, and no lock is taken.
 pub struct LimitingAdaptor<U: MemoryResource> {
     upstream: U,
-    limit: usize,
-    /// Bytes reserved: outstanding allocations (rounded up to 256), plus requests between
-    /// their reservation and the upstream's answer. Never above `limit`.
-    used: AtomicUsize,
+    limit: Limit,
     waiters: MemoryWaiters,
+}
+
+/// The byte count of a [`LimitingAdaptor`] and its refusal mark, apart from the adaptor so that
+/// the loom models (`loom-tests/waiters.rs`) run this very code.
+#[derive(Debug)]
+pub(crate) struct Limit {
+    limit: usize,
+    /// Bytes reserved (outstanding allocations, rounded up to 256, plus requests between their
+    /// reservation and the upstream's answer; never above `limit`), and in bit 0 (`REFUSED`)
+    /// whether the limit refused a request since the last release. Sizes are multiples of 256,
+    /// so bit 0 is free. One atomic, so that a refusal and a release are ordered: a rollback
+    /// either sees the refusal its reservation caused, or the refused request saw the rollback.
+    state: AtomicUsize,
+}
+
+/// Bit 0 of `Limit::state`: the limit refused a request since the last release.
+const REFUSED: usize = 1;
+
+impl Limit {
+    pub(crate) fn new(limit: usize) -> Self {
+        Self {
+            limit,
+            state: AtomicUsize::new(0),
+        }
+    }
+
+    pub(crate) fn limit(&self) -> usize {
+        self.limit
+    }
+
+    /// Bytes reserved now.
+    pub(crate) fn used(&self) -> usize {
+        self.state.load(Ordering::Acquire) & !REFUSED
+    }
+
+    /// Reserves `size` bytes (a multiple of 256) under the limit, or returns the bytes that
+    /// were reserved then (and marks the refusal, for [`give_back`](Self::give_back)).
+    pub(crate) fn reserve(&self, size: usize) -> std::result::Result<(), usize> {
+        let mut state = self.state.load(Ordering::Acquire);
+        loop {
+            let used = state & !REFUSED;
+            let fits = used.checked_add(size).filter(|&total| total <= self.limit);
+            // A refusal is written too (even when the bit is already set): it must be ordered
+            // with the releases in `state`'s modification order.
+            let next = match fits {
+                Some(total) => total | (state & REFUSED),
+                None => state | REFUSED,
+            };
+            match self
+                .state
+                .compare_exchange_weak(state, next, Ordering::AcqRel, Ordering::Acquire)
+            {
+                Ok(_) if fits.is_some() => return Ok(()),
+                Ok(_) => return Err(used),
+                Err(actual) => state = actual,
+            }
+        }
+    }
+
+    /// Gives `size` bytes back, clearing the refusal mark; returns whether it was set: whether
+    /// the limit refused a request since the last release (perhaps because of these bytes).
+    pub(crate) fn give_back(&self, size: usize) -> bool {
+        // Never below zero, even if a caller broke `deallocate`'s contract with a wrong size
+        // that the upstream accepted.
+        let previous = self
+            .state
+            .fetch_update(Ordering::AcqRel, Ordering::Acquire, |state| {
+                Some((state & !REFUSED).saturating_sub(size))
+            })
+            .unwrap_or_else(|state| state);
+        previous & REFUSED != 0
+    }
 }
 
 impl<U: MemoryResource> fmt::Debug for LimitingAdaptor<U> {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         f.debug_struct("LimitingAdaptor")
             .field("upstream", &self.upstream)
-            .field("limit", &self.limit)
+            .field("limit", &self.limit())
             .field("used", &self.used())
             .field("waiters", &self.waiters)
             .finish()
@@ -53,8 +125,7 @@ impl<U: MemoryResource> LimitingAdaptor<U> {
     pub fn new(upstream: U, limit: usize) -> Self {
         Self {
             upstream,
-            limit,
-            used: AtomicUsize::new(0),
+            limit: Limit::new(limit),
             waiters: MemoryWaiters::new(),
         }
     }
@@ -66,17 +137,17 @@ impl<U: MemoryResource> LimitingAdaptor<U> {
 
     /// The limit, in bytes (RMM's `get_allocation_limit`).
     pub fn limit(&self) -> usize {
-        self.limit
+        self.limit.limit()
     }
 
     /// Bytes outstanding, each allocation rounded up to 256 (RMM's `get_allocated_bytes`).
     pub fn used(&self) -> usize {
-        self.used.load(Ordering::Acquire)
+        self.limit.used()
     }
 
     /// Bytes that can still be allocated: limit − used.
     pub fn available(&self) -> usize {
-        self.limit.saturating_sub(self.used())
+        self.limit().saturating_sub(self.used())
     }
 
     /// What waiting for memory in `allocate_async` on this adaptor has cost.
@@ -84,38 +155,38 @@ impl<U: MemoryResource> LimitingAdaptor<U> {
         self.waiters.stats()
     }
 
-    /// Reserves `size` bytes under the limit, or says how much there was.
+    /// Reserves `size` bytes (a multiple of 256) under the limit, or says how much there was
+    /// (and marks the refusal, for `rollback`).
     fn reserve(&self, size: usize) -> Result<()> {
-        self.used
-            .fetch_update(Ordering::AcqRel, Ordering::Acquire, |used| {
-                used.checked_add(size).filter(|&total| total <= self.limit)
-            })
-            .map(drop)
-            .map_err(|used| {
-                tracing::debug!(
-                    requested = size,
-                    used,
-                    limit = self.limit,
-                    "LimitingAdaptor: over the limit"
-                );
-                Error::OutOfMemory {
-                    requested: size,
-                    available: self.limit.saturating_sub(used),
-                    maximum: self.limit,
-                }
-            })
+        self.limit.reserve(size).map_err(|used| {
+            tracing::debug!(
+                requested = size,
+                used,
+                limit = self.limit(),
+                "LimitingAdaptor: over the limit"
+            );
+            Error::OutOfMemory {
+                requested: size,
+                available: self.limit().saturating_sub(used),
+                maximum: self.limit(),
+            }
+        })
     }
 
-    /// Gives `size` reserved bytes back and wakes a waiter.
+    /// Memory freed through the adaptor: give it back and wake the first waiter.
     fn release(&self, size: usize) {
-        // Never below zero, even if a caller broke `deallocate`'s contract with a wrong size
-        // that the upstream accepted.
-        let _ = self
-            .used
-            .fetch_update(Ordering::AcqRel, Ordering::Acquire, |used| {
-                Some(used.saturating_sub(size))
-            });
+        self.limit.give_back(size);
         self.waiters.notify();
+    }
+
+    /// The upstream refused a request we had reserved for: give the reservation back, and wake
+    /// the first waiter only if the limit refused someone while we held it (that may have been
+    /// the waiter's retry). Otherwise nobody's failure was ours, and the first waiter is often
+    /// the caller itself: waking it would only make it fail again at once, in a loop.
+    fn rollback(&self, size: usize) {
+        if self.limit.give_back(size) {
+            self.waiters.notify();
+        }
     }
 }
 
@@ -137,8 +208,9 @@ impl<U: MemoryResource> MemoryResource for LimitingAdaptor<U> {
         match self.upstream.allocate(bytes, stream) {
             Ok(ptr) => Ok(ptr),
             Err(e) => {
-                // Our reservation may have made a waiter fail meanwhile: `release` wakes it.
-                self.release(size);
+                // Our reservation may have made a waiter fail meanwhile: `rollback` wakes it
+                // then, and only then.
+                self.rollback(size);
                 Err(e)
             }
         }

@@ -32,6 +32,9 @@ mod tracking;
 
 pub use self::aligned::AlignedAdaptor;
 pub use self::failure_callback::FailureCallbackAdaptor;
+/// For the loom models (`loom-tests/waiters.rs`), which drive the adaptor's byte count.
+#[cfg(all(test, streamalloc_loom))]
+pub(crate) use self::limiting::Limit;
 pub use self::limiting::LimitingAdaptor;
 pub use self::logging::{LoggingAdaptor, LOG_FILE_ENV};
 pub use self::prefetch::PrefetchAdaptor;

@@ -1,0 +1,551 @@
+//! How an arena serves requests and takes memory back: stream arenas, superblocks taken from
+//! the global arena, moved between streams and returned to it, large blocks, growth, and
+//! frees (on the owner's stream or on another).
+
+use super::global::{Guard, Guards, Large, Lent};
+use super::stream_arena::{cache, LocalFree, Remote, StreamArena};
+use super::ArenaResource;
+use crate::error::{Error, Result};
+use crate::resource::{MemoryResource, ALIGNMENT};
+use crate::stream::{Stream, StreamId};
+use crate::sync::{Arc, Ordering};
+
+impl<U: MemoryResource> ArenaResource<U> {
+    // ===== stream arenas =====
+
+    /// The arena of `stream`, made on first use.
+    pub(super) fn arena_for(&self, stream: &Stream) -> Arc<StreamArena> {
+        let id = stream.id().get();
+        if let Some(arena) = cache::get(self.uid, id) {
+            return arena;
+        }
+        let arena = self
+            .registry
+            .lock()
+            .entry(id)
+            .or_insert_with(|| Arc::new(StreamArena::new(stream)))
+            .clone();
+        cache::put(self.uid, id, &arena);
+        arena
+    }
+
+    /// The arena of `stream` if it has one.
+    fn existing_arena_for(&self, stream: &Stream) -> Option<Arc<StreamArena>> {
+        let id = stream.id().get();
+        cache::get(self.uid, id).or_else(|| self.registry.lock().get(&id).cloned())
+    }
+
+    /// Orders `arena`'s stream after the streams its remote frees were issued on, then gives
+    /// the blocks to its free list; takes `want` bytes afterwards if asked. A block whose
+    /// superblock moved to another stream arena meanwhile is forwarded to it.
+    pub(super) fn adopt(
+        &self,
+        arena: &StreamArena,
+        remote: Vec<Remote>,
+        want: Option<u64>,
+    ) -> Result<Option<u64>> {
+        let _span =
+            tracing::debug_span!("adopt", stream = %arena.stream.id(), blocks = remote.len())
+                .entered();
+        let mut ordered: Vec<StreamId> = Vec::new();
+        for r in &remote {
+            let id = r.stream.id();
+            if id == arena.stream.id() || ordered.contains(&id) {
+                continue;
+            }
+            // The free was issued on `r.stream` before now, so this event comes after it.
+            if let Err(e) = r.stream.record().and_then(|e| arena.stream.wait(&e)) {
+                arena.state.lock().remote.extend(remote);
+                return Err(e);
+            }
+            ordered.push(id);
+        }
+        let mut moved_away = Vec::new();
+        let got = {
+            let mut state = arena.state.lock();
+            for r in remote {
+                match state.give(r.addr, r.size) {
+                    LocalFree::Done => {}
+                    LocalFree::NotMine => moved_away.push(r),
+                    LocalFree::DoubleFree => tracing::warn!(
+                        addr = r.addr,
+                        size = r.size,
+                        "a block freed on another stream was already free (double free)"
+                    ),
+                }
+            }
+            want.and_then(|size| state.take(size))
+        };
+        for r in moved_away {
+            self.forward_remote(r);
+        }
+        Ok(got)
+    }
+
+    /// A remote free whose superblock moved to another stream arena while it waited: it waits
+    /// there now (still with the stream it was freed on, which that arena will wait for).
+    fn forward_remote(&self, r: Remote) {
+        let global = self.global.lock();
+        let Some(owner) = global.owner_of(r.addr, r.size) else {
+            tracing::warn!(
+                addr = r.addr,
+                size = r.size,
+                "a block freed on another stream is in no superblock (double free)"
+            );
+            return;
+        };
+        // Global, then stream arena: the lock order of a move, which cannot slip in between.
+        let mut state = owner.state.lock();
+        drop(global);
+        state.remote.push(r);
+    }
+
+    /// Gives superblocks (already out of `arena`) back to the global arena, guarded by an event
+    /// on `arena`'s stream. If the event cannot be recorded they go back to the arena.
+    pub(super) fn release(&self, arena: &StreamArena, superblocks: Vec<(u64, u64)>) {
+        if superblocks.is_empty() {
+            return;
+        }
+        let _span = tracing::debug_span!(
+            "release_superblocks",
+            stream = %arena.stream.id(),
+            count = superblocks.len()
+        )
+        .entered();
+        match self.record_guard(arena) {
+            Ok(guard) => {
+                let mut global = self.global.lock();
+                for (base, size) in superblocks {
+                    global.lent.remove(&base);
+                    global.insert_free(base, size, Guards::one(guard.clone()));
+                }
+            }
+            Err(e) => {
+                tracing::warn!(error = %e, "could not record an event: superblocks stay with their stream");
+                let mut state = arena.state.lock();
+                for (base, size) in superblocks {
+                    state.add_superblock(base, size);
+                }
+            }
+        }
+    }
+
+    /// Records a guard on `arena`'s stream. Every guard of a stream is recorded under its
+    /// arena's lock, with a ticket taken there: so of two guards of one stream the higher ticket
+    /// is the later event, and the global lock is never held across the driver call (it was,
+    /// and every large free and superblock release waited on it: the arena's poor scaling).
+    pub(super) fn record_guard(&self, arena: &StreamArena) -> Result<Guard> {
+        let _order = arena.state.lock();
+        let ticket = self.next_ticket.fetch_add(1, Ordering::Relaxed);
+        let event = arena.stream.record()?;
+        Ok(Guard::new(arena.stream.id(), ticket, event))
+    }
+
+    /// [`defragment`](Self::defragment) without waking the waiters: what an allocation does
+    /// before it fails. (A waiter retrying would otherwise wake itself with the superblocks
+    /// its own retry returned; every free that made them free has notified already.)
+    pub(super) fn defragment_quietly(&self) -> usize {
+        let _span = tracing::debug_span!("defragment").entered();
+        let mut returned = 0;
+        for arena in self.arenas() {
+            let remote = std::mem::take(&mut arena.state.lock().remote);
+            if !remote.is_empty() {
+                if let Err(e) = self.adopt(&arena, remote, None) {
+                    tracing::debug!(error = %e, stream = %arena.stream.id(), "could not adopt remote frees");
+                }
+            }
+            let empty = arena.state.lock().take_all_empty();
+            returned += empty.len();
+            self.release(&arena, empty);
+            // Forget the arena of a stream the user dropped, once it holds nothing.
+            if arena.stream.handle_count() == 1 {
+                let mut registry = self.registry.lock();
+                let mut state = arena.state.lock();
+                if state.superblocks.is_empty() && state.remote.is_empty() {
+                    state.retired = true;
+                    registry.remove(&arena.stream.id().get());
+                }
+            }
+        }
+        self.defragments.fetch_add(1, Ordering::Relaxed);
+        tracing::debug!(returned, "defragmented");
+        returned
+    }
+
+    // ===== allocation =====
+
+    /// Tries `attempt`; then defragments and tries again; then, for a small request (`arena`
+    /// given), moves a partly used superblock of another stream to `arena`; then grows by at
+    /// least `grow_min` (giving wholly free chunks back upstream first where that is what
+    /// makes room) and tries again; then out of memory.
+    fn with_retries(
+        &self,
+        size: u64,
+        grow_min: u64,
+        stream: &Stream,
+        arena: Option<&Arc<StreamArena>>,
+        mut attempt: impl FnMut() -> Option<Result<u64>>,
+    ) -> Result<u64> {
+        if let Some(result) = attempt() {
+            return result;
+        }
+        self.defragment_quietly();
+        if let Some(result) = attempt() {
+            return result;
+        }
+        if let Some(arena) = arena {
+            if let Some(result) = self.move_superblock(arena, size) {
+                return result;
+            }
+        }
+        // Another thread may take the new chunk before we do: grow again then. Each growth
+        // raises `reserved`, so this ends at the maximum at the latest.
+        loop {
+            match self.grow(grow_min, stream) {
+                Ok(()) => {
+                    if let Some(result) = attempt() {
+                        return result;
+                    }
+                }
+                Err(e) if !e.is_out_of_memory() => return Err(e),
+                Err(_) => break,
+            }
+        }
+        let err = self.out_of_memory(size);
+        let _span = tracing::debug_span!("out_of_memory", requested = size).entered();
+        if tracing::enabled!(tracing::Level::DEBUG) {
+            tracing::debug!(dump = %self.dump(), "arena out of memory");
+        }
+        Err(err)
+    }
+
+    pub(super) fn allocate_small(&self, size: u64, stream: &Stream) -> Result<u64> {
+        let arena = self.arena_for(stream);
+        let remote = {
+            let mut state = arena.state.lock();
+            if state.retired {
+                // Unreachable through a live stream handle; look again, bypassing the cache.
+                drop(state);
+                cache::forget(self.uid);
+                return self.allocate_small(size, stream);
+            }
+            if let Some(addr) = state.take(size) {
+                return Ok(addr);
+            }
+            std::mem::take(&mut state.remote)
+        };
+        if !remote.is_empty() {
+            if let Some(addr) = self.adopt(&arena, remote, Some(size))? {
+                return Ok(addr);
+            }
+        }
+        let grow_min = self.superblock.max(size);
+        self.with_retries(size, grow_min, stream, Some(&arena), || {
+            // Another thread on this stream may have freed or acquired memory meanwhile.
+            if let Some(addr) = arena.state.lock().take(size) {
+                return Some(Ok(addr));
+            }
+            self.acquire_superblock(&arena, size)
+        })
+    }
+
+    /// Takes a superblock from the global arena for `arena` and `size` bytes from it.
+    fn acquire_superblock(&self, arena: &Arc<StreamArena>, size: u64) -> Option<Result<u64>> {
+        let (base, extent, guards) = {
+            let mut global = self.global.lock();
+            let (base, extent, guards) = global.take(self.superblock, size, self.superblock)?;
+            global.lent.insert(
+                base,
+                Lent {
+                    size: extent,
+                    arena: arena.clone(),
+                },
+            );
+            (base, extent, guards)
+        };
+        let _span = tracing::debug_span!(
+            "acquire_superblock",
+            stream = %arena.stream.id(),
+            base,
+            size = extent
+        )
+        .entered();
+        if let Err(e) = guards.order(&arena.stream) {
+            let mut global = self.global.lock();
+            global.lent.remove(&base);
+            global.insert_free(base, extent, guards);
+            return Some(Err(e));
+        }
+        let mut state = arena.state.lock();
+        state.add_superblock(base, extent);
+        Some(state.take(size).ok_or(Error::InvalidArgument {
+            what: "a new superblock could not serve the request it was taken for",
+        }))
+    }
+
+    /// Moves a partly used superblock with a free block of at least `size` bytes from another
+    /// stream's arena to `recipient`, after `recipient`'s stream waits on an event recorded on
+    /// the donor's (every block free in the donor's list was freed there, or adopted after the
+    /// donor waited for its stream), and takes `size` bytes from it. RMM's defragmentation
+    /// gives every superblock, partly used or not, to the global arena, where any arena can
+    /// take it; this moves one, when a request needs it. Its live blocks go with it: their
+    /// frees on the donor's stream become remote frees of `recipient`.
+    ///
+    /// Lock order: the global arena's (which keeps frees from looking up the owner halfway),
+    /// then the donor's, released, then the recipient's.
+    fn move_superblock(&self, recipient: &Arc<StreamArena>, size: u64) -> Option<Result<u64>> {
+        let me = recipient.stream.id();
+        let donors: Vec<Arc<StreamArena>> = self
+            .arenas()
+            .into_iter()
+            .filter(|a| a.stream.id() != me)
+            .collect();
+        let mut global = self.global.lock();
+        for donor in donors {
+            let mut state = donor.state.lock();
+            if state.retired {
+                continue;
+            }
+            let Some(base) = state.best_to_move(size) else {
+                continue;
+            };
+            let _span = tracing::debug_span!(
+                "move_superblock",
+                base,
+                from = %donor.stream.id(),
+                to = %me,
+                requested = size
+            )
+            .entered();
+            // Recorded under the donor's lock: every block in its list was freed before.
+            if let Err(e) = donor
+                .stream
+                .record()
+                .and_then(|event| recipient.stream.wait(&event))
+            {
+                return Some(Err(e));
+            }
+            let moving = state.detach(base)?;
+            drop(state);
+            if let Some(lent) = global.lent.get_mut(&base) {
+                lent.arena = recipient.clone();
+            }
+            let mut mine = recipient.state.lock();
+            drop(global);
+            mine.attach(moving);
+            self.superblock_moves.fetch_add(1, Ordering::Relaxed);
+            return Some(mine.take(size).ok_or(Error::InvalidArgument {
+                what: "a moved superblock could not serve the request it was moved for",
+            }));
+        }
+        None
+    }
+
+    pub(super) fn allocate_large(&self, size: u64, stream: &Stream) -> Result<u64> {
+        self.with_retries(size, size, stream, None, || {
+            let (addr, extent, guards) = {
+                let mut global = self.global.lock();
+                let (addr, extent, guards) = global.take(size, size, self.superblock)?;
+                global.large.insert(addr, Large { size, extent });
+                (addr, extent, guards)
+            };
+            if let Err(e) = guards.order(stream) {
+                let mut global = self.global.lock();
+                global.large.remove(&addr);
+                global.insert_free(addr, extent, guards);
+                return Some(Err(e));
+            }
+            Some(Ok(addr))
+        })
+    }
+
+    /// Takes a new chunk of at least `min` bytes from the upstream, on `stream`. If that fails
+    /// for want of memory (the room under the maximum, or the upstream's), and giving the
+    /// wholly free chunks back would make room, it gives them back (in stream order, without
+    /// waiting) and tries once more: free memory spread over chunks too small for the request
+    /// would otherwise keep it failing forever, everything free or not.
+    fn grow(&self, min: u64, stream: &Stream) -> Result<()> {
+        match self.grow_from_upstream(min, stream) {
+            Err(e) if e.is_out_of_memory() => {
+                if self.give_back_whole_chunks(min) == 0 {
+                    return Err(e);
+                }
+                self.grow_from_upstream(min, stream)
+            }
+            other => other,
+        }
+    }
+
+    fn grow_from_upstream(&self, min: u64, stream: &Stream) -> Result<()> {
+        let reserved = self.reserved.load(Ordering::Relaxed);
+        let room = self.maximum.saturating_sub(reserved);
+        if min > room {
+            return Err(self.out_of_memory(min));
+        }
+        // Double what we hold (at least the request, at most the room left); halve on failure.
+        let mut attempt = reserved
+            .max(min)
+            .min(room)
+            .next_multiple_of(ALIGNMENT as u64)
+            .min(room);
+        let _span = tracing::debug_span!("grow", requested = min, reserved, attempt).entered();
+        loop {
+            let now = self.reserved.fetch_add(attempt, Ordering::AcqRel) + attempt;
+            let result = if now > self.maximum {
+                Err(self.out_of_memory(attempt))
+            } else {
+                self.upstream.allocate(attempt as usize, stream)
+            };
+            match result {
+                Ok(ptr) => {
+                    let guard = match self.record_guard(&self.arena_for(stream)) {
+                        Ok(guard) => guard,
+                        Err(e) => {
+                            // SAFETY: just allocated from this upstream on `stream` with this
+                            // size, never handed out.
+                            let _ =
+                                unsafe { self.upstream.deallocate(ptr, attempt as usize, stream) };
+                            self.reserved.fetch_sub(attempt, Ordering::AcqRel);
+                            return Err(e);
+                        }
+                    };
+                    let mut global = self.global.lock();
+                    global.chunks.insert(ptr.0, attempt);
+                    global.insert_free(ptr.0, attempt, Guards::one(guard));
+                    drop(global);
+                    self.peak_reserved.fetch_max(now, Ordering::AcqRel);
+                    self.grows.fetch_add(1, Ordering::Relaxed);
+                    tracing::debug!(chunk = attempt, "arena grew");
+                    return Ok(());
+                }
+                Err(e) => {
+                    self.reserved.fetch_sub(attempt, Ordering::AcqRel);
+                    if !e.is_out_of_memory() {
+                        return Err(e);
+                    }
+                    if attempt / 2 < min {
+                        tracing::debug!("upstream out of memory");
+                        return Err(self.out_of_memory(min));
+                    }
+                    attempt = (attempt / 2).next_multiple_of(ALIGNMENT as u64);
+                }
+            }
+        }
+    }
+
+    /// Gives every wholly free chunk back upstream, if the room under the maximum plus what
+    /// they hold is at least `min` (otherwise it would give memory away for nothing). Returns
+    /// the bytes given back.
+    fn give_back_whole_chunks(&self, min: u64) -> u64 {
+        let chunks = {
+            let mut global = self.global.lock();
+            let room = self
+                .maximum
+                .saturating_sub(self.reserved.load(Ordering::Relaxed));
+            if room.saturating_add(global.whole_chunk_bytes()) < min {
+                return 0;
+            }
+            global.take_whole_chunks()
+        };
+        if chunks.is_empty() {
+            return 0;
+        }
+        let _span =
+            tracing::debug_span!("release_for_growth", requested = min, chunks = chunks.len())
+                .entered();
+        let (released, error) = self.return_chunks(chunks);
+        if let Some(e) = error {
+            tracing::warn!(error = %e, "could not give a free chunk back upstream to grow");
+        }
+        released
+    }
+
+    pub(super) fn out_of_memory(&self, requested: u64) -> Error {
+        let reserved = self.reserved.load(Ordering::Relaxed);
+        let global_free = self.global.lock().free_bytes();
+        let arena_free: u64 = self
+            .arenas()
+            .iter()
+            .map(|a| a.state.lock().free.free_bytes())
+            .sum();
+        Error::OutOfMemory {
+            requested: requested as usize,
+            available: (self.maximum.saturating_sub(reserved) + global_free + arena_free) as usize,
+            maximum: self.maximum as usize,
+        }
+    }
+
+    // ===== deallocation =====
+
+    pub(super) fn free_small(&self, addr: u64, size: u64, stream: &Stream) -> Result<()> {
+        let unknown = Error::UnknownPointer {
+            ptr: addr,
+            bytes: size as usize,
+        };
+        if let Some(arena) = self.existing_arena_for(stream) {
+            let outcome = arena.state.lock().give(addr, size);
+            match outcome {
+                LocalFree::Done => return Ok(()),
+                LocalFree::DoubleFree => return Err(unknown),
+                LocalFree::NotMine => {}
+            }
+        }
+        // A block of another stream's arena: it waits there until that arena adopts it. The
+        // owner's lock is taken before the global one is let go, so a move of the superblock
+        // cannot come in between.
+        let global = self.global.lock();
+        let owner = global.owner_of(addr, size).ok_or(unknown.clone())?;
+        let mut state = owner.state.lock();
+        drop(global);
+        if state.find(addr, size).is_none() {
+            return Err(unknown);
+        }
+        if owner.stream.id() == stream.id() {
+            // The superblock moved to our own arena after we looked: free it there.
+            return match state.give(addr, size) {
+                LocalFree::Done => Ok(()),
+                LocalFree::DoubleFree | LocalFree::NotMine => Err(unknown),
+            };
+        }
+        tracing::trace!(addr, size, owner = %owner.stream.id(), on = %stream.id(), "remote free");
+        state.remote.push(Remote {
+            addr,
+            size,
+            stream: stream.clone(),
+        });
+        Ok(())
+    }
+
+    pub(super) fn free_large(&self, addr: u64, size: u64, stream: &Stream) -> Result<()> {
+        // Claimed under the global lock (a second free of it is refused from here on), guarded
+        // outside it, given back under it.
+        let large = {
+            let mut global = self.global.lock();
+            match global.large.get(&addr) {
+                Some(&large) if large.size == size => {
+                    global.large.remove(&addr);
+                    large
+                }
+                _ => {
+                    return Err(Error::UnknownPointer {
+                        ptr: addr,
+                        bytes: size as usize,
+                    })
+                }
+            }
+        };
+        match self.record_guard(&self.arena_for(stream)) {
+            Ok(guard) => {
+                self.global
+                    .lock()
+                    .insert_free(addr, large.extent, Guards::one(guard));
+                Ok(())
+            }
+            Err(e) => {
+                // Not freed: still handed out.
+                self.global.lock().large.insert(addr, large);
+                Err(e)
+            }
+        }
+    }
+}

@@ -1,0 +1,260 @@
+//! The arena of one stream: the superblocks it holds, one free list over all of them, and the
+//! blocks freed on other streams that wait to be adopted.
+
+use std::collections::BTreeMap;
+
+use crate::resource::free_list::FreeList;
+use crate::stream::Stream;
+use crate::sync::Mutex;
+
+pub(super) struct Superblock {
+    pub(super) size: u64,
+    /// Bytes handed out from it, including blocks freed on other streams not adopted yet.
+    pub(super) used: u64,
+}
+
+/// A block of this arena freed on another stream, waiting to be adopted.
+pub(super) struct Remote {
+    pub(super) addr: u64,
+    pub(super) size: u64,
+    pub(super) stream: Stream,
+}
+
+pub(super) struct ArenaState {
+    /// Free blocks of every superblock; each superblock's base is a boundary.
+    pub(super) free: FreeList,
+    pub(super) superblocks: BTreeMap<u64, Superblock>,
+    pub(super) remote: Vec<Remote>,
+    /// Forgotten by the registry (its stream was dropped and it held nothing): look again.
+    pub(super) retired: bool,
+}
+
+/// The arena of one stream.
+pub(super) struct StreamArena {
+    pub(super) stream: Stream,
+    pub(super) state: Mutex<ArenaState>,
+}
+
+pub(super) enum LocalFree {
+    /// Freed.
+    Done,
+    /// In one of this arena's superblocks, but already free.
+    DoubleFree,
+    /// Not in this arena.
+    NotMine,
+}
+
+/// A partly used superblock on its way from one stream arena to another: its free blocks, and
+/// the blocks freed into it on other streams that its old owner had not adopted yet.
+pub(super) struct Moving {
+    base: u64,
+    size: u64,
+    used: u64,
+    free: Vec<(u64, u64)>,
+    remote: Vec<Remote>,
+}
+
+impl StreamArena {
+    pub(super) fn new(stream: &Stream) -> Self {
+        Self {
+            stream: stream.clone(),
+            state: Mutex::new(ArenaState::new()),
+        }
+    }
+}
+
+impl ArenaState {
+    fn new() -> Self {
+        Self {
+            free: FreeList::new(),
+            superblocks: BTreeMap::new(),
+            remote: Vec::new(),
+            retired: false,
+        }
+    }
+
+    /// The base of the superblock containing `[addr, addr + size)`.
+    pub(super) fn find(&self, addr: u64, size: u64) -> Option<u64> {
+        let (&base, sb) = self.superblocks.range(..=addr).next_back()?;
+        (addr + size <= base + sb.size).then_some(base)
+    }
+
+    pub(super) fn take(&mut self, size: u64) -> Option<u64> {
+        let addr = self.free.take(size)?;
+        if let Some((_, sb)) = self.superblocks.range_mut(..=addr).next_back() {
+            sb.used += size;
+        }
+        Some(addr)
+    }
+
+    pub(super) fn add_superblock(&mut self, base: u64, size: u64) {
+        self.superblocks.insert(base, Superblock { size, used: 0 });
+        self.free.add_boundary(base);
+        let given = self.free.give(base, size);
+        debug_assert!(given, "a new superblock overlapped free memory");
+    }
+
+    /// Takes a wholly free superblock out of the arena.
+    fn remove_superblock(&mut self, base: u64) -> Option<(u64, u64)> {
+        let size = self.superblocks.get(&base).filter(|sb| sb.used == 0)?.size;
+        if !self.free.take_exact(base, size) {
+            debug_assert!(false, "an unused superblock is not one free block");
+            return None;
+        }
+        self.superblocks.remove(&base);
+        self.free.remove_boundary(base);
+        Some((base, size))
+    }
+
+    /// Gives a block back to its superblock (which stays, even if wholly free, until a
+    /// defragmentation).
+    pub(super) fn give(&mut self, addr: u64, size: u64) -> LocalFree {
+        let Some(base) = self.find(addr, size) else {
+            return LocalFree::NotMine;
+        };
+        if !self.free.give(addr, size) {
+            return LocalFree::DoubleFree;
+        }
+        let Some(sb) = self.superblocks.get_mut(&base) else {
+            return LocalFree::NotMine;
+        };
+        debug_assert!(sb.used >= size, "more freed than handed out");
+        sb.used = sb.used.saturating_sub(size);
+        LocalFree::Done
+    }
+
+    /// Takes every wholly free superblock out.
+    pub(super) fn take_all_empty(&mut self) -> Vec<(u64, u64)> {
+        let empty: Vec<u64> = self
+            .superblocks
+            .iter()
+            .filter(|(_, sb)| sb.used == 0)
+            .map(|(&b, _)| b)
+            .collect();
+        empty
+            .into_iter()
+            .filter_map(|b| self.remove_superblock(b))
+            .collect()
+    }
+
+    pub(super) fn remote_bytes(&self) -> u64 {
+        self.remote.iter().map(|r| r.size).sum()
+    }
+
+    /// The superblock worth moving to another stream for a request of `size` bytes: one with
+    /// a free block of at least `size`, the one with the most free bytes among them. Slow
+    /// (every free block is looked at); for a request nothing else can serve.
+    pub(super) fn best_to_move(&self, size: u64) -> Option<u64> {
+        let mut free_in: BTreeMap<u64, (u64, bool)> = BTreeMap::new();
+        for (addr, len) in self.free.blocks() {
+            if let Some(base) = self.find(addr, len) {
+                let entry = free_in.entry(base).or_default();
+                entry.0 += len;
+                entry.1 |= len >= size;
+            }
+        }
+        free_in
+            .into_iter()
+            .filter(|&(_, (_, fits))| fits)
+            .max_by_key(|&(base, (free, _))| (free, std::cmp::Reverse(base)))
+            .map(|(base, _)| base)
+    }
+
+    /// Takes the superblock at `base` out, with its free blocks and its pending remote frees.
+    pub(super) fn detach(&mut self, base: u64) -> Option<Moving> {
+        let sb = self.superblocks.get(&base)?;
+        let (size, used) = (sb.size, sb.used);
+        let end = base + size;
+        let free: Vec<(u64, u64)> = self
+            .free
+            .blocks()
+            .filter(|&(addr, _)| addr >= base && addr < end)
+            .collect();
+        for &(addr, len) in &free {
+            let taken = self.free.take_exact(addr, len);
+            debug_assert!(taken, "a listed free block could not be taken");
+        }
+        self.superblocks.remove(&base);
+        self.free.remove_boundary(base);
+        let (remote, stay): (Vec<Remote>, Vec<Remote>) = std::mem::take(&mut self.remote)
+            .into_iter()
+            .partition(|r| r.addr >= base && r.addr < end);
+        self.remote = stay;
+        Some(Moving {
+            base,
+            size,
+            used,
+            free,
+            remote,
+        })
+    }
+
+    /// Takes in a superblock detached from another arena. The caller has ordered this arena's
+    /// stream after the old owner's (its free blocks were freed there); the pending remote
+    /// frees carry their own streams, which adoption orders us after.
+    pub(super) fn attach(&mut self, moving: Moving) {
+        let Moving {
+            base,
+            size,
+            used,
+            free,
+            remote,
+        } = moving;
+        self.superblocks.insert(base, Superblock { size, used });
+        self.free.add_boundary(base);
+        for (addr, len) in free {
+            let given = self.free.give(addr, len);
+            debug_assert!(given, "a moved superblock overlapped free memory");
+        }
+        self.remote.extend(remote);
+    }
+}
+
+#[cfg(not(streamalloc_loom))]
+pub(super) mod cache {
+    //! The thread-local cache of the last (arena resource, stream) → stream arena lookup. Not
+    //! under loom: loom objects must not outlive a model.
+    use std::cell::RefCell;
+
+    use super::StreamArena;
+    use crate::sync::Arc;
+
+    thread_local! {
+        static LAST: RefCell<Option<(u64, u64, Arc<StreamArena>)>> = const { RefCell::new(None) };
+    }
+
+    pub(in crate::resource::arena) fn get(uid: u64, stream: u64) -> Option<Arc<StreamArena>> {
+        LAST.with(|last| match &*last.borrow() {
+            Some((u, s, arena)) if *u == uid && *s == stream => Some(arena.clone()),
+            _ => None,
+        })
+    }
+
+    pub(in crate::resource::arena) fn put(uid: u64, stream: u64, arena: &Arc<StreamArena>) {
+        // `try_with`: during thread teardown the cache may already be gone.
+        let _ = LAST.try_with(|last| *last.borrow_mut() = Some((uid, stream, arena.clone())));
+    }
+
+    pub(in crate::resource::arena) fn forget(uid: u64) {
+        let _ = LAST.try_with(|last| {
+            let mut last = last.borrow_mut();
+            if matches!(&*last, Some((u, _, _)) if *u == uid) {
+                *last = None;
+            }
+        });
+    }
+}
+
+#[cfg(streamalloc_loom)]
+pub(super) mod cache {
+    use super::StreamArena;
+    use crate::sync::Arc;
+
+    pub(in crate::resource::arena) fn get(_: u64, _: u64) -> Option<Arc<StreamArena>> {
+        None
+    }
+
+    pub(in crate::resource::arena) fn put(_: u64, _: u64, _: &Arc<StreamArena>) {}
+
+    pub(in crate::resource::arena) fn forget(_: u64) {}
+}

@@ -1,0 +1,132 @@
+//! Giving wholly free upstream chunks back: [`trim`](ArenaResource::trim) and
+//! [`trim_blocking`](ArenaResource::trim_blocking), and the same without waiting when an
+//! allocation needs the room to grow a larger chunk.
+
+use super::global::WholeChunk;
+use super::ArenaResource;
+use crate::device::DevicePtr;
+use crate::error::{Error, Result};
+use crate::resource::MemoryResource;
+use crate::sync::Ordering;
+
+/// Chunks taken out of the global arena for a trim. Dropped before they went upstream (the
+/// trim future was dropped, or a wait failed), they go back to the global arena as they were:
+/// what makes [`ArenaResource::trim`] cancel-safe.
+struct Taken<'a, U: MemoryResource> {
+    arena: &'a ArenaResource<U>,
+    chunks: Vec<WholeChunk>,
+}
+
+impl<U: MemoryResource> Drop for Taken<'_, U> {
+    fn drop(&mut self) {
+        if self.chunks.is_empty() {
+            return;
+        }
+        let mut global = self.arena.global.lock();
+        for chunk in self.chunks.drain(..) {
+            global.restore_chunk(chunk);
+        }
+    }
+}
+
+impl<U: MemoryResource> ArenaResource<U> {
+    /// Returns every wholly free upstream chunk to the upstream, and returns the bytes given
+    /// back. First every stream arena adopts its remote frees and gives its wholly free
+    /// superblocks back to the global arena (a [`defragment`](Self::defragment)); a chunk that
+    /// is then one free region goes. It waits (by `.await`, holding no lock) for the events
+    /// that guard each chunk, the last work of every stream that used it, then frees it
+    /// upstream on the arena's own stream. Chunks with a live block stay. Waiters in
+    /// [`allocate_async`](crate::AllocateAsync::allocate_async) are woken when bytes went
+    /// back: the room under the maximum grew.
+    ///
+    /// Errors: a failed wait, or the upstream's error for a chunk it refused (that chunk stays,
+    /// usable as before; the others still go). Nothing is lost either way.
+    ///
+    /// # Cancel safety
+    /// Cancel-safe: dropped while it waits, it puts the chunks it took back where they were,
+    /// free and usable; the chunks already given back stay given back.
+    pub async fn trim(&self) -> Result<usize> {
+        let mut taken = self.take_for_trim();
+        tracing::debug!(
+            chunks = taken.chunks.len(),
+            "trim: waiting for the chunks' guards"
+        );
+        for chunk in &taken.chunks {
+            for guard in &chunk.guards.0 {
+                guard.event.clone().await?;
+            }
+        }
+        let chunks = std::mem::take(&mut taken.chunks);
+        self.finish_trim(chunks)
+    }
+
+    /// [`trim`](Self::trim) for synchronous code: blocks the calling thread while it waits for
+    /// the GPU.
+    pub fn trim_blocking(&self) -> Result<usize> {
+        let mut taken = self.take_for_trim();
+        let _span = tracing::debug_span!("trim", chunks = taken.chunks.len()).entered();
+        for chunk in &taken.chunks {
+            for guard in &chunk.guards.0 {
+                guard.event.synchronize_blocking()?;
+            }
+        }
+        let chunks = std::mem::take(&mut taken.chunks);
+        self.finish_trim(chunks)
+    }
+
+    fn take_for_trim(&self) -> Taken<'_, U> {
+        self.defragment_quietly();
+        let chunks = self.global.lock().take_whole_chunks();
+        Taken {
+            arena: self,
+            chunks,
+        }
+    }
+
+    fn finish_trim(&self, chunks: Vec<WholeChunk>) -> Result<usize> {
+        let (released, error) = self.return_chunks(chunks);
+        tracing::debug!(released, "trimmed");
+        if released > 0 {
+            self.waiters.notify();
+        }
+        match error {
+            Some(e) => Err(e),
+            None => Ok(released as usize),
+        }
+    }
+
+    /// Frees chunks taken out of the global arena upstream, on the arena's own stream after it
+    /// waits (on the GPU) for each chunk's guards. A chunk whose wait or free fails goes back
+    /// to the global arena, with its guards. Returns the bytes given back and the first error.
+    pub(super) fn return_chunks(&self, chunks: Vec<WholeChunk>) -> (u64, Option<Error>) {
+        let mut released = 0;
+        let mut first_error = None;
+        for chunk in chunks {
+            let freed = chunk.guards.order(&self.own).and_then(|()| {
+                // SAFETY: a whole chunk, out of the global arena's regions and chunk map, so
+                // nothing can hand it out again; it came from this upstream with this size
+                // (`grow` or `new` registered it so), and every use of it is ordered before
+                // this point of our own stream: its guards are the last events of every stream
+                // that freed memory in it, and we just made our stream wait for them.
+                unsafe {
+                    self.upstream
+                        .deallocate(DevicePtr(chunk.base), chunk.size as usize, &self.own)
+                }
+            });
+            match freed {
+                Ok(()) => {
+                    self.reserved.fetch_sub(chunk.size, Ordering::AcqRel);
+                    self.chunks_released.fetch_add(1, Ordering::Relaxed);
+                    released += chunk.size;
+                    tracing::debug!(base = chunk.base, size = chunk.size, "chunk given back");
+                }
+                Err(e) => {
+                    tracing::debug!(error = %e, base = chunk.base, "chunk kept");
+                    self.global.lock().restore_chunk(chunk);
+                    first_error.get_or_insert(e);
+                }
+            }
+        }
+        (released, first_error)
+    }
+}

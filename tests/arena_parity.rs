@@ -1,0 +1,617 @@
+//! The arena beside RMM's `arena_memory_resource` and beside the pool's promises (issue 20,
+//! findings 3 and 4, and an arena that can trim):
+//!
+//! - an arena that grew in several chunks serves a request for its whole maximum once
+//!   everything is free (it gives the wholly free chunks back upstream and grows one large
+//!   enough), by `allocate` and by `allocate_async`;
+//! - one small live block does not pin a superblock to its stream: another stream that needs
+//!   the rest of it gets it (RMM's "free on another thread after superblocks moved between
+//!   streams"), in stream order, and the live block is freed on its old stream afterwards;
+//! - `trim` and `trim_blocking` give wholly free chunks back upstream, after the GPU work that
+//!   used them, keep the chunks with live blocks, and a cancelled `trim` loses nothing.
+//!
+//! And the driver pool beside RMM's `cuda_async_memory_resource` (issue 20, finding 5, and
+//! `cuda_async_view_memory_resource`):
+//!
+//! - `CudaAsyncResource`'s maximum holds exactly on every device (the driver rounds `maxSize`
+//!   up: on an H200, 4 MiB and then 1 MiB more were served under a 4 MiB maximum);
+//! - a resource over the device's default pool, or over a pool someone else made, shares that
+//!   pool and leaves it alone when dropped.
+//!
+//! Every test runs on every device of `devices()`.
+
+mod common;
+
+use std::time::Duration;
+
+use common::{devices, label, read_u32, runtime};
+use futures::FutureExt;
+use streamalloc::resource::arena::{ArenaOptions, ArenaResource};
+use streamalloc::resource::cuda::CudaResource;
+use streamalloc::resource::cuda_async::{CudaAsyncOptions, CudaAsyncResource};
+use streamalloc::{AllocateAsync, Device, DevicePtr, Error, MemoryResource, Stream};
+
+const KIB: usize = 1 << 10;
+const MIB: usize = 1 << 20;
+
+fn arena(device: &Device, initial: usize, maximum: usize) -> ArenaResource<CudaResource> {
+    ArenaResource::new(
+        CudaResource::new(device),
+        ArenaOptions {
+            initial,
+            maximum: Some(maximum),
+            ..ArenaOptions::default()
+        },
+    )
+    .unwrap()
+}
+
+fn free(mr: &ArenaResource<CudaResource>, ptr: DevicePtr, bytes: usize, stream: &Stream) {
+    // SAFETY: allocated from `mr` with `bytes`; its uses are ordered before this point of
+    // `stream`; freed once.
+    unsafe { mr.deallocate(ptr, bytes, stream) }
+        .unwrap_or_else(|e| panic!("free of {ptr:?} ({bytes} bytes): {e}\n{}", mr.dump()));
+}
+
+fn check(mr: &ArenaResource<CudaResource>) {
+    mr.check_invariants()
+        .unwrap_or_else(|e| panic!("arena invariants: {e}\n{}", mr.dump()));
+}
+
+/// After everything is freed and the arena defragmented, every byte is back in the global
+/// arena.
+fn assert_all_back(mr: &ArenaResource<CudaResource>, what: &str) {
+    mr.defragment();
+    check(mr);
+    let stats = mr.stats();
+    assert_eq!(stats.in_use, 0, "{what}: {stats:?}");
+    assert_eq!(
+        stats.global_free,
+        stats.reserved,
+        "{what}: bytes not back: {stats:?}\n{}",
+        mr.dump()
+    );
+}
+
+/// Grows an arena of 8 MiB at most, from nothing, in four chunks (1, 1, 2 and 4 MiB) with
+/// eight 1 MiB blocks on `a`, then frees them alternately on `a` and on `b` (ordered after
+/// `a`), and lets the GPU finish: the arena is idle with everything free.
+fn grown_in_four_chunks(device: &Device) -> ArenaResource<CudaResource> {
+    let mr = arena(device, 0, 8 * MIB);
+    let (a, b) = (
+        device.create_stream().unwrap(),
+        device.create_stream().unwrap(),
+    );
+    let blocks: Vec<DevicePtr> = (0..8).map(|_| mr.allocate(MIB, &a).unwrap()).collect();
+    let stats = mr.stats();
+    assert_eq!(
+        (stats.chunks, stats.reserved),
+        (4, 8 * MIB),
+        "{}: {stats:?}",
+        label(device)
+    );
+    b.wait(&a.record().unwrap()).unwrap();
+    for (i, ptr) in blocks.into_iter().enumerate() {
+        free(&mr, ptr, MIB, if i % 2 == 0 { &a } else { &b });
+    }
+    a.synchronize_blocking().unwrap();
+    b.synchronize_blocking().unwrap();
+    check(&mr);
+    mr
+}
+
+/// Finding 3: `allocate(8 MiB)` on an idle, wholly free arena of 8 MiB that grew in four
+/// chunks failed with `available: 8388608`.
+#[test]
+fn an_arena_grown_in_chunks_serves_its_whole_maximum() {
+    for device in devices() {
+        let what = label(&device);
+        let mr = grown_in_four_chunks(&device);
+        let c = device.create_stream().unwrap();
+        let all = mr
+            .allocate(8 * MIB, &c)
+            .unwrap_or_else(|e| panic!("{what}: {e}\n{}", mr.dump()));
+        let stats = mr.stats();
+        assert_eq!(stats.reserved, 8 * MIB, "{what}: {stats:?}");
+        assert!(stats.peak_reserved <= 8 * MIB, "{what}: {stats:?}");
+        assert_eq!(stats.chunks, 1, "{what}: {stats:?}");
+        assert_eq!(stats.chunks_released, 4, "{what}: {stats:?}");
+        check(&mr);
+        // The whole block is usable on `c`.
+        // SAFETY: `all` is 8 MiB of live memory, used on `c` only.
+        unsafe { c.fill_u32(all, 0x5A5A_5A5A, 2 * MIB) }.unwrap();
+        let back = read_u32(&c, all.offset(8 * MIB - 64), 16);
+        assert!(back.iter().all(|&w| w == 0x5A5A_5A5A), "{what}");
+        free(&mr, all, 8 * MIB, &c);
+        assert_all_back(&mr, &what);
+    }
+}
+
+/// Finding 3, awaited: `allocate_async(8 MiB)` on the same arena waited forever. Now it is
+/// served at its first poll.
+#[test]
+fn allocate_async_of_the_whole_maximum_is_served_at_once() {
+    for device in devices() {
+        let what = label(&device);
+        let mr = grown_in_four_chunks(&device);
+        let c = device.create_stream().unwrap();
+        let all = mr
+            .allocate_async(8 * MIB, &c)
+            .now_or_never()
+            .unwrap_or_else(|| panic!("{what}: waits although all 8 MiB are free\n{}", mr.dump()))
+            .unwrap();
+        assert_eq!(mr.stats().chunks, 1, "{what}");
+        free(&mr, all, 8 * MIB, &c);
+        assert_all_back(&mr, &what);
+    }
+}
+
+/// Finding 4, RMM's "free on another thread after superblocks moved between streams"
+/// (`PerThreadToStreamDealloc`): a 2 MiB arena; 256 bytes live on `t` (the thread's stream),
+/// 32 KiB allocated and freed on `s`; then 1 MiB and 32 KiB on `d`. The second needs the rest
+/// of `t`'s superblock, which its one live block used to pin to `t`: it failed with 1,048,320
+/// bytes available. The live block is then freed on `t`, after its superblock moved.
+#[test]
+fn one_small_live_block_does_not_pin_a_superblock() {
+    for device in devices() {
+        let what = label(&device);
+        let mr = arena(&device, 2 * MIB, 2 * MIB);
+        let (t, s, d) = (
+            device.create_stream().unwrap(),
+            device.create_stream().unwrap(),
+            device.create_stream().unwrap(),
+        );
+        let thread_ptr = mr.allocate(256, &t).unwrap();
+        let ptr = mr.allocate(32 * KIB, &s).unwrap();
+        free(&mr, ptr, 32 * KIB, &s);
+        // The global arena is empty: this defragments and gets `s`'s superblock.
+        let ptr1 = mr.allocate(MIB, &d).unwrap();
+        // Nothing is free but the rest of `t`'s superblock.
+        let ptr2 = mr
+            .allocate(32 * KIB, &d)
+            .unwrap_or_else(|e| panic!("{what}: {e}\n{}", mr.dump()));
+        let stats = mr.stats();
+        assert_eq!(stats.superblock_moves, 1, "{what}: {stats:?}");
+        assert_eq!(stats.grows, 0, "{what}: {stats:?}");
+        check(&mr);
+        // The live block's superblock belongs to `d` now: freed on `t`, it is a remote free.
+        free(&mr, thread_ptr, 256, &t);
+        assert_eq!(mr.stats().remote_frees_pending, 1, "{what}");
+        free(&mr, ptr1, MIB, &d);
+        free(&mr, ptr2, 32 * KIB, &d);
+        check(&mr);
+        assert_all_back(&mr, &what);
+        // And the whole arena is one request again.
+        let all = mr.allocate(2 * MIB, &s).unwrap();
+        free(&mr, all, 2 * MIB, &s);
+    }
+}
+
+/// A superblock that moves from `a` to `b` carries memory `a` wrote to (after a long kernel)
+/// and freed: `b`'s use of it must be ordered after `a`'s write.
+#[test]
+fn a_moved_superblock_is_ordered_after_its_old_stream() {
+    for device in devices() {
+        let what = label(&device);
+        let words = 512 * KIB / 4;
+        let mr = arena(&device, 2 * MIB, 2 * MIB);
+        let (a, b) = (
+            device.create_stream().unwrap(),
+            device.create_stream().unwrap(),
+        );
+        let pin = mr.allocate(256, &a).unwrap();
+        let x = mr.allocate(512 * KIB, &a).unwrap();
+        a.spin(Duration::from_millis(100)).unwrap();
+        // SAFETY: live bytes at x, used on `a`, freed on `a` after.
+        unsafe { a.fill_u32(x, 0xAAAA_AAAA, words) }.unwrap();
+        free(&mr, x, 512 * KIB, &a);
+        // `b` takes the other superblock whole, then needs `a`'s.
+        let y = mr.allocate(MIB, &b).unwrap();
+        let z = mr
+            .allocate(512 * KIB, &b)
+            .unwrap_or_else(|e| panic!("{what}: {e}\n{}", mr.dump()));
+        assert_eq!(mr.stats().superblock_moves, 1, "{what}");
+        assert!(
+            z.as_raw() < x.as_raw() + 512 * KIB as u64
+                && x.as_raw() < z.as_raw() + 512 * KIB as u64,
+            "{what}: z does not reuse x's memory, the test shows nothing"
+        );
+        // SAFETY: `b`'s block, used on `b`.
+        unsafe { b.fill_u32(z, 0xBBBB_BBBB, words) }.unwrap();
+        a.synchronize_blocking().unwrap();
+        let back = read_u32(&b, z, words);
+        assert!(
+            back.iter().all(|&w| w == 0xBBBB_BBBB),
+            "{what}: a's fill landed after b's: the move was not ordered"
+        );
+        free(&mr, pin, 256, &a);
+        free(&mr, z, 512 * KIB, &b);
+        free(&mr, y, MIB, &b);
+        assert_all_back(&mr, &what);
+    }
+}
+
+/// `trim_blocking` gives back the wholly free chunks and keeps the one with a live block; after
+/// that block is freed, `trim` (awaited) gives back the last one. The arena grows again
+/// afterwards.
+#[test]
+fn trim_gives_wholly_free_chunks_back() {
+    let rt = runtime();
+    for device in devices() {
+        let what = label(&device);
+        let mr = arena(&device, 0, 8 * MIB);
+        let a = device.create_stream().unwrap();
+        // The first block is in the first chunk (1 MiB); the other seven fill the rest.
+        let first = mr.allocate(256, &a).unwrap();
+        let rest: Vec<DevicePtr> = (0..7).map(|_| mr.allocate(MIB, &a).unwrap()).collect();
+        let stats = mr.stats();
+        assert_eq!(stats.chunks, 4, "{what}: {stats:?}");
+        for ptr in rest {
+            free(&mr, ptr, MIB, &a);
+        }
+        let released = mr.trim_blocking().unwrap();
+        let stats = mr.stats();
+        assert_eq!(released, 7 * MIB, "{what}: {stats:?}\n{}", mr.dump());
+        assert_eq!(
+            (stats.chunks, stats.reserved),
+            (1, MIB),
+            "{what}: {stats:?}"
+        );
+        check(&mr);
+        free(&mr, first, 256, &a);
+        let released = rt.block_on(mr.trim()).unwrap();
+        let stats = mr.stats();
+        assert_eq!(released, MIB, "{what}: {stats:?}");
+        assert_eq!((stats.chunks, stats.reserved), (0, 0), "{what}: {stats:?}");
+        assert_eq!(stats.chunks_released, 4, "{what}: {stats:?}");
+        assert_eq!(
+            mr.trim_blocking().unwrap(),
+            0,
+            "{what}: nothing left to trim"
+        );
+        check(&mr);
+        let again = mr.allocate(4 * MIB, &a).unwrap();
+        free(&mr, again, 4 * MIB, &a);
+        assert_all_back(&mr, &what);
+    }
+}
+
+/// A trim waits for the GPU work that used a chunk before it frees it upstream: a fill queued
+/// behind a long kernel, freed at once, then trimmed. On the simulated device a fill into
+/// memory already given back is an error at the stream; on a GPU, a write into freed memory.
+#[test]
+fn trim_waits_for_the_work_on_its_chunks() {
+    let rt = runtime();
+    for device in devices() {
+        let what = label(&device);
+        for awaited in [false, true] {
+            let mr = arena(&device, 0, 16 * MIB);
+            let a = device.create_stream().unwrap();
+            let x = mr.allocate(4 * MIB, &a).unwrap();
+            a.spin(Duration::from_millis(100)).unwrap();
+            // SAFETY: live bytes at x, used on `a`, freed on `a` after.
+            unsafe { a.fill_u32(x, 0xAAAA_AAAA, MIB) }.unwrap();
+            free(&mr, x, 4 * MIB, &a);
+            let released = if awaited {
+                rt.block_on(mr.trim()).unwrap()
+            } else {
+                mr.trim_blocking().unwrap()
+            };
+            assert_eq!(released, 4 * MIB, "{what}");
+            a.synchronize_blocking()
+                .unwrap_or_else(|e| panic!("{what} (awaited: {awaited}): {e}"));
+            assert_eq!(mr.stats().reserved, 0, "{what}");
+        }
+    }
+}
+
+/// The trim future can be sent to another thread (a runtime's worker).
+#[test]
+fn the_trim_future_is_send() {
+    fn send<T: Send>(_: &T) {}
+    let device = &devices()[0];
+    let mr = arena(device, 0, MIB);
+    let trim = mr.trim();
+    send(&trim);
+    drop(trim);
+}
+
+/// A `trim` dropped while it waits for the GPU puts the chunks it took back: nothing is lost,
+/// the arena is whole and serves its maximum, and a later trim gives them back.
+#[test]
+fn a_cancelled_trim_loses_nothing() {
+    for device in devices() {
+        let what = label(&device);
+        let mr = arena(&device, 0, 8 * MIB);
+        let a = device.create_stream().unwrap();
+        let x = mr.allocate(4 * MIB, &a).unwrap();
+        a.spin(Duration::from_millis(300)).unwrap();
+        free(&mr, x, 4 * MIB, &a);
+        let before = mr.stats();
+        // Polled once and dropped: it waits for `a`'s kernel (unless that already ran).
+        let done = mr.trim().now_or_never();
+        check(&mr);
+        let after = mr.stats();
+        match done {
+            None => {
+                assert_eq!(after.reserved, before.reserved, "{what}: {after:?}");
+                assert_eq!(after.chunks, before.chunks, "{what}: {after:?}");
+                assert_eq!(after.global_free, before.reserved, "{what}: {after:?}");
+                let all = mr.allocate(8 * MIB, &a).unwrap();
+                free(&mr, all, 8 * MIB, &a);
+            }
+            Some(result) => assert_eq!(result.unwrap(), 4 * MIB, "{what}"),
+        }
+        mr.trim_blocking().unwrap();
+        let stats = mr.stats();
+        assert_eq!((stats.reserved, stats.chunks), (0, 0), "{what}: {stats:?}");
+        a.synchronize_blocking().unwrap();
+    }
+}
+
+/// Four threads on four streams under a tight maximum, small and large blocks, half of them
+/// freed on the next thread's stream (remote frees, adopted and forwarded while superblocks
+/// move), with defragmentations and trims in between: nothing is lost or overlaps, and every
+/// byte comes back. Allocation failures are allowed (the maximum is tight).
+#[test]
+fn moves_trims_and_remote_frees_under_stress() {
+    for device in devices() {
+        let what = label(&device);
+        let mr = arena(&device, 0, 12 * MIB);
+        let (txs, rxs): (Vec<_>, Vec<_>) = (0..4)
+            .map(|_| std::sync::mpsc::channel::<(DevicePtr, usize, streamalloc::Event)>())
+            .unzip();
+        std::thread::scope(|scope| {
+            for (t, rx) in rxs.into_iter().enumerate() {
+                let tx = txs[(t + 1) % 4].clone();
+                let (mr, device) = (&mr, &device);
+                scope.spawn(move || {
+                    let s = device.create_stream().unwrap();
+                    let mut rng = common::SplitMix64(11 + t as u64);
+                    let mut mine: Vec<(DevicePtr, usize)> = Vec::new();
+                    for step in 0..2000 {
+                        while let Ok((ptr, size, done)) = rx.try_recv() {
+                            s.wait(&done).unwrap();
+                            free(mr, ptr, size, &s);
+                        }
+                        let r = rng.next();
+                        if mine.is_empty() || (!r.is_multiple_of(3) && mine.len() < 64) {
+                            let size = if r.is_multiple_of(29) {
+                                MIB + (rng.next() % (2 * MIB as u64)) as usize
+                            } else {
+                                256 + (rng.next() % (96 * KIB as u64)) as usize
+                            };
+                            match mr.allocate(size, &s) {
+                                Ok(ptr) => mine.push((ptr, size)),
+                                Err(e) if e.is_out_of_memory() => {}
+                                Err(e) => panic!("{e}"),
+                            }
+                        } else {
+                            let (ptr, size) =
+                                mine.swap_remove((rng.next() % mine.len() as u64) as usize);
+                            if r.is_multiple_of(2) {
+                                free(mr, ptr, size, &s);
+                            } else if let Err(back) = tx.send((ptr, size, s.record().unwrap())) {
+                                let (ptr, size, _) = back.0;
+                                free(mr, ptr, size, &s);
+                            }
+                        }
+                        if t == 0 && step % 150 == 0 {
+                            mr.trim_blocking().unwrap();
+                        }
+                        if t == 1 && step % 200 == 0 {
+                            mr.defragment();
+                        }
+                    }
+                    for (ptr, size) in mine {
+                        free(mr, ptr, size, &s);
+                    }
+                    drop(tx);
+                    for (ptr, size, done) in rx {
+                        s.wait(&done).unwrap();
+                        free(mr, ptr, size, &s);
+                    }
+                    s.synchronize_blocking().unwrap();
+                });
+            }
+            drop(txs);
+        });
+        check(&mr);
+        let stats = mr.stats();
+        assert!(stats.reserved <= 12 * MIB, "{what}: {stats:?}");
+        assert_all_back(&mr, &what);
+        mr.trim_blocking().unwrap();
+        assert_eq!(mr.stats().reserved, 0, "{what}");
+    }
+}
+
+// ===== CudaAsyncResource =====
+
+fn free_async_mr(mr: &CudaAsyncResource, ptr: DevicePtr, bytes: usize, stream: &Stream) {
+    // SAFETY: allocated from `mr` with `bytes`, unused, freed once.
+    unsafe { mr.deallocate(ptr, bytes, stream) }.unwrap();
+}
+
+/// Finding 5: under `maximum_pool_size: Some(4 MiB)`, `allocate(4 MiB)` then `allocate(1 MiB)`
+/// both succeeded on an H200 (the driver rounds `maxSize` up) while the simulated device
+/// refused the second. Now both devices refuse it, and the maximum is exact to the 256 bytes:
+/// 4 MiB in two odd sizes fits, one byte more does not. A free counts when it is issued.
+#[test]
+fn cuda_async_maximum_holds_on_every_device() {
+    for device in devices() {
+        let what = label(&device);
+        let s = device.create_stream().unwrap();
+        let mr = CudaAsyncResource::new(
+            &device,
+            CudaAsyncOptions {
+                maximum_pool_size: Some(4 * MIB),
+                ..CudaAsyncOptions::default()
+            },
+        )
+        .unwrap();
+        assert_eq!(mr.maximum_bytes(), 4 * MIB, "{what}");
+        let all = mr.allocate(4 * MIB, &s).unwrap();
+        assert_eq!(mr.allocated_bytes(), 4 * MIB, "{what}");
+        match mr.allocate(MIB, &s) {
+            Err(Error::OutOfMemory {
+                requested,
+                available,
+                maximum,
+            }) => assert_eq!((requested, available, maximum), (MIB, 0, 4 * MIB), "{what}"),
+            Ok(ptr) => {
+                free_async_mr(&mr, ptr, MIB, &s);
+                panic!("{what}: 1 MiB more than the 4 MiB maximum was served");
+            }
+            Err(e) => panic!("{what}: {e}"),
+        }
+        // Counted when issued: the count drops at once.
+        free_async_mr(&mr, all, 4 * MIB, &s);
+        assert_eq!(mr.allocated_bytes(), 0, "{what}");
+        s.synchronize_blocking().unwrap();
+
+        // Exactly 4 MiB in two sizes that are not multiples of the driver's granularity.
+        let a = mr.allocate(3 * MIB + 1000, &s).unwrap();
+        let b = mr.allocate(MIB - 1024, &s).unwrap();
+        assert_eq!(mr.allocated_bytes(), 4 * MIB, "{what}");
+        assert!(
+            matches!(
+                mr.allocate(1, &s),
+                Err(Error::OutOfMemory {
+                    requested: 1,
+                    available: 0,
+                    ..
+                })
+            ),
+            "{what}: one byte past the maximum"
+        );
+        free_async_mr(&mr, b, MIB - 1024, &s);
+        let c = mr.allocate(MIB - 1024, &s).unwrap();
+        free_async_mr(&mr, a, 3 * MIB + 1000, &s);
+        free_async_mr(&mr, c, MIB - 1024, &s);
+        assert_eq!(mr.allocated_bytes(), 0, "{what}");
+        // More than the maximum fails at once, without a driver call.
+        assert!(matches!(
+            mr.allocate(4 * MIB + 1, &s),
+            Err(Error::OutOfMemory { .. })
+        ));
+        s.synchronize_blocking().unwrap();
+    }
+}
+
+/// Threads racing for the last bytes under the maximum never pass it together.
+#[test]
+fn cuda_async_maximum_holds_under_threads() {
+    for device in devices() {
+        let what = label(&device);
+        let mr = CudaAsyncResource::new(
+            &device,
+            CudaAsyncOptions {
+                maximum_pool_size: Some(8 * MIB),
+                ..CudaAsyncOptions::default()
+            },
+        )
+        .unwrap();
+        let served = std::sync::atomic::AtomicUsize::new(0);
+        std::thread::scope(|scope| {
+            for _ in 0..4 {
+                scope.spawn(|| {
+                    let s = device.create_stream().unwrap();
+                    let mut mine = Vec::new();
+                    for _ in 0..8 {
+                        if let Ok(ptr) = mr.allocate(MIB, &s) {
+                            mine.push(ptr);
+                        }
+                    }
+                    served.fetch_add(mine.len(), std::sync::atomic::Ordering::SeqCst);
+                    // Hold them until every thread has tried.
+                    std::thread::sleep(Duration::from_millis(50));
+                    mine.into_iter()
+                        .for_each(|ptr| free_async_mr(&mr, ptr, MIB, &s));
+                    s.synchronize_blocking().unwrap();
+                });
+            }
+        });
+        let served = served.into_inner();
+        assert!(
+            served <= 8,
+            "{what}: {served} MiB served under an 8 MiB maximum"
+        );
+        assert_eq!(mr.allocated_bytes(), 0, "{what}");
+    }
+}
+
+/// A resource over the device's default pool (RMM's `cuda_async_view_memory_resource`): two of
+/// them share it, a resource made by `new` does not, dropping a view leaves the pool working,
+/// and the pool's counters see every view's memory.
+#[test]
+fn cuda_async_default_pool_is_shared_and_left_alone() {
+    for device in devices() {
+        let what = label(&device);
+        let s = device.create_stream().unwrap();
+        let a = CudaAsyncResource::default_pool(&device).unwrap();
+        let b = CudaAsyncResource::default_pool(&device).unwrap();
+        let own = CudaAsyncResource::new(&device, CudaAsyncOptions::default()).unwrap();
+        assert!(a.shares_pool_with(&b), "{what}");
+        assert!(!a.shares_pool_with(&own), "{what}");
+        assert_eq!(a.maximum_bytes(), device.total_memory(), "{what}");
+        let x = a.allocate(2 * MIB, &s).unwrap();
+        assert!(
+            b.used_bytes().unwrap() >= 2 * MIB,
+            "{what}: b does not see a's memory"
+        );
+        // SAFETY: `x` is live until freed below; used on `s` only.
+        unsafe { s.fill_u32(x, 7, 2 * MIB / 4) }.unwrap();
+        assert_eq!(read_u32(&s, x, 4), vec![7; 4], "{what}");
+        free_async_mr(&a, x, 2 * MIB, &s);
+        drop(a);
+        // The pool is still there for b, and for a new view.
+        let y = b.allocate(MIB, &s).unwrap();
+        let c = CudaAsyncResource::default_pool(&device).unwrap();
+        assert!(c.shares_pool_with(&b), "{what}");
+        let z = c.allocate(MIB, &s).unwrap();
+        free_async_mr(&b, y, MIB, &s);
+        free_async_mr(&c, z, MIB, &s);
+        s.synchronize_blocking().unwrap();
+        assert_eq!(b.allocated_bytes() + c.allocated_bytes(), 0, "{what}");
+    }
+}
+
+/// A resource over a pool someone else made (here another resource's, by its raw handle):
+/// CUDA only. It shares the pool and leaves it alone when dropped. On the simulated device a
+/// raw handle is refused with a typed error.
+#[test]
+fn cuda_async_view_of_an_existing_pool() {
+    for device in devices() {
+        let what = label(&device);
+        let owner = CudaAsyncResource::new(&device, CudaAsyncOptions::default()).unwrap();
+        let Some(raw) = owner.raw_pool() else {
+            assert!(device.is_simulated(), "{what}: no raw pool on a GPU");
+            // SAFETY: a null handle, which must be refused without being used.
+            let refused = unsafe { CudaAsyncResource::view(&device, std::ptr::null_mut()) };
+            assert!(
+                matches!(refused, Err(Error::InvalidArgument { .. })),
+                "{what}: {refused:?}"
+            );
+            continue;
+        };
+        let s = device.create_stream().unwrap();
+        // SAFETY: `raw` is `owner`'s pool, of this device, and `owner` outlives the view and
+        // everything allocated through it.
+        let view = unsafe { CudaAsyncResource::view(&device, raw) }.unwrap();
+        assert!(view.shares_pool_with(&owner), "{what}");
+        let x = view.allocate(MIB, &s).unwrap();
+        assert!(owner.used_bytes().unwrap() >= MIB, "{what}");
+        free_async_mr(&view, x, MIB, &s);
+        s.synchronize_blocking().unwrap();
+        drop(view);
+        let y = owner.allocate(MIB, &s).unwrap();
+        free_async_mr(&owner, y, MIB, &s);
+        s.synchronize_blocking().unwrap();
+        // SAFETY: a null handle, which must be refused without being used.
+        let refused = unsafe { CudaAsyncResource::view(&device, std::ptr::null_mut()) };
+        assert!(
+            matches!(refused, Err(Error::InvalidArgument { .. })),
+            "{what}"
+        );
+    }
+}
