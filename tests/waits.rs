@@ -61,6 +61,7 @@ fn pool(device: &Device, maximum: usize) -> PoolResource<CudaResource> {
         PoolOptions {
             initial: maximum,
             maximum: Some(maximum),
+            ..PoolOptions::default()
         },
     )
     .unwrap()
