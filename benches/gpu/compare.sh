@@ -29,6 +29,9 @@ for r in $(seq "$ROUNDS"); do
     .before/churn --resource pool --run workloads --initial 2048,256 2>&1 | tee -a "$OUT/churn-before.txt" | grep -E "^pool"
   fi
 done
+echo "===== arena: every workload and thread scaling, this build then before"
+"$churn" --resource arena --run workloads,scaling --initial 2048 2>&1 | tee "$OUT/arena.txt" | grep -E "^arena"
+[ -x .before/churn ] && .before/churn --resource arena --run workloads,scaling --initial 2048 2>&1 | tee "$OUT/arena-before.txt" | grep -E "^arena"
 if [ "${SKIP_EXAMPLES:-0}" != 1 ]; then
   echo "===== examples"
   ex() { local b; b=$(ls .gpu/bin/"$1"-* 2>/dev/null | head -1); shift; [ -n "$b" ] && timeout 120 "$b" "$@"; }
