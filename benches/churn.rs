@@ -212,7 +212,7 @@ fn main() {
 
     let mut runs: Vec<Run> = Vec::new();
     for r in RUNS {
-        if which == "all" || which == "workloads" || which.split(',').any(|w| w == r.name) {
+        if which == "all" || which.split(',').any(|w| w == r.name || w == "workloads") {
             runs.push(r);
         }
     }

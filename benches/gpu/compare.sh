@@ -34,7 +34,7 @@ echo "===== arena: every workload and thread scaling, this build then before"
 [ -x .before/churn ] && .before/churn --resource arena --run workloads,scaling --initial 2048 2>&1 | tee "$OUT/arena-before.txt" | grep -E "^arena"
 if [ "${SKIP_EXAMPLES:-0}" != 1 ]; then
   echo "===== examples"
-  ex() { local b; b=$(ls .gpu/bin/"$1"-* 2>/dev/null | head -1); shift; [ -n "$b" ] && timeout 120 "$b" "$@"; }
+  ex() { local b; b=$(ls .gpu/bin/"$1"* 2>/dev/null | head -1); shift; [ -n "$b" ] && timeout 120 "$b" "$@"; }
   ex pipeline 2>&1 | tee "$OUT/pipeline.txt" | tail -3
   ex inference_server --load 2>&1 | tee "$OUT/server.txt" | tail -3
 fi
