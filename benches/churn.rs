@@ -6,6 +6,8 @@
 //! Runs: `churn-1t`, `churn-4t`, `churn-xs-1t`, `churn-xs-4t` (`workloads`: these four), and
 //! `scaling` (1, 2, 4 and 8 threads); `all` is every one.
 //!
+//! `--growth-divisor N` sets the pools' `PoolOptions::growth_divisor` (default 8).
+//!
 //! `--initial` lists the sizes (MiB) the pool and the arena start with, each run once per size:
 //! `2048` (the timed loop measures suballocation), `256` (WORKLOADS.md's growth from small), or
 //! both (the default, `2048,256`); the maximum is 8 GiB.
@@ -189,6 +191,7 @@ fn main() {
     let resource = arg("--resource", "all");
     let which = arg("--run", "all");
     let repeat: usize = arg("--repeat", "1").parse().unwrap_or(1);
+    let growth_divisor: u32 = arg("--growth-divisor", "8").parse().unwrap_or(8);
     let initials: Vec<usize> = arg("--initial", "2048,256")
         .split(',')
         .map(|m| {
@@ -269,6 +272,7 @@ fn main() {
                         PoolOptions {
                             initial,
                             maximum: Some(8 * GIB),
+                            growth_divisor,
                             ..PoolOptions::default()
                         },
                     )
@@ -314,6 +318,7 @@ fn main() {
                         PoolOptions {
                             initial,
                             maximum: Some(8 * GIB),
+                            growth_divisor,
                             ..PoolOptions::default()
                         },
                     )

@@ -82,9 +82,9 @@ pub struct PoolStats {
     pub merges: u64,
     /// Bytes handed out and not yet given back.
     pub in_use: usize,
-    /// The most bytes ever handed out at once (exact to within 1 MiB per stream: each
-    /// stream's list counts locally and shares its count in 1 MiB steps, so the fast path
-    /// touches no shared counter).
+    /// The most bytes ever handed out at once, to within 16 MiB per stream (each stream's
+    /// list counts locally and shares its count in 16 MiB steps, so the fast path touches no
+    /// shared counter); exact while one stream is in use and its count stayed under that.
     pub peak_in_use: usize,
 }
 
