@@ -280,12 +280,13 @@ fn main() {
                     let (wall, o) = run_on(&pool, &device, run);
                     let s = pool.stats();
                     let extra = format!(
-                        "{} MiB / {} MiB = {:.2} ({} grows, {} steals)",
+                        "{} MiB / {} MiB = {:.2} ({} grows, {} steals, {} merges)",
                         s.peak_reserved / MIB,
                         o.peak_live / MIB as u64,
                         s.peak_reserved as f64 / o.peak_live as f64,
                         s.grows,
-                        s.steals
+                        s.steals,
+                        s.merges
                     );
                     report(&format!("pool{start}"), run, wall, o, extra);
                 }

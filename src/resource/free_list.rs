@@ -292,6 +292,18 @@ impl FreeList {
         Some(addr)
     }
 
+    /// Takes, whole, the block [`take`](Self::take) would split for `size` bytes: `(address,
+    /// its size)`, or `None` if no block is large enough.
+    pub(crate) fn take_whole(&mut self, size: u64) -> Option<(u64, u64)> {
+        let i = self.find(size >> UNIT_LOG)?;
+        let Block {
+            addr, size: have, ..
+        } = self.blocks[i as usize];
+        let taken = self.take_exact(addr, have);
+        debug_assert!(taken);
+        Some((addr, have))
+    }
+
     /// Takes the block starting at `addr` if it is exactly `size` bytes (a whole chunk, for
     /// trimming).
     pub(crate) fn take_exact(&mut self, addr: u64, size: u64) -> bool {

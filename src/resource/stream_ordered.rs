@@ -482,13 +482,15 @@ impl<S: EngineStream> StreamLists<S> {
     /// Everything after the stream's own list and fresh memory.
     #[cold]
     fn take_slow(&self, size: u64, stream: &S, upstream: &impl Grow<S>) -> Result<u64> {
-        // One request at a time past this point: blocks in flight between lists during a
-        // merge would look missing to a second request, which would grow the pool for them.
-        let _slow = self.slow.lock();
-        if let Some(addr) = self.with_own(stream, |free| free.take(size)) {
+        if let Some(addr) = self.steal(size, stream)? {
             return Ok(addr);
         }
-        if let Some(addr) = self.fresh.lock().take(size) {
+        // One request at a time past this point: blocks in flight between lists during a
+        // merge would look missing to a second request, which would grow the pool for them.
+        // Steals stay outside: a request that a steal serves never waits behind a growth.
+        let _slow = self.slow.lock();
+        let own_or_fresh = self.with_own(stream, |free| free.take(size));
+        if let Some(addr) = own_or_fresh.or_else(|| self.fresh.lock().take(size)) {
             return Ok(addr);
         }
         if let Some(addr) = self.steal(size, stream)? {
@@ -566,19 +568,27 @@ impl<S: EngineStream> StreamLists<S> {
         if state.retired {
             return Ok(None);
         }
+        // The whole block: once `stream` waits on the donor, all of it is ours to use, and its
+        // remainder serves this stream's next requests without another steal (after a growth,
+        // the other streams would otherwise take the new chunk from its grower piece by piece).
         // Another request may have taken the fit since we looked: then there is none.
-        let Some(addr) = state.free.take(size) else {
+        let Some((addr, whole)) = state.free.take_whole(size) else {
             return Ok(None);
         };
-        let _span = tracing::debug_span!("steal", bytes = size, from = %donor.stream.name(), to = %stream.name()).entered();
+        let _span = tracing::debug_span!("steal", bytes = size, block = whole, from = %donor.stream.name(), to = %stream.name()).entered();
         // The block's free was enqueued on the donor before we found it in its list, so an
         // event recorded on the donor now comes after it.
         if let Err(e) = donor.stream.order_before(stream) {
-            let given = state.free.give(addr, size);
+            let given = state.free.give(addr, whole);
             debug_assert!(given, "a stolen block could not go back");
             return Err(e);
         }
+        // The donor's lock goes before ours is taken: two streams stealing from each other
+        // must not hold one list's lock while waiting for the other's.
         drop(state);
+        if whole > size {
+            self.give_blocks(&[(addr + size, whole - size)], stream);
+        }
         self.steals.fetch_add(1, Ordering::Relaxed);
         Ok(Some(addr))
     }
