@@ -236,11 +236,15 @@ impl<U: MemoryResource> PoolResource<U> {
         }
     }
 
+    /// `available` is the largest request that could have succeeded: the largest free block,
+    /// or the room left under the maximum, whichever is larger (free bytes spread over blocks
+    /// and chunks cannot serve one request, so they are not "available" to it).
     fn out_of_memory(&self, requested: u64) -> Error {
         let reserved = self.reserved.load(Ordering::Relaxed);
+        let room = self.maximum.saturating_sub(reserved);
         Error::OutOfMemory {
             requested: requested as usize,
-            available: (self.maximum.saturating_sub(reserved) + self.lists.free_bytes()) as usize,
+            available: room.max(self.lists.largest_free_block()) as usize,
             maximum: self.maximum as usize,
         }
     }

@@ -764,6 +764,17 @@ impl<S: EngineStream> StreamLists<S> {
         out
     }
 
+    /// The largest free block in any list (a scan: for error messages).
+    pub(crate) fn largest_free_block(&self) -> u64 {
+        let mut largest = self.fresh.lock().blocks().map(|b| b.1).max().unwrap_or(0);
+        let lists: Vec<Arc<StreamList<S>>> = self.registry.lock().lists.values().cloned().collect();
+        for list in lists {
+            let state = list.state.lock();
+            largest = largest.max(state.free.blocks().map(|b| b.1).max().unwrap_or(0));
+        }
+        largest
+    }
+
     /// Free bytes in every list.
     pub(crate) fn free_bytes(&self) -> u64 {
         self.stats().free_bytes
