@@ -35,7 +35,9 @@ pub enum Error {
     OutOfMemory {
         /// Bytes requested.
         requested: usize,
-        /// Bytes that were free (or could still be obtained) when the request failed.
+        /// What could still be had when the request failed: for the pool, the largest single
+        /// request that would have succeeded (its largest free block, or the room left under
+        /// its maximum); elsewhere, the bytes free or still obtainable.
         available: usize,
         /// The most this resource or device can ever hold.
         maximum: usize,
