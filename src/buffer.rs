@@ -596,17 +596,29 @@ struct PendingFree {
     ptr: DevicePtr,
     /// The allocation's size (the buffer's capacity).
     len: usize,
-    resource: ResourceRef,
+    /// Taken by the release, which runs once.
+    resource: crate::sync::Mutex<Option<ResourceRef>>,
     stream: Stream,
 }
 
 impl PendingFree {
     fn release(&self) {
+        let Some(resource) = self.resource.lock().take() else {
+            return;
+        };
         // SAFETY: the buffer's memory, from this resource with this length, freed once (only
-        // the last of the events gets here); every use on other streams has completed and
-        // later work on `stream` is ordered after the free.
-        if let Err(e) = unsafe { self.resource.deallocate(self.ptr, self.len, &self.stream) } {
+        // the last of the events gets here, and it takes the resource); every use on other
+        // streams has completed and later work on `stream` is ordered after the free.
+        if let Err(e) = unsafe { resource.deallocate(self.ptr, self.len, &self.stream) } {
             tracing::error!(error = %e, ptr = ?self.ptr, bytes = self.len, "a deferred free failed");
+        }
+        // This may be the last handle of the resource: its Drop (a pool synchronizing its
+        // streams and returning its chunks) must not run on the completion reactor.
+        if crate::offload::on_reactor_thread() {
+            self.stream
+                .device()
+                .reactor()
+                .offload("drop a buffer's resource", Box::new(move || drop(resource)));
         }
     }
 }
@@ -638,7 +650,7 @@ impl Drop for DeviceBuffer {
         let pending = PendingFree {
             ptr: self.ptr,
             len: self.capacity,
-            resource: self.resource.clone(),
+            resource: crate::sync::Mutex::new(Some(self.resource.clone())),
             stream: self.stream.clone(),
         };
         release_after_all(&events, move || pending.release(), Event::on_complete);

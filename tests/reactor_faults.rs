@@ -287,3 +287,73 @@ fn deferred_driver_frees_run_off_the_reactor() {
         off_reactor
     });
 }
+
+/// A resource that records the name of the thread that drops it.
+#[derive(Debug)]
+struct DropProbe {
+    inner: CudaResource,
+    dropped_on: Arc<Mutex<Option<String>>>,
+}
+
+impl streamalloc::MemoryResource for DropProbe {
+    fn device(&self) -> &Device {
+        self.inner.device()
+    }
+
+    fn allocate(
+        &self,
+        bytes: usize,
+        stream: &streamalloc::Stream,
+    ) -> streamalloc::Result<streamalloc::DevicePtr> {
+        self.inner.allocate(bytes, stream)
+    }
+
+    unsafe fn deallocate(
+        &self,
+        ptr: streamalloc::DevicePtr,
+        bytes: usize,
+        stream: &streamalloc::Stream,
+    ) -> streamalloc::Result<()> {
+        // SAFETY: the caller's contract, passed on to the resource that allocated it.
+        unsafe { self.inner.deallocate(ptr, bytes, stream) }
+    }
+}
+
+impl Drop for DropProbe {
+    fn drop(&mut self) {
+        *self.dropped_on.lock().unwrap() = std::thread::current().name().map(str::to_owned);
+    }
+}
+
+/// Issue 19: when a deferred free holds the last handle of its resource, the resource's Drop
+/// (a pool synchronizing its streams and freeing its chunks) must not run on the reactor.
+#[test]
+fn a_resource_whose_last_handle_a_deferred_free_holds_is_dropped_off_the_reactor() {
+    let device = Device::simulated(SimConfig::default());
+    let dropped_on = Arc::new(Mutex::new(None));
+    let resource = Arc::new(DropProbe {
+        inner: CudaResource::new(&device),
+        dropped_on: dropped_on.clone(),
+    });
+    let (a, b) = (
+        device.create_stream().unwrap(),
+        device.create_stream().unwrap(),
+    );
+    let mut buf = DeviceBuffer::new(&resource, 4096, &a).unwrap();
+    b.spin(Duration::from_millis(50)).unwrap();
+    buf.record_stream(&b).unwrap();
+    drop(buf); // the free waits for `b`: the reactor will run it
+    drop(resource); // the deferred free now holds the last handle
+    assert!(
+        eventually(Duration::from_secs(20), || dropped_on
+            .lock()
+            .unwrap()
+            .is_some()),
+        "the resource was never dropped"
+    );
+    let name = dropped_on.lock().unwrap().clone().unwrap();
+    assert!(
+        !name.starts_with("sa-reactor"),
+        "the resource was dropped on the reactor thread ({name})"
+    );
+}
