@@ -426,3 +426,53 @@ fn random_hand_offs_in_a_small_pool_keep_the_invariants_at_every_step() {
         check(&pool);
     }
 }
+
+/// Review finding: a failed synchronization of one dropped stream in `trim` dropped the blocks
+/// of every other dropped stream it had taken out.
+#[test]
+fn a_failed_trim_of_dropped_streams_loses_nothing() {
+    let (device, faults) = faulty();
+    let pool = pool(&device, 0, 64 * MIB);
+    let streams: Vec<Stream> = (0..2).map(|_| device.create_stream().unwrap()).collect();
+    let blocks: Vec<DevicePtr> = streams
+        .iter()
+        .map(|s| pool.allocate(2 * MIB, s).unwrap())
+        .collect();
+    for (s, p) in streams.iter().zip(blocks) {
+        free(&pool, p, 2 * MIB, s);
+    }
+    drop(streams);
+    let before = pool.stats();
+    assert_eq!((before.free, before.streams), (4 * MIB, 2), "{before:?}");
+    faults.fail_next(FaultKind::Synchronize);
+    assert!(pool.trim_blocking().is_err());
+    let after = pool.stats();
+    assert_eq!(after.free, 4 * MIB, "{after:?}");
+    check(&pool);
+    assert_eq!(pool.trim_blocking().unwrap(), 4 * MIB);
+    assert_eq!(pool.stats().reserved, 0);
+}
+
+/// Review finding: the peak in use never exceeds what the pool ever held, and counts a peak
+/// that `stats` did not see once its stream's count was shared.
+#[test]
+fn the_peak_in_use_is_bounded_by_the_peak_reserved() {
+    for device in devices() {
+        let pool = pool(&device, 64 * MIB, 256 * MIB);
+        let (a, b) = (
+            device.create_stream().unwrap(),
+            device.create_stream().unwrap(),
+        );
+        let blocks: Vec<DevicePtr> = (0..20).map(|_| pool.allocate(MIB, &a).unwrap()).collect();
+        for p in blocks {
+            free(&pool, p, MIB, &b);
+        }
+        let stats = pool.stats();
+        assert_eq!(stats.in_use, 0, "{}: {stats:?}", label(&device));
+        assert!(
+            stats.peak_in_use >= 16 * MIB && stats.peak_in_use <= stats.peak_reserved,
+            "{}: {stats:?}",
+            label(&device)
+        );
+    }
+}

@@ -31,7 +31,7 @@ pub struct PoolOptions {
     /// `initial`); `None` for the device's total memory.
     pub maximum: Option<usize>,
     /// How much the pool asks for when it grows: at least the request, and at least
-    /// 1/`growth_divisor` of what it holds (and never less than 2 MiB, nor past the maximum).
+    /// 1/`growth_divisor` of what it holds, and at least 2 MiB (never past the maximum).
     /// 1 doubles the pool at each growth (few, large chunks: more memory held than used);
     /// the default, 8, holds at most about 1/8 more than the peak needed, in more chunks
     /// (`BENCHMARKS.md` has the figures). 0 is taken as 1.
@@ -78,13 +78,15 @@ pub struct PoolStats {
     pub grows: u64,
     /// Blocks taken from another stream's list.
     pub steals: u64,
-    /// Times lists were merged (idle streams' before growing, all before failing).
+    /// Times other streams' lists were merged into a requester's (before growing, up to
+    /// `PoolOptions::merge_limit` of them besides dropped streams', and all before failing).
     pub merges: u64,
     /// Bytes handed out and not yet given back.
     pub in_use: usize,
-    /// The most bytes ever handed out at once, to within 16 MiB per stream (each stream's
-    /// list counts locally and shares its count in 16 MiB steps, so the fast path touches no
-    /// shared counter); exact while one stream is in use and its count stayed under that.
+    /// The most bytes handed out at once, as far as the pool could see: each stream's list
+    /// counts locally and shares its count in 16 MiB steps (so the fast path touches no
+    /// shared counter), and the peak is raised at those steps and by `stats` itself. It can be
+    /// off by up to 16 MiB per stream either way, and is never above `peak_reserved`.
     pub peak_in_use: usize,
 }
 
@@ -212,7 +214,8 @@ impl<U: MemoryResource> PoolResource<U> {
             steals: engine.steals,
             merges: engine.merges,
             in_use: engine.in_use as usize,
-            peak_in_use: engine.peak_in_use as usize,
+            peak_in_use: (engine.peak_in_use as usize)
+                .min(self.peak_reserved.load(Ordering::Relaxed) as usize),
         }
     }
 
@@ -273,9 +276,17 @@ impl<U: MemoryResource> PoolResource<U> {
     /// Not cancel-safe: blocks taken out of the lists before the future is dropped stay out
     /// (counted in `reserved`, never handed out) until the pool is dropped.
     pub async fn trim(&self) -> Result<usize> {
+        // Every retired list is folded or put back, whatever fails: one `?` here would drop
+        // the others' blocks.
+        let mut first_error = None;
         for (stream, blocks) in self.lists.retire_idle() {
             let synced = stream.synchronize().await;
-            self.fold_idle(stream, blocks, synced)?;
+            if let Err(e) = self.fold_idle(stream, blocks, synced) {
+                first_error.get_or_insert(e);
+            }
+        }
+        if let Some(e) = first_error {
+            return Err(e);
         }
         let taken = self.take_whole_chunks();
         for (_, _, stream) in &taken {
@@ -291,9 +302,17 @@ impl<U: MemoryResource> PoolResource<U> {
 
     /// [`trim`](Self::trim) for synchronous code: blocks the calling thread while it waits.
     pub fn trim_blocking(&self) -> Result<usize> {
+        // Every retired list is folded or put back, whatever fails: one `?` here would drop
+        // the others' blocks.
+        let mut first_error = None;
         for (stream, blocks) in self.lists.retire_idle() {
             let synced = stream.synchronize_blocking();
-            self.fold_idle(stream, blocks, synced)?;
+            if let Err(e) = self.fold_idle(stream, blocks, synced) {
+                first_error.get_or_insert(e);
+            }
+        }
+        if let Some(e) = first_error {
+            return Err(e);
         }
         let taken = self.take_whole_chunks();
         for (_, _, stream) in &taken {

@@ -14,8 +14,9 @@
 //!    waits on it. RMM records an event at every free instead; recording at the steal costs one
 //!    event per steal rather than per free, and it covers every block D holds, including blocks
 //!    D took over from other lists (D waited on their streams first, so the fix of RMM issue
-//!    2489, recording the guard again after a merge, holds by construction). The remainder of the
-//!    stolen block stays with D. D's lock is held from the take to the end of the ordering, so a
+//!    2489, recording the guard again after a merge, holds by construction). The donor is the
+//!    list with the closest fit, and the whole block moves: its remainder joins S's list (S
+//!    waited on D, so all of it is S's to use). D's lock is held from the take to the end of the ordering, so a
 //!    failed ordering puts the block back into a list that no merge can have retired meanwhile;
 //! 3. *merge* (RMM issue 2039, and what keeps memory from stranding across streams): the lists
 //!    of streams the user has dropped (we hold the last handle), and then up to
@@ -69,7 +70,7 @@ pub(crate) trait EngineStream: Clone {
         None
     }
 
-    /// Remembers `list` as the last lookup of this thread (stream uid 0 forgets it).
+    /// Remembers `list` as the last lookup of this thread.
     fn cache(_engine: u64, _stream: u64, _list: &Arc<StreamList<Self>>) {}
 
     /// Drops this thread's cached list of engine `engine`, if it has one (so that a retired
@@ -158,7 +159,9 @@ struct ListState {
 }
 
 /// A list flushes its `net` count into the shared one once it reaches this many bytes either
-/// way: the peak in use is exact to within this much per stream. At 1 MiB a fifth of churn's
+/// way. The shared count (and so the peak, which only flushes and `stats` raise) is off by at
+/// most this much per list, either way: a stream's unflushed allocations are missing from it,
+/// another's unflushed frees are still in it. At 1 MiB a fifth of churn's
 /// operations flushed (every request of 1 MiB or more), and the shared atomics cost 30 ns per
 /// operation on an H200 host.
 const FLUSH: i64 = 16 << 20;
@@ -190,8 +193,10 @@ pub(crate) struct StreamLists<S = Stream> {
 
 impl<S: EngineStream> fmt::Debug for StreamLists<S> {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        // One statement per lock: `free_bytes` takes the registry's lock itself.
+        let streams = self.registry.lock().lists.len();
         f.debug_struct("StreamLists")
-            .field("streams", &self.registry.lock().lists.len())
+            .field("streams", &streams)
             .field("free_bytes", &self.free_bytes())
             .finish()
     }
@@ -440,12 +445,6 @@ impl<S: EngineStream> StreamLists<S> {
         self.raise_peak(now);
     }
 
-    /// Counts bytes handed out by the slow paths (steals, merges, growth).
-    fn count_shared(&self, bytes: u64) {
-        let now = self.in_use.fetch_add(bytes as i64, Ordering::Relaxed) + bytes as i64;
-        self.raise_peak(now);
-    }
-
     fn raise_peak(&self, now: i64) {
         // A load first: the peak rarely moves, and a read-modify-write would take the line.
         if now > self.peak_in_use.load(Ordering::Relaxed) {
@@ -473,7 +472,9 @@ impl<S: EngineStream> StreamLists<S> {
             Some(addr) => Ok(addr),
             None => {
                 let addr = self.take_slow(size, stream, upstream)?;
-                self.count_shared(size);
+                // Counted in the requester's own list, as every free is counted in the list
+                // it goes to: the shared count then only ever moves in flushes.
+                self.with_own_state(stream, |state| self.count(state, size as i64));
                 Ok(addr)
             }
         }
@@ -668,6 +669,15 @@ impl<S: EngineStream> StreamLists<S> {
                 }
                 Err(e) => {
                     let mut state = donor.state.lock();
+                    if state.retired && !idle {
+                        // Retired meanwhile (it cannot be while we hold `slow`, but a list
+                        // that no registry holds must never receive memory): a live list of
+                        // the donor's stream takes the blocks.
+                        drop(state);
+                        self.give_blocks(&blocks, &donor.stream);
+                        result = Err(e);
+                        continue;
+                    }
                     for &(addr, size) in &blocks {
                         state.free.give(addr, size);
                     }
@@ -693,6 +703,9 @@ impl<S: EngineStream> StreamLists<S> {
     /// [`give_blocks_to`](Self::give_blocks_to) if it cannot.
     pub(crate) fn retire_idle(&self) -> Vec<(S, Vec<(u64, u64)>)> {
         S::forget_cached(self.uid);
+        // Not while a request merges: a list it drained and must put back (its ordering
+        // failed) would otherwise be retired under it.
+        let _slow = self.slow.lock();
         let lists: Vec<Arc<StreamList<S>>> = {
             let mut registry = self.registry.lock();
             let idle: Vec<u64> = registry
