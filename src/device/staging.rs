@@ -121,13 +121,6 @@ impl Staging {
     }
 }
 
-/// True on a device's completion reactor thread (named `sa-reactor-N`), where no blocking driver
-/// call may run.
-fn on_reactor_thread() -> bool {
-    std::thread::current()
-        .name()
-        .is_some_and(|name| name.starts_with("sa-reactor-"))
-}
 
 impl super::Device {
     /// A pinned block of at least `bytes` for staging a copy: from the cache, else new. Frees
@@ -180,7 +173,7 @@ impl super::Device {
     fn free_staging(&self, blocks: impl IntoIterator<Item = StagingBlock>) {
         for block in blocks {
             debug_assert!(
-                !on_reactor_thread(),
+                !crate::offload::on_reactor_thread(),
                 "a staging block freed on the reactor thread"
             );
             // SAFETY: the block came from `malloc_host` of this device, was cached or retired
