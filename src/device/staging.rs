@@ -121,7 +121,6 @@ impl Staging {
     }
 }
 
-
 impl super::Device {
     /// A pinned block of at least `bytes` for staging a copy: from the cache, else new. Frees
     /// the blocks the reactor retired meanwhile (this runs on a user's thread).
