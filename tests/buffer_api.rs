@@ -9,7 +9,7 @@ use std::time::Duration;
 
 use common::{devices, eventually, label, runtime};
 use streamalloc::resource::cuda::CudaResource;
-use streamalloc::resource::pool::{PoolOptions, PoolResource};
+use streamalloc::resource::pool::PoolResource;
 use streamalloc::{Device, DeviceBuffer, DeviceVec, Error, SimConfig};
 
 const MIB: usize = 1 << 20;
@@ -19,22 +19,7 @@ fn pool(device: &Device, maximum: usize) -> Arc<PoolResource<CudaResource>> {
 }
 
 fn pool_with(device: &Device, initial: usize, maximum: usize) -> Arc<PoolResource<CudaResource>> {
-    Arc::new(
-        PoolResource::new(
-            CudaResource::new(device),
-            PoolOptions {
-                initial,
-                maximum: Some(maximum),
-                ..PoolOptions::default()
-            },
-        )
-        .unwrap(),
-    )
-}
-
-fn all_back(p: &PoolResource<CudaResource>) -> bool {
-    let s = p.stats();
-    s.free == s.reserved
+    Arc::new(common::pool(device, initial, maximum))
 }
 
 /// Bytes handed out by the pool right now.
@@ -131,7 +116,10 @@ fn single_elements_are_read_and_written_in_stream_order() {
 
         drop((v, empty, pv));
         s.synchronize_blocking().unwrap();
-        assert!(eventually(Duration::from_secs(5), || all_back(&p)), "{l}");
+        assert!(
+            eventually(Duration::from_secs(5), || common::all_back(&p)),
+            "{l}"
+        );
     }
 }
 
@@ -234,7 +222,7 @@ fn resize_smaller_keeps_the_pointer_and_shrink_to_fit_reallocates() {
         drop((v, b));
         s.synchronize_blocking().unwrap();
         assert!(
-            eventually(Duration::from_secs(5), || all_back(&p)),
+            eventually(Duration::from_secs(5), || common::all_back(&p)),
             "{l}: {:?}",
             p.stats()
         );
@@ -258,7 +246,10 @@ fn a_failed_reallocation_changes_nothing() {
         assert_eq!(rt.block_on(v.to_host(&s)).unwrap(), [1, 2, 3], "{l}");
         drop((v, hog));
         s.synchronize_blocking().unwrap();
-        assert!(eventually(Duration::from_secs(5), || all_back(&p)), "{l}");
+        assert!(
+            eventually(Duration::from_secs(5), || common::all_back(&p)),
+            "{l}"
+        );
     }
 }
 
@@ -333,7 +324,7 @@ fn a_copy_onto_another_stream_and_resource() {
         b.synchronize_blocking().unwrap();
         for p in [&src_pool, &dst_pool] {
             assert!(
-                eventually(Duration::from_secs(5), || all_back(p)),
+                eventually(Duration::from_secs(5), || common::all_back(p)),
                 "{l}: {:?}",
                 p.stats()
             );
@@ -387,7 +378,10 @@ fn a_buffer_copied_from_a_raw_device_pointer() {
 
         drop((buf, v, part, none));
         s.synchronize_blocking().unwrap();
-        assert!(eventually(Duration::from_secs(5), || all_back(&p)), "{l}");
+        assert!(
+            eventually(Duration::from_secs(5), || common::all_back(&p)),
+            "{l}"
+        );
     }
 }
 

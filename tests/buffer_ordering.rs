@@ -26,22 +26,7 @@ fn sim() -> (Device, Faults) {
 
 /// A pool that starts empty, so that each allocation grows a chunk that `trim` can give back.
 fn pool(device: &Device) -> Arc<PoolResource<CudaResource>> {
-    Arc::new(
-        PoolResource::new(
-            CudaResource::new(device),
-            PoolOptions {
-                initial: 0,
-                maximum: Some(64 * MIB),
-                ..PoolOptions::default()
-            },
-        )
-        .unwrap(),
-    )
-}
-
-fn all_back(p: &PoolResource<CudaResource>) -> bool {
-    let s = p.stats();
-    s.free == s.reserved
+    Arc::new(common::pool(device, 0, 64 * MIB))
 }
 
 /// Polls `fut` once, then drops it.
@@ -70,7 +55,7 @@ fn a_dropped_copy_on_another_stream_holds_the_free() {
         .expect("b's copy ran on memory that was freed under it");
     a.synchronize_blocking().unwrap();
     assert!(
-        eventually(Duration::from_secs(10), || all_back(&p)),
+        eventually(Duration::from_secs(10), || common::all_back(&p)),
         "{:?}",
         p.stats()
     );
@@ -99,7 +84,7 @@ fn a_failed_copy_on_another_stream_holds_the_free() {
     b.synchronize_blocking()
         .expect("b's copy ran on memory that was freed under it");
     assert!(
-        eventually(Duration::from_secs(10), || all_back(&p)),
+        eventually(Duration::from_secs(10), || common::all_back(&p)),
         "{:?}",
         p.stats()
     );
@@ -120,7 +105,7 @@ fn a_completed_copy_on_another_stream_frees_normally() {
     a.synchronize_blocking().unwrap();
     b.synchronize_blocking().unwrap();
     assert!(
-        eventually(Duration::from_secs(10), || all_back(&p)),
+        eventually(Duration::from_secs(10), || common::all_back(&p)),
         "{:?}",
         p.stats()
     );
@@ -147,7 +132,7 @@ fn into_raw_parts_with_fault(kind: FaultKind) {
     b.synchronize_blocking()
         .unwrap_or_else(|e| panic!("{kind:?}: b's fill ran on freed memory: {e}"));
     assert!(
-        eventually(Duration::from_secs(10), || all_back(&p)),
+        eventually(Duration::from_secs(10), || common::all_back(&p)),
         "{kind:?}: memory lost: {:?}",
         p.stats()
     );
@@ -190,7 +175,7 @@ fn into_raw_parts_orders_other_streams_before_its_stream() {
     assert!(host.chunks(4).all(|w| w == 3u32.to_ne_bytes()));
     drop(buf);
     assert!(
-        eventually(Duration::from_secs(10), || all_back(&p)),
+        eventually(Duration::from_secs(10), || common::all_back(&p)),
         "{:?}",
         p.stats()
     );
@@ -328,5 +313,7 @@ fn a_copy_onto_a_busy_stream_holds_the_source_free() {
         .expect("b's copy ran on memory that was freed under it");
     assert!(rt.block_on(w.to_host(&b)).unwrap().iter().all(|&x| x == 6));
     assert!(rt.block_on(c.to_host()).unwrap().iter().all(|&x| x == 4));
-    assert!(eventually(Duration::from_secs(10), || all_back(&src_pool)));
+    assert!(eventually(Duration::from_secs(10), || common::all_back(
+        &src_pool
+    )));
 }

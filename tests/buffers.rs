@@ -9,28 +9,13 @@ use std::time::Duration;
 
 use common::{devices, eventually, label, runtime};
 use streamalloc::resource::cuda::CudaResource;
-use streamalloc::resource::pool::{PoolOptions, PoolResource};
+use streamalloc::resource::pool::PoolResource;
 use streamalloc::{Device, DeviceBuffer, DeviceScalar, DeviceVec, Error, SimConfig};
 
 const MIB: usize = 1 << 20;
 
 fn pool(device: &Device, initial: usize, maximum: usize) -> Arc<PoolResource<CudaResource>> {
-    Arc::new(
-        PoolResource::new(
-            CudaResource::new(device),
-            PoolOptions {
-                initial,
-                maximum: Some(maximum),
-                ..PoolOptions::default()
-            },
-        )
-        .unwrap(),
-    )
-}
-
-fn all_back(p: &PoolResource<CudaResource>) -> bool {
-    let s = p.stats();
-    s.free == s.reserved
+    Arc::new(common::pool(device, initial, maximum))
 }
 
 #[test]
@@ -80,7 +65,7 @@ fn round_trips_of_vectors_and_scalars() {
         s.synchronize_blocking().unwrap();
         t.synchronize_blocking().unwrap();
         assert!(
-            eventually(Duration::from_secs(5), || all_back(&p)),
+            eventually(Duration::from_secs(5), || common::all_back(&p)),
             "{}: {:?}",
             label(&device),
             p.stats()
@@ -158,7 +143,7 @@ fn a_drop_waits_for_every_recorded_stream() {
         drop(y);
         a.synchronize_blocking().unwrap();
         assert!(
-            eventually(Duration::from_secs(5), || all_back(&p)),
+            eventually(Duration::from_secs(5), || common::all_back(&p)),
             "{:?}",
             p.stats()
         );
@@ -196,7 +181,7 @@ fn memory_comes_back_exactly_once_whatever_the_order() {
             s.synchronize_blocking().unwrap();
         }
         assert!(
-            eventually(Duration::from_secs(5), || all_back(&p)),
+            eventually(Duration::from_secs(5), || common::all_back(&p)),
             "{}: {:?}",
             label(&device),
             p.stats()

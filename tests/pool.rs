@@ -7,36 +7,13 @@ use std::collections::BTreeMap;
 use std::sync::Arc;
 use std::time::Duration;
 
-use common::{devices, label, read_u32, SplitMix64};
+use common::{check_pool, devices, free, label, pool, read_u32, SplitMix64};
 use streamalloc::resource::cuda::CudaResource;
 use streamalloc::resource::fixed_size::FixedSizeResource;
 use streamalloc::resource::pool::{PoolOptions, PoolResource};
 use streamalloc::{Device, DevicePtr, Error, MemoryResource, Stream, ALIGNMENT};
 
 const MIB: usize = 1 << 20;
-
-fn pool(device: &Device, initial: usize, maximum: usize) -> PoolResource<CudaResource> {
-    PoolResource::new(
-        CudaResource::new(device),
-        PoolOptions {
-            initial,
-            maximum: Some(maximum),
-            ..PoolOptions::default()
-        },
-    )
-    .unwrap()
-}
-
-fn free(pool: &impl MemoryResource, ptr: DevicePtr, bytes: usize, stream: &Stream) {
-    // SAFETY: every test frees what it allocated from `pool`, once, after its last use on
-    // `stream` (or after ordering `stream` behind that use).
-    unsafe { pool.deallocate(ptr, bytes, stream) }.unwrap();
-}
-
-fn check(pool: &PoolResource<CudaResource>) {
-    pool.check_invariants()
-        .unwrap_or_else(|e| panic!("pool invariants: {e}"));
-}
 
 #[test]
 fn zero_bytes_cost_nothing() {
@@ -92,7 +69,7 @@ fn sizes_from_4_bytes_to_1_gib_are_aligned_and_distinct() {
         for (ptr, size) in live {
             free(&p, DevicePtr(ptr), size, &s);
         }
-        check(&p);
+        check_pool(&p);
     }
 }
 
@@ -112,7 +89,7 @@ fn one_pib_is_out_of_memory_and_the_pool_stays_usable() {
         }
         let ptr = p.allocate(MIB, &s).unwrap();
         free(&p, ptr, MIB, &s);
-        check(&p);
+        check_pool(&p);
         assert_eq!(p.stats().reserved, 16 * MIB);
     }
 }
@@ -141,7 +118,7 @@ fn random_mixes_keep_the_invariants() {
                 free(&p, ptr, size, &streams[t]);
             }
             if step % 250 == 0 {
-                check(&p);
+                check_pool(&p);
                 let mut ranges: Vec<_> = live.iter().map(|&(p, s, _)| (p.0, s as u64)).collect();
                 ranges.sort_unstable();
                 assert!(
@@ -153,7 +130,7 @@ fn random_mixes_keep_the_invariants() {
         for (ptr, size, s) in live {
             free(&p, ptr, size, &streams[s]);
         }
-        check(&p);
+        check_pool(&p);
         let stats = p.stats();
         assert_eq!(
             stats.free,
@@ -191,7 +168,7 @@ fn four_threads_at_once() {
                 });
             }
         });
-        p.check_invariants().unwrap();
+        check_pool(&p);
         let stats = p.stats();
         assert_eq!(stats.free, stats.reserved, "{}: {stats:?}", label(&device));
     }
@@ -223,7 +200,7 @@ fn producer_consumer_across_threads_and_streams() {
                 }
             });
         });
-        p.check_invariants().unwrap();
+        check_pool(&p);
         let stats = p.stats();
         assert_eq!(stats.free, stats.reserved, "{}: {stats:?}", label(&device));
     }
@@ -258,7 +235,7 @@ fn a_stream_dropped_with_frees_pending_loses_nothing() {
         for ptr in again {
             free(&p, ptr, MIB, &b);
         }
-        check(&p);
+        check_pool(&p);
     }
 }
 
@@ -339,7 +316,7 @@ fn free_small_chunks_make_room_for_a_large_one_at_the_maximum() {
             "{stats:?}"
         );
         free(&p, big, 6 * MIB, &s);
-        check(&p);
+        check_pool(&p);
     }
 }
 
@@ -494,7 +471,7 @@ fn merged_lists_stay_ordered_behind_their_first_stream() {
             label(&device)
         );
         free(&p, taken, 2 * half, &c);
-        check(&p);
+        check_pool(&p);
     }
 }
 
@@ -529,7 +506,7 @@ fn trim_returns_wholly_free_chunks() {
         // Still usable: it grows again.
         let c = p.allocate(MIB, &s).unwrap();
         free(&p, c, MIB, &s);
-        check(&p);
+        check_pool(&p);
     }
 }
 

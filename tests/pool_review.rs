@@ -8,35 +8,12 @@ mod common;
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
-use common::{devices, label};
+use common::{check_pool, devices, free, label, pool};
 use streamalloc::resource::callback::CallbackResource;
-use streamalloc::resource::cuda::CudaResource;
 use streamalloc::resource::pool::{PoolOptions, PoolResource};
 use streamalloc::{Device, DevicePtr, Error, FaultKind, Faults, MemoryResource, SimConfig, Stream};
 
 const MIB: usize = 1 << 20;
-
-fn pool(device: &Device, initial: usize, maximum: usize) -> PoolResource<CudaResource> {
-    PoolResource::new(
-        CudaResource::new(device),
-        PoolOptions {
-            initial,
-            maximum: Some(maximum),
-            ..PoolOptions::default()
-        },
-    )
-    .unwrap()
-}
-
-fn free(pool: &impl MemoryResource, ptr: DevicePtr, bytes: usize, stream: &Stream) {
-    // SAFETY: every test frees what it allocated from `pool`, once; nothing used the memory.
-    unsafe { pool.deallocate(ptr, bytes, stream) }.unwrap();
-}
-
-fn check<U: MemoryResource>(pool: &PoolResource<U>) {
-    pool.check_invariants()
-        .unwrap_or_else(|e| panic!("pool invariants: {e}"));
-}
 
 /// Issue 19, finding 5: 2 contiguous MiB were free (1 MiB freed on `s` beside 1 MiB fresh), yet
 /// the pool grew.
@@ -52,7 +29,7 @@ fn a_request_that_fits_does_not_grow_the_pool() {
         assert_eq!(stats.grows, 0, "{}: {stats:?}", label(&device));
         assert_eq!(stats.reserved, 2 * MIB, "{}: {stats:?}", label(&device));
         free(&pool, b, 2 * MIB, &s);
-        check(&pool);
+        check_pool(&pool);
     }
 }
 
@@ -80,7 +57,7 @@ fn the_whole_pool_is_served_when_free_blocks_are_spread_over_streams() {
         let all = pool
             .allocate(8 * MIB, &c)
             .unwrap_or_else(|e| panic!("{}: {e} ({:?})", label(&device), pool.stats()));
-        check(&pool);
+        check_pool(&pool);
         free(&pool, all, 8 * MIB, &c);
         c.synchronize_blocking().unwrap();
     }
@@ -108,7 +85,7 @@ fn dropped_streams_are_released_by_trim() {
             label(&device)
         );
         assert_eq!(stats.in_use, 0, "{}: {stats:?}", label(&device));
-        check(&pool);
+        check_pool(&pool);
         // The folded memory serves any stream again.
         let s = device.create_stream().unwrap();
         let p = pool.allocate(4 * MIB, &s).unwrap();
@@ -170,7 +147,7 @@ fn a_trim_racing_a_grow_keeps_the_new_chunk() {
     assert_eq!(stats.chunks, 1, "{stats:?}");
     assert_eq!(stats.free + stats.in_use, stats.reserved, "{stats:?}");
     free(&pool, block, MIB, &s);
-    check(&pool);
+    check_pool(&pool);
 }
 
 fn faulty() -> (Device, Faults) {
@@ -211,7 +188,7 @@ fn a_failed_steal_loses_nothing() {
         (MIB, 0, 0),
         "{stats:?}"
     );
-    check(&pool);
+    check_pool(&pool);
     let p = pool.allocate(MIB, &b).unwrap();
     assert_eq!(pool.stats().steals, 1);
     free(&pool, p, MIB, &b);
@@ -243,7 +220,7 @@ fn a_failed_trim_puts_its_chunks_back() {
         (2 * MIB, 2 * MIB),
         "{stats:?}"
     );
-    check(&pool);
+    check_pool(&pool);
     assert_eq!(pool.trim_blocking().unwrap(), 2 * MIB);
     assert_eq!(pool.stats().reserved, 0);
 }
@@ -277,7 +254,7 @@ fn a_failed_release_at_the_maximum_keeps_stream_order() {
         (4 * MIB, 4 * MIB),
         "{stats:?}"
     );
-    check(&pool);
+    check_pool(&pool);
     let steals = stats.steals;
     let p = pool.allocate(2 * MIB, &b).unwrap();
     assert_eq!(pool.stats().steals, steals + 1, "{:?}", pool.stats());
@@ -403,7 +380,7 @@ fn random_hand_offs_in_a_small_pool_keep_the_invariants_at_every_step() {
                 free(&pool, p, size, &streams[s]);
                 live_bytes -= size;
             }
-            check(&pool);
+            check_pool(&pool);
             let stats = pool.stats();
             assert_eq!(
                 stats.free + stats.in_use,
@@ -423,7 +400,7 @@ fn random_hand_offs_in_a_small_pool_keep_the_invariants_at_every_step() {
             label(&device)
         );
         assert_eq!((stats.in_use, stats.free), (0, stats.reserved), "{stats:?}");
-        check(&pool);
+        check_pool(&pool);
     }
 }
 
@@ -448,7 +425,7 @@ fn a_failed_trim_of_dropped_streams_loses_nothing() {
     assert!(pool.trim_blocking().is_err());
     let after = pool.stats();
     assert_eq!(after.free, 4 * MIB, "{after:?}");
-    check(&pool);
+    check_pool(&pool);
     assert_eq!(pool.trim_blocking().unwrap(), 4 * MIB);
     assert_eq!(pool.stats().reserved, 0);
 }

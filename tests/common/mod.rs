@@ -8,7 +8,9 @@
 
 use std::time::Duration;
 
-use streamalloc::{Device, SimConfig};
+use streamalloc::resource::cuda::CudaResource;
+use streamalloc::resource::pool::{PoolOptions, PoolResource};
+use streamalloc::{Device, DevicePtr, MemoryResource, SimConfig, Stream};
 
 /// The simulated device, plus CUDA device 0 when there is one.
 pub fn devices() -> Vec<Device> {
@@ -73,4 +75,41 @@ impl SplitMix64 {
         z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
         z ^ (z >> 31)
     }
+}
+
+/// A pool over `cuMemAlloc` with these sizes and the default policies.
+pub fn pool(device: &Device, initial: usize, maximum: usize) -> PoolResource<CudaResource> {
+    PoolResource::new(
+        CudaResource::new(device),
+        PoolOptions {
+            initial,
+            maximum: Some(maximum),
+            ..PoolOptions::default()
+        },
+    )
+    .unwrap()
+}
+
+/// Frees what `resource` handed out, expecting success.
+pub fn free<R: MemoryResource + ?Sized>(
+    resource: &R,
+    ptr: DevicePtr,
+    bytes: usize,
+    stream: &Stream,
+) {
+    // SAFETY: every test frees what it allocated from `resource`, once, after its last use on
+    // `stream` (or after ordering `stream` behind that use).
+    unsafe { resource.deallocate(ptr, bytes, stream) }.unwrap();
+}
+
+/// Panics with the violation if the pool's invariant checker finds one.
+pub fn check_pool<U: MemoryResource>(pool: &PoolResource<U>) {
+    pool.check_invariants()
+        .unwrap_or_else(|e| panic!("pool invariants: {e}"));
+}
+
+/// True once every byte the pool holds is free again.
+pub fn all_back<U: MemoryResource>(pool: &PoolResource<U>) -> bool {
+    let s = pool.stats();
+    s.free == s.reserved
 }
