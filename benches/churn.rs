@@ -262,21 +262,25 @@ fn main() {
         }
     };
 
+    // The pool under test, and under binning: `initial` reserved, up to 8 GiB.
+    let make_pool = |initial: usize| {
+        PoolResource::new(
+            CudaResource::new(&device),
+            PoolOptions {
+                initial,
+                maximum: Some(8 * GIB),
+                growth_divisor,
+                ..PoolOptions::default()
+            },
+        )
+        .unwrap()
+    };
     for run in &runs {
         for _ in 0..repeat {
             for &initial in &initials {
                 let start = format!(":{}M", initial / MIB);
                 if resource == "all" || resource == "pool" {
-                    let pool = PoolResource::new(
-                        CudaResource::new(&device),
-                        PoolOptions {
-                            initial,
-                            maximum: Some(8 * GIB),
-                            growth_divisor,
-                            ..PoolOptions::default()
-                        },
-                    )
-                    .unwrap();
+                    let pool = make_pool(initial);
                     let (wall, o) = run_on(&pool, &device, run);
                     let s = pool.stats();
                     let extra = format!(
@@ -314,16 +318,7 @@ fn main() {
                 if resource == "all" || resource == "binning" {
                     // As WORKLOADS.md's RMM reference: fixed-size bins 2^18..2^22 over a pool, the
                     // pool serving what is larger.
-                    let pool = PoolResource::new(
-                        CudaResource::new(&device),
-                        PoolOptions {
-                            initial,
-                            maximum: Some(8 * GIB),
-                            growth_divisor,
-                            ..PoolOptions::default()
-                        },
-                    )
-                    .unwrap();
+                    let pool = make_pool(initial);
                     let r = BinningResource::new(pool, 18, 22).unwrap();
                     let (wall, o) = run_on(&r, &device, run);
                     report(&format!("binning{start}"), run, wall, o, String::new());
