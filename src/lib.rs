@@ -53,7 +53,9 @@
 //!   waits until the device is idle), notice that they run on a reactor thread and hand the free
 //!   to the device's *blocking-work thread* (`sa-blocking-N`, started on first use), logging an
 //!   error there instead of returning it. A resource of yours must do the same with its own
-//!   thread.
+//!   thread. When a deferred free holds the last handle of its resource, that handle is
+//!   dropped on the blocking-work thread too, so a pool's `Drop` (which synchronizes its
+//!   streams) never runs on the reactor.
 //! - **Keep it short.** Microseconds, not milliseconds: the median wake latency the reactor
 //!   aims at on a GPU is under 10 µs.
 //! - **Panics are caught, not propagated.** A waker or deferred callback that panics is caught
@@ -74,6 +76,7 @@
 
 mod buffer;
 mod completion;
+pub mod implementation;
 mod device;
 mod error;
 mod event;

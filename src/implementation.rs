@@ -1,0 +1,126 @@
+//! How streamalloc works: the design notes, for the next person to change it.
+//!
+//! This module holds no code. It is sharded-slab's `implementation` module in spirit: what each
+//! layer owns, why the hard parts are shaped as they are, and where the authoritative comments
+//! live. Keep it true when the design changes.
+//!
+//! # The contract: stream order
+//!
+//! GPU work runs in streams, each executed in order. An allocation made *on stream S* may be
+//! used by work queued on S after the call returns, with no host wait. A free on S means: the
+//! memory may go to later work on S at once, and to work on another stream T only once T has
+//! been made to wait for S (an event recorded on S, then a GPU-side wait on T). The host never
+//! blocks to allocate or to free; where it must wait for the GPU it does so by `.await`.
+//!
+//! Everything below serves that contract: a block moves from one stream's use to another's only
+//! across an event, and nothing is freed (upstream, or to the host) while queued work may still
+//! touch it.
+//!
+//! # Layers, and what each owns
+//!
+//! From the bottom:
+//!
+//! - `sync`: the only file that names `std::sync` or `loom` (`--cfg streamalloc_loom`).
+//! - `error`: the one [`Error`](crate::Error) type, with the numbers in every variant.
+//! - `device`: [`Device`](crate::Device), the only place that calls the driver. `device::cuda`
+//!   goes through cudarc (loaded at run time); `device::sim` is the simulated device: host
+//!   memory at device-like addresses, a worker thread per stream, every access checked, and
+//!   `device::sim::faults` ([`Faults`](crate::Faults)), which makes the Nth driver call of a
+//!   kind fail. `device::staging` caches the page-locked blocks that host copies go through.
+//! - `reactor`, `completion`, `offload`: one completion reactor thread per device turns
+//!   finished events into wakeups and runs deferred callbacks; a lazily started blocking-work
+//!   thread per device takes what may block (`cuMemFree`, dropping a resource). The rules for
+//!   code that runs on the reactor are in the crate root's docs.
+//! - `stream`, `event`, `stream_pool`: [`Stream`](crate::Stream) (ids that are never reused,
+//!   unlike driver handles), [`Event`](crate::Event) (a future), [`StreamPool`](crate::StreamPool).
+//! - `resource`: the [`MemoryResource`](crate::MemoryResource) trait and every resource and
+//!   adaptor; `resource::stream_ordered` and `resource::free_list` are the engine the pool and
+//!   the fixed-size resource share; `resource::waiters` and `resource::allocate` are awaitable
+//!   allocation.
+//! - `buffer`, `vec`: [`DeviceBuffer`](crate::DeviceBuffer), [`DeviceVec`](crate::DeviceVec),
+//!   [`DeviceScalar`](crate::DeviceScalar): RAII over a resource, with the streams that used
+//!   them, and frees that wait for those uses.
+//!
+//! A lower layer should never name a higher one. Three cycles remain (issue 17): `device`,
+//! `stream` and `event` name each other; `device::cuda` and `reactor`; `device::sim::kernels`
+//! and `device::sim::stream`.
+//!
+//! # The pool's engine: free lists per stream, and its order of resort
+//!
+//! Each stream that frees memory into a pool has its own free list (a two-level segregated fit:
+//! O(1) fit within 3% of the best, O(1) coalescing through two address maps), found through a
+//! thread-local cache: reuse on the freeing stream takes that list's lock only, so threads on
+//! different streams do not contend. Blocks never merge across upstream chunks.
+//!
+//! When a stream's list cannot serve a request, in order (the authoritative comment is at the
+//! top of `src/resource/stream_ordered.rs`):
+//!
+//! 1. *fresh* memory, that no stream has used or whose last use the host saw finish (under the
+//!    requester's own lock: no ordering needed);
+//! 2. a *steal*: the closest fit over the other lists; an event is recorded on the donor now
+//!    and the requester waits on it; the whole block moves, its remainder joining the
+//!    requester's list. Recording at the steal rather than at every free costs one event per
+//!    steal, and covers blocks the donor itself took over (the fix of RMM issue 2489 holds by
+//!    construction);
+//! 3. under a slow-path lock (so that blocks in flight between lists never look missing to a
+//!    second request), a *merge*: the lists of dropped streams, and up to
+//!    [`PoolOptions::merge_limit`](crate::PoolOptions::merge_limit) other lists, fullest first,
+//!    move into the requester's after it waits on each; there free neighbours coalesce
+//!    whatever stream freed them (RMM issue 2039);
+//! 4. *growth* by at least 1/[`growth_divisor`](crate::PoolOptions::growth_divisor) of what
+//!    the pool holds, halving the try on failure; at the maximum, wholly free chunks go back
+//!    upstream first, on the stream they were freed on;
+//! 5. if that fails, merge every list and try once more (growing again if the merge made a
+//!    chunk whole); then [`Error::OutOfMemory`](crate::Error::OutOfMemory), whose `available`
+//!    is the largest request that could have been served.
+//!
+//! `trim` folds the lists of dropped streams back (after synchronizing them their memory is
+//! fresh) and returns wholly free chunks upstream; every error path puts what it took back
+//! where it was. The engine is generic over its stream type so the loom model
+//! (`loom-tests/free_lists.rs`) runs it on a fake stream that records ordering edges in vector
+//! clocks.
+//!
+//! What it does not do yet: blocks freed on different streams coalesce only when a merge
+//! brings them together, so on hand-off workloads (WORKLOADS.md's `churn-xs`) the pool still
+//! holds 1.5 to 1.7 times its peak live memory; an address index across lists, in which a
+//! merged block carries the streams it must wait on, is the next step.
+//!
+//! # Buffers: uses and deferred frees
+//!
+//! A buffer knows the stream it was allocated on and every other stream that used it
+//! (`record_stream`, and work the crate itself queues elsewhere, such as `to_host(&other)`,
+//! which registers the use *before* queueing it). Dropping it records an event on each other
+//! stream and frees once all have completed, from the reactor: the free is stream-ordered on
+//! the buffer's own stream, so nothing waits on the host. Host copies stage through
+//! page-locked blocks that go back to the cache only behind an event after the copy.
+//!
+//! # Why the reactor polls
+//!
+//! On the H200 VMs we measured, the driver's ways to wake a sleeping thread (host functions,
+//! blocking-sync events) arrive 250 to 450 µs after an event once the wait exceeds ~100 µs,
+//! while polling `cuEventQuery` sees completion within ~1 µs (`benches/doorbell_probe.rs`). So
+//! while events are pending the reactor polls, in a hot loop for
+//! [`CudaOptions::reactor_spin`](crate::CudaOptions::reactor_spin) after each completion or
+//! registration, then between sleeps that double up to `reactor_max_sleep`; with nothing
+//! pending it parks. The events of one stream complete in order, so it checks only each
+//! stream's oldest event; an event's sequence number is taken under the same lock as its
+//! driver record so that the order cannot invert.
+//!
+//! # Waiting for memory
+//!
+//! `allocate_async` waits in a FIFO queue per resource. A free notifies the head, which tries
+//! again and passes the baton on if it cannot use what came back; a cancelled waiter passes its
+//! notification on. A `SeqCst` fence on both sides (registering, freeing) closes the
+//! store-buffering window in which each would miss the other's write. A request that can never
+//! succeed (larger than the maximum) fails at once.
+//!
+//! # Proving it
+//!
+//! - The simulated device runs every test that a GPU runs (`tests/`, written once against
+//!   `Device`), with [`Faults`](crate::Faults) to drive error paths.
+//! - loom models (`loom-tests/`, compiled into the crate under `--cfg streamalloc_loom`) of
+//!   the completion state, the reactor, the blocking-work queue, the waiters queue, the free
+//!   lists and the deferred free; each was seen to catch a bug planted in it
+//!   (`loom-tests/README.md` lists them).
+//! - Data tests check stream order by what the GPU wrote, each seen to fail with its guard
+//!   removed, and the pool's invariant checker runs after every step of the random-mix tests.
