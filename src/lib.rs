@@ -76,10 +76,10 @@
 
 mod buffer;
 mod completion;
-pub mod implementation;
 mod device;
 mod error;
 mod event;
+pub mod implementation;
 mod offload;
 mod reactor;
 pub mod resource;
