@@ -34,7 +34,7 @@ fn bin() -> std::path::PathBuf {
 
 /// A test log: its text is compiled into the test (so packed test binaries run anywhere, a GPU
 /// machine included) and written to a fresh temporary file.
-fn data(name: &str) -> PathBuf {
+fn data(name: &str) -> Scratch {
     let text = match name {
         "rmm_small.csv" => include_str!("data/rmm_small.csv"),
         other => panic!("no test log named {other}"),
@@ -45,14 +45,38 @@ fn data(name: &str) -> PathBuf {
 }
 
 /// A fresh path in the system's temporary directory (not the build's: packed test binaries run
-/// on machines without it).
-fn temp(name: &str) -> PathBuf {
+/// on machines without it), whose file is removed when the guard drops, even when the test
+/// fails: a run of the suite leaves nothing behind.
+fn temp(name: &str) -> Scratch {
     static N: AtomicUsize = AtomicUsize::new(0);
-    std::env::temp_dir().join(format!(
+    Scratch(std::env::temp_dir().join(format!(
         "replay-{}-{}-{name}",
         std::process::id(),
         N.fetch_add(1, Ordering::Relaxed)
-    ))
+    )))
+}
+
+/// A scratch file's path; the file goes when this does.
+struct Scratch(PathBuf);
+
+impl std::ops::Deref for Scratch {
+    type Target = Path;
+
+    fn deref(&self) -> &Path {
+        &self.0
+    }
+}
+
+impl AsRef<Path> for Scratch {
+    fn as_ref(&self) -> &Path {
+        &self.0
+    }
+}
+
+impl Drop for Scratch {
+    fn drop(&mut self) {
+        std::fs::remove_file(&self.0).ok();
+    }
 }
 
 fn run(log: &Path, args: &[&str]) -> Output {
@@ -292,7 +316,6 @@ fn malformed_logs_report_the_line() {
             stderr(&out)
         );
         assert!(stdout(&out).is_empty(), "replayed anyway: {}", stdout(&out));
-        std::fs::remove_file(&path).ok();
     }
 
     // With --ignore-unmatched, an unmatched free is skipped instead.
@@ -305,7 +328,6 @@ fn malformed_logs_report_the_line() {
     let out = run(&path, &["--device", "sim", "--ignore-unmatched"]);
     assert!(out.status.success(), "{}", stderr(&out));
     assert_eq!(number(&stdout(&out), "unmatched frees skipped"), 1);
-    std::fs::remove_file(&path).ok();
 
     // A file that is not there is an error, not a malformed log.
     let out = run(Path::new("/nonexistent/log.csv"), &["--device", "sim"]);
@@ -385,5 +407,4 @@ fn a_log_written_by_the_logging_adaptor_replays() {
         );
         assert_eq!(number(&text, "leaked"), 0, "{text}");
     }
-    std::fs::remove_file(&path).ok();
 }
