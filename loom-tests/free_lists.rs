@@ -575,6 +575,8 @@ mod planted {
     pub(super) struct Lists<const BUG: u8> {
         fresh: Mutex<FreeList>,
         registry: Mutex<Registry>,
+        /// src's slow-path lock: merges and growth one request at a time.
+        slow: Mutex<()>,
         steals: AtomicU64,
         merges: AtomicU64,
     }
@@ -626,6 +628,8 @@ mod planted {
             self.with_own(stream, |free| free.give(addr, size))
         }
 
+        /// The best fit over the other lists, taken whole under the donor's lock, which is
+        /// held through the ordering (src's `steal`).
         fn steal(&self, size: u64, stream: &FakeStream) -> Result<Option<u64>> {
             let me = stream.uid();
             let donors: Vec<Arc<StreamList>> = self
@@ -636,44 +640,68 @@ mod planted {
                 .filter(|(&id, _)| id != me)
                 .map(|(_, list)| list.clone())
                 .collect();
-            for donor in donors {
-                if BUG == ORDER_BEFORE_TAKE {
-                    donor.stream.order_before(stream)?;
-                }
-                let take = |state: &mut ListState| {
+            let mut best: Option<(u64, &Arc<StreamList>)> = None;
+            for donor in &donors {
+                let fit = donor.locked(|state| {
                     if state.retired {
                         None
                     } else {
-                        state.free.take(size)
+                        state.free.fit(size)
                     }
+                });
+                if let Some(fit) = fit {
+                    if best.is_none_or(|(b, _)| fit < b) {
+                        best = Some((fit, donor));
+                    }
+                }
+            }
+            let Some((_, donor)) = best else {
+                return Ok(None);
+            };
+            if BUG == ORDER_BEFORE_TAKE {
+                donor.stream.order_before(stream)?;
+            }
+            let steal = |state: &mut ListState| -> Result<Option<(u64, u64)>> {
+                if state.retired {
+                    return Ok(None);
+                }
+                let Some((addr, whole)) = state.free.take_whole(size) else {
+                    return Ok(None);
                 };
-                let got = if BUG == STEAL_UNLOCKED {
-                    donor.unlocked(take)
-                } else {
-                    donor.locked(take)
-                };
-                let Some(addr) = got else { continue };
                 let ordered = if BUG == STEAL_UNORDERED || BUG == ORDER_BEFORE_TAKE {
                     Ok(())
                 } else {
                     donor.stream.order_before(stream)
                 };
                 if let Err(e) = ordered {
-                    donor.locked(|state| state.free.give(addr, size));
+                    state.free.give(addr, whole);
                     return Err(e);
                 }
-                self.steals.fetch_add(1, Ordering::Relaxed);
-                return Ok(Some(addr));
+                Ok(Some((addr, whole)))
+            };
+            let got = if BUG == STEAL_UNLOCKED {
+                donor.unlocked(steal)?
+            } else {
+                donor.locked(steal)?
+            };
+            let Some((addr, whole)) = got else {
+                return Ok(None);
+            };
+            if whole > size {
+                self.give_to(addr + size, whole - size, stream);
             }
-            Ok(None)
+            self.steals.fetch_add(1, Ordering::Relaxed);
+            Ok(Some(addr))
         }
 
-        fn merge_into(&self, stream: &FakeStream, idle_only: bool) -> Result<usize> {
+        /// src's `merge_into` with no limit: fresh memory, every idle list (retired) and every
+        /// other list that holds memory, after the caller waits on each.
+        fn merge_into(&self, stream: &FakeStream) -> Result<usize> {
             let fresh = self.fresh.lock().drain();
             for &(addr, size) in &fresh {
                 self.give_to(addr, size, stream);
             }
-            let merged_fresh = fresh.len();
+            let mut moved = fresh.len();
             let me = stream.uid();
             let donors: Vec<(Arc<StreamList>, bool)> = {
                 let mut registry = self.registry.lock();
@@ -682,7 +710,6 @@ mod planted {
                     .iter()
                     .filter(|(&id, _)| id != me)
                     .map(|(&id, list)| (id, list.stream.handle_count() == 1))
-                    .filter(|&(_, idle)| idle || !idle_only)
                     .collect();
                 chosen
                     .into_iter()
@@ -697,11 +724,13 @@ mod planted {
                     .collect()
             };
             if donors.is_empty() {
-                return Ok(0);
+                return Ok(moved);
             }
-            let mut moved = merged_fresh;
             for (donor, idle) in donors {
                 let blocks = donor.locked(|state| {
+                    if state.retired {
+                        return Vec::new();
+                    }
                     state.retired |= idle;
                     state.free.drain()
                 });
@@ -713,22 +742,24 @@ mod planted {
                 } else {
                     donor.stream.order_before(stream)
                 };
-                let target_is_donor = ordered.is_err();
-                if target_is_donor && idle {
-                    donor.locked(|state| state.retired = false);
-                    self.registry
-                        .lock()
-                        .lists
-                        .insert(donor.stream.uid(), donor.clone());
+                if let Err(e) = ordered {
+                    donor.locked(|state| {
+                        state.retired = false;
+                        for &(addr, size) in &blocks {
+                            state.free.give(addr, size);
+                        }
+                    });
+                    if idle {
+                        self.registry
+                            .lock()
+                            .lists
+                            .insert(donor.stream.uid(), donor.clone());
+                    }
+                    return Err(e);
                 }
                 for &(addr, size) in &blocks {
-                    if target_is_donor {
-                        donor.locked(|state| state.free.give(addr, size));
-                    } else {
-                        self.give_to(addr, size, stream);
-                    }
+                    self.give_to(addr, size, stream);
                 }
-                ordered?;
                 moved += blocks.len();
             }
             self.merges.fetch_add(1, Ordering::Relaxed);
@@ -747,6 +778,7 @@ mod planted {
                     lists: FxHashMap::default(),
                     chunks: vec![(BASE, blocks * BLOCK)],
                 }),
+                slow: Mutex::new(()),
                 steals: AtomicU64::new(0),
                 merges: AtomicU64::new(0),
             }
@@ -758,40 +790,50 @@ mod planted {
             stream: &FakeStream,
             upstream: &impl Grow<FakeStream>,
         ) -> Result<u64> {
-            if let Some(addr) = self.with_own(stream, |free| free.take(size)) {
+            // src's `take`: the own list, then fresh memory, under the own list's lock.
+            let own = self.with_own(stream, |free| {
+                free.take(size).or_else(|| self.fresh.lock().take(size))
+            });
+            if let Some(addr) = own {
                 return Ok(addr);
             }
-            if let Some(addr) = self.fresh.lock().take(size) {
+            // src's `take_slow`.
+            if let Some(addr) = self.steal(size, stream)? {
+                return Ok(addr);
+            }
+            let _slow = self.slow.lock();
+            let own = self.with_own(stream, |free| free.take(size));
+            if let Some(addr) = own.or_else(|| self.fresh.lock().take(size)) {
                 return Ok(addr);
             }
             if let Some(addr) = self.steal(size, stream)? {
                 return Ok(addr);
             }
-            if self.merge_into(stream, true)? > 0 {
+            if self.merge_into(stream)? > 0 {
                 if let Some(addr) = self.with_own(stream, |free| free.take(size)) {
                     return Ok(addr);
                 }
             }
-            match upstream.grow(size, stream) {
-                Ok((base, chunk)) => {
-                    self.add_chunk(base, chunk);
-                    let rest = self.with_own(stream, |free| {
-                        free.give(base, chunk);
-                        free.take(size)
-                    });
-                    rest.ok_or(Error::InvalidArgument {
-                        what: "the upstream gave a chunk smaller than asked for",
-                    })
-                }
-                Err(oom) => {
-                    if self.merge_into(stream, false)? > 0 {
-                        if let Some(addr) = self.with_own(stream, |free| free.take(size)) {
-                            return Ok(addr);
-                        }
+            let (base, chunk) = match upstream.grow(size, stream) {
+                Err(e) if e.is_out_of_memory() => {
+                    if self.merge_into(stream)? == 0 {
+                        return Err(e);
                     }
-                    Err(oom)
+                    if let Some(addr) = self.with_own(stream, |free| free.take(size)) {
+                        return Ok(addr);
+                    }
+                    upstream.grow(size, stream)?
                 }
-            }
+                other => other?,
+            };
+            self.add_chunk(base, chunk);
+            let rest = self.with_own(stream, |free| {
+                free.give(base, chunk);
+                free.take(size)
+            });
+            rest.ok_or(Error::InvalidArgument {
+                what: "the upstream gave a chunk smaller than asked for",
+            })
         }
 
         fn give(&self, addr: u64, size: u64, stream: &FakeStream) -> bool {
