@@ -11,41 +11,21 @@ use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
-use common::{devices, eventually, label, read_u32, SplitMix64};
+use common::{devices, eventually, free, label, pool, read_u32, SplitMix64};
 use streamalloc::resource::adaptor::{
     AlignedAdaptor, Counter, Counters, FailureCallbackAdaptor, LimitingAdaptor, LoggingAdaptor,
     PrefetchAdaptor, StatisticsAdaptor, TrackingAdaptor, LOG_FILE_ENV,
 };
 use streamalloc::resource::cuda::CudaResource;
 use streamalloc::resource::managed::ManagedResource;
-use streamalloc::resource::pool::{PoolOptions, PoolResource};
-use streamalloc::{
-    AllocateAsync, Device, DevicePtr, Error, MemoryKind, MemoryResource, Stream, ALIGNMENT,
-};
+use streamalloc::resource::pool::PoolResource;
+use streamalloc::{AllocateAsync, DevicePtr, Error, MemoryKind, MemoryResource, Stream, ALIGNMENT};
 
 const KIB: usize = 1 << 10;
 const MIB: usize = 1 << 20;
 const PIB: usize = 1 << 50;
 
 type Pool = PoolResource<CudaResource>;
-
-fn pool(device: &Device, initial: usize, maximum: usize) -> Pool {
-    PoolResource::new(
-        CudaResource::new(device),
-        PoolOptions {
-            initial,
-            maximum: Some(maximum),
-            ..PoolOptions::default()
-        },
-    )
-    .unwrap()
-}
-
-fn free(res: &(impl MemoryResource + ?Sized), ptr: DevicePtr, bytes: usize, stream: &Stream) {
-    // SAFETY: every test frees what it allocated from `res`, once, after its last use on
-    // `stream` (every use in these tests is on the same stream, or synchronized).
-    unsafe { res.deallocate(ptr, bytes, stream) }.unwrap();
-}
 
 /// A deallocation that the test expects to be refused; returns the error.
 fn bad_free(

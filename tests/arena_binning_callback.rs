@@ -10,7 +10,7 @@ use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
-use common::{devices, label, read_u32, SplitMix64};
+use common::{assert_arena_all_back, check_arena, devices, label, read_u32, SplitMix64};
 use streamalloc::resource::arena::{ArenaOptions, ArenaResource};
 use streamalloc::resource::binning::BinningResource;
 use streamalloc::resource::callback::CallbackResource;
@@ -210,27 +210,6 @@ fn arena(device: &Device, initial: usize, maximum: usize) -> ArenaResource<CudaR
     .unwrap()
 }
 
-fn check_arena(a: &ArenaResource<CudaResource>) {
-    a.check_invariants()
-        .unwrap_or_else(|e| panic!("arena invariants: {e}\n{}", a.dump()));
-}
-
-/// After everything is freed and the arena defragmented, every byte is back in the global
-/// arena.
-fn assert_all_back(a: &ArenaResource<CudaResource>, device: &Device) {
-    a.defragment();
-    check_arena(a);
-    let stats = a.stats();
-    assert_eq!(stats.in_use, 0, "{}: {stats:?}", label(device));
-    assert_eq!(
-        stats.global_free,
-        stats.reserved,
-        "{}: bytes not back: {stats:?}\n{}",
-        label(device),
-        a.dump()
-    );
-}
-
 #[test]
 fn arena_shared_tests() {
     for device in devices() {
@@ -244,7 +223,7 @@ fn arena_shared_tests() {
         );
         sizes_from_4_bytes_to_1_gib(&a, &device);
         check_arena(&a);
-        assert_all_back(&a, &device);
+        assert_arena_all_back(&a, &label(&device));
 
         let a = arena(&device, 16 * MIB, 256 * MIB);
         one_pib_is_out_of_memory(&a, &device);
@@ -252,17 +231,17 @@ fn arena_shared_tests() {
 
         let a = arena(&device, 32 * MIB, 512 * MIB);
         random_mix(&a, &device, &|| check_arena(&a));
-        assert_all_back(&a, &device);
+        assert_arena_all_back(&a, &label(&device));
 
         let a = arena(&device, 64 * MIB, 1024 * MIB);
         four_threads(&a, &device);
-        assert_all_back(&a, &device);
+        assert_arena_all_back(&a, &label(&device));
 
         let a = arena(&device, 16 * MIB, 256 * MIB);
         producer_consumer(&a, &device);
         // Every free was remote (allocated on the producer's stream, freed on the
         // consumer's): the producer's arena adopts them at the defragmentation.
-        assert_all_back(&a, &device);
+        assert_arena_all_back(&a, &label(&device));
     }
 }
 
@@ -291,7 +270,7 @@ fn arena_small_and_large_requests() {
         check_arena(&a);
         assert_eq!(a.superblock_size(), MIB);
         assert_eq!(a.maximum(), 64 * MIB);
-        assert_all_back(&a, &device);
+        assert_arena_all_back(&a, &label(&device));
     }
 }
 
@@ -365,7 +344,7 @@ fn arena_defragments_before_failing() {
         );
         check_arena(&a_mr);
         free(&a_mr, big, 3 * MIB, &c);
-        assert_all_back(&a_mr, &device);
+        assert_arena_all_back(&a_mr, &label(&device));
     }
 }
 
@@ -556,7 +535,7 @@ fn arena_stress_remote_frees_and_defragmentation() {
             succeeded > 1000,
             "{succeeded} allocations succeeded: {stats:?}"
         );
-        assert_all_back(&a_mr, &device);
+        assert_arena_all_back(&a_mr, &label(&device));
     }
 }
 

@@ -24,7 +24,7 @@ mod common;
 
 use std::time::Duration;
 
-use common::{devices, label, read_u32, runtime};
+use common::{assert_arena_all_back, check_arena, devices, label, read_u32, runtime};
 use futures::FutureExt;
 use streamalloc::resource::arena::{ArenaOptions, ArenaResource};
 use streamalloc::resource::cuda::CudaResource;
@@ -53,26 +53,6 @@ fn free(mr: &ArenaResource<CudaResource>, ptr: DevicePtr, bytes: usize, stream: 
         .unwrap_or_else(|e| panic!("free of {ptr:?} ({bytes} bytes): {e}\n{}", mr.dump()));
 }
 
-fn check(mr: &ArenaResource<CudaResource>) {
-    mr.check_invariants()
-        .unwrap_or_else(|e| panic!("arena invariants: {e}\n{}", mr.dump()));
-}
-
-/// After everything is freed and the arena defragmented, every byte is back in the global
-/// arena.
-fn assert_all_back(mr: &ArenaResource<CudaResource>, what: &str) {
-    mr.defragment();
-    check(mr);
-    let stats = mr.stats();
-    assert_eq!(stats.in_use, 0, "{what}: {stats:?}");
-    assert_eq!(
-        stats.global_free,
-        stats.reserved,
-        "{what}: bytes not back: {stats:?}\n{}",
-        mr.dump()
-    );
-}
-
 /// Grows an arena of 8 MiB at most, from nothing, in four chunks (1, 1, 2 and 4 MiB) with
 /// eight 1 MiB blocks on `a`, then frees them alternately on `a` and on `b` (ordered after
 /// `a`), and lets the GPU finish: the arena is idle with everything free.
@@ -96,7 +76,7 @@ fn grown_in_four_chunks(device: &Device) -> ArenaResource<CudaResource> {
     }
     a.synchronize_blocking().unwrap();
     b.synchronize_blocking().unwrap();
-    check(&mr);
+    check_arena(&mr);
     mr
 }
 
@@ -116,14 +96,14 @@ fn an_arena_grown_in_chunks_serves_its_whole_maximum() {
         assert!(stats.peak_reserved <= 8 * MIB, "{what}: {stats:?}");
         assert_eq!(stats.chunks, 1, "{what}: {stats:?}");
         assert_eq!(stats.chunks_released, 4, "{what}: {stats:?}");
-        check(&mr);
+        check_arena(&mr);
         // The whole block is usable on `c`.
         // SAFETY: `all` is 8 MiB of live memory, used on `c` only.
         unsafe { c.fill_u32(all, 0x5A5A_5A5A, 2 * MIB) }.unwrap();
         let back = read_u32(&c, all.offset(8 * MIB - 64), 16);
         assert!(back.iter().all(|&w| w == 0x5A5A_5A5A), "{what}");
         free(&mr, all, 8 * MIB, &c);
-        assert_all_back(&mr, &what);
+        assert_arena_all_back(&mr, &what);
     }
 }
 
@@ -142,7 +122,7 @@ fn allocate_async_of_the_whole_maximum_is_served_at_once() {
             .unwrap();
         assert_eq!(mr.stats().chunks, 1, "{what}");
         free(&mr, all, 8 * MIB, &c);
-        assert_all_back(&mr, &what);
+        assert_arena_all_back(&mr, &what);
     }
 }
 
@@ -173,14 +153,14 @@ fn one_small_live_block_does_not_pin_a_superblock() {
         let stats = mr.stats();
         assert_eq!(stats.superblock_moves, 1, "{what}: {stats:?}");
         assert_eq!(stats.grows, 0, "{what}: {stats:?}");
-        check(&mr);
+        check_arena(&mr);
         // The live block's superblock belongs to `d` now: freed on `t`, it is a remote free.
         free(&mr, thread_ptr, 256, &t);
         assert_eq!(mr.stats().remote_frees_pending, 1, "{what}");
         free(&mr, ptr1, MIB, &d);
         free(&mr, ptr2, 32 * KIB, &d);
-        check(&mr);
-        assert_all_back(&mr, &what);
+        check_arena(&mr);
+        assert_arena_all_back(&mr, &what);
         // And the whole arena is one request again.
         let all = mr.allocate(2 * MIB, &s).unwrap();
         free(&mr, all, 2 * MIB, &s);
@@ -227,7 +207,7 @@ fn a_moved_superblock_is_ordered_after_its_old_stream() {
         free(&mr, pin, 256, &a);
         free(&mr, z, 512 * KIB, &b);
         free(&mr, y, MIB, &b);
-        assert_all_back(&mr, &what);
+        assert_arena_all_back(&mr, &what);
     }
 }
 
@@ -257,7 +237,7 @@ fn trim_gives_wholly_free_chunks_back() {
             (1, MIB),
             "{what}: {stats:?}"
         );
-        check(&mr);
+        check_arena(&mr);
         free(&mr, first, 256, &a);
         let released = rt.block_on(mr.trim()).unwrap();
         let stats = mr.stats();
@@ -269,10 +249,10 @@ fn trim_gives_wholly_free_chunks_back() {
             0,
             "{what}: nothing left to trim"
         );
-        check(&mr);
+        check_arena(&mr);
         let again = mr.allocate(4 * MIB, &a).unwrap();
         free(&mr, again, 4 * MIB, &a);
-        assert_all_back(&mr, &what);
+        assert_arena_all_back(&mr, &what);
     }
 }
 
@@ -330,7 +310,7 @@ fn a_cancelled_trim_loses_nothing() {
         let before = mr.stats();
         // Polled once and dropped: it waits for `a`'s kernel (unless that already ran).
         let done = mr.trim().now_or_never();
-        check(&mr);
+        check_arena(&mr);
         let after = mr.stats();
         match done {
             None => {
@@ -416,10 +396,10 @@ fn moves_trims_and_remote_frees_under_stress() {
             }
             drop(txs);
         });
-        check(&mr);
+        check_arena(&mr);
         let stats = mr.stats();
         assert!(stats.reserved <= 12 * MIB, "{what}: {stats:?}");
-        assert_all_back(&mr, &what);
+        assert_arena_all_back(&mr, &what);
         mr.trim_blocking().unwrap();
         assert_eq!(mr.stats().reserved, 0, "{what}");
     }

@@ -8,6 +8,7 @@
 
 use std::time::Duration;
 
+use streamalloc::resource::arena::ArenaResource;
 use streamalloc::resource::cuda::CudaResource;
 use streamalloc::resource::pool::{PoolOptions, PoolResource};
 use streamalloc::{Device, DevicePtr, MemoryResource, SimConfig, Stream};
@@ -112,4 +113,26 @@ pub fn check_pool<U: MemoryResource>(pool: &PoolResource<U>) {
 pub fn all_back<U: MemoryResource>(pool: &PoolResource<U>) -> bool {
     let s = pool.stats();
     s.free == s.reserved
+}
+
+/// Panics with the violation (and the arena's dump) if the arena's checker finds one.
+pub fn check_arena(arena: &ArenaResource<CudaResource>) {
+    arena
+        .check_invariants()
+        .unwrap_or_else(|e| panic!("arena invariants: {e}\n{}", arena.dump()));
+}
+
+/// After everything is freed and the arena defragmented, every byte is back in the global
+/// arena; `what` names the case in the messages.
+pub fn assert_arena_all_back(arena: &ArenaResource<CudaResource>, what: &str) {
+    arena.defragment();
+    check_arena(arena);
+    let stats = arena.stats();
+    assert_eq!(stats.in_use, 0, "{what}: {stats:?}");
+    assert_eq!(
+        stats.global_free,
+        stats.reserved,
+        "{what}: bytes not back: {stats:?}\n{}",
+        arena.dump()
+    );
 }
