@@ -116,10 +116,7 @@ fn single_elements_are_read_and_written_in_stream_order() {
 
         drop((v, empty, pv));
         s.synchronize_blocking().unwrap();
-        assert!(
-            eventually(Duration::from_secs(5), || common::all_back(&p)),
-            "{l}"
-        );
+        common::assert_all_back_within(&p, Duration::from_secs(5), &l);
     }
 }
 
@@ -221,11 +218,7 @@ fn resize_smaller_keeps_the_pointer_and_shrink_to_fit_reallocates() {
 
         drop((v, b));
         s.synchronize_blocking().unwrap();
-        assert!(
-            eventually(Duration::from_secs(5), || common::all_back(&p)),
-            "{l}: {:?}",
-            p.stats()
-        );
+        common::assert_all_back_within(&p, Duration::from_secs(5), &l);
     }
 }
 
@@ -246,10 +239,7 @@ fn a_failed_reallocation_changes_nothing() {
         assert_eq!(rt.block_on(v.to_host(&s)).unwrap(), [1, 2, 3], "{l}");
         drop((v, hog));
         s.synchronize_blocking().unwrap();
-        assert!(
-            eventually(Duration::from_secs(5), || common::all_back(&p)),
-            "{l}"
-        );
+        common::assert_all_back_within(&p, Duration::from_secs(5), &l);
     }
 }
 
@@ -323,11 +313,7 @@ fn a_copy_onto_another_stream_and_resource() {
         a.synchronize_blocking().unwrap();
         b.synchronize_blocking().unwrap();
         for p in [&src_pool, &dst_pool] {
-            assert!(
-                eventually(Duration::from_secs(5), || common::all_back(p)),
-                "{l}: {:?}",
-                p.stats()
-            );
+            common::assert_all_back_within(p, Duration::from_secs(5), &l);
         }
     }
 }
@@ -378,10 +364,7 @@ fn a_buffer_copied_from_a_raw_device_pointer() {
 
         drop((buf, v, part, none));
         s.synchronize_blocking().unwrap();
-        assert!(
-            eventually(Duration::from_secs(5), || common::all_back(&p)),
-            "{l}"
-        );
+        common::assert_all_back_within(&p, Duration::from_secs(5), &l);
     }
 }
 

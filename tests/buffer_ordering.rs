@@ -54,11 +54,7 @@ fn a_dropped_copy_on_another_stream_holds_the_free() {
     b.synchronize_blocking()
         .expect("b's copy ran on memory that was freed under it");
     a.synchronize_blocking().unwrap();
-    assert!(
-        eventually(Duration::from_secs(10), || common::all_back(&p)),
-        "{:?}",
-        p.stats()
-    );
+    common::assert_all_back_within(&p, Duration::from_secs(10), "all back");
     p.trim_blocking().unwrap();
     assert_eq!(p.stats().reserved, 0, "{:?}", p.stats());
 }
@@ -83,11 +79,7 @@ fn a_failed_copy_on_another_stream_holds_the_free() {
     p.trim_blocking().unwrap();
     b.synchronize_blocking()
         .expect("b's copy ran on memory that was freed under it");
-    assert!(
-        eventually(Duration::from_secs(10), || common::all_back(&p)),
-        "{:?}",
-        p.stats()
-    );
+    common::assert_all_back_within(&p, Duration::from_secs(10), "all back");
 }
 
 /// And with a future that completed: nothing is pending, the free is immediate and the memory
@@ -104,11 +96,7 @@ fn a_completed_copy_on_another_stream_frees_normally() {
     drop(v);
     a.synchronize_blocking().unwrap();
     b.synchronize_blocking().unwrap();
-    assert!(
-        eventually(Duration::from_secs(10), || common::all_back(&p)),
-        "{:?}",
-        p.stats()
-    );
+    common::assert_all_back_within(&p, Duration::from_secs(10), "all back");
 }
 
 /// A buffer used on a busy stream `b` (a fill queued behind a spin), given up with
@@ -131,11 +119,7 @@ fn into_raw_parts_with_fault(kind: FaultKind) {
     p.trim_blocking().unwrap();
     b.synchronize_blocking()
         .unwrap_or_else(|e| panic!("{kind:?}: b's fill ran on freed memory: {e}"));
-    assert!(
-        eventually(Duration::from_secs(10), || common::all_back(&p)),
-        "{kind:?}: memory lost: {:?}",
-        p.stats()
-    );
+    common::assert_all_back_within(&p, Duration::from_secs(10), &format!("{kind:?}"));
     p.trim_blocking().unwrap();
     assert_eq!(p.stats().reserved, 0, "{kind:?}: {:?}", p.stats());
 }
@@ -174,11 +158,7 @@ fn into_raw_parts_orders_other_streams_before_its_stream() {
     let host = rt.block_on(buf.to_host()).unwrap();
     assert!(host.chunks(4).all(|w| w == 3u32.to_ne_bytes()));
     drop(buf);
-    assert!(
-        eventually(Duration::from_secs(10), || common::all_back(&p)),
-        "{:?}",
-        p.stats()
-    );
+    common::assert_all_back_within(&p, Duration::from_secs(10), "all back");
 }
 
 /// Issue 19: a copy to the host whose event could not be recorded gave its staging block back
@@ -313,7 +293,5 @@ fn a_copy_onto_a_busy_stream_holds_the_source_free() {
         .expect("b's copy ran on memory that was freed under it");
     assert!(rt.block_on(w.to_host(&b)).unwrap().iter().all(|&x| x == 6));
     assert!(rt.block_on(c.to_host()).unwrap().iter().all(|&x| x == 4));
-    assert!(eventually(Duration::from_secs(10), || common::all_back(
-        &src_pool
-    )));
+    common::assert_all_back_within(&src_pool, Duration::from_secs(10), "the source pool");
 }

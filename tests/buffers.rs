@@ -64,12 +64,7 @@ fn round_trips_of_vectors_and_scalars() {
         drop((v, z, w, x, b));
         s.synchronize_blocking().unwrap();
         t.synchronize_blocking().unwrap();
-        assert!(
-            eventually(Duration::from_secs(5), || common::all_back(&p)),
-            "{}: {:?}",
-            label(&device),
-            p.stats()
-        );
+        common::assert_all_back_within(&p, Duration::from_secs(5), &label(&device));
     }
 }
 
@@ -142,11 +137,7 @@ fn a_drop_waits_for_every_recorded_stream() {
         y.memset(0).unwrap();
         drop(y);
         a.synchronize_blocking().unwrap();
-        assert!(
-            eventually(Duration::from_secs(5), || common::all_back(&p)),
-            "{:?}",
-            p.stats()
-        );
+        common::assert_all_back_within(&p, Duration::from_secs(5), "all back");
     }
 }
 
@@ -180,12 +171,7 @@ fn memory_comes_back_exactly_once_whatever_the_order() {
         for s in &streams {
             s.synchronize_blocking().unwrap();
         }
-        assert!(
-            eventually(Duration::from_secs(5), || common::all_back(&p)),
-            "{}: {:?}",
-            label(&device),
-            p.stats()
-        );
+        common::assert_all_back_within(&p, Duration::from_secs(5), &label(&device));
         p.check_invariants().unwrap();
     }
 }

@@ -109,6 +109,20 @@ pub fn check_pool<U: MemoryResource>(pool: &PoolResource<U>) {
         .unwrap_or_else(|e| panic!("pool invariants: {e}"));
 }
 
+/// Waits (bounded by `timeout`) until every byte the pool holds is free again: deferred frees
+/// run on the reactor, after the test's last line may have run.
+pub fn assert_all_back_within<U: MemoryResource>(
+    pool: &PoolResource<U>,
+    timeout: Duration,
+    what: &str,
+) {
+    assert!(
+        eventually(timeout, || all_back(pool)),
+        "{what}: memory did not come back: {:?}",
+        pool.stats()
+    );
+}
+
 /// True once every byte the pool holds is free again.
 pub fn all_back<U: MemoryResource>(pool: &PoolResource<U>) -> bool {
     let s = pool.stats();
