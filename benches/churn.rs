@@ -6,7 +6,9 @@
 //! Runs: `churn-1t`, `churn-4t`, `churn-xs-1t`, `churn-xs-4t` (`workloads`: these four), and
 //! `scaling` (1, 2, 4 and 8 threads); `all` is every one.
 //!
-//! `--growth-divisor N` sets the pools' `PoolOptions::growth_divisor` (default 8).
+//! `--growth-divisor N` sets the pools' `PoolOptions::growth_divisor` (default 8);
+//! `--check-frees off` turns the pools' `PoolOptions::check_frees` off (default on), to time
+//! what the check costs.
 //!
 //! `--initial` lists the sizes (MiB) the pool and the arena start with, each run once per size:
 //! `2048` (the timed loop measures suballocation), `256` (WORKLOADS.md's growth from small), or
@@ -192,6 +194,7 @@ fn main() {
     let which = arg("--run", "all");
     let repeat: usize = arg("--repeat", "1").parse().unwrap_or(1);
     let growth_divisor: u32 = arg("--growth-divisor", "8").parse().unwrap_or(8);
+    let check_frees = arg("--check-frees", "on") != "off";
     let initials: Vec<usize> = arg("--initial", "2048,256")
         .split(',')
         .map(|m| {
@@ -270,6 +273,7 @@ fn main() {
                 initial,
                 maximum: Some(8 * GIB),
                 growth_divisor,
+                check_frees,
                 ..PoolOptions::default()
             },
         )

@@ -12,6 +12,9 @@
 //! - [`free_lists`]: the pool's per-stream free lists (`StreamLists`) on fake streams that
 //!   record the ordering edges: no block handed out twice or lost, every steal and merge ordered
 //!   behind the donor's free.
+//! - [`frees_and_regrowth`]: the same engine's live-block table (a free on another stream
+//!   racing the trim that retires a dropped stream's list) and its give-back-and-regrow path at
+//!   the pool's maximum.
 //! - [`deferred_free`]: the countdown that frees a buffer used on several streams once all their
 //!   events completed (`release_after_all`), on the crate's `Completion`s.
 //!
@@ -29,6 +32,7 @@
 mod completion;
 mod deferred_free;
 mod free_lists;
+mod frees_and_regrowth;
 mod reactor;
 mod waiters;
 
