@@ -99,10 +99,6 @@ impl Reservation {
         })
     }
 
-    pub(crate) fn device(&self) -> &Device {
-        &self.device
-    }
-
     /// The first address of the range.
     pub(crate) fn base(&self) -> u64 {
         self.base
