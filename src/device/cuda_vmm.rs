@@ -8,6 +8,7 @@
 //! mapping per granule (PyTorch's expandable segments do the same, per segment).
 
 use cudarc::driver::sys;
+use rustc_hash::FxHashMap;
 
 use super::cuda::CudaDevice;
 use crate::error::{Error, Result};
@@ -53,8 +54,8 @@ pub(crate) struct CudaReservation {
     base: u64,
     size: usize,
     granule: usize,
-    /// The physical allocation mapped at each granule, `None` where nothing is mapped.
-    handles: Mutex<Vec<Option<sys::CUmemGenericAllocationHandle>>>,
+    /// The physical allocation mapped at each mapped granule, by index.
+    handles: Mutex<FxHashMap<usize, sys::CUmemGenericAllocationHandle>>,
 }
 
 impl CudaReservation {
@@ -72,7 +73,7 @@ impl CudaReservation {
             base,
             size,
             granule,
-            handles: Mutex::new(vec![None; size / granule]),
+            handles: Mutex::new(FxHashMap::default()),
         })
     }
 
@@ -91,7 +92,7 @@ impl CudaReservation {
         let mut result = Ok(());
         while done < count {
             let index = first + done;
-            debug_assert!(handles[index].is_none(), "granule {index} mapped twice");
+            debug_assert!(!handles.contains_key(&index), "granule {index} mapped twice");
             let mut handle: sys::CUmemGenericAllocationHandle = 0;
             // SAFETY: `prop` is initialized; the driver writes one handle on success.
             if let Err(e) = call("cuMemCreate", unsafe {
@@ -112,7 +113,7 @@ impl CudaReservation {
                 result = Err(e);
                 break;
             }
-            handles[index] = Some(handle);
+            handles.insert(index, handle);
             done += 1;
         }
         if result.is_ok() {
@@ -155,17 +156,17 @@ impl CudaReservation {
     /// As [`unmap`](Self::unmap); the context is bound and `handles` is our table, locked.
     unsafe fn unmap_locked(
         &self,
-        handles: &mut [Option<sys::CUmemGenericAllocationHandle>],
+        handles: &mut FxHashMap<usize, sys::CUmemGenericAllocationHandle>,
         index: usize,
     ) -> Result<()> {
-        let Some(handle) = handles[index] else {
+        let Some(&handle) = handles.get(&index) else {
             return Ok(());
         };
         let addr = self.base + (index * self.granule) as u64;
         // SAFETY: exactly the range one cuMemMap mapped; the caller's contract says nothing
         // uses it.
         call("cuMemUnmap", unsafe { sys::cuMemUnmap(addr, self.granule) })?;
-        handles[index] = None;
+        handles.remove(&index);
         // SAFETY: the handle of the mapping just removed, released once.
         call("cuMemRelease", unsafe { sys::cuMemRelease(handle) })
     }
@@ -179,7 +180,9 @@ impl CudaReservation {
             return;
         }
         let mut handles = self.handles.lock();
-        for index in 0..handles.len() {
+        let mut mapped: Vec<usize> = handles.keys().copied().collect();
+        mapped.sort_unstable();
+        for index in mapped {
             // SAFETY: the caller's contract.
             if let Err(e) = unsafe { self.unmap_locked(&mut handles, index) } {
                 tracing::warn!(error = %e, index, "could not unmap a granule");

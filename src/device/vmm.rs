@@ -39,6 +39,11 @@ impl fmt::Debug for Reservation {
     }
 }
 
+/// The largest reservation either device takes: 128 TiB, more than any GPU's memory and within
+/// every GPU's virtual address space (47 to 57 bits). Larger is [`Error::OutOfMemory`], before
+/// any driver call (the pool keeps a bit per granule of its reservation).
+pub(crate) const MAX_RESERVATION: usize = 1 << 47;
+
 /// The allocation granularity of `device`: the unit of mapping (2 MiB on an H100 or H200, and
 /// on the simulated device).
 pub(crate) fn granularity(device: &Device) -> Result<usize> {
@@ -69,6 +74,13 @@ impl Reservation {
                 size,
                 reason: "the reservation overflows when rounded up to the allocation granularity",
             })?;
+        if size > MAX_RESERVATION {
+            return Err(Error::OutOfMemory {
+                requested: size,
+                available: MAX_RESERVATION,
+                maximum: MAX_RESERVATION,
+            });
+        }
         let raw = match device.backend() {
             Backend::Cuda(d) => Raw::Cuda(
                 cuda_vmm::CudaReservation::new(d, size, granule).map_err(|e| {

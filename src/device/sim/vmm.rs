@@ -14,7 +14,7 @@
 //! stay, an access racing with an unmap (a bug of the caller: it unmapped memory still in use)
 //! is never undefined behaviour here: it either runs before the unmap or fails with the address.
 
-use std::sync::atomic::{AtomicBool, Ordering::Relaxed};
+use std::sync::atomic::{AtomicU64, Ordering::Relaxed};
 
 use super::memory::SimMemory;
 use super::{FaultKind, SimDevice};
@@ -28,16 +28,35 @@ pub(crate) const GRANULE: usize = 2 << 20;
 /// 57 bits).
 pub(crate) const ADDRESS_SPACE: u64 = 1 << 47;
 
-/// Which granules of a reservation are mapped. Checked on every access to the reservation.
+/// Which granules of a reservation are mapped (a bit each). Checked on every access to the
+/// reservation.
 pub(crate) struct Granules {
-    mapped: Box<[AtomicBool]>,
+    mapped: Box<[AtomicU64]>,
+    count: usize,
 }
 
 impl Granules {
     fn new(count: usize) -> Self {
         Self {
-            mapped: (0..count).map(|_| AtomicBool::new(false)).collect(),
+            mapped: (0..count.div_ceil(64)).map(|_| AtomicU64::new(0)).collect(),
+            count,
         }
+    }
+
+    fn is_mapped(&self, index: usize) -> bool {
+        self.mapped[index / 64].load(Relaxed) & (1 << (index % 64)) != 0
+    }
+
+    /// Sets granule `index` mapped or not; returns whether it was.
+    fn set(&self, index: usize, mapped: bool) -> bool {
+        let bit = 1 << (index % 64);
+        let word = &self.mapped[index / 64];
+        let old = if mapped {
+            word.fetch_or(bit, Relaxed)
+        } else {
+            word.fetch_and(!bit, Relaxed)
+        };
+        old & bit != 0
     }
 
     /// `Err(InvalidAddress)` with the first unmapped address if any byte of `[ptr, ptr + len)`
@@ -49,7 +68,7 @@ impl Granules {
             // Relaxed: the stream worker that accesses the memory was ordered after the map by
             // the lock of the stream's queue (the op was pushed after `map` returned); an unmap
             // racing with the access is the caller's bug, which this reports when it sees it.
-            if !self.mapped[index].load(Relaxed) {
+            if !self.is_mapped(index) {
                 let at = (base + (index * GRANULE) as u64).max(ptr);
                 return Err(Error::InvalidAddress {
                     ptr: at,
@@ -71,7 +90,7 @@ pub(crate) struct SimReservation {
 impl SimReservation {
     /// Reserves `size` bytes (a non-zero multiple of [`GRANULE`]).
     pub(crate) fn new(device: &SimDevice, size: usize) -> Result<Self> {
-        debug_assert!(size > 0 && size.is_multiple_of(GRANULE));
+        debug_assert!(size > 0 && size.is_multiple_of(GRANULE) && size as u64 <= ADDRESS_SPACE);
         let granules = Arc::new(Granules::new(size / GRANULE));
         let base = device.memory.reserve(size, granules.clone())?;
         Ok(Self {
@@ -104,7 +123,7 @@ impl SimReservation {
                 }
                 return Err(e);
             }
-            let was = self.granules.mapped[first + done].swap(true, Relaxed);
+            let was = self.granules.set(first + done, true);
             debug_assert!(!was, "granule {} mapped twice", first + done);
         }
         Ok(())
@@ -113,7 +132,7 @@ impl SimReservation {
     /// Unmaps granule `index` and releases its physical memory. Unmapping an unmapped granule
     /// does nothing.
     pub(crate) fn unmap(&self, index: usize) {
-        if self.granules.mapped[index].swap(false, Relaxed) {
+        if self.granules.set(index, false) {
             self.memory.uncharge(GRANULE);
         }
     }
@@ -121,7 +140,7 @@ impl SimReservation {
 
 impl Drop for SimReservation {
     fn drop(&mut self) {
-        for index in 0..self.granules.mapped.len() {
+        for index in 0..self.granules.count {
             self.unmap(index);
         }
         self.memory.unreserve(self.base);

@@ -52,16 +52,40 @@ impl Backing for crate::device::vmm::Reservation {
     }
 }
 
-/// Which granules are mapped.
+/// Which granules are mapped (a bit each).
 struct Table {
-    mapped: Vec<bool>,
+    bits: Vec<u64>,
+    /// How many granules the range has.
+    len: usize,
     /// One past the highest mapped granule.
     frontier: usize,
 }
 
 impl Table {
+    fn new(len: usize) -> Self {
+        Self {
+            bits: vec![0; len.div_ceil(64)],
+            len,
+            frontier: 0,
+        }
+    }
+
+    fn mapped(&self, index: usize) -> bool {
+        self.bits[index / 64] & (1 << (index % 64)) != 0
+    }
+
+    fn set(&mut self, index: usize, mapped: bool) {
+        if mapped {
+            self.bits[index / 64] |= 1 << (index % 64);
+        } else {
+            self.bits[index / 64] &= !(1 << (index % 64));
+        }
+    }
+
     fn recompute_frontier(&mut self) {
-        self.frontier = self.mapped.iter().rposition(|&m| m).map_or(0, |i| i + 1);
+        self.frontier = (self.bits.iter().enumerate().rev())
+            .find(|(_, &w)| w != 0)
+            .map_or(0, |(i, &w)| i * 64 + 64 - w.leading_zeros() as usize);
     }
 }
 
@@ -90,10 +114,7 @@ impl<S: EngineStream, B: Backing> Expander<S, B> {
         lists.add_chunk(backing.base(), granules as u64 * backing.granule());
         Self {
             lists,
-            table: Mutex::new(Table {
-                mapped: vec![false; granules],
-                frontier: 0,
-            }),
+            table: Mutex::new(Table::new(granules)),
             backing,
             reserved: AtomicU64::new(0),
             peak_reserved: AtomicU64::new(0),
@@ -160,8 +181,8 @@ impl<S: EngineStream, B: Backing> Expander<S, B> {
             return Err(self.out_of_memory(requested));
         }
         self.backing.map(first, count)?;
-        for mapped in &mut table.mapped[first..first + count] {
-            *mapped = true;
+        for index in first..first + count {
+            table.set(index, true);
         }
         table.frontier = table.frontier.max(first + count);
         let now = reserved + size;
@@ -191,12 +212,12 @@ impl<S: EngineStream, B: Backing> Expander<S, B> {
         let needed = |have: u64| (min.saturating_sub(have).div_ceil(g) as usize).max(1);
         let mut i = 0;
         while i < table.frontier {
-            if table.mapped[i] {
+            if table.mapped(i) {
                 i += 1;
                 continue;
             }
             let start = i;
-            while i < table.frontier && !table.mapped[i] {
+            while i < table.frontier && !table.mapped(i) {
                 i += 1;
             }
             let run = i - start;
@@ -215,7 +236,7 @@ impl<S: EngineStream, B: Backing> Expander<S, B> {
             .lists
             .free_around(stream, self.addr(table.frontier), u64::MAX);
         let count = needed(left);
-        (table.frontier + count <= table.mapped.len()).then_some((table.frontier, count))
+        (table.frontier + count <= table.len).then_some((table.frontier, count))
     }
 
     /// Takes every fully free granule out of the lists for unmapping, as long as more than
@@ -278,13 +299,13 @@ impl<S: EngineStream, B: Backing> Expander<S, B> {
                 let first = ((addr - base) / g) as usize;
                 let count = (size / g) as usize;
                 for index in first..first + count {
-                    debug_assert!(table.mapped[index], "granule {index} free but unmapped");
+                    debug_assert!(table.mapped(index), "granule {index} free but unmapped");
                     // SAFETY: the granule lies in a range taken out of every list (nothing can
                     // hand it out), wholly free, and the caller's contract says the work that
                     // last used it has finished.
                     match unsafe { self.backing.unmap(index) } {
                         Ok(()) => {
-                            table.mapped[index] = false;
+                            table.set(index, false);
                             released += g;
                         }
                         Err(e) => {
