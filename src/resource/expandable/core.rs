@@ -52,9 +52,22 @@ impl Backing for crate::device::vmm::Reservation {
     }
 }
 
-/// Which granules are mapped (a bit each).
+/// Which granules are mapped, a bit each: changed only under the table's lock (by growth and
+/// trim), read without it by `deallocate`'s check of a pointer (`is_mapped`).
+struct Bits(Vec<AtomicU64>);
+
+impl Bits {
+    fn new(len: usize) -> Self {
+        Self((0..len.div_ceil(64)).map(|_| AtomicU64::new(0)).collect())
+    }
+
+    fn get(&self, index: usize) -> bool {
+        self.0[index / 64].load(Ordering::Relaxed) & (1 << (index % 64)) != 0
+    }
+}
+
+/// The mapping state that growth and trim change, under one lock.
 struct Table {
-    bits: Vec<u64>,
     /// How many granules the range has.
     len: usize,
     /// One past the highest mapped granule.
@@ -62,30 +75,21 @@ struct Table {
 }
 
 impl Table {
-    fn new(len: usize) -> Self {
-        Self {
-            bits: vec![0; len.div_ceil(64)],
-            len,
-            frontier: 0,
-        }
-    }
-
-    fn mapped(&self, index: usize) -> bool {
-        self.bits[index / 64] & (1 << (index % 64)) != 0
-    }
-
-    fn set(&mut self, index: usize, mapped: bool) {
+    /// Marks granule `index` mapped or not (the caller holds the table's lock).
+    fn set(&mut self, bits: &Bits, index: usize, mapped: bool) {
+        let bit = 1 << (index % 64);
         if mapped {
-            self.bits[index / 64] |= 1 << (index % 64);
+            bits.0[index / 64].fetch_or(bit, Ordering::Relaxed);
         } else {
-            self.bits[index / 64] &= !(1 << (index % 64));
+            bits.0[index / 64].fetch_and(!bit, Ordering::Relaxed);
         }
     }
 
-    fn recompute_frontier(&mut self) {
-        self.frontier = (self.bits.iter().enumerate().rev())
-            .find(|(_, &w)| w != 0)
-            .map_or(0, |(i, &w)| i * 64 + 64 - w.leading_zeros() as usize);
+    fn recompute_frontier(&mut self, bits: &Bits) {
+        self.frontier = (bits.0.iter().enumerate().rev())
+            .map(|(i, w)| (i, w.load(Ordering::Relaxed)))
+            .find(|&(_, w)| w != 0)
+            .map_or(0, |(i, w)| i * 64 + 64 - w.leading_zeros() as usize);
     }
 }
 
@@ -98,6 +102,7 @@ pub(crate) struct Expander<S: EngineStream, B: Backing> {
     pub(crate) lists: StreamLists<S>,
     pub(crate) backing: B,
     table: Mutex<Table>,
+    bits: Bits,
     /// Bytes mapped (written under the table's lock; read without it for statistics).
     reserved: AtomicU64,
     peak_reserved: AtomicU64,
@@ -114,7 +119,11 @@ impl<S: EngineStream, B: Backing> Expander<S, B> {
         lists.add_chunk(backing.base(), granules as u64 * backing.granule());
         Self {
             lists,
-            table: Mutex::new(Table::new(granules)),
+            table: Mutex::new(Table {
+                len: granules,
+                frontier: 0,
+            }),
+            bits: Bits::new(granules),
             backing,
             reserved: AtomicU64::new(0),
             peak_reserved: AtomicU64::new(0),
@@ -153,6 +162,20 @@ impl<S: EngineStream, B: Backing> Expander<S, B> {
         (self.reserved() / self.granule()) as usize
     }
 
+    /// Whether every granule of `[addr, addr + size)` lies in the range and is mapped: a
+    /// pointer the pool may have handed out (a few relaxed loads, for `deallocate`).
+    pub(crate) fn is_mapped(&self, addr: u64, size: u64) -> bool {
+        let (base, g) = (self.backing.base(), self.granule());
+        let Some(end) = addr.checked_add(size) else {
+            return false;
+        };
+        if addr < base || size == 0 || end > base + self.backing.granules() as u64 * g {
+            return false;
+        }
+        let (first, last) = (((addr - base) / g) as usize, ((end - 1 - base) / g) as usize);
+        (first..=last).all(|i| self.bits.get(i))
+    }
+
     /// Maps the first `bytes` (rounded up to granules) as fresh memory: the initial size.
     pub(crate) fn map_initial(&self, bytes: u64) -> Result<()> {
         let count = bytes.div_ceil(self.granule()) as usize;
@@ -182,7 +205,7 @@ impl<S: EngineStream, B: Backing> Expander<S, B> {
         }
         self.backing.map(first, count)?;
         for index in first..first + count {
-            table.set(index, true);
+            table.set(&self.bits, index, true);
         }
         table.frontier = table.frontier.max(first + count);
         let now = reserved + size;
@@ -212,12 +235,12 @@ impl<S: EngineStream, B: Backing> Expander<S, B> {
         let needed = |have: u64| (min.saturating_sub(have).div_ceil(g) as usize).max(1);
         let mut i = 0;
         while i < table.frontier {
-            if table.mapped(i) {
+            if self.bits.get(i) {
                 i += 1;
                 continue;
             }
             let start = i;
-            while i < table.frontier && !table.mapped(i) {
+            while i < table.frontier && !self.bits.get(i) {
                 i += 1;
             }
             let run = i - start;
@@ -299,13 +322,13 @@ impl<S: EngineStream, B: Backing> Expander<S, B> {
                 let first = ((addr - base) / g) as usize;
                 let count = (size / g) as usize;
                 for index in first..first + count {
-                    debug_assert!(table.mapped(index), "granule {index} free but unmapped");
+                    debug_assert!(self.bits.get(index), "granule {index} free but unmapped");
                     // SAFETY: the granule lies in a range taken out of every list (nothing can
                     // hand it out), wholly free, and the caller's contract says the work that
                     // last used it has finished.
                     match unsafe { self.backing.unmap(index) } {
                         Ok(()) => {
-                            table.set(index, false);
+                            table.set(&self.bits, index, false);
                             released += g;
                         }
                         Err(e) => {
@@ -319,7 +342,7 @@ impl<S: EngineStream, B: Backing> Expander<S, B> {
                     }
                 }
             }
-            table.recompute_frontier();
+            table.recompute_frontier(&self.bits);
             self.reserved.fetch_sub(released, Ordering::Relaxed);
         }
         // Outside the table's lock (the lock order).

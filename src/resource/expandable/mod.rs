@@ -386,7 +386,11 @@ impl MemoryResource for ExpandablePoolResource {
         let inner = &*self.inner;
         check_stream(&inner.device, stream)?;
         let size = aligned_size(bytes)? as u64;
-        if !ptr.0.is_multiple_of(super::ALIGNMENT as u64) || !inner.core.lists.give(ptr.0, size, stream)
+        // A range not wholly mapped was never handed out (the lists would take it: it lies in
+        // their one chunk, the reservation).
+        if !ptr.0.is_multiple_of(super::ALIGNMENT as u64)
+            || !inner.core.is_mapped(ptr.0, size)
+            || !inner.core.lists.give(ptr.0, size, stream)
         {
             return Err(Error::UnknownPointer { ptr: ptr.0, bytes });
         }
@@ -407,5 +411,7 @@ impl Drop for Inner {
         for stream in self.core.lists.streams() {
             let _ = stream.synchronize_blocking();
         }
+        // This thread's cached list (which holds a stream handle) goes too.
+        drop(self.core.lists.retire_idle());
     }
 }
