@@ -12,6 +12,10 @@
 //! - [`free_lists`]: the pool's per-stream free lists (`StreamLists`) on fake streams that
 //!   record the ordering edges: no block handed out twice or lost, every steal and merge ordered
 //!   behind the donor's free.
+//! - [`expandable`]: the expandable pool's bookkeeping (`Expander`: growth by mapping, trim that
+//!   takes free granules out, waits for their streams and unmaps them) on a fake stream and a
+//!   fake address range: nothing handed out or used on an unmapped granule, nothing unmapped
+//!   under a held block or pending work.
 //! - [`deferred_free`]: the countdown that frees a buffer used on several streams once all their
 //!   events completed (`release_after_all`), on the crate's `Completion`s.
 //!
@@ -28,6 +32,7 @@
 
 mod completion;
 mod deferred_free;
+mod expandable;
 mod free_lists;
 mod reactor;
 mod waiters;

@@ -873,6 +873,22 @@ impl<S: EngineStream> StreamLists<S> {
         })
     }
 
+    /// Takes every block out of every list (the lists stay, empty): `(stream, its blocks)` for
+    /// each list that held any. The caller waits for each stream and then gives the blocks to
+    /// [`give_fresh_blocks`](Self::give_fresh_blocks), where free neighbours freed on different
+    /// streams coalesce, or back with [`give_blocks_to`](Self::give_blocks_to) if it cannot.
+    pub(crate) fn drain_lists(&self) -> Vec<(S, Vec<(u64, u64)>)> {
+        let lists: Vec<Arc<StreamList<S>>> = self.registry.lock().lists.values().cloned().collect();
+        let mut out = Vec::new();
+        for list in lists {
+            let mut state = list.state.lock();
+            if !state.retired && state.free.len() > 0 {
+                out.push((list.stream.clone(), state.free.drain()));
+            }
+        }
+        out
+    }
+
     /// Takes the `granule`-aligned part out of every free block, in every list and the fresh
     /// memory, for unmapping: `(start, size, the stream whose list held it)`, `None` for fresh
     /// memory. The unaligned ends stay free where they were. Give a range back with

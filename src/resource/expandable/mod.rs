@@ -213,9 +213,11 @@ impl ExpandablePoolResource {
     }
 
     /// Unmaps and releases every fully free granule, each once the GPU work of the stream
-    /// that last used it has finished (awaited here, never inside a lock); first it folds the
+    /// that last used it has finished (awaited here, never inside a lock). First it folds the
     /// lists of streams the user has dropped back into the pool, as
-    /// [`PoolResource::trim`](super::PoolResource::trim) does. Returns the bytes unmapped.
+    /// [`PoolResource::trim`](super::PoolResource::trim) does, and moves every stream's free
+    /// blocks to the pool's fresh memory once that stream's work is done (so free memory that
+    /// different streams freed coalesces into whole granules). Returns the bytes unmapped.
     /// Live buffers are untouched: a granule any of whose bytes is handed out stays mapped.
     ///
     /// On an error (a failed synchronization or unmap), what was not unmapped goes back where
@@ -265,6 +267,15 @@ impl Inner {
                 first_error.get_or_insert(e);
             }
         }
+        // Every list's blocks, once their stream's work is done, become fresh memory, where
+        // free neighbours freed on different streams coalesce: a granule half freed on one
+        // stream and half on another is then fully free.
+        for (stream, blocks) in self.core.lists.drain_lists() {
+            let synced = stream.synchronize().await;
+            if let Err(e) = self.fold_idle(stream, blocks, synced) {
+                first_error.get_or_insert(e);
+            }
+        }
         if let Some(e) = first_error {
             return Err(e);
         }
@@ -281,6 +292,12 @@ impl Inner {
     fn trim_to_blocking(&self, keep: u64) -> Result<usize> {
         let mut first_error = None;
         for (stream, blocks) in self.core.lists.retire_idle() {
+            let synced = stream.synchronize_blocking();
+            if let Err(e) = self.fold_idle(stream, blocks, synced) {
+                first_error.get_or_insert(e);
+            }
+        }
+        for (stream, blocks) in self.core.lists.drain_lists() {
             let synced = stream.synchronize_blocking();
             if let Err(e) = self.fold_idle(stream, blocks, synced) {
                 first_error.get_or_insert(e);
@@ -312,8 +329,9 @@ impl Inner {
         result.map(|()| released as usize)
     }
 
-    /// A dropped stream's list, once its stream was synchronized (`synced`): its blocks are
-    /// fresh. If the synchronization failed, they go back to a list of that stream.
+    /// A list's blocks (a dropped stream's, or any stream's drained for a trim), once its
+    /// stream was synchronized (`synced`): they are fresh. If the synchronization failed, they
+    /// go back to a list of that stream.
     fn fold_idle(&self, stream: Stream, blocks: Vec<(u64, u64)>, synced: Result<()>) -> Result<()> {
         match synced {
             Ok(()) => {
