@@ -73,9 +73,13 @@ fn phases<R: MemoryResource>(
     let mut total = 0;
     let start = Instant::now();
     while total < live {
-        let bytes = (MIB + (rng.next() as usize % (63 * MIB))).min(live - total).max(256);
+        let bytes = (MIB + (rng.next() as usize % (63 * MIB)))
+            .min(live - total)
+            .max(256);
         let s = buffers.len() % streams.len();
-        let ptr = r.allocate(bytes, &streams[s]).expect("growing to the live size");
+        let ptr = r
+            .allocate(bytes, &streams[s])
+            .expect("growing to the live size");
         // Touch it, so the memory is really the device's (a memset of its first 4 KiB).
         // SAFETY: a live allocation of at least 256 bytes, used on its stream.
         unsafe { streams[s].memset_d8(ptr, 1, bytes.min(4096)) }.unwrap();
@@ -144,7 +148,11 @@ fn main() {
     let live = arg("--live-gib", "8").parse::<usize>().expect("--live-gib") * GIB;
     let keep = arg("--keep-gib", "1").parse::<usize>().expect("--keep-gib") * GIB;
     let seed: u64 = arg("--seed", "1").parse().expect("--seed");
-    println!("device: {device}; grow to {} GiB live, keep {} GiB, trim", live / GIB, keep / GIB);
+    println!(
+        "device: {device}; grow to {} GiB live, keep {} GiB, trim",
+        live / GIB,
+        keep / GIB
+    );
     let streams: Vec<Stream> = (0..4).map(|_| device.create_stream().unwrap()).collect();
 
     let expandable = ExpandablePoolResource::new(&device, ExpandableOptions::default()).unwrap();

@@ -823,7 +823,7 @@ mod load {
 /// `PoolResource` or `ExpandablePoolResource`, as `--resource` says.
 #[derive(Debug)]
 enum ServerPool {
-    Pool(PoolResource<CudaResource>),
+    Pool(Box<PoolResource<CudaResource>>),
     Expandable(ExpandablePoolResource),
 }
 
@@ -833,7 +833,10 @@ impl ServerPool {
     /// chunked pool must take all of it up front.
     fn new(resource: &str, device: &Device, options: PoolOptions) -> Result<Self, BoxError> {
         Ok(match resource {
-            "pool" => Self::Pool(PoolResource::new(CudaResource::new(device), options)?),
+            "pool" => Self::Pool(Box::new(PoolResource::new(
+                CudaResource::new(device),
+                options,
+            )?)),
             "expandable" => Self::Expandable(ExpandablePoolResource::new(
                 device,
                 ExpandableOptions {
@@ -868,7 +871,7 @@ impl ServerPool {
 
     fn inner(&self) -> &dyn MemoryResource {
         match self {
-            Self::Pool(p) => p,
+            Self::Pool(p) => &**p,
             Self::Expandable(p) => p,
         }
     }

@@ -138,7 +138,10 @@ fn use_once(pool: &Pool, s: &FakeStream) {
     let i = index(addr);
     {
         let mut b = book(&s.0 .0);
-        assert!(b.mapped.contains(&i), "block handed out on unmapped granule {i}");
+        assert!(
+            b.mapped.contains(&i),
+            "block handed out on unmapped granule {i}"
+        );
         assert!(b.held.insert(i), "granule {i} handed out twice");
         b.queued += 1;
         b.held.remove(&i);

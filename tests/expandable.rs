@@ -208,7 +208,11 @@ fn mapping_failures_midway_lose_nothing() {
         Err(Error::Driver { call, .. }) => assert_eq!(call, "cuMemMap"),
         other => panic!("expected the injected cuMemMap failure, got {other:?}"),
     }
-    assert_eq!(device.free_memory().unwrap(), free_before, "a granule leaked");
+    assert_eq!(
+        device.free_memory().unwrap(),
+        free_before,
+        "a granule leaked"
+    );
     assert_eq!(p.stats().reserved, stats_before.reserved);
     check(&p);
 
@@ -217,7 +221,11 @@ fn mapping_failures_midway_lose_nothing() {
         Err(e @ Error::OutOfMemory { .. }) => assert!(e.is_out_of_memory()),
         other => panic!("expected out of memory, got {other:?}"),
     }
-    assert_eq!(device.free_memory().unwrap(), free_before, "a granule leaked");
+    assert_eq!(
+        device.free_memory().unwrap(),
+        free_before,
+        "a granule leaked"
+    );
     assert_eq!(faults.injected(FaultKind::MemCreate), 1);
     check(&p);
 

@@ -92,7 +92,10 @@ impl CudaReservation {
         let mut result = Ok(());
         while done < count {
             let index = first + done;
-            debug_assert!(!handles.contains_key(&index), "granule {index} mapped twice");
+            debug_assert!(
+                !handles.contains_key(&index),
+                "granule {index} mapped twice"
+            );
             let mut handle: sys::CUmemGenericAllocationHandle = 0;
             // SAFETY: `prop` is initialized; the driver writes one handle on success.
             if let Err(e) = call("cuMemCreate", unsafe {

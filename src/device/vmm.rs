@@ -101,7 +101,13 @@ impl Reservation {
             Raw::Cuda(r) => r.base(),
             Raw::Sim(r) => r.base(),
         };
-        tracing::debug!(device = device.id(), base, size, granule, "reserved addresses");
+        tracing::debug!(
+            device = device.id(),
+            base,
+            size,
+            granule,
+            "reserved addresses"
+        );
         Ok(Self {
             device: device.clone(),
             base,
@@ -171,12 +177,11 @@ impl Reservation {
 
 impl Drop for Reservation {
     fn drop(&mut self) {
-        match (&self.raw, self.device.backend()) {
+        // The simulated reservation unmaps and frees itself when dropped.
+        if let (Raw::Cuda(r), Backend::Cuda(d)) = (&self.raw, self.device.backend()) {
             // SAFETY: the owner's contract (the type's docs): no work uses the range any more,
             // and `&mut self` means nothing maps into it again.
-            (Raw::Cuda(r), Backend::Cuda(d)) => unsafe { r.free(d) },
-            // The simulated reservation unmaps and frees itself when dropped.
-            _ => {}
+            unsafe { r.free(d) }
         }
     }
 }

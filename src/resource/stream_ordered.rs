@@ -906,7 +906,9 @@ impl<S: EngineStream> StreamLists<S> {
             }
         }
         let mut out = Vec::new();
-        aligned(&mut self.fresh.lock(), granule, |a, n| out.push((a, n, None)));
+        aligned(&mut self.fresh.lock(), granule, |a, n| {
+            out.push((a, n, None))
+        });
         let lists: Vec<Arc<StreamList<S>>> = self.registry.lock().lists.values().cloned().collect();
         for list in lists {
             let mut state = list.state.lock();

@@ -172,7 +172,10 @@ impl<S: EngineStream, B: Backing> Expander<S, B> {
         if addr < base || size == 0 || end > base + self.backing.granules() as u64 * g {
             return false;
         }
-        let (first, last) = (((addr - base) / g) as usize, ((end - 1 - base) / g) as usize);
+        let (first, last) = (
+            ((addr - base) / g) as usize,
+            ((end - 1 - base) / g) as usize,
+        );
         (first..=last).all(|i| self.bits.get(i))
     }
 

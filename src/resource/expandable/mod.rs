@@ -390,7 +390,11 @@ impl MemoryResource for ExpandablePoolResource {
         if size > inner.core.maximum() {
             return Err(inner.core.out_of_memory(size));
         }
-        inner.core.lists.take(size, stream, &inner.core).map(DevicePtr)
+        inner
+            .core
+            .lists
+            .take(size, stream, &inner.core)
+            .map(DevicePtr)
     }
 
     unsafe fn deallocate(&self, ptr: DevicePtr, bytes: usize, stream: &Stream) -> Result<()> {
