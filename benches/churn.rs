@@ -1,7 +1,7 @@
 //! The `churn` workloads of `shared/bench/WORKLOADS.md`, exactly: splitmix64, the same decision
 //! sequence for every allocator, and its checksums (allocations and bytes allocated).
 //!
-//! `cargo bench --bench churn [-- --resource pool|cuda-async|arena|binning|cuda|all] [--run RUN[,RUN..]|workloads|all] [--repeat N] [--initial MIB[,MIB..]]`
+//! `cargo bench --bench churn [-- --resource pool|expandable|cuda-async|arena|binning|cuda|all] [--run RUN[,RUN..]|workloads|all] [--repeat N] [--initial MIB[,MIB..]]`
 //!
 //! Runs: `churn-1t`, `churn-4t`, `churn-xs-1t`, `churn-xs-4t` (`workloads`: these four), and
 //! `scaling` (1, 2, 4 and 8 threads); `all` is every one.
@@ -34,7 +34,7 @@ use streamalloc::resource::binning::BinningResource;
 use streamalloc::resource::cuda::CudaResource;
 use streamalloc::resource::cuda_async::{CudaAsyncOptions, CudaAsyncResource};
 use streamalloc::resource::pool::{PoolOptions, PoolResource};
-use streamalloc::{Device, MemoryResource};
+use streamalloc::{Device, ExpandableOptions, ExpandablePoolResource, MemoryResource};
 
 const GIB: usize = 1 << 30;
 const MIB: usize = 1 << 20;
@@ -297,6 +297,30 @@ fn main() {
                         s.merges
                     );
                     report(&format!("pool{start}"), run, wall, o, extra);
+                }
+                if resource == "all" || resource == "expandable" {
+                    // The pool on virtual memory: `initial` mapped, up to 8 GiB mapped.
+                    let r = ExpandablePoolResource::new(
+                        &device,
+                        ExpandableOptions {
+                            initial,
+                            maximum: Some(8 * GIB),
+                            ..ExpandableOptions::default()
+                        },
+                    )
+                    .unwrap();
+                    let (wall, o) = run_on(&r, &device, run);
+                    let s = r.stats();
+                    let extra = format!(
+                        "{} MiB / {} MiB = {:.2} ({} grows, {} steals, {} merges)",
+                        s.peak_reserved / MIB,
+                        o.peak_live / MIB as u64,
+                        s.peak_reserved as f64 / o.peak_live as f64,
+                        s.grows,
+                        s.steals,
+                        s.merges
+                    );
+                    report(&format!("expandable{start}"), run, wall, o, extra);
                 }
                 if resource == "all" || resource == "arena" {
                     // RMM's arena, sized as the pool: 2 GiB up front, up to 8 GiB.

@@ -52,13 +52,17 @@ use serde::{Deserialize, Serialize};
 use serde_json::{json, Value};
 use streamalloc::resource::adaptor::StatisticsAdaptor;
 use streamalloc::resource::cuda::CudaResource;
-use streamalloc::resource::pool::{PoolOptions, PoolResource};
-use streamalloc::{Device, DeviceBuffer, DeviceVec, Error, StreamPool, ALIGNMENT};
+use streamalloc::resource::pool::{PoolOptions, PoolResource, PoolStats};
+use streamalloc::resource::WaitStats;
+use streamalloc::{
+    Device, DeviceBuffer, DevicePtr, DeviceVec, Error, ExpandableOptions, ExpandablePoolResource,
+    MemoryResource, MemoryWaiters, Stream, StreamPool, ALIGNMENT,
+};
 use tokio::sync::{watch, Mutex};
 use tracing_subscriber::EnvFilter;
 
 /// The one pool, with a statistics adaptor in front of it for the bytes in use and their peak.
-type Pool = StatisticsAdaptor<PoolResource<CudaResource>>;
+type Pool = StatisticsAdaptor<ServerPool>;
 type BoxError = Box<dyn std::error::Error + Send + Sync>;
 
 /// An inference server whose requests allocate GPU memory by `.await` from one shared pool.
@@ -73,6 +77,10 @@ struct Args {
     /// Streams in the stream pool.
     #[arg(long, default_value_t = 8)]
     streams: usize,
+    /// The pool: `pool` (`PoolResource`, all of it taken at start) or `expandable`
+    /// (`ExpandablePoolResource`: maps memory as requests need it, up to `--pool-mib`).
+    #[arg(long, default_value = "pool")]
+    resource: String,
     /// Simulated model work per request, in microseconds of GPU time.
     #[arg(long, default_value_t = 300)]
     spin_us: u64,
@@ -450,7 +458,7 @@ async fn run(args: Args) -> Result<ExitCode, BoxError> {
         maximum: Some(pool_bytes),
         ..PoolOptions::default()
     };
-    let pool = PoolResource::new(CudaResource::new(&device), options)?;
+    let pool = ServerPool::new(&args.resource, &device, options)?;
     let (shutdown, stop) = watch::channel(false);
     let app = Arc::new(App {
         device: device.clone(),
@@ -807,5 +815,88 @@ mod load {
             }
             Ok(ExitCode::FAILURE)
         }
+    }
+}
+
+// ===== --resource: the pool behind the server =====
+
+/// `PoolResource` or `ExpandablePoolResource`, as `--resource` says.
+#[derive(Debug)]
+enum ServerPool {
+    Pool(Box<PoolResource<CudaResource>>),
+    Expandable(ExpandablePoolResource),
+}
+
+impl ServerPool {
+    /// The pool of `options`' maximum. The expandable one starts with nothing mapped: with no
+    /// seams between its growths, any request up to the maximum can be served, where the
+    /// chunked pool must take all of it up front.
+    fn new(resource: &str, device: &Device, options: PoolOptions) -> Result<Self, BoxError> {
+        Ok(match resource {
+            "pool" => Self::Pool(Box::new(PoolResource::new(
+                CudaResource::new(device),
+                options,
+            )?)),
+            "expandable" => Self::Expandable(ExpandablePoolResource::new(
+                device,
+                ExpandableOptions {
+                    maximum: options.maximum,
+                    ..ExpandableOptions::default()
+                },
+            )?),
+            other => return Err(format!("--resource {other}: expected pool or expandable").into()),
+        })
+    }
+
+    fn maximum(&self) -> usize {
+        match self {
+            Self::Pool(p) => p.maximum(),
+            Self::Expandable(p) => p.maximum(),
+        }
+    }
+
+    fn stats(&self) -> PoolStats {
+        match self {
+            Self::Pool(p) => p.stats(),
+            Self::Expandable(p) => p.stats(),
+        }
+    }
+
+    fn wait_stats(&self) -> WaitStats {
+        match self {
+            Self::Pool(p) => p.wait_stats(),
+            Self::Expandable(p) => p.wait_stats(),
+        }
+    }
+
+    fn inner(&self) -> &dyn MemoryResource {
+        match self {
+            Self::Pool(p) => &**p,
+            Self::Expandable(p) => p,
+        }
+    }
+}
+
+impl MemoryResource for ServerPool {
+    fn device(&self) -> &Device {
+        self.inner().device()
+    }
+
+    fn allocate(&self, bytes: usize, stream: &Stream) -> streamalloc::Result<DevicePtr> {
+        self.inner().allocate(bytes, stream)
+    }
+
+    unsafe fn deallocate(
+        &self,
+        ptr: DevicePtr,
+        bytes: usize,
+        stream: &Stream,
+    ) -> streamalloc::Result<()> {
+        // SAFETY: the caller's contract, passed on to the pool that handed `ptr` out.
+        unsafe { self.inner().deallocate(ptr, bytes, stream) }
+    }
+
+    fn memory_waiters(&self) -> Option<&MemoryWaiters> {
+        self.inner().memory_waiters()
     }
 }

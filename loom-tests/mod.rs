@@ -15,6 +15,10 @@
 //! - [`frees_and_regrowth`]: the same engine's live-block table (a free on another stream
 //!   racing the trim that retires a dropped stream's list) and its give-back-and-regrow path at
 //!   the pool's maximum.
+//! - [`expandable`]: the expandable pool's bookkeeping (`Expander`: growth by mapping, trim that
+//!   takes free granules out, waits for their streams and unmaps them) on a fake stream and a
+//!   fake address range: nothing handed out or used on an unmapped granule, nothing unmapped
+//!   under a held block or pending work.
 //! - [`deferred_free`]: the countdown that frees a buffer used on several streams once all their
 //!   events completed (`release_after_all`), on the crate's `Completion`s.
 //!
@@ -31,6 +35,7 @@
 
 mod completion;
 mod deferred_free;
+mod expandable;
 mod free_lists;
 mod frees_and_regrowth;
 mod reactor;

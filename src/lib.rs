@@ -94,8 +94,9 @@ pub use crate::device::{CudaOptions, Device, DeviceKind, DevicePtr, FaultKind, F
 pub use crate::error::{Error, Result};
 pub use crate::event::Event;
 pub use crate::resource::{
-    AllocateAsync, AsResourceRef, CudaAsyncResource, CudaResource, MemoryKind, MemoryResource,
-    MemoryWaiters, PoolOptions, PoolResource, ResourceRef, ALIGNMENT,
+    AllocateAsync, AsResourceRef, CudaAsyncResource, CudaResource, ExpandableOptions,
+    ExpandablePoolResource, MemoryKind, MemoryResource, MemoryWaiters, PoolOptions, PoolResource,
+    ResourceRef, ALIGNMENT,
 };
 pub use crate::stream::{Stream, StreamId};
 pub use crate::stream_pool::StreamPool;

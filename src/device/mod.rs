@@ -5,8 +5,10 @@
 //! thread (see `reactor.rs`).
 
 pub(crate) mod cuda;
+mod cuda_vmm;
 pub(crate) mod sim;
 pub(crate) mod staging;
+pub(crate) mod vmm;
 
 use std::fmt;
 use std::time::Duration;

@@ -143,6 +143,7 @@ pub mod cuda_async;
 pub mod managed;
 pub mod pinned;
 // The pool and its engine.
+pub mod expandable;
 pub mod fixed_size;
 pub(crate) mod free_list;
 pub mod pool;
@@ -160,6 +161,7 @@ pub use self::callback::CallbackResource;
 pub use self::cuda::CudaResource;
 pub use self::cuda_async::{CudaAsyncOptions, CudaAsyncResource};
 pub use self::current::{current_resource, reset_current_resource, set_current_resource};
+pub use self::expandable::{ExpandableOptions, ExpandablePoolResource};
 pub use self::fixed_size::FixedSizeResource;
 pub use self::managed::ManagedResource;
 pub use self::pinned::{PinnedHostOptions, PinnedHostResource, PinnedHostStats};

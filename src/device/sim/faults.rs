@@ -35,6 +35,11 @@ pub enum FaultKind {
     Synchronize,
     /// Creating a stream (`cuStreamCreate`).
     CreateStream,
+    /// Creating physical memory for a virtual memory mapping (`cuMemCreate`): what fails when
+    /// the device is out of memory as an expandable pool grows.
+    MemCreate,
+    /// Mapping physical memory into a reserved address range (`cuMemMap`).
+    MemMap,
 }
 
 impl FaultKind {
@@ -51,6 +56,8 @@ impl FaultKind {
             FaultKind::Launch => "cuLaunchKernel",
             FaultKind::Synchronize => "cuStreamSynchronize",
             FaultKind::CreateStream => "cuStreamCreate",
+            FaultKind::MemCreate => "cuMemCreate",
+            FaultKind::MemMap => "cuMemMap",
         }
     }
 
@@ -58,7 +65,9 @@ impl FaultKind {
     /// driver says when it fails them), `CUDA_ERROR_UNKNOWN` otherwise.
     pub fn error(self) -> Error {
         let (code, name) = match self {
-            FaultKind::Allocate | FaultKind::HostAllocate => (2, "CUDA_ERROR_OUT_OF_MEMORY"),
+            FaultKind::Allocate | FaultKind::HostAllocate | FaultKind::MemCreate => {
+                (2, "CUDA_ERROR_OUT_OF_MEMORY")
+            }
             _ => (999, "CUDA_ERROR_UNKNOWN"),
         };
         Error::Driver {

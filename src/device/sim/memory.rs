@@ -28,6 +28,8 @@ const GUARD: u64 = 64 << 10;
 pub(crate) struct Block {
     base: u64,
     bytes: Box<[DataByte]>,
+    /// A reserved virtual range (`sim/vmm.rs`): only its mapped granules may be accessed.
+    mapping: Option<Arc<super::vmm::Granules>>,
 }
 
 impl Block {
@@ -110,6 +112,7 @@ impl SimMemory {
             Arc::new(Block {
                 base,
                 bytes: storage,
+                mapping: None,
             }),
         );
         Ok(base)
@@ -140,6 +143,9 @@ impl SimMemory {
         if end > block.base + block.bytes.len() as u64 {
             return Err(bad);
         }
+        if let Some(mapping) = &block.mapping {
+            mapping.check(block.base, ptr, len)?;
+        }
         Ok(block.clone())
     }
 
@@ -161,6 +167,62 @@ impl SimMemory {
             d.store(s.load(Relaxed), Relaxed);
         }
         Ok(())
+    }
+}
+
+// ===== virtual memory (the rest is in sim/vmm.rs) =====
+
+impl SimMemory {
+    /// Reserves `size` bytes of address space, backed by lazily zeroed host memory that costs
+    /// nothing until touched; only the granules `mapping` marks as mapped may be accessed.
+    /// Counts nothing against the device's memory (mapping does, through `charge`).
+    pub(crate) fn reserve(&self, size: usize, mapping: Arc<super::vmm::Granules>) -> Result<u64> {
+        let oom = |available| Error::OutOfMemory {
+            requested: size,
+            available,
+            maximum: super::vmm::ADDRESS_SPACE as usize,
+        };
+        let mut state = self.write();
+        let left = (BASE + super::vmm::ADDRESS_SPACE).saturating_sub(state.next);
+        if size as u64 > left {
+            return Err(oom(left as usize));
+        }
+        let storage = zeroed_bytes(size).ok_or(oom(left as usize))?;
+        let base = state.next;
+        state.next += size as u64 + GUARD;
+        let block = Block {
+            base,
+            bytes: storage,
+            mapping: Some(mapping),
+        };
+        state.blocks.insert(base, Arc::new(block));
+        Ok(base)
+    }
+
+    /// Gives a reservation's address range back (its granules are unmapped by then).
+    pub(crate) fn unreserve(&self, base: u64) {
+        self.write().blocks.remove(&base);
+    }
+
+    /// Counts `bytes` of physical memory as used, or `OutOfMemory` if the device has less.
+    pub(crate) fn charge(&self, bytes: usize) -> Result<()> {
+        let mut state = self.write();
+        let available = self.total - state.used;
+        if bytes > available {
+            return Err(Error::OutOfMemory {
+                requested: bytes,
+                available,
+                maximum: self.total,
+            });
+        }
+        state.used += bytes;
+        Ok(())
+    }
+
+    /// Gives back what `charge` counted.
+    pub(crate) fn uncharge(&self, bytes: usize) {
+        let mut state = self.write();
+        state.used = state.used.saturating_sub(bytes);
     }
 }
 

@@ -9,6 +9,7 @@ pub(crate) mod faults;
 mod kernels;
 pub(crate) mod memory;
 pub(crate) mod stream;
+pub(crate) mod vmm;
 
 use std::time::Duration;
 
