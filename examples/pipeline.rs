@@ -6,7 +6,8 @@
 //!
 //! Each batch is one tokio task. All batches share one pool of device memory, sized for only
 //! `POOL_BATCHES` of them at a time: the others wait for memory by `.await` (no thread is
-//! parked) until earlier batches free theirs. A batch spreads its work over two streams of a
+//! parked) until earlier batches free theirs. A batch takes its two buffers all or nothing
+//! (`DeviceBuffer::alloc_all`), so that no batch holds one while it waits for the other. A batch spreads its work over two streams of a
 //! `StreamPool`:
 //!
 //! 1. on stream A: fill the `input` vector with `i + 1.0`, record the event `filled`;
@@ -22,8 +23,7 @@ use std::time::{Duration, Instant};
 
 use streamalloc::resource::cuda::CudaResource;
 use streamalloc::resource::pool::{PoolOptions, PoolResource};
-use streamalloc::{Device, DeviceVec, StreamPool};
-use tokio::sync::Mutex;
+use streamalloc::{Device, DeviceBuffer, DeviceVec, StreamPool};
 use tokio::task::JoinSet;
 use tracing_subscriber::EnvFilter;
 
@@ -77,13 +77,11 @@ async fn run() -> Result<(), BoxError> {
     };
     let pool = Arc::new(PoolResource::new(CudaResource::new(&device), options)?);
     let streams = StreamPool::new(&device, STREAMS)?;
-    // See `batch`: a batch takes all its memory under this lock.
-    let gate = Arc::new(Mutex::new(()));
 
     let start = Instant::now();
     let mut tasks = JoinSet::new();
     for i in 0..BATCHES {
-        tasks.spawn(batch(pool.clone(), streams.clone(), gate.clone(), i));
+        tasks.spawn(batch(pool.clone(), streams.clone(), i));
     }
     // Drain every task, even after a failure, so that the first error is the one reported.
     let mut first_error = None;
@@ -112,26 +110,18 @@ async fn run() -> Result<(), BoxError> {
 }
 
 /// One batch: two stages on two streams, then the result back to the host.
-async fn batch(
-    pool: Arc<Pool>,
-    streams: StreamPool,
-    gate: Arc<Mutex<()>>,
-    i: usize,
-) -> Result<(), BoxError> {
+async fn batch(pool: Arc<Pool>, streams: StreamPool, i: usize) -> Result<(), BoxError> {
     // Two different streams (by index, so that concurrent tasks cannot hand us the same one).
     let (a, b) = (streams.get_by_index(i), streams.get_by_index(i + 1));
 
-    // Take the batch's memory in one step. A task that holds part of its memory while it waits
-    // for the rest can deadlock with others doing the same, each holding what the others wait
-    // for. Under the lock only one task at a time waits for memory, and every other holder has
-    // all it needs: it finishes, and its frees wake the waiter. Each `alloc` returns at once
-    // when the pool has the memory, and otherwise waits (a future, no thread parked).
-    let (mut input, output) = {
-        let _gate = gate.lock().await;
-        let input = DeviceVec::<f32>::alloc(&pool, FLOATS, &a).await?;
-        let output = DeviceVec::<f32>::alloc(&pool, FLOATS, &b).await?;
-        (input, output)
-    };
+    // Take the batch's memory in one step, all or nothing. A task that held part of its memory
+    // while it waited for the rest could deadlock with others doing the same, each holding
+    // what the others wait for; `alloc_all` holds nothing while it waits (first come, first
+    // served with the other waiters) and returns at once when the pool has the whole set.
+    let bytes = FLOATS * size_of::<f32>();
+    let mut set = DeviceBuffer::alloc_all(&pool, &[(bytes, &a), (bytes, &b)]).await?;
+    let output = DeviceVec::<f32>::from_buffer(set.pop().expect("two buffers"))?;
+    let mut input = DeviceVec::<f32>::from_buffer(set.pop().expect("two buffers"))?;
 
     // Stage 1, on A.
     let value = (i + 1) as f32;

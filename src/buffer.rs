@@ -106,6 +106,51 @@ impl DeviceBuffer {
         Ok(Self::from_parts(ptr, bytes, resource, stream))
     }
 
+    /// Allocates one buffer per `(bytes, stream)` request from `resource`, **all or none**,
+    /// waiting (as a future) until the whole set fits at once; see
+    /// [`allocate_all_async`](AllocateAsync::allocate_all_async). The buffers come in the
+    /// order of `requests`. This is what a task that needs several buffers should use: one that
+    /// awaits them one by one holds the first while it waits for the next, and tasks doing that
+    /// can deadlock, each holding what another waits for.
+    ///
+    /// # Cancel safety
+    /// Cancel-safe: a dropped future leaves the queue and holds nothing.
+    pub async fn alloc_all(
+        resource: &impl AsResourceRef,
+        requests: &[(usize, &Stream)],
+    ) -> Result<Vec<Self>> {
+        Self::alloc_all_inner(resource.resource_ref(), requests, None).await
+    }
+
+    /// [`alloc_all`](Self::alloc_all), giving up with [`Error::Timeout`] after `limit`.
+    pub async fn alloc_all_timeout(
+        resource: &impl AsResourceRef,
+        requests: &[(usize, &Stream)],
+        limit: Duration,
+    ) -> Result<Vec<Self>> {
+        Self::alloc_all_inner(resource.resource_ref(), requests, Some(limit)).await
+    }
+
+    async fn alloc_all_inner(
+        resource: ResourceRef,
+        requests: &[(usize, &Stream)],
+        limit: Option<Duration>,
+    ) -> Result<Vec<Self>> {
+        for (_, stream) in requests {
+            check_device(&resource, stream)?;
+        }
+        let wait = resource.allocate_all_async(requests.iter().copied());
+        let ptrs = match limit {
+            Some(limit) => wait.timeout(limit).await?,
+            None => wait.await?,
+        };
+        Ok(ptrs
+            .into_iter()
+            .zip(requests)
+            .map(|(ptr, &(bytes, stream))| Self::from_parts(ptr, bytes, resource.clone(), stream))
+            .collect())
+    }
+
     /// Memory from the device's current resource
     /// ([`current_resource`](crate::resource::current_resource): a `CudaResource` unless set).
     pub fn with_current_resource(bytes: usize, stream: &Stream) -> Result<Self> {
