@@ -64,6 +64,11 @@ struct StreamInner {
     /// way round, and the earlier event's waiters would be woken only once the later one
     /// completes (issue 19).
     seq: Mutex<u64>,
+    /// On CUDA, cudarc's handle of the driver's stream, which owns it: made by cudarc for us
+    /// (`Device::create_stream`) or given by a cudarc user (`Stream::from_cudarc`). The driver's
+    /// stream lives as long as this or any clone that cudarc code holds. `None` on the
+    /// simulated device.
+    cudarc: Option<std::sync::Arc<cudarc::driver::CudaStream>>,
 }
 
 impl fmt::Debug for Stream {
@@ -77,10 +82,10 @@ impl fmt::Debug for Stream {
 
 impl Drop for StreamInner {
     fn drop(&mut self) {
-        match (&self.raw, self.device.backend()) {
-            (RawStream::Cuda(s), Backend::Cuda(d)) => d.destroy_stream(*s),
-            (RawStream::Sim(s), _) => s.close(),
-            _ => {}
+        // A CUDA stream is destroyed by cudarc when the last `Arc` of its handle goes: ours
+        // (the field, after this) or a clone held by cudarc code.
+        if let RawStream::Sim(s) = &self.raw {
+            s.close();
         }
         self.device.reactor().forget_stream(self.id.get());
     }
@@ -89,18 +94,46 @@ impl Drop for StreamInner {
 impl Stream {
     pub(crate) fn new(device: &Device) -> Result<Stream> {
         let id = StreamId::next();
-        let raw = match device.backend() {
-            Backend::Cuda(d) => RawStream::Cuda(d.create_stream()?),
-            Backend::Sim(d) => RawStream::Sim(d.create_stream(id.get())?),
+        let (raw, cudarc) = match device.backend() {
+            Backend::Cuda(d) => {
+                let (raw, owner) = d.create_stream()?;
+                (RawStream::Cuda(raw), Some(owner))
+            }
+            Backend::Sim(d) => (RawStream::Sim(d.create_stream(id.get())?), None),
         };
-        Ok(Stream {
+        Ok(Self::from_parts(id, device, raw, cudarc))
+    }
+
+    /// A stream of `device` on a stream that cudarc owns (checked by the caller to belong to
+    /// the device's context).
+    pub(crate) fn on_cudarc(
+        device: &Device,
+        stream: std::sync::Arc<cudarc::driver::CudaStream>,
+    ) -> Stream {
+        let raw = RawStream::Cuda(cuda::Handle(stream.cu_stream()));
+        Self::from_parts(StreamId::next(), device, raw, Some(stream))
+    }
+
+    fn from_parts(
+        id: StreamId,
+        device: &Device,
+        raw: RawStream,
+        cudarc: Option<std::sync::Arc<cudarc::driver::CudaStream>>,
+    ) -> Stream {
+        Stream {
             inner: Arc::new(StreamInner {
                 id,
                 device: device.clone(),
                 raw,
                 seq: Mutex::new(0),
+                cudarc,
             }),
-        })
+        }
+    }
+
+    /// cudarc's handle of this stream, on CUDA (`None` on the simulated device).
+    pub(crate) fn cudarc_handle(&self) -> Option<&std::sync::Arc<cudarc::driver::CudaStream>> {
+        self.inner.cudarc.as_ref()
     }
 
     /// The stream's unique id.
