@@ -189,9 +189,11 @@ impl Stream {
     }
 
     /// Makes work queued on this stream after this call wait until `event` completes. The host
-    /// does not wait. `Err(WrongDevice)` for an event of another device.
+    /// does not wait. The event may be of another device (CUDA allows it, and so do simulated
+    /// devices among themselves); `Err(WrongDevice)` for an event of a simulated device on a
+    /// GPU's stream or the other way round.
     pub fn wait(&self, event: &Event) -> Result<()> {
-        self.inner.device.check_same(event.device())?;
+        self.inner.device.check_peer(event.device())?;
         match (&self.inner.raw, event.raw(), self.inner.device.backend()) {
             (RawStream::Cuda(s), RawEvent::Cuda(e), Backend::Cuda(d)) => d.wait(*s, *e),
             (RawStream::Sim(s), RawEvent::Sim(m), Backend::Sim(d)) => {
@@ -353,6 +355,50 @@ impl Stream {
                 bytes,
             },
         )
+    }
+
+    /// Copies `bytes` bytes from `src`, memory of `src_device`, to `dst`, memory of this
+    /// stream's device, in this stream's order (`cuMemcpyPeerAsync`; no peer access needed).
+    /// `src_device` may be this device too. The safe form is
+    /// [`DeviceBuffer::try_clone_to`](crate::DeviceBuffer::try_clone_to) with a resource of the
+    /// other device.
+    ///
+    /// Errors: `WrongDevice` for a simulated device and a GPU.
+    ///
+    /// # Safety
+    /// Both ranges are live memory of their devices until the stream reaches the copy, and the
+    /// work that writes the source (on any device) is ordered before this point of the stream
+    /// (an event of the source's stream waited for with [`wait`](Self::wait)).
+    pub unsafe fn copy_peer(
+        &self,
+        dst: DevicePtr,
+        src: DevicePtr,
+        src_device: &Device,
+        bytes: usize,
+    ) -> Result<()> {
+        let device = &self.inner.device;
+        device.check_peer(src_device)?;
+        if device.id() == src_device.id() {
+            // SAFETY: the caller's contract.
+            return unsafe { self.copy_dtod(dst, src, bytes) };
+        }
+        match (&self.inner.raw, device.backend(), src_device.backend()) {
+            (RawStream::Cuda(s), Backend::Cuda(d), Backend::Cuda(from)) => {
+                // SAFETY: the caller's contract.
+                unsafe { d.copy_peer(dst.0, from, src.0, bytes, *s) }
+            }
+            (RawStream::Sim(s), Backend::Sim(d), Backend::Sim(from)) => {
+                d.fault(FaultKind::Copy)?;
+                s.push(Op::CopyPeer {
+                    dst: dst.0,
+                    from: from.memory.clone(),
+                    src: src.0,
+                    bytes,
+                });
+                Ok(())
+            }
+            _ => Err(mismatch()),
+        }
     }
 
     /// Migrates managed memory to this stream's device ahead of use (`cuMemPrefetchAsync`), in

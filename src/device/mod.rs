@@ -6,6 +6,7 @@
 
 pub(crate) mod cuda;
 mod cudarc_interop;
+mod peer;
 pub(crate) mod sim;
 pub(crate) mod staging;
 

@@ -20,6 +20,10 @@ use crate::sync::Arc;
 
 /// Where the simulated address space starts: high, like a GPU's unified addresses.
 const BASE: u64 = 0x7f00_0000_0000;
+/// Each simulated device's addresses start this far after the previous one's (16 TiB), so
+/// that, as under CUDA's unified addressing, no two devices hand out the same address: a
+/// pointer of one device used on another is an `InvalidAddress`, never another block's bytes.
+const DEVICE_SPAN: u64 = 1 << 44;
 /// Allocations start on this boundary (cudaMalloc gives at least 256).
 pub(crate) const ALIGN: u64 = 512;
 /// Unmapped bytes after each allocation, so overruns fault.
@@ -51,12 +55,16 @@ pub(crate) struct SimMemory {
 
 impl SimMemory {
     pub(crate) fn new(total: usize) -> Self {
+        // Wraps back to the first range after about a million devices in one process: a
+        // reuse of addresses far beyond what any test makes.
+        static DEVICES: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(0);
+        let n = DEVICES.fetch_add(1, Relaxed) % ((u64::MAX - BASE) / DEVICE_SPAN);
         Self {
             total,
             state: RwLock::new(State {
                 blocks: BTreeMap::new(),
                 used: 0,
-                next: BASE,
+                next: BASE + n * DEVICE_SPAN,
             }),
         }
     }
@@ -158,6 +166,24 @@ impl SimMemory {
     pub(crate) fn copy(&self, dst: u64, src: u64, bytes: usize) -> Result<()> {
         let (from, to) = (self.block(src, bytes)?, self.block(dst, bytes)?);
         for (d, s) in to.range(dst, bytes).iter().zip(from.range(src, bytes)) {
+            d.store(s.load(Relaxed), Relaxed);
+        }
+        Ok(())
+    }
+}
+
+impl SimMemory {
+    /// Copies `bytes` bytes from `src` in `from` (another device's memory) to `dst` in this
+    /// one: a copy between simulated GPUs.
+    pub(crate) fn copy_from(
+        &self,
+        dst: u64,
+        from: &SimMemory,
+        src: u64,
+        bytes: usize,
+    ) -> Result<()> {
+        let (source, to) = (from.block(src, bytes)?, self.block(dst, bytes)?);
+        for (d, s) in to.range(dst, bytes).iter().zip(source.range(src, bytes)) {
             d.store(s.load(Relaxed), Relaxed);
         }
         Ok(())
