@@ -37,6 +37,8 @@ use crate::sync::{fence, AtomicU64, AtomicUsize, Mutex, Ordering};
 crate::sync::thread_local! {
     /// The queue (its address) whose notifications from this thread are dropped: set by
     /// [`MemoryWaiters::quietly`] for the length of a head waiter's give-back; 0 for none.
+    // loom's `thread_local!` takes no `const { }` initializer.
+    #[allow(clippy::missing_const_for_thread_local)]
     static QUIET: Cell<usize> = Cell::new(0);
 }
 
@@ -124,7 +126,8 @@ impl MemoryWaiters {
         }
         // The head giving back what its own try took (see the module doc). Read only when
         // someone waits, so a free with nobody waiting still costs one load.
-        if QUIET.with(|q| q.get()) == self.addr() {
+        // `try_with`: a free from a thread-local's destructor (after QUIET is gone) is loud.
+        if QUIET.try_with(|q| q.get()).unwrap_or(0) == self.addr() {
             return;
         }
         let waker = {
@@ -151,10 +154,12 @@ impl MemoryWaiters {
         struct Restore(usize);
         impl Drop for Restore {
             fn drop(&mut self) {
-                QUIET.with(|q| q.set(self.0));
+                let _ = QUIET.try_with(|q| q.set(self.0));
             }
         }
-        let _restore = Restore(QUIET.with(|q| q.replace(self.addr())));
+        // Without the thread-local (a thread being torn down) the give-back is loud: at worst
+        // one needless retry.
+        let _restore = QUIET.try_with(|q| q.replace(self.addr())).ok().map(Restore);
         f()
     }
 
