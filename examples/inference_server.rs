@@ -58,7 +58,7 @@ use streamalloc::{
     Device, DeviceBuffer, DevicePtr, DeviceVec, Error, ExpandableOptions, ExpandablePoolResource,
     MemoryResource, MemoryWaiters, Stream, StreamPool, ALIGNMENT,
 };
-use tokio::sync::{watch, Mutex};
+use tokio::sync::watch;
 use tracing_subscriber::EnvFilter;
 
 /// The one pool, with a statistics adaptor in front of it for the bytes in use and their peak.
@@ -149,8 +149,6 @@ struct App {
     device: Device,
     pool: Arc<Pool>,
     streams: StreamPool,
-    /// A request takes all its buffers under this lock (see `App::infer`).
-    gate: Mutex<()>,
     spin: Duration,
     alloc_timeout: Duration,
     max_requests: Option<u64>,
@@ -296,19 +294,20 @@ impl App {
         let stream = self.streams.get();
         let bytes = elements * 4;
 
-        // Take both buffers in one step, under the gate: a request that held its input while
+        // Take both buffers in one step, all or nothing: a request that held its input while
         // waiting for its output could deadlock with others doing the same (each holding what
-        // the others wait for). Under the gate only one request waits for memory at a time,
-        // and every other holder has all it needs, finishes and frees. Each `alloc_timeout`
-        // returns at once when the pool has the memory, and otherwise waits (a future: no
-        // thread is parked) until frees bring it back, or the deadline passes (503).
-        let deadline = started + self.alloc_timeout;
-        let left = || deadline.saturating_duration_since(Instant::now());
+        // the others wait for). `alloc_all_timeout` holds nothing while it waits (a future: no
+        // thread is parked), first come, first served with the other requests, and returns
+        // at once when the pool has both, or the deadline passes (503).
         let (mut input, output) = {
-            let gate = tokio::time::timeout(left(), self.gate.lock()).await;
-            let _gate = gate.map_err(|_| ApiError::timeout(started.elapsed()))?;
-            let input = DeviceBuffer::alloc_timeout(&self.pool, bytes, &stream, left()).await?;
-            let output = DeviceBuffer::alloc_timeout(&self.pool, bytes, &stream, left()).await?;
+            let mut set = DeviceBuffer::alloc_all_timeout(
+                &self.pool,
+                &[(bytes, &stream), (bytes, &stream)],
+                self.alloc_timeout,
+            )
+            .await?;
+            let output = set.pop().expect("two buffers");
+            let input = set.pop().expect("two buffers");
             (
                 DeviceVec::<f32>::from_buffer(input)?,
                 DeviceVec::<f32>::from_buffer(output)?,
@@ -464,7 +463,6 @@ async fn run(args: Args) -> Result<ExitCode, BoxError> {
         device: device.clone(),
         pool: Arc::new(StatisticsAdaptor::new(pool)),
         streams: StreamPool::new(&device, args.streams)?,
-        gate: Mutex::new(()),
         spin: Duration::from_micros(args.spin_us),
         alloc_timeout: Duration::from_secs(args.alloc_timeout_secs),
         max_requests: args.max_requests,

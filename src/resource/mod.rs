@@ -132,8 +132,10 @@ pub(crate) fn check_stream(device: &Device, stream: &Stream) -> Result<()> {
 
 // ===== waiting for memory =====
 mod allocate;
+mod allocate_all;
 mod waiters;
 pub use self::allocate::{Allocate, AllocateAsync};
+pub use self::allocate_all::AllocateAll;
 pub use self::waiters::{MemoryWaiters, WaitStats};
 
 // ===== the resources =====

@@ -20,6 +20,10 @@ use crate::sync::Arc;
 
 /// Where the simulated address space starts: high, like a GPU's unified addresses.
 const BASE: u64 = 0x7f00_0000_0000;
+/// Each simulated device's addresses start this far after the previous one's (16 TiB), so
+/// that, as under CUDA's unified addressing, no two devices hand out the same address: a
+/// pointer of one device used on another is an `InvalidAddress`, never another block's bytes.
+const DEVICE_SPAN: u64 = 1 << 44;
 /// Allocations start on this boundary (cudaMalloc gives at least 256).
 pub(crate) const ALIGN: u64 = 512;
 /// Unmapped bytes after each allocation, so overruns fault.
@@ -44,6 +48,8 @@ struct State {
     blocks: BTreeMap<u64, Arc<Block>>,
     used: usize,
     next: u64,
+    /// The end of this device's address range (`DEVICE_SPAN` after its start).
+    end: u64,
 }
 
 pub(crate) struct SimMemory {
@@ -53,12 +59,17 @@ pub(crate) struct SimMemory {
 
 impl SimMemory {
     pub(crate) fn new(total: usize) -> Self {
+        // Wraps back to the first range after about a million devices in one process: a
+        // reuse of addresses far beyond what any test makes.
+        static DEVICES: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(0);
+        let n = DEVICES.fetch_add(1, Relaxed) % ((u64::MAX - BASE) / DEVICE_SPAN);
         Self {
             total,
             state: RwLock::new(State {
                 blocks: BTreeMap::new(),
                 used: 0,
-                next: BASE,
+                next: BASE + n * DEVICE_SPAN,
+                end: BASE + (n + 1) * DEVICE_SPAN,
             }),
         }
     }
@@ -183,7 +194,8 @@ impl SimMemory {
             maximum: super::vmm::ADDRESS_SPACE as usize,
         };
         let mut state = self.write();
-        let left = (BASE + super::vmm::ADDRESS_SPACE).saturating_sub(state.next);
+        // Within this device's address range (16 TiB), like every allocation of it.
+        let left = state.end.saturating_sub(state.next);
         if size as u64 > left {
             return Err(oom(left as usize));
         }
@@ -223,6 +235,24 @@ impl SimMemory {
     pub(crate) fn uncharge(&self, bytes: usize) {
         let mut state = self.write();
         state.used = state.used.saturating_sub(bytes);
+    }
+}
+
+impl SimMemory {
+    /// Copies `bytes` bytes from `src` in `from` (another device's memory) to `dst` in this
+    /// one: a copy between simulated GPUs.
+    pub(crate) fn copy_from(
+        &self,
+        dst: u64,
+        from: &SimMemory,
+        src: u64,
+        bytes: usize,
+    ) -> Result<()> {
+        let (source, to) = (from.block(src, bytes)?, self.block(dst, bytes)?);
+        for (d, s) in to.range(dst, bytes).iter().zip(source.range(src, bytes)) {
+            d.store(s.load(Relaxed), Relaxed);
+        }
+        Ok(())
     }
 }
 

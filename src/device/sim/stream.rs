@@ -48,6 +48,13 @@ pub(crate) enum Op {
         src: u64,
         bytes: usize,
     },
+    /// A copy from another simulated device's memory (`cuMemcpyPeerAsync`).
+    CopyPeer {
+        dst: u64,
+        from: Arc<SimMemory>,
+        src: u64,
+        bytes: usize,
+    },
     FillU32 {
         dst: u64,
         value: u32,
