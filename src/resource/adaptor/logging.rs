@@ -255,6 +255,9 @@ impl<U: MemoryResource> MemoryResource for LoggingAdaptor<U> {
     fn memory_waiters(&self) -> Option<&MemoryWaiters> {
         self.upstream.memory_waiters()
     }
+    fn memory_snapshot(&self) -> Option<crate::resource::snapshot::Snapshot> {
+        self.upstream.memory_snapshot()
+    }
 }
 
 /// A number for the calling thread: 1 for the first thread that logs, 2 for the next...
