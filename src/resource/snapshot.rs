@@ -256,6 +256,9 @@ impl Snapshot {
             }
             chunk.blocks = blocks;
         }
+        for part in &mut self.parts {
+            part.merge_live(live);
+        }
         self.live_blocks_tracked = true;
     }
 }
