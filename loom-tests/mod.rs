@@ -12,6 +12,8 @@
 //! - [`free_lists`]: the pool's per-stream free lists (`StreamLists`) on fake streams that
 //!   record the ordering edges: no block handed out twice or lost, every steal and merge ordered
 //!   behind the donor's free.
+//! - [`history`]: the history recorder's live table (`HistoryAdaptor`): a free forgets its
+//!   allocation before the memory goes back upstream, and a stop leaves no stale entry.
 //! - [`deferred_free`]: the countdown that frees a buffer used on several streams once all their
 //!   events completed (`release_after_all`), on the crate's `Completion`s.
 //!
@@ -29,6 +31,7 @@
 mod completion;
 mod deferred_free;
 mod free_lists;
+mod history;
 mod reactor;
 mod waiters;
 

@@ -26,7 +26,10 @@ fn pool_snapshot_agrees_with_its_stats() {
     for device in devices() {
         let what = label(&device);
         let pool = pool(&device, 1 << 20, 4 << 20);
-        let (a, b) = (device.create_stream().unwrap(), device.create_stream().unwrap());
+        let (a, b) = (
+            device.create_stream().unwrap(),
+            device.create_stream().unwrap(),
+        );
         let ptrs: Vec<_> = (0..8)
             .map(|i| {
                 let s = if i % 2 == 0 { &a } else { &b };
@@ -43,8 +46,16 @@ fn pool_snapshot_agrees_with_its_stats() {
         assert_eq!(snapshot.resource, "pool");
         assert_eq!(snapshot.reserved, stats.reserved as u64, "{what}");
         assert_eq!(snapshot.chunks.len(), stats.chunks, "{what}");
-        assert_eq!(snapshot.bytes(BlockState::Free), stats.free as u64, "{what}");
-        assert_eq!(snapshot.count(BlockState::Free), stats.free_blocks, "{what}");
+        assert_eq!(
+            snapshot.bytes(BlockState::Free),
+            stats.free as u64,
+            "{what}"
+        );
+        assert_eq!(
+            snapshot.count(BlockState::Free),
+            stats.free_blocks,
+            "{what}"
+        );
         let live: u64 = ptrs
             .iter()
             .step_by(2)
@@ -85,7 +96,11 @@ fn fixed_size_snapshot_shows_one_block_per_allocation() {
         let snapshot = fixed.snapshot();
         checked(&snapshot);
         assert_eq!(snapshot.reserved, 16 * 4096, "{what}");
-        assert_eq!(snapshot.count(BlockState::InUse), 4, "{what}: {snapshot:#?}");
+        assert_eq!(
+            snapshot.count(BlockState::InUse),
+            4,
+            "{what}: {snapshot:#?}"
+        );
         assert_eq!(snapshot.bytes(BlockState::InUse), 4 * 4096, "{what}");
         assert_eq!(snapshot.bytes(BlockState::Free), 12 * 4096, "{what}");
         for (i, p) in ptrs.into_iter().enumerate() {
@@ -109,7 +124,10 @@ fn arena_snapshot_tiles_its_chunks_and_shows_remote_frees() {
             },
         )
         .unwrap();
-        let (a, b) = (device.create_stream().unwrap(), device.create_stream().unwrap());
+        let (a, b) = (
+            device.create_stream().unwrap(),
+            device.create_stream().unwrap(),
+        );
         let small = arena.allocate(10_000, &a).unwrap();
         let small2 = arena.allocate(20_000, &a).unwrap();
         let large = arena.allocate(3 << 20, &b).unwrap();
@@ -120,7 +138,10 @@ fn arena_snapshot_tiles_its_chunks_and_shows_remote_frees() {
         let stats = arena.stats();
         assert_eq!(snapshot.reserved, stats.reserved as u64, "{what}");
         let total: u64 = snapshot.blocks().map(|blk| blk.size).sum();
-        assert_eq!(total, stats.reserved as u64, "{what}: the blocks tile the chunks");
+        assert_eq!(
+            total, stats.reserved as u64,
+            "{what}: the blocks tile the chunks"
+        );
         let waiting: Vec<_> = snapshot
             .blocks()
             .filter(|blk| blk.state == BlockState::WaitingForStream)
@@ -128,10 +149,9 @@ fn arena_snapshot_tiles_its_chunks_and_shows_remote_frees() {
         assert_eq!(waiting.len(), 1, "{what}: {snapshot:#?}");
         assert_eq!(waiting[0].stream, Some(b.id().get()), "{what}");
         assert!(
-            snapshot
-                .blocks()
-                .any(|blk| blk.addr == large.0 && blk.state == BlockState::InUse
-                    && blk.requested == Some(3 << 20)),
+            snapshot.blocks().any(|blk| blk.addr == large.0
+                && blk.state == BlockState::InUse
+                && blk.requested == Some(3 << 20)),
             "{what}: the large block: {snapshot:#?}"
         );
         assert!(
@@ -159,14 +179,29 @@ fn binning_snapshot_has_a_part_per_bin_and_the_fallback() {
         let big = mr.allocate(1 << 20, &s).unwrap();
         let snapshot = mr.snapshot();
         checked(&snapshot);
-        assert_eq!(snapshot.parts.len(), 4, "{what}: three bins and the fallback");
-        assert!(snapshot.parts[1].resource.contains("fixed_size(2048)"), "{what}");
+        assert_eq!(
+            snapshot.parts.len(),
+            4,
+            "{what}: three bins and the fallback"
+        );
+        assert!(
+            snapshot.parts[1].resource.contains("fixed_size(2048)"),
+            "{what}"
+        );
         assert_eq!(snapshot.parts[1].count(BlockState::InUse), 1, "{what}");
         // The fallback is the pool, which holds the bin's chunk and the large block in use.
         let fallback = &snapshot.parts[3];
-        assert!(fallback.resource.starts_with("fallback (the upstream): pool"), "{what}");
+        assert!(
+            fallback
+                .resource
+                .starts_with("fallback (the upstream): pool"),
+            "{what}"
+        );
         assert_eq!(snapshot.reserved, fallback.reserved, "{what}");
-        assert!(fallback.bytes(BlockState::InUse) >= (1 << 20) + 4 * 2048, "{what}");
+        assert!(
+            fallback.bytes(BlockState::InUse) >= (1 << 20) + 4 * 2048,
+            "{what}"
+        );
         free(&mr, p, 2000, &s);
         free(&mr, big, 1 << 20, &s);
     }
@@ -186,7 +221,14 @@ fn history_is_off_until_started_and_keeps_the_last_events() {
         let s = device.create_stream().unwrap();
         let before = mr.allocate(512, &s).unwrap();
         assert!(!mr.is_recording());
-        assert_eq!(mr.history(), History { capacity: 3, dropped: 0, events: vec![] });
+        assert_eq!(
+            mr.history(),
+            History {
+                capacity: 3,
+                dropped: 0,
+                events: vec![]
+            }
+        );
         assert_eq!(mr.live_allocations(), 0);
         mr.start();
         let p = mr.allocate(1000, &s).unwrap();
@@ -195,7 +237,10 @@ fn history_is_off_until_started_and_keeps_the_last_events() {
         checked(&snapshot);
         assert!(snapshot.live_blocks_tracked, "{what}");
         assert_eq!(snapshot.resource, "history(pool)");
-        let tracked: Vec<_> = snapshot.blocks().filter(|b| b.requested.is_some()).collect();
+        let tracked: Vec<_> = snapshot
+            .blocks()
+            .filter(|b| b.requested.is_some())
+            .collect();
         assert_eq!(tracked.len(), 2, "{what}: {snapshot:#?}");
         assert!(tracked.iter().all(|b| b.stream == Some(s.id().get())
             && b.allocated_at_us.is_some_and(|t| t <= snapshot.taken_at_us)));
@@ -210,7 +255,10 @@ fn history_is_off_until_started_and_keeps_the_last_events() {
         let history = mr.history();
         assert_eq!(history.dropped, 2, "{what}: {history:?}");
         let actions: Vec<Action> = history.events.iter().map(|e| e.action).collect();
-        assert_eq!(actions, [Action::Free, Action::Free, Action::AllocateFailure]);
+        assert_eq!(
+            actions,
+            [Action::Free, Action::Free, Action::AllocateFailure]
+        );
         assert_eq!(history.events[1].ptr, q.0);
         assert_eq!(history.events[1].size, 3000);
         // RMM's CSV, and JSON both ways.
@@ -219,7 +267,10 @@ fn history_is_off_until_started_and_keeps_the_last_events() {
         let csv = String::from_utf8(csv).unwrap();
         let lines: Vec<&str> = csv.lines().collect();
         assert_eq!(lines[0], "Thread,Time,Action,Pointer,Size,Stream");
-        assert!(lines[2].ends_with(&format!(",free,{:#x},3000,{}", q.0, s.id().get())), "{csv}");
+        assert!(
+            lines[2].ends_with(&format!(",free,{:#x},3000,{}", q.0, s.id().get())),
+            "{csv}"
+        );
         assert!(lines[3].contains(",allocate failure,0x0,"), "{csv}");
         let json = serde_json::to_string(&history).unwrap();
         let back: History = serde_json::from_str(&json).unwrap();
@@ -227,7 +278,11 @@ fn history_is_off_until_started_and_keeps_the_last_events() {
         mr.stop();
         assert_eq!(mr.live_allocations(), 0);
         free(&mr, before, 512, &s);
-        assert_eq!(mr.history().events.len(), 3, "nothing recorded while stopped");
+        assert_eq!(
+            mr.history().events.len(),
+            3,
+            "nothing recorded while stopped"
+        );
     }
 }
 

@@ -337,7 +337,10 @@ mod tests {
         let chunks = tile(&[(0x1000, 0x400)], ChunkKind::Upstream, free, &mut notes);
         let blocks = &chunks[0].blocks;
         assert_eq!(blocks.len(), 3);
-        assert_eq!(blocks[2], Block::new(0x1200, 0x200, BlockState::InUse, None));
+        assert_eq!(
+            blocks[2],
+            Block::new(0x1200, 0x200, BlockState::InUse, None)
+        );
         assert_eq!(notes.len(), 1, "{notes:?}");
         let mut snapshot = Snapshot::new("test");
         snapshot.chunks = chunks;
@@ -358,7 +361,8 @@ mod tests {
         ];
         snapshot.merge_live(&mut live);
         snapshot.check().unwrap();
-        let streams: Vec<Option<u64>> = snapshot.chunks[0].blocks.iter().map(|b| b.stream).collect();
+        let streams: Vec<Option<u64>> =
+            snapshot.chunks[0].blocks.iter().map(|b| b.stream).collect();
         assert_eq!(streams, vec![None, Some(5), None, Some(7), None]);
         assert!(snapshot.live_blocks_tracked);
     }

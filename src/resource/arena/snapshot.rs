@@ -58,8 +58,11 @@ impl<U: MemoryResource> ArenaResource<U> {
                     )
                 }))
                 .collect();
-            let superblocks: Vec<(u64, u64)> =
-                state.superblocks.iter().map(|(&b, sb)| (b, sb.size)).collect();
+            let superblocks: Vec<(u64, u64)> = state
+                .superblocks
+                .iter()
+                .map(|(&b, sb)| (b, sb.size))
+                .collect();
             drop(state);
             inside.sort_unstable_by_key(|b| b.addr);
             // The gaps inside each superblock are its blocks in use, all of its stream arena.

@@ -45,9 +45,9 @@ impl<U: MemoryResource> FixedSizeResource<U> {
             }
             chunk.blocks = blocks;
         }
-        snapshot.notes.push(
-            "in-use blocks have no stream or time (no live tracking)".into(),
-        );
+        snapshot
+            .notes
+            .push("in-use blocks have no stream or time (no live tracking)".into());
         snapshot
     }
 }
