@@ -442,7 +442,7 @@ async fn stats(State(app): State<Arc<App>>) -> Json<Value> {
     Json(app.stats())
 }
 
-async fn metrics(State(app): State<Arc<App>>) -> Response {
+async fn get_metrics(State(app): State<Arc<App>>) -> Response {
     (
         [(
             axum::http::header::CONTENT_TYPE,
@@ -453,23 +453,23 @@ async fn metrics(State(app): State<Arc<App>>) -> Response {
         .into_response()
 }
 
-async fn snapshot(State(app): State<Arc<App>>) -> Response {
+async fn get_snapshot(State(app): State<Arc<App>>) -> Response {
     match app.history.memory_snapshot() {
         Some(snapshot) => Json(snapshot).into_response(),
         None => (StatusCode::NOT_FOUND, "no snapshot").into_response(),
     }
 }
 
-async fn history(State(app): State<Arc<App>>) -> Response {
+async fn get_history(State(app): State<Arc<App>>) -> Response {
     Json(app.history.history()).into_response()
 }
 
-async fn history_start(State(app): State<Arc<App>>) -> StatusCode {
+async fn start_history(State(app): State<Arc<App>>) -> StatusCode {
     app.history.start();
     StatusCode::NO_CONTENT
 }
 
-async fn history_stop(State(app): State<Arc<App>>) -> StatusCode {
+async fn stop_history(State(app): State<Arc<App>>) -> StatusCode {
     app.history.stop();
     StatusCode::NO_CONTENT
 }
@@ -554,11 +554,11 @@ async fn run(args: Args) -> Result<ExitCode, BoxError> {
     let router = Router::new()
         .route("/infer", post(infer))
         .route("/stats", get(stats))
-        .route("/metrics", get(metrics))
-        .route("/snapshot", get(snapshot))
-        .route("/history", get(history))
-        .route("/history/start", post(history_start))
-        .route("/history/stop", post(history_stop))
+        .route("/metrics", get(get_metrics))
+        .route("/snapshot", get(get_snapshot))
+        .route("/history", get(get_history))
+        .route("/history/start", post(start_history))
+        .route("/history/stop", post(stop_history))
         .with_state(app.clone());
 
     let listener = tokio::net::TcpListener::bind(("127.0.0.1", args.port)).await?;

@@ -83,7 +83,7 @@ use streamalloc::resource::binning::BinningResource;
 use streamalloc::resource::cuda::CudaResource;
 use streamalloc::resource::cuda_async::{CudaAsyncOptions, CudaAsyncResource};
 use streamalloc::resource::pool::{PoolOptions, PoolResource};
-use streamalloc::resource::snapshot::Snapshot;
+use streamalloc::resource::snapshot::{Block, BlockState, Snapshot};
 use streamalloc::{Device, DevicePtr, MemoryKind, MemoryResource, SimConfig, Stream};
 
 // The picture of `--picture`, shared with `streamalloc-picture`.
@@ -759,15 +759,43 @@ struct Watch<'a> {
     reserved: Vec<AtomicU64>,
     snapshot_at: Option<u64>,
     snapshot: Mutex<Option<Snapshot>>,
+    /// (size, stream) of each allocation, by id (the log's).
+    allocs: &'a [(u64, u32)],
 }
 
-impl Watch<'_> {
-    fn after(&self, index: u64, mr: &dyn MemoryResource) {
-        if let Some(now) = self.reserved_now {
-            self.reserved[index as usize].store(now.load(Ordering::Relaxed), Ordering::Relaxed);
+impl Shared<'_> {
+    /// After event `index`: the reserve, and at the peak the resource's snapshot with the
+    /// live allocations of the replay (their slots) as its in-use blocks.
+    fn watch_after(&self, index: u64) {
+        let Some(watch) = &self.watch else { return };
+        if let Some(now) = watch.reserved_now {
+            watch.reserved[index as usize].store(now.load(Ordering::Relaxed), Ordering::Relaxed);
         }
-        if self.snapshot_at == Some(index) {
-            *self.snapshot.lock().unwrap_or_else(|e| e.into_inner()) = mr.memory_snapshot();
+        if watch.snapshot_at == Some(index) {
+            let snapshot = self.mr.memory_snapshot().map(|mut snapshot| {
+                let mut live: Vec<Block> = self
+                    .slots
+                    .iter()
+                    .enumerate()
+                    .filter_map(|(id, slot)| {
+                        let ptr = slot.load(Ordering::Acquire);
+                        (ptr != PENDING && ptr != FAILED && ptr != FREED).then(|| {
+                            let (size, stream) = watch.allocs[id];
+                            let mut block = Block::new(
+                                ptr,
+                                size.next_multiple_of(256),
+                                BlockState::InUse,
+                                Some(self.streams[stream as usize].id().get()),
+                            );
+                            block.requested = Some(size);
+                            block
+                        })
+                    })
+                    .collect();
+                snapshot.merge_live(&mut live);
+                snapshot
+            });
+            *watch.snapshot.lock().unwrap_or_else(|e| e.into_inner()) = snapshot;
         }
     }
 }
@@ -919,16 +947,12 @@ impl Shared<'_> {
                 Order::Log => {
                     self.wait_turn(ev.index, me);
                     self.run(ev.op, stream);
-                    if let Some(watch) = &self.watch {
-                        watch.after(ev.index, self.mr);
-                    }
+                    self.watch_after(ev.index);
                     self.pass_turn(ev.index, me);
                 }
                 Order::Threads => {
                     self.run(ev.op, stream);
-                    if let Some(watch) = &self.watch {
-                        watch.after(ev.index, self.mr);
-                    }
+                    self.watch_after(ev.index);
                 }
             }
             done += 1;
@@ -1137,6 +1161,7 @@ fn main() -> ExitCode {
         reserved: (0..log.events).map(|_| AtomicU64::new(0)).collect(),
         snapshot_at: picture::model::peak_index(trace).map(|i| i as u64),
         snapshot: Mutex::new(None),
+        allocs: &log.allocs,
     });
     let (outcome, watch) = replay(&log, built.resource(), &streams, args.order, watch);
     for stream in &streams {
@@ -1225,7 +1250,13 @@ fn main() -> ExitCode {
                 .file_name()
                 .map_or_else(String::new, |n| n.to_string_lossy().into_owned())
         );
-        let drawn = picture::model::from_trace(&trace, title, snapshot.as_ref(), &computing);
+        let ids: Vec<u64> = streams.iter().map(|s| s.id().get()).collect();
+        let drawn = picture::model::from_trace(
+            &trace,
+            title,
+            snapshot.as_ref().map(|s| (s, ids.as_slice())),
+            &computing,
+        );
         match picture::write_page(&drawn, &args.log.display().to_string(), path) {
             Ok(()) => println!("picture: {}", path.display()),
             Err(e) => {

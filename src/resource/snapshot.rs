@@ -223,12 +223,14 @@ impl Snapshot {
         self.parts.iter().try_for_each(Snapshot::check)
     }
 
-    /// Splits the in-use blocks into the allocations of `live` that lie inside them: what a
-    /// live-tracking adaptor knows. An allocation's block is its requested size rounded up to
-    /// 256 bytes; what is left of an in-use block around the known allocations stays in use
-    /// with nothing known about it. Allocations that do not lie inside one in-use block are
-    /// ignored.
-    pub(crate) fn merge_live(&mut self, live: &mut [Block]) {
+    /// Splits the in-use blocks (of this snapshot and its parts) into the known allocations
+    /// `live` that lie inside them (each an in-use block: its address, its size as the
+    /// resource holds it, and whatever else is known: stream, size asked for, time), and marks
+    /// the snapshot [`live_blocks_tracked`](Self::live_blocks_tracked). What a live-tracking
+    /// adaptor does; a tool that knows the live allocations another way can do the same. What
+    /// is left of an in-use block around them stays in use with nothing known about it;
+    /// allocations that do not lie inside one in-use block are ignored.
+    pub fn merge_live(&mut self, live: &mut [Block]) {
         live.sort_unstable_by_key(|b| b.addr);
         for chunk in &mut self.chunks {
             let mut blocks = Vec::with_capacity(chunk.blocks.len());

@@ -138,6 +138,11 @@ pub(crate) fn page(p: &Picture, source: &str) -> String {
     if p.map_from_snapshot {
         let _ = write!(
             s,
+            "<span class=\"item\"><span class=\"sw\" style=\"background:{}\"></span>in use, stream not known</span>",
+            colour(None)
+        );
+        let _ = write!(
+            s,
             "<span class=\"item\"><span class=\"sw\" style=\"background:{}\"></span>free, in that stream's list</span><span class=\"item\"><span class=\"sw\" style=\"background:{}\"></span>free, any stream</span><span class=\"item\"><span class=\"sw\" style=\"background:repeating-linear-gradient(45deg,{} 0 3px,#fff 3px 6px)\"></span>waiting for a stream</span>",
             pale(Some(0)),
             pale(None),

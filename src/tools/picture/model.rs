@@ -148,11 +148,12 @@ pub(crate) struct Picture {
 // ===== from a trace =====
 
 /// The picture of a trace. `at_peak`: a snapshot taken at the peak (a replay's), drawn as the
-/// address map instead of the log's live allocations.
+/// address map instead of the log's live allocations, with the stream id (in the snapshot)
+/// of each of the trace's streams.
 pub(crate) fn from_trace(
     trace: &Trace,
     title: String,
-    at_peak: Option<&Snapshot>,
+    at_peak: Option<(&Snapshot, &[u64])>,
     progress: &ProgressBar,
 ) -> Picture {
     let n = trace.events.len();
@@ -361,16 +362,18 @@ pub(crate) fn from_trace(
         ..Picture::default()
     };
     match at_peak {
-        Some(snapshot) => {
+        Some((snapshot, ids)) => {
+            // The snapshot names streams by their ids in the replay: each stands for one of
+            // the trace's streams.
             let (regions, _) = regions_of_snapshot(snapshot, &mut |id| {
-                // The snapshot names streams by the replay's ids: one colour per id, in order.
-                Some(id as usize % MAX_STREAMS)
+                ids.iter().position(|&i| i == id).map(|s| order[s])
             });
             picture.regions = regions;
             picture.map_from_snapshot = true;
             picture.notes.push(
-                "address space: the replayed resource's own snapshot at the log's peak (its addresses, its chunks and free blocks); colours there are the replay's streams".into(),
+                "address space: the replayed resource's own snapshot after the log's peak event: its chunks, its free blocks by the stream whose list holds them, and the replay's live allocations at their addresses (a peak counted from the log's sizes; where the replay refused an allocation, its memory is missing there)".into(),
             );
+            picture.notes.extend(snapshot.notes.iter().cloned());
         }
         None => {
             picture.regions = regions_of_live(&largest);
