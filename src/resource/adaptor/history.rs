@@ -128,6 +128,7 @@ impl History {
 
 // ===== the recorder =====
 
+#[derive(Clone)]
 struct Recorded {
     thread: u64,
     time_us: u64,
@@ -280,24 +281,9 @@ impl Recorder {
     }
 
     pub(crate) fn history(&self) -> History {
-        let (dropped, recorded): (u64, Vec<(u64, u64, Action, u64, u64, u64, _)>) = {
+        let (dropped, recorded): (u64, Vec<Recorded>) = {
             let state = self.state.lock();
-            let events = state
-                .ring
-                .iter()
-                .map(|e| {
-                    (
-                        e.thread,
-                        e.time_us,
-                        e.action,
-                        e.ptr,
-                        e.size,
-                        e.stream,
-                        e.backtrace.clone(),
-                    )
-                })
-                .collect();
-            (state.dropped, events)
+            (state.dropped, state.ring.iter().cloned().collect())
         };
         // Backtraces are resolved here, outside the lock.
         History {
@@ -305,17 +291,15 @@ impl Recorder {
             dropped,
             events: recorded
                 .into_iter()
-                .map(
-                    |(thread, time_us, action, ptr, size, stream, backtrace)| HistoryEvent {
-                        thread,
-                        time_us,
-                        action,
-                        ptr,
-                        size,
-                        stream,
-                        backtrace: backtrace.map(|b| b.to_string()),
-                    },
-                )
+                .map(|e| HistoryEvent {
+                    thread: e.thread,
+                    time_us: e.time_us,
+                    action: e.action,
+                    ptr: e.ptr,
+                    size: e.size,
+                    stream: e.stream,
+                    backtrace: e.backtrace.map(|b| b.to_string()),
+                })
                 .collect(),
         }
     }

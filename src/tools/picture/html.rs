@@ -200,9 +200,9 @@ pub(crate) fn page(p: &Picture, source: &str) -> String {
     }
     // The numbers again, for tools. `</` cannot occur in JSON strings escaped this way.
     let json = data(p).to_string().replace("</", "<\\/");
-    let _ = write!(
+    let _ = writeln!(
         s,
-        "<script type=\"application/json\" id=\"streamalloc-data\">{json}</script></body></html>\n"
+        "<script type=\"application/json\" id=\"streamalloc-data\">{json}</script></body></html>"
     );
     s
 }

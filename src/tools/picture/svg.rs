@@ -291,7 +291,7 @@ pub(crate) fn address_map(p: &Picture) -> (String, usize) {
             }
             let fill = match b.state {
                 MapState::InUse => colour(b.stream).to_string(),
-                MapState::Free => format!("{}", pale(b.stream)),
+                MapState::Free => pale(b.stream),
                 MapState::Waiting => format!(
                     "url(#hatch{})",
                     b.stream.map_or(PALETTE.len(), |s| s.min(PALETTE.len() - 1))
