@@ -33,6 +33,19 @@
 //! `bad_request`; 413 `too_large` (needs more than the pool's maximum, refused at once); 503
 //! `timeout` (no memory within `--alloc-timeout-secs`); 500 `out_of_memory` or `device_error`.
 //! `GET /stats` gives the pool's statistics, its waits for memory and the server's demand.
+//!
+//! Looking at the memory:
+//! - `GET /metrics`: Prometheus' text format (`prometheus-client`): the pool's reserved, in
+//!   use, peak, free bytes and blocks, steals, merges, waits for memory and timeouts, and a
+//!   histogram of how long requests waited for their buffers. `--load` scrapes it at the end
+//!   and checks that its numbers add up (against `/stats` and each other).
+//! - `GET /snapshot`: the pool's blocks as JSON (`resource::snapshot`); with the history
+//!   recording, each live allocation with its stream and time.
+//! - `POST /history/start`, `POST /history/stop`, `GET /history`: the last 100,000
+//!   allocation events (`HistoryAdaptor`, off until started; `--history` starts it at once).
+//! - `--log-file PATH`: every allocation and free as RMM's CSV log (`LoggingAdaptor`).
+//!
+//! `streamalloc-picture` turns a log, a history or a snapshot into a picture (README).
 
 use std::future::IntoFuture;
 use std::net::SocketAddr;
@@ -50,19 +63,29 @@ use axum::{Json, Router};
 use clap::Parser;
 use serde::{Deserialize, Serialize};
 use serde_json::{json, Value};
-use streamalloc::resource::adaptor::StatisticsAdaptor;
+use streamalloc::resource::adaptor::{
+    HistoryAdaptor, HistoryOptions, LoggingAdaptor, StatisticsAdaptor,
+};
 use streamalloc::resource::cuda::CudaResource;
 use streamalloc::resource::pool::{PoolOptions, PoolResource, PoolStats};
 use streamalloc::resource::WaitStats;
 use streamalloc::{
     Device, DeviceBuffer, DevicePtr, DeviceVec, Error, ExpandableOptions, ExpandablePoolResource,
-    MemoryResource, MemoryWaiters, Stream, StreamPool, ALIGNMENT,
+    MemoryResource, MemoryWaiters, ResourceRef, Stream, StreamPool, ALIGNMENT,
 };
 use tokio::sync::watch;
 use tracing_subscriber::EnvFilter;
 
-/// The one pool, with a statistics adaptor in front of it for the bytes in use and their peak.
-type Pool = StatisticsAdaptor<ServerPool>;
+#[path = "inference_server/metrics.rs"]
+mod metrics;
+
+/// The pool itself (`--resource pool` or `expandable`).
+type Raw = ServerPool;
+/// The pool with a history recorder in front (off until started).
+type Recorded = HistoryAdaptor<Arc<Raw>>;
+/// What requests allocate from: a statistics adaptor (bytes in use and their peak) over the
+/// recorder, or over a logging adaptor over it (`--log-file`).
+type Pool = StatisticsAdaptor<ResourceRef>;
 type BoxError = Box<dyn std::error::Error + Send + Sync>;
 
 /// An inference server whose requests allocate GPU memory by `.await` from one shared pool.
@@ -105,6 +128,12 @@ struct Args {
     /// Load test: stop sending after this many seconds (what is left counts as errors).
     #[arg(long, default_value_t = 60)]
     deadline_secs: u64,
+    /// Log every allocation and free of the pool to this file, in RMM's CSV format.
+    #[arg(long)]
+    log_file: Option<std::path::PathBuf>,
+    /// Start the history recorder at once (else `POST /history/start`).
+    #[arg(long)]
+    history: bool,
 }
 
 #[derive(Debug, Clone, Serialize, Deserialize)]
@@ -147,6 +176,10 @@ fn device_bytes(elements: usize) -> Option<usize> {
 
 struct App {
     device: Device,
+    raw: Arc<Raw>,
+    history: Arc<Recorded>,
+    log: Option<Arc<LoggingAdaptor<Arc<Recorded>>>>,
+    metrics: metrics::Metrics,
     pool: Arc<Pool>,
     streams: StreamPool,
     spin: Duration,
@@ -284,7 +317,7 @@ impl App {
             return Err(ApiError::bad_request("scale must be finite".to_owned()));
         }
         // Refused at once, never left to wait: a request the pool can never hold.
-        let maximum = self.pool.upstream().maximum();
+        let maximum = self.raw.maximum();
         let need = device_bytes(elements);
         let need = match need {
             Some(need) if need <= maximum => need,
@@ -314,6 +347,7 @@ impl App {
             )
         };
         let alloc_wait = started.elapsed();
+        self.metrics.observe_wait(alloc_wait);
 
         // Everything below is queued on `stream` and returns at once; the host waits only for
         // the result, by `.await`.
@@ -361,15 +395,15 @@ impl App {
     }
 
     fn stats(&self) -> Value {
-        let p = self.pool.upstream().stats();
-        let w = self.pool.upstream().wait_stats();
+        let p = self.raw.stats();
+        let w = self.raw.wait_stats();
         let used = self.pool.counters();
         let c = &self.counts;
         let mean_wait_us = w.total_wait.as_micros() / u128::from(w.waits.max(1));
         json!({
             "device": self.device.to_string(),
             "pool": {
-                "maximum": self.pool.upstream().maximum(), "reserved": p.reserved,
+                "maximum": self.raw.maximum(), "reserved": p.reserved,
                 "peak_reserved": p.peak_reserved, "free": p.free, "free_blocks": p.free_blocks,
                 "chunks": p.chunks, "streams": p.streams, "grows": p.grows, "steals": p.steals,
                 "merges": p.merges,
@@ -411,6 +445,38 @@ async fn infer(
 
 async fn stats(State(app): State<Arc<App>>) -> Json<Value> {
     Json(app.stats())
+}
+
+async fn get_metrics(State(app): State<Arc<App>>) -> Response {
+    (
+        [(
+            axum::http::header::CONTENT_TYPE,
+            "application/openmetrics-text; version=1.0.0; charset=utf-8",
+        )],
+        app.metrics.render(),
+    )
+        .into_response()
+}
+
+async fn get_snapshot(State(app): State<Arc<App>>) -> Response {
+    match app.history.memory_snapshot() {
+        Some(snapshot) => Json(snapshot).into_response(),
+        None => (StatusCode::NOT_FOUND, "no snapshot").into_response(),
+    }
+}
+
+async fn get_history(State(app): State<Arc<App>>) -> Response {
+    Json(app.history.history()).into_response()
+}
+
+async fn start_history(State(app): State<Arc<App>>) -> StatusCode {
+    app.history.start();
+    StatusCode::NO_CONTENT
+}
+
+async fn stop_history(State(app): State<Arc<App>>) -> StatusCode {
+    app.history.stop();
+    StatusCode::NO_CONTENT
 }
 
 /// Resolves on Ctrl-C or when `stop` turns true.
@@ -457,11 +523,31 @@ async fn run(args: Args) -> Result<ExitCode, BoxError> {
         maximum: Some(pool_bytes),
         ..PoolOptions::default()
     };
-    let pool = ServerPool::new(&args.resource, &device, options)?;
+    let raw = Arc::new(ServerPool::new(&args.resource, &device, options)?);
+    let history = Arc::new(HistoryAdaptor::new(raw.clone(), HistoryOptions::default()));
+    if args.history {
+        history.start();
+    }
+    let log = match &args.log_file {
+        Some(path) => Some(Arc::new(LoggingAdaptor::to_file(history.clone(), path)?)),
+        None => None,
+    };
+    let top: ResourceRef = match &log {
+        Some(log) => log.clone(),
+        None => history.clone(),
+    };
+    let pool = Arc::new(StatisticsAdaptor::new(top));
     let (shutdown, stop) = watch::channel(false);
     let app = Arc::new(App {
         device: device.clone(),
-        pool: Arc::new(StatisticsAdaptor::new(pool)),
+        metrics: metrics::Metrics::new(metrics::PoolCollector {
+            pool: raw.clone(),
+            stats: pool.clone(),
+        }),
+        raw,
+        history,
+        log,
+        pool,
         streams: StreamPool::new(&device, args.streams)?,
         spin: Duration::from_micros(args.spin_us),
         alloc_timeout: Duration::from_secs(args.alloc_timeout_secs),
@@ -472,6 +558,11 @@ async fn run(args: Args) -> Result<ExitCode, BoxError> {
     let router = Router::new()
         .route("/infer", post(infer))
         .route("/stats", get(stats))
+        .route("/metrics", get(get_metrics))
+        .route("/snapshot", get(get_snapshot))
+        .route("/history", get(get_history))
+        .route("/history/start", post(start_history))
+        .route("/history/stop", post(stop_history))
         .with_state(app.clone());
 
     let listener = tokio::net::TcpListener::bind(("127.0.0.1", args.port)).await?;
@@ -496,6 +587,16 @@ async fn run(args: Args) -> Result<ExitCode, BoxError> {
         "server stopped after answering {} requests",
         app.counts.answered.load(Relaxed)
     );
+    if let Some(log) = &app.log {
+        log.flush()?;
+        println!(
+            "log: {} lines in {}",
+            log.lines(),
+            args.log_file
+                .as_ref()
+                .map_or(String::new(), |p| p.display().to_string())
+        );
+    }
     Ok(code)
 }
 
@@ -629,6 +730,94 @@ mod load {
         }
     }
 
+    /// Checks a scrape of `/metrics`, taken after the load, against `/stats` (taken just
+    /// before, with nothing in flight) and against itself. Returns how many numbers were
+    /// checked and what disagrees.
+    fn check_metrics(m: &BTreeMap<String, f64>, stats: &Value) -> (usize, Vec<String>) {
+        let (pool, used, waits, reqs) = (
+            &stats["pool"],
+            &stats["in_use"],
+            &stats["waits"],
+            &stats["requests"],
+        );
+        let num = |v: &Value| v.as_f64().unwrap_or(f64::NAN);
+        let get = |name: &str| m.get(name).copied().unwrap_or(f64::NAN);
+        let free = get("streamalloc_pool_free_bytes");
+        let in_use = get("streamalloc_pool_in_use_bytes");
+        let checks: Vec<(&str, f64, f64)> = vec![
+            (
+                "reserved",
+                get("streamalloc_pool_reserved_bytes"),
+                num(&pool["reserved"]),
+            ),
+            ("in use", in_use, num(&used["bytes"])),
+            ("in use once every request is answered", in_use, 0.0),
+            (
+                "peak in use",
+                get("streamalloc_pool_peak_in_use_bytes"),
+                num(&used["peak_bytes"]),
+            ),
+            ("free bytes", free, num(&pool["free"])),
+            (
+                "free = reserved once nothing is in use",
+                free,
+                get("streamalloc_pool_reserved_bytes"),
+            ),
+            (
+                "free blocks",
+                get("streamalloc_pool_free_blocks"),
+                num(&pool["free_blocks"]),
+            ),
+            (
+                "chunks",
+                get("streamalloc_pool_chunks"),
+                num(&pool["chunks"]),
+            ),
+            (
+                "steals",
+                get("streamalloc_pool_steals_total"),
+                num(&pool["steals"]),
+            ),
+            (
+                "merges",
+                get("streamalloc_pool_merges_total"),
+                num(&pool["merges"]),
+            ),
+            (
+                "waits for memory",
+                get("streamalloc_memory_waits_total"),
+                num(&waits["waits"]),
+            ),
+            (
+                "timeouts",
+                get("streamalloc_memory_wait_timeouts_total"),
+                num(&waits["timeouts"]),
+            ),
+            ("tasks waiting now", get("streamalloc_memory_waiting"), 0.0),
+            (
+                "memory-wait histogram count = requests answered ok",
+                get("streamalloc_request_memory_wait_seconds_count"),
+                num(&reqs["ok"]),
+            ),
+            (
+                "histogram +Inf bucket = its count",
+                get("streamalloc_request_memory_wait_seconds_bucket{le=\"+Inf\"}"),
+                get("streamalloc_request_memory_wait_seconds_count"),
+            ),
+            (
+                "allocations left = 0",
+                get("streamalloc_pool_allocations"),
+                0.0,
+            ),
+        ];
+        let disagree = checks
+            .iter()
+            .filter(|(_, got, want)| got != want)
+            .map(|(what, got, want)| format!("/metrics {what}: {got}, expected {want}"))
+            .collect();
+        (checks.len(), disagree)
+    }
+
     pub(super) async fn run(addr: SocketAddr, args: &Args) -> Result<ExitCode, BoxError> {
         if !addr.ip().is_loopback() {
             return Err(format!("the load generator only targets loopback, not {addr}").into());
@@ -701,6 +890,12 @@ mod load {
         let elapsed = start.elapsed();
         samples.sort_by_key(|s| s.0);
         let after = get_stats(&client, &base).await?;
+        let scrape = client
+            .get(format!("{base}/metrics"))
+            .send()
+            .await?
+            .text()
+            .await?;
         drop(client); // close the connections before the server shuts down
 
         // Tally: an outcome is expected if it is 200-with-the-right-checksum for a normal
@@ -796,6 +991,20 @@ mod load {
             pool["steals"],
             pool["merges"],
         );
+        let (checked, disagree) = check_metrics(&metrics::parse(&scrape), &after);
+        println!(
+            "metrics (/metrics): reserved {}, in use {}, peak in use {}, {} free block(s), {} steals, {} waits ({} timed out), {} requests timed on memory; {checked} numbers checked against /stats and each other: {}",
+            mib(num(&pool["reserved"])),
+            mib(num(&used["bytes"])),
+            mib(num(&used["peak_bytes"])),
+            pool["free_blocks"],
+            pool["steals"],
+            waits["waits"],
+            waits["timeouts"],
+            reqs["ok"],
+            if disagree.is_empty() { "all agree".to_string() } else { format!("{} disagree", disagree.len()) }
+        );
+        unexpected.extend(disagree);
         if unexpected.is_empty() {
             println!(
                 "healthy: every request answered, no out-of-memory error, only the {} too-large \
@@ -896,5 +1105,9 @@ impl MemoryResource for ServerPool {
 
     fn memory_waiters(&self) -> Option<&MemoryWaiters> {
         self.inner().memory_waiters()
+    }
+
+    fn memory_snapshot(&self) -> Option<streamalloc::resource::snapshot::Snapshot> {
+        self.inner().memory_snapshot()
     }
 }

@@ -19,6 +19,8 @@
 //!   takes free granules out, waits for their streams and unmaps them) on a fake stream and a
 //!   fake address range: nothing handed out or used on an unmapped granule, nothing unmapped
 //!   under a held block or pending work.
+//! - [`history`]: the history recorder's live table (`HistoryAdaptor`): a free forgets its
+//!   allocation before the memory goes back upstream, and a stop leaves no stale entry.
 //! - [`deferred_free`]: the countdown that frees a buffer used on several streams once all their
 //!   events completed (`release_after_all`), on the crate's `Completion`s.
 //!
@@ -38,6 +40,7 @@ mod deferred_free;
 mod expandable;
 mod free_lists;
 mod frees_and_regrowth;
+mod history;
 mod reactor;
 mod waiters;
 

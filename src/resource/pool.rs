@@ -3,6 +3,9 @@
 use std::collections::BTreeMap;
 use std::fmt;
 
+// `snapshot()`, in its own file.
+mod snapshot;
+
 use super::stream_ordered::{Grow, StreamLists};
 use super::waiters::{MemoryWaiters, WaitStats};
 use super::{aligned_size, check_stream, MemoryResource, ALIGNMENT};
@@ -509,6 +512,10 @@ impl<U: MemoryResource> MemoryResource for PoolResource<U> {
 
     fn memory_waiters(&self) -> Option<&MemoryWaiters> {
         Some(&self.waiters)
+    }
+
+    fn memory_snapshot(&self) -> Option<super::snapshot::Snapshot> {
+        Some(self.snapshot())
     }
 }
 

@@ -1174,3 +1174,29 @@ fn unlive(live: &mut FxHashMap<u64, u64>, addr: u64, size: u64) -> Option<bool> 
         None => None,
     }
 }
+
+// ===== a read-only view, for snapshots (src/resource/snapshot.rs) =====
+
+/// One list's free blocks, `(addr, size)`, with its stream's uid (`None`: fresh memory).
+pub(crate) type ListBlocks = (Option<u64>, Vec<(u64, u64)>);
+
+impl<S: EngineStream> StreamLists<S> {
+    /// Every free block, list by list: `(None, blocks)` for fresh memory, `(Some(stream uid),
+    /// blocks)` for each stream's list. One lock at a time (the fresh list's, the registry's,
+    /// then each list's in turn), each held only while that list's blocks are copied out.
+    pub(crate) fn free_blocks_by_list(&self) -> Vec<ListBlocks> {
+        let mut out = vec![(None, self.fresh.lock().blocks().collect())];
+        let lists: Vec<Arc<StreamList<S>>> = self.registry.lock().lists.values().cloned().collect();
+        for list in lists {
+            let blocks = {
+                let state = list.state.lock();
+                if state.retired {
+                    continue;
+                }
+                state.free.blocks().collect()
+            };
+            out.push((Some(list.stream.uid()), blocks));
+        }
+        out
+    }
+}

@@ -162,6 +162,21 @@ impl<S: EngineStream, B: Backing> Expander<S, B> {
         (self.reserved() / self.granule()) as usize
     }
 
+    /// The mapped ranges `(start, size)`, in address order: runs of mapped granules, read
+    /// under the table's lock (for snapshots).
+    pub(crate) fn mapped_runs(&self) -> Vec<(u64, u64)> {
+        let table = self.table.lock();
+        let g = self.granule();
+        let mut runs: Vec<(u64, u64)> = Vec::new();
+        for index in (0..table.frontier).filter(|&i| self.bits.get(i)) {
+            match runs.last_mut() {
+                Some((start, size)) if *start + *size == self.addr(index) => *size += g,
+                _ => runs.push((self.addr(index), g)),
+            }
+        }
+        runs
+    }
+
     /// Whether every granule of `[addr, addr + size)` lies in the range and is mapped: a
     /// pointer the pool may have handed out (a few relaxed loads, for `deallocate`).
     pub(crate) fn is_mapped(&self, addr: u64, size: u64) -> bool {

@@ -1,6 +1,7 @@
 //! `ExpandablePoolResource`: a pool on virtual memory, whose footprint follows its live memory.
 
 pub(crate) mod core;
+mod snapshot;
 
 use std::fmt;
 // std's `Arc` and `Weak`, not `crate::sync`'s: the release job holds a `Weak` of the pool,
@@ -423,6 +424,10 @@ impl MemoryResource for ExpandablePoolResource {
 
     fn memory_waiters(&self) -> Option<&MemoryWaiters> {
         Some(&self.inner.waiters)
+    }
+
+    fn memory_snapshot(&self) -> Option<super::snapshot::Snapshot> {
+        Some(self.snapshot())
     }
 }
 
