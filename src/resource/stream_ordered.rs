@@ -739,13 +739,24 @@ impl<S: EngineStream> StreamLists<S> {
             }
             other => other?,
         };
-        let (base, chunk) = grown;
-        self.add_chunk(base, chunk);
-        let rest = self.with_own(stream, |free| {
-            free.give(base, chunk);
-            free.take(size)
-        });
-        rest.ok_or(Error::InvalidArgument {
+        // An upstream that extends the requester's free memory (the expandable pool maps only
+        // what the request lacks beyond this list's free block at its end) can come back to
+        // find that block stolen meanwhile (steals run outside `slow`): then it grows again,
+        // extending what it mapped. A few tries; a plain upstream serves the first.
+        let mut grown = grown;
+        for _ in 0..4 {
+            let (base, chunk) = grown;
+            self.add_chunk(base, chunk);
+            let rest = self.with_own(stream, |free| {
+                free.give(base, chunk);
+                free.take(size)
+            });
+            if let Some(addr) = rest {
+                return Ok(addr);
+            }
+            grown = upstream.grow(size, stream)?;
+        }
+        Err(Error::InvalidArgument {
             what: "the upstream gave a chunk smaller than asked for",
         })
     }
