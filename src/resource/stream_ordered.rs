@@ -243,11 +243,13 @@ impl<S: EngineStream> fmt::Debug for StreamLists<S> {
 
 #[cfg(not(streamalloc_loom))]
 mod cache {
-    //! The thread-local cache of the last two (engine, stream) → list lookups, for
-    //! [`Stream`]'s lists. Two: a thread that allocates on one stream and frees on another
-    //! (the hand-off of `churn-xs`, a pipeline stage) would otherwise miss on every operation
-    //! and take the registry's lock each time. Not under loom: loom objects must not outlive a
-    //! model.
+    //! The thread-local cache of the last four (engine, stream) → list lookups, for
+    //! [`Stream`]'s lists, most recent first. Several: a thread that allocates on one stream
+    //! and frees on another (the hand-off of `churn-xs`, a pipeline stage) would otherwise miss
+    //! on every operation and take the registry's lock each time, and a free of a block
+    //! handed out on another stream finds its live entry in one of the cached lists (four
+    //! streams per thread, as `churn-xs-1t` drives, stay cached). Not under loom: loom objects
+    //! must not outlive a model.
     use std::cell::RefCell;
 
     use super::StreamList;
@@ -257,8 +259,10 @@ mod cache {
     /// (engine uid, stream uid, the stream's list), most recent first.
     type Entry = Option<(u64, u64, Arc<StreamList<Stream>>)>;
 
+    const WAYS: usize = 4;
+
     thread_local! {
-        static LAST: RefCell<[Entry; 2]> = const { RefCell::new([None, None]) };
+        static LAST: RefCell<[Entry; WAYS]> = const { RefCell::new([None, None, None, None]) };
     }
 
     fn is(entry: &Entry, uid: u64, stream: u64) -> bool {
@@ -282,15 +286,13 @@ mod cache {
         // `try_with`: during thread teardown the cache may already be gone.
         let _ = LAST.try_with(|last| {
             let mut last = last.borrow_mut();
-            if !is(&last[0], uid, stream) {
-                // The other entry (if it was this one, it is replaced, not kept twice).
-                let keep = if is(&last[1], uid, stream) {
-                    None
-                } else {
-                    last[0].take()
-                };
-                last[1] = keep;
-            }
+            // Moves the entries before this one's old place (or all, the last falling out)
+            // down one, and puts it first.
+            let at = last
+                .iter()
+                .position(|e| is(e, uid, stream))
+                .unwrap_or(WAYS - 1);
+            last[..=at].rotate_right(1);
             last[0] = Some((uid, stream, list.clone()));
         });
     }
@@ -590,10 +592,13 @@ impl<S: EngineStream> StreamLists<S> {
             // Every list of a snapshot of the registry, then the orphans: an entry that moves
             // to the orphans leaves its list under the registry's lock and the orphans' (see
             // `orphan_live`), so it is found in one or the other.
-            let lists: Vec<Arc<StreamList<S>>> =
-                self.registry.lock().lists.values().cloned().collect();
-            found = lists
-                .iter()
+            // Under the registry's lock (registry, then a list: the lock order of `add_chunk`),
+            // with no copy of the lists.
+            found = self
+                .registry
+                .lock()
+                .lists
+                .values()
                 .find_map(|list| unlive(&mut list.state.lock().live, addr, size))
                 .or_else(|| unlive(&mut self.orphans.lock(), addr, size));
         }
