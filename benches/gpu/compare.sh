@@ -2,14 +2,20 @@
 # One GPU session, in one command (run on the GPU machine from the repository root, with `.gpu`,
 # `.rmm` and, if present, `.before` carried): the whole test suite with the GPU required, then
 # RMM's churn harness and our churn benchmark alternating ROUNDS times (so that both see the same
-# machine: only same-run ratios count), then the examples. Everything goes to $OUT.
+# machine: only same-run ratios count), then the examples. Everything goes to $OUT/run.tgz.
 #
-# Here:  ../shared/tools/gpu-pack --bench churn --example pipeline --example inference_server
+# Here:  ../shared/tools/gpu-pack --bench churn --example pipeline --example inference_server \
+#          --example expandable_phases
+#        mv .gpu/tests/churn-* .gpu/bin/     # else the suite runs the benchmark on every resource
+#        strip .gpu/tests/* .gpu/bin/*       # the carry is 64 MiB in all
 #        bash ../shared/bench/rmm/run.sh fetch
 #        (optional) a churn binary of an earlier commit in .before/churn, for before/after
 # There: bash benches/gpu/compare.sh
 set -uo pipefail
-OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
+# Everything goes into $OUT/run and, at the end, into one archive $OUT/run.tgz (the device tool
+# brings back only a few files per call).
+FINAL=${OUT:-/tmp/out}; OUT="$FINAL/run"; mkdir -p "$OUT"
+trap 'tar czf "$FINAL/run.tgz" -C "$FINAL" run && rm -rf "$OUT"' EXIT
 ROUNDS=${ROUNDS:-3}
 nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader | tee "$OUT/gpu.txt"
 date -u | tee -a "$OUT/gpu.txt"
