@@ -91,7 +91,7 @@ impl Stream {
         let id = StreamId::next();
         let raw = match device.backend() {
             Backend::Cuda(d) => RawStream::Cuda(d.create_stream()?),
-            Backend::Sim(d) => RawStream::Sim(d.create_stream(id.get())?),
+            Backend::Sim(d) => RawStream::Sim(d.create_stream(id)?),
         };
         Ok(Stream {
             inner: Arc::new(StreamInner {
@@ -143,7 +143,7 @@ impl Stream {
             (RawStream::Cuda(s), Backend::Cuda(d)) => RawEvent::Cuda(d.record(*s)?),
             (RawStream::Sim(s), Backend::Sim(d)) => {
                 d.fault(FaultKind::Record)?;
-                RawEvent::Sim(d.record(s))
+                RawEvent::Sim(d.record(s)?)
             }
             _ => return Err(mismatch()),
         };
@@ -163,8 +163,11 @@ impl Stream {
             (RawStream::Cuda(s), RawEvent::Cuda(e), Backend::Cuda(d)) => d.wait(*s, *e),
             (RawStream::Sim(s), RawEvent::Sim(m), Backend::Sim(d)) => {
                 d.fault(FaultKind::Wait)?;
-                s.push(Op::Wait(m.clone()));
-                Ok(())
+                if d.fault(FaultKind::SkipWait).is_err() {
+                    // A planted bug (see `FaultKind::SkipWait`): the wait is lost.
+                    return Ok(());
+                }
+                s.push(Op::Wait(m.clone()))
             }
             _ => Err(mismatch()),
         }
@@ -212,8 +215,7 @@ impl Stream {
             (RawStream::Cuda(s), Backend::Cuda(d)) => cuda(d, *s),
             (RawStream::Sim(s), Backend::Sim(d)) => {
                 d.fault(kind)?;
-                s.push(sim());
-                Ok(())
+                s.push(sim())
             }
             _ => Err(mismatch()),
         }
