@@ -14,6 +14,8 @@
 //!   behind the donor's free.
 //! - [`deferred_free`]: the countdown that frees a buffer used on several streams once all their
 //!   events completed (`release_after_all`), on the crate's `Completion`s.
+//! - [`races`]: how host threads that see an event reached tell the simulated device's race
+//!   detector (`SimMarker::seen_by_host`: join, then mark seen), on a copy of the protocol.
 //!
 //! Each model states its preemption bound; it is set in the model, so `LOOM_MAX_PREEMPTIONS`
 //! does not change it. `reactor::real_reactor_models` runs the reactor models on the crate's
@@ -29,6 +31,7 @@
 mod completion;
 mod deferred_free;
 mod free_lists;
+mod races;
 mod reactor;
 mod waiters;
 
