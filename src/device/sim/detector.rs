@@ -365,10 +365,7 @@ impl Detector {
         };
         let block = match bytes {
             Some(bytes) => (ptr, ptr.saturating_add(bytes as u64)),
-            None => match st.raw_block(ptr) {
-                Some(block) => block,
-                None => return None,
-            },
+            None => st.raw_block(ptr)?,
         };
         if block.0 == block.1 {
             return None;

@@ -45,7 +45,21 @@ pub enum RaceDetection {
 impl Default for RaceDetection {
     /// [`Panic`](Self::Panic) in builds with debug assertions (tests, debug builds), else
     /// [`Record`](Self::Record): on by default, loud where it helps, never fatal in release.
+    ///
+    /// `STREAMALLOC_RACE_DETECTION` (`off`, `record`, `error` or `panic`) overrides it, for a
+    /// whole test suite or a benchmark at once; another value is ignored (with a warning).
     fn default() -> Self {
+        match std::env::var("STREAMALLOC_RACE_DETECTION").ok().as_deref() {
+            Some("off") => return RaceDetection::Off,
+            Some("record") => return RaceDetection::Record,
+            Some("error") => return RaceDetection::Error,
+            Some("panic") => return RaceDetection::Panic,
+            Some(other) => tracing::warn!(
+                value = other,
+                "STREAMALLOC_RACE_DETECTION must be off, record, error or panic; ignored"
+            ),
+            None => {}
+        }
         if cfg!(debug_assertions) {
             RaceDetection::Panic
         } else {

@@ -73,9 +73,13 @@ pub(crate) enum Op {
     },
 }
 
+/// An operation's name and the ranges it touches (the first `usize` of the two), for the race
+/// detector.
+type Footprint = (&'static str, [(u64, usize, MemoryAccess); 2], usize);
+
 impl Op {
     /// The memory the operation reads and writes, for the race detector, and its name.
-    fn footprint(&self) -> Option<(&'static str, [(u64, usize, MemoryAccess); 2], usize)> {
+    fn footprint(&self) -> Option<Footprint> {
         use MemoryAccess::{Read, Write};
         let words = |count: usize| count.saturating_mul(4);
         let one = |op, ptr, bytes, access| Some((op, [(ptr, bytes, access); 2], 1));
