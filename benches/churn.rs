@@ -1,12 +1,14 @@
 //! The `churn` workloads of `shared/bench/WORKLOADS.md`, exactly: splitmix64, the same decision
 //! sequence for every allocator, and its checksums (allocations and bytes allocated).
 //!
-//! `cargo bench --bench churn [-- --resource pool|cuda-async|arena|binning|cuda|all] [--run RUN[,RUN..]|workloads|all] [--repeat N] [--initial MIB[,MIB..]]`
+//! `cargo bench --bench churn [-- --resource pool|expandable|cuda-async|arena|binning|cuda|all] [--run RUN[,RUN..]|workloads|all] [--repeat N] [--initial MIB[,MIB..]]`
 //!
 //! Runs: `churn-1t`, `churn-4t`, `churn-xs-1t`, `churn-xs-4t` (`workloads`: these four), and
 //! `scaling` (1, 2, 4 and 8 threads); `all` is every one.
 //!
-//! `--growth-divisor N` sets the pools' `PoolOptions::growth_divisor` (default 8).
+//! `--growth-divisor N` sets the pools' `PoolOptions::growth_divisor` (default 8);
+//! `--check-frees off` turns the pools' `PoolOptions::check_frees` off (default on), to time
+//! what the check costs.
 //!
 //! `--initial` lists the sizes (MiB) the pool and the arena start with, each run once per size:
 //! `2048` (the timed loop measures suballocation), `256` (WORKLOADS.md's growth from small), or
@@ -32,7 +34,7 @@ use streamalloc::resource::binning::BinningResource;
 use streamalloc::resource::cuda::CudaResource;
 use streamalloc::resource::cuda_async::{CudaAsyncOptions, CudaAsyncResource};
 use streamalloc::resource::pool::{PoolOptions, PoolResource};
-use streamalloc::{Device, MemoryResource};
+use streamalloc::{Device, ExpandableOptions, ExpandablePoolResource, MemoryResource};
 
 const GIB: usize = 1 << 30;
 const MIB: usize = 1 << 20;
@@ -192,6 +194,7 @@ fn main() {
     let which = arg("--run", "all");
     let repeat: usize = arg("--repeat", "1").parse().unwrap_or(1);
     let growth_divisor: u32 = arg("--growth-divisor", "8").parse().unwrap_or(8);
+    let check_frees = arg("--check-frees", "on") != "off";
     let initials: Vec<usize> = arg("--initial", "2048,256")
         .split(',')
         .map(|m| {
@@ -270,6 +273,7 @@ fn main() {
                 initial,
                 maximum: Some(8 * GIB),
                 growth_divisor,
+                check_frees,
                 ..PoolOptions::default()
             },
         )
@@ -293,6 +297,30 @@ fn main() {
                         s.merges
                     );
                     report(&format!("pool{start}"), run, wall, o, extra);
+                }
+                if resource == "all" || resource == "expandable" {
+                    // The pool on virtual memory: `initial` mapped, up to 8 GiB mapped.
+                    let r = ExpandablePoolResource::new(
+                        &device,
+                        ExpandableOptions {
+                            initial,
+                            maximum: Some(8 * GIB),
+                            ..ExpandableOptions::default()
+                        },
+                    )
+                    .unwrap();
+                    let (wall, o) = run_on(&r, &device, run);
+                    let s = r.stats();
+                    let extra = format!(
+                        "{} MiB / {} MiB = {:.2} ({} grows, {} steals, {} merges)",
+                        s.peak_reserved / MIB,
+                        o.peak_live / MIB as u64,
+                        s.peak_reserved as f64 / o.peak_live as f64,
+                        s.grows,
+                        s.steals,
+                        s.merges
+                    );
+                    report(&format!("expandable{start}"), run, wall, o, extra);
                 }
                 if resource == "all" || resource == "arena" {
                     // RMM's arena, sized as the pool: 2 GiB up front, up to 8 GiB.

@@ -33,6 +33,19 @@
 //! `bad_request`; 413 `too_large` (needs more than the pool's maximum, refused at once); 503
 //! `timeout` (no memory within `--alloc-timeout-secs`); 500 `out_of_memory` or `device_error`.
 //! `GET /stats` gives the pool's statistics, its waits for memory and the server's demand.
+//!
+//! Looking at the memory:
+//! - `GET /metrics`: Prometheus' text format (`prometheus-client`): the pool's reserved, in
+//!   use, peak, free bytes and blocks, steals, merges, waits for memory and timeouts, and a
+//!   histogram of how long requests waited for their buffers. `--load` scrapes it at the end
+//!   and checks that its numbers add up (against `/stats` and each other).
+//! - `GET /snapshot`: the pool's blocks as JSON (`resource::snapshot`); with the history
+//!   recording, each live allocation with its stream and time.
+//! - `POST /history/start`, `POST /history/stop`, `GET /history`: the last 100,000
+//!   allocation events (`HistoryAdaptor`, off until started; `--history` starts it at once).
+//! - `--log-file PATH`: every allocation and free as RMM's CSV log (`LoggingAdaptor`).
+//!
+//! `streamalloc-picture` turns a log, a history or a snapshot into a picture (README).
 
 use std::future::IntoFuture;
 use std::net::SocketAddr;
@@ -50,15 +63,29 @@ use axum::{Json, Router};
 use clap::Parser;
 use serde::{Deserialize, Serialize};
 use serde_json::{json, Value};
-use streamalloc::resource::adaptor::StatisticsAdaptor;
+use streamalloc::resource::adaptor::{
+    HistoryAdaptor, HistoryOptions, LoggingAdaptor, StatisticsAdaptor,
+};
 use streamalloc::resource::cuda::CudaResource;
-use streamalloc::resource::pool::{PoolOptions, PoolResource};
-use streamalloc::{Device, DeviceBuffer, DeviceVec, Error, StreamPool, ALIGNMENT};
-use tokio::sync::{watch, Mutex};
+use streamalloc::resource::pool::{PoolOptions, PoolResource, PoolStats};
+use streamalloc::resource::WaitStats;
+use streamalloc::{
+    Device, DeviceBuffer, DevicePtr, DeviceVec, Error, ExpandableOptions, ExpandablePoolResource,
+    MemoryResource, MemoryWaiters, ResourceRef, Stream, StreamPool, ALIGNMENT,
+};
+use tokio::sync::watch;
 use tracing_subscriber::EnvFilter;
 
-/// The one pool, with a statistics adaptor in front of it for the bytes in use and their peak.
-type Pool = StatisticsAdaptor<PoolResource<CudaResource>>;
+#[path = "inference_server/metrics.rs"]
+mod metrics;
+
+/// The pool itself (`--resource pool` or `expandable`).
+type Raw = ServerPool;
+/// The pool with a history recorder in front (off until started).
+type Recorded = HistoryAdaptor<Arc<Raw>>;
+/// What requests allocate from: a statistics adaptor (bytes in use and their peak) over the
+/// recorder, or over a logging adaptor over it (`--log-file`).
+type Pool = StatisticsAdaptor<ResourceRef>;
 type BoxError = Box<dyn std::error::Error + Send + Sync>;
 
 /// An inference server whose requests allocate GPU memory by `.await` from one shared pool.
@@ -73,6 +100,10 @@ struct Args {
     /// Streams in the stream pool.
     #[arg(long, default_value_t = 8)]
     streams: usize,
+    /// The pool: `pool` (`PoolResource`, all of it taken at start) or `expandable`
+    /// (`ExpandablePoolResource`: maps memory as requests need it, up to `--pool-mib`).
+    #[arg(long, default_value = "pool")]
+    resource: String,
     /// Simulated model work per request, in microseconds of GPU time.
     #[arg(long, default_value_t = 300)]
     spin_us: u64,
@@ -97,6 +128,12 @@ struct Args {
     /// Load test: stop sending after this many seconds (what is left counts as errors).
     #[arg(long, default_value_t = 60)]
     deadline_secs: u64,
+    /// Log every allocation and free of the pool to this file, in RMM's CSV format.
+    #[arg(long)]
+    log_file: Option<std::path::PathBuf>,
+    /// Start the history recorder at once (else `POST /history/start`).
+    #[arg(long)]
+    history: bool,
 }
 
 #[derive(Debug, Clone, Serialize, Deserialize)]
@@ -139,10 +176,12 @@ fn device_bytes(elements: usize) -> Option<usize> {
 
 struct App {
     device: Device,
+    raw: Arc<Raw>,
+    history: Arc<Recorded>,
+    log: Option<Arc<LoggingAdaptor<Arc<Recorded>>>>,
+    metrics: metrics::Metrics,
     pool: Arc<Pool>,
     streams: StreamPool,
-    /// A request takes all its buffers under this lock (see `App::infer`).
-    gate: Mutex<()>,
     spin: Duration,
     alloc_timeout: Duration,
     max_requests: Option<u64>,
@@ -278,7 +317,7 @@ impl App {
             return Err(ApiError::bad_request("scale must be finite".to_owned()));
         }
         // Refused at once, never left to wait: a request the pool can never hold.
-        let maximum = self.pool.upstream().maximum();
+        let maximum = self.raw.maximum();
         let need = device_bytes(elements);
         let need = match need {
             Some(need) if need <= maximum => need,
@@ -288,25 +327,27 @@ impl App {
         let stream = self.streams.get();
         let bytes = elements * 4;
 
-        // Take both buffers in one step, under the gate: a request that held its input while
+        // Take both buffers in one step, all or nothing: a request that held its input while
         // waiting for its output could deadlock with others doing the same (each holding what
-        // the others wait for). Under the gate only one request waits for memory at a time,
-        // and every other holder has all it needs, finishes and frees. Each `alloc_timeout`
-        // returns at once when the pool has the memory, and otherwise waits (a future: no
-        // thread is parked) until frees bring it back, or the deadline passes (503).
-        let deadline = started + self.alloc_timeout;
-        let left = || deadline.saturating_duration_since(Instant::now());
+        // the others wait for). `alloc_all_timeout` holds nothing while it waits (a future: no
+        // thread is parked), first come, first served with the other requests, and returns
+        // at once when the pool has both, or the deadline passes (503).
         let (mut input, output) = {
-            let gate = tokio::time::timeout(left(), self.gate.lock()).await;
-            let _gate = gate.map_err(|_| ApiError::timeout(started.elapsed()))?;
-            let input = DeviceBuffer::alloc_timeout(&self.pool, bytes, &stream, left()).await?;
-            let output = DeviceBuffer::alloc_timeout(&self.pool, bytes, &stream, left()).await?;
+            let mut set = DeviceBuffer::alloc_all_timeout(
+                &self.pool,
+                &[(bytes, &stream), (bytes, &stream)],
+                self.alloc_timeout,
+            )
+            .await?;
+            let output = set.pop().expect("two buffers");
+            let input = set.pop().expect("two buffers");
             (
                 DeviceVec::<f32>::from_buffer(input)?,
                 DeviceVec::<f32>::from_buffer(output)?,
             )
         };
         let alloc_wait = started.elapsed();
+        self.metrics.observe_wait(alloc_wait);
 
         // Everything below is queued on `stream` and returns at once; the host waits only for
         // the result, by `.await`.
@@ -354,15 +395,15 @@ impl App {
     }
 
     fn stats(&self) -> Value {
-        let p = self.pool.upstream().stats();
-        let w = self.pool.upstream().wait_stats();
+        let p = self.raw.stats();
+        let w = self.raw.wait_stats();
         let used = self.pool.counters();
         let c = &self.counts;
         let mean_wait_us = w.total_wait.as_micros() / u128::from(w.waits.max(1));
         json!({
             "device": self.device.to_string(),
             "pool": {
-                "maximum": self.pool.upstream().maximum(), "reserved": p.reserved,
+                "maximum": self.raw.maximum(), "reserved": p.reserved,
                 "peak_reserved": p.peak_reserved, "free": p.free, "free_blocks": p.free_blocks,
                 "chunks": p.chunks, "streams": p.streams, "grows": p.grows, "steals": p.steals,
                 "merges": p.merges,
@@ -404,6 +445,38 @@ async fn infer(
 
 async fn stats(State(app): State<Arc<App>>) -> Json<Value> {
     Json(app.stats())
+}
+
+async fn get_metrics(State(app): State<Arc<App>>) -> Response {
+    (
+        [(
+            axum::http::header::CONTENT_TYPE,
+            "application/openmetrics-text; version=1.0.0; charset=utf-8",
+        )],
+        app.metrics.render(),
+    )
+        .into_response()
+}
+
+async fn get_snapshot(State(app): State<Arc<App>>) -> Response {
+    match app.history.memory_snapshot() {
+        Some(snapshot) => Json(snapshot).into_response(),
+        None => (StatusCode::NOT_FOUND, "no snapshot").into_response(),
+    }
+}
+
+async fn get_history(State(app): State<Arc<App>>) -> Response {
+    Json(app.history.history()).into_response()
+}
+
+async fn start_history(State(app): State<Arc<App>>) -> StatusCode {
+    app.history.start();
+    StatusCode::NO_CONTENT
+}
+
+async fn stop_history(State(app): State<Arc<App>>) -> StatusCode {
+    app.history.stop();
+    StatusCode::NO_CONTENT
 }
 
 /// Resolves on Ctrl-C or when `stop` turns true.
@@ -450,13 +523,32 @@ async fn run(args: Args) -> Result<ExitCode, BoxError> {
         maximum: Some(pool_bytes),
         ..PoolOptions::default()
     };
-    let pool = PoolResource::new(CudaResource::new(&device), options)?;
+    let raw = Arc::new(ServerPool::new(&args.resource, &device, options)?);
+    let history = Arc::new(HistoryAdaptor::new(raw.clone(), HistoryOptions::default()));
+    if args.history {
+        history.start();
+    }
+    let log = match &args.log_file {
+        Some(path) => Some(Arc::new(LoggingAdaptor::to_file(history.clone(), path)?)),
+        None => None,
+    };
+    let top: ResourceRef = match &log {
+        Some(log) => log.clone(),
+        None => history.clone(),
+    };
+    let pool = Arc::new(StatisticsAdaptor::new(top));
     let (shutdown, stop) = watch::channel(false);
     let app = Arc::new(App {
         device: device.clone(),
-        pool: Arc::new(StatisticsAdaptor::new(pool)),
+        metrics: metrics::Metrics::new(metrics::PoolCollector {
+            pool: raw.clone(),
+            stats: pool.clone(),
+        }),
+        raw,
+        history,
+        log,
+        pool,
         streams: StreamPool::new(&device, args.streams)?,
-        gate: Mutex::new(()),
         spin: Duration::from_micros(args.spin_us),
         alloc_timeout: Duration::from_secs(args.alloc_timeout_secs),
         max_requests: args.max_requests,
@@ -466,6 +558,11 @@ async fn run(args: Args) -> Result<ExitCode, BoxError> {
     let router = Router::new()
         .route("/infer", post(infer))
         .route("/stats", get(stats))
+        .route("/metrics", get(get_metrics))
+        .route("/snapshot", get(get_snapshot))
+        .route("/history", get(get_history))
+        .route("/history/start", post(start_history))
+        .route("/history/stop", post(stop_history))
         .with_state(app.clone());
 
     let listener = tokio::net::TcpListener::bind(("127.0.0.1", args.port)).await?;
@@ -490,6 +587,16 @@ async fn run(args: Args) -> Result<ExitCode, BoxError> {
         "server stopped after answering {} requests",
         app.counts.answered.load(Relaxed)
     );
+    if let Some(log) = &app.log {
+        log.flush()?;
+        println!(
+            "log: {} lines in {}",
+            log.lines(),
+            args.log_file
+                .as_ref()
+                .map_or(String::new(), |p| p.display().to_string())
+        );
+    }
     Ok(code)
 }
 
@@ -623,6 +730,94 @@ mod load {
         }
     }
 
+    /// Checks a scrape of `/metrics`, taken after the load, against `/stats` (taken just
+    /// before, with nothing in flight) and against itself. Returns how many numbers were
+    /// checked and what disagrees.
+    fn check_metrics(m: &BTreeMap<String, f64>, stats: &Value) -> (usize, Vec<String>) {
+        let (pool, used, waits, reqs) = (
+            &stats["pool"],
+            &stats["in_use"],
+            &stats["waits"],
+            &stats["requests"],
+        );
+        let num = |v: &Value| v.as_f64().unwrap_or(f64::NAN);
+        let get = |name: &str| m.get(name).copied().unwrap_or(f64::NAN);
+        let free = get("streamalloc_pool_free_bytes");
+        let in_use = get("streamalloc_pool_in_use_bytes");
+        let checks: Vec<(&str, f64, f64)> = vec![
+            (
+                "reserved",
+                get("streamalloc_pool_reserved_bytes"),
+                num(&pool["reserved"]),
+            ),
+            ("in use", in_use, num(&used["bytes"])),
+            ("in use once every request is answered", in_use, 0.0),
+            (
+                "peak in use",
+                get("streamalloc_pool_peak_in_use_bytes"),
+                num(&used["peak_bytes"]),
+            ),
+            ("free bytes", free, num(&pool["free"])),
+            (
+                "free = reserved once nothing is in use",
+                free,
+                get("streamalloc_pool_reserved_bytes"),
+            ),
+            (
+                "free blocks",
+                get("streamalloc_pool_free_blocks"),
+                num(&pool["free_blocks"]),
+            ),
+            (
+                "chunks",
+                get("streamalloc_pool_chunks"),
+                num(&pool["chunks"]),
+            ),
+            (
+                "steals",
+                get("streamalloc_pool_steals_total"),
+                num(&pool["steals"]),
+            ),
+            (
+                "merges",
+                get("streamalloc_pool_merges_total"),
+                num(&pool["merges"]),
+            ),
+            (
+                "waits for memory",
+                get("streamalloc_memory_waits_total"),
+                num(&waits["waits"]),
+            ),
+            (
+                "timeouts",
+                get("streamalloc_memory_wait_timeouts_total"),
+                num(&waits["timeouts"]),
+            ),
+            ("tasks waiting now", get("streamalloc_memory_waiting"), 0.0),
+            (
+                "memory-wait histogram count = requests answered ok",
+                get("streamalloc_request_memory_wait_seconds_count"),
+                num(&reqs["ok"]),
+            ),
+            (
+                "histogram +Inf bucket = its count",
+                get("streamalloc_request_memory_wait_seconds_bucket{le=\"+Inf\"}"),
+                get("streamalloc_request_memory_wait_seconds_count"),
+            ),
+            (
+                "allocations left = 0",
+                get("streamalloc_pool_allocations"),
+                0.0,
+            ),
+        ];
+        let disagree = checks
+            .iter()
+            .filter(|(_, got, want)| got != want)
+            .map(|(what, got, want)| format!("/metrics {what}: {got}, expected {want}"))
+            .collect();
+        (checks.len(), disagree)
+    }
+
     pub(super) async fn run(addr: SocketAddr, args: &Args) -> Result<ExitCode, BoxError> {
         if !addr.ip().is_loopback() {
             return Err(format!("the load generator only targets loopback, not {addr}").into());
@@ -695,6 +890,12 @@ mod load {
         let elapsed = start.elapsed();
         samples.sort_by_key(|s| s.0);
         let after = get_stats(&client, &base).await?;
+        let scrape = client
+            .get(format!("{base}/metrics"))
+            .send()
+            .await?
+            .text()
+            .await?;
         drop(client); // close the connections before the server shuts down
 
         // Tally: an outcome is expected if it is 200-with-the-right-checksum for a normal
@@ -790,6 +991,20 @@ mod load {
             pool["steals"],
             pool["merges"],
         );
+        let (checked, disagree) = check_metrics(&metrics::parse(&scrape), &after);
+        println!(
+            "metrics (/metrics): reserved {}, in use {}, peak in use {}, {} free block(s), {} steals, {} waits ({} timed out), {} requests timed on memory; {checked} numbers checked against /stats and each other: {}",
+            mib(num(&pool["reserved"])),
+            mib(num(&used["bytes"])),
+            mib(num(&used["peak_bytes"])),
+            pool["free_blocks"],
+            pool["steals"],
+            waits["waits"],
+            waits["timeouts"],
+            reqs["ok"],
+            if disagree.is_empty() { "all agree".to_string() } else { format!("{} disagree", disagree.len()) }
+        );
+        unexpected.extend(disagree);
         if unexpected.is_empty() {
             println!(
                 "healthy: every request answered, no out-of-memory error, only the {} too-large \
@@ -807,5 +1022,92 @@ mod load {
             }
             Ok(ExitCode::FAILURE)
         }
+    }
+}
+
+// ===== --resource: the pool behind the server =====
+
+/// `PoolResource` or `ExpandablePoolResource`, as `--resource` says.
+#[derive(Debug)]
+enum ServerPool {
+    Pool(Box<PoolResource<CudaResource>>),
+    Expandable(ExpandablePoolResource),
+}
+
+impl ServerPool {
+    /// The pool of `options`' maximum. The expandable one starts with nothing mapped: with no
+    /// seams between its growths, any request up to the maximum can be served, where the
+    /// chunked pool must take all of it up front.
+    fn new(resource: &str, device: &Device, options: PoolOptions) -> Result<Self, BoxError> {
+        Ok(match resource {
+            "pool" => Self::Pool(Box::new(PoolResource::new(
+                CudaResource::new(device),
+                options,
+            )?)),
+            "expandable" => Self::Expandable(ExpandablePoolResource::new(
+                device,
+                ExpandableOptions {
+                    maximum: options.maximum,
+                    ..ExpandableOptions::default()
+                },
+            )?),
+            other => return Err(format!("--resource {other}: expected pool or expandable").into()),
+        })
+    }
+
+    fn maximum(&self) -> usize {
+        match self {
+            Self::Pool(p) => p.maximum(),
+            Self::Expandable(p) => p.maximum(),
+        }
+    }
+
+    fn stats(&self) -> PoolStats {
+        match self {
+            Self::Pool(p) => p.stats(),
+            Self::Expandable(p) => p.stats(),
+        }
+    }
+
+    fn wait_stats(&self) -> WaitStats {
+        match self {
+            Self::Pool(p) => p.wait_stats(),
+            Self::Expandable(p) => p.wait_stats(),
+        }
+    }
+
+    fn inner(&self) -> &dyn MemoryResource {
+        match self {
+            Self::Pool(p) => &**p,
+            Self::Expandable(p) => p,
+        }
+    }
+}
+
+impl MemoryResource for ServerPool {
+    fn device(&self) -> &Device {
+        self.inner().device()
+    }
+
+    fn allocate(&self, bytes: usize, stream: &Stream) -> streamalloc::Result<DevicePtr> {
+        self.inner().allocate(bytes, stream)
+    }
+
+    unsafe fn deallocate(
+        &self,
+        ptr: DevicePtr,
+        bytes: usize,
+        stream: &Stream,
+    ) -> streamalloc::Result<()> {
+        // SAFETY: the caller's contract, passed on to the pool that handed `ptr` out.
+        unsafe { self.inner().deallocate(ptr, bytes, stream) }
+    }
+
+    fn memory_waiters(&self) -> Option<&MemoryWaiters> {
+        self.inner().memory_waiters()
+    }
+
+    fn memory_snapshot(&self) -> Option<streamalloc::resource::snapshot::Snapshot> {
+        self.inner().memory_snapshot()
     }
 }

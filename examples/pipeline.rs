@@ -1,17 +1,24 @@
 //! A two-stream GPU pipeline driven by async Rust: `cargo run --example pipeline`.
 //!
 //! Runs on CUDA device 0 when there is a GPU, else on the simulated device, and says which.
+//! `--devices N` spreads the batches over N devices, round robin: GPUs 0..N, or N simulated
+//! devices where the default device is simulated; each device has its own pool and streams.
 //! `RUST_LOG=streamalloc=debug` shows what the crate does; `STREAMALLOC_DEVICE=sim|cuda|cuda:N`
 //! picks the device. Exits non-zero on a wrong value.
 //!
 //! Each batch is one tokio task. All batches share one pool of device memory, sized for only
 //! `POOL_BATCHES` of them at a time: the others wait for memory by `.await` (no thread is
-//! parked) until earlier batches free theirs. A batch spreads its work over two streams of a
+//! parked) until earlier batches free theirs. A batch takes its two buffers all or nothing
+//! (`DeviceBuffer::alloc_all`), so that no batch holds one while it waits for the other. A batch spreads its work over two streams of a
 //! `StreamPool`:
 //!
 //! 1. on stream A: fill the `input` vector with `i + 1.0`, record the event `filled`;
 //! 2. on stream B: wait for `filled` on the GPU (the host does not wait), copy `input` into
-//!    `output` and scale `output` by 2. `input` is now used on B too: `record_stream` tells it,
+//!    `output` and scale `output` by 2. On CUDA the scale is the example's own kernel (PTX
+//!    below), loaded and launched with cudarc's launch builder on B itself
+//!    (`Stream::cudarc_stream`), on our buffer, with nothing synchronized around it; on the
+//!    simulated device, where cudarc cannot run, it is the simulated device's built-in
+//!    `scale_f32`. `input` is now used on B too: `record_stream` tells it,
 //!    so dropping it right away frees it only once B's copy has run;
 //! 3. the task awaits `output.to_host(&b)` (the copy back runs after B's work; no thread
 //!    blocks), checks the values and drops `output`, which goes back to the pool on B at once.
@@ -20,10 +27,11 @@ use std::process::ExitCode;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
+use streamalloc::cudarc::driver::{CudaFunction, LaunchConfig, PushKernelArg};
+use streamalloc::cudarc::nvrtc::Ptx;
 use streamalloc::resource::cuda::CudaResource;
 use streamalloc::resource::pool::{PoolOptions, PoolResource};
-use streamalloc::{Device, DeviceVec, StreamPool};
-use tokio::sync::Mutex;
+use streamalloc::{Device, DeviceBuffer, DeviceVec, SimConfig, StreamPool};
 use tokio::task::JoinSet;
 use tracing_subscriber::EnvFilter;
 
@@ -34,6 +42,58 @@ const STREAMS: usize = 4;
 const POOL_BATCHES: usize = 6;
 
 type Pool = PoolResource<CudaResource>;
+
+/// The example's own kernel: `data[i] *= factor` for `i < count`, `(float*, float, u64)`, in
+/// PTX (the crate's `streamalloc_scale_f32`, under its own name), loaded through cudarc.
+const SCALE_PTX: &str = r#"
+.version 7.0
+.target sm_75
+.address_size 64
+
+.visible .entry pipeline_scale_f32(
+	.param .u64 pipeline_scale_f32_param_0,
+	.param .f32 pipeline_scale_f32_param_1,
+	.param .u64 pipeline_scale_f32_param_2
+)
+{
+	.reg .pred 	%p<3>;
+	.reg .f32 	%f<4>;
+	.reg .b32 	%r<5>;
+	.reg .b64 	%rd<15>;
+
+	ld.param.u64 	%rd7, [pipeline_scale_f32_param_0];
+	ld.param.f32 	%f1, [pipeline_scale_f32_param_1];
+	ld.param.u64 	%rd8, [pipeline_scale_f32_param_2];
+	mov.u32 	%r1, %ntid.x;
+	cvt.u64.u32 	%rd1, %r1;
+	mov.u32 	%r2, %ctaid.x;
+	mul.wide.u32 	%rd9, %r2, %r1;
+	mov.u32 	%r3, %tid.x;
+	cvt.u64.u32 	%rd10, %r3;
+	add.s64 	%rd14, %rd9, %rd10;
+	setp.ge.u64 	%p1, %rd14, %rd8;
+	@%p1 bra 	$L__BB0_3;
+
+	mov.u32 	%r4, %nctaid.x;
+	cvt.u64.u32 	%rd11, %r4;
+	mul.lo.s64 	%rd3, %rd11, %rd1;
+	cvta.to.global.u64 	%rd4, %rd7;
+
+$L__BB0_2:
+	shl.b64 	%rd12, %rd14, 2;
+	add.s64 	%rd13, %rd4, %rd12;
+	ld.global.f32 	%f2, [%rd13];
+	mul.f32 	%f3, %f2, %f1;
+	st.global.f32 	[%rd13], %f3;
+	add.s64 	%rd14, %rd14, %rd3;
+	setp.lt.u64 	%p2, %rd14, %rd8;
+	@%p2 bra 	$L__BB0_2;
+
+$L__BB0_3:
+	ret;
+
+}
+"#;
 type BoxError = Box<dyn std::error::Error + Send + Sync>;
 
 #[tokio::main]
@@ -53,37 +113,73 @@ async fn main() -> ExitCode {
     }
 }
 
-async fn run() -> Result<(), BoxError> {
-    let device = Device::default_device()?;
-    let why = match (
-        device.is_simulated(),
-        std::env::var_os("STREAMALLOC_DEVICE"),
-    ) {
+/// One device's share of the pipeline: its pool, its streams, and (on CUDA) the example's own
+/// kernel, loaded through cudarc in the device's context.
+struct Lane {
+    device: Device,
+    pool: Arc<Pool>,
+    streams: StreamPool,
+    scale: Option<CudaFunction>,
+}
+
+/// `--devices N` (default 1): the command line, parsed by hand (one flag).
+fn devices_arg() -> Result<usize, BoxError> {
+    let mut args = std::env::args().skip(1);
+    let mut devices = 1;
+    while let Some(arg) = args.next() {
+        match arg.as_str() {
+            "--devices" => {
+                let n = args.next().ok_or("--devices needs a number")?;
+                devices = n
+                    .parse()
+                    .map_err(|_| format!("--devices {n}: not a number"))?;
+                if devices == 0 {
+                    return Err("--devices must be at least 1".into());
+                }
+            }
+            other => return Err(format!("unknown argument {other:?} (only --devices N)").into()),
+        }
+    }
+    Ok(devices)
+}
+
+/// The devices to run on: the default device, and with `--devices N` the first N GPUs, or
+/// N simulated devices where the default device is simulated.
+fn open_devices(n: usize) -> Result<Vec<Device>, BoxError> {
+    let first = Device::default_device()?;
+    let why = match (first.is_simulated(), std::env::var_os("STREAMALLOC_DEVICE")) {
         (false, _) => "",
         (true, Some(_)) => " (chosen by STREAMALLOC_DEVICE)",
         (true, None) => " (no GPU found; RUST_LOG=info says why)",
     };
-    println!("running on {device}{why}");
+    let mut devices = vec![first];
+    for k in 1..n {
+        devices.push(if devices[0].is_simulated() {
+            Device::simulated(SimConfig::default())
+        } else {
+            let ordinal = devices[0].ordinal().unwrap_or(0) + k;
+            Device::cuda(ordinal).map_err(|e| format!("--devices {n}: GPU {ordinal}: {e}"))?
+        });
+    }
+    for d in &devices {
+        println!("running on {d}{why}");
+    }
+    Ok(devices)
+}
 
-    // One pool for every batch. Its memory is taken from the device up front, in one chunk
-    // (initial = maximum): a pool that grows chunk by chunk cannot serve a request larger than
-    // its largest chunk, however much is free in the others.
-    let batch_bytes = 2 * FLOATS * size_of::<f32>();
-    let pool_bytes = POOL_BATCHES * batch_bytes;
-    let options = PoolOptions {
-        initial: pool_bytes,
-        maximum: Some(pool_bytes),
-        ..PoolOptions::default()
-    };
-    let pool = Arc::new(PoolResource::new(CudaResource::new(&device), options)?);
-    let streams = StreamPool::new(&device, STREAMS)?;
-    // See `batch`: a batch takes all its memory under this lock.
-    let gate = Arc::new(Mutex::new(()));
+async fn run() -> Result<(), BoxError> {
+    let devices = open_devices(devices_arg()?)?;
+    let lanes = devices
+        .into_iter()
+        .map(lane)
+        .collect::<Result<Vec<_>, BoxError>>()?;
+    let lanes: Vec<Arc<Lane>> = lanes.into_iter().map(Arc::new).collect();
 
     let start = Instant::now();
     let mut tasks = JoinSet::new();
     for i in 0..BATCHES {
-        tasks.spawn(batch(pool.clone(), streams.clone(), gate.clone(), i));
+        // Batches are spread over the devices round robin.
+        tasks.spawn(batch(lanes[i % lanes.len()].clone(), i));
     }
     // Drain every task, even after a failure, so that the first error is the one reported.
     let mut first_error = None;
@@ -96,42 +192,82 @@ async fn run() -> Result<(), BoxError> {
         return Err(e);
     }
     let elapsed = start.elapsed();
-    for stream in streams.streams() {
-        stream.synchronize().await?; // the deferred frees of the last inputs have run
+    for lane in &lanes {
+        for stream in lane.streams.streams() {
+            stream.synchronize().await?; // the deferred frees of the last inputs have run
+        }
     }
 
+    let pool_bytes = lanes[0].pool.stats().reserved;
     println!(
-        "{BATCHES} batches of 2 x {FLOATS} f32 over {STREAMS} streams, from one pool of {} MiB \
-         ({POOL_BATCHES} batches at a time): filled, scaled and copied back {} MiB in \
-         {elapsed:.1?}; all values correct",
+        "{BATCHES} batches of 2 x {FLOATS} f32 over {} device(s), {STREAMS} streams each, from \
+         one pool of {} MiB per device ({POOL_BATCHES} batches at a time): filled, scaled and \
+         copied back {} MiB in {elapsed:.1?}; all values correct",
+        lanes.len(),
         pool_bytes >> 20,
         (BATCHES * FLOATS * size_of::<f32>()) >> 20,
     );
-    print_stats(&pool);
+    for lane in &lanes {
+        let how = if lane.scale.is_some() {
+            "the example's own kernel, launched with cudarc on our stream"
+        } else {
+            "the simulated device's built-in scale kernel"
+        };
+        println!("{}: scaled by {how}", lane.device);
+        print_stats(&lane.pool);
+    }
     Ok(())
 }
 
-/// One batch: two stages on two streams, then the result back to the host.
-async fn batch(
-    pool: Arc<Pool>,
-    streams: StreamPool,
-    gate: Arc<Mutex<()>>,
-    i: usize,
-) -> Result<(), BoxError> {
-    // Two different streams (by index, so that concurrent tasks cannot hand us the same one).
-    let (a, b) = (streams.get_by_index(i), streams.get_by_index(i + 1));
-
-    // Take the batch's memory in one step. A task that holds part of its memory while it waits
-    // for the rest can deadlock with others doing the same, each holding what the others wait
-    // for. Under the lock only one task at a time waits for memory, and every other holder has
-    // all it needs: it finishes, and its frees wake the waiter. Each `alloc` returns at once
-    // when the pool has the memory, and otherwise waits (a future, no thread parked).
-    let (mut input, output) = {
-        let _gate = gate.lock().await;
-        let input = DeviceVec::<f32>::alloc(&pool, FLOATS, &a).await?;
-        let output = DeviceVec::<f32>::alloc(&pool, FLOATS, &b).await?;
-        (input, output)
+/// A device's pool, streams and kernel.
+fn lane(device: Device) -> Result<Lane, BoxError> {
+    // One pool for the device's batches. Its memory is taken from the device up front, in one
+    // chunk (initial = maximum): a pool that grows chunk by chunk cannot serve a request larger
+    // than its largest chunk, however much is free in the others.
+    let batch_bytes = 2 * FLOATS * size_of::<f32>();
+    let pool_bytes = POOL_BATCHES * batch_bytes;
+    let options = PoolOptions {
+        initial: pool_bytes,
+        maximum: Some(pool_bytes),
+        ..PoolOptions::default()
     };
+    let pool = Arc::new(PoolResource::new(CudaResource::new(&device), options)?);
+    let streams = StreamPool::new(&device, STREAMS)?;
+    // On CUDA, the example's own kernel, loaded with cudarc into the device's own context
+    // (shared with streamalloc, not a second one). cudarc has no simulated device: there the
+    // simulated device's built-in `scale_f32` does the same work.
+    let scale = match device.cudarc_context() {
+        Some(ctx) => {
+            let module = ctx.load_module(Ptx::from_src(SCALE_PTX))?;
+            Some(module.load_function("pipeline_scale_f32")?)
+        }
+        None => None,
+    };
+    Ok(Lane {
+        device,
+        pool,
+        streams,
+        scale,
+    })
+}
+
+/// One batch: two stages on two streams, then the result back to the host.
+async fn batch(lane: Arc<Lane>, i: usize) -> Result<(), BoxError> {
+    let pool = &lane.pool;
+    // Two different streams (by index, so that concurrent tasks cannot hand us the same one).
+    let (a, b) = (
+        lane.streams.get_by_index(i),
+        lane.streams.get_by_index(i + 1),
+    );
+
+    // Take the batch's memory in one step, all or nothing. A task that held part of its memory
+    // while it waited for the rest could deadlock with others doing the same, each holding
+    // what the others wait for; `alloc_all` holds nothing while it waits (first come, first
+    // served with the other waiters) and returns at once when the pool has the whole set.
+    let bytes = FLOATS * size_of::<f32>();
+    let mut set = DeviceBuffer::alloc_all(pool, &[(bytes, &a), (bytes, &b)]).await?;
+    let mut output = DeviceVec::<f32>::from_buffer(set.pop().expect("two buffers"))?;
+    let mut input = DeviceVec::<f32>::from_buffer(set.pop().expect("two buffers"))?;
 
     // Stage 1, on A.
     let value = (i + 1) as f32;
@@ -148,9 +284,24 @@ async fn batch(
     // SAFETY: both vectors are live allocations of FLOATS f32s. `output` lives on B; B is
     // ordered after the fill of `input` (the wait above), and the free of `input` after B's
     // work (`record_stream`); `output` is freed on B after this work, in stream order.
-    unsafe {
-        b.copy_dtod(output.as_ptr(), input.as_ptr(), FLOATS * size_of::<f32>())?;
-        b.scale_f32(output.as_ptr(), 2.0, FLOATS)?;
+    unsafe { b.copy_dtod(output.as_ptr(), input.as_ptr(), FLOATS * size_of::<f32>())? };
+    match &lane.scale {
+        // Our stream handed to cudarc: the launch is queued on B itself, after the copy and
+        // before the copy back, with nothing synchronized in between.
+        Some(scale) => {
+            let cs = b
+                .cudarc_stream()
+                .ok_or("a CUDA device's stream has a cudarc handle")?;
+            let (factor, count) = (2.0f32, FLOATS as u64);
+            let mut launch = cs.launch_builder(scale);
+            launch.arg(&mut output).arg(&factor).arg(&count);
+            // SAFETY: the kernel's signature is (float*, float, u64); `output` holds FLOATS
+            // f32s allocated on B, and this launch is queued on B, after the copy into it and
+            // before its copy back and its free.
+            unsafe { launch.launch(LaunchConfig::for_num_elems(FLOATS as u32)) }?;
+        }
+        // SAFETY: as the copy above; `output` holds FLOATS f32s on B.
+        None => unsafe { b.scale_f32(output.as_ptr(), 2.0, FLOATS)? },
     }
     drop(input); // never blocks: its memory goes back to the pool once B's copy has run
 

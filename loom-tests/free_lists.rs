@@ -43,15 +43,15 @@ const ALL: [&str; 4] = [STEAL, MERGE, GROW, OUT_OF_MEMORY];
 
 /// Every request is one block: addresses stay block-aligned through splits and merges, so a
 /// block is named by its address.
-const BLOCK: u64 = 256;
-const BASE: u64 = 0x10000;
+pub(super) const BLOCK: u64 = 256;
+pub(super) const BASE: u64 = 0x10000;
 
 // ---------------------------------------------------------------------------------------------
 // The fake GPU and its streams.
 // ---------------------------------------------------------------------------------------------
 
 /// What the fake GPU has been asked to order.
-struct Gpu {
+pub(super) struct Gpu {
     /// `clocks[s][t]`: how many operations of stream `t` come before the next one queued on
     /// stream `s`; `clocks[s][s]` counts `s`'s own.
     clocks: Vec<Vec<u64>>,
@@ -72,7 +72,7 @@ impl Gpu {
     }
 
     /// An event recorded on `from` now, waited on by `to`.
-    fn order(&mut self, from: usize, to: usize) {
+    pub(super) fn order(&mut self, from: usize, to: usize) {
         let seen = self.clocks[from].clone();
         for (mine, theirs) in self.clocks[to].iter_mut().zip(seen) {
             *mine = (*mine).max(theirs);
@@ -80,7 +80,7 @@ impl Gpu {
     }
 
     /// `who` got `addr` for use on stream `s`, and queues a use of it there.
-    fn took(&mut self, who: &'static str, s: usize, addr: u64) {
+    pub(super) fn took(&mut self, who: &'static str, s: usize, addr: u64) {
         if let Some(other) = self.held.insert(addr, who) {
             panic!("block {addr:#x} handed out twice: to {who} while {other} holds it");
         }
@@ -97,7 +97,7 @@ impl Gpu {
     }
 
     /// `addr` is freed on stream `s`: after every operation queued on `s` so far.
-    fn freeing(&mut self, s: usize, addr: u64) {
+    pub(super) fn freeing(&mut self, s: usize, addr: u64) {
         self.held
             .remove(&addr)
             .unwrap_or_else(|| panic!("block {addr:#x} freed but not held"));
@@ -105,25 +105,25 @@ impl Gpu {
     }
 }
 
-type Book = Shared<std::sync::Mutex<Gpu>>;
+pub(super) type Book = Shared<std::sync::Mutex<Gpu>>;
 
-fn book(gpu: &Book) -> std::sync::MutexGuard<'_, Gpu> {
+pub(super) fn book(gpu: &Book) -> std::sync::MutexGuard<'_, Gpu> {
     gpu.lock().expect("bookkeeping lock poisoned")
 }
 
-struct FakeInner {
+pub(super) struct FakeInner {
     index: usize,
-    gpu: Book,
+    pub(super) gpu: Book,
 }
 
 /// A handle of a fake stream; clones are the same stream, as `Stream`'s.
 #[derive(Clone)]
-struct FakeStream {
-    inner: Arc<FakeInner>,
+pub(super) struct FakeStream {
+    pub(super) inner: Arc<FakeInner>,
 }
 
 impl FakeStream {
-    fn index(&self) -> usize {
+    pub(super) fn index(&self) -> usize {
         self.inner.index
     }
 }
@@ -149,7 +149,7 @@ impl EngineStream for FakeStream {
     }
 }
 
-fn streams(n: usize) -> Vec<FakeStream> {
+pub(super) fn streams(n: usize) -> Vec<FakeStream> {
     let gpu: Book = std::sync::Arc::new(std::sync::Mutex::new(Gpu::new(n)));
     (0..n)
         .map(|index| FakeStream {
@@ -161,7 +161,7 @@ fn streams(n: usize) -> Vec<FakeStream> {
         .collect()
 }
 
-fn out_of_memory(min: u64) -> Error {
+pub(super) fn out_of_memory(min: u64) -> Error {
     Error::OutOfMemory {
         requested: min as usize,
         available: 0,

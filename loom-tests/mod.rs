@@ -12,6 +12,15 @@
 //! - [`free_lists`]: the pool's per-stream free lists (`StreamLists`) on fake streams that
 //!   record the ordering edges: no block handed out twice or lost, every steal and merge ordered
 //!   behind the donor's free.
+//! - [`frees_and_regrowth`]: the same engine's live-block table (a free on another stream
+//!   racing the trim that retires a dropped stream's list) and its give-back-and-regrow path at
+//!   the pool's maximum.
+//! - [`expandable`]: the expandable pool's bookkeeping (`Expander`: growth by mapping, trim that
+//!   takes free granules out, waits for their streams and unmaps them) on a fake stream and a
+//!   fake address range: nothing handed out or used on an unmapped granule, nothing unmapped
+//!   under a held block or pending work.
+//! - [`history`]: the history recorder's live table (`HistoryAdaptor`): a free forgets its
+//!   allocation before the memory goes back upstream, and a stop leaves no stale entry.
 //! - [`deferred_free`]: the countdown that frees a buffer used on several streams once all their
 //!   events completed (`release_after_all`), on the crate's `Completion`s.
 //! - [`races`]: how host threads that see an event reached tell the simulated device's race
@@ -30,7 +39,10 @@
 
 mod completion;
 mod deferred_free;
+mod expandable;
 mod free_lists;
+mod frees_and_regrowth;
+mod history;
 mod races;
 mod reactor;
 mod waiters;

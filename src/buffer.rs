@@ -106,6 +106,51 @@ impl DeviceBuffer {
         Ok(Self::from_parts(ptr, bytes, resource, stream))
     }
 
+    /// Allocates one buffer per `(bytes, stream)` request from `resource`, **all or none**,
+    /// waiting (as a future) until the whole set fits at once; see
+    /// [`allocate_all_async`](AllocateAsync::allocate_all_async). The buffers come in the
+    /// order of `requests`. This is what a task that needs several buffers should use: one that
+    /// awaits them one by one holds the first while it waits for the next, and tasks doing that
+    /// can deadlock, each holding what another waits for.
+    ///
+    /// # Cancel safety
+    /// Cancel-safe: a dropped future leaves the queue and holds nothing.
+    pub async fn alloc_all(
+        resource: &impl AsResourceRef,
+        requests: &[(usize, &Stream)],
+    ) -> Result<Vec<Self>> {
+        Self::alloc_all_inner(resource.resource_ref(), requests, None).await
+    }
+
+    /// [`alloc_all`](Self::alloc_all), giving up with [`Error::Timeout`] after `limit`.
+    pub async fn alloc_all_timeout(
+        resource: &impl AsResourceRef,
+        requests: &[(usize, &Stream)],
+        limit: Duration,
+    ) -> Result<Vec<Self>> {
+        Self::alloc_all_inner(resource.resource_ref(), requests, Some(limit)).await
+    }
+
+    async fn alloc_all_inner(
+        resource: ResourceRef,
+        requests: &[(usize, &Stream)],
+        limit: Option<Duration>,
+    ) -> Result<Vec<Self>> {
+        for (_, stream) in requests {
+            check_device(&resource, stream)?;
+        }
+        let wait = resource.allocate_all_async(requests.iter().copied());
+        let ptrs = match limit {
+            Some(limit) => wait.timeout(limit).await?,
+            None => wait.await?,
+        };
+        Ok(ptrs
+            .into_iter()
+            .zip(requests)
+            .map(|(ptr, &(bytes, stream))| Self::from_parts(ptr, bytes, resource.clone(), stream))
+            .collect())
+    }
+
     /// Memory from the device's current resource
     /// ([`current_resource`](crate::resource::current_resource): a `CudaResource` unless set).
     pub fn with_current_resource(bytes: usize, stream: &Stream) -> Result<Self> {
@@ -225,8 +270,13 @@ impl DeviceBuffer {
 
     /// Marks a use on `other`: the free waits for the work queued on `other` up to the drop,
     /// as PyTorch's `record_stream`. Cheap: the event is recorded only at drop.
+    ///
+    /// `other` may be a stream of another GPU (a kernel there reading this memory through
+    /// peer access, see [`Device::enable_peer_access`](crate::Device::enable_peer_access)) or
+    /// of another simulated device: the free waits for it all the same. `Err(WrongDevice)` for
+    /// a simulated device and a GPU.
     pub fn record_stream(&mut self, other: &Stream) -> Result<()> {
-        check_device(&self.resource, other)?;
+        self.resource.device().check_peer(other.device())?;
         if other.id() != self.stream.id() {
             self.add_use(other.clone());
         }
@@ -249,6 +299,12 @@ impl DeviceBuffer {
     /// costs only a later event at drop.
     pub(crate) fn use_on(&self, other: &Stream) -> Result<()> {
         check_device(&self.resource, other)?;
+        self.use_on_any_device(other)
+    }
+
+    /// [`use_on`](Self::use_on) for a stream that may be of another device (a copy between
+    /// devices): the caller checked that the devices may meet (`Device::check_peer`).
+    fn use_on_any_device(&self, other: &Stream) -> Result<()> {
         if other.id() != self.stream.id() {
             self.add_use(other.clone());
             other.wait(&self.stream.record()?)?;
@@ -384,9 +440,15 @@ impl DeviceBuffer {
     /// queued on this buffer's stream so far (GPU-side; the host does not wait), and `stream`
     /// is recorded as a use of this buffer, so its free waits for the copy.
     ///
-    /// Errors: [`Error::WrongDevice`] if `resource` or `stream` is of another device (no copies
-    /// between devices), the resource's error if it has no memory, a driver error if the copy
-    /// or the ordering cannot be queued. Nothing is allocated when an error is returned.
+    /// `resource` and `stream` may be of another device than this buffer's (another GPU, or
+    /// another simulated device): the copy between devices is queued on `stream` as above
+    /// (`cuMemcpyPeerAsync`: no peer access needed), after a GPU-side wait for this buffer's
+    /// stream.
+    ///
+    /// Errors: [`Error::WrongDevice`] if `resource` and `stream` are of different devices, or
+    /// one is simulated and the other a GPU; the resource's error if it has no memory, a driver
+    /// error if the copy or the ordering cannot be queued. Nothing is allocated when an error
+    /// is returned.
     ///
     /// ```
     /// # use std::sync::Arc;
@@ -407,14 +469,16 @@ impl DeviceBuffer {
     pub fn try_clone_to(&self, resource: &impl AsResourceRef, stream: &Stream) -> Result<Self> {
         let resource = resource.resource_ref();
         check_device(&resource, stream)?;
-        check_device(&self.resource, stream)?;
+        let here = self.resource.device();
+        here.check_peer(stream.device())?;
         let copy = Self::new(&resource, self.len, stream)?;
         if self.len > 0 {
-            self.use_on(stream)?;
-            // SAFETY: both are live allocations of at least `len` bytes; `stream` is ordered
-            // after this buffer's stream, and recorded as a use of it, so this buffer is freed
-            // only after the copy; the copy is freed in order on `stream`.
-            unsafe { stream.copy_dtod(copy.ptr, self.ptr, self.len) }?;
+            self.use_on_any_device(stream)?;
+            // SAFETY: both are live allocations of at least `len` bytes (this one of `here`,
+            // the copy of `stream`'s device); `stream` is ordered after this buffer's stream,
+            // and recorded as a use of it, so this buffer is freed only after the copy; the
+            // copy is freed in order on `stream`.
+            unsafe { stream.copy_peer(copy.ptr, self.ptr, here, self.len) }?;
         }
         Ok(copy)
     }

@@ -114,6 +114,75 @@
 //! store-buffering window in which each would miss the other's write. A request that can never
 //! succeed (larger than the maximum) fails at once.
 //!
+//! `allocate_all_async` (and `DeviceBuffer::alloc_all`) waits in the same queue as one waiter
+//! for a whole set: each try allocates every piece, largest first, or gives back what it took
+//! and waits on. So a waiting task holds nothing, and tasks that each need several buffers
+//! cannot deadlock holding parts of their sets. The head gives back *quietly* (its own
+//! thread's notifications of its queue are dropped for that moment): everyone else queued is
+//! behind it, and a loud give-back would wake the head itself into a loop of failing tries. A
+//! fresh try (not queued) gives back loudly: the head may have failed because of it.
+//!
+//! # Several devices
+//!
+//! Each device has its own reactor, resources and current resource. Streams of two GPUs (or of
+//! two simulated devices) may wait for each other's events, a buffer may be recorded as used on
+//! another device's stream, and copies between devices are queued in stream order
+//! (`cuMemcpyPeerAsync`); allocating from one device's resource for another's stream is a
+//! `WrongDevice` error. Simulated devices have disjoint address ranges.
+//!
+//! # cudarc
+//!
+//! cudarc both ways: a `Device` on a cudarc context (`Device::from_cudarc`), a `Stream` on a
+//! cudarc stream (`Stream::from_cudarc`), and ours handed to cudarc (`Device::cudarc_context`,
+//! `Stream::cudarc_stream`), so that a kernel a user loads and launches with cudarc's launch
+//! builder runs on our stream, on our buffers, with no host synchronization in between
+//! (`examples/pipeline.rs` does it; `tests/cudarc_interop.rs` checks it on a GPU).
+//!
+//! ## Ownership
+//!
+//! Both sides hold cudarc's own reference-counted handles, so neither can pull a context or a
+//! stream from under the other, and no `unsafe` is asked of the user:
+//!
+//! - **Contexts.** A CUDA [`Device`](crate::Device) always holds its context through cudarc's
+//!   `Arc<CudaContext>`: [`Device::cuda`](crate::Device::cuda) has cudarc retain the GPU's primary context (the one
+//!   `CudaContext::new(ordinal)` gives, so a cudarc user of the same GPU shares it anyway), and
+//!   [`Device::from_cudarc`](crate::Device::from_cudarc) takes the user's `Arc` (a primary context or one made with
+//!   `new_non_primary` / `from_raw_context`) and retains nothing more.
+//!   [`Device::cudarc_context`](crate::Device::cudarc_context) hands that same `Arc` out. The context is released when the
+//!   last holder on either side lets go.
+//! - **Streams.** Every CUDA [`Stream`](crate::Stream) is a cudarc stream: [`Device::create_stream`](crate::Device::create_stream) has
+//!   cudarc make it (`CudaContext::new_stream`, non-blocking), and [`Stream::from_cudarc`](crate::Stream::from_cudarc)
+//!   adopts the user's. The `Stream` holds cudarc's `Arc<CudaStream>`;
+//!   [`Stream::cudarc_stream`](crate::Stream::cudarc_stream) clones it. The driver's stream is destroyed (its queued work
+//!   still runs) when the last `Arc` goes, ours or a clone that cudarc code keeps (a
+//!   `CudaSlice` allocated on it, say). cudarc's `wrap_borrowed_stream` (in 0.19.10; cudarc
+//!   issue #589), which wraps a handle without owning it and leaves its lifetime to the caller,
+//!   is not needed: both sides own.
+//!
+//! ## Ordering (what is safe without synchronizing)
+//!
+//! Work that cudarc queues on [`Stream::cudarc_stream`](crate::Stream::cudarc_stream) *is* work on our stream: the same
+//! driver stream, so stream order holds between our work and cudarc's with nothing in between.
+//! Our buffers are cudarc kernel arguments (`PushKernelArg` for `&DeviceBuffer`,
+//! `&mut DeviceBuffer`, `&DeviceVec<T>`, `&mut DeviceVec<T>`): memory allocated on a stream may
+//! be used by a launch queued on that stream after the allocation, and its free (at the
+//! buffer's drop) is queued after the launch. Launching on *another* stream than the buffer's
+//! needs what any second stream needs: make it wait for an event of the buffer's stream, and
+//! [`DeviceBuffer::record_stream`](crate::DeviceBuffer::record_stream) it, so its free waits
+//! for that stream too. cudarc's own event tracking applies to its `CudaSlice`s only; our
+//! buffers carry their own.
+//!
+//! ## Caveats
+//!
+//! - cudarc synchronizes a context (the host waits for it) when the *first* stream of the
+//!   context is made through it, if the context tracks events (cudarc's default). For a device
+//!   of ours that is at its first `create_stream`; for a shared context with work already
+//!   running, the first stream either side makes waits for that work once.
+//! - A cudarc stream adopted twice gives two `Stream`s (two ids) on one driver stream. That is
+//!   correct, only slower: the pool treats memory freed on one as another stream's and orders
+//!   its reuse with an event.
+//! - On the simulated device there is no cudarc: these return `None` or an error.
+//!
 //! # Proving it
 //!
 //! - The simulated device runs every test that a GPU runs (`tests/`, written once against

@@ -97,13 +97,18 @@ pub use crate::device::{
 pub use crate::error::{Error, Result};
 pub use crate::event::Event;
 pub use crate::resource::{
-    AllocateAsync, AsResourceRef, CudaAsyncResource, CudaResource, MemoryKind, MemoryResource,
-    MemoryWaiters, PoolOptions, PoolResource, ResourceRef, ALIGNMENT,
+    AllocateAsync, AsResourceRef, CudaAsyncResource, CudaResource, ExpandableOptions,
+    ExpandablePoolResource, MemoryKind, MemoryResource, MemoryWaiters, PoolOptions, PoolResource,
+    ResourceRef, ALIGNMENT,
 };
 pub use crate::stream::{Stream, StreamId};
 pub use crate::stream_pool::StreamPool;
 pub use crate::vec::{DeviceScalar, DeviceVec};
 pub use bytemuck::Pod;
+/// The cudarc this crate is built on: use it (`streamalloc::cudarc`) for
+/// [`Device::from_cudarc`], [`Stream::cudarc_stream`] and kernel launches on our buffers, so
+/// that both sides name the same cudarc.
+pub use cudarc;
 
 /// The loom models (`loom-tests/`), compiled into the crate so they reach its internals. Run
 /// them with `RUSTFLAGS="--cfg streamalloc_loom" cargo test --release --lib loom_tests` (see

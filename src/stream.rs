@@ -64,6 +64,11 @@ struct StreamInner {
     /// way round, and the earlier event's waiters would be woken only once the later one
     /// completes (issue 19).
     seq: Mutex<u64>,
+    /// On CUDA, cudarc's handle of the driver's stream, which owns it: made by cudarc for us
+    /// (`Device::create_stream`) or given by a cudarc user (`Stream::from_cudarc`). The driver's
+    /// stream lives as long as this or any clone that cudarc code holds. `None` on the
+    /// simulated device.
+    cudarc: Option<std::sync::Arc<cudarc::driver::CudaStream>>,
 }
 
 impl fmt::Debug for Stream {
@@ -77,10 +82,10 @@ impl fmt::Debug for Stream {
 
 impl Drop for StreamInner {
     fn drop(&mut self) {
-        match (&self.raw, self.device.backend()) {
-            (RawStream::Cuda(s), Backend::Cuda(d)) => d.destroy_stream(*s),
-            (RawStream::Sim(s), _) => s.close(),
-            _ => {}
+        // A CUDA stream is destroyed by cudarc when the last `Arc` of its handle goes: ours
+        // (the field, after this) or a clone held by cudarc code.
+        if let RawStream::Sim(s) = &self.raw {
+            s.close();
         }
         self.device.reactor().forget_stream(self.id.get());
     }
@@ -89,18 +94,46 @@ impl Drop for StreamInner {
 impl Stream {
     pub(crate) fn new(device: &Device) -> Result<Stream> {
         let id = StreamId::next();
-        let raw = match device.backend() {
-            Backend::Cuda(d) => RawStream::Cuda(d.create_stream()?),
-            Backend::Sim(d) => RawStream::Sim(d.create_stream(id)?),
+        let (raw, cudarc) = match device.backend() {
+            Backend::Cuda(d) => {
+                let (raw, owner) = d.create_stream()?;
+                (RawStream::Cuda(raw), Some(owner))
+            }
+            Backend::Sim(d) => (RawStream::Sim(d.create_stream(id)?), None),
         };
-        Ok(Stream {
+        Ok(Self::from_parts(id, device, raw, cudarc))
+    }
+
+    /// A stream of `device` on a stream that cudarc owns (checked by the caller to belong to
+    /// the device's context).
+    pub(crate) fn on_cudarc(
+        device: &Device,
+        stream: std::sync::Arc<cudarc::driver::CudaStream>,
+    ) -> Stream {
+        let raw = RawStream::Cuda(cuda::Handle(stream.cu_stream()));
+        Self::from_parts(StreamId::next(), device, raw, Some(stream))
+    }
+
+    fn from_parts(
+        id: StreamId,
+        device: &Device,
+        raw: RawStream,
+        cudarc: Option<std::sync::Arc<cudarc::driver::CudaStream>>,
+    ) -> Stream {
+        Stream {
             inner: Arc::new(StreamInner {
                 id,
                 device: device.clone(),
                 raw,
                 seq: Mutex::new(0),
+                cudarc,
             }),
-        })
+        }
+    }
+
+    /// cudarc's handle of this stream, on CUDA (`None` on the simulated device).
+    pub(crate) fn cudarc_handle(&self) -> Option<&std::sync::Arc<cudarc::driver::CudaStream>> {
+        self.inner.cudarc.as_ref()
     }
 
     /// The stream's unique id.
@@ -156,9 +189,11 @@ impl Stream {
     }
 
     /// Makes work queued on this stream after this call wait until `event` completes. The host
-    /// does not wait. `Err(WrongDevice)` for an event of another device.
+    /// does not wait. The event may be of another device (CUDA allows it, and so do simulated
+    /// devices among themselves); `Err(WrongDevice)` for an event of a simulated device on a
+    /// GPU's stream or the other way round.
     pub fn wait(&self, event: &Event) -> Result<()> {
-        self.inner.device.check_same(event.device())?;
+        self.inner.device.check_peer(event.device())?;
         match (&self.inner.raw, event.raw(), self.inner.device.backend()) {
             (RawStream::Cuda(s), RawEvent::Cuda(e), Backend::Cuda(d)) => d.wait(*s, *e),
             (RawStream::Sim(s), RawEvent::Sim(m), Backend::Sim(d)) => {
@@ -322,6 +357,49 @@ impl Stream {
                 bytes,
             },
         )
+    }
+
+    /// Copies `bytes` bytes from `src`, memory of `src_device`, to `dst`, memory of this
+    /// stream's device, in this stream's order (`cuMemcpyPeerAsync`; no peer access needed).
+    /// `src_device` may be this device too. The safe form is
+    /// [`DeviceBuffer::try_clone_to`](crate::DeviceBuffer::try_clone_to) with a resource of the
+    /// other device.
+    ///
+    /// Errors: `WrongDevice` for a simulated device and a GPU.
+    ///
+    /// # Safety
+    /// Both ranges are live memory of their devices until the stream reaches the copy, and the
+    /// work that writes the source (on any device) is ordered before this point of the stream
+    /// (an event of the source's stream waited for with [`wait`](Self::wait)).
+    pub unsafe fn copy_peer(
+        &self,
+        dst: DevicePtr,
+        src: DevicePtr,
+        src_device: &Device,
+        bytes: usize,
+    ) -> Result<()> {
+        let device = &self.inner.device;
+        device.check_peer(src_device)?;
+        if device.id() == src_device.id() {
+            // SAFETY: the caller's contract.
+            return unsafe { self.copy_dtod(dst, src, bytes) };
+        }
+        match (&self.inner.raw, device.backend(), src_device.backend()) {
+            (RawStream::Cuda(s), Backend::Cuda(d), Backend::Cuda(from)) => {
+                // SAFETY: the caller's contract.
+                unsafe { d.copy_peer(dst.0, from, src.0, bytes, *s) }
+            }
+            (RawStream::Sim(s), Backend::Sim(d), Backend::Sim(from)) => {
+                d.fault(FaultKind::Copy)?;
+                s.push(Op::CopyPeer {
+                    dst: dst.0,
+                    from: from.memory.clone(),
+                    src: src.0,
+                    bytes,
+                })
+            }
+            _ => Err(mismatch()),
+        }
     }
 
     /// Migrates managed memory to this stream's device ahead of use (`cuMemPrefetchAsync`), in

@@ -16,6 +16,8 @@ mod imp {
     };
     pub(crate) use std::sync::Arc;
     pub(crate) use std::sync::MutexGuard;
+    #[allow(unused_imports)] // for `MemoryWaiters::quietly`
+    pub(crate) use std::thread_local;
 
     /// std's mutex with loom's `lock()` shape.
     #[derive(Debug, Default)]
@@ -68,6 +70,8 @@ mod imp {
     };
     pub(crate) use loom::sync::Arc;
     pub(crate) use loom::sync::MutexGuard;
+    #[allow(unused_imports)] // for `MemoryWaiters::quietly`
+    pub(crate) use loom::thread_local;
 
     /// loom's mutex with the poison-free `lock()` of the std side.
     #[derive(Debug, Default)]

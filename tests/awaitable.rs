@@ -1,5 +1,6 @@
 //! Memory that can be awaited: `allocate_async` and `DeviceBuffer::alloc` under pressure, on
-//! every available device.
+//! every available device, for both pools: `PoolResource` and `ExpandablePoolResource` (each
+//! test body is generic over [`Awaited`] and runs once per pool).
 
 mod common;
 
@@ -11,10 +12,81 @@ use std::time::Duration;
 
 use common::{devices, eventually, label, runtime, SplitMix64};
 use streamalloc::resource::cuda::CudaResource;
-use streamalloc::resource::pool::{PoolOptions, PoolResource};
-use streamalloc::{AllocateAsync, Device, DeviceBuffer, Error, MemoryResource, StreamPool};
+use streamalloc::resource::pool::{PoolOptions, PoolResource, PoolStats};
+use streamalloc::resource::WaitStats;
+use streamalloc::{
+    AllocateAsync, Device, DeviceBuffer, Error, ExpandableOptions, ExpandablePoolResource,
+    MemoryResource, StreamPool,
+};
 
 const MIB: usize = 1 << 20;
+
+/// A pool whose memory can be awaited, and what the tests read of it.
+trait Awaited: MemoryResource + 'static {
+    fn stats(&self) -> PoolStats;
+    fn wait_stats(&self) -> WaitStats;
+}
+
+impl Awaited for PoolResource<CudaResource> {
+    fn stats(&self) -> PoolStats {
+        PoolResource::stats(self)
+    }
+    fn wait_stats(&self) -> WaitStats {
+        PoolResource::wait_stats(self)
+    }
+}
+
+impl Awaited for ExpandablePoolResource {
+    fn stats(&self) -> PoolStats {
+        ExpandablePoolResource::stats(self)
+    }
+    fn wait_stats(&self) -> WaitStats {
+        ExpandablePoolResource::wait_stats(self)
+    }
+}
+
+/// Makes a pool of exactly `size` bytes, all of it taken at construction.
+type MakePool<P> = fn(&Device, usize) -> Arc<P>;
+
+/// An expandable pool of `size` bytes (a multiple of the 2 MiB granule in these tests), all
+/// mapped at construction.
+fn expandable(device: &Device, size: usize) -> Arc<ExpandablePoolResource> {
+    Arc::new(
+        ExpandablePoolResource::new(
+            device,
+            ExpandableOptions {
+                initial: size,
+                maximum: Some(size),
+                ..ExpandableOptions::default()
+            },
+        )
+        .unwrap(),
+    )
+}
+
+/// `#[test] fn name()` running `name_on` once per pool.
+macro_rules! on_both_pools {
+    ($($name:ident => $body:ident),* $(,)?) => {
+        $(
+            #[test]
+            fn $name() {
+                $body(pool);
+                $body(expandable);
+            }
+        )*
+    };
+}
+
+on_both_pools! {
+    sixty_four_tasks_each_needing_a_quarter => sixty_four_tasks_each_needing_a_quarter_on,
+    a_large_waiter_is_not_starved_by_small_ones => a_large_waiter_is_not_starved_by_small_ones_on,
+    cancellation_at_random_points_loses_nothing => cancellation_at_random_points_loses_nothing_on,
+    a_waiter_wakes_only_after_the_gpu_frees_the_memory =>
+        a_waiter_wakes_only_after_the_gpu_frees_the_memory_on,
+    too_large_requests_fail_at_once_and_deadlines_expire =>
+        too_large_requests_fail_at_once_and_deadlines_expire_on,
+    the_allocate_future_is_send => the_allocate_future_is_send_on,
+}
 
 fn pool(device: &Device, size: usize) -> Arc<PoolResource<CudaResource>> {
     Arc::new(
@@ -32,8 +104,7 @@ fn pool(device: &Device, size: usize) -> Arc<PoolResource<CudaResource>> {
 
 /// 64 tasks, each needing a quarter of the pool, loop: all complete, none fails, and the pool
 /// never holds more than its maximum.
-#[test]
-fn sixty_four_tasks_each_needing_a_quarter() {
+fn sixty_four_tasks_each_needing_a_quarter_on<P: Awaited>(pool: MakePool<P>) {
     let rt = runtime();
     for device in devices() {
         let size = 64 * MIB;
@@ -81,8 +152,7 @@ fn sixty_four_tasks_each_needing_a_quarter() {
 
 /// One large waiter and a flood of small requests: the large one is served as soon as the
 /// memory ahead of it comes back, not starved by small ones that keep fitting.
-#[test]
-fn a_large_waiter_is_not_starved_by_small_ones() {
+fn a_large_waiter_is_not_starved_by_small_ones_on<P: Awaited>(pool: MakePool<P>) {
     let rt = runtime();
     for device in devices() {
         let size = 16 * MIB;
@@ -131,8 +201,7 @@ fn a_large_waiter_is_not_starved_by_small_ones() {
 
 /// Futures dropped before, during and after a wake, under load: every byte comes back and every
 /// remaining waiter completes.
-#[test]
-fn cancellation_at_random_points_loses_nothing() {
+fn cancellation_at_random_points_loses_nothing_on<P: Awaited>(pool: MakePool<P>) {
     let rt = runtime();
     for device in devices() {
         let size = 8 * MIB;
@@ -212,11 +281,11 @@ fn cancellation_at_random_points_loses_nothing() {
 
 /// A buffer dropped while a spin kernel still uses it on another stream: a waiter for that
 /// memory wakes only after the kernel finishes, and the kernel's data was not clobbered.
-#[test]
-fn a_waiter_wakes_only_after_the_gpu_frees_the_memory() {
+fn a_waiter_wakes_only_after_the_gpu_frees_the_memory_on<P: Awaited>(pool: MakePool<P>) {
     let rt = runtime();
     for device in devices() {
-        let words = 256 * 1024;
+        // 2 MiB: the expandable pool's granule, so its maximum is exactly this.
+        let words = 512 * 1024;
         let bytes = words * 4;
         let p = pool(&device, bytes);
         let (a, k) = (
@@ -258,8 +327,7 @@ fn a_waiter_wakes_only_after_the_gpu_frees_the_memory() {
     }
 }
 
-#[test]
-fn too_large_requests_fail_at_once_and_deadlines_expire() {
+fn too_large_requests_fail_at_once_and_deadlines_expire_on<P: Awaited>(pool: MakePool<P>) {
     let rt = runtime();
     for device in devices() {
         let p = pool(&device, 4 * MIB);
@@ -302,8 +370,7 @@ fn too_large_requests_fail_at_once_and_deadlines_expire() {
     }
 }
 
-#[test]
-fn the_allocate_future_is_send() {
+fn the_allocate_future_is_send_on<P: Awaited>(pool: MakePool<P>) {
     fn send<T: Send>(_: &T) {}
     let device = Device::simulated(Default::default());
     let p = pool(&device, MIB);

@@ -1,5 +1,6 @@
 //! The four base resources (`CudaResource`, `CudaAsyncResource`, `ManagedResource`,
-//! `PinnedHostResource`) on every available device (see `common`), to the bar of RMM's
+//! `PinnedHostResource`), and the `ExpandablePoolResource` that stands on the device's virtual
+//! memory calls, on every available device (see `common`), to the bar of RMM's
 //! memory-resource tests: zero bytes, sizes up to 1 GiB, out of memory, random mixes,
 //! threads, producer/consumer across streams, and each resource's own promises.
 
@@ -15,7 +16,8 @@ use streamalloc::resource::cuda_async::{CudaAsyncOptions, CudaAsyncResource};
 use streamalloc::resource::managed::ManagedResource;
 use streamalloc::resource::pinned::{PinnedHostOptions, PinnedHostResource};
 use streamalloc::{
-    Device, DevicePtr, Error, MemoryKind, MemoryResource, SimConfig, Stream, ALIGNMENT,
+    Device, DevicePtr, Error, ExpandablePoolResource, MemoryKind, MemoryResource, SimConfig,
+    Stream, ALIGNMENT,
 };
 
 const KIB: usize = 1 << 10;
@@ -57,6 +59,10 @@ fn resources(device: &Device) -> Vec<(&'static str, Arc<dyn MemoryResource>)> {
         ),
         ("managed", Arc::new(ManagedResource::new(device))),
         ("pinned", Arc::new(PinnedHostResource::new(device))),
+        (
+            "expandable",
+            Arc::new(ExpandablePoolResource::new(device, Default::default()).unwrap()),
+        ),
     ]
 }
 
@@ -504,6 +510,7 @@ fn resources_are_send_sync_debug_and_report_their_kind() {
     send_sync::<CudaAsyncResource>();
     send_sync::<ManagedResource>();
     send_sync::<PinnedHostResource>();
+    send_sync::<ExpandablePoolResource>();
     let device = Device::simulated(SimConfig::default());
     let kinds: Vec<MemoryKind> = resources(&device)
         .iter()
@@ -515,7 +522,8 @@ fn resources_are_send_sync_debug_and_report_their_kind() {
             MemoryKind::Device,
             MemoryKind::Device,
             MemoryKind::Managed,
-            MemoryKind::PinnedHost
+            MemoryKind::PinnedHost,
+            MemoryKind::Device
         ]
     );
     for (name, r) in resources(&device) {

@@ -15,8 +15,11 @@ nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader | 
 date -u | tee -a "$OUT/gpu.txt"
 if [ "${SKIP_TESTS:-0}" != 1 ]; then
   echo "===== tests (STREAMALLOC_REQUIRE_GPU=1)"
-  bash .gpu/run > "$OUT/tests.txt" 2>&1
-  echo "tests exit $?"; grep -E "^(=== |FAILED|test result)|passed|failed" "$OUT/tests.txt" | tail -40
+  bash .gpu/run > "$OUT/tests.log" 2>&1
+  echo "tests exit $?"
+  grep -E "^(=== |FAILED|test result)|passed|failed|panicked" "$OUT/tests.log" > "$OUT/tests-summary.txt"
+  tail -60 "$OUT/tests-summary.txt"
+  gzip -f "$OUT/tests.log"
 fi
 churn=$(ls .gpu/bin/churn-* 2>/dev/null | head -1)
 for r in $(seq "$ROUNDS"); do
@@ -24,11 +27,15 @@ for r in $(seq "$ROUNDS"); do
   bash .rmm/run.sh >> "$OUT/rmm.txt" 2>&1; tail -40 "$OUT/rmm.txt" | grep -E "ns/op|ratio" | tail -24
   echo "===== round $r: streamalloc (this build)"
   "$churn" --resource pool --run workloads --initial 2048,256 2>&1 | tee -a "$OUT/churn.txt" | grep -E "^pool"
+  echo "===== round $r: streamalloc (this build, PoolOptions::check_frees off: what the check costs)"
+  "$churn" --resource pool --run workloads --initial 2048,256 --check-frees off 2>&1 | tee -a "$OUT/churn-nocheck.txt" | grep -E "^pool"
   if [ -x .before/churn ]; then
     echo "===== round $r: streamalloc (before)"
     .before/churn --resource pool --run workloads --initial 2048,256 2>&1 | tee -a "$OUT/churn-before.txt" | grep -E "^pool"
   fi
 done
+echo "===== the expandable pool"
+"$churn" --resource expandable --run workloads --initial 2048,256 2>&1 | tee "$OUT/expandable.txt" | grep -E "^expandable"
 echo "===== arena: every workload and thread scaling, this build then before"
 "$churn" --resource arena --run workloads,scaling --initial 2048 2>&1 | tee "$OUT/arena.txt" | grep -E "^arena"
 [ -x .before/churn ] && .before/churn --resource arena --run workloads,scaling --initial 2048 2>&1 | tee "$OUT/arena-before.txt" | grep -E "^arena"
@@ -37,4 +44,6 @@ if [ "${SKIP_EXAMPLES:-0}" != 1 ]; then
   ex() { local b; b=$(ls .gpu/bin/"$1"* 2>/dev/null | head -1); shift; [ -n "$b" ] && timeout 120 "$b" "$@"; }
   ex pipeline 2>&1 | tee "$OUT/pipeline.txt" | tail -3
   ex inference_server --load 2>&1 | tee "$OUT/server.txt" | tail -3
+  ex inference_server --load --resource expandable 2>&1 | tee "$OUT/server-expandable.txt" | tail -3
+  ex expandable_phases 2>&1 | tee "$OUT/expandable-phases.txt" | tail -12
 fi

@@ -57,6 +57,11 @@
 //! at the peak that the allocator could not put to use (rounding, free blocks too small or on
 //! the wrong stream, slack).
 //!
+//! `--picture memory.html` also writes the picture of the replay (what `streamalloc-picture`
+//! draws from the log, plus the bytes the resource reserved from the device over time, and,
+//! as the address space, the resource's own snapshot after the log's peak event: its chunks,
+//! and its free blocks by stream).
+//!
 //! Exit codes: 0 done; 1 an error (the file cannot be read, the device or resource cannot be
 //! made, a free was refused by the resource); 2 a malformed log or bad arguments.
 
@@ -78,7 +83,12 @@ use streamalloc::resource::binning::BinningResource;
 use streamalloc::resource::cuda::CudaResource;
 use streamalloc::resource::cuda_async::{CudaAsyncOptions, CudaAsyncResource};
 use streamalloc::resource::pool::{PoolOptions, PoolResource};
+use streamalloc::resource::snapshot::{Block, BlockState, Snapshot};
 use streamalloc::{Device, DevicePtr, MemoryKind, MemoryResource, SimConfig, Stream};
+
+// The picture of `--picture`, shared with `streamalloc-picture`.
+#[path = "../tools/picture/mod.rs"]
+mod picture;
 
 // ===== arguments =====
 
@@ -179,6 +189,12 @@ struct Args {
     /// STREAMALLOC_DEVICE variable can choose), `sim`, `cuda` or `cuda:N`.
     #[arg(long, default_value = "auto")]
     device: String,
+
+    /// Also write the picture of the replay to this HTML file (as `streamalloc-picture` draws
+    /// a log, plus the memory the resource reserved over time and, as the address map, the
+    /// resource's own snapshot at the log's peak).
+    #[arg(long)]
+    picture: Option<PathBuf>,
 
     /// The simulated device's memory [default: 16GiB].
     #[arg(long, value_parser = parse_size)]
@@ -570,6 +586,17 @@ impl Built {
         }
     }
 
+    /// The counter of bytes held from the device, if there is one.
+    fn counted(&self) -> Option<&Counted<CudaResource>> {
+        match self {
+            Built::Pool(r) => Some(r.upstream()),
+            Built::Arena(r) => Some(r.upstream()),
+            Built::Binning(r) => Some(r.upstream().upstream()),
+            Built::Cuda(r) => Some(r),
+            Built::CudaAsync(_) => None,
+        }
+    }
+
     /// The most bytes held from the device, if known.
     fn peak_reserved(&self) -> Option<u64> {
         let counted = match self {
@@ -720,6 +747,57 @@ struct Shared<'a> {
     free_errors: AtomicU64,
     first_error: Mutex<Option<String>>,
     progress: ProgressBar,
+    /// `--picture`: what the picture needs from the replay.
+    watch: Option<Watch<'a>>,
+}
+
+/// What `--picture` records during the replay: the bytes reserved after each event, and the
+/// resource's snapshot after the event at the log's peak.
+struct Watch<'a> {
+    /// The resource's reserve now (its upstream's counter), if known.
+    reserved_now: Option<&'a AtomicU64>,
+    reserved: Vec<AtomicU64>,
+    snapshot_at: Option<u64>,
+    snapshot: Mutex<Option<Snapshot>>,
+    /// (size, stream) of each allocation, by id (the log's).
+    allocs: &'a [(u64, u32)],
+}
+
+impl Shared<'_> {
+    /// After event `index`: the reserve, and at the peak the resource's snapshot with the
+    /// live allocations of the replay (their slots) as its in-use blocks.
+    fn watch_after(&self, index: u64) {
+        let Some(watch) = &self.watch else { return };
+        if let Some(now) = watch.reserved_now {
+            watch.reserved[index as usize].store(now.load(Ordering::Relaxed), Ordering::Relaxed);
+        }
+        if watch.snapshot_at == Some(index) {
+            let snapshot = self.mr.memory_snapshot().map(|mut snapshot| {
+                let mut live: Vec<Block> = self
+                    .slots
+                    .iter()
+                    .enumerate()
+                    .filter_map(|(id, slot)| {
+                        let ptr = slot.load(Ordering::Acquire);
+                        (ptr != PENDING && ptr != FAILED && ptr != FREED).then(|| {
+                            let (size, stream) = watch.allocs[id];
+                            let mut block = Block::new(
+                                ptr,
+                                size.next_multiple_of(256),
+                                BlockState::InUse,
+                                Some(self.streams[stream as usize].id().get()),
+                            );
+                            block.requested = Some(size);
+                            block
+                        })
+                    })
+                    .collect();
+                snapshot.merge_live(&mut live);
+                snapshot
+            });
+            *watch.snapshot.lock().unwrap_or_else(|e| e.into_inner()) = snapshot;
+        }
+    }
 }
 
 impl Shared<'_> {
@@ -869,9 +947,13 @@ impl Shared<'_> {
                 Order::Log => {
                     self.wait_turn(ev.index, me);
                     self.run(ev.op, stream);
+                    self.watch_after(ev.index);
                     self.pass_turn(ev.index, me);
                 }
-                Order::Threads => self.run(ev.op, stream),
+                Order::Threads => {
+                    self.run(ev.op, stream);
+                    self.watch_after(ev.index);
+                }
             }
             done += 1;
             if done.is_multiple_of(1024) {
@@ -907,7 +989,13 @@ struct Outcome {
     leaked_bytes: u64,
 }
 
-fn replay(log: &Log, mr: &dyn MemoryResource, streams: &[Stream], order: Order) -> Outcome {
+fn replay<'a>(
+    log: &'a Log,
+    mr: &'a dyn MemoryResource,
+    streams: &'a [Stream],
+    order: Order,
+    watch: Option<Watch<'a>>,
+) -> (Outcome, Option<Watch<'a>>) {
     let progress = bar(
         log.events,
         100_000,
@@ -937,6 +1025,7 @@ fn replay(log: &Log, mr: &dyn MemoryResource, streams: &[Stream], order: Order) 
         free_errors: AtomicU64::new(0),
         first_error: Mutex::new(None),
         progress,
+        watch,
     };
     let start = Barrier::new(log.threads.len() + 1);
     let wall = std::thread::scope(|scope| {
@@ -979,7 +1068,7 @@ fn replay(log: &Log, mr: &dyn MemoryResource, streams: &[Stream], order: Order) 
             }
         }
     }
-    Outcome {
+    let outcome = Outcome {
         wall,
         peak_live: shared.peak_live.load(Ordering::Relaxed),
         failed: shared.failed.load(Ordering::Relaxed),
@@ -992,7 +1081,8 @@ fn replay(log: &Log, mr: &dyn MemoryResource, streams: &[Stream], order: Order) 
             .unwrap_or_else(|e| e.into_inner()),
         leaked,
         leaked_bytes,
-    }
+    };
+    (outcome, shared.watch)
 }
 
 /// The instant the replay started (returned out of the thread scope, which ends when every
@@ -1052,7 +1142,28 @@ fn main() -> ExitCode {
             Order::Threads => "threads",
         }
     );
-    let outcome = replay(&log, built.resource(), &streams, args.order);
+    // `--picture`: the log read again as the picture reads it (its events line up with the
+    // replay's, one per line), and the peak found before the replay so that the snapshot is
+    // taken there.
+    let trace = match &args.picture {
+        Some(_) => match picture::read::read(&args.log, &ProgressBar::hidden()) {
+            Ok(picture::read::Input::Trace(trace)) => Some(trace),
+            Ok(picture::read::Input::Snapshot(_)) => None,
+            Err(e) => {
+                eprintln!("streamalloc-replay: cannot read the log for the picture: {e}");
+                return ExitCode::from(1);
+            }
+        },
+        None => None,
+    };
+    let watch = trace.as_ref().map(|trace| Watch {
+        reserved_now: built.counted().map(|c| &c.current),
+        reserved: (0..log.events).map(|_| AtomicU64::new(0)).collect(),
+        snapshot_at: picture::model::peak_index(trace).map(|i| i as u64),
+        snapshot: Mutex::new(None),
+        allocs: &log.allocs,
+    });
+    let (outcome, watch) = replay(&log, built.resource(), &streams, args.order, watch);
     for stream in &streams {
         let _ = stream.synchronize_blocking();
     }
@@ -1112,6 +1223,47 @@ fn main() -> ExitCode {
             "arena: {} defragmentation(s), {} grow(s)",
             stats.defragments, stats.grows
         );
+    }
+    if let (Some(path), Some(mut trace), Some(watch)) = (&args.picture, trace, watch) {
+        if watch.reserved_now.is_some() && trace.events.len() == watch.reserved.len() {
+            trace.reserved = Some(
+                watch
+                    .reserved
+                    .iter()
+                    .map(|r| r.load(Ordering::Relaxed))
+                    .collect(),
+            );
+        }
+        let snapshot = watch
+            .snapshot
+            .into_inner()
+            .unwrap_or_else(|e| e.into_inner());
+        let computing = picture::bar(
+            2 * trace.events.len() as u64,
+            400_000,
+            "drawing",
+            "{msg} [{bar:40}] {human_pos}/{human_len} ({eta})",
+        );
+        let title = format!(
+            "Replay of {} on {description}",
+            args.log
+                .file_name()
+                .map_or_else(String::new, |n| n.to_string_lossy().into_owned())
+        );
+        let ids: Vec<u64> = streams.iter().map(|s| s.id().get()).collect();
+        let drawn = picture::model::from_trace(
+            &trace,
+            title,
+            snapshot.as_ref().map(|s| (s, ids.as_slice())),
+            &computing,
+        );
+        match picture::write_page(&drawn, &args.log.display().to_string(), path) {
+            Ok(()) => println!("picture: {}", path.display()),
+            Err(e) => {
+                eprintln!("streamalloc-replay: cannot write the picture: {e}");
+                return ExitCode::from(1);
+            }
+        }
     }
     drop(built);
     if outcome.free_errors > 0 {

@@ -48,25 +48,38 @@ pub(crate) fn driver_device_count() -> Result<usize> {
     Ok(count.max(0) as usize)
 }
 
-/// A retained primary context. The device and its reactor thread each hold one `Arc` of it, so
-/// the context outlives whichever of them goes last.
+/// The device's context, held through cudarc's handle of it, so that a cudarc user and this
+/// crate share one context (`Device::from_cudarc`, `Device::cudarc_context`): cudarc retained
+/// it (the primary context, `CudaContext::new`) or the user made it, and it is released when
+/// the last `Arc` of cudarc's handle goes. The device and its reactor thread each hold one
+/// `Arc` of this, so the context outlives whichever of them goes last. (cudarc's `Arc` is
+/// std's: its API takes and returns `std::sync::Arc`; the context is not a structure that the
+/// loom models share.)
 pub(crate) struct Context {
-    ctx: sys::CUcontext,
-    dev: sys::CUdevice,
+    cudarc: std::sync::Arc<cudarc::driver::CudaContext>,
 }
 
-// SAFETY: a CUcontext is a driver handle that any thread may make current and use; the driver
-// synchronizes its own state.
-unsafe impl Send for Context {}
-// SAFETY: as above; `&Context` only lets a thread make the context current.
-unsafe impl Sync for Context {}
-
 impl Context {
-    fn retain(dev: sys::CUdevice) -> Result<Self> {
-        // SAFETY: `dev` came from cuDeviceGet after a successful cuInit.
-        let ctx = unsafe { result::primary_ctx::retain(dev) }
+    /// The primary context of GPU `ordinal` (cudarc retains it). The caller checked that the
+    /// driver is there (`CudaContext::new` panics without it).
+    fn open(ordinal: usize) -> Result<Self> {
+        let cudarc = cudarc::driver::CudaContext::new(ordinal)
             .map_err(|e| Error::driver("cuDevicePrimaryCtxRetain", e))?;
-        Ok(Self { ctx, dev })
+        Ok(Self { cudarc })
+    }
+
+    /// A context made by a cudarc user, shared (not copied, not retained again).
+    pub(crate) fn from_cudarc(cudarc: std::sync::Arc<cudarc::driver::CudaContext>) -> Self {
+        Self { cudarc }
+    }
+
+    /// cudarc's handle of the context.
+    pub(crate) fn cudarc(&self) -> &std::sync::Arc<cudarc::driver::CudaContext> {
+        &self.cudarc
+    }
+
+    fn raw(&self) -> sys::CUcontext {
+        self.cudarc.cu_ctx()
     }
 
     /// Makes this context current on the calling thread, if it is not already.
@@ -77,20 +90,13 @@ impl Context {
             sys::cuCtxGetCurrent(current.as_mut_ptr())
         })?;
         // SAFETY: written by the successful call above.
-        if unsafe { current.assume_init() } != self.ctx {
-            // SAFETY: `self.ctx` is retained for as long as `self` lives.
+        if unsafe { current.assume_init() } != self.raw() {
+            // SAFETY: cudarc's handle keeps the context alive for as long as `self` lives.
             check("cuCtxSetCurrent", unsafe {
-                result::ctx::set_current(self.ctx)
+                result::ctx::set_current(self.raw())
             })?;
         }
         Ok(())
-    }
-}
-
-impl Drop for Context {
-    fn drop(&mut self) {
-        // SAFETY: balances the retain in `Context::retain`; nothing uses `ctx` after this.
-        let _ = unsafe { result::primary_ctx::release(self.dev) };
     }
 }
 
@@ -140,10 +146,15 @@ impl CudaDevice {
         if ordinal >= count {
             return Err(Error::InvalidDevice { ordinal, count });
         }
-        let dev =
-            result::device::get(ordinal as i32).map_err(|e| Error::driver("cuDeviceGet", e))?;
-        let ctx = Arc::new(Context::retain(dev)?);
+        Self::on_context(Context::open(ordinal)?)
+    }
+
+    /// The device of a context: its primary one (`open`) or one a cudarc user made.
+    pub(crate) fn on_context(ctx: Context) -> Result<Self> {
+        let ctx = Arc::new(ctx);
         ctx.bind()?;
+        let ordinal = ctx.cudarc().ordinal();
+        let dev = ctx.cudarc().cu_device();
         let name =
             result::device::get_name(dev).map_err(|e| Error::driver("cuDeviceGetName", e))?;
         // SAFETY: `dev` is a valid device.
@@ -194,19 +205,21 @@ impl CudaDevice {
 
     // ===== streams and events =====
 
-    pub(crate) fn create_stream(&self) -> Result<RawStream> {
-        self.ctx.bind()?;
-        result::stream::create(result::stream::StreamKind::NonBlocking)
-            .map(Handle)
-            .map_err(|e| Error::driver("cuStreamCreate", e))
-    }
-
-    /// Destroys the handle; work already queued still runs (the driver's own rule).
-    pub(crate) fn destroy_stream(&self, stream: RawStream) {
-        if self.ctx.bind().is_ok() {
-            // SAFETY: the stream is ours and no handle of it is used after this.
-            let _ = unsafe { result::stream::destroy(stream.0) };
-        }
+    /// A new non-blocking stream, made and owned by cudarc (`CudaContext::new_stream`): the
+    /// `Stream` holds cudarc's `Arc`, so that handing it to cudarc (`Stream::cudarc_stream`)
+    /// is an `Arc` clone, and the driver's stream is destroyed (work already queued still
+    /// runs, the driver's own rule) when the last holder on either side lets go. cudarc
+    /// synchronizes the context once, when the first stream of a context is made, if the
+    /// context tracks events (its default): at device creation for our own contexts.
+    pub(crate) fn create_stream(
+        &self,
+    ) -> Result<(RawStream, std::sync::Arc<cudarc::driver::CudaStream>)> {
+        let stream = self
+            .ctx
+            .cudarc()
+            .new_stream()
+            .map_err(|e| Error::driver("cuStreamCreate", e))?;
+        Ok((Handle(stream.cu_stream()), stream))
     }
 
     pub(crate) fn record(&self, stream: RawStream) -> Result<RawEvent> {
@@ -653,6 +666,66 @@ impl CudaDevice {
                 0,
                 stream.0,
                 &mut params,
+            )
+        })
+    }
+}
+
+// ===== several GPUs (peer access, copies between GPUs) =====
+
+impl CudaDevice {
+    /// Whether kernels of this GPU can access `peer`'s memory (`cuDeviceCanAccessPeer`).
+    pub(crate) fn can_access_peer(&self, peer: &CudaDevice) -> Result<bool> {
+        let mut can = 0;
+        // SAFETY: `can` is one writable int; both devices are valid.
+        raw("cuDeviceCanAccessPeer", unsafe {
+            sys::cuDeviceCanAccessPeer(
+                &mut can,
+                self.ctx.cudarc().cu_device(),
+                peer.ctx.cudarc().cu_device(),
+            )
+        })?;
+        Ok(can != 0)
+    }
+
+    /// Lets kernels of this GPU's context access `peer`'s memory (`cuCtxEnablePeerAccess`, one
+    /// direction). Already enabled is success.
+    pub(crate) fn enable_peer_access(&self, peer: &CudaDevice) -> Result<()> {
+        self.ctx.bind()?;
+        // SAFETY: the peer's context is alive (its device holds it); flags must be 0.
+        match unsafe { sys::cuCtxEnablePeerAccess(peer.ctx.raw(), 0) } {
+            sys::CUresult::CUDA_SUCCESS | sys::CUresult::CUDA_ERROR_PEER_ACCESS_ALREADY_ENABLED => {
+                Ok(())
+            }
+            r => raw("cuCtxEnablePeerAccess", r),
+        }
+    }
+
+    /// Queues a copy of `bytes` from `src` (memory of `src_device`) to `dst` (memory of this
+    /// device) on `stream` of this device (`cuMemcpyPeerAsync`: needs no peer access; the
+    /// driver stages it when the GPUs cannot reach each other).
+    ///
+    /// # Safety
+    /// Both ranges are live memory of their devices until the stream reaches the copy, and the
+    /// source's writers are ordered before it.
+    pub(crate) unsafe fn copy_peer(
+        &self,
+        dst: u64,
+        src_device: &CudaDevice,
+        src: u64,
+        bytes: usize,
+        stream: RawStream,
+    ) -> Result<()> {
+        self.ctx.bind()?;
+        // SAFETY: the caller's contract; both contexts are alive.
+        check("cuMemcpyPeerAsync", unsafe {
+            result::memcpy_peer_async(
+                self.ctx.raw(),
+                dst,
+                src_device.ctx.raw(),
+                src,
+                bytes,
+                stream.0,
             )
         })
     }

@@ -5,8 +5,12 @@
 //! thread (see `reactor.rs`).
 
 pub(crate) mod cuda;
+mod cuda_vmm;
+mod cudarc_interop;
+mod peer;
 pub(crate) mod sim;
 pub(crate) mod staging;
+pub(crate) mod vmm;
 
 use std::fmt;
 use std::time::Duration;
@@ -167,6 +171,12 @@ impl Device {
     /// Opens GPU `ordinal` with the given options.
     pub fn cuda_with(ordinal: usize, options: CudaOptions) -> Result<Device> {
         let backend = cuda::CudaDevice::open(ordinal)?;
+        Ok(Self::open_cuda(backend, options))
+    }
+
+    /// A device handle, with its reactor, on an opened CUDA backend.
+    fn open_cuda(backend: cuda::CudaDevice, options: CudaOptions) -> Device {
+        let ordinal = backend.ordinal;
         let id = NEXT_DEVICE_ID.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
         let reactor = Reactor::start(
             format!("sa-reactor-{id}"),
@@ -183,7 +193,7 @@ impl Device {
             total_memory = backend.total_memory,
             "opened CUDA device"
         );
-        Ok(Self::from_parts(id, Backend::Cuda(backend), reactor))
+        Self::from_parts(id, Backend::Cuda(backend), reactor)
     }
 
     /// An in-process simulated device with the same semantics as a GPU (see [`SimConfig`]).

@@ -3,6 +3,9 @@
 use std::fmt;
 use std::sync::Arc as StdArc;
 
+// `snapshot()`, in its own file.
+mod snapshot;
+
 use super::fixed_size::FixedSizeResource;
 use super::{aligned_size, MemoryKind, MemoryResource, ResourceRef};
 use crate::device::{Device, DevicePtr};
@@ -288,5 +291,9 @@ impl<U: MemoryResource> MemoryResource for BinningResource<U> {
         self.device.check_same(stream.device())?;
         // SAFETY: the caller's contract; the same size picks the resource `allocate` used.
         unsafe { self.route(bytes).deallocate(ptr, bytes, stream) }
+    }
+
+    fn memory_snapshot(&self) -> Option<super::snapshot::Snapshot> {
+        Some(self.snapshot())
     }
 }

@@ -2,6 +2,9 @@
 
 use std::fmt;
 
+// `snapshot()`, in its own file.
+mod snapshot;
+
 use super::stream_ordered::{Grow, StreamLists};
 use super::{aligned_size, check_stream, MemoryResource, ALIGNMENT};
 use crate::device::{Device, DevicePtr};
@@ -136,6 +139,10 @@ impl<U: MemoryResource> MemoryResource for FixedSizeResource<U> {
             return Err(Error::UnknownPointer { ptr: ptr.0, bytes });
         }
         Ok(())
+    }
+
+    fn memory_snapshot(&self) -> Option<super::snapshot::Snapshot> {
+        Some(self.snapshot())
     }
 }
 

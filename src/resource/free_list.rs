@@ -479,6 +479,42 @@ impl FreeList {
         }
         Ok(())
     }
+
+    // ===== for the expandable pool (resource/expandable): added by issue 11 =====
+
+    /// The size of the free block that ends at `addr`, or 0 if none does.
+    pub(crate) fn free_ending_at(&self, addr: u64) -> u64 {
+        self.by_end
+            .get(&addr)
+            .map_or(0, |&i| self.blocks[i as usize].size)
+    }
+
+    /// The size of the free block that starts at `addr`, or 0 if none does.
+    pub(crate) fn free_starting_at(&self, addr: u64) -> u64 {
+        self.by_start
+            .get(&addr)
+            .map_or(0, |&i| self.blocks[i as usize].size)
+    }
+
+    /// Takes `[lo, hi)` out of the middle of the free block that starts at `block`, leaving
+    /// its pieces before and after in the list. False, changing nothing, unless such a block
+    /// holds all of the range.
+    pub(crate) fn take_range(&mut self, block: u64, lo: u64, hi: u64) -> bool {
+        let size = self.free_starting_at(block);
+        if size == 0 || lo < block || hi > block + size || lo >= hi {
+            return false;
+        }
+        let taken = self.take_exact(block, size);
+        debug_assert!(taken);
+        // The pieces cannot merge with anything: the block was coalesced with its neighbours.
+        for (addr, end) in [(block, lo), (hi, block + size)] {
+            if end > addr {
+                let given = self.give(addr, end - addr);
+                debug_assert!(given, "a piece of a split block could not go back");
+            }
+        }
+        true
+    }
 }
 
 #[cfg(all(test, not(streamalloc_loom)))]

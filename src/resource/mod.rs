@@ -65,6 +65,14 @@ pub trait MemoryResource: Send + Sync + fmt::Debug {
     fn memory_waiters(&self) -> Option<&MemoryWaiters> {
         None
     }
+
+    /// What the resource holds, block by block ([`Snapshot`](snapshot::Snapshot)), for the
+    /// suballocating resources (pool, arena, fixed-size, binning) and the adaptors in front of
+    /// them (they pass their upstream's on). `None` for resources that hand out whole
+    /// allocations from the driver, which have no blocks to show.
+    fn memory_snapshot(&self) -> Option<snapshot::Snapshot> {
+        None
+    }
 }
 
 /// A type-erased, shareable resource: what buffers hold to keep their resource alive.
@@ -111,6 +119,10 @@ impl<R: MemoryResource + ?Sized> MemoryResource for StdArc<R> {
     fn memory_waiters(&self) -> Option<&MemoryWaiters> {
         (**self).memory_waiters()
     }
+
+    fn memory_snapshot(&self) -> Option<snapshot::Snapshot> {
+        (**self).memory_snapshot()
+    }
 }
 
 /// `bytes` rounded up to [`ALIGNMENT`], or `InvalidSize` if that overflows.
@@ -132,8 +144,10 @@ pub(crate) fn check_stream(device: &Device, stream: &Stream) -> Result<()> {
 
 // ===== waiting for memory =====
 mod allocate;
+mod allocate_all;
 mod waiters;
 pub use self::allocate::{Allocate, AllocateAsync};
+pub use self::allocate_all::AllocateAll;
 pub use self::waiters::{MemoryWaiters, WaitStats};
 
 // ===== the resources =====
@@ -143,6 +157,7 @@ pub mod cuda_async;
 pub mod managed;
 pub mod pinned;
 // The pool and its engine.
+pub mod expandable;
 pub mod fixed_size;
 pub(crate) mod free_list;
 pub mod pool;
@@ -153,6 +168,8 @@ pub mod arena;
 pub mod binning;
 pub mod callback;
 pub mod current;
+// What they hold, for people to look at.
+pub mod snapshot;
 
 pub use self::arena::{ArenaOptions, ArenaResource, ArenaStats};
 pub use self::binning::{BinningBuilder, BinningResource};
@@ -160,7 +177,9 @@ pub use self::callback::CallbackResource;
 pub use self::cuda::CudaResource;
 pub use self::cuda_async::{CudaAsyncOptions, CudaAsyncResource};
 pub use self::current::{current_resource, reset_current_resource, set_current_resource};
+pub use self::expandable::{ExpandableOptions, ExpandablePoolResource};
 pub use self::fixed_size::FixedSizeResource;
 pub use self::managed::ManagedResource;
 pub use self::pinned::{PinnedHostOptions, PinnedHostResource, PinnedHostStats};
 pub use self::pool::{PoolOptions, PoolResource, PoolStats};
+pub use self::snapshot::{Block, BlockState, Chunk, ChunkKind, Snapshot};

@@ -3,6 +3,9 @@
 use std::collections::BTreeMap;
 use std::fmt;
 
+// `snapshot()`, in its own file.
+mod snapshot;
+
 use super::stream_ordered::{Grow, StreamLists};
 use super::waiters::{MemoryWaiters, WaitStats};
 use super::{aligned_size, check_stream, MemoryResource, ALIGNMENT};
@@ -43,6 +46,14 @@ pub struct PoolOptions {
     /// free block fits (less waiting between streams, more memory held). The lists of streams
     /// the user has dropped are always merged.
     pub merge_limit: usize,
+    /// Whether every free is checked against the blocks the pool has handed out (a table of
+    /// them, per stream): a pointer it did not hand out, one inside a block, a wrong size or
+    /// a second free is refused with [`Error::UnknownPointer`](crate::Error::UnknownPointer)
+    /// and changes nothing. Without the check, only a free overlapping free memory of the
+    /// list it goes to is refused, and a bad one can corrupt the pool (hand the same memory
+    /// out twice). On by default: it costs about 100 instructions per allocate/free pair
+    /// (`BENCHMARKS.md` has the time on an H200).
+    pub check_frees: bool,
 }
 
 impl Default for PoolOptions {
@@ -52,6 +63,7 @@ impl Default for PoolOptions {
             maximum: None,
             growth_divisor: 8,
             merge_limit: usize::MAX,
+            check_frees: true,
         }
     }
 }
@@ -170,7 +182,7 @@ impl<U: MemoryResource> PoolResource<U> {
             own: device.create_stream()?,
             device,
             upstream,
-            lists: StreamLists::with_merge_limit(options.merge_limit),
+            lists: StreamLists::with_options(options.merge_limit, options.check_frees),
             chunks: Mutex::new(BTreeMap::new()),
             reserved: AtomicU64::new(0),
             peak_reserved: AtomicU64::new(0),
@@ -508,6 +520,10 @@ impl<U: MemoryResource> MemoryResource for PoolResource<U> {
 
     fn memory_waiters(&self) -> Option<&MemoryWaiters> {
         Some(&self.waiters)
+    }
+
+    fn memory_snapshot(&self) -> Option<super::snapshot::Snapshot> {
+        Some(self.snapshot())
     }
 }
 

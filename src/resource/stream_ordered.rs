@@ -73,9 +73,12 @@ pub(crate) trait EngineStream: Clone {
     /// Remembers `list` as the last lookup of this thread.
     fn cache(_engine: u64, _stream: u64, _list: &Arc<StreamList<Self>>) {}
 
-    /// Drops this thread's cached list of engine `engine`, if it has one (so that a retired
+    /// Drops this thread's cached lists of engine `engine`, if it has any (so that a retired
     /// list, and the stream handle it holds, can go).
     fn forget_cached(_engine: u64) {}
+
+    /// Drops this thread's cached list for (`engine`, `stream`), if it has one (it is stale).
+    fn uncache(_engine: u64, _stream: u64) {}
 
     /// Runs `f` on the cached list for (`engine`, `stream`) without cloning its `Arc` (two
     /// atomic operations saved on the fast path); `None` if it is not cached. `f` must not
@@ -86,6 +89,16 @@ pub(crate) trait EngineStream: Clone {
         f: impl FnOnce(&StreamList<Self>) -> R,
     ) -> Option<R> {
         Self::cached(engine, stream).map(|list| f(&list))
+    }
+
+    /// Runs `f` on each list of `engine` in this thread's cache, except `stream`'s, until it
+    /// returns `Some`. None by default.
+    fn find_cached<R>(
+        _engine: u64,
+        _stream: u64,
+        _f: impl FnMut(&StreamList<Self>) -> Option<R>,
+    ) -> Option<R> {
+        None
     }
 }
 
@@ -120,7 +133,11 @@ impl EngineStream for Stream {
     }
 
     fn forget_cached(engine: u64) {
-        cache::forget(engine)
+        cache::forget(engine, None)
+    }
+
+    fn uncache(engine: u64, stream: u64) {
+        cache::forget(engine, Some(stream))
     }
 
     #[inline]
@@ -130,6 +147,14 @@ impl EngineStream for Stream {
         f: impl FnOnce(&StreamList<Self>) -> R,
     ) -> Option<R> {
         cache::with(engine, stream, f)
+    }
+
+    fn find_cached<R>(
+        engine: u64,
+        stream: u64,
+        f: impl FnMut(&StreamList<Self>) -> Option<R>,
+    ) -> Option<R> {
+        cache::find(engine, stream, f)
     }
 }
 
@@ -156,6 +181,11 @@ struct ListState {
     /// [`StreamLists::in_use`]: a count kept under the lock the fast path already holds, so
     /// that the statistics cost no shared atomic per operation.
     net: i64,
+    /// The blocks handed out to requests on this list's stream: address → size. A free must
+    /// name one of them, with its size, in some list (see [`StreamLists::give`]): a pointer the
+    /// pool never handed out, or a wrong size, would otherwise put memory that is in use, or
+    /// that another list holds, into a free list (issue 16: two lists sharing memory).
+    live: FxHashMap<u64, u64>,
 }
 
 /// A list flushes its `net` count into the shared one once it reaches this many bytes either
@@ -183,12 +213,21 @@ pub(crate) struct StreamLists<S = Stream> {
     merges: AtomicU64,
     /// How many non-idle lists a request may merge into its own before the pool grows.
     merge_limit: usize,
+    /// Whether lists keep their blocks in use (`ListState::live`) and frees are checked
+    /// against them.
+    check_frees: bool,
     /// Held by a request through its merges and growth (see `take_slow`).
     slow: Mutex<()>,
     /// Bytes handed out, less what the lists' `net` counts hold back.
     in_use: AtomicI64,
     /// The most `in_use` has been (to within [`FLUSH`] per list).
     peak_in_use: AtomicI64,
+    /// The live entries of lists whose streams the user dropped (merged away or retired):
+    /// their blocks may still come back, on any stream. They move here under the registry's
+    /// lock, with this lock held across the move (see [`StreamLists::orphan_live`]): a free
+    /// looks at the lists of a registry snapshot first and here last, so it finds the entry
+    /// wherever it is.
+    orphans: Mutex<FxHashMap<u64, u64>>,
 }
 
 impl<S: EngineStream> fmt::Debug for StreamLists<S> {
@@ -204,35 +243,56 @@ impl<S: EngineStream> fmt::Debug for StreamLists<S> {
 
 #[cfg(not(streamalloc_loom))]
 mod cache {
-    //! The thread-local cache of the last (engine, stream) → list lookup, for [`Stream`]'s
-    //! lists. Not under loom: loom objects must not outlive a model.
+    //! The thread-local cache of the last two (engine, stream) → list lookups, for
+    //! [`Stream`]'s lists. Two: a thread that allocates on one stream and frees on another
+    //! (the hand-off of `churn-xs`, a pipeline stage) would otherwise miss on every operation
+    //! and take the registry's lock each time. Not under loom: loom objects must not outlive a
+    //! model.
     use std::cell::RefCell;
 
     use super::StreamList;
     use crate::stream::Stream;
     use crate::sync::Arc;
 
-    /// (engine uid, stream uid, the stream's list).
-    type Last = Option<(u64, u64, Arc<StreamList<Stream>>)>;
+    /// (engine uid, stream uid, the stream's list), most recent first.
+    type Entry = Option<(u64, u64, Arc<StreamList<Stream>>)>;
 
     thread_local! {
-        static LAST: RefCell<Last> = const { RefCell::new(None) };
+        static LAST: RefCell<[Entry; 2]> = const { RefCell::new([None, None]) };
+    }
+
+    fn is(entry: &Entry, uid: u64, stream: u64) -> bool {
+        matches!(entry, Some((u, s, _)) if *u == uid && *s == stream)
     }
 
     // `#[inline]`: the engine is generic, so its lookups are compiled in the crate that uses the
     // pool; without it this small function would be called across crates on every operation.
     #[inline]
     pub(super) fn get(uid: u64, stream: u64) -> Option<Arc<StreamList<Stream>>> {
-        LAST.with(|last| match &*last.borrow() {
-            Some((u, s, list)) if *u == uid && *s == stream => Some(list.clone()),
-            _ => None,
+        LAST.with(|last| {
+            last.borrow()
+                .iter()
+                .find(|e| is(e, uid, stream))
+                .and_then(|e| e.as_ref().map(|(_, _, list)| list.clone()))
         })
     }
 
     #[inline]
     pub(super) fn put(uid: u64, stream: u64, list: &Arc<StreamList<Stream>>) {
         // `try_with`: during thread teardown the cache may already be gone.
-        let _ = LAST.try_with(|last| *last.borrow_mut() = Some((uid, stream, list.clone())));
+        let _ = LAST.try_with(|last| {
+            let mut last = last.borrow_mut();
+            if !is(&last[0], uid, stream) {
+                // The other entry (if it was this one, it is replaced, not kept twice).
+                let keep = if is(&last[1], uid, stream) {
+                    None
+                } else {
+                    last[0].take()
+                };
+                last[1] = keep;
+            }
+            last[0] = Some((uid, stream, list.clone()));
+        });
     }
 
     /// `f` on the cached list, borrowed in place.
@@ -242,19 +302,41 @@ mod cache {
         stream: u64,
         f: impl FnOnce(&StreamList<Stream>) -> R,
     ) -> Option<R> {
-        LAST.try_with(|last| match &*last.borrow() {
-            Some((u, s, list)) if *u == uid && *s == stream => Some(f(list)),
-            _ => None,
+        LAST.try_with(|last| {
+            let last = last.borrow();
+            let entry = last.iter().find(|e| is(e, uid, stream))?;
+            entry.as_ref().map(|(_, _, list)| f(list))
         })
         .ok()
         .flatten()
     }
 
-    pub(super) fn forget(uid: u64) {
+    /// `f` on each cached list of engine `uid` but `stream`'s, until it returns `Some`.
+    pub(super) fn find<R>(
+        uid: u64,
+        stream: u64,
+        mut f: impl FnMut(&StreamList<Stream>) -> Option<R>,
+    ) -> Option<R> {
+        LAST.try_with(|last| {
+            last.borrow().iter().find_map(|e| match e {
+                Some((u, s, list)) if *u == uid && *s != stream => f(list),
+                _ => None,
+            })
+        })
+        .ok()
+        .flatten()
+    }
+
+    /// Drops the cached lists of engine `uid` (of `stream` only, if given).
+    pub(super) fn forget(uid: u64, stream: Option<u64>) {
         let _ = LAST.try_with(|last| {
-            let mut last = last.borrow_mut();
-            if last.as_ref().is_some_and(|(u, _, _)| *u == uid) {
-                *last = None;
+            for entry in last.borrow_mut().iter_mut() {
+                if entry
+                    .as_ref()
+                    .is_some_and(|(u, s, _)| *u == uid && stream.is_none_or(|x| x == *s))
+                {
+                    *entry = None;
+                }
             }
         });
     }
@@ -272,10 +354,53 @@ mod cache {
 
     pub(super) fn put(_: u64, _: u64, _: &Arc<StreamList<Stream>>) {}
 
-    pub(super) fn forget(_: u64) {}
+    pub(super) fn forget(_: u64, _: Option<u64>) {}
 
     pub(super) fn with<R>(_: u64, _: u64, _: impl FnOnce(&StreamList<Stream>) -> R) -> Option<R> {
         None
+    }
+
+    pub(super) fn find<R>(
+        _: u64,
+        _: u64,
+        _: impl FnMut(&StreamList<Stream>) -> Option<R>,
+    ) -> Option<R> {
+        None
+    }
+}
+
+/// Bugs the loom models plant, one at a time, to see them caught (`loom-tests/`): switches
+/// that exist only under the loom cfg, and are constant `false` otherwise.
+#[cfg(streamalloc_loom)]
+pub(crate) mod planted {
+    use std::sync::atomic::{AtomicBool, Ordering};
+
+    /// The live entries of a dropped stream's list move to the orphans without the orphans'
+    /// lock held across the move: a free can miss them in both places.
+    pub(crate) static MOVE_UNLOCKED: AtomicBool = AtomicBool::new(false);
+    /// `take_whole_chunks` reports whole chunks of streams' lists as fresh: the pool would give
+    /// them back upstream on its own stream, not after their last use.
+    pub(crate) static CHUNKS_AS_FRESH: AtomicBool = AtomicBool::new(false);
+
+    pub(super) fn move_unlocked() -> bool {
+        MOVE_UNLOCKED.load(Ordering::Relaxed)
+    }
+
+    pub(super) fn chunks_as_fresh() -> bool {
+        CHUNKS_AS_FRESH.load(Ordering::Relaxed)
+    }
+}
+
+#[cfg(not(streamalloc_loom))]
+mod planted {
+    #[inline(always)]
+    pub(super) const fn move_unlocked() -> bool {
+        false
+    }
+
+    #[inline(always)]
+    pub(super) const fn chunks_as_fresh() -> bool {
+        false
     }
 }
 
@@ -302,11 +427,20 @@ impl<S: EngineStream> StreamLists<S> {
     /// An engine whose requests merge at most `merge_limit` other streams' lists (besides
     /// the lists of dropped streams, which are always merged) before the resource grows.
     pub(crate) fn with_merge_limit(merge_limit: usize) -> Self {
+        Self::with_options(merge_limit, true)
+    }
+
+    /// [`with_merge_limit`](Self::with_merge_limit), with frees checked against the blocks in
+    /// use (`check_frees`) or not (a free is then only checked against the free blocks of the
+    /// list it goes to, and one that names memory in use corrupts the lists).
+    pub(crate) fn with_options(merge_limit: usize, check_frees: bool) -> Self {
         Self {
             merge_limit,
+            check_frees,
             slow: Mutex::new(()),
             in_use: AtomicI64::new(0),
             peak_in_use: AtomicI64::new(0),
+            orphans: Mutex::new(FxHashMap::default()),
             uid: NEXT_UID.fetch_add(1, std::sync::atomic::Ordering::Relaxed),
             fresh: Mutex::new(FreeList::new()),
             registry: Mutex::new(Registry {
@@ -338,6 +472,7 @@ impl<S: EngineStream> StreamLists<S> {
                         free,
                         retired: false,
                         net: 0,
+                        live: FxHashMap::default(),
                     }),
                 })
             };
@@ -378,13 +513,18 @@ impl<S: EngineStream> StreamLists<S> {
             }
             // Only reachable through a stale cache entry; the registry has the live list.
             drop(state);
-            S::cache(self.uid, 0, &list);
+            S::uncache(self.uid, stream.uid());
         }
     }
 
     /// A new chunk: every list accepts frees inside it and merges no block across its start.
     pub(crate) fn add_chunk(&self, start: u64, size: u64) {
         let mut registry = self.registry.lock();
+        // Issue 11: memory mapped inside a chunk already registered (the expandable pool's one
+        // reserved range) is accepted there already, and must not become a merge boundary.
+        if (registry.chunks.iter()).any(|&(s, n)| s <= start && start + size <= s + n) {
+            return;
+        }
         registry.chunks.push((start, size));
         self.fresh.lock().add_chunk(start, size);
         for list in registry.lists.values() {
@@ -408,16 +548,89 @@ impl<S: EngineStream> StreamLists<S> {
         debug_assert!(given, "a fresh chunk overlapped free memory");
     }
 
-    /// Gives memory back on `stream` (a free). False if it is already free there.
+    /// Gives memory back on `stream` (a free). False, and nothing changes, unless
+    /// `[addr, addr + size)` is a block this engine handed out and has not taken back: a
+    /// pointer it never handed out, one inside a block, a wrong size and a second free are all
+    /// refused.
     #[inline]
     pub(crate) fn give(&self, addr: u64, size: u64, stream: &S) -> bool {
-        self.with_own_state(stream, |state| {
-            let given = state.free.give(addr, size);
-            if given {
+        // The common case: the block was handed out on the stream it comes back on.
+        let here = self.with_own_state(stream, |state| {
+            if !self.check_frees {
+                let given = state.free.give(addr, size);
+                if given {
+                    self.count(state, -(size as i64));
+                }
+                return Some(given);
+            }
+            let live = unlive(&mut state.live, addr, size)?;
+            if live {
+                let given = state.free.give(addr, size);
+                debug_assert!(given, "a live block overlapped free memory");
                 self.count(state, -(size as i64));
             }
+            Some(live)
+        });
+        match here {
+            Some(given) => given,
+            None => self.give_from_elsewhere(addr, size, stream),
+        }
+    }
+
+    /// A free of a block handed out through another list (another stream's, or one that a
+    /// merge moved): its live entry is found there and removed, and the memory goes to
+    /// `stream`'s list.
+    #[cold]
+    fn give_from_elsewhere(&self, addr: u64, size: u64, stream: &S) -> bool {
+        let me = stream.uid();
+        let mut found = S::find_cached(self.uid, me, |list| {
+            unlive(&mut list.state.lock().live, addr, size)
+        });
+        if found.is_none() {
+            // Every list of a snapshot of the registry, then the orphans: an entry that moves
+            // to the orphans leaves its list under the registry's lock and the orphans' (see
+            // `orphan_live`), so it is found in one or the other.
+            let lists: Vec<Arc<StreamList<S>>> =
+                self.registry.lock().lists.values().cloned().collect();
+            found = lists
+                .iter()
+                .find_map(|list| unlive(&mut list.state.lock().live, addr, size))
+                .or_else(|| unlive(&mut self.orphans.lock(), addr, size));
+        }
+        if found != Some(true) {
+            return false;
+        }
+        self.with_own_state(stream, |state| {
+            let given = state.free.give(addr, size);
+            debug_assert!(given, "a live block overlapped free memory");
+            self.count(state, -(size as i64));
             given
         })
+    }
+
+    /// Moves the live entries of `list` (of a stream the user dropped, about to leave the
+    /// registry, whose lock the caller holds) to the orphans. The orphans' lock is taken first
+    /// and held until they are there: a free that looked in `list` after they left it waits
+    /// for it before it looks in the orphans. (Lock order: registry, orphans, a list.)
+    fn orphan_live(&self, list: &StreamList<S>) {
+        // Nothing can join an empty set meanwhile: only requests on its stream add to it, and
+        // the user dropped that stream. (Most dropped streams freed everything first.)
+        if list.state.lock().live.is_empty() {
+            return;
+        }
+        let mut orphans = self.orphans.lock();
+        let mut state = list.state.lock();
+        if state.live.is_empty() {
+            return;
+        }
+        let live = std::mem::take(&mut state.live);
+        if planted::move_unlocked() {
+            drop(orphans);
+            drop(state);
+            self.orphans.lock().extend(live);
+            return;
+        }
+        orphans.extend(live);
     }
 
     /// Moves blocks (not handed out) into `stream`'s list, coalescing them there.
@@ -463,8 +676,11 @@ impl<S: EngineStream> StreamLists<S> {
                 .free
                 .take(size)
                 .or_else(|| self.fresh.lock().take(size));
-            if addr.is_some() {
+            if let Some(addr) = addr {
                 self.count(state, size as i64);
+                if self.check_frees {
+                    state.live.insert(addr, size);
+                }
             }
             addr
         });
@@ -474,7 +690,12 @@ impl<S: EngineStream> StreamLists<S> {
                 let addr = self.take_slow(size, stream, upstream)?;
                 // Counted in the requester's own list, as every free is counted in the list
                 // it goes to: the shared count then only ever moves in flushes.
-                self.with_own_state(stream, |state| self.count(state, size as i64));
+                self.with_own_state(stream, |state| {
+                    self.count(state, size as i64);
+                    if self.check_frees {
+                        state.live.insert(addr, size);
+                    }
+                });
                 Ok(addr)
             }
         }
@@ -518,13 +739,24 @@ impl<S: EngineStream> StreamLists<S> {
             }
             other => other?,
         };
-        let (base, chunk) = grown;
-        self.add_chunk(base, chunk);
-        let rest = self.with_own(stream, |free| {
-            free.give(base, chunk);
-            free.take(size)
-        });
-        rest.ok_or(Error::InvalidArgument {
+        // An upstream that extends the requester's free memory (the expandable pool maps only
+        // what the request lacks beyond this list's free block at its end) can come back to
+        // find that block stolen meanwhile (steals run outside `slow`): then it grows again,
+        // extending what it mapped. A few tries; a plain upstream serves the first.
+        let mut grown = grown;
+        for _ in 0..4 {
+            let (base, chunk) = grown;
+            self.add_chunk(base, chunk);
+            let rest = self.with_own(stream, |free| {
+                free.give(base, chunk);
+                free.take(size)
+            });
+            if let Some(addr) = rest {
+                return Ok(addr);
+            }
+            grown = upstream.grow(size, stream)?;
+        }
+        Err(Error::InvalidArgument {
             what: "the upstream gave a chunk smaller than asked for",
         })
     }
@@ -625,6 +857,8 @@ impl<S: EngineStream> StreamLists<S> {
             let mut donors: Vec<(Arc<StreamList<S>>, bool)> = Vec::new();
             for id in idle {
                 if let Some(list) = registry.lists.remove(&id) {
+                    // Its blocks in use come back on other streams now.
+                    self.orphan_live(&list);
                     donors.push((list, true));
                 }
             }
@@ -641,6 +875,19 @@ impl<S: EngineStream> StreamLists<S> {
         let _span =
             tracing::debug_span!("merge", into = %stream.name(), lists = donors.len(), limit)
                 .entered();
+        let result = self.merge_lists(stream, donors, &mut moved);
+        self.merges.fetch_add(1, Ordering::Relaxed);
+        result.map(|()| moved)
+    }
+
+    /// The second half of [`merge_into`](Self::merge_into): moves each donor's blocks (and a
+    /// dropped stream's live entries) into `stream`'s list, after `stream` waits on the donor.
+    fn merge_lists(
+        &self,
+        stream: &S,
+        donors: Vec<(Arc<StreamList<S>>, bool)>,
+        moved: &mut usize,
+    ) -> Result<()> {
         let mut result = Ok(());
         for (donor, idle) in donors {
             let blocks = {
@@ -665,7 +912,7 @@ impl<S: EngineStream> StreamLists<S> {
             match ordered {
                 Ok(()) => {
                     self.give_blocks(&blocks, stream);
-                    moved += blocks.len();
+                    *moved += blocks.len();
                 }
                 Err(e) => {
                     let mut state = donor.state.lock();
@@ -693,8 +940,7 @@ impl<S: EngineStream> StreamLists<S> {
                 }
             }
         }
-        self.merges.fetch_add(1, Ordering::Relaxed);
-        result.map(|()| moved)
+        result
     }
 
     /// Takes the lists of streams the user has dropped out of the registry: `(stream, its
@@ -716,6 +962,7 @@ impl<S: EngineStream> StreamLists<S> {
                 .collect();
             idle.into_iter()
                 .filter_map(|id| registry.lists.remove(&id))
+                .inspect(|list| self.orphan_live(list))
                 .collect()
         };
         lists
@@ -769,7 +1016,8 @@ impl<S: EngineStream> StreamLists<S> {
             left.retain(|&base, &mut size| {
                 let whole = state.free.take_exact(base, size);
                 if whole {
-                    out.push((base, size, Some(list.stream.clone())));
+                    let freed_on = (!planted::chunks_as_fresh()).then(|| list.stream.clone());
+                    out.push((base, size, freed_on));
                 }
                 !whole
             });
@@ -829,14 +1077,17 @@ impl<S: EngineStream> StreamLists<S> {
             .collect()
     }
 
-    /// Checks every list's invariants and that no two lists share a byte. Tests only.
+    /// Checks every list's invariants, that no two lists share a byte, and that no block in
+    /// use overlaps free memory or another block in use. Tests only.
     pub(crate) fn check(&self) -> std::result::Result<(), String> {
-        let mut all: Vec<(u64, u64)> = Vec::new();
+        // (start, size, in use)
+        let mut all: Vec<(u64, u64, bool)> = Vec::new();
         {
             let fresh = self.fresh.lock();
             fresh.check().map_err(|e| format!("fresh list: {e}"))?;
-            all.extend(fresh.blocks());
+            all.extend(fresh.blocks().map(|(a, s)| (a, s, false)));
         }
+        all.extend(self.orphans.lock().iter().map(|(&a, &s)| (a, s, true)));
         let lists: Vec<Arc<StreamList<S>>> = self.registry.lock().lists.values().cloned().collect();
         for list in lists {
             let state = list.state.lock();
@@ -844,17 +1095,119 @@ impl<S: EngineStream> StreamLists<S> {
                 .free
                 .check()
                 .map_err(|e| format!("{}: {e}", list.stream.name()))?;
-            all.extend(state.free.blocks());
+            all.extend(state.free.blocks().map(|(a, s)| (a, s, false)));
+            all.extend(state.live.iter().map(|(&a, &s)| (a, s, true)));
         }
         all.sort_unstable();
         for w in all.windows(2) {
-            if w[0].0 + w[0].1 > w[1].0 {
-                return Err(format!(
-                    "two lists share memory: {:x?} and {:x?}",
-                    w[0], w[1]
-                ));
+            let ((a, x, a_live), (b, y, b_live)) = (w[0], w[1]);
+            if a + x > b {
+                let what = match (a_live, b_live) {
+                    (false, false) => "two lists share memory",
+                    (true, true) => "two blocks in use overlap",
+                    _ => "a block in use overlaps free memory",
+                };
+                return Err(format!("{what}: {:x?} and {:x?}", (a, x), (b, y)));
             }
         }
         Ok(())
+    }
+    // ===== for the expandable pool (resource/expandable): added by issue 11 =====
+
+    /// The free blocks of `stream`'s list that end at `start` and that start at `end`: their
+    /// sizes (0 where there is none). What memory mapped at `[start, end)` and given to that
+    /// list would coalesce with.
+    pub(crate) fn free_around(&self, stream: &S, start: u64, end: u64) -> (u64, u64) {
+        self.with_own(stream, |free| {
+            (free.free_ending_at(start), free.free_starting_at(end))
+        })
+    }
+
+    /// Takes every block out of every list (the lists stay, empty): `(stream, its blocks)` for
+    /// each list that held any. The caller waits for each stream and then gives the blocks to
+    /// [`give_fresh_blocks`](Self::give_fresh_blocks), where free neighbours freed on different
+    /// streams coalesce, or back with [`give_blocks_to`](Self::give_blocks_to) if it cannot.
+    pub(crate) fn drain_lists(&self) -> Vec<(S, Vec<(u64, u64)>)> {
+        let lists: Vec<Arc<StreamList<S>>> = self.registry.lock().lists.values().cloned().collect();
+        let mut out = Vec::new();
+        for list in lists {
+            let mut state = list.state.lock();
+            if !state.retired && state.free.len() > 0 {
+                out.push((list.stream.clone(), state.free.drain()));
+            }
+        }
+        out
+    }
+
+    /// Takes the `granule`-aligned part out of every free block, in every list and the fresh
+    /// memory, for unmapping: `(start, size, the stream whose list held it)`, `None` for fresh
+    /// memory. The unaligned ends stay free where they were. Give a range back with
+    /// [`give_blocks_to`](Self::give_blocks_to) or [`give_fresh_blocks`](Self::give_fresh_blocks)
+    /// if it cannot be unmapped.
+    pub(crate) fn take_aligned(&self, granule: u64) -> Vec<(u64, u64, Option<S>)> {
+        fn aligned(free: &mut FreeList, granule: u64, mut out: impl FnMut(u64, u64)) {
+            let blocks: Vec<(u64, u64)> = free.blocks().collect();
+            for (addr, size) in blocks {
+                let lo = addr.next_multiple_of(granule);
+                let hi = (addr + size) / granule * granule;
+                if lo < hi && free.take_range(addr, lo, hi) {
+                    out(lo, hi - lo);
+                }
+            }
+        }
+        let mut out = Vec::new();
+        aligned(&mut self.fresh.lock(), granule, |a, n| {
+            out.push((a, n, None))
+        });
+        let lists: Vec<Arc<StreamList<S>>> = self.registry.lock().lists.values().cloned().collect();
+        for list in lists {
+            let mut state = list.state.lock();
+            if state.retired {
+                continue;
+            }
+            aligned(&mut state.free, granule, |a, n| {
+                out.push((a, n, Some(list.stream.clone())))
+            });
+        }
+        out
+    }
+}
+
+/// Removes the live entry of the block at `addr`: `Some(true)` if it was there with `size`,
+/// `Some(false)` (and it stays) if it was there with another size, `None` if it was not there.
+fn unlive(live: &mut FxHashMap<u64, u64>, addr: u64, size: u64) -> Option<bool> {
+    match live.get(&addr) {
+        Some(&held) if held == size => {
+            live.remove(&addr);
+            Some(true)
+        }
+        Some(_) => Some(false),
+        None => None,
+    }
+}
+
+// ===== a read-only view, for snapshots (src/resource/snapshot.rs) =====
+
+/// One list's free blocks, `(addr, size)`, with its stream's uid (`None`: fresh memory).
+pub(crate) type ListBlocks = (Option<u64>, Vec<(u64, u64)>);
+
+impl<S: EngineStream> StreamLists<S> {
+    /// Every free block, list by list: `(None, blocks)` for fresh memory, `(Some(stream uid),
+    /// blocks)` for each stream's list. One lock at a time (the fresh list's, the registry's,
+    /// then each list's in turn), each held only while that list's blocks are copied out.
+    pub(crate) fn free_blocks_by_list(&self) -> Vec<ListBlocks> {
+        let mut out = vec![(None, self.fresh.lock().blocks().collect())];
+        let lists: Vec<Arc<StreamList<S>>> = self.registry.lock().lists.values().cloned().collect();
+        for list in lists {
+            let blocks = {
+                let state = list.state.lock();
+                if state.retired {
+                    continue;
+                }
+                state.free.blocks().collect()
+            };
+            out.push((Some(list.stream.uid()), blocks));
+        }
+        out
     }
 }

@@ -12,16 +12,35 @@
 //!   memory too small for it may be enough for the next one. So a notification is never
 //!   swallowed by a dropped future.
 //!
+//! - a waiter that takes memory and gives it back within one try (`allocate_all_async`: part
+//!   of its set fitted, the rest did not) does so through the resource's `deallocate`, which
+//!   notifies. If the head did that loudly it would wake itself, try again at once and fail
+//!   again, in a loop while the memory stays short. So the head gives back *quietly*
+//!   ([`MemoryWaiters::quietly`]): its own thread's notifications of this queue are dropped
+//!   for the length of the give-back. Nobody else can miss them: every other queued waiter
+//!   is behind the head and gets the baton when the head leaves, and frees on other threads
+//!   notify as always. A waiter that is not queued (its first try) gives back loudly: the head
+//!   may have failed because of what it held.
+//!
 //! Policy: strict FIFO. While anyone waits, a new `allocate_async` queues behind them even if
 //! its request would fit now; so a large request is never starved by small ones that keep
 //! fitting, at the price of small requests waiting behind a large head. (Synchronous
 //! `allocate` never waits, so it does not queue.)
 
+use std::cell::Cell;
 use std::collections::VecDeque;
 use std::task::Waker;
 use std::time::{Duration, Instant};
 
 use crate::sync::{fence, AtomicU64, AtomicUsize, Mutex, Ordering};
+
+crate::sync::thread_local! {
+    /// The queue (its address) whose notifications from this thread are dropped: set by
+    /// [`MemoryWaiters::quietly`] for the length of a head waiter's give-back; 0 for none.
+    // loom's `thread_local!` takes no `const { }` initializer.
+    #[allow(clippy::missing_const_for_thread_local)]
+    static QUIET: Cell<usize> = Cell::new(0);
+}
 
 struct Entry {
     id: u64,
@@ -105,6 +124,12 @@ impl MemoryWaiters {
         if self.len.load(Ordering::Relaxed) == 0 {
             return;
         }
+        // The head giving back what its own try took (see the module doc). Read only when
+        // someone waits, so a free with nobody waiting still costs one load.
+        // `try_with`: a free from a thread-local's destructor (after QUIET is gone) is loud.
+        if QUIET.try_with(|q| q.get()).unwrap_or(0) == self.addr() {
+            return;
+        }
         let waker = {
             let mut queue = self.queue.lock();
             match queue.entries.front_mut() {
@@ -118,6 +143,29 @@ impl MemoryWaiters {
         if let Some(waker) = waker {
             waker.wake();
         }
+    }
+
+    /// Runs `f` with the calling thread's notifications of this queue dropped: for the head
+    /// waiter (first in line, trying with the baton or just after registering first) giving
+    /// back the part of a set it could not complete (see the module doc). Never call it from
+    /// anyone else: a waiter that is not the head would swallow a notification the head needs.
+    pub(crate) fn quietly<T>(&self, f: impl FnOnce() -> T) -> T {
+        /// Restores the previous mark, even if `f` panics.
+        struct Restore(usize);
+        impl Drop for Restore {
+            fn drop(&mut self) {
+                let _ = QUIET.try_with(|q| q.set(self.0));
+            }
+        }
+        // Without the thread-local (a thread being torn down) the give-back is loud: at worst
+        // one needless retry.
+        let _restore = QUIET.try_with(|q| q.replace(self.addr())).ok().map(Restore);
+        f()
+    }
+
+    /// This queue's identity for [`QUIET`]: its address, stable while it is borrowed.
+    fn addr(&self) -> usize {
+        self as *const Self as usize
     }
 
     /// True if anyone waits.

@@ -41,6 +41,11 @@ pub enum FaultKind {
     /// what the missing order allows (a pool's steal or merge, a copy on another stream).
     /// Checked after [`Wait`](Self::Wait), on waits that did not fail.
     SkipWait,
+    /// Creating physical memory for a virtual memory mapping (`cuMemCreate`): what fails when
+    /// the device is out of memory as an expandable pool grows.
+    MemCreate,
+    /// Mapping physical memory into a reserved address range (`cuMemMap`).
+    MemMap,
 }
 
 impl FaultKind {
@@ -57,6 +62,8 @@ impl FaultKind {
             FaultKind::Launch => "cuLaunchKernel",
             FaultKind::Synchronize => "cuStreamSynchronize",
             FaultKind::CreateStream => "cuStreamCreate",
+            FaultKind::MemCreate => "cuMemCreate",
+            FaultKind::MemMap => "cuMemMap",
         }
     }
 
@@ -64,7 +71,9 @@ impl FaultKind {
     /// driver says when it fails them), `CUDA_ERROR_UNKNOWN` otherwise.
     pub fn error(self) -> Error {
         let (code, name) = match self {
-            FaultKind::Allocate | FaultKind::HostAllocate => (2, "CUDA_ERROR_OUT_OF_MEMORY"),
+            FaultKind::Allocate | FaultKind::HostAllocate | FaultKind::MemCreate => {
+                (2, "CUDA_ERROR_OUT_OF_MEMORY")
+            }
             _ => (999, "CUDA_ERROR_UNKNOWN"),
         };
         Error::Driver {

@@ -60,6 +60,12 @@ pub(crate) fn run(memory: &SimMemory, op: Op) -> Result<()> {
             }
         }),
         Op::DtoD { dst, src, bytes } => memory.copy(dst, src, bytes),
+        Op::CopyPeer {
+            dst,
+            from,
+            src,
+            bytes,
+        } => memory.copy_from(dst, &from, src, bytes),
         Op::Spin(_) | Op::Record(_) | Op::Wait(_) | Op::Free(_) | Op::PoolFree { .. } => Ok(()),
     }
 }

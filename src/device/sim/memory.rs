@@ -20,6 +20,10 @@ use crate::sync::Arc;
 
 /// Where the simulated address space starts: high, like a GPU's unified addresses.
 const BASE: u64 = 0x7f00_0000_0000;
+/// Each simulated device's addresses start this far after the previous one's (16 TiB), so
+/// that, as under CUDA's unified addressing, no two devices hand out the same address: a
+/// pointer of one device used on another is an `InvalidAddress`, never another block's bytes.
+const DEVICE_SPAN: u64 = 1 << 44;
 /// Allocations start on this boundary (cudaMalloc gives at least 256).
 pub(crate) const ALIGN: u64 = 512;
 /// Unmapped bytes after each allocation, so overruns fault.
@@ -28,6 +32,8 @@ const GUARD: u64 = 64 << 10;
 pub(crate) struct Block {
     base: u64,
     bytes: Box<[DataByte]>,
+    /// A reserved virtual range (`sim/vmm.rs`): only its mapped granules may be accessed.
+    mapping: Option<Arc<super::vmm::Granules>>,
 }
 
 impl Block {
@@ -42,6 +48,8 @@ struct State {
     blocks: BTreeMap<u64, Arc<Block>>,
     used: usize,
     next: u64,
+    /// The end of this device's address range (`DEVICE_SPAN` after its start).
+    end: u64,
 }
 
 pub(crate) struct SimMemory {
@@ -51,12 +59,17 @@ pub(crate) struct SimMemory {
 
 impl SimMemory {
     pub(crate) fn new(total: usize) -> Self {
+        // Wraps back to the first range after about a million devices in one process: a
+        // reuse of addresses far beyond what any test makes.
+        static DEVICES: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(0);
+        let n = DEVICES.fetch_add(1, Relaxed) % ((u64::MAX - BASE) / DEVICE_SPAN);
         Self {
             total,
             state: RwLock::new(State {
                 blocks: BTreeMap::new(),
                 used: 0,
-                next: BASE,
+                next: BASE + n * DEVICE_SPAN,
+                end: BASE + (n + 1) * DEVICE_SPAN,
             }),
         }
     }
@@ -110,6 +123,7 @@ impl SimMemory {
             Arc::new(Block {
                 base,
                 bytes: storage,
+                mapping: None,
             }),
         );
         Ok(base)
@@ -140,6 +154,9 @@ impl SimMemory {
         if end > block.base + block.bytes.len() as u64 {
             return Err(bad);
         }
+        if let Some(mapping) = &block.mapping {
+            mapping.check(block.base, ptr, len)?;
+        }
         Ok(block.clone())
     }
 
@@ -158,6 +175,81 @@ impl SimMemory {
     pub(crate) fn copy(&self, dst: u64, src: u64, bytes: usize) -> Result<()> {
         let (from, to) = (self.block(src, bytes)?, self.block(dst, bytes)?);
         for (d, s) in to.range(dst, bytes).iter().zip(from.range(src, bytes)) {
+            d.store(s.load(Relaxed), Relaxed);
+        }
+        Ok(())
+    }
+}
+
+// ===== virtual memory (the rest is in sim/vmm.rs) =====
+
+impl SimMemory {
+    /// Reserves `size` bytes of address space, backed by lazily zeroed host memory that costs
+    /// nothing until touched; only the granules `mapping` marks as mapped may be accessed.
+    /// Counts nothing against the device's memory (mapping does, through `charge`).
+    pub(crate) fn reserve(&self, size: usize, mapping: Arc<super::vmm::Granules>) -> Result<u64> {
+        let oom = |available| Error::OutOfMemory {
+            requested: size,
+            available,
+            maximum: super::vmm::ADDRESS_SPACE as usize,
+        };
+        let mut state = self.write();
+        // Within this device's address range (16 TiB), like every allocation of it.
+        let left = state.end.saturating_sub(state.next);
+        if size as u64 > left {
+            return Err(oom(left as usize));
+        }
+        let storage = zeroed_bytes(size).ok_or(oom(left as usize))?;
+        let base = state.next;
+        state.next += size as u64 + GUARD;
+        let block = Block {
+            base,
+            bytes: storage,
+            mapping: Some(mapping),
+        };
+        state.blocks.insert(base, Arc::new(block));
+        Ok(base)
+    }
+
+    /// Gives a reservation's address range back (its granules are unmapped by then).
+    pub(crate) fn unreserve(&self, base: u64) {
+        self.write().blocks.remove(&base);
+    }
+
+    /// Counts `bytes` of physical memory as used, or `OutOfMemory` if the device has less.
+    pub(crate) fn charge(&self, bytes: usize) -> Result<()> {
+        let mut state = self.write();
+        let available = self.total - state.used;
+        if bytes > available {
+            return Err(Error::OutOfMemory {
+                requested: bytes,
+                available,
+                maximum: self.total,
+            });
+        }
+        state.used += bytes;
+        Ok(())
+    }
+
+    /// Gives back what `charge` counted.
+    pub(crate) fn uncharge(&self, bytes: usize) {
+        let mut state = self.write();
+        state.used = state.used.saturating_sub(bytes);
+    }
+}
+
+impl SimMemory {
+    /// Copies `bytes` bytes from `src` in `from` (another device's memory) to `dst` in this
+    /// one: a copy between simulated GPUs.
+    pub(crate) fn copy_from(
+        &self,
+        dst: u64,
+        from: &SimMemory,
+        src: u64,
+        bytes: usize,
+    ) -> Result<()> {
+        let (source, to) = (from.block(src, bytes)?, self.block(dst, bytes)?);
+        for (d, s) in to.range(dst, bytes).iter().zip(source.range(src, bytes)) {
             d.store(s.load(Relaxed), Relaxed);
         }
         Ok(())

@@ -12,6 +12,7 @@ mod kernels;
 pub(crate) mod memory;
 pub(crate) mod races;
 pub(crate) mod stream;
+pub(crate) mod vmm;
 
 use std::time::Duration;
 

@@ -52,6 +52,13 @@ pub(crate) enum Op {
         src: u64,
         bytes: usize,
     },
+    /// A copy from another simulated device's memory (`cuMemcpyPeerAsync`).
+    CopyPeer {
+        dst: u64,
+        from: Arc<SimMemory>,
+        src: u64,
+        bytes: usize,
+    },
     FillU32 {
         dst: u64,
         value: u32,
@@ -91,6 +98,9 @@ impl Op {
             Op::DtoD { dst, src, bytes } => {
                 Some(("copy_dtod", [(src, bytes, Read), (dst, bytes, Write)], 2))
             }
+            // The source is another device's memory, which this device's detector does not
+            // know (each device has its own).
+            Op::CopyPeer { dst, bytes, .. } => one("copy_peer", dst, bytes, Write),
             Op::FillU32 { dst, count, .. } => one("fill_u32", dst, words(count), Write),
             Op::ScaleF32 { dst, count, .. } => one("scale_f32", dst, words(count), Write),
             _ => None,
@@ -238,7 +248,13 @@ impl SimStream {
                 None
             }
             (Op::Wait(marker), _) => {
-                match marker.clock.get() {
+                // An event of another simulated device carries another detector's clock (other
+                // streams, other indices): its order is not this device's to know.
+                let same = marker
+                    .races
+                    .as_ref()
+                    .is_some_and(|d| PlainArc::ptr_eq(d, races));
+                match marker.clock.get().filter(|_| same) {
                     Some(clock) => races.wait(idx, clock),
                     None => races.plain_op(idx),
                 }

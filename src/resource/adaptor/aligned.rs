@@ -187,4 +187,7 @@ impl<U: MemoryResource> MemoryResource for AlignedAdaptor<U> {
     fn memory_waiters(&self) -> Option<&MemoryWaiters> {
         self.upstream.memory_waiters()
     }
+    fn memory_snapshot(&self) -> Option<crate::resource::snapshot::Snapshot> {
+        self.upstream.memory_snapshot()
+    }
 }

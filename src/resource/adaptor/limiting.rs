@@ -230,4 +230,7 @@ impl<U: MemoryResource> MemoryResource for LimitingAdaptor<U> {
     fn memory_waiters(&self) -> Option<&MemoryWaiters> {
         Some(&self.waiters)
     }
+    fn memory_snapshot(&self) -> Option<crate::resource::snapshot::Snapshot> {
+        self.upstream.memory_snapshot()
+    }
 }

@@ -18,7 +18,7 @@ use crate::sync::Mutex;
 pub const LOG_FILE_ENV: &str = "STREAMALLOC_LOG_FILE";
 
 /// The first line of every log: RMM's header.
-const HEADER: &str = "Thread,Time,Action,Pointer,Size,Stream";
+pub(crate) const HEADER: &str = "Thread,Time,Action,Pointer,Size,Stream";
 
 struct Sink {
     writer: Box<dyn Write + Send>,
@@ -255,12 +255,15 @@ impl<U: MemoryResource> MemoryResource for LoggingAdaptor<U> {
     fn memory_waiters(&self) -> Option<&MemoryWaiters> {
         self.upstream.memory_waiters()
     }
+    fn memory_snapshot(&self) -> Option<crate::resource::snapshot::Snapshot> {
+        self.upstream.memory_snapshot()
+    }
 }
 
 /// A number for the calling thread: 1 for the first thread that logs, 2 for the next...
 /// (`ThreadId::as_u64` is unstable). A process-wide counter that loom never models, like
 /// `StreamId`'s, so it names std's atomics directly.
-fn thread_number() -> u64 {
+pub(crate) fn thread_number() -> u64 {
     static NEXT: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(1);
     thread_local! {
         static NUMBER: u64 = NEXT.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
@@ -269,12 +272,20 @@ fn thread_number() -> u64 {
 }
 
 /// The UTC time of day, written as `HH:MM:SS.ffffff`.
-struct TimeOfDay {
+pub(crate) struct TimeOfDay {
     seconds_of_day: u64,
     micros: u32,
 }
 
 impl TimeOfDay {
+    /// The time of day of an instant given in microseconds since the Unix epoch.
+    pub(crate) fn from_unix_us(us: u64) -> Self {
+        Self {
+            seconds_of_day: us / 1_000_000 % 86_400,
+            micros: (us % 1_000_000) as u32,
+        }
+    }
+
     fn now() -> Self {
         let since_epoch = SystemTime::now()
             .duration_since(UNIX_EPOCH)

@@ -6,6 +6,7 @@
 //! | [`StatisticsAdaptor`] | `statistics_resource_adaptor` | current, peak and total bytes and counts, in nested scopes |
 //! | [`TrackingAdaptor`] | `tracking_resource_adaptor` | every outstanding allocation (with a backtrace if asked), a report, rejection of unknown frees |
 //! | [`LoggingAdaptor`] | `logging_resource_adaptor` | a CSV line per allocate, free and failed allocate, in RMM's format |
+//! | [`HistoryAdaptor`] | (PyTorch's `_record_memory_history`) | the last N events in memory, off until started; live allocations for exact snapshots |
 //! | [`LimitingAdaptor`] | `limiting_resource_adaptor` | a byte limit, with its own queue of tasks waiting for memory |
 //! | [`AlignedAdaptor`] | `aligned_resource_adaptor` | alignments above 256 bytes, from a size threshold on |
 //! | [`FailureCallbackAdaptor`] | `failure_callback_resource_adaptor` | a callback on out-of-memory that may free memory and ask for a retry |
@@ -24,6 +25,7 @@
 
 mod aligned;
 mod failure_callback;
+mod history;
 mod limiting;
 mod logging;
 mod prefetch;
@@ -32,6 +34,10 @@ mod tracking;
 
 pub use self::aligned::AlignedAdaptor;
 pub use self::failure_callback::FailureCallbackAdaptor;
+/// For the loom model (`loom-tests/history.rs`), which drives the recorder.
+#[cfg(all(test, streamalloc_loom))]
+pub(crate) use self::history::Recorder;
+pub use self::history::{Action, History, HistoryAdaptor, HistoryEvent, HistoryOptions};
 /// For the loom models (`loom-tests/waiters.rs`), which drive the adaptor's byte count.
 #[cfg(all(test, streamalloc_loom))]
 pub(crate) use self::limiting::Limit;

@@ -483,7 +483,7 @@ impl<U: MemoryResource> ArenaResource<U> {
             bytes: size as usize,
         };
         if let Some(arena) = self.existing_arena_for(stream) {
-            let outcome = arena.state.lock().give(addr, size);
+            let outcome = arena.state.lock().give_live(addr, size);
             match outcome {
                 LocalFree::Done => return Ok(()),
                 LocalFree::DoubleFree => return Err(unknown),
@@ -502,10 +502,14 @@ impl<U: MemoryResource> ArenaResource<U> {
         }
         if owner.stream.id() == stream.id() {
             // The superblock moved to our own arena after we looked: free it there.
-            return match state.give(addr, size) {
+            return match state.give_live(addr, size) {
                 LocalFree::Done => Ok(()),
                 LocalFree::DoubleFree | LocalFree::NotMine => Err(unknown),
             };
+        }
+        // No longer live from here on: a second free of it is refused.
+        if !state.unlive(addr, size) {
+            return Err(unknown);
         }
         tracing::trace!(addr, size, owner = %owner.stream.id(), on = %stream.id(), "remote free");
         state.remote.push(Remote {

@@ -131,6 +131,7 @@ use crate::sync::{Arc, AtomicU64, Mutex, Ordering};
 mod alloc;
 mod dump;
 mod global;
+mod snapshot;
 mod stream_arena;
 mod trim;
 
@@ -465,6 +466,10 @@ impl<U: MemoryResource> MemoryResource for ArenaResource<U> {
 
     fn memory_waiters(&self) -> Option<&MemoryWaiters> {
         Some(&self.waiters)
+    }
+
+    fn memory_snapshot(&self) -> Option<super::snapshot::Snapshot> {
+        Some(self.snapshot())
     }
 }
 

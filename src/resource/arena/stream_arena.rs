@@ -3,6 +3,8 @@
 
 use std::collections::BTreeMap;
 
+use rustc_hash::FxHashMap;
+
 use crate::resource::free_list::FreeList;
 use crate::stream::Stream;
 use crate::sync::Mutex;
@@ -27,6 +29,10 @@ pub(super) struct ArenaState {
     pub(super) remote: Vec<Remote>,
     /// Forgotten by the registry (its stream was dropped and it held nothing): look again.
     pub(super) retired: bool,
+    /// The blocks handed out from its superblocks and not freed yet: address → size. A free
+    /// must name one of them with its size (issue 16: a pointer inside a superblock that was
+    /// never handed out, or a wrong size, would otherwise corrupt the free list).
+    pub(super) live: FxHashMap<u64, u64>,
 }
 
 /// The arena of one stream.
@@ -38,7 +44,8 @@ pub(super) struct StreamArena {
 pub(super) enum LocalFree {
     /// Freed.
     Done,
-    /// In one of this arena's superblocks, but already free.
+    /// In one of this arena's superblocks, but not a block it handed out (already free, a
+    /// pointer inside a block, or a wrong size).
     DoubleFree,
     /// Not in this arena.
     NotMine,
@@ -52,6 +59,7 @@ pub(super) struct Moving {
     used: u64,
     free: Vec<(u64, u64)>,
     remote: Vec<Remote>,
+    live: Vec<(u64, u64)>,
 }
 
 impl StreamArena {
@@ -70,6 +78,7 @@ impl ArenaState {
             superblocks: BTreeMap::new(),
             remote: Vec::new(),
             retired: false,
+            live: FxHashMap::default(),
         }
     }
 
@@ -84,6 +93,7 @@ impl ArenaState {
         if let Some((_, sb)) = self.superblocks.range_mut(..=addr).next_back() {
             sb.used += size;
         }
+        self.live.insert(addr, size);
         Some(addr)
     }
 
@@ -106,8 +116,31 @@ impl ArenaState {
         Some((base, size))
     }
 
+    /// Takes the live entry of a block freed by the user: true if `[addr, addr + size)` is a
+    /// block this arena handed out (it is no longer live then).
+    pub(super) fn unlive(&mut self, addr: u64, size: u64) -> bool {
+        if self.live.get(&addr) == Some(&size) {
+            self.live.remove(&addr);
+            true
+        } else {
+            false
+        }
+    }
+
+    /// A free by the user on this arena's stream: the block must be live here.
+    pub(super) fn give_live(&mut self, addr: u64, size: u64) -> LocalFree {
+        if self.find(addr, size).is_none() {
+            return LocalFree::NotMine;
+        }
+        if !self.unlive(addr, size) {
+            return LocalFree::DoubleFree;
+        }
+        self.give(addr, size)
+    }
+
     /// Gives a block back to its superblock (which stays, even if wholly free, until a
-    /// defragmentation).
+    /// defragmentation). Its live entry is already gone ([`give_live`](Self::give_live), or
+    /// when its remote free was queued).
     pub(super) fn give(&mut self, addr: u64, size: u64) -> LocalFree {
         let Some(base) = self.find(addr, size) else {
             return LocalFree::NotMine;
@@ -180,12 +213,22 @@ impl ArenaState {
             .into_iter()
             .partition(|r| r.addr >= base && r.addr < end);
         self.remote = stay;
+        let live: Vec<(u64, u64)> = self
+            .live
+            .iter()
+            .filter(|(&addr, _)| addr >= base && addr < end)
+            .map(|(&a, &s)| (a, s))
+            .collect();
+        for (addr, _) in &live {
+            self.live.remove(addr);
+        }
         Some(Moving {
             base,
             size,
             used,
             free,
             remote,
+            live,
         })
     }
 
@@ -199,7 +242,9 @@ impl ArenaState {
             used,
             free,
             remote,
+            live,
         } = moving;
+        self.live.extend(live);
         self.superblocks.insert(base, Superblock { size, used });
         self.free.add_boundary(base);
         for (addr, len) in free {

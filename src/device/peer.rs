@@ -1,0 +1,84 @@
+//! Several devices: which streams, events and buffers of one device may meet another's, peer
+//! access, and copies between devices.
+//!
+//! What CUDA allows across GPUs works here, on real GPUs and between simulated devices alike:
+//! a stream of one device may wait for an event of another ([`Stream::wait`]: the GPU-side
+//! dependency, `cuStreamWaitEvent`, is legal across devices); a buffer of one device may be
+//! recorded as used by a stream of another
+//! ([`DeviceBuffer::record_stream`](crate::DeviceBuffer::record_stream): its free then waits
+//! for that stream too); memory is copied between devices in stream order
+//! ([`DeviceBuffer::try_clone_to`](crate::DeviceBuffer::try_clone_to) with a resource of the
+//! other device, or the raw [`Stream::copy_peer`]). What is wrong is an
+//! [`Error::WrongDevice`]: allocating from one device's resource for a stream of another,
+//! moving a buffer to another device's stream for good (`set_stream`), a simulated device
+//! meeting a real one.
+//!
+//! Every device has its own completion reactor: an event is watched by the reactor of the
+//! device it was recorded on, whoever awaits it.
+//!
+//! Simulated devices have disjoint address ranges (as unified addressing gives GPUs), so a
+//! pointer of one used on another is an `InvalidAddress` reported through the stream, never
+//! another allocation's bytes. Their peer access is always possible (all of it is host memory)
+//! and enabling it changes nothing: the simulated kernels do not model access to another
+//! device's memory, which is what peer access would allow on GPUs.
+
+use crate::device::{Backend, Device};
+use crate::error::{Error, Result};
+
+#[allow(unused_imports)] // for the docs
+use crate::stream::Stream;
+
+impl Device {
+    /// `Ok` if streams, events and buffers of `self` and `other` may meet: the same device,
+    /// two GPUs, or two simulated devices. `Err(WrongDevice)` for a simulated device and a GPU.
+    pub(crate) fn check_peer(&self, other: &Device) -> Result<()> {
+        if self.id() == other.id() || self.kind() == other.kind() {
+            Ok(())
+        } else {
+            Err(Error::WrongDevice {
+                expected: self.id(),
+                found: other.id(),
+            })
+        }
+    }
+
+    /// Whether kernels on this device can access `peer`'s memory once peer access is enabled
+    /// (`cuDeviceCanAccessPeer`): true for the device itself and between simulated devices;
+    /// on GPUs what the hardware says (NVLink or a PCIe topology that allows it).
+    /// `Err(WrongDevice)` for a simulated device and a GPU.
+    pub fn can_access_peer(&self, peer: &Device) -> Result<bool> {
+        self.check_peer(peer)?;
+        if self.id() == peer.id() {
+            return Ok(true);
+        }
+        match (self.backend(), peer.backend()) {
+            (Backend::Cuda(a), Backend::Cuda(b)) if a.ordinal == b.ordinal => Ok(true),
+            (Backend::Cuda(a), Backend::Cuda(b)) => a.can_access_peer(b),
+            _ => Ok(true),
+        }
+    }
+
+    /// Lets kernels queued on this device read and write `peer`'s memory
+    /// (`cuCtxEnablePeerAccess`; one direction: enable it on both for both). Enabling it twice
+    /// is fine. Copies between devices do not need it.
+    ///
+    /// Errors: [`Error::InvalidArgument`] where the hardware does not allow it (see
+    /// [`can_access_peer`](Self::can_access_peer)), `WrongDevice` for a simulated device and a
+    /// GPU, a driver error otherwise.
+    pub fn enable_peer_access(&self, peer: &Device) -> Result<()> {
+        if !self.can_access_peer(peer)? {
+            return Err(Error::InvalidArgument {
+                what: "peer access is not possible between these two GPUs \
+                       (cuDeviceCanAccessPeer says no)",
+            });
+        }
+        match (self.backend(), peer.backend()) {
+            (Backend::Cuda(a), Backend::Cuda(b)) if a.ordinal != b.ordinal => {
+                a.enable_peer_access(b)?;
+                tracing::info!(device = a.ordinal, peer = b.ordinal, "enabled peer access");
+                Ok(())
+            }
+            _ => Ok(()),
+        }
+    }
+}

@@ -1,0 +1,187 @@
+//! Virtual memory management, on both devices: reserve a range of device addresses, map
+//! physical memory into it a granule at a time, unmap it again. What an expandable pool
+//! (`resource/expandable/`) grows and shrinks by.
+//!
+//! [`Reservation`] is the facade; `cuda_vmm.rs` makes the driver calls on a GPU
+//! (`cuMemAddressReserve`, `cuMemCreate`, `cuMemMap`, `cuMemSetAccess`, `cuMemUnmap`,
+//! `cuMemRelease`, `cuMemAddressFree`), `sim/vmm.rs` does the same on the simulated device,
+//! where an access to an unmapped granule is an [`Error::InvalidAddress`] with the address.
+
+use std::fmt;
+
+use super::{cuda_vmm, sim, Backend, Device};
+use crate::error::{Error, Result};
+
+enum Raw {
+    Cuda(cuda_vmm::CudaReservation),
+    Sim(sim::vmm::SimReservation),
+}
+
+/// A reserved range of a device's virtual addresses, with physical memory mapped at some of
+/// its granules. Dropping it unmaps everything and frees the range: the owner makes sure no
+/// work uses it by then.
+pub(crate) struct Reservation {
+    device: Device,
+    base: u64,
+    size: usize,
+    granule: usize,
+    raw: Raw,
+}
+
+impl fmt::Debug for Reservation {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("Reservation")
+            .field("device", &self.device.id())
+            .field("base", &format_args!("{:#x}", self.base))
+            .field("size", &self.size)
+            .field("granule", &self.granule)
+            .finish()
+    }
+}
+
+/// The largest reservation either device takes: 128 TiB, more than any GPU's memory and within
+/// every GPU's virtual address space (47 to 57 bits). Larger is [`Error::OutOfMemory`], before
+/// any driver call (the pool keeps a bit per granule of its reservation).
+pub(crate) const MAX_RESERVATION: usize = 1 << 47;
+
+/// The allocation granularity of `device`: the unit of mapping (2 MiB on an H100 or H200, and
+/// on the simulated device).
+pub(crate) fn granularity(device: &Device) -> Result<usize> {
+    match device.backend() {
+        Backend::Cuda(d) => cuda_vmm::granularity(d),
+        Backend::Sim(_) => Ok(sim::vmm::GRANULE),
+    }
+}
+
+impl Reservation {
+    /// Reserves at least `size` bytes (rounded up to the granularity) of `device`'s addresses.
+    /// Nothing is mapped yet.
+    ///
+    /// Errors: [`Error::InvalidSize`] for zero or a size that overflows when rounded;
+    /// [`Error::OutOfMemory`] when the address space has no room for it (with the room left
+    /// where the device knows it); the driver's error otherwise.
+    pub(crate) fn new(device: &Device, size: usize) -> Result<Self> {
+        if size == 0 {
+            return Err(Error::InvalidSize {
+                size,
+                reason: "a virtual address reservation needs at least one byte",
+            });
+        }
+        let granule = granularity(device)?;
+        let size = size
+            .checked_next_multiple_of(granule)
+            .ok_or(Error::InvalidSize {
+                size,
+                reason: "the reservation overflows when rounded up to the allocation granularity",
+            })?;
+        if size > MAX_RESERVATION {
+            return Err(Error::OutOfMemory {
+                requested: size,
+                available: MAX_RESERVATION,
+                maximum: MAX_RESERVATION,
+            });
+        }
+        let raw = match device.backend() {
+            Backend::Cuda(d) => Raw::Cuda(
+                cuda_vmm::CudaReservation::new(d, size, granule).map_err(|e| {
+                    if e.is_out_of_memory() {
+                        Error::OutOfMemory {
+                            requested: size,
+                            available: 0,
+                            maximum: 0,
+                        }
+                    } else {
+                        e
+                    }
+                })?,
+            ),
+            Backend::Sim(d) => Raw::Sim(sim::vmm::SimReservation::new(d, size)?),
+        };
+        let base = match &raw {
+            Raw::Cuda(r) => r.base(),
+            Raw::Sim(r) => r.base(),
+        };
+        tracing::debug!(
+            device = device.id(),
+            base,
+            size,
+            granule,
+            "reserved addresses"
+        );
+        Ok(Self {
+            device: device.clone(),
+            base,
+            size,
+            granule,
+            raw,
+        })
+    }
+
+    /// The first address of the range.
+    pub(crate) fn base(&self) -> u64 {
+        self.base
+    }
+
+    /// Bytes reserved (a multiple of the granule).
+    pub(crate) fn size(&self) -> usize {
+        self.size
+    }
+
+    /// The unit of mapping, in bytes.
+    pub(crate) fn granule(&self) -> usize {
+        self.granule
+    }
+
+    /// Maps fresh physical memory at granules `first..first + count` (all unmapped now; the
+    /// caller keeps the table), readable and writable by the device. All or none: after a
+    /// failure midway (the device out of memory, a failed driver call) nothing this call mapped
+    /// stays mapped. The device's out-of-memory becomes [`Error::OutOfMemory`] with its
+    /// numbers.
+    pub(crate) fn map(&self, first: usize, count: usize) -> Result<()> {
+        debug_assert!(count > 0 && first + count <= self.size / self.granule);
+        let result = match (&self.raw, self.device.backend()) {
+            (Raw::Cuda(r), Backend::Cuda(d)) => r.map(d, first, count),
+            (Raw::Sim(r), Backend::Sim(d)) => r.map(d, first, count),
+            _ => Err(super::mismatch()),
+        };
+        result.map_err(|e| {
+            if e.is_out_of_memory() {
+                Error::OutOfMemory {
+                    requested: count * self.granule,
+                    available: self.device.free_memory().unwrap_or(0),
+                    maximum: self.device.total_memory(),
+                }
+            } else {
+                e
+            }
+        })
+    }
+
+    /// Unmaps granule `index` and releases its physical memory (nothing if it is unmapped).
+    ///
+    /// # Safety
+    /// No queued or running work uses the granule (on a GPU, an access to it afterwards is a
+    /// fault that breaks the context).
+    pub(crate) unsafe fn unmap(&self, index: usize) -> Result<()> {
+        match (&self.raw, self.device.backend()) {
+            // SAFETY: the caller's contract.
+            (Raw::Cuda(r), Backend::Cuda(d)) => unsafe { r.unmap(d, index) },
+            (Raw::Sim(r), Backend::Sim(_)) => {
+                r.unmap(index);
+                Ok(())
+            }
+            _ => Err(super::mismatch()),
+        }
+    }
+}
+
+impl Drop for Reservation {
+    fn drop(&mut self) {
+        // The simulated reservation unmaps and frees itself when dropped.
+        if let (Raw::Cuda(r), Backend::Cuda(d)) = (&self.raw, self.device.backend()) {
+            // SAFETY: the owner's contract (the type's docs): no work uses the range any more,
+            // and `&mut self` means nothing maps into it again.
+            unsafe { r.free(d) }
+        }
+    }
+}

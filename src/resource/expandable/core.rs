@@ -1,0 +1,387 @@
+//! The bookkeeping of an expandable pool, generic over its streams and its address range so
+//! that the loom model (`loom-tests/expandable.rs`) drives this very code with fake ones.
+//!
+//! [`Expander`] joins the pool's free-list engine ([`StreamLists`]) to a reserved address range
+//! ([`Backing`]) and a table of which granules are mapped. The whole range is one chunk of the
+//! engine, so free blocks coalesce across every growth. It grows the engine ([`Grow`]) by
+//! mapping granules where the memory coalesces with the requester's free blocks, and it takes
+//! fully free granules out of the lists for unmapping ([`take_free`](Expander::take_free)),
+//! unmaps them once the caller has waited for their streams
+//! ([`unmap_ranges`](Expander::unmap_ranges)), or puts them back.
+//!
+//! Lock order: the table, then a list (growth reads the requester's list while it holds the
+//! table); nothing takes the table while it holds a list's lock.
+
+use super::super::stream_ordered::{EngineStream, Grow, StreamLists};
+use crate::error::{Error, Result};
+use crate::sync::{AtomicU64, Mutex, Ordering};
+
+/// A reserved address range that granules of physical memory can be mapped into.
+pub(crate) trait Backing: Send + Sync {
+    /// The first address.
+    fn base(&self) -> u64;
+    /// The unit of mapping, in bytes (a multiple of 256).
+    fn granule(&self) -> u64;
+    /// How many granules the range has.
+    fn granules(&self) -> usize;
+    /// Maps granules `first..first + count` (unmapped now): all, or none and an error.
+    fn map(&self, first: usize, count: usize) -> Result<()>;
+    /// Unmaps granule `index` and releases its memory.
+    ///
+    /// # Safety
+    /// No queued or running work uses it.
+    unsafe fn unmap(&self, index: usize) -> Result<()>;
+}
+
+impl Backing for crate::device::vmm::Reservation {
+    fn base(&self) -> u64 {
+        crate::device::vmm::Reservation::base(self)
+    }
+    fn granule(&self) -> u64 {
+        crate::device::vmm::Reservation::granule(self) as u64
+    }
+    fn granules(&self) -> usize {
+        self.size() / crate::device::vmm::Reservation::granule(self)
+    }
+    fn map(&self, first: usize, count: usize) -> Result<()> {
+        crate::device::vmm::Reservation::map(self, first, count)
+    }
+    unsafe fn unmap(&self, index: usize) -> Result<()> {
+        // SAFETY: the caller's contract, passed on.
+        unsafe { crate::device::vmm::Reservation::unmap(self, index) }
+    }
+}
+
+/// Which granules are mapped, a bit each: changed only under the table's lock (by growth and
+/// trim), read without it by `deallocate`'s check of a pointer (`is_mapped`).
+struct Bits(Vec<AtomicU64>);
+
+impl Bits {
+    fn new(len: usize) -> Self {
+        Self((0..len.div_ceil(64)).map(|_| AtomicU64::new(0)).collect())
+    }
+
+    fn get(&self, index: usize) -> bool {
+        self.0[index / 64].load(Ordering::Relaxed) & (1 << (index % 64)) != 0
+    }
+}
+
+/// The mapping state that growth and trim change, under one lock.
+struct Table {
+    /// How many granules the range has.
+    len: usize,
+    /// One past the highest mapped granule.
+    frontier: usize,
+}
+
+impl Table {
+    /// Marks granule `index` mapped or not (the caller holds the table's lock).
+    fn set(&mut self, bits: &Bits, index: usize, mapped: bool) {
+        let bit = 1 << (index % 64);
+        if mapped {
+            bits.0[index / 64].fetch_or(bit, Ordering::Relaxed);
+        } else {
+            bits.0[index / 64].fetch_and(!bit, Ordering::Relaxed);
+        }
+    }
+
+    fn recompute_frontier(&mut self, bits: &Bits) {
+        self.frontier = (bits.0.iter().enumerate().rev())
+            .map(|(i, w)| (i, w.load(Ordering::Relaxed)))
+            .find(|&(_, w)| w != 0)
+            .map_or(0, |(i, w)| i * 64 + 64 - w.leading_zeros() as usize);
+    }
+}
+
+/// A range taken out of the lists for unmapping: `(start, size, the stream whose list held
+/// it)`, `None` for fresh memory.
+pub(crate) type Taken<S> = (u64, u64, Option<S>);
+
+/// An expandable pool's lists, address range and mapping table.
+pub(crate) struct Expander<S: EngineStream, B: Backing> {
+    pub(crate) lists: StreamLists<S>,
+    pub(crate) backing: B,
+    table: Mutex<Table>,
+    bits: Bits,
+    /// Bytes mapped (written under the table's lock; read without it for statistics).
+    reserved: AtomicU64,
+    peak_reserved: AtomicU64,
+    grows: AtomicU64,
+    /// The most that may be mapped at once, in bytes (a multiple of the granule).
+    maximum: u64,
+}
+
+impl<S: EngineStream, B: Backing> Expander<S, B> {
+    /// The lists over `backing`'s whole range (one chunk), nothing mapped yet.
+    pub(crate) fn new(backing: B, maximum: u64, merge_limit: usize) -> Self {
+        let lists = StreamLists::with_merge_limit(merge_limit);
+        let granules = backing.granules();
+        lists.add_chunk(backing.base(), granules as u64 * backing.granule());
+        Self {
+            lists,
+            table: Mutex::new(Table {
+                len: granules,
+                frontier: 0,
+            }),
+            bits: Bits::new(granules),
+            backing,
+            reserved: AtomicU64::new(0),
+            peak_reserved: AtomicU64::new(0),
+            grows: AtomicU64::new(0),
+            maximum,
+        }
+    }
+
+    fn addr(&self, index: usize) -> u64 {
+        self.backing.base() + index as u64 * self.backing.granule()
+    }
+
+    pub(crate) fn granule(&self) -> u64 {
+        self.backing.granule()
+    }
+
+    pub(crate) fn maximum(&self) -> u64 {
+        self.maximum
+    }
+
+    /// Bytes mapped now.
+    pub(crate) fn reserved(&self) -> u64 {
+        self.reserved.load(Ordering::Relaxed)
+    }
+
+    pub(crate) fn peak_reserved(&self) -> u64 {
+        self.peak_reserved.load(Ordering::Relaxed)
+    }
+
+    pub(crate) fn grows(&self) -> u64 {
+        self.grows.load(Ordering::Relaxed)
+    }
+
+    /// Granules mapped now.
+    pub(crate) fn mapped_granules(&self) -> usize {
+        (self.reserved() / self.granule()) as usize
+    }
+
+    /// The mapped ranges `(start, size)`, in address order: runs of mapped granules, read
+    /// under the table's lock (for snapshots).
+    pub(crate) fn mapped_runs(&self) -> Vec<(u64, u64)> {
+        let table = self.table.lock();
+        let g = self.granule();
+        let mut runs: Vec<(u64, u64)> = Vec::new();
+        for index in (0..table.frontier).filter(|&i| self.bits.get(i)) {
+            match runs.last_mut() {
+                Some((start, size)) if *start + *size == self.addr(index) => *size += g,
+                _ => runs.push((self.addr(index), g)),
+            }
+        }
+        runs
+    }
+
+    /// Whether every granule of `[addr, addr + size)` lies in the range and is mapped: a
+    /// pointer the pool may have handed out (a few relaxed loads, for `deallocate`).
+    pub(crate) fn is_mapped(&self, addr: u64, size: u64) -> bool {
+        let (base, g) = (self.backing.base(), self.granule());
+        let Some(end) = addr.checked_add(size) else {
+            return false;
+        };
+        if addr < base || size == 0 || end > base + self.backing.granules() as u64 * g {
+            return false;
+        }
+        let (first, last) = (
+            ((addr - base) / g) as usize,
+            ((end - 1 - base) / g) as usize,
+        );
+        (first..=last).all(|i| self.bits.get(i))
+    }
+
+    /// Maps the first `bytes` (rounded up to granules) as fresh memory: the initial size.
+    pub(crate) fn map_initial(&self, bytes: u64) -> Result<()> {
+        let count = bytes.div_ceil(self.granule()) as usize;
+        if count == 0 {
+            return Ok(());
+        }
+        let (addr, size) = {
+            let mut table = self.table.lock();
+            self.map_locked(&mut table, 0, count, bytes)?
+        };
+        self.lists.give_fresh(addr, size);
+        Ok(())
+    }
+
+    /// Maps `first..first + count` under the table's lock, within the maximum.
+    fn map_locked(
+        &self,
+        table: &mut Table,
+        first: usize,
+        count: usize,
+        requested: u64,
+    ) -> Result<(u64, u64)> {
+        let size = count as u64 * self.granule();
+        let reserved = self.reserved();
+        if reserved + size > self.maximum {
+            return Err(self.out_of_memory(requested));
+        }
+        self.backing.map(first, count)?;
+        for index in first..first + count {
+            table.set(&self.bits, index, true);
+        }
+        table.frontier = table.frontier.max(first + count);
+        let now = reserved + size;
+        self.reserved.store(now, Ordering::Relaxed);
+        self.peak_reserved.fetch_max(now, Ordering::Relaxed);
+        Ok((self.addr(first), size))
+    }
+
+    /// The error of a request of `requested` bytes that cannot be served: `available` is the
+    /// largest request that could have been (the largest free block, or the room left under
+    /// the maximum).
+    pub(crate) fn out_of_memory(&self, requested: u64) -> Error {
+        let room = self.maximum.saturating_sub(self.reserved());
+        Error::OutOfMemory {
+            requested: requested as usize,
+            available: room.max(self.lists.largest_free_block()) as usize,
+            maximum: self.maximum as usize,
+        }
+    }
+
+    /// Where to map for a request of `min` bytes on `stream`: `(first granule, count)`. The
+    /// lowest hole (granules unmapped by a trim) that, with the free blocks of the stream's
+    /// list on either side, holds the request; else the frontier, counting the free block
+    /// that ends there. Only as many granules as the request needs beyond those free blocks.
+    fn place(&self, table: &Table, min: u64, stream: &S) -> Option<(usize, usize)> {
+        let g = self.granule();
+        let needed = |have: u64| (min.saturating_sub(have).div_ceil(g) as usize).max(1);
+        let mut i = 0;
+        while i < table.frontier {
+            if self.bits.get(i) {
+                i += 1;
+                continue;
+            }
+            let start = i;
+            while i < table.frontier && !self.bits.get(i) {
+                i += 1;
+            }
+            let run = i - start;
+            let (left, right) = self
+                .lists
+                .free_around(stream, self.addr(start), self.addr(i));
+            let count = needed(left);
+            if count <= run {
+                return Some((start, count));
+            }
+            if left + run as u64 * g + right >= min {
+                return Some((start, run));
+            }
+        }
+        let (left, _) = self
+            .lists
+            .free_around(stream, self.addr(table.frontier), u64::MAX);
+        let count = needed(left);
+        (table.frontier + count <= table.len).then_some((table.frontier, count))
+    }
+
+    /// Takes every fully free granule out of the lists for unmapping, as long as more than
+    /// `keep` bytes would stay mapped (the highest addresses first); the rest goes back at
+    /// once. The caller waits for each range's stream (all its work), then calls
+    /// [`unmap_ranges`](Self::unmap_ranges), or [`put_back`](Self::put_back) if it cannot.
+    pub(crate) fn take_free(&self, keep: u64) -> Vec<Taken<S>> {
+        let g = self.granule();
+        let mut taken = self.lists.take_aligned(g);
+        taken.sort_unstable_by_key(|t| std::cmp::Reverse(t.0));
+        let mut excess = self.reserved().saturating_sub(keep);
+        let mut out = Vec::new();
+        let mut back = Vec::new();
+        for (addr, size, stream) in taken {
+            if excess == 0 {
+                back.push((addr, size, stream));
+            } else if size <= excess {
+                excess -= size;
+                out.push((addr, size, stream));
+            } else {
+                // Release the top of the range, keep its bottom.
+                let part = excess.div_ceil(g) * g;
+                excess = 0;
+                if part < size {
+                    back.push((addr, size - part, stream.clone()));
+                }
+                out.push((addr + size - part, part, stream));
+            }
+        }
+        self.put_back(back);
+        out
+    }
+
+    /// Ranges taken by [`take_free`](Self::take_free) go back where they were, free.
+    pub(crate) fn put_back(&self, ranges: Vec<Taken<S>>) {
+        for (addr, size, stream) in ranges {
+            match stream {
+                Some(stream) => self.lists.give_blocks_to(&[(addr, size)], &stream),
+                None => self.lists.give_fresh_blocks(&[(addr, size)]),
+            }
+        }
+    }
+
+    /// Unmaps the granules of ranges taken by [`take_free`](Self::take_free). Returns the
+    /// bytes unmapped and the first error; a range whose unmapping failed goes back to its
+    /// list from the granule that failed on, so nothing is lost.
+    ///
+    /// # Safety
+    /// The work of every range's stream, up to the moment its range was taken, has finished
+    /// (the caller synchronized the stream after `take_free`); fresh ranges were never used.
+    pub(crate) unsafe fn unmap_ranges(&self, ranges: Vec<Taken<S>>) -> (u64, Result<()>) {
+        let g = self.granule();
+        let base = self.backing.base();
+        let mut released = 0;
+        let mut result = Ok(());
+        let mut back = Vec::new();
+        {
+            let mut table = self.table.lock();
+            for (addr, size, stream) in ranges {
+                let first = ((addr - base) / g) as usize;
+                let count = (size / g) as usize;
+                for index in first..first + count {
+                    debug_assert!(self.bits.get(index), "granule {index} free but unmapped");
+                    // SAFETY: the granule lies in a range taken out of every list (nothing can
+                    // hand it out), wholly free, and the caller's contract says the work that
+                    // last used it has finished.
+                    match unsafe { self.backing.unmap(index) } {
+                        Ok(()) => {
+                            table.set(&self.bits, index, false);
+                            released += g;
+                        }
+                        Err(e) => {
+                            let at = self.addr(index);
+                            back.push((at, addr + size - at, stream.clone()));
+                            if result.is_ok() {
+                                result = Err(e);
+                            }
+                            break;
+                        }
+                    }
+                }
+            }
+            table.recompute_frontier(&self.bits);
+            self.reserved.fetch_sub(released, Ordering::Relaxed);
+        }
+        // Outside the table's lock (the lock order).
+        self.put_back(back);
+        (released, result)
+    }
+}
+
+impl<S: EngineStream, B: Backing> Grow<S> for Expander<S, B> {
+    /// Maps granules for a request of `min` bytes where they coalesce with the requester's
+    /// free memory; never a new chunk. The engine gives the range to the requester's list,
+    /// where it merges with its free neighbours.
+    fn grow(&self, min: u64, stream: &S) -> Result<(u64, u64)> {
+        let mut table = self.table.lock();
+        let Some((first, count)) = self.place(&table, min, stream) else {
+            tracing::debug!(requested = min, "no room left in the reserved addresses");
+            return Err(self.out_of_memory(min));
+        };
+        let _span = tracing::debug_span!("grow", requested = min, first, count).entered();
+        let grown = self.map_locked(&mut table, first, count, min)?;
+        self.grows.fetch_add(1, Ordering::Relaxed);
+        Ok(grown)
+    }
+}

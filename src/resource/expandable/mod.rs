@@ -1,0 +1,445 @@
+//! `ExpandablePoolResource`: a pool on virtual memory, whose footprint follows its live memory.
+
+pub(crate) mod core;
+mod snapshot;
+
+use std::fmt;
+// std's `Arc` and `Weak`, not `crate::sync`'s: the release job holds a `Weak` of the pool,
+// which loom's `Arc` lacks; the pool as a whole is not loom-modelled (its bookkeeping,
+// `core.rs`, is).
+use std::sync::{Arc as StdArc, Weak};
+
+use self::core::{Expander, Taken};
+use super::pool::PoolStats;
+use super::waiters::{MemoryWaiters, WaitStats};
+use super::{aligned_size, check_stream, MemoryResource};
+use crate::device::vmm::{self, Reservation};
+use crate::device::{Device, DevicePtr};
+use crate::error::{Error, Result};
+use crate::stream::Stream;
+use crate::sync::{AtomicBool, AtomicU64, Ordering};
+
+/// Sizes and policies of an [`ExpandablePoolResource`].
+///
+/// ```
+/// use streamalloc::resource::expandable::ExpandableOptions;
+///
+/// let options = ExpandableOptions {
+///     initial: 256 << 20,
+///     release_threshold: Some(1 << 30),
+///     ..ExpandableOptions::default()
+/// };
+/// assert_eq!(options.reserve, None); // the device's total memory
+/// ```
+#[derive(Debug, Clone)]
+pub struct ExpandableOptions {
+    /// Bytes of virtual addresses to reserve; `None` for the device's total memory (rounded up
+    /// to the allocation granularity). Addresses cost no memory: only what is mapped does.
+    pub reserve: Option<usize>,
+    /// The most memory the pool may map at once (rounded up to the granularity); `None` for
+    /// the whole reservation. At most the reservation.
+    pub maximum: Option<usize>,
+    /// Bytes mapped at construction (rounded up to the granularity; may be 0).
+    pub initial: usize,
+    /// Mapped bytes the pool keeps before it gives fully free granules back on its own (as
+    /// the driver pool's release threshold): once it maps more than this and a granule's worth
+    /// of memory was freed since the last try, the device's blocking-work thread trims it down
+    /// toward the threshold, in stream order. `None` (the default): only
+    /// [`trim`](ExpandablePoolResource::trim) gives memory back.
+    pub release_threshold: Option<usize>,
+    /// As [`PoolOptions::merge_limit`](super::PoolOptions::merge_limit).
+    pub merge_limit: usize,
+}
+
+impl Default for ExpandableOptions {
+    fn default() -> Self {
+        Self {
+            reserve: None,
+            maximum: None,
+            initial: 0,
+            release_threshold: None,
+            merge_limit: usize::MAX,
+        }
+    }
+}
+
+/// A pool that grows by mapping physical memory into one reserved range of virtual addresses
+/// (`cuMemAddressReserve`, `cuMemCreate`, `cuMemMap`), a granule at a time (the driver's
+/// allocation granularity: 2 MiB on an H100 or H200), as PyTorch's expandable segments do.
+///
+/// It has the stream semantics of [`PoolResource`](super::PoolResource) (the same free-list
+/// engine: per-stream reuse at once, steals and merges ordered by events, awaitable
+/// allocation, the same [`PoolStats`]), with two differences:
+///
+/// - **No seams.** All its memory lies in one address range, so any free block coalesces with
+///   its free neighbours, whenever they were mapped; a growth maps only what the request needs
+///   beyond the free block it extends. A pool of separate chunks never merges across them, so
+///   it holds more than it uses after a change of sizes.
+/// - **Trim gives memory back a granule at a time.** [`trim`](Self::trim) unmaps and releases
+///   every fully free granule (where the pool can only return wholly free chunks), after
+///   waiting for the work of the stream that last used it. The device's free memory rises by
+///   what was unmapped.
+///
+/// Pick it over the pool when the footprint must follow live memory (phases of different
+/// sizes, a long-running server that must give memory back); the pool is a little cheaper when
+/// it grows (one `cuMemAlloc` per chunk against a create and a map per granule) and works over
+/// any upstream.
+///
+/// Dropping it synchronizes the streams it knows and unmaps everything (buffers keep it alive
+/// until they are gone).
+pub struct ExpandablePoolResource {
+    inner: StdArc<Inner>,
+}
+
+struct Inner {
+    device: Device,
+    core: Expander<Stream, Reservation>,
+    waiters: MemoryWaiters,
+    /// The release threshold in bytes (`u64::MAX`: none).
+    threshold: u64,
+    /// Bytes freed since the last automatic release (counted only with a threshold).
+    freed_since: AtomicU64,
+    /// An automatic release is queued or running.
+    release_pending: AtomicBool,
+    /// For the automatic release job to find the pool, if it still exists.
+    me: Weak<Inner>,
+}
+
+impl fmt::Debug for ExpandablePoolResource {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("ExpandablePoolResource")
+            .field("reservation", &self.inner.core.backing)
+            .field("maximum", &self.inner.core.maximum())
+            .field("stats", &self.stats())
+            .finish()
+    }
+}
+
+impl ExpandablePoolResource {
+    /// A pool on `device`. Errors: a maximum above the reservation, an initial size above the
+    /// maximum ([`Error::InvalidSize`]); a reservation the address space has no room for
+    /// ([`Error::OutOfMemory`] with the room left, where the device knows it); the device's
+    /// error if it cannot map `initial`.
+    pub fn new(device: &Device, options: ExpandableOptions) -> Result<Self> {
+        let granule = vmm::granularity(device)?;
+        let round = |size: usize, reason| {
+            size.checked_next_multiple_of(granule)
+                .ok_or(Error::InvalidSize { size, reason })
+        };
+        let reserve = round(
+            options.reserve.unwrap_or(device.total_memory()),
+            "the reservation overflows when rounded up to the allocation granularity",
+        )?;
+        let maximum = match options.maximum {
+            Some(max) => round(
+                max,
+                "the maximum overflows when rounded up to the allocation granularity",
+            )?,
+            None => reserve,
+        };
+        if maximum > reserve {
+            return Err(Error::InvalidSize {
+                size: maximum,
+                reason: "the pool's maximum is above its reservation",
+            });
+        }
+        if options.initial > maximum {
+            return Err(Error::InvalidSize {
+                size: options.initial,
+                reason: "the pool's initial size is above its maximum",
+            });
+        }
+        let reservation = Reservation::new(device, reserve)?;
+        let core = Expander::new(reservation, maximum as u64, options.merge_limit);
+        core.map_initial(options.initial as u64)?;
+        let threshold = options.release_threshold.map_or(u64::MAX, |t| t as u64);
+        let inner = StdArc::new_cyclic(|me| Inner {
+            device: device.clone(),
+            core,
+            waiters: MemoryWaiters::new(),
+            threshold,
+            freed_since: AtomicU64::new(0),
+            release_pending: AtomicBool::new(false),
+            me: me.clone(),
+        });
+        Ok(Self { inner })
+    }
+
+    /// The most the pool may map.
+    pub fn maximum(&self) -> usize {
+        self.inner.core.maximum() as usize
+    }
+
+    /// The unit of mapping and of trimming, in bytes.
+    pub fn granule(&self) -> usize {
+        self.inner.core.granule() as usize
+    }
+
+    /// The reserved range of addresses: `(first address, bytes)`.
+    pub fn reservation(&self) -> (DevicePtr, usize) {
+        let r = &self.inner.core.backing;
+        (DevicePtr(r.base()), r.size())
+    }
+
+    /// What the pool holds and has done. `reserved` is the memory mapped, `chunks` the
+    /// granules mapped.
+    pub fn stats(&self) -> PoolStats {
+        let core = &self.inner.core;
+        let engine = core.lists.stats();
+        PoolStats {
+            reserved: core.reserved() as usize,
+            peak_reserved: core.peak_reserved() as usize,
+            free: engine.free_bytes as usize,
+            free_blocks: engine.free_blocks,
+            chunks: core.mapped_granules(),
+            streams: engine.streams,
+            grows: core.grows(),
+            steals: engine.steals,
+            merges: engine.merges,
+            in_use: engine.in_use as usize,
+            peak_in_use: (engine.peak_in_use as usize).min(core.peak_reserved() as usize),
+        }
+    }
+
+    /// What waiting for memory in [`allocate_async`](crate::AllocateAsync::allocate_async) has
+    /// cost.
+    pub fn wait_stats(&self) -> WaitStats {
+        self.inner.waiters.stats()
+    }
+
+    /// Checks the invariants of every free list and that no two share memory. Slow; for tests.
+    #[doc(hidden)]
+    pub fn check_invariants(&self) -> std::result::Result<(), String> {
+        self.inner.core.lists.check()
+    }
+
+    /// Unmaps and releases every fully free granule, each once the GPU work of the stream
+    /// that last used it has finished (awaited here, never inside a lock). First it folds the
+    /// lists of streams the user has dropped back into the pool, as
+    /// [`PoolResource::trim`](super::PoolResource::trim) does, and moves every stream's free
+    /// blocks to the pool's fresh memory once that stream's work is done (so free memory that
+    /// different streams freed coalesces into whole granules). Returns the bytes unmapped.
+    /// Live buffers are untouched: a granule any of whose bytes is handed out stays mapped.
+    ///
+    /// On an error (a failed synchronization or unmap), what was not unmapped goes back where
+    /// it was: nothing is lost, and the pool works as before.
+    ///
+    /// # Cancel safety
+    /// Not cancel-safe: granules taken out before the future is dropped stay mapped and out of
+    /// the lists (counted in `reserved`, never handed out) until the pool is dropped.
+    pub async fn trim(&self) -> Result<usize> {
+        self.inner.trim_to(0).await
+    }
+
+    /// [`trim`](Self::trim) for synchronous code: blocks the calling thread while it waits.
+    pub fn trim_blocking(&self) -> Result<usize> {
+        self.inner.trim_to_blocking(0)
+    }
+
+    /// Like [`trim`](Self::trim), but stops once at most `keep` bytes stay mapped (the highest
+    /// addresses go first).
+    pub async fn trim_to(&self, keep: usize) -> Result<usize> {
+        self.inner.trim_to(keep as u64).await
+    }
+
+    /// [`trim_to`](Self::trim_to) for synchronous code.
+    pub fn trim_to_blocking(&self, keep: usize) -> Result<usize> {
+        self.inner.trim_to_blocking(keep as u64)
+    }
+}
+
+impl Inner {
+    /// The distinct streams of `taken` (fresh ranges need no wait).
+    fn streams_of(taken: &[Taken<Stream>]) -> Vec<Stream> {
+        let mut streams: Vec<Stream> = Vec::new();
+        for stream in taken.iter().filter_map(|t| t.2.as_ref()) {
+            if !streams.iter().any(|s| s.id() == stream.id()) {
+                streams.push(stream.clone());
+            }
+        }
+        streams
+    }
+
+    async fn trim_to(&self, keep: u64) -> Result<usize> {
+        let mut first_error = None;
+        for (stream, blocks) in self.core.lists.retire_idle() {
+            let synced = stream.synchronize().await;
+            if let Err(e) = self.fold_idle(stream, blocks, synced) {
+                first_error.get_or_insert(e);
+            }
+        }
+        // Every list's blocks, once their stream's work is done, become fresh memory, where
+        // free neighbours freed on different streams coalesce: a granule half freed on one
+        // stream and half on another is then fully free.
+        for (stream, blocks) in self.core.lists.drain_lists() {
+            let synced = stream.synchronize().await;
+            if let Err(e) = self.fold_idle(stream, blocks, synced) {
+                first_error.get_or_insert(e);
+            }
+        }
+        if let Some(e) = first_error {
+            return Err(e);
+        }
+        let taken = self.core.take_free(keep);
+        for stream in Self::streams_of(&taken) {
+            if let Err(e) = stream.synchronize().await {
+                self.core.put_back(taken);
+                return Err(e);
+            }
+        }
+        self.unmap(taken)
+    }
+
+    fn trim_to_blocking(&self, keep: u64) -> Result<usize> {
+        let mut first_error = None;
+        for (stream, blocks) in self.core.lists.retire_idle() {
+            let synced = stream.synchronize_blocking();
+            if let Err(e) = self.fold_idle(stream, blocks, synced) {
+                first_error.get_or_insert(e);
+            }
+        }
+        for (stream, blocks) in self.core.lists.drain_lists() {
+            let synced = stream.synchronize_blocking();
+            if let Err(e) = self.fold_idle(stream, blocks, synced) {
+                first_error.get_or_insert(e);
+            }
+        }
+        if let Some(e) = first_error {
+            return Err(e);
+        }
+        let taken = self.core.take_free(keep);
+        for stream in Self::streams_of(&taken) {
+            if let Err(e) = stream.synchronize_blocking() {
+                self.core.put_back(taken);
+                return Err(e);
+            }
+        }
+        self.unmap(taken)
+    }
+
+    /// Unmaps ranges whose streams were synchronized after they were taken.
+    fn unmap(&self, taken: Vec<Taken<Stream>>) -> Result<usize> {
+        let _span = tracing::debug_span!("trim", ranges = taken.len()).entered();
+        // SAFETY: every range was taken out of the lists before its stream was synchronized
+        // (by the callers, after `take_free`), so the work that last used it has finished;
+        // fresh ranges were never used.
+        let (released, result) = unsafe { self.core.unmap_ranges(taken) };
+        tracing::debug!(released, "unmapped");
+        // Room under the maximum came back: a waiter for a large block may now grow.
+        self.waiters.notify();
+        result.map(|()| released as usize)
+    }
+
+    /// A list's blocks (a dropped stream's, or any stream's drained for a trim), once its
+    /// stream was synchronized (`synced`): they are fresh. If the synchronization failed, they
+    /// go back to a list of that stream.
+    fn fold_idle(&self, stream: Stream, blocks: Vec<(u64, u64)>, synced: Result<()>) -> Result<()> {
+        match synced {
+            Ok(()) => {
+                self.core.lists.give_fresh_blocks(&blocks);
+                self.waiters.notify();
+                Ok(())
+            }
+            Err(e) => {
+                self.core.lists.give_blocks_to(&blocks, &stream);
+                Err(e)
+            }
+        }
+    }
+
+    /// After a free: with a release threshold, once more than it is mapped and a granule's
+    /// worth was freed since the last try, queue a trim toward it on the device's
+    /// blocking-work thread (it waits for streams; a free never does).
+    fn maybe_release(&self, freed: u64) {
+        if self.threshold == u64::MAX {
+            return;
+        }
+        let since = self.freed_since.fetch_add(freed, Ordering::Relaxed) + freed;
+        if since < self.core.granule()
+            || self.core.reserved() <= self.threshold
+            || self.release_pending.swap(true, Ordering::AcqRel)
+        {
+            return;
+        }
+        self.freed_since.store(0, Ordering::Relaxed);
+        let (me, threshold) = (self.me.clone(), self.threshold);
+        self.device.reactor().offload(
+            "expandable pool release",
+            Box::new(move || {
+                let Some(pool) = me.upgrade() else { return };
+                if let Err(e) = pool.trim_to_blocking(threshold) {
+                    tracing::warn!(error = %e, "the expandable pool's release failed");
+                }
+                pool.release_pending.store(false, Ordering::Release);
+            }),
+        );
+    }
+}
+
+impl MemoryResource for ExpandablePoolResource {
+    fn device(&self) -> &Device {
+        &self.inner.device
+    }
+
+    fn allocate(&self, bytes: usize, stream: &Stream) -> Result<DevicePtr> {
+        if bytes == 0 {
+            return Ok(DevicePtr(0));
+        }
+        let inner = &*self.inner;
+        check_stream(&inner.device, stream)?;
+        let size = aligned_size(bytes)? as u64;
+        if size > inner.core.maximum() {
+            return Err(inner.core.out_of_memory(size));
+        }
+        let ptr = DevicePtr(inner.core.lists.take(size, stream, &inner.core)?);
+        // The race detector of the simulated device checks blocks (a no-op on CUDA).
+        inner.device.note_allocation(ptr, size as usize, stream);
+        Ok(ptr)
+    }
+
+    unsafe fn deallocate(&self, ptr: DevicePtr, bytes: usize, stream: &Stream) -> Result<()> {
+        if bytes == 0 {
+            return if ptr.0 == 0 {
+                Ok(())
+            } else {
+                Err(Error::UnknownPointer { ptr: ptr.0, bytes })
+            };
+        }
+        let inner = &*self.inner;
+        check_stream(&inner.device, stream)?;
+        let size = aligned_size(bytes)? as u64;
+        // A range not wholly mapped was never handed out (the lists would take it: it lies in
+        // their one chunk, the reservation).
+        if !ptr.0.is_multiple_of(super::ALIGNMENT as u64) || !inner.core.is_mapped(ptr.0, size) {
+            return Err(Error::UnknownPointer { ptr: ptr.0, bytes });
+        }
+        // Before the block is back in a list, from where another thread may hand it out again.
+        inner.device.note_free(ptr, size as usize, stream);
+        if !inner.core.lists.give(ptr.0, size, stream) {
+            return Err(Error::UnknownPointer { ptr: ptr.0, bytes });
+        }
+        inner.waiters.notify();
+        inner.maybe_release(size);
+        Ok(())
+    }
+
+    fn memory_waiters(&self) -> Option<&MemoryWaiters> {
+        Some(&self.inner.waiters)
+    }
+
+    fn memory_snapshot(&self) -> Option<super::snapshot::Snapshot> {
+        Some(self.snapshot())
+    }
+}
+
+impl Drop for Inner {
+    fn drop(&mut self) {
+        // Frees may still be queued on the streams the lists belong to: let them run before
+        // the reservation (dropped after this) unmaps everything.
+        for stream in self.core.lists.streams() {
+            let _ = stream.synchronize_blocking();
+        }
+        // This thread's cached list (which holds a stream handle) goes too.
+        drop(self.core.lists.retire_idle());
+    }
+}

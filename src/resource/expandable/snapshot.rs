@@ -1,0 +1,35 @@
+//! [`ExpandablePoolResource::snapshot`]: the mapped ranges and the blocks that tile them (see
+//! [`resource::snapshot`](crate::resource::snapshot)).
+
+use super::ExpandablePoolResource;
+use crate::resource::snapshot::{tile, Block, BlockState, ChunkKind, Snapshot};
+
+impl ExpandablePoolResource {
+    /// Every mapped range of the reservation (runs of mapped granules, as
+    /// [`ChunkKind::Mapped`] chunks) and the blocks that tile it: free blocks with the stream
+    /// whose list holds them (`None`: fresh memory), and between them the memory handed out,
+    /// as in-use blocks with no stream or time, as in
+    /// [`PoolResource::snapshot`](crate::resource::pool::PoolResource::snapshot) (whose notes
+    /// on cost and atomicity hold here too). Unmapped address space is not shown.
+    pub fn snapshot(&self) -> Snapshot {
+        let core = &self.inner.core;
+        let mut snapshot = Snapshot::new("expandable pool");
+        snapshot.reserved = core.reserved();
+        let runs = core.mapped_runs();
+        let free: Vec<Block> = core
+            .lists
+            .free_blocks_by_list()
+            .into_iter()
+            .flat_map(|(stream, blocks)| {
+                blocks
+                    .into_iter()
+                    .map(move |(addr, size)| Block::new(addr, size, BlockState::Free, stream))
+            })
+            .collect();
+        snapshot.chunks = tile(&runs, ChunkKind::Mapped, free, &mut snapshot.notes);
+        snapshot.notes.push(
+            "in-use blocks are the gaps between free blocks in mapped memory: adjacent allocations show as one block, with no stream or time (no live tracking)".into(),
+        );
+        snapshot
+    }
+}

@@ -1,0 +1,250 @@
+//! Reading what the picture is made from: an RMM-format CSV log (RMM's `logging_resource_adaptor`,
+//! this crate's `LoggingAdaptor`, or a history written with `History::write_csv`), a recorded
+//! history as JSON (`HistoryAdaptor::history`), or a snapshot as JSON.
+
+use std::collections::HashMap;
+use std::io::Read;
+use std::path::Path;
+
+use indicatif::ProgressBar;
+use streamalloc::resource::adaptor::{Action, History};
+use streamalloc::resource::snapshot::Snapshot;
+
+use super::model::{Act, Ev, Trace};
+
+/// What a file holds.
+#[derive(Debug)]
+pub(crate) enum Input {
+    Trace(Trace),
+    Snapshot(Box<Snapshot>),
+}
+
+/// Reads `path`: JSON if its first non-blank byte is `{`, else an RMM-format CSV log.
+pub(crate) fn read(path: &Path, progress: &ProgressBar) -> Result<Input, String> {
+    let file = std::fs::File::open(path).map_err(|e| format!("{}: {e}", path.display()))?;
+    let length = file.metadata().map(|m| m.len()).unwrap_or(0);
+    let mut reader = std::io::BufReader::new(file);
+    let mut first = [0u8; 64];
+    let got = reader
+        .read(&mut first)
+        .map_err(|e| format!("{}: {e}", path.display()))?;
+    let json = first[..got]
+        .iter()
+        .find(|b| !b.is_ascii_whitespace())
+        .is_some_and(|&b| b == b'{');
+    let all = std::io::Cursor::new(first[..got].to_vec()).chain(reader);
+    if json {
+        read_json(all).map_err(|e| format!("{}: {e}", path.display()))
+    } else {
+        progress.set_length(length);
+        read_csv(all, progress)
+            .map(Input::Trace)
+            .map_err(|e| format!("{}: {e}", path.display()))
+    }
+}
+
+fn read_json(reader: impl Read) -> Result<Input, String> {
+    let value: serde_json::Value =
+        serde_json::from_reader(reader).map_err(|e| format!("not valid JSON: {e}"))?;
+    if value.get("events").is_some() {
+        let history: History =
+            serde_json::from_value(value).map_err(|e| format!("not a history: {e}"))?;
+        Ok(Input::Trace(trace_of_history(&history)))
+    } else if value.get("chunks").is_some() {
+        let snapshot: Snapshot =
+            serde_json::from_value(value).map_err(|e| format!("not a snapshot: {e}"))?;
+        Ok(Input::Snapshot(Box::new(snapshot)))
+    } else {
+        Err("JSON with neither `events` (a history) nor `chunks` (a snapshot)".into())
+    }
+}
+
+/// A recorded history as a trace: times relative to its first event.
+pub(crate) fn trace_of_history(history: &History) -> Trace {
+    let t0 = history.events.first().map_or(0, |e| e.time_us);
+    let mut trace = Trace {
+        dropped: history.dropped,
+        ..Trace::default()
+    };
+    let mut streams: HashMap<u64, u32> = HashMap::new();
+    for e in &history.events {
+        let next = streams.len() as u32;
+        let stream = *streams.entry(e.stream).or_insert_with(|| {
+            trace.streams.push(e.stream.to_string());
+            next
+        });
+        let backtrace = e.backtrace.as_ref().map(|b| {
+            trace.backtraces.push(b.clone());
+            (trace.backtraces.len() - 1) as u32
+        });
+        trace.events.push(Ev {
+            t_us: Some(e.time_us.saturating_sub(t0)),
+            act: match e.action {
+                Action::Allocate => Act::Alloc,
+                Action::Free => Act::Free,
+                Action::AllocateFailure => Act::Fail,
+            },
+            ptr: e.ptr,
+            size: e.size,
+            stream,
+            backtrace,
+        });
+    }
+    trace
+}
+
+/// `HH:MM:SS.ffffff` (any number of fraction digits) as microseconds of the day.
+pub(crate) fn parse_time_of_day(text: &str) -> Option<u64> {
+    let mut parts = text.trim().splitn(3, ':');
+    let h: u64 = parts.next()?.parse().ok()?;
+    let m: u64 = parts.next()?.parse().ok()?;
+    let rest = parts.next()?;
+    let (s, frac) = rest.split_once('.').unwrap_or((rest, ""));
+    let s: u64 = s.parse().ok()?;
+    let mut micros = 0u64;
+    for (i, c) in frac.chars().take(6).enumerate() {
+        micros += u64::from(c.to_digit(10)?) * 10u64.pow(5 - i as u32);
+    }
+    (h < 24 && m < 60 && s < 61).then_some(((h * 60 + m) * 60 + s) * 1_000_000 + micros)
+}
+
+fn parse_pointer(text: &str) -> Option<u64> {
+    let t = text.trim();
+    if ["(nil)", "nil", "null"]
+        .iter()
+        .any(|n| t.eq_ignore_ascii_case(n))
+    {
+        return Some(0);
+    }
+    let hex = t
+        .strip_prefix("0x")
+        .or_else(|| t.strip_prefix("0X"))
+        .unwrap_or(t);
+    u64::from_str_radix(hex, 16).ok()
+}
+
+/// An RMM-format CSV log: the columns found by name; `Time` and `Stream` optional.
+pub(crate) fn read_csv(reader: impl Read, progress: &ProgressBar) -> Result<Trace, String> {
+    let mut csv = csv::ReaderBuilder::new()
+        .has_headers(true)
+        .flexible(true)
+        .trim(csv::Trim::All)
+        .from_reader(reader);
+    let headers = csv
+        .headers()
+        .map_err(|e| format!("line 1: cannot read the header: {e}"))?
+        .clone();
+    let column = |name: &str| headers.iter().position(|h| h.eq_ignore_ascii_case(name));
+    let need = |name: &str| {
+        column(name).ok_or_else(|| {
+            format!("line 1: the header has no `{name}` column (expected Thread,Time,Action,Pointer,Size,Stream)")
+        })
+    };
+    let (c_action, c_pointer, c_size) = (need("Action")?, need("Pointer")?, need("Size")?);
+    let (c_time, c_stream) = (column("Time"), column("Stream"));
+    let mut trace = Trace::default();
+    let mut streams: HashMap<String, u32> = HashMap::new();
+    let mut record = csv::StringRecord::new();
+    // Times of day, unwrapped past midnight.
+    let (mut first, mut last, mut days) = (None::<u64>, 0u64, 0u64);
+    let mut times_ok = c_time.is_some();
+    loop {
+        match csv.read_record(&mut record) {
+            Ok(true) => {}
+            Ok(false) => break,
+            Err(e) => {
+                let line = e.position().map_or(0, |p| p.line());
+                return Err(format!("line {line}: not valid CSV: {e}"));
+            }
+        }
+        let line = record.position().map_or(0, |p| p.line());
+        if trace.events.len() % 65536 == 0 {
+            progress.set_position(record.position().map_or(0, |p| p.byte()));
+        }
+        let field = |c: usize| {
+            record
+                .get(c)
+                .ok_or_else(|| format!("line {line}: too few fields"))
+        };
+        let act = match field(c_action)?.to_ascii_lowercase().as_str() {
+            "allocate" => Act::Alloc,
+            "free" => Act::Free,
+            "allocate failure" => Act::Fail,
+            other => return Err(format!("line {line}: unknown action `{other}`")),
+        };
+        let ptr = parse_pointer(field(c_pointer)?)
+            .ok_or_else(|| format!("line {line}: `{}` is not a pointer", &record[c_pointer]))?;
+        let size: u64 = field(c_size)?
+            .parse()
+            .map_err(|_| format!("line {line}: `{}` is not a size", &record[c_size]))?;
+        // A zero-byte allocation or a free of null: kept as an event that does nothing, so
+        // that events line up with the log's lines (a replay's numbers are by line).
+        let act = if ptr == 0 && act != Act::Fail {
+            Act::Nop
+        } else {
+            act
+        };
+        let name = c_stream.and_then(|c| record.get(c)).unwrap_or("0");
+        let next = streams.len() as u32;
+        let stream = *streams.entry(name.to_owned()).or_insert_with(|| {
+            trace.streams.push(name.to_owned());
+            next
+        });
+        let mut t_us = None;
+        if times_ok {
+            match c_time
+                .and_then(|c| record.get(c))
+                .and_then(parse_time_of_day)
+            {
+                Some(t) => {
+                    // A time far before the last one is the next day (logs run past midnight).
+                    if t + 12 * 3_600_000_000 < last {
+                        days += 1;
+                    }
+                    last = t;
+                    let abs = days * 86_400_000_000 + t;
+                    let start = *first.get_or_insert(abs);
+                    t_us = Some(abs.saturating_sub(start));
+                }
+                None => times_ok = false,
+            }
+        }
+        trace.events.push(Ev {
+            t_us,
+            act,
+            ptr,
+            size,
+            stream,
+            backtrace: None,
+        });
+    }
+    if !times_ok {
+        for e in &mut trace.events {
+            e.t_us = None;
+        }
+    }
+    progress.finish_and_clear();
+    Ok(trace)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn times_of_day() {
+        assert_eq!(parse_time_of_day("00:00:01.5"), Some(1_500_000));
+        assert_eq!(parse_time_of_day("14:03:07.123456"), Some(50_587_123_456));
+        assert_eq!(parse_time_of_day("soon"), None);
+    }
+
+    #[test]
+    fn csv_past_midnight() {
+        let log = "Thread,Time,Action,Pointer,Size,Stream\n\
+                   1,23:59:59.900000,allocate,0x100,256,5\n\
+                   1,00:00:00.100000,free,0x100,256,5\n";
+        let trace = read_csv(log.as_bytes(), &ProgressBar::hidden()).unwrap();
+        assert_eq!(trace.events[1].t_us, Some(200_000));
+        assert_eq!(trace.streams, vec!["5".to_string()]);
+    }
+}

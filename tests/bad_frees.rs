@@ -1,0 +1,152 @@
+//! Issue 16: frees that name memory the resource did not hand out, on every suballocating
+//! resource. Before the fix, a pool of 64 MiB accepted a pointer inside its chunk that it never
+//! handed out (a live block's address plus 1 MiB) and a 4 KiB block freed with a size of 1 MiB,
+//! and then reported `two lists share memory`: it would have handed the same memory out twice.
+//! Each bad free must be refused with `UnknownPointer`, change nothing, and leave the resource
+//! serving good frees (on the same stream and on another one) and its invariants intact.
+
+mod common;
+
+use common::{check_arena, devices, free, label, pool};
+use streamalloc::resource::arena::{ArenaOptions, ArenaResource};
+use streamalloc::resource::binning::BinningResource;
+use streamalloc::resource::cuda::CudaResource;
+use streamalloc::resource::fixed_size::FixedSizeResource;
+use streamalloc::{Device, DevicePtr, Error, MemoryResource, Stream};
+
+const KIB: usize = 1 << 10;
+const MIB: usize = 1 << 20;
+
+/// Asserts that `resource` refuses to free `bytes` at `ptr` on `stream`.
+fn refused<R: MemoryResource + ?Sized>(
+    resource: &R,
+    ptr: DevicePtr,
+    bytes: usize,
+    stream: &Stream,
+    what: &str,
+) {
+    // SAFETY: a deliberately bad free: the resource must refuse it without touching memory.
+    let result = unsafe { resource.deallocate(ptr, bytes, stream) };
+    assert!(
+        matches!(result, Err(Error::UnknownPointer { .. })),
+        "{what}: freeing {bytes} bytes at {:#x} gave {result:?}",
+        ptr.0
+    );
+}
+
+/// The bad frees of the issue and their neighbours, then good frees on two streams. `check`
+/// runs the resource's invariant checker; `small` and `large` are sizes it serves, which it
+/// tells apart (a fixed-size resource does not: every size up to its block is its block).
+fn bad_frees_are_refused<R: MemoryResource + ?Sized>(
+    resource: &R,
+    device: &Device,
+    (small, large): (usize, usize),
+    check: &dyn Fn(&str),
+) {
+    let s = device.create_stream().unwrap();
+    let t = device.create_stream().unwrap();
+    let a = resource.allocate(small, &s).unwrap();
+    let b = resource.allocate(large, &s).unwrap();
+    let c = resource.allocate(small, &t).unwrap();
+    check("after the allocations");
+
+    // A pointer inside the resource's memory that it never handed out.
+    refused(resource, a.offset(MIB), 256, &s, "a live block + 1 MiB");
+    refused(
+        resource,
+        a.offset(MIB),
+        256,
+        &t,
+        "a live block + 1 MiB, another stream",
+    );
+    // A live block freed with the wrong size.
+    if small != large {
+        refused(resource, a, large, &s, "a small block freed as a large one");
+        refused(resource, b, small, &s, "a large block freed as a small one");
+    }
+    refused(resource, a, 2 * MIB, &t, "a small block freed as 2 MiB");
+    // A pointer inside a live block.
+    refused(resource, b.offset(256), 256, &s, "inside a live block");
+    refused(
+        resource,
+        b.offset(512),
+        small,
+        &t,
+        "inside a live block, another stream",
+    );
+    check("after the bad frees");
+
+    // Good frees still work, on the block's stream and on another; then a second free of each
+    // is refused.
+    free(resource, a, small, &s);
+    free(resource, b, large, &t);
+    free(resource, c, small, &s);
+    refused(resource, a, small, &s, "a double free");
+    refused(resource, b, large, &s, "a double free, another stream");
+    check("after the good frees");
+    s.synchronize_blocking().unwrap();
+    t.synchronize_blocking().unwrap();
+
+    // And the memory is served again.
+    let d = resource.allocate(large, &s).unwrap();
+    free(resource, d, large, &s);
+    check("at the end");
+}
+
+#[test]
+fn the_pool_refuses_frees_of_memory_it_did_not_hand_out() {
+    for device in devices() {
+        let what = label(&device);
+        let pool = pool(&device, 64 * MIB, 64 * MIB);
+        bad_frees_are_refused(&pool, &device, (4 * KIB, MIB), &|when| {
+            pool.check_invariants()
+                .unwrap_or_else(|e| panic!("{what}: {when}: {e}"));
+        });
+        let stats = pool.stats();
+        assert_eq!(stats.free, stats.reserved, "{what}: {stats:?}");
+        assert_eq!(stats.in_use, 0, "{what}: {stats:?}");
+    }
+}
+
+#[test]
+fn the_fixed_size_resource_refuses_frees_of_memory_it_did_not_hand_out() {
+    for device in devices() {
+        let what = label(&device);
+        let fixed = FixedSizeResource::new(CudaResource::new(&device), 4 * KIB, 1024).unwrap();
+        bad_frees_are_refused(&fixed, &device, (4 * KIB, 4 * KIB), &|when| {
+            fixed
+                .check_invariants()
+                .unwrap_or_else(|e| panic!("{what}: {when}: {e}"));
+        });
+    }
+}
+
+#[test]
+fn the_binning_resource_refuses_frees_of_memory_it_did_not_hand_out() {
+    for device in devices() {
+        let upstream = pool(&device, 64 * MIB, 64 * MIB);
+        // Bins of 2^12..2^16 bytes; 1 MiB goes to the pool upstream.
+        let binning = BinningResource::new(upstream, 12, 16).unwrap();
+        bad_frees_are_refused(&binning, &device, (4 * KIB, MIB), &|_| {});
+        binning
+            .upstream()
+            .check_invariants()
+            .unwrap_or_else(|e| panic!("{}: {e}", label(&device)));
+    }
+}
+
+#[test]
+fn the_arena_refuses_frees_of_memory_it_did_not_hand_out() {
+    for device in devices() {
+        let arena = ArenaResource::new(
+            CudaResource::new(&device),
+            ArenaOptions {
+                initial: 16 * MIB,
+                maximum: Some(16 * MIB),
+                ..ArenaOptions::default()
+            },
+        )
+        .unwrap();
+        bad_frees_are_refused(&arena, &device, (4 * KIB, MIB), &|_| check_arena(&arena));
+    }
+}

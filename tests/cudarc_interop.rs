@@ -1,0 +1,169 @@
+//! cudarc both ways: a `Device` on a cudarc context, a `Stream` on a cudarc stream, ours
+//! handed to cudarc, and a kernel launched with cudarc's launch builder on our stream and our
+//! buffers with no host synchronization in between.
+//!
+//! Needs a GPU: cudarc has no simulated device. On a machine without one, each GPU test prints
+//! why it checked nothing (with `STREAMALLOC_REQUIRE_GPU=1` a missing GPU fails instead, in
+//! `common::devices`). What the simulated device can say (no cudarc handles) is checked there.
+
+mod common;
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use common::{devices, label, runtime};
+use cudarc::driver::{CudaContext, LaunchConfig, PushKernelArg};
+use streamalloc::{Device, DeviceVec, Error, Stream};
+
+const MIB: usize = 1 << 20;
+/// The crate's own kernels, loaded a second time through cudarc as a user's module.
+const PTX: &str = include_str!("../kernels/streamalloc.ptx");
+
+/// The CUDA devices of `common::devices` (GPU 0 when there is one), or a printed reason.
+fn gpus(test: &str) -> Vec<Device> {
+    let gpus: Vec<Device> = devices()
+        .into_iter()
+        .filter(|d| !d.is_simulated())
+        .collect();
+    if gpus.is_empty() {
+        println!("{test}: skipped, no GPU: cudarc cannot run on the simulated device");
+    }
+    gpus
+}
+
+/// A user's kernel (the fill kernel, loaded through cudarc in the device's context) launched
+/// with cudarc's launch builder on `stream`'s cudarc handle, writing `value` into `v`.
+fn cudarc_fill(device: &Device, stream: &Stream, v: &mut DeviceVec<u32>, value: u32) {
+    let ctx = device.cudarc_context().expect("a CUDA device");
+    let module = ctx.load_module(cudarc::nvrtc::Ptx::from_src(PTX)).unwrap();
+    let fill = module.load_function("streamalloc_fill_u32").unwrap();
+    let cs = stream.cudarc_stream().expect("a CUDA stream");
+    let count = v.len() as u64;
+    let mut launch = cs.launch_builder(&fill);
+    launch.arg(v).arg(&value).arg(&count);
+    // SAFETY: the kernel's signature is (u32*, u32, u64); `v` holds `count` u32s allocated on
+    // `stream`, and this launch is queued on that same driver stream, after the allocation and
+    // before the vector's free.
+    unsafe { launch.launch(LaunchConfig::for_num_elems(count as u32)) }.unwrap();
+}
+
+/// The case: our stream handed to cudarc; our work, then cudarc's launch, then ours
+/// again, then the copy back, all queued without the host waiting. A long spin before the
+/// launch makes a launch that ran on any other stream overtake the zeroing (and be wiped by
+/// it): only stream order gives first half 77, second half 5.
+#[test]
+fn a_cudarc_kernel_runs_on_our_stream_and_buffers_without_synchronizing() {
+    let rt = runtime();
+    for device in gpus("a_cudarc_kernel_runs_on_our_stream_and_buffers_without_synchronizing") {
+        let p = Arc::new(common::pool(&device, 4 * MIB, 4 * MIB));
+        let s = device.create_stream().unwrap();
+        let cs = s.cudarc_stream().unwrap();
+        assert_eq!(
+            Some(cs.cu_stream()),
+            s.cuda_stream(),
+            "the same driver stream"
+        );
+        assert_eq!(
+            cs.context().cu_ctx(),
+            device.cudarc_context().unwrap().cu_ctx(),
+            "the same context"
+        );
+        let n = 1 << 16;
+        let mut v = DeviceVec::<u32>::zeroed(&p, n, &s).unwrap();
+        s.spin(Duration::from_millis(20)).unwrap();
+        cudarc_fill(&device, &s, &mut v, 77);
+        // SAFETY: the second half of `v`, on its stream, after the cudarc launch.
+        unsafe { s.fill_u32(v.as_ptr().offset(n / 2 * 4), 5, n / 2) }.unwrap();
+        let host = rt.block_on(v.to_host(&s)).unwrap();
+        assert!(host[..n / 2].iter().all(|&x| x == 77), "{}", label(&device));
+        assert!(host[n / 2..].iter().all(|&x| x == 5), "{}", label(&device));
+        // The vector goes back to the pool in stream order after the launch; the stream's
+        // cudarc handle outlives our `Stream`.
+        drop(v);
+        drop(s);
+        cs.synchronize().unwrap();
+        common::assert_all_back_within(&p, Duration::from_secs(5), &label(&device));
+        println!("{}: cudarc launch on our stream: ok", label(&device));
+    }
+}
+
+/// A stream cudarc made, adopted as ours: our pool allocates on it, cudarc launches on it, our
+/// copy back reads the result, in stream order. Dropping our `Stream` leaves cudarc's usable.
+#[test]
+fn a_cudarc_stream_adopted_as_ours() {
+    let rt = runtime();
+    for device in gpus("a_cudarc_stream_adopted_as_ours") {
+        let ctx = device.cudarc_context().unwrap();
+        let cs = ctx.new_stream().unwrap();
+        let ours = Stream::from_cudarc(&device, cs.clone()).unwrap();
+        assert_eq!(ours.cuda_stream(), Some(cs.cu_stream()));
+        let p = Arc::new(common::pool(&device, 4 * MIB, 4 * MIB));
+        let mut v = DeviceVec::<u32>::zeroed(&p, 4096, &ours).unwrap();
+        ours.spin(Duration::from_millis(10)).unwrap();
+        cudarc_fill(&device, &ours, &mut v, 9);
+        assert!(rt
+            .block_on(v.to_host(&ours))
+            .unwrap()
+            .iter()
+            .all(|&x| x == 9));
+        drop(v);
+        drop(ours);
+        cs.synchronize().unwrap();
+        common::assert_all_back_within(&p, Duration::from_secs(5), &label(&device));
+        println!("{}: adopted cudarc stream: ok", label(&device));
+    }
+}
+
+/// A `Device` on a context a cudarc user made shares it (the same `Arc`, no other context);
+/// a stream of another context is refused with a typed error.
+#[test]
+fn a_device_on_a_cudarc_context_shares_it() {
+    let rt = runtime();
+    for gpu in gpus("a_device_on_a_cudarc_context_shares_it") {
+        let ordinal = gpu.ordinal().unwrap();
+        let ctx = CudaContext::new(ordinal).unwrap();
+        let device = Device::from_cudarc(ctx.clone()).unwrap();
+        assert!(Arc::ptr_eq(&device.cudarc_context().unwrap(), &ctx));
+        assert_eq!(device.ordinal(), Some(ordinal));
+        // The primary context: the same one `Device::cuda` uses.
+        assert_eq!(
+            ctx.cu_ctx(),
+            gpu.cudarc_context().unwrap().cu_ctx(),
+            "{}",
+            label(&gpu)
+        );
+        let p = Arc::new(common::pool(&device, 4 * MIB, 4 * MIB));
+        let s = device.create_stream().unwrap();
+        let mut v = DeviceVec::<u32>::from_host(&p, &[1u32; 1024], &s).unwrap();
+        cudarc_fill(&device, &s, &mut v, 3);
+        assert!(rt.block_on(v.to_host(&s)).unwrap().iter().all(|&x| x == 3));
+        drop(v);
+        common::assert_all_back_within(&p, Duration::from_secs(5), &label(&device));
+
+        // A stream of another (non-primary) context of the same GPU does not belong to it.
+        let other = CudaContext::new_non_primary(ordinal, 0).unwrap();
+        let foreign = other.new_stream().unwrap();
+        match Stream::from_cudarc(&device, foreign) {
+            Err(Error::InvalidArgument { .. }) => {}
+            other => panic!("{}: {other:?}", label(&gpu)),
+        }
+        println!("{}: device on a cudarc context: ok", label(&gpu));
+    }
+}
+
+/// The simulated device has no cudarc handles, and refuses a cudarc stream with a typed error
+/// (which needs a GPU to make one: checked in the GPU run).
+#[test]
+fn the_simulated_device_has_no_cudarc_handles() {
+    let device = Device::simulated(Default::default());
+    let s = device.create_stream().unwrap();
+    assert!(device.cudarc_context().is_none());
+    assert!(s.cudarc_stream().is_none());
+    for gpu in gpus("the_simulated_device_has_no_cudarc_handles (cudarc part)") {
+        let cs = gpu.cudarc_context().unwrap().new_stream().unwrap();
+        match Stream::from_cudarc(&device, cs) {
+            Err(Error::InvalidArgument { .. }) => {}
+            other => panic!("{}: {other:?}", label(&gpu)),
+        }
+    }
+}

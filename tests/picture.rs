@@ -1,0 +1,249 @@
+//! `streamalloc-picture` and `streamalloc-replay --picture`: the numbers in the HTML agree with
+//! a log whose numbers are known, and the page fetches nothing.
+
+#![cfg(feature = "replay")]
+
+use std::path::{Path, PathBuf};
+use std::process::Command;
+
+use serde_json::Value;
+use streamalloc::resource::adaptor::{HistoryAdaptor, HistoryOptions};
+use streamalloc::resource::cuda::CudaResource;
+use streamalloc::resource::pool::{PoolOptions, PoolResource};
+use streamalloc::{Device, MemoryResource, SimConfig};
+
+/// A scratch directory, removed when dropped.
+struct Scratch(PathBuf);
+
+impl Scratch {
+    fn new(name: &str) -> Self {
+        let dir =
+            std::env::temp_dir().join(format!("streamalloc-picture-{name}-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).unwrap();
+        Scratch(dir)
+    }
+
+    fn path(&self, file: &str) -> PathBuf {
+        self.0.join(file)
+    }
+}
+
+impl Drop for Scratch {
+    fn drop(&mut self) {
+        let _ = std::fs::remove_dir_all(&self.0);
+    }
+}
+
+/// Streams 5 and 6; the peak (3.5 MiB) after the third line, at 0.2 s.
+const LOG: &str = "Thread,Time,Action,Pointer,Size,Stream
+1,10:00:00.000000,allocate,0x7f0000000000,1048576,5
+1,10:00:00.100000,allocate,0x7f0000100000,2097152,6
+2,10:00:00.200000,allocate,0x7f0000300000,524288,5
+1,10:00:00.300000,free,0x7f0000000000,1048576,5
+2,10:00:00.400000,allocate failure,0x0,99999999999,6
+2,10:00:00.500000,allocate,0x7f0000000000,262144,6
+2,10:00:00.600000,free,0x7f0000100000,2097152,6
+1,10:00:00.700000,free,0x7f0000300000,524288,5
+2,10:00:00.800000,free,0x7f0000000000,262144,6
+";
+
+fn run(exe: &str, args: &[&Path]) -> String {
+    let out = Command::new(exe).args(args).output().unwrap();
+    let text = format!(
+        "{}{}",
+        String::from_utf8_lossy(&out.stdout),
+        String::from_utf8_lossy(&out.stderr)
+    );
+    assert!(out.status.success(), "{exe} failed:\n{text}");
+    text
+}
+
+/// The page, and the numbers it embeds.
+fn page(path: &Path) -> (String, Value) {
+    let html = std::fs::read_to_string(path).unwrap();
+    let start = html
+        .find(r#"<script type="application/json" id="streamalloc-data">"#)
+        .expect("the data block");
+    let json = &html[start..];
+    let json = &json[json.find('>').unwrap() + 1..json.find("</script>").unwrap()];
+    let data: Value = serde_json::from_str(&json.replace("<\\/", "</")).unwrap();
+    // Self-contained: nothing to fetch (the SVG namespace is a name, not a fetch).
+    let fetches = html.replace("http://www.w3.org/2000/svg", "");
+    for needle in ["http://", "https://", " src=", "<link", "@import"] {
+        assert!(!fetches.contains(needle), "the page refers to {needle}");
+    }
+    (html, data)
+}
+
+#[test]
+fn a_known_log_gives_its_numbers() {
+    let dir = Scratch::new("log");
+    let (log, html) = (dir.path("log.csv"), dir.path("log.html"));
+    std::fs::write(&log, LOG).unwrap();
+    let out = run(
+        env!("CARGO_BIN_EXE_streamalloc-picture"),
+        &[&log, Path::new("-o"), &html],
+    );
+    assert!(
+        out.contains("peak in use: 3670016 bytes; events: 9"),
+        "{out}"
+    );
+    let (text, data) = page(&html);
+    assert_eq!(data["peak_in_use"], 3_670_016);
+    assert_eq!(data["peak_event"], 2);
+    assert!(
+        (data["peak_x"].as_f64().unwrap() - 0.2).abs() < 1e-9,
+        "{data}"
+    );
+    assert_eq!(data["x_is_seconds"], true);
+    assert_eq!(data["events"], 9);
+    assert_eq!(data["allocations"], 4);
+    assert_eq!(data["frees"], 4);
+    assert_eq!(data["failures"], 1);
+    assert_eq!(data["peak_reserved"], Value::Null, "a log does not know");
+    // Stream 6 peaks at 2 MiB + 256 KiB (line 6), stream 5 at 1.5 MiB.
+    let streams = data["streams"].as_array().unwrap();
+    assert_eq!(streams[0]["name"], "stream 6");
+    assert_eq!(streams[0]["peak"], 2_359_296);
+    assert_eq!(streams[0]["at_peak"], 2_097_152);
+    assert_eq!(streams[1]["name"], "stream 5");
+    assert_eq!(streams[1]["peak"], 1_572_864);
+    let largest: Vec<u64> = data["largest"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|a| a["size"].as_u64().unwrap())
+        .collect();
+    assert_eq!(largest, [2_097_152, 1_048_576, 524_288]);
+    assert_eq!(data["largest"][0]["addr"], 0x7f00_0010_0000u64);
+    // One region of the address map: the three live blocks, adjacent.
+    assert_eq!(data["regions"][0]["base"], 0x7f00_0000_0000u64);
+    assert_eq!(data["regions"][0]["size"], 3_670_016);
+    // What a person reads.
+    assert!(text.contains(r#"peak in use <b id="peak-in-use">3.50 MiB</b> (3670016 bytes)"#));
+    assert!(text.contains("peak at <b>0.200000 s</b> (event 3)"));
+    assert!(text.contains("0x7f0000100000"));
+}
+
+#[test]
+fn a_log_without_times_is_drawn_by_event_number() {
+    let dir = Scratch::new("notime");
+    let (log, html) = (dir.path("log.csv"), dir.path("log.html"));
+    std::fs::write(
+        &log,
+        "Thread,Action,Pointer,Size\n1,allocate,0x1000,512\n1,allocate,0x2000,256\n1,free,0x1000,512\n1,free,0x9999,8\n",
+    )
+    .unwrap();
+    run(
+        env!("CARGO_BIN_EXE_streamalloc-picture"),
+        &[&log, Path::new("-o"), &html],
+    );
+    let (_, data) = page(&html);
+    assert_eq!(data["x_is_seconds"], false);
+    assert_eq!(data["peak_in_use"], 768);
+    assert_eq!(data["unmatched_frees"], 1);
+}
+
+#[test]
+fn a_history_and_a_snapshot_are_drawn() {
+    let dir = Scratch::new("json");
+    let device = Device::simulated(SimConfig::default());
+    let pool = PoolResource::new(
+        CudaResource::new(&device),
+        PoolOptions {
+            initial: 4 << 20,
+            ..PoolOptions::default()
+        },
+    )
+    .unwrap();
+    let mr = HistoryAdaptor::new(pool, HistoryOptions::default());
+    mr.start();
+    let (a, b) = (
+        device.create_stream().unwrap(),
+        device.create_stream().unwrap(),
+    );
+    let p = mr.allocate(1 << 20, &a).unwrap();
+    let q = mr.allocate(300_000, &b).unwrap();
+    let r = mr.allocate(5000, &a).unwrap();
+    // SAFETY: allocated above, unused, freed once.
+    unsafe { mr.deallocate(q, 300_000, &b).unwrap() };
+    let snapshot = mr.memory_snapshot().unwrap();
+    let history = mr.history();
+    for (ptr, bytes) in [(p, 1 << 20), (r, 5000)] {
+        // SAFETY: as above.
+        unsafe { mr.deallocate(ptr, bytes, &a).unwrap() };
+    }
+    let (hist, snap) = (dir.path("history.json"), dir.path("snapshot.json"));
+    std::fs::write(&hist, serde_json::to_string(&history).unwrap()).unwrap();
+    std::fs::write(&snap, serde_json::to_string_pretty(&snapshot).unwrap()).unwrap();
+
+    let out = dir.path("history.html");
+    run(
+        env!("CARGO_BIN_EXE_streamalloc-picture"),
+        &[&hist, Path::new("-o"), &out],
+    );
+    let (_, data) = page(&out);
+    assert_eq!(data["peak_in_use"], (1 << 20) + 300_000 + 5000);
+    assert_eq!(data["allocations"], 3);
+    assert_eq!(data["streams"].as_array().unwrap().len(), 2);
+
+    let out = dir.path("snapshot.html");
+    run(
+        env!("CARGO_BIN_EXE_streamalloc-picture"),
+        &[&snap, Path::new("-o"), &out],
+    );
+    let (text, data) = page(&out);
+    // In use: the two live blocks (rounded to 256); reserved: the pool's 4 MiB.
+    assert_eq!(data["peak_in_use"], (1 << 20) + 5120);
+    assert_eq!(data["peak_reserved"], 4 << 20);
+    let largest: Vec<u64> = data["largest"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|a| a["size"].as_u64().unwrap())
+        .collect();
+    assert_eq!(
+        largest,
+        [1 << 20, 5000],
+        "sizes as asked: the history tracked them"
+    );
+    assert_eq!(data["regions"][0]["size"], 4 << 20);
+    assert!(text.contains("no timeline"));
+}
+
+#[test]
+fn the_replay_draws_its_resource() {
+    let dir = Scratch::new("replay");
+    let (log, html) = (dir.path("log.csv"), dir.path("replay.html"));
+    std::fs::write(&log, LOG).unwrap();
+    let out = run(
+        env!("CARGO_BIN_EXE_streamalloc-replay"),
+        &[
+            &log,
+            Path::new("--device"),
+            Path::new("sim"),
+            Path::new("--picture"),
+            &html,
+        ],
+    );
+    assert!(out.contains("picture: "), "{out}");
+    let (text, data) = page(&html);
+    assert_eq!(data["peak_in_use"], 3_670_016);
+    // The pool reserved at least the peak, and the address map is its snapshot (one chunk or
+    // more, tiled with free and in-use blocks).
+    assert!(
+        data["peak_reserved"].as_u64().unwrap() >= 3_670_016,
+        "{data}"
+    );
+    assert!(
+        text.contains("free, in that stream"),
+        "the snapshot's legend"
+    );
+    let mapped: u64 = data["regions"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|r| r["size"].as_u64().unwrap())
+        .sum();
+    assert!(mapped >= 3_670_016, "{data}");
+}
