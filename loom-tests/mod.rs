@@ -23,6 +23,8 @@
 //!   allocation before the memory goes back upstream, and a stop leaves no stale entry.
 //! - [`deferred_free`]: the countdown that frees a buffer used on several streams once all their
 //!   events completed (`release_after_all`), on the crate's `Completion`s.
+//! - [`races`]: how host threads that see an event reached tell the simulated device's race
+//!   detector (`SimMarker::seen_by_host`: join, then mark seen), on a copy of the protocol.
 //!
 //! Each model states its preemption bound; it is set in the model, so `LOOM_MAX_PREEMPTIONS`
 //! does not change it. `reactor::real_reactor_models` runs the reactor models on the crate's
@@ -41,6 +43,7 @@ mod expandable;
 mod free_lists;
 mod frees_and_regrowth;
 mod history;
+mod races;
 mod reactor;
 mod waiters;
 

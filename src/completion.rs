@@ -82,7 +82,7 @@ impl Completion {
     /// A waker or callback that panics is caught and logged; the rest still run (see the
     /// module docs). (The crate calls [`complete_for`](Self::complete_for); the loom models
     /// and the unit tests call this.)
-    #[cfg_attr(not(any(test, streamalloc_loom)), allow(dead_code))]
+    #[cfg_attr(not(test), allow(dead_code))]
     pub(crate) fn complete(&self, result: Result<()>) -> bool {
         self.complete_for(result, None)
     }

@@ -102,6 +102,11 @@ pub enum Error {
         /// How long it waited.
         waited: Duration,
     },
+    /// The simulated device's race detector found that this operation is not ordered with
+    /// another use, the allocation or the free of the memory it touches (with
+    /// [`RaceDetection::Error`](crate::RaceDetection::Error)); the operation was not queued.
+    /// The report has both sites.
+    StreamRace(Box<crate::Race>),
 }
 
 /// The crate's result type.
@@ -190,6 +195,7 @@ impl fmt::Display for Error {
                 "index {index} out of bounds: the vector has {len} element(s)"
             ),
             Error::Timeout { waited } => write!(f, "timed out after waiting {waited:?}"),
+            Error::StreamRace(race) => write!(f, "{race}"),
         }
     }
 }

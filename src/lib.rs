@@ -90,7 +90,10 @@ mod timer;
 mod vec;
 
 pub use crate::buffer::DeviceBuffer;
-pub use crate::device::{CudaOptions, Device, DeviceKind, DevicePtr, FaultKind, Faults, SimConfig};
+pub use crate::device::{
+    CudaOptions, Device, DeviceKind, DevicePtr, FaultKind, Faults, MemoryAccess, Race, RaceBlock,
+    RaceDetection, RaceKind, RaceSite, SimConfig,
+};
 pub use crate::error::{Error, Result};
 pub use crate::event::Event;
 pub use crate::resource::{

@@ -99,7 +99,7 @@ impl Stream {
                 let (raw, owner) = d.create_stream()?;
                 (RawStream::Cuda(raw), Some(owner))
             }
-            Backend::Sim(d) => (RawStream::Sim(d.create_stream(id.get())?), None),
+            Backend::Sim(d) => (RawStream::Sim(d.create_stream(id)?), None),
         };
         Ok(Self::from_parts(id, device, raw, cudarc))
     }
@@ -176,7 +176,7 @@ impl Stream {
             (RawStream::Cuda(s), Backend::Cuda(d)) => RawEvent::Cuda(d.record(*s)?),
             (RawStream::Sim(s), Backend::Sim(d)) => {
                 d.fault(FaultKind::Record)?;
-                RawEvent::Sim(d.record(s))
+                RawEvent::Sim(d.record(s)?)
             }
             _ => return Err(mismatch()),
         };
@@ -198,8 +198,11 @@ impl Stream {
             (RawStream::Cuda(s), RawEvent::Cuda(e), Backend::Cuda(d)) => d.wait(*s, *e),
             (RawStream::Sim(s), RawEvent::Sim(m), Backend::Sim(d)) => {
                 d.fault(FaultKind::Wait)?;
-                s.push(Op::Wait(m.clone()));
-                Ok(())
+                if d.fault(FaultKind::SkipWait).is_err() {
+                    // A planted bug (see `FaultKind::SkipWait`): the wait is lost.
+                    return Ok(());
+                }
+                s.push(Op::Wait(m.clone()))
             }
             _ => Err(mismatch()),
         }
@@ -247,8 +250,7 @@ impl Stream {
             (RawStream::Cuda(s), Backend::Cuda(d)) => cuda(d, *s),
             (RawStream::Sim(s), Backend::Sim(d)) => {
                 d.fault(kind)?;
-                s.push(sim());
-                Ok(())
+                s.push(sim())
             }
             _ => Err(mismatch()),
         }
@@ -394,8 +396,7 @@ impl Stream {
                     from: from.memory.clone(),
                     src: src.0,
                     bytes,
-                });
-                Ok(())
+                })
             }
             _ => Err(mismatch()),
         }

@@ -169,9 +169,13 @@ mod imp {
 pub(crate) use imp::*;
 
 /// Primitives that loom never models: the simulated device's memory bytes and allocation table,
-/// and the CUDA backend's lazily made driver pool. Races on the bytes are the user's data races,
+/// its race detector's bookkeeping (a critical section that makes no loom call, so no loom
+/// thread can be switched out while it holds the lock), and the CUDA backend's lazily made
+/// driver pool. Races on the bytes are the user's data races,
 /// not our protocol's, so loom would only slow the models down by tracking them.
 pub(crate) mod plain {
+    pub(crate) use std::sync::atomic::AtomicBool;
     pub(crate) use std::sync::atomic::AtomicU8 as DataByte;
+    pub(crate) use std::sync::{Arc, Mutex, MutexGuard};
     pub(crate) use std::sync::{OnceLock, RwLock, RwLockReadGuard, RwLockWriteGuard};
 }

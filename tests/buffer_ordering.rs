@@ -108,6 +108,8 @@ fn into_raw_parts_with_fault(kind: FaultKind) {
     let b = device.create_stream().unwrap();
     let mut buf = DeviceBuffer::new(&p, 256 * 1024, &a).unwrap();
     buf.record_stream(&b).unwrap();
+    // A use on `b` must be ordered after the allocation on `a` (the race detector checks it).
+    b.wait(&a.record().unwrap()).unwrap();
     b.spin(Duration::from_millis(300)).unwrap();
     // SAFETY: 64 Ki words of live memory; `b` is recorded on the buffer, so its free waits.
     unsafe { b.fill_u32(buf.as_ptr(), 7, 1 << 16) }.unwrap();
@@ -147,6 +149,8 @@ fn into_raw_parts_orders_other_streams_before_its_stream() {
     let b = device.create_stream().unwrap();
     let mut buf = DeviceBuffer::new(&p, 4096, &a).unwrap();
     buf.record_stream(&b).unwrap();
+    // A use on `b` must be ordered after the allocation on `a` (the race detector checks it).
+    b.wait(&a.record().unwrap()).unwrap();
     b.spin(Duration::from_millis(50)).unwrap();
     // SAFETY: 1 Ki words of live memory, `b` recorded on the buffer.
     unsafe { b.fill_u32(buf.as_ptr(), 3, 1024) }.unwrap();

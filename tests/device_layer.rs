@@ -468,7 +468,12 @@ fn bad_sizes_and_other_devices_give_typed_errors() {
 
 #[test]
 fn simulated_device_reports_a_use_after_free_through_the_event() {
-    let device = Device::simulated(SimConfig::default());
+    // The race detector would panic at the fill (a use after free): here it only records it,
+    // so that the fault path is what this test sees.
+    let device = Device::simulated(SimConfig {
+        race_detection: streamalloc::RaceDetection::Record,
+        ..SimConfig::default()
+    });
     let stream = device.create_stream().unwrap();
     let ptr = device.malloc(1024).unwrap();
     // SAFETY: deliberately wrong on the simulated device, which checks every access and
@@ -484,6 +489,15 @@ fn simulated_device_reports_a_use_after_free_through_the_event() {
     );
     // The stream stays poisoned, as a CUDA context does after a fault.
     assert!(stream.synchronize_blocking().is_err());
+    // The race detector saw it when the fill was queued, with both sites.
+    let races = device.races();
+    assert_eq!(races.len(), 1, "{races:?}");
+    assert_eq!(races[0].kind, streamalloc::RaceKind::UseAfterFree);
+    assert_eq!(races[0].at.stream, Some(stream.id()));
+    assert_eq!(
+        (races[0].earlier.op, races[0].earlier.stream),
+        ("free", None)
+    );
 }
 
 #[test]

@@ -20,7 +20,9 @@ use crate::reactor::Reactor;
 use crate::stream::Stream;
 use crate::sync::{Arc, AtomicU64, Ordering};
 
-pub use self::sim::{FaultKind, Faults, SimConfig};
+pub use self::sim::{
+    FaultKind, Faults, MemoryAccess, Race, RaceBlock, RaceDetection, RaceKind, RaceSite, SimConfig,
+};
 
 /// A device address. Plain data: holding one is safe, using it is what the unsafe methods of
 /// [`Stream`] and [`Device`] guard.
@@ -389,9 +391,7 @@ impl Device {
         check_size(bytes)?;
         match &self.inner.backend {
             Backend::Cuda(d) => d.malloc(bytes),
-            Backend::Sim(d) => d
-                .fault(FaultKind::Allocate)
-                .and_then(|()| d.memory.alloc(bytes)),
+            Backend::Sim(d) => d.fault(FaultKind::Allocate).and_then(|()| d.malloc(bytes)),
         }
         .map(DevicePtr)
         .map_err(|e| self.oom(bytes, e))
@@ -406,7 +406,7 @@ impl Device {
         match &self.inner.backend {
             // SAFETY: the caller's contract.
             Backend::Cuda(d) => unsafe { d.free(ptr.0) },
-            Backend::Sim(d) => d.fault(FaultKind::Free).and_then(|()| d.memory.free(ptr.0)),
+            Backend::Sim(d) => d.fault(FaultKind::Free).and_then(|()| d.free_now(ptr.0)),
         }
     }
 
@@ -436,8 +436,7 @@ impl Device {
                         bytes: 0,
                     });
                 }
-                s.push(sim::Op::Free(ptr.0));
-                Ok(())
+                s.push(sim::Op::Free(ptr.0))
             }
             _ => Err(mismatch()),
         }
@@ -458,9 +457,7 @@ impl Device {
         check_size(bytes)?;
         match &self.inner.backend {
             Backend::Cuda(d) => d.malloc_managed(bytes),
-            Backend::Sim(d) => d
-                .fault(FaultKind::Allocate)
-                .and_then(|()| d.memory.alloc(bytes)),
+            Backend::Sim(d) => d.fault(FaultKind::Allocate).and_then(|()| d.malloc(bytes)),
         }
         .map(DevicePtr)
         .map_err(|e| self.oom(bytes, e))
@@ -521,9 +518,9 @@ impl Device {
         self.check_same(stream.device())?;
         match (&self.inner.backend, stream.raw()) {
             (Backend::Cuda(d), crate::stream::RawStream::Cuda(s)) => d.malloc_async(bytes, *s),
-            (Backend::Sim(d), crate::stream::RawStream::Sim(_)) => d
+            (Backend::Sim(d), crate::stream::RawStream::Sim(s)) => d
                 .fault(FaultKind::Allocate)
-                .and_then(|()| d.memory.alloc(bytes)),
+                .and_then(|()| d.malloc_async(bytes, s)),
             _ => Err(mismatch()),
         }
         .map(DevicePtr)
@@ -545,8 +542,7 @@ impl Device {
             },
             (Backend::Sim(d), crate::stream::RawStream::Sim(s)) => {
                 d.fault(FaultKind::Free)?;
-                s.push(sim::Op::Free(ptr.0));
-                Ok(())
+                s.push(sim::Op::Free(ptr.0))
             }
             _ => Err(mismatch()),
         }
@@ -763,9 +759,9 @@ impl AsyncPool {
             (RawPool::Cuda(p), Backend::Cuda(d), crate::stream::RawStream::Cuda(s)) => {
                 d.pool_alloc(*p, bytes, *s)
             }
-            (RawPool::Sim(p), Backend::Sim(d), crate::stream::RawStream::Sim(_)) => {
-                d.fault(FaultKind::Allocate).and_then(|()| p.alloc(bytes))
-            }
+            (RawPool::Sim(p), Backend::Sim(d), crate::stream::RawStream::Sim(s)) => d
+                .fault(FaultKind::Allocate)
+                .and_then(|()| d.pool_alloc(p, bytes, s)),
             _ => Err(mismatch()),
         }
         .map(DevicePtr)
@@ -818,8 +814,7 @@ impl AsyncPool {
                 s.push(sim::Op::PoolFree {
                     pool: p.clone(),
                     ptr: ptr.0,
-                });
-                Ok(())
+                })
             }
             _ => Err(mismatch()),
         }

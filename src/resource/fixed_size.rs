@@ -114,7 +114,11 @@ impl<U: MemoryResource> MemoryResource for FixedSizeResource<U> {
                 reason: "larger than the fixed-size resource's block size",
             });
         }
-        self.lists.take(self.block, stream, self).map(DevicePtr)
+        let ptr = DevicePtr(self.lists.take(self.block, stream, self)?);
+        // The race detector of the simulated device checks blocks, not chunks (a no-op on CUDA).
+        self.device
+            .note_allocation(ptr, self.block as usize, stream);
+        Ok(ptr)
     }
 
     unsafe fn deallocate(&self, ptr: DevicePtr, bytes: usize, stream: &Stream) -> Result<()> {
@@ -126,10 +130,12 @@ impl<U: MemoryResource> MemoryResource for FixedSizeResource<U> {
             };
         }
         check_stream(&self.device, stream)?;
-        if bytes as u64 > self.block
-            || !ptr.0.is_multiple_of(ALIGNMENT as u64)
-            || !self.lists.give(ptr.0, self.block, stream)
-        {
+        if bytes as u64 > self.block || !ptr.0.is_multiple_of(ALIGNMENT as u64) {
+            return Err(Error::UnknownPointer { ptr: ptr.0, bytes });
+        }
+        // Before the block is back in a list, from where another thread may hand it out again.
+        self.device.note_free(ptr, self.block as usize, stream);
+        if !self.lists.give(ptr.0, self.block, stream) {
             return Err(Error::UnknownPointer { ptr: ptr.0, bytes });
         }
         Ok(())

@@ -490,7 +490,10 @@ impl<U: MemoryResource> MemoryResource for PoolResource<U> {
         if size > self.maximum {
             return Err(self.out_of_memory(size));
         }
-        self.lists.take(size, stream, self).map(DevicePtr)
+        let ptr = DevicePtr(self.lists.take(size, stream, self)?);
+        // The race detector of the simulated device checks blocks, not chunks (a no-op on CUDA).
+        self.device.note_allocation(ptr, size as usize, stream);
+        Ok(ptr)
     }
 
     unsafe fn deallocate(&self, ptr: DevicePtr, bytes: usize, stream: &Stream) -> Result<()> {
@@ -503,7 +506,12 @@ impl<U: MemoryResource> MemoryResource for PoolResource<U> {
         }
         check_stream(&self.device, stream)?;
         let size = aligned_size(bytes)? as u64;
-        if !ptr.0.is_multiple_of(ALIGNMENT as u64) || !self.lists.give(ptr.0, size, stream) {
+        if !ptr.0.is_multiple_of(ALIGNMENT as u64) {
+            return Err(Error::UnknownPointer { ptr: ptr.0, bytes });
+        }
+        // Before the block is back in a list, from where another thread may hand it out again.
+        self.device.note_free(ptr, size as usize, stream);
+        if !self.lists.give(ptr.0, size, stream) {
             return Err(Error::UnknownPointer { ptr: ptr.0, bytes });
         }
         self.waiters.notify();

@@ -35,6 +35,12 @@ pub enum FaultKind {
     Synchronize,
     /// Creating a stream (`cuStreamCreate`).
     CreateStream,
+    /// Not an error: a stream's wait (`cuStreamWaitEvent`) that this rule fires on is dropped
+    /// and reported as done, as a bug that forgets the wait would. For showing that the race
+    /// detector ([`SimConfig::race_detection`](super::SimConfig::race_detection)) catches
+    /// what the missing order allows (a pool's steal or merge, a copy on another stream).
+    /// Checked after [`Wait`](Self::Wait), on waits that did not fail.
+    SkipWait,
     /// Creating physical memory for a virtual memory mapping (`cuMemCreate`): what fails when
     /// the device is out of memory as an expandable pool grows.
     MemCreate,
@@ -51,7 +57,7 @@ impl FaultKind {
             FaultKind::HostAllocate => "cuMemHostAlloc",
             FaultKind::HostFree => "cuMemFreeHost",
             FaultKind::Record => "cuEventRecord",
-            FaultKind::Wait => "cuStreamWaitEvent",
+            FaultKind::Wait | FaultKind::SkipWait => "cuStreamWaitEvent",
             FaultKind::Copy => "cuMemcpyAsync",
             FaultKind::Launch => "cuLaunchKernel",
             FaultKind::Synchronize => "cuStreamSynchronize",

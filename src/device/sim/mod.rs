@@ -5,19 +5,26 @@
 //! memory is host memory at device-like addresses, checked on every access. It is what CI runs,
 //! what the tests use when there is no GPU, and what a user without a GPU gets by default.
 
+pub(crate) mod detector;
 pub(crate) mod faults;
+mod hooks;
 mod kernels;
 pub(crate) mod memory;
+pub(crate) mod races;
 pub(crate) mod stream;
 pub(crate) mod vmm;
 
 use std::time::Duration;
 
+use self::detector::{Detector, Reuse};
 pub use self::faults::{FaultKind, Faults};
-use self::memory::{SimHostMemory, SimMemory};
+use self::memory::{SimHostMemory, SimMemory, SimPool};
+pub use self::races::{MemoryAccess, Race, RaceBlock, RaceDetection, RaceKind, RaceSite};
 pub(crate) use self::stream::{HostPtr, Op, SimMarker, SimStream};
 use crate::error::Result;
 use crate::reactor::{Bell, Doorbells, Watch};
+use crate::stream::StreamId;
+use crate::sync::plain::Arc as PlainArc;
 use crate::sync::Arc;
 
 /// Settings of a simulated device.
@@ -50,6 +57,10 @@ pub struct SimConfig {
     /// Driver faults to inject (none by default). Keep a clone to arm it while the device
     /// runs; see [`Faults`].
     pub faults: Faults,
+    /// The stream-order race detector: whether it runs and what it does with a race (by
+    /// default it panics in builds with debug assertions, and records and logs otherwise). See
+    /// [`RaceDetection`] and the README's "Testing your own code".
+    pub race_detection: RaceDetection,
 }
 
 impl Default for SimConfig {
@@ -61,6 +72,7 @@ impl Default for SimConfig {
             op_jitter: Duration::ZERO,
             seed: 0,
             faults: Faults::new(),
+            race_detection: RaceDetection::default(),
         }
     }
 }
@@ -72,6 +84,8 @@ pub(crate) struct SimDevice {
     pub(crate) host: SimHostMemory,
     /// The reactor's bell, rung by every marker the streams reach.
     pub(crate) bell: Arc<Bell>,
+    /// The stream-order race detector, unless it is off.
+    pub(crate) races: Option<PlainArc<Detector>>,
 }
 
 impl SimDevice {
@@ -79,6 +93,8 @@ impl SimDevice {
         Self {
             memory: Arc::new(SimMemory::new(config.total_memory)),
             host: SimHostMemory::new(),
+            races: (config.race_detection != RaceDetection::Off)
+                .then(|| PlainArc::new(Detector::new(config.race_detection))),
             config,
             bell,
         }
@@ -89,15 +105,64 @@ impl SimDevice {
         self.config.faults.check(kind)
     }
 
-    pub(crate) fn create_stream(&self, id: u64) -> Result<Arc<SimStream>> {
+    pub(crate) fn create_stream(&self, id: StreamId) -> Result<Arc<SimStream>> {
         self.fault(FaultKind::CreateStream)?;
-        SimStream::start(id, self.memory.clone(), &self.config)
+        SimStream::start(id, self.memory.clone(), &self.config, self.races.as_ref())
     }
 
-    pub(crate) fn record(&self, stream: &SimStream) -> Arc<SimMarker> {
-        let marker = Arc::new(SimMarker::new(self.bell.clone()));
-        stream.push(Op::Record(marker.clone()));
-        marker
+    pub(crate) fn record(&self, stream: &SimStream) -> Result<Arc<SimMarker>> {
+        let marker = Arc::new(SimMarker::new(self.bell.clone(), self.races.clone()));
+        stream.push(Op::Record(marker.clone()))?;
+        Ok(marker)
+    }
+
+    // ===== device memory, as the race detector sees it =====
+
+    /// `cuMemAlloc`: memory any later work may use (its allocation point is the host's).
+    pub(crate) fn malloc(&self, bytes: usize) -> Result<u64> {
+        let ptr = self.memory.alloc(bytes)?;
+        if let Some(races) = &self.races {
+            let race = races.allocate(None, ptr, bytes, true, Reuse::Check);
+            races.settle(race, false)?;
+        }
+        Ok(ptr)
+    }
+
+    /// `cuMemAllocAsync`: memory for work queued on `stream` from here on.
+    pub(crate) fn malloc_async(&self, bytes: usize, stream: &SimStream) -> Result<u64> {
+        let ptr = self.memory.alloc(bytes)?;
+        if let Some((races, idx)) = stream.races() {
+            let race = races.allocate(Some(idx), ptr, bytes, true, Reuse::Check);
+            races.settle(race, false)?;
+        }
+        Ok(ptr)
+    }
+
+    /// `cuMemAllocFromPoolAsync`: a driver pool reuses a block only once its free has run,
+    /// which orders the new owner after the old one's free.
+    pub(crate) fn pool_alloc(
+        &self,
+        pool: &SimPool,
+        bytes: usize,
+        stream: &SimStream,
+    ) -> Result<u64> {
+        let ptr = pool.alloc(bytes)?;
+        if let Some((races, idx)) = stream.races() {
+            let race = races.allocate(Some(idx), ptr, bytes, true, Reuse::Joined);
+            races.settle(race, false)?;
+        }
+        Ok(ptr)
+    }
+
+    /// `cuMemFree`: every use must be ordered before what the host has seen complete.
+    pub(crate) fn free_now(&self, ptr: u64) -> Result<()> {
+        if let Some(races) = &self.races {
+            if self.memory.is_allocation(ptr) {
+                let race = races.free(None, ptr, None, true, false);
+                races.settle(race, false)?;
+            }
+        }
+        self.memory.free(ptr)
     }
 }
 

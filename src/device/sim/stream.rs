@@ -8,10 +8,14 @@
 use std::collections::VecDeque;
 use std::time::Duration;
 
+use super::detector::{Clock, Detector};
 use super::memory::{SimMemory, SimPool};
+use super::races::MemoryAccess;
 use super::SimConfig;
 use crate::error::{Error, Result};
 use crate::reactor::Bell;
+use crate::stream::StreamId;
+use crate::sync::plain::{Arc as PlainArc, AtomicBool as PlainBool, OnceLock};
 use crate::sync::{thread, Arc, Condvar, Mutex};
 
 /// A host pointer an operation will read or write when the stream reaches it.
@@ -76,19 +80,68 @@ pub(crate) enum Op {
     },
 }
 
+/// An operation's name and the ranges it touches (the first `usize` of the two), for the race
+/// detector.
+type Footprint = (&'static str, [(u64, usize, MemoryAccess); 2], usize);
+
+impl Op {
+    /// The memory the operation reads and writes, for the race detector, and its name.
+    fn footprint(&self) -> Option<Footprint> {
+        use MemoryAccess::{Read, Write};
+        let words = |count: usize| count.saturating_mul(4);
+        let one = |op, ptr, bytes, access| Some((op, [(ptr, bytes, access); 2], 1));
+        match *self {
+            Op::Memset8 { dst, bytes, .. } => one("memset_d8", dst, bytes, Write),
+            Op::Memset32 { dst, count, .. } => one("memset_d32", dst, words(count), Write),
+            Op::HtoD { dst, bytes, .. } => one("copy_htod", dst, bytes, Write),
+            Op::DtoH { src, bytes, .. } => one("copy_dtoh", src, bytes, Read),
+            Op::DtoD { dst, src, bytes } => {
+                Some(("copy_dtod", [(src, bytes, Read), (dst, bytes, Write)], 2))
+            }
+            // The source is another device's memory, which this device's detector does not
+            // know (each device has its own).
+            Op::CopyPeer { dst, bytes, .. } => one("copy_peer", dst, bytes, Write),
+            Op::FillU32 { dst, count, .. } => one("fill_u32", dst, words(count), Write),
+            Op::ScaleF32 { dst, count, .. } => one("scale_f32", dst, words(count), Write),
+            _ => None,
+        }
+    }
+}
+
 /// A recorded event of the simulated device.
 pub(crate) struct SimMarker {
     result: Mutex<Option<Result<()>>>,
     reached: Condvar,
     bell: Arc<Bell>,
+    /// The race detector, and the recording stream's clock (set when the record is queued).
+    races: Option<PlainArc<Detector>>,
+    clock: OnceLock<PlainArc<Clock>>,
+    /// The host has seen the marker reached (and joined its clock).
+    seen: PlainBool,
 }
 
 impl SimMarker {
-    pub(crate) fn new(bell: Arc<Bell>) -> Self {
+    pub(crate) fn new(bell: Arc<Bell>, races: Option<PlainArc<Detector>>) -> Self {
         Self {
             result: Mutex::new(None),
             reached: Condvar::new(),
             bell,
+            races,
+            clock: OnceLock::new(),
+            seen: PlainBool::new(false),
+        }
+    }
+
+    /// The host has seen the stream reach the marker: everything it queues from now on is
+    /// ordered after what the marker's stream had done, on every stream.
+    fn seen_by_host(&self) {
+        if let (Some(races), Some(clock)) = (&self.races, self.clock.get()) {
+            // Set only once joined: a second observer that finds it clear joins again (a join
+            // is idempotent) rather than return before the first observer's join is done.
+            if !self.seen.load(std::sync::atomic::Ordering::Acquire) {
+                races.host_join(clock);
+                self.seen.store(true, std::sync::atomic::Ordering::Release);
+            }
         }
     }
 
@@ -100,12 +153,25 @@ impl SimMarker {
         self.bell.ring();
     }
 
+    /// What the stream reached the marker with, if it has: asked by the host (the reactor, a
+    /// query), so a result also tells the race detector the host has seen it.
     pub(crate) fn try_result(&self) -> Option<Result<()>> {
-        self.result.lock().clone()
+        let result = self.result.lock().clone();
+        if result.is_some() {
+            self.seen_by_host();
+        }
+        result
     }
 
     /// Blocks the calling thread until the stream reaches the marker.
     pub(crate) fn wait(&self) -> Result<()> {
+        let result = self.wait_reached();
+        self.seen_by_host();
+        result
+    }
+
+    /// As `wait`, for another stream's worker (not the host).
+    fn wait_reached(&self) -> Result<()> {
         let mut result = self.result.lock();
         loop {
             if let Some(r) = &*result {
@@ -125,14 +191,24 @@ struct Queue {
 pub(crate) struct SimStream {
     queue: Mutex<Queue>,
     ready: Condvar,
+    /// The device's race detector and this stream's index in its clocks.
+    races: Option<(PlainArc<Detector>, u32)>,
 }
 
 impl SimStream {
     /// Makes a stream and starts its worker.
-    pub(crate) fn start(id: u64, memory: Arc<SimMemory>, config: &SimConfig) -> Result<Arc<Self>> {
+    pub(crate) fn start(
+        id: StreamId,
+        memory: Arc<SimMemory>,
+        config: &SimConfig,
+        races: Option<&PlainArc<Detector>>,
+    ) -> Result<Arc<Self>> {
+        let races = races.map(|d| (d.clone(), d.add_stream(id)));
+        let id = id.get();
         let stream = Arc::new(Self {
             queue: Mutex::new(Queue::default()),
             ready: Condvar::new(),
+            races,
         });
         let worker = Worker {
             stream: stream.clone(),
@@ -151,9 +227,60 @@ impl SimStream {
         Ok(stream)
     }
 
-    pub(crate) fn push(&self, op: Op) {
-        self.queue.lock().ops.push_back(op);
-        self.ready.notify_one();
+    /// Queues `op`. With the race detector on, the operation is checked first (under the
+    /// queue's lock, so the detector sees this stream's operations in queue order); in the
+    /// `Error` mode a racing memory operation is not queued and its race is returned, in the
+    /// `Panic` mode this thread panics once the lock is released.
+    pub(crate) fn push(&self, op: Op) -> Result<()> {
+        let Some((races, idx)) = &self.races else {
+            self.queue.lock().ops.push_back(op);
+            self.ready.notify_one();
+            return Ok(());
+        };
+        let idx = *idx;
+        let footprint = op.footprint();
+        let reject = races.rejects() && footprint.is_some();
+        let mut queue = self.queue.lock();
+        let race = match (&op, footprint) {
+            (_, Some((name, ranges, n))) => races.access(idx, name, &ranges[..n], reject),
+            (Op::Record(marker), _) => {
+                let _ = marker.clock.set(races.record(idx));
+                None
+            }
+            (Op::Wait(marker), _) => {
+                // An event of another simulated device carries another detector's clock (other
+                // streams, other indices): its order is not this device's to know.
+                let same = marker
+                    .races
+                    .as_ref()
+                    .is_some_and(|d| PlainArc::ptr_eq(d, races));
+                match marker.clock.get().filter(|_| same) {
+                    Some(clock) => races.wait(idx, clock),
+                    None => races.plain_op(idx),
+                }
+                None
+            }
+            (Op::Free(ptr), _) => races.free(Some(idx), *ptr, None, true, false),
+            (Op::PoolFree { ptr, .. }, _) => races.free(Some(idx), *ptr, None, true, true),
+            _ => {
+                races.plain_op(idx);
+                None
+            }
+        };
+        let queued = race.is_none() || !reject;
+        if queued {
+            queue.ops.push_back(op);
+        }
+        drop(queue);
+        if queued {
+            self.ready.notify_one();
+        }
+        races.settle(race, reject)
+    }
+
+    /// This stream's index in the race detector's clocks, if it is on.
+    pub(crate) fn races(&self) -> Option<(&PlainArc<Detector>, u32)> {
+        self.races.as_ref().map(|(d, idx)| (d, *idx))
     }
 
     /// The stream's handle is gone: the worker finishes what is queued, then exits.
@@ -219,7 +346,7 @@ impl Worker {
             Op::Wait(marker) => {
                 // A failure on the other stream does not poison this one: CUDA reports it
                 // through the event, and so do we.
-                let _ = marker.wait();
+                let _ = marker.wait_reached();
                 return;
             }
             Op::Spin(d) => {

@@ -426,12 +426,14 @@ impl<U: MemoryResource> MemoryResource for ArenaResource<U> {
         if size > self.maximum {
             return Err(self.out_of_memory(size));
         }
-        if size <= self.superblock {
+        let ptr = DevicePtr(if size <= self.superblock {
             self.allocate_small(size, stream)
         } else {
             self.allocate_large(size, stream)
-        }
-        .map(DevicePtr)
+        }?);
+        // The race detector of the simulated device checks blocks, not chunks (a no-op on CUDA).
+        self.device.note_allocation(ptr, size as usize, stream);
+        Ok(ptr)
     }
 
     unsafe fn deallocate(&self, ptr: DevicePtr, bytes: usize, stream: &Stream) -> Result<()> {
@@ -447,6 +449,8 @@ impl<U: MemoryResource> MemoryResource for ArenaResource<U> {
         if !ptr.0.is_multiple_of(ALIGNMENT as u64) {
             return Err(Error::UnknownPointer { ptr: ptr.0, bytes });
         }
+        // Before the block is back in the arena, from where another thread may hand it out.
+        self.device.note_free(ptr, size as usize, stream);
         if size <= self.superblock {
             self.free_small(ptr.0, size, stream)
         } else {

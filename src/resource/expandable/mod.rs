@@ -391,11 +391,10 @@ impl MemoryResource for ExpandablePoolResource {
         if size > inner.core.maximum() {
             return Err(inner.core.out_of_memory(size));
         }
-        inner
-            .core
-            .lists
-            .take(size, stream, &inner.core)
-            .map(DevicePtr)
+        let ptr = DevicePtr(inner.core.lists.take(size, stream, &inner.core)?);
+        // The race detector of the simulated device checks blocks (a no-op on CUDA).
+        inner.device.note_allocation(ptr, size as usize, stream);
+        Ok(ptr)
     }
 
     unsafe fn deallocate(&self, ptr: DevicePtr, bytes: usize, stream: &Stream) -> Result<()> {
@@ -411,10 +410,12 @@ impl MemoryResource for ExpandablePoolResource {
         let size = aligned_size(bytes)? as u64;
         // A range not wholly mapped was never handed out (the lists would take it: it lies in
         // their one chunk, the reservation).
-        if !ptr.0.is_multiple_of(super::ALIGNMENT as u64)
-            || !inner.core.is_mapped(ptr.0, size)
-            || !inner.core.lists.give(ptr.0, size, stream)
-        {
+        if !ptr.0.is_multiple_of(super::ALIGNMENT as u64) || !inner.core.is_mapped(ptr.0, size) {
+            return Err(Error::UnknownPointer { ptr: ptr.0, bytes });
+        }
+        // Before the block is back in a list, from where another thread may hand it out again.
+        inner.device.note_free(ptr, size as usize, stream);
+        if !inner.core.lists.give(ptr.0, size, stream) {
             return Err(Error::UnknownPointer { ptr: ptr.0, bytes });
         }
         inner.waiters.notify();

@@ -1,0 +1,660 @@
+//! The stream-order race detector of the simulated device (see `races.rs` for what it reports).
+//!
+//! Everything is decided when work is *queued*, on the thread that queues it: stream order is
+//! fixed by the order of the queue, so a vector clock per stream, advanced under the queue's
+//! lock, is exact. The only run-time input is what the host has seen complete (an event it
+//! awaited, queried or synchronized on): the host clock, joined into every stream at its next
+//! operation, which is sound because that work really is queued after the completion.
+//!
+//! Memory is a map of disjoint segments, split at block boundaries. Each segment holds a stack
+//! of lives, innermost last: the raw allocation, then the blocks that suballocating resources
+//! carve out of it (a pool's block, a fixed-size block inside a pool's block). Only the top may
+//! be a freed life, which keeps its free point (to check the next allocation against) and its
+//! uses (to check a free of the block below against). Uses are epochs (a stream and a
+//! position), pruned when a later use on an ordered stream covers them, so the lists stay short.
+//!
+//! The state is behind a plain (never loom) mutex, taken after a stream's queue lock and never
+//! holding anything else: loom explores the protocol around it, not its bookkeeping.
+
+use std::collections::{BTreeMap, VecDeque};
+
+use super::races::{MemoryAccess, Race, RaceBlock, RaceDetection, RaceKind, RaceSite};
+use crate::device::DevicePtr;
+use crate::stream::StreamId;
+use crate::sync::plain::{Arc as PlainArc, Mutex as PlainMutex, MutexGuard as PlainGuard};
+
+/// A vector clock: component `i` is how many operations of dense stream `i` are ordered before.
+pub(crate) type Clock = Vec<u32>;
+
+/// Index 0 is the host: it has no operations of its own, so its component stays 0.
+const HOST: u32 = 0;
+/// The most uses a life keeps; past it the oldest goes (a missed race, never a false one).
+const MAX_USES: usize = 64;
+/// Raw frees whose freed segments are kept (to report uses after free); older ones are dropped
+/// so that a long test does not grow the map without bound.
+const KEPT_RAW_FREES: usize = 4096;
+
+/// A point of a stream: the operation at `epoch` (or the host, at epoch 0).
+#[derive(Clone, Copy, Debug)]
+struct Point {
+    stream: u32,
+    epoch: u32,
+    op: &'static str,
+}
+
+impl Point {
+    /// Whether this point is ordered before work whose clock is `clock`.
+    fn before(&self, clock: &[u32]) -> bool {
+        self.epoch == 0
+            || clock
+                .get(self.stream as usize)
+                .is_some_and(|&c| c >= self.epoch)
+    }
+}
+
+#[derive(Clone, Copy, Debug)]
+struct Use {
+    start: u64,
+    end: u64,
+    at: Point,
+    write: bool,
+}
+
+#[derive(Clone, Debug)]
+struct Freed {
+    point: Point,
+    /// The freeing stream's whole clock, for a driver pool's free (whose reuse is ordered by
+    /// the device itself, so the next allocation joins it instead of being checked).
+    clock: Option<PlainArc<Clock>>,
+}
+
+#[derive(Clone, Debug)]
+struct Life {
+    block: (u64, u64),
+    raw: bool,
+    alloc: Point,
+    freed: Option<Freed>,
+    uses: Vec<Use>,
+}
+
+#[derive(Clone, Debug)]
+struct Seg {
+    end: u64,
+    stack: Vec<Life>,
+}
+
+struct StreamState {
+    id: Option<StreamId>,
+    clock: Clock,
+    /// The host clock's version last joined.
+    host_seen: u64,
+}
+
+struct State {
+    streams: Vec<StreamState>,
+    host: Clock,
+    host_version: u64,
+    segs: BTreeMap<u64, Seg>,
+    raw_frees: VecDeque<(u64, u64)>,
+    races: Vec<Race>,
+}
+
+/// How an allocation point relates to the block's previous free.
+#[derive(Clone, Copy, PartialEq, Eq)]
+pub(crate) enum Reuse {
+    /// Check it: a reuse not ordered after the previous free is a race.
+    Check,
+    /// The device orders it (a driver pool reuses a block only once its free has run): join
+    /// the free's clock into the allocating stream.
+    Joined,
+}
+
+/// The race detector of one simulated device.
+pub(crate) struct Detector {
+    mode: RaceDetection,
+    state: PlainMutex<State>,
+}
+
+impl Detector {
+    pub(crate) fn new(mode: RaceDetection) -> Self {
+        Self {
+            mode,
+            state: PlainMutex::new(State {
+                streams: vec![StreamState {
+                    id: None,
+                    clock: vec![0],
+                    host_seen: 0,
+                }],
+                host: vec![0],
+                host_version: 0,
+                segs: BTreeMap::new(),
+                raw_frees: VecDeque::new(),
+                races: Vec::new(),
+            }),
+        }
+    }
+
+    fn lock(&self) -> PlainGuard<'_, State> {
+        self.state.lock().unwrap_or_else(|e| e.into_inner())
+    }
+
+    /// Whether a racing memory operation is refused (the `Error` mode).
+    pub(crate) fn rejects(&self) -> bool {
+        self.mode == RaceDetection::Error
+    }
+
+    /// What the caller does about a race it was told of (already kept and logged): an error
+    /// for an operation that was refused, a panic in the `Panic` mode (unless this thread is
+    /// already panicking), else nothing.
+    pub(crate) fn settle(&self, race: Option<Race>, refused: bool) -> crate::error::Result<()> {
+        let Some(race) = race else {
+            return Ok(());
+        };
+        match self.mode {
+            RaceDetection::Panic if !std::thread::panicking() => panic!("{race}"),
+            _ if refused => Err(crate::error::Error::StreamRace(Box::new(race))),
+            _ => Ok(()),
+        }
+    }
+
+    /// A new stream: its dense index.
+    pub(crate) fn add_stream(&self, id: StreamId) -> u32 {
+        let mut st = self.lock();
+        let idx = st.streams.len() as u32;
+        st.streams.push(StreamState {
+            id: Some(id),
+            clock: vec![0; idx as usize + 1],
+            host_seen: 0,
+        });
+        idx
+    }
+
+    /// The races found so far.
+    pub(crate) fn races(&self) -> Vec<Race> {
+        self.lock().races.clone()
+    }
+
+    /// Takes the races found so far.
+    pub(crate) fn take_races(&self) -> Vec<Race> {
+        std::mem::take(&mut self.lock().races)
+    }
+
+    /// The host saw an event complete whose stream's clock was `clock` when it was recorded.
+    pub(crate) fn host_join(&self, clock: &[u32]) {
+        let mut st = self.lock();
+        if join(&mut st.host, clock) {
+            st.host_version += 1;
+        }
+    }
+
+    // ===== operations of a stream (called under its queue lock) =====
+
+    /// Advances stream `idx` by one operation: its epoch.
+    fn tick(st: &mut State, idx: u32) -> u32 {
+        let State {
+            streams,
+            host,
+            host_version,
+            ..
+        } = st;
+        let s = &mut streams[idx as usize];
+        if s.host_seen != *host_version {
+            join(&mut s.clock, host);
+            s.host_seen = *host_version;
+        }
+        let own = &mut s.clock[idx as usize];
+        *own += 1;
+        *own
+    }
+
+    /// An operation that touches no memory (a spin, a wait's own slot).
+    pub(crate) fn plain_op(&self, idx: u32) {
+        Self::tick(&mut self.lock(), idx);
+    }
+
+    /// A record: the snapshot of the stream's clock that the event carries.
+    pub(crate) fn record(&self, idx: u32) -> PlainArc<Clock> {
+        let mut st = self.lock();
+        Self::tick(&mut st, idx);
+        PlainArc::new(st.streams[idx as usize].clock.clone())
+    }
+
+    /// A wait for an event whose snapshot is `clock`.
+    pub(crate) fn wait(&self, idx: u32, clock: &[u32]) {
+        let mut st = self.lock();
+        Self::tick(&mut st, idx);
+        join(&mut st.streams[idx as usize].clock, clock);
+    }
+
+    /// Work on stream `idx` (or the host) that touches `ranges`. With `reject` (the `Error`
+    /// mode, for an operation that can fail), a race keeps the use out of the shadow: the
+    /// caller will not queue the work.
+    pub(crate) fn access(
+        &self,
+        idx: u32,
+        op: &'static str,
+        ranges: &[(u64, usize, MemoryAccess)],
+        reject: bool,
+    ) -> Option<Race> {
+        let mut st = self.lock();
+        let epoch = Self::tick(&mut st, idx);
+        let at = Point {
+            stream: idx,
+            epoch,
+            op,
+        };
+        let clock = st.streams[idx as usize].clock.clone();
+        let mut found = None;
+        for &(ptr, bytes, access) in ranges {
+            if found.is_none() {
+                found = st.check_use(ptr, bytes, at, access, &clock);
+            }
+        }
+        if found.is_none() || !reject {
+            for &(ptr, bytes, access) in ranges {
+                st.add_use(ptr, bytes, at, access == MemoryAccess::Write, &clock);
+            }
+        }
+        st.note(found)
+    }
+
+    /// A block of `bytes` at `ptr` handed out on stream `idx` (or the host), `raw` for device
+    /// memory itself (else a block that a resource carves out of it).
+    pub(crate) fn allocate(
+        &self,
+        idx: Option<u32>,
+        ptr: u64,
+        bytes: usize,
+        raw: bool,
+        reuse: Reuse,
+    ) -> Option<Race> {
+        let (start, end) = (ptr, ptr.saturating_add(bytes as u64));
+        if start == end {
+            return None;
+        }
+        let mut st = self.lock();
+        let at = match idx {
+            Some(idx) => Point {
+                stream: idx,
+                epoch: Self::tick(&mut st, idx),
+                op: "allocate",
+            },
+            None => Point {
+                stream: HOST,
+                epoch: 0,
+                op: "malloc",
+            },
+        };
+        st.split(start);
+        st.split(end);
+        st.fill_gaps(start, end);
+        let mut found: Option<(Point, Life)> = None;
+        let keys: Vec<u64> = st.segs.range(start..end).map(|(&k, _)| k).collect();
+        for key in keys {
+            let top = st.segs[&key].stack.last().cloned();
+            if let Some(top) = top.filter(|t| t.freed.is_some()) {
+                let freed = top.freed.as_ref().expect("filtered");
+                match (reuse, idx, &freed.clock) {
+                    (Reuse::Joined, Some(idx), Some(c)) => {
+                        join(&mut st.streams[idx as usize].clock, c);
+                    }
+                    (Reuse::Joined, _, _) => {}
+                    (Reuse::Check, _, _) => {
+                        let clock = &st.streams[at.stream as usize].clock;
+                        if found.is_none() && at.stream != HOST && !freed.point.before(clock) {
+                            found = Some((freed.point, top.clone()));
+                        }
+                    }
+                }
+                st.segs.get_mut(&key).expect("listed above").stack.pop();
+            }
+            st.segs
+                .get_mut(&key)
+                .expect("listed above")
+                .stack
+                .push(Life {
+                    block: (start, end),
+                    raw,
+                    alloc: at,
+                    freed: None,
+                    uses: Vec::new(),
+                });
+        }
+        let race = found.map(|(earlier, block)| Race {
+            kind: RaceKind::ReuseBeforeFree,
+            ptr: DevicePtr(start),
+            bytes,
+            at: st.site(at),
+            earlier: st.site(earlier),
+            block: Some(st.block_info(&block)),
+        });
+        st.note(race)
+    }
+
+    /// The block `[ptr, ptr + bytes)` freed on stream `idx` (or by the host): every use must be
+    /// ordered before this point. `bytes` is `None` for a raw free by address (the block's
+    /// length is the device's to know). `clock_kept` keeps the freeing clock for a driver
+    /// pool's reuse ([`Reuse::Joined`]).
+    pub(crate) fn free(
+        &self,
+        idx: Option<u32>,
+        ptr: u64,
+        bytes: Option<usize>,
+        raw: bool,
+        clock_kept: bool,
+    ) -> Option<Race> {
+        let mut st = self.lock();
+        let (at, clock) = match idx {
+            Some(idx) => {
+                let epoch = Self::tick(&mut st, idx);
+                let at = Point {
+                    stream: idx,
+                    epoch,
+                    op: "free",
+                };
+                (at, st.streams[idx as usize].clock.clone())
+            }
+            None => (
+                Point {
+                    stream: HOST,
+                    epoch: 0,
+                    op: "free",
+                },
+                st.host.clone(),
+            ),
+        };
+        let block = match bytes {
+            Some(bytes) => (ptr, ptr.saturating_add(bytes as u64)),
+            None => st.raw_block(ptr)?,
+        };
+        if block.0 == block.1 {
+            return None;
+        }
+        st.split(block.0);
+        st.split(block.1);
+        let kept = clock_kept.then(|| PlainArc::new(clock.clone()));
+        let mut found: Option<(Point, Life)> = None;
+        let keys: Vec<u64> = st.segs.range(block.0..block.1).map(|(&k, _)| k).collect();
+        for key in keys {
+            let seg = st.segs.get_mut(&key).expect("listed above");
+            let Some(i) = seg
+                .stack
+                .iter()
+                .rposition(|l| l.block == block && l.raw == raw && l.freed.is_none())
+            else {
+                continue;
+            };
+            let mut uses = Vec::new();
+            for life in &seg.stack[i..] {
+                for u in &life.uses {
+                    if found.is_none() && !u.at.before(&clock) {
+                        found = Some((u.at, seg.stack[i].clone()));
+                    }
+                    uses.push(*u);
+                }
+            }
+            let alloc = seg.stack[i].alloc;
+            seg.stack.truncate(i);
+            seg.stack.push(Life {
+                block,
+                raw,
+                alloc,
+                freed: Some(Freed {
+                    point: at,
+                    clock: kept.clone(),
+                }),
+                uses,
+            });
+        }
+        if raw {
+            st.merge_raw(block);
+        }
+        let race = found.map(|(earlier, mut life)| {
+            life.freed = Some(Freed {
+                point: at,
+                clock: None,
+            });
+            Race {
+                kind: RaceKind::FreedWhileInUse,
+                ptr: DevicePtr(block.0),
+                bytes: (block.1 - block.0) as usize,
+                at: st.site(at),
+                earlier: st.site(earlier),
+                block: Some(st.block_info(&life)),
+            }
+        });
+        st.note(race)
+    }
+}
+
+// ===== the state's helpers =====
+
+impl State {
+    fn site(&self, p: Point) -> RaceSite {
+        RaceSite {
+            stream: self.streams.get(p.stream as usize).and_then(|s| s.id),
+            op: p.op,
+            position: u64::from(p.epoch),
+        }
+    }
+
+    fn block_info(&self, life: &Life) -> RaceBlock {
+        RaceBlock {
+            ptr: DevicePtr(life.block.0),
+            bytes: (life.block.1 - life.block.0) as usize,
+            allocated: self.site(life.alloc),
+            freed: life.freed.as_ref().map(|f| self.site(f.point)),
+        }
+    }
+
+    /// Keeps `race` in the list and logs it; hands it back for the caller's mode.
+    fn note(&mut self, race: Option<Race>) -> Option<Race> {
+        let race = race?;
+        tracing::error!(%race, "the simulated device found a stream-order race");
+        self.races.push(race.clone());
+        Some(race)
+    }
+
+    /// Splits the segment that holds `at` strictly inside it into two.
+    fn split(&mut self, at: u64) {
+        let Some((&start, seg)) = self.segs.range_mut(..at).next_back() else {
+            return;
+        };
+        if seg.end <= at {
+            return;
+        }
+        let mut upper = seg.clone();
+        seg.end = at;
+        for life in &mut seg.stack {
+            life.uses.retain(|u| u.start < at);
+        }
+        for life in &mut upper.stack {
+            life.uses.retain(|u| u.end > at);
+        }
+        debug_assert!(start < at);
+        self.segs.insert(at, upper);
+    }
+
+    /// Adds empty segments where `[start, end)` has none (memory the device does not know:
+    /// blocks carved from it are still tracked).
+    fn fill_gaps(&mut self, start: u64, end: u64) {
+        let mut gaps = Vec::new();
+        let mut at = start;
+        for (&k, seg) in self.segs.range(start..end) {
+            if k > at {
+                gaps.push((at, k));
+            }
+            at = seg.end;
+        }
+        if at < end {
+            gaps.push((at, end));
+        }
+        for (s, e) in gaps {
+            self.segs.insert(
+                s,
+                Seg {
+                    end: e,
+                    stack: Vec::new(),
+                },
+            );
+        }
+    }
+
+    /// The segments that overlap `[start, end)`.
+    fn overlapping(&self, start: u64, end: u64) -> Vec<u64> {
+        let first = self
+            .segs
+            .range(..=start)
+            .next_back()
+            .filter(|(_, s)| s.end > start)
+            .map(|(&k, _)| k);
+        first
+            .into_iter()
+            .chain(self.segs.range(start + 1..end).map(|(&k, _)| k))
+            .collect()
+    }
+
+    /// The live raw block that starts at `ptr`.
+    fn raw_block(&self, ptr: u64) -> Option<(u64, u64)> {
+        let seg = self.segs.get(&ptr)?;
+        seg.stack
+            .iter()
+            .find(|l| l.raw && l.block.0 == ptr && l.freed.is_none())
+            .map(|l| l.block)
+    }
+
+    /// The freed raw block that starts at `ptr`.
+    fn freed_raw_block(&self, ptr: u64) -> Option<(u64, u64)> {
+        let seg = self.segs.get(&ptr)?;
+        let top = seg.stack.last()?;
+        (top.raw && top.block.0 == ptr && top.freed.is_some()).then_some(top.block)
+    }
+
+    /// After a raw free: one segment for the whole block (the pieces inside it are gone), and
+    /// the oldest freed raw blocks forgotten past the bound.
+    fn merge_raw(&mut self, block: (u64, u64)) {
+        let keys: Vec<u64> = self.segs.range(block.0..block.1).map(|(&k, _)| k).collect();
+        let mut merged: Option<Seg> = None;
+        for key in keys {
+            let seg = self.segs.remove(&key).expect("listed above");
+            match &mut merged {
+                None => merged = Some(seg),
+                Some(m) => {
+                    if let (Some(into), Some(from)) = (m.stack.last_mut(), seg.stack.last()) {
+                        into.uses.extend_from_slice(&from.uses);
+                        into.uses.truncate(MAX_USES);
+                    }
+                    m.end = seg.end;
+                }
+            }
+        }
+        if let Some(m) = merged {
+            self.segs.insert(block.0, m);
+        }
+        self.raw_frees.push_back(block);
+        while self.raw_frees.len() > KEPT_RAW_FREES {
+            if let Some(old) = self.raw_frees.pop_front() {
+                if self.freed_raw_block(old.0) == Some(old) {
+                    self.remove(old);
+                }
+            }
+        }
+    }
+
+    fn remove(&mut self, block: (u64, u64)) {
+        let keys: Vec<u64> = self.segs.range(block.0..block.1).map(|(&k, _)| k).collect();
+        for key in keys {
+            self.segs.remove(&key);
+        }
+    }
+
+    /// Checks a use against each segment it touches: the first race found.
+    fn check_use(
+        &self,
+        ptr: u64,
+        bytes: usize,
+        at: Point,
+        access: MemoryAccess,
+        clock: &[u32],
+    ) -> Option<Race> {
+        let (start, end) = (ptr, ptr.saturating_add(bytes as u64));
+        let write = access == MemoryAccess::Write;
+        for key in self.overlapping(start, end) {
+            let seg = &self.segs[&key];
+            let Some(top) = seg.stack.last() else {
+                continue;
+            };
+            let race = |kind, earlier: Point| Race {
+                kind,
+                ptr: DevicePtr(ptr),
+                bytes,
+                at: self.site(at),
+                earlier: self.site(earlier),
+                block: Some(self.block_info(top)),
+            };
+            if let Some(freed) = &top.freed {
+                return Some(race(RaceKind::UseAfterFree, freed.point));
+            }
+            if !top.alloc.before(clock) {
+                return Some(race(RaceKind::UseBeforeAllocation, top.alloc));
+            }
+            for u in &top.uses {
+                if u.at.stream == at.stream || u.end <= start || u.start >= end {
+                    continue;
+                }
+                if (u.write || write) && !u.at.before(clock) {
+                    let kind = match (u.write, write) {
+                        (true, true) => RaceKind::WriteAfterWrite,
+                        (true, false) => RaceKind::ReadAfterWrite,
+                        _ => RaceKind::WriteAfterRead,
+                    };
+                    return Some(race(kind, u.at));
+                }
+            }
+        }
+        None
+    }
+
+    /// Records a use in each live segment it touches, dropping the uses it covers and is
+    /// ordered after (a later use conflicts with them only if it also conflicts with this one).
+    fn add_use(&mut self, ptr: u64, bytes: usize, at: Point, write: bool, clock: &[u32]) {
+        let (start, end) = (ptr, ptr.saturating_add(bytes as u64));
+        for key in self.overlapping(start, end) {
+            let seg = self.segs.get_mut(&key).expect("listed above");
+            let (s, e) = (start.max(key), end.min(seg.end));
+            let Some(top) = seg.stack.last_mut() else {
+                continue;
+            };
+            if top.freed.is_some() {
+                continue;
+            }
+            top.uses.retain(|u| {
+                !(u.start >= s && u.end <= e && (write || !u.write) && u.at.before(clock))
+            });
+            if top.uses.len() >= MAX_USES {
+                top.uses.remove(0);
+            }
+            top.uses.push(Use {
+                start: s,
+                end: e,
+                at,
+                write,
+            });
+        }
+    }
+}
+
+/// `into = max(into, from)`, componentwise; whether anything changed.
+fn join(into: &mut Clock, from: &[u32]) -> bool {
+    if into.len() < from.len() {
+        into.resize(from.len(), 0);
+    }
+    let mut changed = false;
+    for (a, &b) in into.iter_mut().zip(from) {
+        if b > *a {
+            *a = b;
+            changed = true;
+        }
+    }
+    changed
+}

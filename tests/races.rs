@@ -1,0 +1,374 @@
+//! The simulated device's stream-order race detector: planted bugs, each caught by the detector
+//! alone (no data is checked), and the same code without the bug, which must stay clean.
+//!
+//! The bugs in the crate's own ordering (a pool's steal or merge, `to_host`'s wait) are planted
+//! with `FaultKind::SkipWait`, which makes the next wait of a stream a silent no-op: no engine
+//! change, and exactly the wait a buggy engine would forget. Simulated device only: the
+//! detector is the simulated device's.
+
+mod common;
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use streamalloc::resource::cuda::CudaResource;
+use streamalloc::resource::pool::{PoolOptions, PoolResource};
+use streamalloc::{
+    Device, DeviceBuffer, DeviceVec, Error, FaultKind, Faults, MemoryAccess, Race, RaceDetection,
+    RaceKind, SimConfig, Stream,
+};
+
+fn device(mode: RaceDetection) -> (Device, Faults) {
+    let faults = Faults::new();
+    let device = Device::simulated(SimConfig {
+        race_detection: mode,
+        faults: faults.clone(),
+        ..SimConfig::default()
+    });
+    (device, faults)
+}
+
+/// A pool that starts empty (its first chunk comes from a request, into that stream's list)
+/// and can hold at most `maximum` bytes.
+fn pool(device: &Device, maximum: usize) -> Arc<PoolResource<CudaResource>> {
+    Arc::new(
+        PoolResource::new(
+            CudaResource::new(device),
+            PoolOptions {
+                initial: 0,
+                maximum: Some(maximum),
+                ..PoolOptions::default()
+            },
+        )
+        .unwrap(),
+    )
+}
+
+/// The one race the device found, after letting deferred frees run.
+fn the_race(device: &Device) -> Race {
+    let mut races = device.take_races();
+    assert_eq!(races.len(), 1, "expected exactly one race: {races:#?}");
+    races.remove(0)
+}
+
+fn streams(device: &Device) -> (Stream, Stream) {
+    (
+        device.create_stream().unwrap(),
+        device.create_stream().unwrap(),
+    )
+}
+
+// ===== a buffer dropped without record_stream after a use on another stream =====
+
+fn drop_after_use_elsewhere(record: bool) -> (Device, Stream, Stream) {
+    let (device, _) = device(RaceDetection::Record);
+    let p = pool(&device, 4 << 20);
+    let (a, b) = streams(&device);
+    let mut buf = DeviceBuffer::new(&p, 4096, &a).unwrap();
+    b.wait(&a.record().unwrap()).unwrap(); // `b` is ordered after the allocation...
+    b.spin(Duration::from_millis(20)).unwrap();
+    // SAFETY: 4096 live bytes; the planted bug is in what follows, not in this use.
+    unsafe { b.memset_d8(buf.as_ptr(), 1, 4096) }.unwrap();
+    if record {
+        buf.record_stream(&b).unwrap();
+    }
+    drop(buf); // ...but, without `record_stream`, the free on `a` is not ordered after `b`'s use
+    b.synchronize_blocking().unwrap();
+    a.synchronize_blocking().unwrap();
+    common::assert_all_back_within(&p, Duration::from_secs(10), "buffer");
+    (device, a, b)
+}
+
+#[test]
+fn planted_drop_without_record_stream_is_caught() {
+    let (device, a, b) = drop_after_use_elsewhere(false);
+    let race = the_race(&device);
+    assert_eq!(race.kind, RaceKind::FreedWhileInUse, "{race}");
+    assert_eq!(
+        (race.at.op, race.at.stream),
+        ("free", Some(a.id())),
+        "{race}"
+    );
+    assert_eq!(
+        (race.earlier.op, race.earlier.stream),
+        ("memset_d8", Some(b.id())),
+        "{race}"
+    );
+    let block = race.block.expect("the block");
+    assert_eq!(block.allocated.stream, Some(a.id()), "{race}");
+    assert_eq!(block.freed.and_then(|f| f.stream), Some(a.id()), "{race}");
+    println!("caught: {race}");
+}
+
+#[test]
+fn drop_after_record_stream_is_clean() {
+    let (device, ..) = drop_after_use_elsewhere(true);
+    assert_eq!(device.races(), Vec::new());
+}
+
+// ===== a pool's steal that skips the wait =====
+
+fn steal(skip_wait: bool) -> (Device, Stream, Stream) {
+    let (device, faults) = device(RaceDetection::Record);
+    let p = pool(&device, 4 << 20);
+    let (a, b) = streams(&device);
+    // The pool's first chunk goes to `a`'s list; the block is used and freed on `a`.
+    let mut buf = DeviceBuffer::new(&p, 4096, &a).unwrap();
+    a.spin(Duration::from_millis(20)).unwrap();
+    buf.memset(7).unwrap();
+    drop(buf);
+    // `b` has no list and the pool no fresh memory: `b` steals `a`'s block, and must wait for
+    // `a` first.
+    if skip_wait {
+        faults.fail_next(FaultKind::SkipWait);
+    }
+    let mut stolen = DeviceBuffer::new(&p, 4096, &b).unwrap();
+    assert_eq!(p.stats().steals, 1, "{:?}", p.stats());
+    assert_eq!(faults.injected(FaultKind::SkipWait), u64::from(skip_wait));
+    stolen.memset(9).unwrap();
+    drop(stolen);
+    a.synchronize_blocking().unwrap();
+    b.synchronize_blocking().unwrap();
+    (device, a, b)
+}
+
+#[test]
+fn planted_steal_without_wait_is_caught() {
+    let (device, a, b) = steal(true);
+    let race = the_race(&device);
+    assert_eq!(race.kind, RaceKind::ReuseBeforeFree, "{race}");
+    assert_eq!(
+        (race.at.op, race.at.stream),
+        ("allocate", Some(b.id())),
+        "{race}"
+    );
+    assert_eq!(
+        (race.earlier.op, race.earlier.stream),
+        ("free", Some(a.id())),
+        "{race}"
+    );
+    println!("caught: {race}");
+}
+
+#[test]
+fn steal_with_wait_is_clean() {
+    let (device, ..) = steal(false);
+    assert_eq!(device.races(), Vec::new());
+}
+
+// ===== a pool's merge that skips the wait =====
+
+fn merge(skip_wait: bool) -> (Device, Stream, Stream, Stream) {
+    const HALF: usize = 512 << 10;
+    let (device, faults) = device(RaceDetection::Record);
+    // One chunk of 1 MiB and no room to grow: a request for all of it can only be served by
+    // merging the two halves' lists.
+    let p = pool(&device, 2 * HALF);
+    let (a, b) = streams(&device);
+    let c = device.create_stream().unwrap();
+    let mut x = DeviceBuffer::new(&p, HALF, &a).unwrap();
+    let mut y = DeviceBuffer::new(&p, HALF, &a).unwrap();
+    x.memset(1).unwrap();
+    y.set_stream(&c).unwrap();
+    c.wait(&a.record().unwrap()).unwrap();
+    c.spin(Duration::from_millis(20)).unwrap();
+    y.memset(2).unwrap();
+    drop(x); // into `a`'s list
+             // SAFETY: `y` was moved to `c` (and `c` ordered after `a`): freed there, into `c`'s list.
+    let (ptr, len, resource, stream) = y.into_raw_parts().unwrap();
+    assert_eq!(stream.id(), c.id());
+    // SAFETY: the parts of `y`, freed once, on `c` after its last use there.
+    unsafe { resource.deallocate(ptr, len, &c) }.unwrap();
+    if skip_wait {
+        faults.fail_always(FaultKind::SkipWait);
+    }
+    let mut whole = DeviceBuffer::new(&p, 2 * HALF, &b).unwrap();
+    faults.clear();
+    let stats = p.stats();
+    assert!(
+        stats.merges >= 1 && stats.steals == 0,
+        "served by a merge: {stats:?}"
+    );
+    whole.memset(3).unwrap();
+    drop(whole);
+    for s in [&a, &b, &c] {
+        s.synchronize_blocking().unwrap();
+    }
+    (device, a, b, c)
+}
+
+#[test]
+fn planted_merge_without_wait_is_caught() {
+    let (device, a, b, c) = merge(true);
+    let race = the_race(&device);
+    assert_eq!(race.kind, RaceKind::ReuseBeforeFree, "{race}");
+    assert_eq!(
+        (race.at.op, race.at.stream),
+        ("allocate", Some(b.id())),
+        "{race}"
+    );
+    assert_eq!(race.earlier.op, "free", "{race}");
+    assert!(
+        [Some(a.id()), Some(c.id())].contains(&race.earlier.stream),
+        "{race}"
+    );
+    println!("caught: {race}");
+}
+
+#[test]
+fn merge_with_wait_is_clean() {
+    let (device, ..) = merge(false);
+    assert_eq!(device.races(), Vec::new());
+}
+
+// ===== to_host on a stream that did not wait for the writer =====
+
+#[test]
+fn planted_to_host_without_wait_is_caught() {
+    let (device, faults) = device(RaceDetection::Record);
+    let p = pool(&device, 4 << 20);
+    let (a, b) = streams(&device);
+    let mut v = DeviceVec::<u32>::zeroed(&p, 1024, &a).unwrap();
+    b.wait(&a.record().unwrap()).unwrap(); // `b` is ordered after the allocation...
+    a.spin(Duration::from_millis(20)).unwrap();
+    v.copy_from_host(&[5; 1024]).unwrap(); // ...not after this write on `a`,
+    faults.fail_next(FaultKind::SkipWait); // which `to_host` would order it after.
+    let rt = common::runtime();
+    rt.block_on(v.to_host(&b)).unwrap();
+    drop(v);
+    a.synchronize_blocking().unwrap();
+    let race = the_race(&device);
+    assert_eq!(race.kind, RaceKind::ReadAfterWrite, "{race}");
+    assert_eq!(
+        (race.at.op, race.at.stream),
+        ("copy_dtoh", Some(b.id())),
+        "{race}"
+    );
+    assert_eq!(
+        (race.earlier.op, race.earlier.stream),
+        ("copy_htod", Some(a.id())),
+        "{race}"
+    );
+    println!("caught: {race}");
+}
+
+/// The writer is a third stream, which `to_host` knows nothing of: the user's bug.
+#[test]
+fn to_host_not_ordered_after_another_writer_is_caught() {
+    let (device, _) = device(RaceDetection::Record);
+    let p = pool(&device, 4 << 20);
+    let (a, b) = streams(&device);
+    let w = device.create_stream().unwrap();
+    let mut v = DeviceVec::<u32>::zeroed(&p, 1024, &a).unwrap();
+    w.wait(&a.record().unwrap()).unwrap();
+    w.spin(Duration::from_millis(20)).unwrap();
+    v.record_stream(&w).unwrap();
+    // SAFETY: 1024 live words; `w` is ordered after the allocation and recorded on the vector.
+    unsafe { w.fill_u32(v.as_ptr(), 8, 1024) }.unwrap();
+    let rt = common::runtime();
+    rt.block_on(v.to_host(&b)).unwrap(); // `b` waits for `a`, not for `w`
+    drop(v);
+    w.synchronize_blocking().unwrap();
+    let race = the_race(&device);
+    assert_eq!(race.kind, RaceKind::ReadAfterWrite, "{race}");
+    assert_eq!(
+        (race.earlier.op, race.earlier.stream),
+        ("fill_u32", Some(w.id())),
+        "{race}"
+    );
+    println!("caught: {race}");
+}
+
+// ===== the modes =====
+
+#[test]
+fn error_mode_refuses_the_racing_operation() {
+    let (device, _) = device(RaceDetection::Error);
+    let (a, b) = streams(&device);
+    let ptr = device.malloc(4096).unwrap();
+    // SAFETY: 4096 live bytes, freed below after both streams are synchronized.
+    unsafe { a.memset_d8(ptr, 1, 4096) }.unwrap();
+    // SAFETY: as above; the race with `a`'s write is the point (and it is refused).
+    let err = unsafe { b.memset_d8(ptr, 2, 4096) }.unwrap_err();
+    let Error::StreamRace(race) = &err else {
+        panic!("{err:?}");
+    };
+    assert_eq!(race.kind, RaceKind::WriteAfterWrite);
+    assert!(err.to_string().contains("memset_d8 on"), "{err}");
+    // Not queued, not remembered: once ordered, the same write goes through.
+    b.wait(&a.record().unwrap()).unwrap();
+    // SAFETY: as above, now ordered after `a`'s write.
+    unsafe { b.memset_d8(ptr, 2, 4096) }.unwrap();
+    b.declare_access(ptr, 4096, MemoryAccess::Read, "reader")
+        .unwrap();
+    a.synchronize_blocking().unwrap();
+    b.synchronize_blocking().unwrap();
+    assert_eq!(device.races().len(), 1);
+    // SAFETY: from `malloc`, both streams synchronized.
+    unsafe { device.free(ptr) }.unwrap();
+    assert_eq!(device.races().len(), 1);
+}
+
+#[test]
+#[should_panic(expected = "stream-order race (read not ordered after a write on another stream)")]
+fn panic_mode_panics_at_the_racing_operation() {
+    let (device, _) = device(RaceDetection::Panic);
+    let (a, b) = streams(&device);
+    let ptr = device.malloc(4096).unwrap();
+    a.declare_access(ptr, 4096, MemoryAccess::Write, "producer")
+        .unwrap();
+    let _ = b.declare_access(ptr, 4096, MemoryAccess::Read, "consumer");
+}
+
+#[test]
+fn a_synchronous_free_before_the_host_saw_the_use_is_caught() {
+    let (device, _) = device(RaceDetection::Record);
+    let a = device.create_stream().unwrap();
+    let ptr = device.malloc(4096).unwrap();
+    a.spin(Duration::from_millis(20)).unwrap();
+    // SAFETY: 4096 live bytes.
+    unsafe { a.memset_d8(ptr, 1, 4096) }.unwrap();
+    // SAFETY: deliberately wrong: the memset may still be queued (the detector reports it;
+    // the simulated device's worker then faults on the freed range, poisoning only `a`).
+    unsafe { device.free(ptr) }.unwrap();
+    let race = the_race(&device);
+    assert_eq!(race.kind, RaceKind::FreedWhileInUse, "{race}");
+    assert_eq!((race.at.op, race.at.stream), ("free", None), "{race}");
+    let _ = a.synchronize_blocking();
+}
+
+#[test]
+fn disjoint_halves_on_two_streams_are_not_a_race() {
+    let (device, _) = device(RaceDetection::Error);
+    let (a, b) = streams(&device);
+    let ptr = device.malloc(8192).unwrap();
+    // SAFETY: each stream writes its own half of 8192 live bytes.
+    unsafe {
+        a.memset_d8(ptr, 1, 4096).unwrap();
+        b.memset_d8(ptr.offset(4096), 2, 4096).unwrap();
+        a.fill_u32(ptr, 3, 1024).unwrap();
+    }
+    a.synchronize_blocking().unwrap();
+    b.synchronize_blocking().unwrap();
+    // SAFETY: both streams synchronized.
+    unsafe { device.free(ptr) }.unwrap();
+    assert_eq!(device.races(), Vec::new());
+}
+
+#[test]
+fn off_records_nothing() {
+    let (device, _) = device(RaceDetection::Off);
+    let (a, b) = streams(&device);
+    let ptr = device.malloc(4096).unwrap();
+    // SAFETY: 4096 live bytes; the race between the two writes is the point.
+    unsafe {
+        a.memset_d8(ptr, 1, 4096).unwrap();
+        b.memset_d8(ptr, 2, 4096).unwrap();
+    }
+    a.synchronize_blocking().unwrap();
+    b.synchronize_blocking().unwrap();
+    // SAFETY: from `malloc`, both streams synchronized.
+    unsafe { device.free(ptr) }.unwrap();
+    assert_eq!(device.races(), Vec::new());
+    assert_eq!(device.race_detection(), RaceDetection::Off);
+}
