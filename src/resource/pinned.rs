@@ -136,6 +136,11 @@ struct Pending {
     ptr: u64,
     /// Recorded on the freeing stream after the block's last use.
     event: Event,
+    /// Which free of `ptr` this is (a counter of the cache): the same address can be pending
+    /// again, after a later free, by the time an earlier free's callback or claim comes for it,
+    /// and must then stay pending (it did: the ABA that let `base_resources`' four-thread test
+    /// see a block reused before its copy ran, about one run in twenty).
+    token: u64,
 }
 
 /// The blocks of the resource, by state. Every field is only read or written while the
@@ -155,6 +160,8 @@ struct Cache {
     /// thread.
     retired: Vec<(u64, usize)>,
     host_allocations: u64,
+    /// The next [`Pending::token`].
+    next_token: u64,
 }
 
 impl Cache {
@@ -171,10 +178,12 @@ impl Cache {
         Some(ptr)
     }
 
-    /// Removes the pending block `ptr` of `class`, if it is still pending.
-    fn take_pending(&mut self, ptr: u64, class: usize) -> Option<Pending> {
+    /// Removes the pending free `token` of `ptr` (of `class`), if it is still pending.
+    fn take_pending(&mut self, ptr: u64, class: usize, token: u64) -> Option<Pending> {
         let queue = self.pending.get_mut(&class)?;
-        let at = queue.iter().position(|p| p.ptr == ptr)?;
+        let at = queue
+            .iter()
+            .position(|p| p.ptr == ptr && p.token == token)?;
         let pending = queue.remove(at);
         if queue.is_empty() {
             self.pending.remove(&class);
@@ -192,11 +201,12 @@ impl Shared {
     /// The event of the block `ptr` completed: cache it, or retire it if the cache is full.
     /// Runs on the reactor thread (or wherever the completion was first observed): only moves
     /// the address between lists, and drops the event handle outside the lock.
-    fn completed(&self, ptr: u64, class: usize) {
+    fn completed(&self, ptr: u64, class: usize, token: u64) {
         let pending = {
             let mut cache = self.lock();
-            // Gone already: an allocation miss took it, or the resource is being dropped.
-            let Some(pending) = cache.take_pending(ptr, class) else {
+            // Gone already: an allocation miss took it (and it may be pending again, after a
+            // later free: that one waits for its own event), or the resource is being dropped.
+            let Some(pending) = cache.take_pending(ptr, class, token) else {
                 return;
             };
             if cache.ready_bytes.saturating_add(class) <= self.max_cached {
@@ -279,13 +289,13 @@ impl PinnedHostResource {
     fn allocate_slow(&self, bytes: usize, class: usize) -> Result<DevicePtr> {
         // 1. A pending block whose GPU work is done but whose callback has not run yet.
         for _ in 0..CLAIM_TRIES {
-            let (ptr, event) = {
+            let (ptr, event, token) = {
                 let mut cache = self.shared.lock();
                 if let Some(ptr) = cache.take_ready(class) {
                     return Ok(DevicePtr(ptr));
                 }
                 match cache.pending.get(&class).and_then(|q| q.front()) {
-                    Some(oldest) => (oldest.ptr, oldest.event.clone()),
+                    Some(oldest) => (oldest.ptr, oldest.event.clone(), oldest.token),
                     None => break,
                 }
             };
@@ -294,7 +304,7 @@ impl PinnedHostResource {
                 break;
             }
             let mut cache = self.shared.lock();
-            if let Some(pending) = cache.take_pending(ptr, class) {
+            if let Some(pending) = cache.take_pending(ptr, class, token) {
                 cache.live.insert(ptr, class);
                 drop(cache);
                 drop(pending);
@@ -431,18 +441,22 @@ impl MemoryResource for PinnedHostResource {
                 return Err(e);
             }
         };
-        {
+        let token = {
             let mut cache = self.shared.lock();
+            let token = cache.next_token;
+            cache.next_token += 1;
             cache.pending.entry(class).or_default().push_back(Pending {
                 ptr: ptr.0,
                 event: event.clone(),
+                token,
             });
             cache.pending_blocks += 1;
-        }
+            token
+        };
         let shared = self.shared.clone();
         let block = ptr.0;
         // Filed as pending before the callback is registered: the callback may run at once.
-        event.on_complete(Box::new(move |_| shared.completed(block, class)));
+        event.on_complete(Box::new(move |_| shared.completed(block, class, token)));
         Ok(())
     }
 }
@@ -478,6 +492,52 @@ impl Drop for PinnedHostResource {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::SimConfig;
+
+    /// The ABA behind `base_resources::four_threads_at_once_each_on_its_own_stream`'s rare
+    /// "reused too soon": a block freed, claimed by an allocation miss before its callback ran,
+    /// used and freed again behind slow work; the first free's callback then comes late. It
+    /// must not release the second free (keyed by address alone, it did: the block went to the
+    /// ready list with its copy still queued, and the next allocation took it).
+    #[test]
+    fn a_late_callback_does_not_release_a_later_free_of_the_same_block() {
+        let device = Device::simulated(SimConfig::default());
+        let r = PinnedHostResource::new(&device);
+        let s = device.create_stream().unwrap();
+        let ptr = r.allocate(1000, &s).unwrap();
+        let class = size_class(1000).unwrap();
+        // Free 1, filed as `deallocate` files it, with its callback held back (run by hand).
+        let first = s.record().unwrap();
+        first.synchronize_blocking().unwrap();
+        {
+            let mut cache = r.shared.lock();
+            cache.live.remove(&ptr.0);
+            let token = cache.next_token;
+            cache.next_token += 1;
+            cache.pending.entry(class).or_default().push_back(Pending {
+                ptr: ptr.0,
+                event: first,
+                token,
+            });
+            cache.pending_blocks += 1;
+        }
+        // A miss claims it (its event is done), and the block is freed again behind slow work.
+        assert_eq!(r.allocate(1000, &s).unwrap(), ptr);
+        s.spin(std::time::Duration::from_millis(300)).unwrap();
+        // SAFETY: allocated above, unused on the host; freed once.
+        unsafe { r.deallocate(ptr, 1000, &s) }.unwrap();
+        // Free 1's callback, late.
+        r.shared.completed(ptr.0, class, 0);
+        let next = r.allocate(1000, &s).unwrap();
+        assert_ne!(
+            next, ptr,
+            "a block was handed out while its second free was pending"
+        );
+        s.synchronize_blocking().unwrap();
+        // SAFETY: as above.
+        unsafe { r.deallocate(next, 1000, &s) }.unwrap();
+        s.synchronize_blocking().unwrap();
+    }
 
     #[test]
     fn size_classes_are_quarter_powers_of_two() {
