@@ -80,6 +80,15 @@
 //! (`loom-tests/free_lists.rs`) runs it on a fake stream that records ordering edges in vector
 //! clocks.
 //!
+//! **Every free is checked** (`PoolOptions::check_frees`, on by default): each list also keeps
+//! the blocks handed out to requests on its stream (address to size). A free must name one of
+//! them with its size, in its own stream's list (one lock, the common case), in a list this
+//! thread has cached (four are), or in any list or among the *orphans* (the entries of lists
+//! whose streams were dropped: they move there under the registry's lock, and the search holds
+//! that lock too, so an entry is always in one place it looks). Anything else is refused and
+//! changes nothing. The model is `loom-tests/frees_and_regrowth.rs`. The arena keeps the same
+//! table per stream arena, moved with its superblocks.
+//!
 //! What it does not do yet: blocks freed on different streams coalesce only when a merge
 //! brings them together, so on hand-off workloads (WORKLOADS.md's `churn-xs`) the pool still
 //! holds 1.5 to 1.7 times its peak live memory; an address index across lists, in which a

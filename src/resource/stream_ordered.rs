@@ -589,11 +589,9 @@ impl<S: EngineStream> StreamLists<S> {
             unlive(&mut list.state.lock().live, addr, size)
         });
         if found.is_none() {
-            // Every list of a snapshot of the registry, then the orphans: an entry that moves
-            // to the orphans leaves its list under the registry's lock and the orphans' (see
-            // `orphan_live`), so it is found in one or the other.
-            // Under the registry's lock (registry, then a list: the lock order of `add_chunk`),
-            // with no copy of the lists.
+            // Every list, then the orphans, all under the registry's lock (registry, then a
+            // list or the orphans: the lock order of `add_chunk` and `orphan_live`). An entry
+            // moves to the orphans under that lock too, so this finds it in one or the other.
             found = self
                 .registry
                 .lock()
