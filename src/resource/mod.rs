@@ -66,7 +66,7 @@ pub trait MemoryResource: Send + Sync + fmt::Debug {
         None
     }
 
-    /// What the resource holds, block by block ([`Snapshot`](snapshot::Snapshot)), for the
+    /// What the resource holds, block by block ([`Snapshot`]), for the
     /// suballocating resources (pool, arena, fixed-size, binning) and the adaptors in front of
     /// them (they pass their upstream's on). `None` for resources that hand out whole
     /// allocations from the driver, which have no blocks to show.

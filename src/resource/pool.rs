@@ -48,7 +48,7 @@ pub struct PoolOptions {
     pub merge_limit: usize,
     /// Whether every free is checked against the blocks the pool has handed out (a table of
     /// them, per stream): a pointer it did not hand out, one inside a block, a wrong size or
-    /// a second free is refused with [`Error::UnknownPointer`](crate::Error::UnknownPointer)
+    /// a second free is refused with [`Error::UnknownPointer`]
     /// and changes nothing. Without the check, only a free overlapping free memory of the
     /// list it goes to is refused, and a bad one can corrupt the pool (hand the same memory
     /// out twice). On by default: it costs about 100 instructions per allocate/free pair
