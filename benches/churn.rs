@@ -33,7 +33,7 @@ use streamalloc::resource::arena::{ArenaOptions, ArenaResource};
 use streamalloc::resource::binning::BinningResource;
 use streamalloc::resource::cuda::CudaResource;
 use streamalloc::resource::cuda_async::{CudaAsyncOptions, CudaAsyncResource};
-use streamalloc::resource::pool::{PoolOptions, PoolResource};
+use streamalloc::resource::pool::{PoolOptions, PoolResource, PoolStats};
 use streamalloc::{Device, ExpandableOptions, ExpandablePoolResource, MemoryResource};
 
 const GIB: usize = 1 << 30;
@@ -188,6 +188,19 @@ fn arg(name: &str, default: &str) -> String {
         .unwrap_or_else(|| default.to_owned())
 }
 
+/// A pool's report column: peak reserved over peak live, and how it got there.
+fn pool_extra(s: &PoolStats, o: &Outcome) -> String {
+    format!(
+        "{} MiB / {} MiB = {:.2} ({} grows, {} steals, {} merges)",
+        s.peak_reserved / MIB,
+        o.peak_live / MIB as u64,
+        s.peak_reserved as f64 / o.peak_live as f64,
+        s.grows,
+        s.steals,
+        s.merges
+    )
+}
+
 fn main() {
     let device = Device::default_device().expect("a device");
     let resource = arg("--resource", "all");
@@ -286,16 +299,7 @@ fn main() {
                 if resource == "all" || resource == "pool" {
                     let pool = make_pool(initial);
                     let (wall, o) = run_on(&pool, &device, run);
-                    let s = pool.stats();
-                    let extra = format!(
-                        "{} MiB / {} MiB = {:.2} ({} grows, {} steals, {} merges)",
-                        s.peak_reserved / MIB,
-                        o.peak_live / MIB as u64,
-                        s.peak_reserved as f64 / o.peak_live as f64,
-                        s.grows,
-                        s.steals,
-                        s.merges
-                    );
+                    let extra = pool_extra(&pool.stats(), &o);
                     report(&format!("pool{start}"), run, wall, o, extra);
                 }
                 if resource == "all" || resource == "expandable" {
@@ -310,16 +314,7 @@ fn main() {
                     )
                     .unwrap();
                     let (wall, o) = run_on(&r, &device, run);
-                    let s = r.stats();
-                    let extra = format!(
-                        "{} MiB / {} MiB = {:.2} ({} grows, {} steals, {} merges)",
-                        s.peak_reserved / MIB,
-                        o.peak_live / MIB as u64,
-                        s.peak_reserved as f64 / o.peak_live as f64,
-                        s.grows,
-                        s.steals,
-                        s.merges
-                    );
+                    let extra = pool_extra(&r.stats(), &o);
                     report(&format!("expandable{start}"), run, wall, o, extra);
                 }
                 if resource == "all" || resource == "arena" {

@@ -198,9 +198,9 @@ fn give_back_and_regrow_at_the_maximum() {
 use crate::resource::stream_ordered::planted;
 use std::sync::atomic::Ordering::Relaxed;
 
-/// Bug: a dropped stream's live entries move to the orphans without the orphans' lock held
-/// across the move: a free that looks in the list after they left it and in the orphans before
-/// they arrive refuses a good pointer.
+/// Bug: `retire_idle` moves a dropped stream's live entries to the orphans after letting go of
+/// the registry's lock: a free that searches between the two finds the entry neither in the
+/// lists (its list is out of the registry) nor among the orphans, and refuses a good pointer.
 #[test]
 #[ignore = "planted bug: must fail"]
 fn planted_live_moved_unlocked() {

@@ -265,6 +265,21 @@ impl Snapshot {
     }
 }
 
+/// The free blocks of a free-list engine, list by list as
+/// `StreamLists::free_blocks_by_list` gives them, as snapshot blocks: each with the stream whose
+/// list holds it (`None`: fresh memory). What the pool, the fixed-size resource and the
+/// expandable pool hand to [`tile`].
+pub(crate) fn free_blocks(by_list: Vec<super::stream_ordered::ListBlocks>) -> Vec<Block> {
+    by_list
+        .into_iter()
+        .flat_map(|(stream, blocks)| {
+            blocks
+                .into_iter()
+                .map(move |(addr, size)| Block::new(addr, size, BlockState::Free, stream))
+        })
+        .collect()
+}
+
 /// Tiles each chunk with the `free` blocks (any state and order; each inside one chunk) and, between them,
 /// in-use blocks: what the resources that keep no record of live allocations know. A free
 /// block that is not inside a chunk is dropped with a note (it cannot happen unless the

@@ -224,9 +224,7 @@ pub(crate) struct StreamLists<S = Stream> {
     peak_in_use: AtomicI64,
     /// The live entries of lists whose streams the user dropped (merged away or retired):
     /// their blocks may still come back, on any stream. They move here under the registry's
-    /// lock, with this lock held across the move (see [`StreamLists::orphan_live`]): a free
-    /// looks at the lists of a registry snapshot first and here last, so it finds the entry
-    /// wherever it is.
+    /// lock, which a free's search holds too (see [`StreamLists::orphan_live`]).
     orphans: Mutex<FxHashMap<u64, u64>>,
 }
 
@@ -377,8 +375,9 @@ mod cache {
 pub(crate) mod planted {
     use std::sync::atomic::{AtomicBool, Ordering};
 
-    /// The live entries of a dropped stream's list move to the orphans without the orphans'
-    /// lock held across the move: a free can miss them in both places.
+    /// `retire_idle` moves the live entries of dropped streams' lists to the orphans after it
+    /// has let go of the registry's lock (the lists already out of it): a free can miss them in
+    /// both places.
     pub(crate) static MOVE_UNLOCKED: AtomicBool = AtomicBool::new(false);
     /// `take_whole_chunks` reports whole chunks of streams' lists as fresh: the pool would give
     /// them back upstream on its own stream, not after their last use.
@@ -559,17 +558,12 @@ impl<S: EngineStream> StreamLists<S> {
         // The common case: the block was handed out on the stream it comes back on.
         let here = self.with_own_state(stream, |state| {
             if !self.check_frees {
-                let given = state.free.give(addr, size);
-                if given {
-                    self.count(state, -(size as i64));
-                }
-                return Some(given);
+                return Some(self.given_back(state, addr, size));
             }
             let live = unlive(&mut state.live, addr, size)?;
             if live {
-                let given = state.free.give(addr, size);
+                let given = self.given_back(state, addr, size);
                 debug_assert!(given, "a live block overlapped free memory");
-                self.count(state, -(size as i64));
             }
             Some(live)
         });
@@ -604,36 +598,43 @@ impl<S: EngineStream> StreamLists<S> {
             return false;
         }
         self.with_own_state(stream, |state| {
-            let given = state.free.give(addr, size);
+            let given = self.given_back(state, addr, size);
             debug_assert!(given, "a live block overlapped free memory");
-            self.count(state, -(size as i64));
             given
         })
     }
 
-    /// Moves the live entries of `list` (of a stream the user dropped, about to leave the
-    /// registry, whose lock the caller holds) to the orphans. The orphans' lock is taken first
-    /// and held until they are there: a free that looked in `list` after they left it waits
-    /// for it before it looks in the orphans. (Lock order: registry, orphans, a list.)
+    /// Puts a freed block into `state`'s list and counts it given back; false (nothing
+    /// counted) if it overlaps free memory there.
+    #[inline]
+    fn given_back(&self, state: &mut ListState, addr: u64, size: u64) -> bool {
+        let given = state.free.give(addr, size);
+        if given {
+            self.count(state, -(size as i64));
+        }
+        given
+    }
+
+    /// Counts a block handed out through `state`'s list and, if frees are checked, notes it
+    /// live there.
+    #[inline]
+    fn handed_out(&self, state: &mut ListState, addr: u64, size: u64) {
+        self.count(state, size as i64);
+        if self.check_frees {
+            state.live.insert(addr, size);
+        }
+    }
+
+    /// Moves the live entries of `list` (of a stream the user dropped) to the orphans. The
+    /// caller holds the registry's lock and takes `list` out of the registry under it; a free
+    /// that searches (`give_from_elsewhere`) holds that lock across every list and the orphans,
+    /// so it finds each entry in one place or the other. (Lock order: registry, then a list or
+    /// the orphans.)
     fn orphan_live(&self, list: &StreamList<S>) {
-        // Nothing can join an empty set meanwhile: only requests on its stream add to it, and
-        // the user dropped that stream. (Most dropped streams freed everything first.)
-        if list.state.lock().live.is_empty() {
-            return;
-        }
-        let mut orphans = self.orphans.lock();
-        let mut state = list.state.lock();
-        if state.live.is_empty() {
-            return;
-        }
-        let live = std::mem::take(&mut state.live);
-        if planted::move_unlocked() {
-            drop(orphans);
-            drop(state);
+        let live = std::mem::take(&mut list.state.lock().live);
+        if !live.is_empty() {
             self.orphans.lock().extend(live);
-            return;
         }
-        orphans.extend(live);
     }
 
     /// Moves blocks (not handed out) into `stream`'s list, coalescing them there.
@@ -680,10 +681,7 @@ impl<S: EngineStream> StreamLists<S> {
                 .take(size)
                 .or_else(|| self.fresh.lock().take(size));
             if let Some(addr) = addr {
-                self.count(state, size as i64);
-                if self.check_frees {
-                    state.live.insert(addr, size);
-                }
+                self.handed_out(state, addr, size);
             }
             addr
         });
@@ -693,12 +691,7 @@ impl<S: EngineStream> StreamLists<S> {
                 let addr = self.take_slow(size, stream, upstream)?;
                 // Counted in the requester's own list, as every free is counted in the list
                 // it goes to: the shared count then only ever moves in flushes.
-                self.with_own_state(stream, |state| {
-                    self.count(state, size as i64);
-                    if self.check_frees {
-                        state.live.insert(addr, size);
-                    }
-                });
+                self.with_own_state(stream, |state| self.handed_out(state, addr, size));
                 Ok(addr)
             }
         }
@@ -965,9 +958,18 @@ impl<S: EngineStream> StreamLists<S> {
                 .collect();
             idle.into_iter()
                 .filter_map(|id| registry.lists.remove(&id))
-                .inspect(|list| self.orphan_live(list))
+                .inspect(|list| {
+                    if !planted::move_unlocked() {
+                        self.orphan_live(list);
+                    }
+                })
                 .collect()
         };
+        if planted::move_unlocked() {
+            for list in &lists {
+                self.orphan_live(list);
+            }
+        }
         lists
             .into_iter()
             .filter_map(|list| {
@@ -1178,7 +1180,8 @@ impl<S: EngineStream> StreamLists<S> {
 
 /// Removes the live entry of the block at `addr`: `Some(true)` if it was there with `size`,
 /// `Some(false)` (and it stays) if it was there with another size, `None` if it was not there.
-fn unlive(live: &mut FxHashMap<u64, u64>, addr: u64, size: u64) -> Option<bool> {
+/// (The arena's live tables use it too.)
+pub(crate) fn unlive(live: &mut FxHashMap<u64, u64>, addr: u64, size: u64) -> Option<bool> {
     match live.get(&addr) {
         Some(&held) if held == size => {
             live.remove(&addr);

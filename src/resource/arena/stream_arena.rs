@@ -119,12 +119,7 @@ impl ArenaState {
     /// Takes the live entry of a block freed by the user: true if `[addr, addr + size)` is a
     /// block this arena handed out (it is no longer live then).
     pub(super) fn unlive(&mut self, addr: u64, size: u64) -> bool {
-        if self.live.get(&addr) == Some(&size) {
-            self.live.remove(&addr);
-            true
-        } else {
-            false
-        }
+        crate::resource::stream_ordered::unlive(&mut self.live, addr, size) == Some(true)
     }
 
     /// A free by the user on this arena's stream: the block must be live here.

@@ -2,7 +2,7 @@
 //! [`resource::snapshot`](crate::resource::snapshot)).
 
 use super::ExpandablePoolResource;
-use crate::resource::snapshot::{tile, Block, BlockState, ChunkKind, Snapshot};
+use crate::resource::snapshot::{free_blocks, tile, ChunkKind, Snapshot};
 
 impl ExpandablePoolResource {
     /// Every mapped range of the reservation (runs of mapped granules, as
@@ -16,16 +16,7 @@ impl ExpandablePoolResource {
         let mut snapshot = Snapshot::new("expandable pool");
         snapshot.reserved = core.reserved();
         let runs = core.mapped_runs();
-        let free: Vec<Block> = core
-            .lists
-            .free_blocks_by_list()
-            .into_iter()
-            .flat_map(|(stream, blocks)| {
-                blocks
-                    .into_iter()
-                    .map(move |(addr, size)| Block::new(addr, size, BlockState::Free, stream))
-            })
-            .collect();
+        let free = free_blocks(core.lists.free_blocks_by_list());
         snapshot.chunks = tile(&runs, ChunkKind::Mapped, free, &mut snapshot.notes);
         snapshot.notes.push(
             "in-use blocks are the gaps between free blocks in mapped memory: adjacent allocations show as one block, with no stream or time (no live tracking)".into(),

@@ -2,7 +2,7 @@
 //! [`resource::snapshot`](crate::resource::snapshot)).
 
 use super::FixedSizeResource;
-use crate::resource::snapshot::{tile, Block, BlockState, ChunkKind, Snapshot};
+use crate::resource::snapshot::{free_blocks, tile, Block, BlockState, ChunkKind, Snapshot};
 use crate::resource::MemoryResource;
 use crate::sync::Ordering;
 
@@ -16,16 +16,7 @@ impl<U: MemoryResource> FixedSizeResource<U> {
         let mut snapshot = Snapshot::new(format!("fixed_size({})", self.block));
         snapshot.reserved = self.reserved.load(Ordering::Relaxed);
         let chunks: Vec<(u64, u64)> = self.chunks.lock().clone();
-        let free: Vec<Block> = self
-            .lists
-            .free_blocks_by_list()
-            .into_iter()
-            .flat_map(|(stream, blocks)| {
-                blocks
-                    .into_iter()
-                    .map(move |(addr, size)| Block::new(addr, size, BlockState::Free, stream))
-            })
-            .collect();
+        let free = free_blocks(self.lists.free_blocks_by_list());
         snapshot.chunks = tile(&chunks, ChunkKind::Upstream, free, &mut snapshot.notes);
         // Every block is `block` bytes: a gap between free blocks is that many blocks in use.
         let block = self.block;

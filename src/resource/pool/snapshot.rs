@@ -2,7 +2,7 @@
 //! [`resource::snapshot`](crate::resource::snapshot)).
 
 use super::PoolResource;
-use crate::resource::snapshot::{tile, Block, BlockState, ChunkKind, Snapshot};
+use crate::resource::snapshot::{free_blocks, tile, ChunkKind, Snapshot};
 use crate::resource::MemoryResource;
 use crate::sync::Ordering;
 
@@ -25,16 +25,7 @@ impl<U: MemoryResource> PoolResource<U> {
         let mut snapshot = Snapshot::new("pool");
         snapshot.reserved = self.reserved.load(Ordering::Relaxed);
         let chunks: Vec<(u64, u64)> = self.chunks.lock().iter().map(|(&b, &s)| (b, s)).collect();
-        let free: Vec<Block> = self
-            .lists
-            .free_blocks_by_list()
-            .into_iter()
-            .flat_map(|(stream, blocks)| {
-                blocks
-                    .into_iter()
-                    .map(move |(addr, size)| Block::new(addr, size, BlockState::Free, stream))
-            })
-            .collect();
+        let free = free_blocks(self.lists.free_blocks_by_list());
         snapshot.chunks = tile(&chunks, ChunkKind::Upstream, free, &mut snapshot.notes);
         snapshot.notes.push(
             "in-use blocks are the gaps between free blocks: adjacent allocations show as one block, with no stream or time (no live tracking)".into(),
