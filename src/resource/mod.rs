@@ -157,6 +157,8 @@ pub mod cuda_async;
 pub mod managed;
 pub mod pinned;
 // The pool and its engine.
+#[cfg(test)]
+mod engine_lab;
 pub mod expandable;
 pub mod fixed_size;
 pub(crate) mod free_list;
