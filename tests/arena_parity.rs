@@ -595,3 +595,40 @@ fn cuda_async_view_of_an_existing_pool() {
         );
     }
 }
+
+/// Issue 16: another thread's cache of the last stream arena it used kept that stream arena,
+/// its stream and so the device alive after the arena resource was dropped, for as long as the
+/// thread lived.
+#[test]
+fn a_dropped_arena_lets_go_of_its_streams_on_every_thread() {
+    for device in devices() {
+        let before = device.handle_count();
+        let (done, wait) = std::sync::mpsc::channel::<()>();
+        let (used, was_used) = std::sync::mpsc::channel::<()>();
+        let mr = std::sync::Arc::new(arena(&device, 4 * MIB, 64 * MIB));
+        let s = device.create_stream().unwrap();
+        let worker = {
+            let (mr, s) = (mr.clone(), s.clone());
+            std::thread::spawn(move || {
+                let p = mr.allocate(64 * KIB, &s).unwrap();
+                free(&mr, p, 64 * KIB, &s);
+                s.synchronize_blocking().unwrap();
+                drop((mr, s));
+                used.send(()).unwrap();
+                // Stays alive, its cache holding the stream arena, until the check is done.
+                wait.recv().ok();
+            })
+        };
+        was_used.recv().unwrap();
+        drop((mr, s));
+        let handles = device.handle_count();
+        done.send(()).unwrap();
+        worker.join().unwrap();
+        assert_eq!(
+            handles,
+            before,
+            "{}: a dropped arena keeps its streams",
+            label(&device)
+        );
+    }
+}

@@ -453,3 +453,66 @@ fn the_peak_in_use_is_bounded_by_the_peak_reserved() {
         );
     }
 }
+
+/// Issue 16 (the pinned staging block that compute-sanitizer found leaked at exit): a thread's
+/// cache of free lists kept the lists' streams, and so their devices, alive for as long as the
+/// thread lived, after the pool and the device were dropped: a device never dropped never
+/// frees its staging memory. Dropping the pool must let go of every stream it held.
+#[test]
+fn a_dropped_pool_lets_go_of_its_streams() {
+    for device in devices() {
+        let before = device.handle_count();
+        {
+            let pool = pool(&device, 4 * MIB, 64 * MIB);
+            let s = device.create_stream().unwrap();
+            let p = pool.allocate(MIB, &s).unwrap();
+            free(&pool, p, MIB, &s);
+            s.synchronize_blocking().unwrap();
+        }
+        assert_eq!(
+            device.handle_count(),
+            before,
+            "{}: a dropped pool keeps its streams",
+            label(&device)
+        );
+    }
+}
+
+/// The same for lists retired by `trim` while another thread, still alive, has them cached.
+#[test]
+fn streams_retired_by_trim_go_even_if_another_thread_cached_them() {
+    for device in devices() {
+        let pool = pool(&device, 4 * MIB, 64 * MIB);
+        let before = device.handle_count();
+        let (done, wait) = std::sync::mpsc::channel::<()>();
+        std::thread::scope(|scope| {
+            let (pool, device) = (&pool, &device);
+            let worker = scope.spawn(move || {
+                for _ in 0..8 {
+                    let s = device.create_stream().unwrap();
+                    let p = pool.allocate(MIB, &s).unwrap();
+                    free(pool, p, MIB, &s);
+                    s.synchronize_blocking().unwrap();
+                }
+                // Stays alive, its cache full of lists, until the checks are done.
+                wait.recv().ok();
+            });
+            // The worker's streams are dropped once its loop is over; trim folds their lists.
+            while pool.stats().streams < 8 && !worker.is_finished() {
+                std::thread::yield_now();
+            }
+            std::thread::sleep(Duration::from_millis(20));
+            pool.trim_blocking().unwrap();
+            let stats = pool.stats();
+            let handles = device.handle_count();
+            done.send(()).unwrap();
+            assert_eq!(stats.streams, 0, "{}: {stats:?}", label(device));
+            assert_eq!(
+                handles,
+                before,
+                "{}: retired lists cached by a live thread keep their streams",
+                label(device)
+            );
+        });
+    }
+}

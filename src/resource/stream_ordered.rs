@@ -167,13 +167,19 @@ pub(crate) trait Grow<S = Stream> {
 
 /// One stream's free memory.
 pub(crate) struct StreamList<S = Stream> {
-    /// The stream, kept so a steal can record an event on it. Holding it keeps a dropped
-    /// stream's handle alive until its list is merged away.
-    stream: S,
-    state: Mutex<ListState>,
+    /// The stream's uid (the registry's key).
+    uid: u64,
+    state: Mutex<ListState<S>>,
 }
 
-struct ListState {
+struct ListState<S> {
+    /// The stream, kept so a steal can record an event on it. Holding it keeps a dropped
+    /// stream's handle alive until its list is merged away; `None` once the list is retired
+    /// or the engine is gone. A thread's cache of lists (`cache`) may hold a list for as long
+    /// as the thread lives: the handle must not live that long with it, or a dropped device
+    /// (its contexts, streams and pinned staging memory) would never be released (issue 16:
+    /// the staging block that compute-sanitizer reported leaked at exit).
+    stream: Option<S>,
     free: FreeList,
     /// Merged away: its blocks moved to another list. A stale cached handle must look again.
     retired: bool,
@@ -186,6 +192,30 @@ struct ListState {
     /// pool never handed out, or a wrong size, would otherwise put memory that is in use, or
     /// that another list holds, into a free list (issue 16: two lists sharing memory).
     live: FxHashMap<u64, u64>,
+}
+
+impl<S: EngineStream> StreamList<S> {
+    /// The list's stream, if the list still has it (not retired, engine alive).
+    fn stream(&self) -> Option<S> {
+        self.state.lock().stream.clone()
+    }
+
+    /// Whether the user has dropped the list's stream (the list holds its only handle).
+    fn idle(&self) -> bool {
+        self.state
+            .lock()
+            .stream
+            .as_ref()
+            .is_some_and(|s| s.handle_count() == 1)
+    }
+}
+
+impl<S> ListState<S> {
+    /// Retires the list: no request may use it again, and its stream handle goes.
+    fn retire(&mut self) -> Option<S> {
+        self.retired = true;
+        self.stream.take()
+    }
 }
 
 /// A list flushes its `net` count into the shared one once it reaches this many bytes either
@@ -468,8 +498,9 @@ impl<S: EngineStream> StreamLists<S> {
                     free.add_chunk(start, size);
                 }
                 Arc::new(StreamList {
-                    stream: stream.clone(),
+                    uid: id,
                     state: Mutex::new(ListState {
+                        stream: Some(stream.clone()),
                         free,
                         retired: false,
                         net: 0,
@@ -497,7 +528,7 @@ impl<S: EngineStream> StreamLists<S> {
 
     /// Runs `f` on `stream`'s list state, under its lock.
     #[inline]
-    fn with_own_state<R>(&self, stream: &S, mut f: impl FnMut(&mut ListState) -> R) -> R {
+    fn with_own_state<R>(&self, stream: &S, mut f: impl FnMut(&mut ListState<S>) -> R) -> R {
         // The fast path: this thread's cached list, used in place.
         let cached = S::with_cached(self.uid, stream.uid(), |list| {
             let mut state = list.state.lock();
@@ -607,7 +638,7 @@ impl<S: EngineStream> StreamLists<S> {
     /// Puts a freed block into `state`'s list and counts it given back; false (nothing
     /// counted) if it overlaps free memory there.
     #[inline]
-    fn given_back(&self, state: &mut ListState, addr: u64, size: u64) -> bool {
+    fn given_back(&self, state: &mut ListState<S>, addr: u64, size: u64) -> bool {
         let given = state.free.give(addr, size);
         if given {
             self.count(state, -(size as i64));
@@ -618,7 +649,7 @@ impl<S: EngineStream> StreamLists<S> {
     /// Counts a block handed out through `state`'s list and, if frees are checked, notes it
     /// live there.
     #[inline]
-    fn handed_out(&self, state: &mut ListState, addr: u64, size: u64) {
+    fn handed_out(&self, state: &mut ListState<S>, addr: u64, size: u64) {
         self.count(state, size as i64);
         if self.check_frees {
             state.live.insert(addr, size);
@@ -649,14 +680,14 @@ impl<S: EngineStream> StreamLists<S> {
 
     /// Counts `bytes` handed out (positive) or given back (negative) through a list.
     #[inline]
-    fn count(&self, state: &mut ListState, bytes: i64) {
+    fn count(&self, state: &mut ListState<S>, bytes: i64) {
         state.net += bytes;
         if state.net.abs() >= FLUSH {
             self.flush(state);
         }
     }
 
-    fn flush(&self, state: &mut ListState) {
+    fn flush(&self, state: &mut ListState<S>) {
         let now = self.in_use.fetch_add(state.net, Ordering::Relaxed) + state.net;
         state.net = 0;
         self.raise_peak(now);
@@ -794,9 +825,9 @@ impl<S: EngineStream> StreamLists<S> {
         // into a list that no merge can have retired meanwhile. Recording an event and
         // queueing a wait are quick enqueues that never wait for the GPU.
         let mut state = donor.state.lock();
-        if state.retired {
+        let Some(donor_stream) = state.stream.clone().filter(|_| !state.retired) else {
             return Ok(None);
-        }
+        };
         // The whole block: once `stream` waits on the donor, all of it is ours to use, and its
         // remainder serves this stream's next requests without another steal (after a growth,
         // the other streams would otherwise take the new chunk from its grower piece by piece).
@@ -804,10 +835,10 @@ impl<S: EngineStream> StreamLists<S> {
         let Some((addr, whole)) = state.free.take_whole(size) else {
             return Ok(None);
         };
-        let _span = tracing::debug_span!("steal", bytes = size, block = whole, from = %donor.stream.name(), to = %stream.name()).entered();
+        let _span = tracing::debug_span!("steal", bytes = size, block = whole, from = %donor_stream.name(), to = %stream.name()).entered();
         // The block's free was enqueued on the donor before we found it in its list, so an
         // event recorded on the donor now comes after it.
-        if let Err(e) = donor.stream.order_before(stream) {
+        if let Err(e) = donor_stream.order_before(stream) {
             let given = state.free.give(addr, whole);
             debug_assert!(given, "a stolen block could not go back");
             return Err(e);
@@ -839,7 +870,7 @@ impl<S: EngineStream> StreamLists<S> {
             let mut idle: Vec<u64> = Vec::new();
             for (&id, list) in registry.lists.iter().filter(|(&id, _)| id != me) {
                 // The list holds one handle; if that is the only one, the stream is idle.
-                if list.stream.handle_count() == 1 {
+                if list.idle() {
                     idle.push(id);
                 } else if limit > 0 {
                     let bytes = list.state.lock().free.free_bytes();
@@ -886,22 +917,23 @@ impl<S: EngineStream> StreamLists<S> {
     ) -> Result<()> {
         let mut result = Ok(());
         for (donor, idle) in donors {
-            let blocks = {
+            let (blocks, donor_stream) = {
                 let mut state = donor.state.lock();
-                if state.retired {
+                let Some(donor_stream) = state.stream.clone().filter(|_| !state.retired) else {
                     continue;
-                }
-                state.retired |= idle;
+                };
                 if idle {
-                    // Its count moves to the shared one: the list is going away.
+                    // Its count moves to the shared one: the list is going away (its stream
+                    // handle too, below, once the blocks are safely elsewhere).
+                    state.retired = true;
                     self.flush(&mut state);
                 }
-                state.free.drain()
+                (state.free.drain(), donor_stream)
             };
             // After a failure, lists are put back as they were (retired ones into the
             // registry again), so nothing is lost.
             let ordered = if result.is_ok() && !blocks.is_empty() {
-                donor.stream.order_before(stream)
+                donor_stream.order_before(stream)
             } else {
                 result.clone()
             };
@@ -909,6 +941,9 @@ impl<S: EngineStream> StreamLists<S> {
                 Ok(()) => {
                     self.give_blocks(&blocks, stream);
                     *moved += blocks.len();
+                    if idle {
+                        donor.state.lock().retire();
+                    }
                 }
                 Err(e) => {
                     let mut state = donor.state.lock();
@@ -917,7 +952,7 @@ impl<S: EngineStream> StreamLists<S> {
                         // that no registry holds must never receive memory): a live list of
                         // the donor's stream takes the blocks.
                         drop(state);
-                        self.give_blocks(&blocks, &donor.stream);
+                        self.give_blocks(&blocks, &donor_stream);
                         result = Err(e);
                         continue;
                     }
@@ -927,10 +962,7 @@ impl<S: EngineStream> StreamLists<S> {
                     if idle {
                         state.retired = false;
                         drop(state);
-                        self.registry
-                            .lock()
-                            .lists
-                            .insert(donor.stream.uid(), donor.clone());
+                        self.registry.lock().lists.insert(donor.uid, donor.clone());
                     }
                     result = Err(e);
                 }
@@ -953,7 +985,7 @@ impl<S: EngineStream> StreamLists<S> {
             let idle: Vec<u64> = registry
                 .lists
                 .iter()
-                .filter(|(_, list)| list.stream.handle_count() == 1)
+                .filter(|(_, list)| list.idle())
                 .map(|(&id, _)| id)
                 .collect();
             idle.into_iter()
@@ -977,11 +1009,11 @@ impl<S: EngineStream> StreamLists<S> {
                 if state.retired {
                     return None;
                 }
-                state.retired = true;
                 self.flush(&mut state);
                 let blocks = state.free.drain();
+                let stream = state.retire()?;
                 drop(state);
-                Some((list.stream.clone(), blocks))
+                Some((stream, blocks))
             })
             .collect()
     }
@@ -1021,7 +1053,9 @@ impl<S: EngineStream> StreamLists<S> {
             left.retain(|&base, &mut size| {
                 let whole = state.free.take_exact(base, size);
                 if whole {
-                    let freed_on = (!planted::chunks_as_fresh()).then(|| list.stream.clone());
+                    let freed_on = (!planted::chunks_as_fresh())
+                        .then(|| state.stream.clone())
+                        .flatten();
                     out.push((base, size, freed_on));
                 }
                 !whole
@@ -1078,7 +1112,7 @@ impl<S: EngineStream> StreamLists<S> {
             .lock()
             .lists
             .values()
-            .map(|l| l.stream.clone())
+            .filter_map(|l| l.stream())
             .collect()
     }
 
@@ -1099,7 +1133,7 @@ impl<S: EngineStream> StreamLists<S> {
             state
                 .free
                 .check()
-                .map_err(|e| format!("{}: {e}", list.stream.name()))?;
+                .map_err(|e| format!("stream {}: {e}", list.uid))?;
             all.extend(state.free.blocks().map(|(a, s)| (a, s, false)));
             all.extend(state.live.iter().map(|(&a, &s)| (a, s, true)));
         }
@@ -1137,8 +1171,10 @@ impl<S: EngineStream> StreamLists<S> {
         let mut out = Vec::new();
         for list in lists {
             let mut state = list.state.lock();
-            if !state.retired && state.free.len() > 0 {
-                out.push((list.stream.clone(), state.free.drain()));
+            if let Some(stream) = state.stream.clone().filter(|_| !state.retired) {
+                if state.free.len() > 0 {
+                    out.push((stream, state.free.drain()));
+                }
             }
         }
         out
@@ -1167,14 +1203,27 @@ impl<S: EngineStream> StreamLists<S> {
         let lists: Vec<Arc<StreamList<S>>> = self.registry.lock().lists.values().cloned().collect();
         for list in lists {
             let mut state = list.state.lock();
-            if state.retired {
+            let Some(stream) = state.stream.clone().filter(|_| !state.retired) else {
                 continue;
-            }
+            };
             aligned(&mut state.free, granule, |a, n| {
-                out.push((a, n, Some(list.stream.clone())))
+                out.push((a, n, Some(stream.clone())))
             });
         }
         out
+    }
+}
+
+impl<S> Drop for StreamLists<S> {
+    /// Lets go of every list's stream: threads' caches may hold the lists themselves for as
+    /// long as the threads live, but not the streams (and through them the devices).
+    fn drop(&mut self) {
+        for list in self.registry.lock().lists.values() {
+            let mut state = list.state.lock();
+            state.retire();
+            state.free = FreeList::new();
+            state.live = FxHashMap::default();
+        }
     }
 }
 
@@ -1212,7 +1261,7 @@ impl<S: EngineStream> StreamLists<S> {
                 }
                 state.free.blocks().collect()
             };
-            out.push((Some(list.stream.uid()), blocks));
+            out.push((Some(list.uid), blocks));
         }
         out
     }

@@ -254,25 +254,32 @@ impl ArenaState {
 pub(super) mod cache {
     //! The thread-local cache of the last (arena resource, stream) → stream arena lookup. Not
     //! under loom: loom objects must not outlive a model.
+    //!
+    //! It holds the stream arena weakly: a thread may never look up another arena, and a strong
+    //! handle would keep the stream arena, its stream and so its device alive for as long as
+    //! the thread lives after the arena resource is dropped (a device never dropped never frees
+    //! its staging memory: issue 16). The upgrade costs what the clone of a strong handle did.
     use std::cell::RefCell;
+    use std::sync::Weak;
 
     use super::StreamArena;
     use crate::sync::Arc;
 
     thread_local! {
-        static LAST: RefCell<Option<(u64, u64, Arc<StreamArena>)>> = const { RefCell::new(None) };
+        static LAST: RefCell<Option<(u64, u64, Weak<StreamArena>)>> = const { RefCell::new(None) };
     }
 
     pub(in crate::resource::arena) fn get(uid: u64, stream: u64) -> Option<Arc<StreamArena>> {
         LAST.with(|last| match &*last.borrow() {
-            Some((u, s, arena)) if *u == uid && *s == stream => Some(arena.clone()),
+            Some((u, s, arena)) if *u == uid && *s == stream => arena.upgrade(),
             _ => None,
         })
     }
 
     pub(in crate::resource::arena) fn put(uid: u64, stream: u64, arena: &Arc<StreamArena>) {
         // `try_with`: during thread teardown the cache may already be gone.
-        let _ = LAST.try_with(|last| *last.borrow_mut() = Some((uid, stream, arena.clone())));
+        let _ =
+            LAST.try_with(|last| *last.borrow_mut() = Some((uid, stream, Arc::downgrade(arena))));
     }
 
     pub(in crate::resource::arena) fn forget(uid: u64) {
