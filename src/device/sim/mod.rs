@@ -122,7 +122,7 @@ impl Default for SimConfig {
 
 pub(crate) struct SimDevice {
     pub(crate) config: SimConfig,
-    pub(crate) memory: Arc<SimMemory>,
+    pub(crate) memory: PlainArc<SimMemory>,
     /// Page-locked host memory (`malloc_host`): plain host memory, tracked.
     pub(crate) host: SimHostMemory,
     /// The reactor's bell, rung by every marker the streams reach; `None` when the streams run
@@ -135,7 +135,7 @@ pub(crate) struct SimDevice {
 impl SimDevice {
     pub(crate) fn new(config: SimConfig, bell: Option<Arc<Bell>>) -> Self {
         Self {
-            memory: Arc::new(SimMemory::new(config.total_memory)),
+            memory: PlainArc::new(SimMemory::new(config.total_memory)),
             host: SimHostMemory::new(),
             races: (config.race_detection != RaceDetection::Off)
                 .then(|| PlainArc::new(Detector::new(config.race_detection))),

@@ -60,7 +60,7 @@ pub(crate) enum Op {
     /// A copy from another simulated device's memory (`cuMemcpyPeerAsync`).
     CopyPeer {
         dst: u64,
-        from: Arc<SimMemory>,
+        from: PlainArc<SimMemory>,
         src: u64,
         bytes: usize,
     },
@@ -232,7 +232,7 @@ impl SimStream {
     /// Makes a stream and starts its worker (an inline stream has none).
     pub(crate) fn start(
         id: StreamId,
-        memory: Arc<SimMemory>,
+        memory: PlainArc<SimMemory>,
         config: &SimConfig,
         races: Option<&PlainArc<Detector>>,
     ) -> Result<Arc<Self>> {
@@ -368,7 +368,7 @@ struct Worker {
 
 /// What runs a stream's operations, in order: its worker thread, or (inline) whoever queues.
 struct Executor {
-    memory: Arc<SimMemory>,
+    memory: PlainArc<SimMemory>,
     delay: Duration,
     jitter: Duration,
     rng: u64,
