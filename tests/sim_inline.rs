@@ -87,13 +87,13 @@ fn starts_no_thread() {
     let ours = format!("sa-reactor-{}", device.id());
     let names = thread_names();
     assert!(
-        !names.iter().any(|n| *n == ours),
+        !names.contains(&ours),
         "an inline device started its reactor: {names:?}"
     );
     for stream in [&a, &b] {
         let worker = format!("sa-sim-{}", stream.id().get());
         assert!(
-            !names.iter().any(|n| *n == worker),
+            !names.contains(&worker),
             "an inline stream started a worker: {names:?}"
         );
     }
