@@ -24,7 +24,9 @@
 //! - `error`: the one [`Error`](crate::Error) type, with the numbers in every variant.
 //! - `device`: [`Device`](crate::Device), the only place that calls the driver. `device::cuda`
 //!   goes through cudarc (loaded at run time); `device::sim` is the simulated device: host
-//!   memory at device-like addresses, a worker thread per stream, every access checked, and
+//!   memory at device-like addresses, a worker thread per stream (or none: with
+//!   `SimExecution::Inline`, the default under loom, the queueing thread runs each operation
+//!   at once, so loom models of users' code meet no thread of ours), every access checked, and
 //!   `device::sim::faults` ([`Faults`](crate::Faults)), which makes the Nth driver call of a
 //!   kind fail. `device::staging` caches the page-locked blocks that host copies go through.
 //! - `reactor`, `completion`, `offload`: one completion reactor thread per device turns

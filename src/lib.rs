@@ -33,7 +33,9 @@
 //!
 //! ## The completion reactor thread
 //!
-//! Each [`Device`] has one completion reactor thread, `sa-reactor-N`. It turns finished events
+//! Each [`Device`] has one completion reactor thread, `sa-reactor-N` (a simulated device that
+//! runs its streams inline, [`SimExecution::Inline`], has nothing for it to do and starts it
+//! only if asked). It turns finished events
 //! into wakeups: it calls the [`Waker`](std::task::Waker)s of the tasks that await an
 //! [`Event`] (and what is built on events: [`Stream::synchronize`], [`DeviceBuffer::alloc`],
 //! `to_host`, ...), and it runs the work deferred until an event completes: the free of a
@@ -65,6 +67,24 @@
 //!   panicking `deallocate` was to free stays allocated. (With `panic = "abort"` there is
 //!   nothing to catch.) The same holds on any thread that completes an event, e.g. a task that
 //!   polls an `Event` and finds it done.
+//!
+//! ## Testing your own code with loom
+//!
+//! Built with `RUSTFLAGS="--cfg streamalloc_loom"`, the crate's locks, atomics, `Arc`s and
+//! threads are [loom](https://docs.rs/loom/0.7)'s, so a `loom::model` of *your* code that uses
+//! streamalloc on the simulated device explores your threads' interleavings together with the
+//! crate's shared state (a pool's free lists and memory waiters, events' wakeups, deferred
+//! frees). Under the cfg the simulated device runs stream work inline
+//! ([`SimConfig::execution`] defaults to [`SimExecution::Inline`]): each operation runs on
+//! the thread that queues it and every event is complete when recorded, so the crate starts no
+//! thread (no stream worker, no reactor) and loom's five threads are all yours. Make the device
+//! with [`RaceDetection::Panic`]: a stream-order bug in the interleaving loom chose (a use not
+//! ordered after the writer's event, a free not ordered after a use) panics with both sites, and
+//! loom reports the interleaving. Drive futures with `loom::future::block_on`, keep models to
+//! two or three tasks and a few operations, and use preemption bound 3: the repository's
+//! `examples/loom_user.rs` (two tasks, two streams, a pool of one buffer, an allocation that
+//! waits for the other task's free) explores 5 715 executions in about 2 s. The README,
+//! "Testing your own code", has the details.
 
 #![warn(
     missing_docs,
@@ -92,7 +112,7 @@ mod vec;
 pub use crate::buffer::DeviceBuffer;
 pub use crate::device::{
     CudaOptions, Device, DeviceKind, DevicePtr, FaultKind, Faults, MemoryAccess, Race, RaceBlock,
-    RaceDetection, RaceKind, RaceSite, SimConfig,
+    RaceDetection, RaceKind, RaceSite, SimConfig, SimExecution,
 };
 pub use crate::error::{Error, Result};
 pub use crate::event::Event;

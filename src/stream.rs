@@ -87,7 +87,10 @@ impl Drop for StreamInner {
         if let RawStream::Sim(s) = &self.raw {
             s.close();
         }
-        self.device.reactor().forget_stream(self.id.get());
+        // A reactor not started yet has armed nothing for this stream.
+        if let Some(reactor) = self.device.started_reactor() {
+            reactor.forget_stream(self.id.get());
+        }
     }
 }
 

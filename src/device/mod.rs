@@ -22,6 +22,7 @@ use crate::sync::{Arc, AtomicU64, Ordering};
 
 pub use self::sim::{
     FaultKind, Faults, MemoryAccess, Race, RaceBlock, RaceDetection, RaceKind, RaceSite, SimConfig,
+    SimExecution,
 };
 
 /// A device address. Plain data: holding one is safe, using it is what the unsafe methods of
@@ -110,7 +111,10 @@ pub(crate) struct DeviceInner {
     pub(crate) id: u64,
     pub(crate) backend: Backend,
     /// Declared after `backend`, so it shuts down after the backend's handles are released.
-    pub(crate) reactor: Reactor,
+    /// Set at once, except on a simulated device whose streams run inline: nothing there waits
+    /// for its events (they complete as they are recorded), so its reactor, a thread, is only
+    /// started if something asks for it (`Device::reactor`).
+    pub(crate) reactor: crate::sync::plain::OnceLock<Reactor>,
     /// Streams created so far (for ids in logs; stream ids themselves are global).
     pub(crate) streams_created: AtomicU64,
     /// Pinned blocks for the buffers' host copies.
@@ -202,17 +206,22 @@ impl Device {
     /// Only if the operating system cannot start the reactor thread, as `std::thread::spawn`.
     pub fn simulated(config: SimConfig) -> Device {
         let id = NEXT_DEVICE_ID.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
-        let reactor = Reactor::start(format!("sa-reactor-{id}"), sim::SimDoorbells);
-        let backend = sim::SimDevice::new(config, reactor.bell());
+        let reactor = (config.execution != SimExecution::Inline)
+            .then(|| Reactor::start(format!("sa-reactor-{id}"), sim::SimDoorbells));
+        let backend = sim::SimDevice::new(config, reactor.as_ref().map(Reactor::bell));
         Self::from_parts(id, Backend::Sim(backend), reactor)
     }
 
-    fn from_parts(id: u64, backend: Backend, reactor: Reactor) -> Device {
+    fn from_parts(id: u64, backend: Backend, reactor: impl Into<Option<Reactor>>) -> Device {
+        let cell = crate::sync::plain::OnceLock::new();
+        if let Some(reactor) = reactor.into() {
+            let _ = cell.set(reactor);
+        }
         Device {
             inner: Arc::new(DeviceInner {
                 id,
                 backend,
-                reactor,
+                reactor: cell,
                 streams_created: AtomicU64::new(0),
                 staging: staging::Staging::default(),
             }),
@@ -334,8 +343,25 @@ impl Device {
         Arc::strong_count(&self.inner)
     }
 
+    /// The device's completion reactor, started here if it was not yet (an inline simulated
+    /// device's: see `DeviceInner::reactor`).
     pub(crate) fn reactor(&self) -> &Reactor {
-        &self.inner.reactor
+        if let Some(reactor) = self.inner.reactor.get() {
+            return reactor;
+        }
+        // Only an inline device gets here. Its markers never ring a bell: they are reached
+        // before anyone can watch them, so the reactor completes each at its first poll (the
+        // registration rings its own bell). Started outside the cell's lock (a loom thread
+        // must not be switched out inside a std lock); a racing thread's reactor is dropped,
+        // which stops its thread.
+        let reactor = Reactor::start(format!("sa-reactor-{}", self.inner.id), sim::SimDoorbells);
+        let _ = self.inner.reactor.set(reactor);
+        self.inner.reactor.get().expect("set above")
+    }
+
+    /// The device's completion reactor if it runs (see [`reactor`](Self::reactor)).
+    pub(crate) fn started_reactor(&self) -> Option<&Reactor> {
+        self.inner.reactor.get()
     }
 
     pub(crate) fn backend(&self) -> &Backend {

@@ -9,7 +9,10 @@
 use std::fmt;
 
 use crate::error::{Error, Result};
-use crate::sync::{Arc, AtomicBool, Mutex, Ordering};
+// Plain std: a test's own switchboard, not a protocol for loom to explore (and so a `SimConfig`
+// can be made outside a loom model). No loom operation runs under the plan's lock.
+use crate::sync::plain::{Arc, AtomicBool, Mutex, MutexGuard};
+use std::sync::atomic::Ordering;
 
 /// The kinds of driver call the simulated device can be made to fail.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
@@ -137,9 +140,16 @@ struct FaultsInner {
     plan: Mutex<Plan>,
 }
 
+impl FaultsInner {
+    /// The plan; a panic elsewhere while it was held leaves it as it was.
+    fn plan(&self) -> MutexGuard<'_, Plan> {
+        self.plan.lock().unwrap_or_else(|e| e.into_inner())
+    }
+}
+
 impl fmt::Debug for Faults {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        let plan = self.inner.plan.lock();
+        let plan = self.inner.plan();
         f.debug_struct("Faults")
             .field("rules", &plan.rules)
             .field("injected", &plan.injected)
@@ -154,7 +164,7 @@ impl Faults {
     }
 
     fn arm(&self, kind: FaultKind, trigger: Trigger) {
-        let mut plan = self.inner.plan.lock();
+        let mut plan = self.inner.plan();
         plan.rules.push(Rule {
             kind,
             trigger,
@@ -193,14 +203,14 @@ impl Faults {
 
     /// Disarms every rule: calls work again. The counts of injected faults stay.
     pub fn clear(&self) {
-        let mut plan = self.inner.plan.lock();
+        let mut plan = self.inner.plan();
         plan.rules.clear();
         self.inner.armed.store(false, Ordering::Release);
     }
 
     /// How many faults of `kind` were injected so far.
     pub fn injected(&self, kind: FaultKind) -> u64 {
-        let plan = self.inner.plan.lock();
+        let plan = self.inner.plan();
         plan.injected
             .iter()
             .find(|(k, _)| *k == kind)
@@ -213,7 +223,7 @@ impl Faults {
         if !self.inner.armed.load(Ordering::Acquire) {
             return Ok(());
         }
-        let mut plan = self.inner.plan.lock();
+        let mut plan = self.inner.plan();
         let mut fire = false;
         plan.rules.retain_mut(|rule| {
             if rule.kind != kind {

@@ -15,8 +15,9 @@ use std::sync::atomic::Ordering::Relaxed;
 use rustc_hash::FxHashMap;
 
 use crate::error::{Error, Result};
-use crate::sync::plain::{DataByte, RwLock, RwLockReadGuard, RwLockWriteGuard};
-use crate::sync::Arc;
+// Plain `Arc`s: loom never models the memory (`sync::plain`), and `block` clones one under the
+// table's std lock, where no loom operation may run.
+use crate::sync::plain::{Arc, DataByte, RwLock, RwLockReadGuard, RwLockWriteGuard};
 
 /// Where the simulated address space starts: high, like a GPU's unified addresses.
 const BASE: u64 = 0x7f00_0000_0000;

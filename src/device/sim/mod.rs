@@ -61,6 +61,48 @@ pub struct SimConfig {
     /// default it panics in builds with debug assertions, and records and logs otherwise). See
     /// [`RaceDetection`] and the README's "Testing your own code".
     pub race_detection: RaceDetection,
+    /// Who runs the streams' work: a worker thread per stream ([`SimExecution::Threads`], the
+    /// default), or the host thread that queues each operation, at once
+    /// ([`SimExecution::Inline`], the default under `--cfg streamalloc_loom`, for loom models
+    /// of your code).
+    pub execution: SimExecution,
+}
+
+/// Who runs the simulated device's stream work ([`SimConfig::execution`]).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+#[non_exhaustive]
+pub enum SimExecution {
+    /// Each stream has a worker thread that runs its queue in order, beside the host, as a
+    /// GPU does: an event completes some time after it is recorded, and the completion
+    /// reactor wakes its waiters.
+    Threads,
+    /// Each operation runs on the thread that queues it, before the call returns: the device
+    /// is a GPU infinitely faster than the host. Every event has completed by the time
+    /// `record` returns, so awaiting one (or a stream's `synchronize`) never waits, and no
+    /// thread is started: no stream worker and, unless something needs it, no completion
+    /// reactor. Stream order and the race detector work as with threads: the detector judges
+    /// by stream order (its clocks), not by when work runs, so it reports the same races.
+    /// What it cannot show is work that is late: host code that reads the result of device
+    /// work it did not wait for reads it finished.
+    ///
+    /// It is made for loom models of code that uses streamalloc (README, "Testing your own
+    /// code"), where every thread of the crate is one more thread for loom to interleave and
+    /// loom allows five; it is also a deterministic device for ordinary unit tests. A wait on
+    /// an event of another simulated device that runs [`Threads`](Self::Threads) blocks the
+    /// queueing thread until that event completes.
+    Inline,
+}
+
+impl Default for SimExecution {
+    /// [`Inline`](Self::Inline) under `--cfg streamalloc_loom`, else
+    /// [`Threads`](Self::Threads).
+    fn default() -> Self {
+        if cfg!(streamalloc_loom) {
+            SimExecution::Inline
+        } else {
+            SimExecution::Threads
+        }
+    }
 }
 
 impl Default for SimConfig {
@@ -73,25 +115,27 @@ impl Default for SimConfig {
             seed: 0,
             faults: Faults::new(),
             race_detection: RaceDetection::default(),
+            execution: SimExecution::default(),
         }
     }
 }
 
 pub(crate) struct SimDevice {
     pub(crate) config: SimConfig,
-    pub(crate) memory: Arc<SimMemory>,
+    pub(crate) memory: PlainArc<SimMemory>,
     /// Page-locked host memory (`malloc_host`): plain host memory, tracked.
     pub(crate) host: SimHostMemory,
-    /// The reactor's bell, rung by every marker the streams reach.
-    pub(crate) bell: Arc<Bell>,
+    /// The reactor's bell, rung by every marker the streams reach; `None` when the streams run
+    /// inline (their markers are reached before anyone can watch them).
+    pub(crate) bell: Option<Arc<Bell>>,
     /// The stream-order race detector, unless it is off.
     pub(crate) races: Option<PlainArc<Detector>>,
 }
 
 impl SimDevice {
-    pub(crate) fn new(config: SimConfig, bell: Arc<Bell>) -> Self {
+    pub(crate) fn new(config: SimConfig, bell: Option<Arc<Bell>>) -> Self {
         Self {
-            memory: Arc::new(SimMemory::new(config.total_memory)),
+            memory: PlainArc::new(SimMemory::new(config.total_memory)),
             host: SimHostMemory::new(),
             races: (config.race_detection != RaceDetection::Off)
                 .then(|| PlainArc::new(Detector::new(config.race_detection))),

@@ -4,6 +4,11 @@
 //! it, completes markers (recorded events) as it passes them, and blocks on a `Wait` until the
 //! other stream's marker completes. The first failing operation poisons the stream: every marker
 //! after it completes with that error, as a CUDA context stays broken after a fault.
+//!
+//! With [`SimExecution::Inline`](super::SimExecution::Inline) there is no worker: the thread
+//! that queues an operation runs it at once, under the queue's lock. Nothing is ever left
+//! queued: a `Wait` names a marker recorded before it, which ran when it was queued, so no
+//! inline stream waits for another (only for a marker of a threaded device).
 
 use std::collections::VecDeque;
 use std::time::Duration;
@@ -11,7 +16,7 @@ use std::time::Duration;
 use super::detector::{Clock, Detector};
 use super::memory::{SimMemory, SimPool};
 use super::races::MemoryAccess;
-use super::SimConfig;
+use super::{SimConfig, SimExecution};
 use crate::error::{Error, Result};
 use crate::reactor::Bell;
 use crate::stream::StreamId;
@@ -55,7 +60,7 @@ pub(crate) enum Op {
     /// A copy from another simulated device's memory (`cuMemcpyPeerAsync`).
     CopyPeer {
         dst: u64,
-        from: Arc<SimMemory>,
+        from: PlainArc<SimMemory>,
         src: u64,
         bytes: usize,
     },
@@ -111,8 +116,13 @@ impl Op {
 /// A recorded event of the simulated device.
 pub(crate) struct SimMarker {
     result: Mutex<Option<Result<()>>>,
+    /// An inline stream's marker: its result, set when it is queued (it runs then), before
+    /// anyone else can see the marker. Plain, so asking it is no loom operation.
+    settled: OnceLock<Result<()>>,
     reached: Condvar,
-    bell: Arc<Bell>,
+    /// The reactor's bell; `None` on an inline device, whose markers are reached before anyone
+    /// can watch them.
+    bell: Option<Arc<Bell>>,
     /// The race detector, and the recording stream's clock (set when the record is queued).
     races: Option<PlainArc<Detector>>,
     clock: OnceLock<PlainArc<Clock>>,
@@ -121,9 +131,10 @@ pub(crate) struct SimMarker {
 }
 
 impl SimMarker {
-    pub(crate) fn new(bell: Arc<Bell>, races: Option<PlainArc<Detector>>) -> Self {
+    pub(crate) fn new(bell: Option<Arc<Bell>>, races: Option<PlainArc<Detector>>) -> Self {
         Self {
             result: Mutex::new(None),
+            settled: OnceLock::new(),
             reached: Condvar::new(),
             bell,
             races,
@@ -150,13 +161,29 @@ impl SimMarker {
     pub(crate) fn complete(&self, result: Result<()>) {
         *self.result.lock() = Some(result);
         self.reached.notify_all();
-        self.bell.ring();
+        if let Some(bell) = &self.bell {
+            bell.ring();
+        }
+    }
+
+    /// An inline stream reached the marker as it was queued: nobody can be waiting for it, or
+    /// watching it, yet.
+    fn settle(&self, result: Result<()>) {
+        let _ = self.settled.set(result);
+    }
+
+    /// The result, if the stream has reached the marker.
+    fn reached(&self) -> Option<Result<()>> {
+        match self.settled.get() {
+            Some(result) => Some(result.clone()),
+            None => self.result.lock().clone(),
+        }
     }
 
     /// What the stream reached the marker with, if it has: asked by the host (the reactor, a
     /// query), so a result also tells the race detector the host has seen it.
     pub(crate) fn try_result(&self) -> Option<Result<()>> {
-        let result = self.result.lock().clone();
+        let result = self.reached();
         if result.is_some() {
             self.seen_by_host();
         }
@@ -172,6 +199,9 @@ impl SimMarker {
 
     /// As `wait`, for another stream's worker (not the host).
     fn wait_reached(&self) -> Result<()> {
+        if let Some(result) = self.settled.get() {
+            return result.clone();
+        }
         let mut result = self.result.lock();
         loop {
             if let Some(r) = &*result {
@@ -186,6 +216,9 @@ impl SimMarker {
 struct Queue {
     ops: VecDeque<Op>,
     closed: bool,
+    /// An inline stream's executor, which whoever queues an operation runs under this lock
+    /// (`None` on a stream with a worker thread, which owns its executor).
+    inline: Option<Executor>,
 }
 
 pub(crate) struct SimStream {
@@ -196,27 +229,45 @@ pub(crate) struct SimStream {
 }
 
 impl SimStream {
-    /// Makes a stream and starts its worker.
+    /// Makes a stream and starts its worker (an inline stream has none).
     pub(crate) fn start(
         id: StreamId,
-        memory: Arc<SimMemory>,
+        memory: PlainArc<SimMemory>,
         config: &SimConfig,
         races: Option<&PlainArc<Detector>>,
     ) -> Result<Arc<Self>> {
         let races = races.map(|d| (d.clone(), d.add_stream(id)));
         let id = id.get();
-        let stream = Arc::new(Self {
-            queue: Mutex::new(Queue::default()),
-            ready: Condvar::new(),
-            races,
-        });
-        let worker = Worker {
-            stream: stream.clone(),
+        let inline = config.execution == SimExecution::Inline;
+        let exec = Executor {
             memory,
             delay: config.op_delay,
             jitter: config.op_jitter,
             rng: config.seed ^ id.wrapping_mul(0x9E37_79B9_7F4A_7C15) | 1,
             error: None,
+            inline,
+        };
+        let (queue, exec) = match inline {
+            true => (
+                Queue {
+                    inline: Some(exec),
+                    ..Queue::default()
+                },
+                None,
+            ),
+            false => (Queue::default(), Some(exec)),
+        };
+        let stream = Arc::new(Self {
+            queue: Mutex::new(queue),
+            ready: Condvar::new(),
+            races,
+        });
+        let Some(exec) = exec else {
+            return Ok(stream);
+        };
+        let worker = Worker {
+            stream: stream.clone(),
+            exec,
         };
         thread::Builder::new()
             .name(format!("sa-sim-{id}"))
@@ -233,7 +284,13 @@ impl SimStream {
     /// `Panic` mode this thread panics once the lock is released.
     pub(crate) fn push(&self, op: Op) -> Result<()> {
         let Some((races, idx)) = &self.races else {
-            self.queue.lock().ops.push_back(op);
+            let mut queue = self.queue.lock();
+            if let Some(exec) = &mut queue.inline {
+                exec.run(op);
+                return Ok(());
+            }
+            queue.ops.push_back(op);
+            drop(queue);
             self.ready.notify_one();
             return Ok(());
         };
@@ -268,11 +325,19 @@ impl SimStream {
             }
         };
         let queued = race.is_none() || !reject;
-        if queued {
-            queue.ops.push_back(op);
-        }
+        let notify = match (&mut queue.inline, queued) {
+            (_, false) => false,
+            (Some(exec), true) => {
+                exec.run(op);
+                false
+            }
+            (None, true) => {
+                queue.ops.push_back(op);
+                true
+            }
+        };
         drop(queue);
-        if queued {
+        if notify {
             self.ready.notify_one();
         }
         races.settle(race, reject)
@@ -285,19 +350,32 @@ impl SimStream {
 
     /// The stream's handle is gone: the worker finishes what is queued, then exits.
     pub(crate) fn close(&self) {
-        self.queue.lock().closed = true;
+        let mut queue = self.queue.lock();
+        queue.closed = true;
+        if queue.inline.is_some() {
+            return; // nothing queued, no worker to tell
+        }
+        drop(queue);
         self.ready.notify_one();
     }
 }
 
+/// A stream's worker thread.
 struct Worker {
     stream: Arc<SimStream>,
-    memory: Arc<SimMemory>,
+    exec: Executor,
+}
+
+/// What runs a stream's operations, in order: its worker thread, or (inline) whoever queues.
+struct Executor {
+    memory: PlainArc<SimMemory>,
     delay: Duration,
     jitter: Duration,
     rng: u64,
     /// The first error this stream hit; it poisons every later marker.
     error: Option<Error>,
+    /// Run by whoever queues (`SimExecution::Inline`).
+    inline: bool,
 }
 
 impl Worker {
@@ -315,9 +393,16 @@ impl Worker {
                     queue = self.stream.ready.wait(queue);
                 }
             };
-            self.pause();
-            self.execute(op);
+            self.exec.run(op);
         }
+    }
+}
+
+impl Executor {
+    /// Runs one operation, after the configured delay.
+    fn run(&mut self, op: Op) {
+        self.pause();
+        self.execute(op);
     }
 
     /// The configured delay before each operation, to widen race windows in tests.
@@ -340,7 +425,11 @@ impl Worker {
     fn execute(&mut self, op: Op) {
         let result = match op {
             Op::Record(marker) => {
-                marker.complete(self.error.clone().map_or(Ok(()), Err));
+                let result = self.error.clone().map_or(Ok(()), Err);
+                match self.inline {
+                    true => marker.settle(result),
+                    false => marker.complete(result),
+                }
                 return;
             }
             Op::Wait(marker) => {

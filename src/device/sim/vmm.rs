@@ -19,7 +19,7 @@ use std::sync::atomic::{AtomicU64, Ordering::Relaxed};
 use super::memory::SimMemory;
 use super::{FaultKind, SimDevice};
 use crate::error::{Error, Result};
-use crate::sync::Arc;
+use crate::sync::plain::Arc;
 
 /// The simulated allocation granularity: 2 MiB, what the driver reports for an H100 or H200.
 pub(crate) const GRANULE: usize = 2 << 20;
