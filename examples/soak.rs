@@ -18,8 +18,8 @@
 //!   (`wait` on every stream that used it, `set_stream`), or read elsewhere after the host
 //!   awaited an event; older buffers are read again on any stream; each is checked once more
 //!   just before it is dropped, on its own stream or another;
-//! - every second the pool's invariant checker runs, with no allocate or free in flight (see
-//!   `soak/gate.rs`); every 30 s a progress line;
+//! - every second (`--check-ms`) the pool's invariant checker runs, with no allocate or free in
+//!   flight (see `soak/gate.rs`); every 30 s (`--progress-secs`) a progress line;
 //! - at the end: no mismatch, every byte back (statistics: bytes and allocations outstanding 0,
 //!   as many frees as allocations, the pool's bytes in use 0, every chunk back upstream, the
 //!   device's free memory as before), no task still waiting, the pool's count of deadline
@@ -38,16 +38,16 @@ use streamalloc::resource::adaptor::StatisticsAdaptor;
 use streamalloc::resource::cuda::CudaResource;
 use streamalloc::resource::pool::{PoolOptions, PoolResource};
 use streamalloc::{
-    Device, DeviceBuffer, ExpandableOptions, ExpandablePoolResource, StreamPool,
+    Device, DeviceBuffer, ExpandableOptions, ExpandablePoolResource, FaultKind, StreamPool,
 };
 use tracing_subscriber::EnvFilter;
 
 #[path = "soak/gate.rs"]
 mod gate;
-#[path = "soak/task.rs"]
-mod task;
 #[path = "soak/tally.rs"]
 mod tally;
+#[path = "soak/task.rs"]
+mod task;
 
 use gate::{Checked, Gate};
 use tally::{human, Tally};
@@ -99,9 +99,17 @@ struct Args {
     /// Buffers each task keeps alive between its steps.
     #[arg(long, default_value_t = 4)]
     hold: usize,
+    /// Milliseconds between runs of the invariant checker.
+    #[arg(long, default_value_t = 1000)]
+    check_ms: u64,
     /// Seconds between progress lines.
     #[arg(long, default_value_t = 30)]
     progress_secs: u64,
+    /// To see that the soak catches ordering bugs (simulated device only): make this fraction
+    /// of all GPU-side waits, the soak's and the pool's, silently do nothing
+    /// (`FaultKind::SkipWait`). The run must then fail.
+    #[arg(long, value_name = "FRACTION")]
+    plant_skipped_waits: Option<f64>,
 }
 
 #[tokio::main]
@@ -129,7 +137,10 @@ fn say(line: String) {
 
 async fn run(args: Args) -> Result<bool, BoxError> {
     let device = Device::default_device()?;
-    let why = match (device.is_simulated(), std::env::var_os("STREAMALLOC_DEVICE")) {
+    let why = match (
+        device.is_simulated(),
+        std::env::var_os("STREAMALLOC_DEVICE"),
+    ) {
         (false, _) => "",
         (true, Some(_)) => " (chosen by STREAMALLOC_DEVICE)",
         (true, None) => " (no GPU found; RUST_LOG=info says why)",
@@ -175,7 +186,15 @@ async fn run(args: Args) -> Result<bool, BoxError> {
                 ..PoolOptions::default()
             };
             let pool = PoolResource::new(upstream.clone(), options)?;
-            soak(&config, &device, &streams, pool, Some(upstream), free_before).await
+            soak(
+                &config,
+                &device,
+                &streams,
+                pool,
+                Some(upstream),
+                free_before,
+            )
+            .await
         }
         Kind::Expandable => {
             let options = ExpandableOptions {
@@ -244,6 +263,16 @@ async fn soak<R: Checked>(
         config.duration,
     ));
     self_test(&shared).await?;
+    if let Some(p) = args.plant_skipped_waits {
+        let faults = device
+            .faults()
+            .ok_or("--plant-skipped-waits needs the simulated device")?;
+        faults.fail_randomly(FaultKind::SkipWait, p, args.seed);
+        say(format!(
+            "soak: PLANTED BUG: {:.1}% of GPU-side waits do nothing; this run must fail",
+            p * 100.0
+        ));
+    }
 
     // The tasks, and the monitor: the invariant checker every second, progress now and then.
     let mut set = tokio::task::JoinSet::new();
@@ -254,6 +283,7 @@ async fn soak<R: Checked>(
     let monitor = tokio::spawn(monitor(
         shared.clone(),
         Duration::from_secs(args.progress_secs.max(1)),
+        Duration::from_millis(args.check_ms.max(1)),
         started,
         stopped,
     ));
@@ -344,7 +374,10 @@ async fn soak<R: Checked>(
     let races = device.races();
     expect(
         races.is_empty(),
-        format!("{} stream-order races (the first: {:?})", races.len(), races.first()),
+        match races.first() {
+            Some(first) => format!("{} stream-order races; the first: {first}", races.len()),
+            None => String::new(),
+        },
     );
 
     say(format!(
@@ -387,7 +420,8 @@ async fn soak<R: Checked>(
         "pool: peak {} reserved, peak {} in use, {} grows, {} steals, {} merges; at the end \
          {} in use, {} allocations outstanding of {}",
         human(stats.peak_reserved as u64),
-        human(stats.peak_in_use as u64),
+        // The statistics' peak is exact (the pool's own is kept in 16 MiB steps).
+        human(counters.bytes.peak as u64),
         stats.grows,
         stats.steals,
         stats.merges,
@@ -513,14 +547,15 @@ fn kernels_missing(e: streamalloc::Error) -> BoxError {
     }
 }
 
-/// Every second, the invariant checker; every `progress`, a line. Until `stopped`.
+/// Every `every`, the invariant checker; every `progress`, a line. Until `stopped`.
 async fn monitor<R: Checked>(
     shared: Arc<Shared<R>>,
     progress: Duration,
+    every: Duration,
     started: Instant,
     mut stopped: tokio::sync::oneshot::Receiver<()>,
 ) {
-    let mut tick = tokio::time::interval(Duration::from_secs(1));
+    let mut tick = tokio::time::interval(every);
     tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
     let mut last = Instant::now();
     loop {

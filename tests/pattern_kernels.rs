@@ -114,7 +114,10 @@ fn launch_faults_and_unordered_counters_are_reported_on_the_simulated_device() {
         ..SimConfig::default()
     };
     let device = streamalloc::Device::simulated(config);
-    let (a, b) = (device.create_stream().unwrap(), device.create_stream().unwrap());
+    let (a, b) = (
+        device.create_stream().unwrap(),
+        device.create_stream().unwrap(),
+    );
     let buf = device.malloc(4096).unwrap();
     let counter = device.malloc(8).unwrap();
     let faults = device.faults().unwrap();

@@ -15,8 +15,8 @@ use std::sync::RwLock;
 use streamalloc::resource::snapshot::Snapshot;
 use streamalloc::resource::{PoolStats, WaitStats};
 use streamalloc::{
-    Device, DevicePtr, ExpandablePoolResource, MemoryResource, MemoryWaiters, PoolResource,
-    Result, Stream,
+    Device, DevicePtr, ExpandablePoolResource, MemoryResource, MemoryWaiters, PoolResource, Result,
+    Stream,
 };
 
 /// A resource with an invariant checker and the pool statistics: `PoolResource` and

@@ -46,7 +46,9 @@ pub struct Shared<R: Checked> {
 impl<R: Checked> Shared<R> {
     /// A seed no other fill of this run uses.
     fn fresh_seed(&self) -> u64 {
-        let n = self.fills.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+        let n = self
+            .fills
+            .fetch_add(1, std::sync::atomic::Ordering::Relaxed);
         SplitMix64(self.seed ^ n.wrapping_mul(0xA076_1D64_78BD_642F)).next()
     }
 
@@ -213,7 +215,11 @@ async fn step<R: Checked>(
     held.push(h);
     while held.len() > shared.hold {
         let j = rng.below(held.len());
-        let on = if rng.below(2) == 0 { held[j].own } else { rng.below(n) };
+        let on = if rng.below(2) == 0 {
+            held[j].own
+        } else {
+            rng.below(n)
+        };
         retire(shared, held.swap_remove(j), on)?;
     }
     if rng.below(64) == 0 {

@@ -74,7 +74,7 @@ impl Stream {
         counter: DevicePtr,
     ) -> Result<()> {
         check_words(count)?;
-        if counter.0 % 8 != 0 {
+        if !counter.0.is_multiple_of(8) {
             return Err(Error::InvalidArgument {
                 what: "count_mismatches_u32: the counter must be 8-byte aligned",
             });
