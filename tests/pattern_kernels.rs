@@ -2,8 +2,9 @@
 //! device: what the fill writes is `Stream::pattern_u32` word for word, the count finds exactly
 //! the words that differ and adds to its counter, and bad input is refused.
 //!
-//! On a GPU these need `kernels/streamalloc.ptx` regenerated from the `.cu` file that has the
-//! pattern kernels (kernels/build.sh).
+//! On a GPU they run the kernels of `kernels/streamalloc.ptx` (compiled from
+//! `kernels/streamalloc.cu` by `kernels/build.sh`): a PTX file older than the pattern kernels
+//! fails them with `cuModuleGetFunction(streamalloc_fill_pattern_u32)`.
 
 mod common;
 
