@@ -68,7 +68,7 @@ enum Kind {
 /// A soak test of streamalloc's pools: mixed load over several streams, every buffer checked on
 /// the GPU, every byte accounted for at the end.
 #[derive(Parser, Debug)]
-#[command(version, about)]
+#[command(version)]
 struct Args {
     /// How long to run, in minutes (default: 1).
     #[arg(long, conflicts_with = "seconds")]
