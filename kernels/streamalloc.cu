@@ -39,3 +39,49 @@ extern "C" __global__ void streamalloc_spin(unsigned long long ns) {
         last = now;
     }
 }
+
+// ===== the pattern kernels: fill a buffer with values unique to it, and count mismatches =====
+//
+// Word `i` of a buffer filled with `seed` holds streamalloc_pattern(seed, i): splitmix64's
+// finalizer of seed + (i + 1) * 0x9E3779B97F4A7C15, its two halves xored. Different seeds give
+// unrelated sequences, so memory handed out twice, or a stale copy of another buffer, shows as
+// mismatches. The host's definition is `Stream::pattern_u32` (src/stream/pattern.rs); the
+// simulated device's is `pattern_u32` in src/device/sim/kernels.rs: keep the three in step.
+
+static __device__ __forceinline__ unsigned int streamalloc_pattern(unsigned long long seed,
+                                                                   unsigned long long i) {
+    unsigned long long z = seed + (i + 1ULL) * 0x9E3779B97F4A7C15ULL;
+    z = (z ^ (z >> 30)) * 0xBF58476D1CE4E5B9ULL;
+    z = (z ^ (z >> 27)) * 0x94D049BB133111EBULL;
+    z = z ^ (z >> 31);
+    return (unsigned int)(z ^ (z >> 32));
+}
+
+extern "C" __global__ void streamalloc_fill_pattern_u32(unsigned int *dst, unsigned long long seed,
+                                                        unsigned long long count) {
+    unsigned long long stride = (unsigned long long)gridDim.x * blockDim.x;
+    for (unsigned long long i = (unsigned long long)blockIdx.x * blockDim.x + threadIdx.x;
+         i < count; i += stride) {
+        dst[i] = streamalloc_pattern(seed, i);
+    }
+}
+
+// Adds to *mismatches the number of words i < count with src[i] != streamalloc_pattern(seed, i).
+// Each thread counts its own words and adds once (only if it found any), so a clean buffer
+// costs no atomic at all.
+extern "C" __global__ void streamalloc_count_mismatches_u32(const unsigned int *src,
+                                                            unsigned long long seed,
+                                                            unsigned long long count,
+                                                            unsigned long long *mismatches) {
+    unsigned long long stride = (unsigned long long)gridDim.x * blockDim.x;
+    unsigned long long found = 0;
+    for (unsigned long long i = (unsigned long long)blockIdx.x * blockDim.x + threadIdx.x;
+         i < count; i += stride) {
+        if (src[i] != streamalloc_pattern(seed, i)) {
+            found += 1;
+        }
+    }
+    if (found != 0) {
+        atomicAdd(mismatches, found);
+    }
+}

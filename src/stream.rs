@@ -10,6 +10,9 @@ use crate::error::{Error, Result};
 use crate::event::{Event, RawEvent};
 use crate::sync::{Arc, Mutex};
 
+// The pattern kernels (`fill_pattern_u32`, `count_mismatches_u32`), in their own file.
+mod pattern;
+
 /// A process-unique stream id: the key of per-stream state (free lists, the reactor's queues).
 /// Unlike a driver handle, it is never reused while the process lives.
 #[derive(Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Hash)]

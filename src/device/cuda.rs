@@ -119,6 +119,11 @@ struct Kernels {
     fill_u32: sys::CUfunction,
     scale_f32: sys::CUfunction,
     spin: sys::CUfunction,
+    /// The pattern kernels (issue 16), added after the others: a PTX file made before them
+    /// lacks them, and then only their launches fail (with the lookup's error), not the
+    /// device.
+    fill_pattern_u32: Result<sys::CUfunction>,
+    count_mismatches_u32: Result<sys::CUfunction>,
 }
 
 pub(crate) struct CudaDevice {
@@ -190,10 +195,26 @@ impl CudaDevice {
             unsafe { result::module::get_function(module, name.to_owned()) }
                 .map_err(|e| Error::driver("cuModuleGetFunction", e))
         };
+        // Looked up now, but a missing one is kept as its error (naming the kernel) for its
+        // launches to return.
+        let optional = |name: &CStr, call: &'static str| {
+            get(name).map_err(|e| match e {
+                Error::Driver { code, name, .. } => Error::Driver { call, code, name },
+                other => other,
+            })
+        };
         Ok(Kernels {
             fill_u32: get(c"streamalloc_fill_u32")?,
             scale_f32: get(c"streamalloc_scale_f32")?,
             spin: get(c"streamalloc_spin")?,
+            fill_pattern_u32: optional(
+                c"streamalloc_fill_pattern_u32",
+                "cuModuleGetFunction(streamalloc_fill_pattern_u32)",
+            ),
+            count_mismatches_u32: optional(
+                c"streamalloc_count_mismatches_u32",
+                "cuModuleGetFunction(streamalloc_count_mismatches_u32)",
+            ),
             module,
         })
     }
@@ -644,6 +665,70 @@ impl CudaDevice {
         check("cuLaunchKernel", unsafe {
             result::launch_kernel(
                 self.kernels.scale_f32,
+                (self.grid(count), 1, 1),
+                (BLOCK, 1, 1),
+                0,
+                stream.0,
+                &mut params,
+            )
+        })
+    }
+
+    /// # Safety
+    /// `dst` is `4 * count` bytes of live, 4-aligned device memory.
+    pub(crate) unsafe fn fill_pattern_u32(
+        &self,
+        dst: u64,
+        seed: u64,
+        count: usize,
+        stream: RawStream,
+    ) -> Result<()> {
+        let function = self.kernels.fill_pattern_u32.clone()?;
+        self.ctx.bind()?;
+        let (mut dst, mut seed, mut count64) = (dst, seed, count as u64);
+        let mut params = [
+            &mut dst as *mut u64 as *mut c_void,
+            &mut seed as *mut u64 as *mut c_void,
+            &mut count64 as *mut u64 as *mut c_void,
+        ];
+        // SAFETY: as in `fill_u32`; the signature is (u32*, u64, u64).
+        check("cuLaunchKernel", unsafe {
+            result::launch_kernel(
+                function,
+                (self.grid(count), 1, 1),
+                (BLOCK, 1, 1),
+                0,
+                stream.0,
+                &mut params,
+            )
+        })
+    }
+
+    /// # Safety
+    /// `src` is `4 * count` bytes of live, 4-aligned device memory; `counter` is 8 bytes of
+    /// live, 8-aligned device memory.
+    pub(crate) unsafe fn count_mismatches_u32(
+        &self,
+        src: u64,
+        seed: u64,
+        count: usize,
+        counter: u64,
+        stream: RawStream,
+    ) -> Result<()> {
+        let function = self.kernels.count_mismatches_u32.clone()?;
+        self.ctx.bind()?;
+        let (mut src, mut seed, mut count64, mut counter) = (src, seed, count as u64, counter);
+        let mut params = [
+            &mut src as *mut u64 as *mut c_void,
+            &mut seed as *mut u64 as *mut c_void,
+            &mut count64 as *mut u64 as *mut c_void,
+            &mut counter as *mut u64 as *mut c_void,
+        ];
+        // SAFETY: as in `fill_u32`; the signature is (const u32*, u64, u64, u64*); both
+        // pointers are the caller's contract.
+        check("cuLaunchKernel", unsafe {
+            result::launch_kernel(
+                function,
                 (self.grid(count), 1, 1),
                 (BLOCK, 1, 1),
                 0,

@@ -32,7 +32,7 @@ pub enum FaultKind {
     Wait,
     /// Queueing a copy or a memset (`cuMemcpy*Async`, `cuMemsetD*Async`).
     Copy,
-    /// Launching a kernel (the built-in fill, scale and spin kernels).
+    /// Launching a kernel (the built-in fill, scale, spin and pattern kernels).
     Launch,
     /// Blocking synchronization of a stream (`cuStreamSynchronize`).
     Synchronize,

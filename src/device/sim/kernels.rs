@@ -30,6 +30,17 @@ fn store_u32(b: &[DataByte], v: u32) {
     }
 }
 
+/// The value word `index` of a buffer filled with `seed` holds (`streamalloc_pattern` of
+/// `kernels/streamalloc.cu`): splitmix64's finalizer of `seed + (index + 1) * golden ratio`, its
+/// halves xored.
+pub(crate) fn pattern_u32(seed: u64, index: u64) -> u32 {
+    let mut z = seed.wrapping_add(index.wrapping_add(1).wrapping_mul(0x9E37_79B9_7F4A_7C15));
+    z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
+    z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
+    z ^= z >> 31;
+    (z ^ (z >> 32)) as u32
+}
+
 /// Executes one memory operation or kernel.
 pub(crate) fn run(memory: &SimMemory, op: Op) -> Result<()> {
     match op {
@@ -39,6 +50,32 @@ pub(crate) fn run(memory: &SimMemory, op: Op) -> Result<()> {
         Op::Memset32 { dst, value, count } | Op::FillU32 { dst, value, count } => {
             memory.with(dst, bytes_of(count, 4)?, |d| {
                 d.chunks_exact(4).for_each(|w| store_u32(w, value));
+            })
+        }
+        Op::FillPatternU32 { dst, seed, count } => memory.with(dst, bytes_of(count, 4)?, |d| {
+            for (i, w) in d.chunks_exact(4).enumerate() {
+                store_u32(w, pattern_u32(seed, i as u64));
+            }
+        }),
+        Op::CountMismatchesU32 {
+            src,
+            seed,
+            count,
+            counter,
+        } => {
+            let found = memory.with(src, bytes_of(count, 4)?, |d| {
+                d.chunks_exact(4)
+                    .enumerate()
+                    .filter(|&(i, w)| load_u32(w) != pattern_u32(seed, i as u64))
+                    .count() as u64
+            })?;
+            // The stream's worker is the only writer here; the race detector saw the add as a
+            // write of the counter, so adds of unordered streams to one counter are reported.
+            memory.with(counter, 8, |c| {
+                let old = u64::from_le_bytes(std::array::from_fn(|k| c[k].load(Relaxed)));
+                for (byte, v) in c.iter().zip(old.wrapping_add(found).to_le_bytes()) {
+                    byte.store(v, Relaxed);
+                }
             })
         }
         Op::ScaleF32 { dst, factor, count } => memory.with(dst, bytes_of(count, 4)?, |d| {

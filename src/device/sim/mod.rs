@@ -18,6 +18,7 @@ use std::time::Duration;
 
 use self::detector::{Detector, Reuse};
 pub use self::faults::{FaultKind, Faults};
+pub(crate) use self::kernels::pattern_u32;
 use self::memory::{SimHostMemory, SimMemory, SimPool};
 pub use self::races::{MemoryAccess, Race, RaceBlock, RaceDetection, RaceKind, RaceSite};
 pub(crate) use self::stream::{HostPtr, Op, SimMarker, SimStream};

@@ -74,6 +74,19 @@ pub(crate) enum Op {
         factor: f32,
         count: usize,
     },
+    FillPatternU32 {
+        dst: u64,
+        seed: u64,
+        count: usize,
+    },
+    /// Counts the words of `src` that differ from the pattern of `seed` into the `u64` at
+    /// `counter`.
+    CountMismatchesU32 {
+        src: u64,
+        seed: u64,
+        count: usize,
+        counter: u64,
+    },
     Spin(Duration),
     Record(Arc<SimMarker>),
     Wait(Arc<SimMarker>),
@@ -108,6 +121,20 @@ impl Op {
             Op::CopyPeer { dst, bytes, .. } => one("copy_peer", dst, bytes, Write),
             Op::FillU32 { dst, count, .. } => one("fill_u32", dst, words(count), Write),
             Op::ScaleF32 { dst, count, .. } => one("scale_f32", dst, words(count), Write),
+            Op::FillPatternU32 { dst, count, .. } => {
+                one("fill_pattern_u32", dst, words(count), Write)
+            }
+            // The counter is read, added to and written: a write, for the detector.
+            Op::CountMismatchesU32 {
+                src,
+                count,
+                counter,
+                ..
+            } => Some((
+                "count_mismatches_u32",
+                [(src, words(count), Read), (counter, 8, Write)],
+                2,
+            )),
             _ => None,
         }
     }

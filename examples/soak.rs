@@ -1,0 +1,636 @@
+//! A soak test of a pool under mixed load: `cargo run --release --example soak -- --minutes 10`.
+//!
+//! Runs on CUDA device 0 when there is a GPU, else on the simulated device, and says which
+//! (`STREAMALLOC_DEVICE=sim|cuda|cuda:N` picks). Tokio tasks over the streams of a `StreamPool`
+//! (8 by default) allocate buffers of random sizes (log-uniform, 256 B to 64 MiB) from one
+//! pool whose maximum is below what they ask for together, so they wait for memory:
+//!
+//! - each allocation is awaited (`DeviceBuffer::alloc`, through `allocate_async`) with no limit
+//!   (only by a task that holds no buffer: tasks that hold memory while waiting for more could
+//!   wait on each other forever), with a deadline (`alloc_timeout`), or raced against a timer
+//!   in `tokio::select!` and dropped if it loses; a task that gets no memory in time frees one
+//!   of its buffers;
+//! - every buffer is filled, on the GPU, with a pattern unique to it (`fill_pattern_u32`), and
+//!   checked on the GPU (`count_mismatches_u32`: a kernel that counts the words that differ
+//!   into a counter per stream, so only the counts are copied back);
+//! - buffers are handed between streams: read on another stream after a GPU-side wait
+//!   (`record`, `wait`, `record_stream`), moved to another stream for good and rewritten there
+//!   (`wait` on every stream that used it, `set_stream`), or read elsewhere after the host
+//!   awaited an event; older buffers are read again on any stream; each is checked once more
+//!   just before it is dropped, on its own stream or another;
+//! - every second (`--check-ms`) the pool's invariant checker runs, with no allocate or free in
+//!   flight (see `soak/gate.rs`); every 30 s (`--progress-secs`) a progress line;
+//! - at the end: no mismatch, every byte back (statistics: bytes and allocations outstanding 0,
+//!   as many frees as allocations, the pool's bytes in use 0, every chunk back upstream, the
+//!   device's free memory up by what the pool held when it is dropped, and on the simulated
+//!   device as at the start), no task still waiting, the pool's count of deadline
+//!   misses equal to the tasks', and on the simulated device no stream-order race.
+//!
+//! It prints a summary and exits non-zero if any of that fails. `--help` lists the options.
+
+use std::io::Write;
+use std::process::ExitCode;
+use std::sync::atomic::AtomicU64;
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use clap::{Parser, ValueEnum};
+use streamalloc::resource::adaptor::StatisticsAdaptor;
+use streamalloc::resource::cuda::CudaResource;
+use streamalloc::resource::pool::{PoolOptions, PoolResource};
+use streamalloc::{
+    Device, DeviceBuffer, ExpandableOptions, ExpandablePoolResource, FaultKind, StreamPool,
+};
+use tracing_subscriber::EnvFilter;
+
+#[path = "soak/gate.rs"]
+mod gate;
+#[path = "soak/tally.rs"]
+mod tally;
+#[path = "soak/task.rs"]
+mod task;
+
+use gate::{Checked, Gate};
+use tally::{human, Tally};
+use task::Shared;
+
+type BoxError = Box<dyn std::error::Error + Send + Sync>;
+
+/// The resource the tasks share.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, ValueEnum)]
+enum Kind {
+    /// `PoolResource` over `CudaResource` (chunks from cuMemAlloc).
+    Pool,
+    /// `ExpandablePoolResource` (one reserved range, mapped a granule at a time).
+    Expandable,
+}
+
+/// A soak test of streamalloc's pools: mixed load over several streams, every buffer checked on
+/// the GPU, every byte accounted for at the end.
+#[derive(Parser, Debug)]
+#[command(version)]
+struct Args {
+    /// How long to run, in minutes (default: 1).
+    #[arg(long, conflicts_with = "seconds")]
+    minutes: Option<f64>,
+    /// How long to run, in seconds (for short runs).
+    #[arg(long)]
+    seconds: Option<f64>,
+    /// Seed of the sizes, streams and choices, and of the patterns.
+    #[arg(long, default_value_t = 1)]
+    seed: u64,
+    /// The resource under test.
+    #[arg(long, value_enum, default_value_t = Kind::Pool)]
+    resource: Kind,
+    /// Streams in the `StreamPool`.
+    #[arg(long, default_value_t = 8)]
+    streams: usize,
+    /// Tokio tasks (default: 32 on a GPU, 16 on the simulated device).
+    #[arg(long)]
+    tasks: Option<usize>,
+    /// The pool's maximum, in MiB (default: 1024 on a GPU, 256 on the simulated device).
+    #[arg(long)]
+    pool_mib: Option<usize>,
+    /// The smallest buffer, in bytes.
+    #[arg(long, default_value_t = 256)]
+    min_size: usize,
+    /// The largest buffer, in bytes.
+    #[arg(long, default_value_t = 64 << 20)]
+    max_size: usize,
+    /// Buffers each task keeps alive between its steps.
+    #[arg(long, default_value_t = 4)]
+    hold: usize,
+    /// Milliseconds between runs of the invariant checker.
+    #[arg(long, default_value_t = 1000)]
+    check_ms: u64,
+    /// Seconds between progress lines.
+    #[arg(long, default_value_t = 30)]
+    progress_secs: u64,
+    /// To see that the soak catches ordering bugs (simulated device only): make this fraction
+    /// of all GPU-side waits, the soak's and the pool's, silently do nothing
+    /// (`FaultKind::SkipWait`). The run must then fail.
+    #[arg(long, value_name = "FRACTION")]
+    plant_skipped_waits: Option<f64>,
+}
+
+#[tokio::main]
+async fn main() -> ExitCode {
+    let filter = EnvFilter::try_from_default_env().unwrap_or_else(|_| EnvFilter::new("warn"));
+    tracing_subscriber::fmt()
+        .with_env_filter(filter)
+        .with_writer(std::io::stderr)
+        .init();
+    let args = Args::parse();
+    match run(args).await {
+        Ok(true) => ExitCode::SUCCESS,
+        Ok(false) => ExitCode::FAILURE,
+        Err(e) => {
+            eprintln!("soak failed: {e}");
+            ExitCode::FAILURE
+        }
+    }
+}
+
+fn say(line: String) {
+    println!("{line}");
+    let _ = std::io::stdout().flush();
+}
+
+async fn run(args: Args) -> Result<bool, BoxError> {
+    let device = Device::default_device()?;
+    let why = match (
+        device.is_simulated(),
+        std::env::var_os("STREAMALLOC_DEVICE"),
+    ) {
+        (false, _) => "",
+        (true, Some(_)) => " (chosen by STREAMALLOC_DEVICE)",
+        (true, None) => " (no GPU found; RUST_LOG=info says why)",
+    };
+    say(format!("soak: running on {device}{why}"));
+    let sim = device.is_simulated();
+    let seconds = match (args.minutes, args.seconds) {
+        (Some(m), _) => m * 60.0,
+        (None, Some(s)) => s,
+        (None, None) => 60.0,
+    };
+    let tasks = args.tasks.unwrap_or(if sim { 16 } else { 32 });
+    let pool_bytes = args.pool_mib.unwrap_or(if sim { 256 } else { 1024 }) << 20;
+    if !(seconds > 0.0 && seconds.is_finite()) {
+        return Err("--minutes/--seconds must be a positive number".into());
+    }
+    if args.streams == 0 || tasks == 0 || args.hold == 0 {
+        return Err("--streams, --tasks and --hold must be at least 1".into());
+    }
+    if args.min_size < 4 || args.min_size > args.max_size || args.max_size > pool_bytes {
+        return Err(format!(
+            "need 4 <= --min-size ({}) <= --max-size ({}) <= the pool ({pool_bytes})",
+            args.min_size, args.max_size
+        )
+        .into());
+    }
+    let config = Config {
+        duration: Duration::from_secs_f64(seconds),
+        tasks,
+        pool_bytes,
+        args,
+    };
+
+    let streams = StreamPool::new(&device, config.args.streams)?;
+    let free_before = device.free_memory()?;
+    match config.args.resource {
+        Kind::Pool => {
+            // Statistics below the pool too: at the end, every chunk must be back upstream.
+            let upstream = Arc::new(StatisticsAdaptor::new(CudaResource::new(&device)));
+            let options = PoolOptions {
+                initial: pool_bytes / 4 / 256 * 256,
+                maximum: Some(pool_bytes),
+                ..PoolOptions::default()
+            };
+            let pool = PoolResource::new(upstream.clone(), options)?;
+            soak(
+                &config,
+                &device,
+                &streams,
+                pool,
+                Some(upstream),
+                free_before,
+            )
+            .await
+        }
+        Kind::Expandable => {
+            let options = ExpandableOptions {
+                reserve: Some(pool_bytes),
+                maximum: Some(pool_bytes),
+                ..ExpandableOptions::default()
+            };
+            let pool = ExpandablePoolResource::new(&device, options)?;
+            soak(&config, &device, &streams, pool, None, free_before).await
+        }
+    }
+}
+
+struct Config {
+    duration: Duration,
+    tasks: usize,
+    pool_bytes: usize,
+    args: Args,
+}
+
+async fn soak<R: Checked>(
+    config: &Config,
+    device: &Device,
+    streams: &StreamPool,
+    resource: R,
+    upstream: Option<Arc<StatisticsAdaptor<CudaResource>>>,
+    free_before: usize,
+) -> Result<bool, BoxError> {
+    let args = &config.args;
+    let gate = Arc::new(Gate::new(resource));
+    let front = Arc::new(StatisticsAdaptor::new(gate.clone()));
+    // The mismatch counters: one per stream, from the device directly (not the pool, whose
+    // statistics must end at zero), zeroed on their stream.
+    let plain = Arc::new(CudaResource::new(device));
+    let mut counters = Vec::new();
+    for s in streams.streams() {
+        let mut counter = DeviceBuffer::new(&plain, 8, s)?;
+        counter.memset(0)?;
+        counters.push(counter);
+    }
+    let started = Instant::now();
+    let shared = Arc::new(Shared {
+        front,
+        gate: gate.clone(),
+        streams: streams.streams().to_vec(),
+        counters,
+        tally: Tally::default(),
+        end: tokio::time::Instant::now() + config.duration,
+        seed: args.seed,
+        fills: AtomicU64::new(0),
+        min_size: args.min_size,
+        max_size: args.max_size,
+        hold: args.hold,
+    });
+    say(format!(
+        "soak: {:?} resource of at most {}, {} tasks over {} streams, buffers {} to {} \
+         (log-uniform), up to {} held per task, seed {}, for {:.0?}",
+        args.resource,
+        human(config.pool_bytes as u64),
+        config.tasks,
+        args.streams,
+        human(args.min_size as u64),
+        human(args.max_size as u64),
+        args.hold,
+        args.seed,
+        config.duration,
+    ));
+    self_test(&shared).await?;
+    if let Some(p) = args.plant_skipped_waits {
+        let faults = device
+            .faults()
+            .ok_or("--plant-skipped-waits needs the simulated device")?;
+        faults.fail_randomly(FaultKind::SkipWait, p, args.seed);
+        say(format!(
+            "soak: PLANTED BUG: {:.1}% of GPU-side waits do nothing; this run must fail",
+            p * 100.0
+        ));
+    }
+
+    // The tasks, and the monitor: the invariant checker every second, progress now and then.
+    let mut set = tokio::task::JoinSet::new();
+    for id in 0..config.tasks {
+        set.spawn(task::run(shared.clone(), id as u64));
+    }
+    let (stop, stopped) = tokio::sync::oneshot::channel::<()>();
+    let monitor = tokio::spawn(monitor(
+        shared.clone(),
+        Duration::from_secs(args.progress_secs.max(1)),
+        Duration::from_millis(args.check_ms.max(1)),
+        started,
+        stopped,
+    ));
+    while let Some(joined) = set.join_next().await {
+        if let Err(e) = joined.map_err(BoxError::from).and_then(|r| r) {
+            shared.tally.fail(format!("a task failed: {e}"));
+        }
+    }
+    let _ = stop.send(());
+    monitor.await?;
+    let elapsed = started.elapsed();
+
+    // Drain: every stream's work done, every deferred free run.
+    for s in &shared.streams {
+        s.synchronize().await?;
+    }
+    let front = shared.front.clone();
+    let settled = wait_until(Duration::from_secs(30), || {
+        front.counters().bytes.value == 0 && gate.inner().pool_stats().in_use == 0
+    })
+    .await;
+    if !settled {
+        shared
+            .tally
+            .fail("memory still in use 30 s after every task ended".into());
+    }
+    let mismatches = shared.mismatches().await?;
+    check_at_rest(&shared).await;
+    let counters = front.counters();
+    let stats = gate.inner().pool_stats();
+    let waits = gate.inner().waits();
+    let t = &shared.tally;
+    let get = Tally::get;
+
+    // What must add up.
+    let mut fails = Vec::new();
+    let mut expect = |ok: bool, what: String| {
+        if !ok {
+            fails.push(what);
+        }
+    };
+    expect(mismatches == 0, format!("{mismatches} mismatched words"));
+    expect(
+        counters.bytes.value == 0 && counters.allocations.value == 0,
+        format!(
+            "still outstanding: {} bytes in {} allocations",
+            counters.bytes.value, counters.allocations.value
+        ),
+    );
+    expect(
+        counters.allocations.total as u64 == get(&t.allocations)
+            && counters.bytes.total as u64 == get(&t.bytes),
+        format!(
+            "the statistics saw {} allocations of {} bytes, the tasks made {} of {}",
+            counters.allocations.total,
+            counters.bytes.total,
+            get(&t.allocations),
+            get(&t.bytes)
+        ),
+    );
+    expect(
+        get(&t.drops) == get(&t.allocations),
+        format!(
+            "{} buffers dropped of {} allocated",
+            get(&t.drops),
+            get(&t.allocations)
+        ),
+    );
+    expect(
+        stats.in_use == 0 && stats.free == stats.reserved,
+        format!(
+            "the pool has {} bytes in use, {} free of {} reserved",
+            stats.in_use, stats.free, stats.reserved
+        ),
+    );
+    expect(
+        waits.waiting == 0 && waits.bytes_waiting == 0,
+        format!("{} tasks still waiting for memory", waits.waiting),
+    );
+    expect(
+        waits.timeouts == get(&t.deadline_misses),
+        format!(
+            "the pool counted {} deadline misses, the tasks {}",
+            waits.timeouts,
+            get(&t.deadline_misses)
+        ),
+    );
+    let races = device.races();
+    expect(
+        races.is_empty(),
+        match races.first() {
+            Some(first) => format!("{} stream-order races; the first: {first}", races.len()),
+            None => String::new(),
+        },
+    );
+
+    say(format!(
+        "soak: ran {elapsed:.1?}; {} allocations ({}), {} frees; {} fills and {} checks on the \
+         GPU ({} checked); mismatches: {mismatches}",
+        get(&t.allocations),
+        human(get(&t.bytes)),
+        counters.allocations.total - counters.allocations.value,
+        get(&t.fills),
+        get(&t.checks),
+        human(get(&t.bytes_checked)),
+    ));
+    say(format!(
+        "hand-offs: {} ({} read after a GPU-side wait, {} moved and rewritten, {} read after \
+         a host wait); waits: {} GPU-side, {} by the host, {} for memory (mean {:.1?}, longest \
+         {:.1?})",
+        t.handoffs(),
+        get(&t.handoffs_event),
+        get(&t.handoffs_moved),
+        get(&t.handoffs_host),
+        get(&t.gpu_waits),
+        get(&t.host_waits),
+        waits.waits,
+        waits.total_wait / (waits.waits.max(1) as u32),
+        waits.max_wait,
+    ));
+    say(format!(
+        "allocations awaited: {} with no limit; cancellations: {}; deadline misses: {}; \
+         invariant checks: {} run, {} failed",
+        get(&t.plain_awaits),
+        get(&t.cancellations),
+        get(&t.deadline_misses),
+        get(&t.invariant_checks),
+        t.failures()
+            .iter()
+            .filter(|f| f.starts_with("invariant"))
+            .count(),
+    ));
+    say(format!(
+        "pool: peak {} reserved, peak {} in use, {} grows, {} steals, {} merges; at the end \
+         {} in use, {} allocations outstanding of {}",
+        human(stats.peak_reserved as u64),
+        // The statistics' peak is exact (the pool's own is kept in 16 MiB steps).
+        human(counters.bytes.peak as u64),
+        stats.grows,
+        stats.steals,
+        stats.merges,
+        human(stats.in_use as u64),
+        counters.allocations.value,
+        counters.allocations.total,
+    ));
+
+    // Let go of the pool, and see its memory go back: upstream and on the device.
+    let mut failures = t.failures();
+    let free_with_pool = device.free_memory()?;
+    drop(front);
+    let weak = Arc::downgrade(&gate);
+    drop(gate);
+    drop(shared);
+    let gone = wait_until(Duration::from_secs(30), || weak.strong_count() == 0).await;
+    expect(gone, "the pool was still alive 30 s after the end".into());
+    if let Some(upstream) = &upstream {
+        let c = upstream.counters();
+        expect(
+            c.bytes.value == 0 && c.allocations.value == 0,
+            format!(
+                "upstream: {} bytes in {} chunks not returned",
+                c.bytes.value, c.allocations.value
+            ),
+        );
+        say(format!(
+            "upstream: {} chunks ({}) taken and returned; {} outstanding",
+            c.allocations.total,
+            human(c.bytes.total as u64),
+            human(c.bytes.value.max(0) as u64),
+        ));
+    }
+    // The simulated device is exact. On a GPU, what the pool held must come back when it is
+    // dropped (a leaked chunk or granule is 2 MiB or more), but other free memory can move
+    // for reasons of its own (the driver's bookkeeping, a tool such as compute-sanitizer), so
+    // there the comparison with the start is shown, not required.
+    let exact = device.is_simulated();
+    let slack = if exact { 0 } else { 2 << 20 };
+    let expected = free_with_pool + stats.reserved;
+    // Frees are queued in stream order (the counters' on their streams, the pool's chunks on
+    // its own stream, which finishes its queue after the pool is gone): give them time to run.
+    for s in streams.streams() {
+        s.synchronize().await?;
+    }
+    wait_until(Duration::from_secs(10), || {
+        device
+            .free_memory()
+            .is_ok_and(|free| free + slack >= expected && (!exact || free >= free_before))
+    })
+    .await;
+    let free_after = device.free_memory()?;
+    expect(
+        free_after + slack >= expected,
+        format!(
+            "the pool held {} bytes, but the device's free memory rose only from {free_with_pool} \
+             to {free_after} bytes when it was dropped",
+            stats.reserved
+        ),
+    );
+    expect(
+        !exact || free_after >= free_before,
+        format!(
+            "the device had {free_before} bytes free before, {free_after} after ({} less)",
+            human(free_before.saturating_sub(free_after) as u64)
+        ),
+    );
+    say(format!(
+        "device: {} free at the start, {} with the pool ({} reserved), {} after it was \
+         dropped; race detector: {}",
+        human(free_before as u64),
+        human(free_with_pool as u64),
+        human(stats.reserved as u64),
+        human(free_after as u64),
+        if device.is_simulated() {
+            format!("{} races", races.len())
+        } else {
+            "not on a GPU".into()
+        },
+    ));
+    failures.extend(fails);
+    if failures.is_empty() {
+        say("soak: PASS (no mismatch, every byte back, the statistics add up)".into());
+        Ok(true)
+    } else {
+        for f in &failures {
+            say(format!("soak: FAIL: {f}"));
+        }
+        Ok(false)
+    }
+}
+
+/// Checks that the check kernel finds what it should: a buffer with seven words overwritten
+/// must count exactly seven mismatches. Without this, a kernel that counted nothing would pass.
+async fn self_test<R: Checked>(shared: &Shared<R>) -> Result<(), BoxError> {
+    let (s, counter) = (&shared.streams[0], &shared.counters[0]);
+    let words = 1 << 18;
+    let (seed, at) = (0x5EED_u64, 1000);
+    let buf = DeviceBuffer::alloc(&shared.front, words * 4, s).await?;
+    Tally::add(&shared.tally.allocations, 1);
+    Tally::add(&shared.tally.bytes, words as u64 * 4);
+    let planted = (0u32..)
+        .find(|v| (at..at + 7).all(|i| streamalloc::Stream::pattern_u32(seed, i) != *v))
+        .unwrap_or(0);
+    // SAFETY: `buf` has `words` live words, used only on `s` (its stream) and freed in order
+    // after these; the counter is stream `s`'s own, 8 live bytes.
+    unsafe {
+        s.fill_pattern_u32(buf.as_ptr(), seed, words)
+            .map_err(kernels_missing)?;
+        s.memset_d32(buf.as_ptr().offset(at as usize * 4), planted, 7)?;
+        s.count_mismatches_u32(buf.as_ptr(), seed, words, counter.as_ptr())
+            .map_err(kernels_missing)?;
+    }
+    drop(buf);
+    Tally::add(&shared.tally.drops, 1);
+    let found = shared.mismatches().await?;
+    // SAFETY: the counter's 8 bytes, on its own stream, after the read above.
+    unsafe { s.memset_d8(counter.as_ptr(), 0, 8)? };
+    if found != 7 {
+        return Err(format!(
+            "self-test: the check kernel counted {found} mismatches where 7 were planted"
+        )
+        .into());
+    }
+    say("soak: self-test: the check kernel counted 7 of 7 planted mismatches".into());
+    Ok(())
+}
+
+/// The pattern kernels are missing from an old `kernels/streamalloc.ptx`: say so.
+fn kernels_missing(e: streamalloc::Error) -> BoxError {
+    if e.to_string().contains("cuModuleGetFunction") {
+        format!(
+            "{e}: kernels/streamalloc.ptx predates the pattern kernels; regenerate it with \
+             kernels/build.sh (nvcc) and rebuild"
+        )
+        .into()
+    } else {
+        e.into()
+    }
+}
+
+/// Every `every`, the invariant checker; every `progress`, a line. Until `stopped`.
+async fn monitor<R: Checked>(
+    shared: Arc<Shared<R>>,
+    progress: Duration,
+    every: Duration,
+    started: Instant,
+    mut stopped: tokio::sync::oneshot::Receiver<()>,
+) {
+    let mut tick = tokio::time::interval(every);
+    tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+    let mut last = Instant::now();
+    loop {
+        tokio::select! {
+            _ = &mut stopped => return,
+            _ = tick.tick() => {}
+        }
+        check_at_rest(&shared).await;
+        if last.elapsed() >= progress {
+            last = Instant::now();
+            let t = &shared.tally;
+            let get = Tally::get;
+            let mismatches = match shared.mismatches().await {
+                Ok(n) => n.to_string(),
+                Err(e) => format!("unreadable ({e})"),
+            };
+            let stats = shared.gate.inner().pool_stats();
+            say(format!(
+                "[{:>5.0} s] {} allocations ({}), {} hand-offs, {} cancellations, {} deadline \
+                 misses, {} in use of {} reserved, {} invariant checks, mismatches so far: \
+                 {mismatches}",
+                started.elapsed().as_secs_f64(),
+                get(&t.allocations),
+                human(get(&t.bytes)),
+                t.handoffs(),
+                get(&t.cancellations),
+                get(&t.deadline_misses),
+                human(stats.in_use as u64),
+                human(stats.reserved as u64),
+                get(&t.invariant_checks),
+            ));
+        }
+    }
+}
+
+/// Runs the pool's invariant checker with no allocate or free in flight (on a blocking
+/// thread: it holds them all off for its duration), and notes a failure.
+async fn check_at_rest<R: Checked>(shared: &Arc<Shared<R>>) {
+    let gate = shared.gate.clone();
+    let result = tokio::task::spawn_blocking(move || gate.check_at_rest()).await;
+    Tally::add(&shared.tally.invariant_checks, 1);
+    match result {
+        Ok(Ok(())) => {}
+        Ok(Err(e)) => shared.tally.fail(format!("invariant check failed: {e}")),
+        Err(e) => shared
+            .tally
+            .fail(format!("invariant check failed: the checker panicked: {e}")),
+    }
+}
+
+/// Polls `cond` every 10 ms until it holds (true) or `limit` passes (false).
+async fn wait_until(limit: Duration, mut cond: impl FnMut() -> bool) -> bool {
+    let start = Instant::now();
+    while !cond() {
+        if start.elapsed() > limit {
+            return false;
+        }
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+    true
+}
