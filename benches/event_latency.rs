@@ -57,17 +57,22 @@ fn open(options: CudaOptions) -> Device {
     }
 }
 
-/// On-CPU nanoseconds of this process's threads whose name starts with `prefix`.
-fn threads_cpu_ns(prefix: &str) -> Option<u64> {
+/// On-CPU nanoseconds of this process's threads whose name `matches`.
+fn threads_cpu_ns(matches: impl Fn(&str) -> bool) -> Option<u64> {
     let mut total = None;
-    for task in std::fs::read_dir("/proc/self/task").ok()? {
-        let path = task.ok()?.path();
+    for task in std::fs::read_dir("/proc/self/task").ok()?.flatten() {
+        // A thread may exit while we look: skip what cannot be read.
+        let path = task.path();
         let Ok(comm) = std::fs::read_to_string(path.join("comm")) else {
             continue;
         };
-        if comm.trim().starts_with(prefix) {
-            let stat = std::fs::read_to_string(path.join("schedstat")).ok()?;
-            let ns: u64 = stat.split_whitespace().next()?.parse().ok()?;
+        if !matches(comm.trim()) {
+            continue;
+        }
+        let Ok(stat) = std::fs::read_to_string(path.join("schedstat")) else {
+            continue;
+        };
+        if let Some(ns) = stat.split_whitespace().next().and_then(|n| n.parse::<u64>().ok()) {
             total = Some(total.unwrap_or(0) + ns);
         }
     }
@@ -76,16 +81,19 @@ fn threads_cpu_ns(prefix: &str) -> Option<u64> {
 
 /// CPU ms per s of wall time of the reactor (`reactor`) and of the tokio workers while `f` runs.
 fn cpu_while<R>(reactor: &str, f: impl FnOnce() -> R) -> (R, Option<f64>, Option<f64>) {
-    let r0 = threads_cpu_ns(reactor);
-    let w0 = threads_cpu_ns("tokio-runtime-w");
+    let is_reactor = |name: &str| name == reactor;
+    // Linux keeps 15 bytes of a thread's name: tokio's "tokio-runtime-worker".
+    let is_worker = |name: &str| name.starts_with("tokio-runtime-w");
+    let r0 = threads_cpu_ns(is_reactor);
+    let w0 = threads_cpu_ns(is_worker);
     let start = Instant::now();
     let out = f();
     let secs = start.elapsed().as_secs_f64();
-    let rate = |a: Option<u64>, b: Option<u64>| Some((b? - a?) as f64 / 1e6 / secs);
+    let rate = |a: Option<u64>, b: Option<u64>| Some(b?.saturating_sub(a?) as f64 / 1e6 / secs);
     (
         out,
-        rate(r0, threads_cpu_ns(reactor)),
-        rate(w0, threads_cpu_ns("tokio-runtime-w")),
+        rate(r0, threads_cpu_ns(is_reactor)),
+        rate(w0, threads_cpu_ns(is_worker)),
     )
 }
 

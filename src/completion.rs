@@ -322,6 +322,35 @@ mod tests {
         }
     }
 
+    /// A hurried event wakes its waiting futures at once, and each future that registers while
+    /// it is hurried wakes itself; after `hurry(false)` only the completion wakes.
+    #[test]
+    fn hurry_wakes_waiters_and_registrations() {
+        let completion = Completion::new();
+        let counter = Arc::new(Counting(AtomicUsize::new(0)));
+        let waker = Waker::from(counter.clone());
+        let mut key = None;
+        let wakes = || counter.0.load(SeqCst);
+        assert!(matches!(
+            completion.register_waker(&mut key, &waker),
+            Registration::Stored { first: true }
+        ));
+        assert_eq!(wakes(), 0);
+        completion.hurry(true);
+        assert_eq!(wakes(), 1, "the pre-wake");
+        assert!(completion.hurried());
+        let _ = completion.register_waker(&mut key, &waker);
+        assert_eq!(wakes(), 2, "a registration while hurried wakes itself");
+        completion.hurry(false);
+        let _ = completion.register_waker(&mut key, &waker);
+        assert_eq!(wakes(), 2, "no self-wake once the hurry is off");
+        assert!(completion.complete(Ok(())));
+        assert_eq!(wakes(), 3, "the completion");
+        completion.hurry(true);
+        assert!(!completion.hurried(), "a complete event is never hurried");
+        assert_eq!(wakes(), 3);
+    }
+
     /// Wakers and callbacks that panic, each stored before a good one: `complete` returns, every
     /// good one ran, and the result stands.
     #[test]

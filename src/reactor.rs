@@ -40,6 +40,8 @@
 use std::collections::{BTreeMap, HashMap, VecDeque};
 
 mod predict;
+#[cfg(all(test, not(streamalloc_loom)))]
+mod tests;
 use std::time::{Duration, Instant};
 
 use crate::completion::Completion;
@@ -157,13 +159,16 @@ impl Bell {
 
 #[derive(Default)]
 struct Inbox {
-    watch: Vec<Watched>,
+    /// Each with when it was handed over, while predicting.
+    watch: Vec<(Watched, Option<Instant>)>,
     forget: Vec<u64>,
     shutdown: bool,
 }
 
 struct Shared {
     inbox: Mutex<Inbox>,
+    /// Whether the loop predicts (then `watch` notes the time).
+    predict: bool,
     bell: Arc<Bell>,
 }
 
@@ -189,6 +194,7 @@ impl Reactor {
     pub(crate) fn start(name: String, doorbells: impl Doorbells) -> Self {
         let shared = Arc::new(Shared {
             inbox: Mutex::new(Inbox::default()),
+            predict: doorbells.predict(),
             bell: Arc::new(Bell::new()),
         });
         let theirs = shared.clone();
@@ -224,7 +230,8 @@ impl Reactor {
     ///
     /// [`Registration`]: crate::completion::Registration
     pub(crate) fn watch(&self, event: impl Watch + 'static) {
-        self.shared.inbox.lock().watch.push(Box::new(event));
+        let at = self.shared.predict.then(Instant::now);
+        self.shared.inbox.lock().watch.push((Box::new(event), at));
         self.shared.bell.ring();
     }
 
@@ -353,8 +360,7 @@ impl<D: Doorbells> Loop<D> {
             )
         };
         let registered = !new.is_empty();
-        let watched = self.predict.then(Instant::now);
-        for event in new {
+        for (event, watched) in new {
             let queue = self.queues.entry(event.stream_id()).or_default();
             let at = queue.events.partition_point(|e| e.event.seq() < event.seq());
             queue.events.insert(at, Entry { event, watched });
