@@ -72,7 +72,11 @@ fn threads_cpu_ns(matches: impl Fn(&str) -> bool) -> Option<u64> {
         let Ok(stat) = std::fs::read_to_string(path.join("schedstat")) else {
             continue;
         };
-        if let Some(ns) = stat.split_whitespace().next().and_then(|n| n.parse::<u64>().ok()) {
+        if let Some(ns) = stat
+            .split_whitespace()
+            .next()
+            .and_then(|n| n.parse::<u64>().ok())
+        {
             total = Some(total.unwrap_or(0) + ns);
         }
     }
@@ -249,7 +253,9 @@ fn runtime_baseline(rt: &tokio::runtime::Runtime, delay: Duration, samples: usiz
 }
 
 fn main() {
-    let samples: usize = arg("--samples").and_then(|s| s.parse().ok()).unwrap_or(5_000);
+    let samples: usize = arg("--samples")
+        .and_then(|s| s.parse().ok())
+        .unwrap_or(5_000);
     let cell_secs: f64 = arg("--cell-secs")
         .and_then(|s| s.parse().ok())
         .unwrap_or(5.0);
@@ -303,14 +309,7 @@ fn main() {
     println!("\nwake latency after the event completed (µs figures: median p99)");
     println!(
         "{:<9} {:>8} {:>7}  {:^19}  {:^19}  {:>9}  {:>8} {:>8}",
-        "strategy",
-        "kernel",
-        "samples",
-        "to waker",
-        "to task",
-        "runtime",
-        "reactor",
-        "workers"
+        "strategy", "kernel", "samples", "to waker", "to task", "runtime", "reactor", "workers"
     );
     println!(
         "{:<9} {:>8} {:>7}  {:^19}  {:^19}  {:>9}  {:>8} {:>8}",

@@ -26,16 +26,33 @@
 //! How it waits, and why (figures in `benches/results/doorbell_probe.h200.txt`): on the H200 we
 //! measured, every way the driver has to wake a sleeping thread (a host function, a
 //! blocking-sync event) arrives 20 µs after the event at best and 250-450 µs after it once the
-//! wait is longer than ~100 µs; polling `cuEventQuery` sees it within ~1 µs. So:
-//! - nothing to watch: the thread parks with no timeout and burns no CPU;
-//! - after progress or a new registration: it polls the heads in a hot loop for the spin budget
-//!   (CUDA default 500 µs), which keeps the wake latency of short GPU work at a few µs;
-//! - then it polls between sleeps that double from 20 µs up to a cap (CUDA default 1 ms), so a
-//!   long wait costs about a thousand cheap polls a second; before each sleep it also arms a
-//!   *doorbell* for each head: on CUDA a host function queued on a watcher stream behind the
-//!   head event, which only rings the [`Bell`] (an atomic flag and an unpark: no CUDA call, and
-//!   nothing dropped there whose Drop could make one). The simulated device rings the bell itself
-//!   whenever a stream reaches an event, so its reactor never needs to poll or time out.
+//! wait is longer than ~100 µs; polling `cuEventQuery` sees it within ~1 µs. So the reactor
+//! polls while events are pending, and the device's [`WakeStrategy`](crate::WakeStrategy)
+//! says when:
+//! - nothing to watch: the thread parks with no timeout and burns no CPU (every strategy);
+//! - `Predict` (the default, issue 18): each stream's history (`predict.rs`) predicts when its
+//!   oldest watched event completes; the thread sleeps until just before the prediction and
+//!   polls in a hot loop through a window around it. The window's margin adapts to how late the
+//!   thread's own sleeps end (it lowers its timer slack; a VM's idle vCPU still wakes late)
+//!   and to how far off the stream's predictions were. With a pre-wake lead
+//!   (`CudaOptions::reactor_prewake`) it also *hurries* the awaiting tasks that long (plus its
+//!   own oversleep) before the prediction: `Completion::hurry` wakes them, and every poll of
+//!   theirs while hurried wakes itself again, so the runtime's worker keeps polling the event
+//!   instead of parking (a parked worker takes the runtime ~140 µs to wake on the VM we
+//!   measured: the runtime's cost, which this hides at the price of that worker's CPU for the
+//!   lead). A head with no prediction (a new stream, or past all its windows) is polled as
+//!   `Backoff` does; every head also gets a doorbell, which cuts a sleep short when a
+//!   prediction was too late;
+//! - `Backoff` (the design before issue 18): after progress or a new registration it polls the
+//!   heads in a hot loop for the spin budget (CUDA default 500 µs), then between sleeps that
+//!   double from 20 µs up to a cap (CUDA default 1 ms); before each sleep it arms a *doorbell*
+//!   for each head: on CUDA a host function queued on a watcher stream behind the head event,
+//!   which only rings the [`Bell`] (an atomic flag and an unpark: no CUDA call, and nothing
+//!   dropped there whose Drop could make one);
+//! - `Spin`: a hot loop while anything is pending.
+//!
+//! The simulated device rings the bell itself whenever a stream reaches an event, so its
+//! reactor never needs to poll, predict or time out.
 
 use std::collections::{BTreeMap, HashMap, VecDeque};
 
@@ -362,7 +379,9 @@ impl<D: Doorbells> Loop<D> {
         let registered = !new.is_empty();
         for (event, watched) in new {
             let queue = self.queues.entry(event.stream_id()).or_default();
-            let at = queue.events.partition_point(|e| e.event.seq() < event.seq());
+            let at = queue
+                .events
+                .partition_point(|e| e.event.seq() < event.seq());
             queue.events.insert(at, Entry { event, watched });
         }
         for stream in forget {
@@ -476,6 +495,8 @@ impl<D: Doorbells> Loop<D> {
                 predict::Plan::Ahead { wake, .. } => soonest(wake),
             }
             if let Some(lead) = self.prewake {
+                // The reactor's own sleep ends late too: start that much earlier.
+                let lead = lead + self.oversleep.get();
                 let (want, change) = history.hurry(start, now, lead, margin);
                 let seq = head.event.seq();
                 if want != (queue.hurried == Some(seq)) {

@@ -77,7 +77,10 @@ impl History {
         let mut best = Plan::None;
         for &sample in &self.samples[..self.len] {
             let completion = start + sample;
-            let (from, until) = (completion - margin.min(completion - start), completion + margin);
+            let (from, until) = (
+                completion - margin.min(completion - start),
+                completion + margin,
+            );
             if now >= until {
                 continue;
             }
@@ -245,7 +248,9 @@ mod tests {
         assert_eq!(start, t0 + us(2200));
         let m = us(20);
         // Before the short window, then between the two, then past both.
-        assert!(matches!(h.plan(start, start, m), Plan::Ahead { wake, .. } if wake == start + us(180)));
+        assert!(
+            matches!(h.plan(start, start, m), Plan::Ahead { wake, .. } if wake == start + us(180))
+        );
         assert!(
             matches!(h.plan(start, start + us(300), m), Plan::Ahead { wake, .. } if wake == start + us(1980))
         );

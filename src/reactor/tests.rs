@@ -66,7 +66,11 @@ impl Wake for Counting {
 fn wait_for(event: &Timed) {
     let give_up = Instant::now() + Duration::from_secs(20);
     while event.completion.result().is_none() {
-        assert!(Instant::now() < give_up, "event {} never completed", event.seq);
+        assert!(
+            Instant::now() < give_up,
+            "event {} never completed",
+            event.seq
+        );
         std::thread::sleep(Duration::from_micros(200));
     }
 }
