@@ -32,17 +32,18 @@
 //! - nothing to watch: the thread parks with no timeout and burns no CPU (every strategy);
 //! - `Predict` (the default, issue 18): each stream's history (`predict.rs`) predicts when its
 //!   oldest watched event completes; the thread sleeps until just before the prediction and
-//!   polls in a hot loop through a window around it. The window's margin adapts to how late the
-//!   thread's own sleeps end (it lowers its timer slack; a VM's idle vCPU still wakes late)
-//!   and to how far off the stream's predictions were. With a pre-wake lead
-//!   (`CudaOptions::reactor_prewake`) it also *hurries* the awaiting tasks that long (plus its
-//!   own oversleep) before the prediction: `Completion::hurry` wakes them, and every poll of
-//!   theirs while hurried wakes itself again, so the runtime's worker keeps polling the event
-//!   instead of parking (a parked worker takes the runtime ~140 µs to wake on the VM we
+//!   polls in a hot loop through a window around it. The window's margin adapts to how far off
+//!   the stream's predictions were; the thread asks for sleeps shorter by how late its sleeps
+//!   of that length have been ending (it lowers its timer slack; a VM's idle vCPU still wakes
+//!   late), so that it is awake when the window opens. With a pre-wake lead
+//!   (`CudaOptions::reactor_prewake`) it also *hurries* the awaiting tasks that long before the
+//!   prediction: `Completion::hurry` wakes them, and every poll of theirs while hurried wakes
+//!   itself again, so the runtime's worker keeps polling the event instead of parking (a
+//!   parked worker takes the runtime ~140 µs to wake on the VM we
 //!   measured: the runtime's cost, which this hides at the price of that worker's CPU for the
 //!   lead). A head with no prediction (a new stream, or past all its windows) is polled as
-//!   `Backoff` does; every head also gets a doorbell, which cuts a sleep short when a
-//!   prediction was too late;
+//!   `Backoff` does; every head also gets a doorbell, which cuts a sleep short when an
+//!   event completes well before its prediction;
 //! - `Backoff` (the design before issue 18): after progress or a new registration it polls the
 //!   heads in a hot loop for the spin budget (CUDA default 500 µs), then between sleeps that
 //!   double from 20 µs up to a cap (CUDA default 1 ms); before each sleep it arms a *doorbell*
@@ -284,6 +285,8 @@ struct StreamQueue {
 
 /// The first sleep between polls after the hot spin; each further one doubles, up to the cap.
 const FIRST_SLEEP: Duration = Duration::from_micros(20);
+/// A sleep shorter than this is not worth a context switch: poll instead.
+const MIN_SLEEP: Duration = Duration::from_micros(5);
 /// The longest sleep towards a prediction while every head has a doorbell armed: a backstop,
 /// should the doorbells never ring.
 const LONG_SLEEP: Duration = Duration::from_millis(100);
@@ -451,11 +454,15 @@ impl<D: Doorbells> Loop<D> {
             None => Some(Duration::from_millis(1)),
         };
         if let Some(next) = plans.next {
+            // Ask for a sleep that ends at `next` once the usual lateness of a sleep that long
+            // is added; nearer than that, keep polling.
             let until = next.saturating_duration_since(Instant::now());
-            if until.is_zero() {
+            let asked = until.saturating_sub(self.oversleep.get(until));
+            if asked < MIN_SLEEP {
+                std::hint::spin_loop();
                 return Turn::Again;
             }
-            timeout = Some(timeout.map_or(until, |t| t.min(until)));
+            timeout = Some(timeout.map_or(asked, |t| t.min(asked)));
         }
         match (self.predict, timeout) {
             (true, Some(asked)) => {
@@ -488,15 +495,13 @@ impl<D: Doorbells> Loop<D> {
                 continue;
             };
             let start = history.start(head.watched.unwrap_or(now));
-            let margin = history.margin(self.oversleep.get());
+            let margin = history.margin();
             match history.plan(start, now, margin) {
                 predict::Plan::None => unpredicted = true,
                 predict::Plan::Hot { .. } => hot = true,
                 predict::Plan::Ahead { wake, .. } => soonest(wake),
             }
             if let Some(lead) = self.prewake {
-                // The reactor's own sleep ends late too: start that much earlier.
-                let lead = lead + self.oversleep.get();
                 let (want, change) = history.hurry(start, now, lead, margin);
                 let seq = head.event.seq();
                 if want != (queue.hurried == Some(seq)) {

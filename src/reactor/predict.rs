@@ -15,9 +15,11 @@
 //! lengths is predicted as well as one that repeats one. Past every window, the event has no
 //! prediction and the reactor polls it as the backoff strategy does.
 //!
-//! The window's half-width (the margin) adapts to two errors: how late the reactor's timed
-//! sleeps end (the OS and the hypervisor; measured on every sleep, see [`Oversleep`]), and how
-//! far the stream's completions fell from the nearest candidate.
+//! The window's half-width (the margin) adapts to how far the stream's completions fell from the
+//! nearest candidate. Separately, the reactor asks for sleeps that much shorter than the time
+//! to the window as its sleeps of that length end late (the OS and the hypervisor: measured on
+//! every sleep, short and long apart, see [`Oversleep`]), so that it wakes when the window
+//! opens.
 //!
 //! All of this state is the reactor thread's own: nothing here is shared.
 
@@ -26,7 +28,7 @@ use std::time::{Duration, Instant};
 /// How many recent service times a stream keeps.
 pub(super) const SAMPLES: usize = 8;
 /// The smallest half-width of a hot window.
-const MIN_MARGIN: Duration = Duration::from_micros(10);
+const MIN_MARGIN: Duration = Duration::from_micros(20);
 /// The largest: a margin this wide means the predictions are not worth much.
 const MAX_MARGIN: Duration = Duration::from_millis(1);
 /// Completions further than this from every candidate count as this far (a stream that changes
@@ -67,9 +69,9 @@ impl History {
         self.last_done.map_or(watched, |done| done.max(watched))
     }
 
-    /// The half-width of this stream's windows, given how late sleeps end.
-    pub(super) fn margin(&self, oversleep: Duration) -> Duration {
-        (oversleep + self.error * 2 + MIN_MARGIN).min(MAX_MARGIN)
+    /// The half-width of this stream's windows.
+    pub(super) fn margin(&self) -> Duration {
+        (self.error * 2 + MIN_MARGIN).min(MAX_MARGIN)
     }
 
     /// The plan at `now` for a head whose work could start at `start`.
@@ -156,26 +158,37 @@ impl History {
     }
 }
 
-/// How late the reactor's timed sleeps end: rises fast with a late one, falls slowly, so that it
-/// follows the late end of their distribution rather than the middle.
+/// How late the reactor's timed sleeps end, short ones and long ones apart (a VM's vCPU that
+/// stays idle for long halts, and takes longer to wake, than one idle for a moment). Each
+/// estimate rises fast with a late sleep and falls slowly, so that it follows the late end of
+/// the distribution rather than its middle.
 #[derive(Debug)]
 pub(super) struct Oversleep {
-    estimate: Duration,
+    short: Duration,
+    long: Duration,
 }
+
+/// Sleeps up to this long count as short.
+const SHORT_SLEEP: Duration = Duration::from_micros(250);
 
 impl Default for Oversleep {
     fn default() -> Self {
-        // A guess until the first sleeps are measured: the Linux timer slack is 50 µs by
-        // default (the reactor lowers its own; see `lower_timer_slack`).
+        // Guesses until the first sleeps are measured.
         Self {
-            estimate: Duration::from_micros(50),
+            short: Duration::from_micros(10),
+            long: Duration::from_micros(50),
         }
     }
 }
 
 impl Oversleep {
-    pub(super) fn get(&self) -> Duration {
-        self.estimate
+    /// How late a sleep of `asked` is expected to end.
+    pub(super) fn get(&self, asked: Duration) -> Duration {
+        if asked <= SHORT_SLEEP {
+            self.short
+        } else {
+            self.long
+        }
     }
 
     /// A sleep of `asked` ended after `slept`. One that ended early was cut short by the bell
@@ -185,10 +198,15 @@ impl Oversleep {
             return;
         }
         let late = (slept - asked).min(MAX_MARGIN);
-        self.estimate = if late > self.estimate {
-            self.estimate + (late - self.estimate) / 2
+        let estimate = if asked <= SHORT_SLEEP {
+            &mut self.short
         } else {
-            self.estimate - (self.estimate - late) / 16
+            &mut self.long
+        };
+        *estimate = if late > *estimate {
+            *estimate + (late - *estimate) / 2
+        } else {
+            *estimate - (*estimate - late) / 16
         };
     }
 }
@@ -220,8 +238,8 @@ mod tests {
         // The next head registered at 2.1 ms: predicted at 4.1 ms.
         let start = h.start(t0 + us(2100));
         assert_eq!(start, t0 + us(2100));
-        let margin = h.margin(us(30));
-        assert!(margin >= us(40), "{margin:?}");
+        let margin = h.margin();
+        assert!(margin >= us(20), "{margin:?}");
         match h.plan(start, start + us(100), margin) {
             Plan::Ahead { completion, wake } => {
                 assert_eq!(completion, t0 + us(4100));
@@ -258,15 +276,16 @@ mod tests {
     }
 
     #[test]
-    fn oversleep_follows_late_sleeps() {
+    fn oversleep_follows_late_sleeps_short_and_long_apart() {
         let mut o = Oversleep::default();
-        o.slept(us(100), us(50));
-        assert_eq!(o.get(), us(50));
-        o.slept(us(100), us(300));
-        assert_eq!(o.get(), us(125));
+        o.slept(us(1000), us(500));
+        assert_eq!(o.get(us(1000)), us(50), "a sleep cut short says nothing");
+        o.slept(us(1000), us(1250));
+        assert_eq!(o.get(us(1000)), us(150));
+        assert_eq!(o.get(us(100)), us(10), "short sleeps are apart");
         for _ in 0..200 {
-            o.slept(us(100), us(105));
+            o.slept(us(1000), us(1005));
         }
-        assert!(o.get() < us(10), "{:?}", o.get());
+        assert!(o.get(us(1000)) < us(10), "{:?}", o.get(us(1000)));
     }
 }
