@@ -168,6 +168,8 @@ pub(super) struct Oversleep {
     long: Duration,
 }
 
+/// The most a single late sleep teaches.
+const MAX_LEARNT_OVERSLEEP: Duration = Duration::from_micros(300);
 /// Sleeps up to this long count as short.
 const SHORT_SLEEP: Duration = Duration::from_micros(250);
 
@@ -197,14 +199,16 @@ impl Oversleep {
         if slept < asked {
             return;
         }
-        let late = (slept - asked).min(MAX_MARGIN);
+        // A sleep that ends much later than that was a preemption, not the timer: learn it as
+        // only that late, so one does not widen the windows for long.
+        let late = (slept - asked).min(MAX_LEARNT_OVERSLEEP);
         let estimate = if asked <= SHORT_SLEEP {
             &mut self.short
         } else {
             &mut self.long
         };
         *estimate = if late > *estimate {
-            *estimate + (late - *estimate) / 2
+            *estimate + (late - *estimate) / 4
         } else {
             *estimate - (*estimate - late) / 16
         };
@@ -281,7 +285,13 @@ mod tests {
         o.slept(us(1000), us(500));
         assert_eq!(o.get(us(1000)), us(50), "a sleep cut short says nothing");
         o.slept(us(1000), us(1250));
-        assert_eq!(o.get(us(1000)), us(150));
+        assert_eq!(o.get(us(1000)), us(100));
+        o.slept(us(1000), us(9000));
+        assert_eq!(
+            o.get(us(1000)),
+            us(150),
+            "a preemption teaches at most 300 µs"
+        );
         assert_eq!(o.get(us(100)), us(10), "short sleeps are apart");
         for _ in 0..200 {
             o.slept(us(1000), us(1005));
