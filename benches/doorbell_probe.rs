@@ -9,6 +9,12 @@
 //! - `blocking-sync`: a thread in `cuEventSynchronize` on an event made with
 //!   `CU_EVENT_BLOCKING_SYNC`;
 //! - `spin-sync`: a thread in `cuEventSynchronize` on a default event (the driver spins).
+//!
+//! Then (issue 18) a host-visible flag: `cuStreamWriteValue32` into pinned, device-mapped host
+//! memory, queued right after the event; a thread spins on the flag with plain loads while
+//! another spins on `cuEventQuery`, and `writevalue-flag` is the flag's time minus the
+//! query's. Last, what one poll costs the polling thread: `cuEventQuery` on a pending event
+//! against a load of the flag.
 
 use std::ffi::c_void;
 use std::sync::atomic::{AtomicU64, Ordering};
@@ -151,6 +157,8 @@ fn main() {
         }
     }
 
+    flag_probe(&stream, raw, plain, samples);
+
     println!("\nspin kernel of 50 ms, host-measured (cuStreamSynchronize), 20 launches:");
     let mut lens = vec![];
     for _ in 0..20 {
@@ -160,4 +168,130 @@ fn main() {
         lens.push(start.elapsed().as_micros());
     }
     println!("{lens:?} µs");
+}
+
+/// The host-visible flag: latency against `cuEventQuery`, and the cost of one poll of each.
+fn flag_probe(
+    stream: &streamalloc::Stream,
+    raw: sys::CUstream,
+    event: sys::CUevent,
+    samples: usize,
+) {
+    println!("\nhost-visible flag (cuStreamWriteValue32_v2 into pinned device-mapped memory)");
+    let ordinal = stream.device().ordinal().unwrap_or(0);
+    let mut can = 0i32;
+    // SAFETY: a plain attribute query into a local.
+    let _ = unsafe {
+        sys::cuDeviceGetAttribute(
+            &mut can,
+            sys::CUdevice_attribute::CU_DEVICE_ATTRIBUTE_CAN_USE_STREAM_MEM_OPS_V1,
+            ordinal as i32,
+        )
+    };
+    println!("CU_DEVICE_ATTRIBUTE_CAN_USE_STREAM_MEM_OPS_V1 = {can}");
+    // SAFETY: a fresh pinned allocation of 64 bytes, freed at the end of this function.
+    let host = match unsafe {
+        result::malloc_host(
+            64,
+            sys::CU_MEMHOSTALLOC_DEVICEMAP | sys::CU_MEMHOSTALLOC_PORTABLE,
+        )
+    } {
+        Ok(p) => p as *mut u32,
+        Err(e) => {
+            println!("cuMemHostAlloc failed ({e:?}): no flag figures");
+            return;
+        }
+    };
+    // SAFETY: `host` is 64 bytes, ours.
+    unsafe { std::ptr::write_volatile(host, 0) };
+    let mut dptr: sys::CUdeviceptr = 0;
+    // SAFETY: `host` was allocated with DEVICEMAP.
+    let mapped = unsafe { sys::cuMemHostGetDevicePointer_v2(&mut dptr, host as *mut c_void, 0) };
+    if mapped != sys::CUresult::CUDA_SUCCESS {
+        println!("cuMemHostGetDevicePointer failed ({mapped:?}): no flag figures");
+        return;
+    }
+    let host_addr = host as usize;
+    let read = move || {
+        // SAFETY: the allocation lives until this function frees it after every read.
+        unsafe { std::ptr::read_volatile(host_addr as *const u32) }
+    };
+    // A thread that spins on cuEventQuery for each event it is sent and stamps.
+    let ctx = result::ctx::get_current().unwrap().unwrap() as usize;
+    let (to_query, query_rx) = std::sync::mpsc::channel::<usize>();
+    let (query_tx, from_query) = std::sync::mpsc::channel::<u64>();
+    let querier = std::thread::spawn(move || {
+        // SAFETY: the primary context stays retained by the device for the whole run.
+        unsafe { result::ctx::set_current(ctx as sys::CUcontext) }.unwrap();
+        for ev in query_rx {
+            query_tx.send(observe(ev as sys::CUevent)).unwrap();
+        }
+    });
+    println!(
+        "{:<16} {:>8} {:>29}",
+        "mechanism", "kernel", "median       p90       p99"
+    );
+    let mut value = 0u32;
+    let mut ok = true;
+    'kernels: for kernel in [20u64, 200, 2000, 20000].map(Duration::from_micros) {
+        let mut v = vec![];
+        let n = if kernel.as_millis() >= 20 {
+            samples / 3
+        } else {
+            samples
+        };
+        for _ in 0..n {
+            value += 1;
+            stream.spin(kernel).unwrap();
+            // SAFETY: live handles; `dptr` maps our pinned block, which outlives the write
+            // (the stream is synchronized below before anything is freed).
+            let written = unsafe {
+                result::event::record(event, raw).unwrap();
+                sys::cuStreamWriteValue32_v2(raw, dptr, value, 0)
+            };
+            if written != sys::CUresult::CUDA_SUCCESS {
+                println!("cuStreamWriteValue32_v2 failed ({written:?}): no flag figures");
+                ok = false;
+                stream.synchronize_blocking().unwrap();
+                break 'kernels;
+            }
+            to_query.send(event as usize).unwrap();
+            while read() != value {
+                std::hint::spin_loop();
+            }
+            let seen = now_ns();
+            let queried = from_query.recv().unwrap();
+            v.push(seen as i64 - queried as i64);
+            stream.synchronize_blocking().unwrap();
+        }
+        println!("{:<16} {:>8?} {}", "writevalue-flag", kernel, pct(v));
+    }
+    drop(to_query);
+    querier.join().unwrap();
+    if ok {
+        // One poll's cost, on an event (and a flag) that stays pending for 50 ms.
+        stream.spin(Duration::from_millis(50)).unwrap();
+        // SAFETY: live handles.
+        unsafe { result::event::record(event, raw) }.unwrap();
+        let polls = 100_000;
+        let start = Instant::now();
+        let mut pending = 0;
+        for _ in 0..polls {
+            // SAFETY: the event is live.
+            pending += usize::from(unsafe { result::event::query(event) }.is_err());
+        }
+        let query_ns = start.elapsed().as_nanos() as f64 / polls as f64;
+        let start = Instant::now();
+        let mut seen = 0u64;
+        for _ in 0..polls {
+            seen += u64::from(read());
+        }
+        let flag_ns = start.elapsed().as_nanos() as f64 / polls as f64;
+        println!(
+            "one poll: cuEventQuery {query_ns:.0} ns ({pending} of {polls} pending), flag load {flag_ns:.1} ns (sum {seen})"
+        );
+        stream.synchronize_blocking().unwrap();
+    }
+    // SAFETY: nothing queued writes the block any more (the stream is synchronized).
+    let _ = unsafe { result::free_host(host as *mut c_void) };
 }

@@ -1,32 +1,50 @@
-//! Event wake latency and the completion reactor's CPU use.
+//! Event wake latency and the completion reactor's CPU use, for each reactor strategy side by
+//! side (issue 18).
 //!
 //! Latency: for each sample a stream runs a spin kernel, then records two events back to back.
 //! A tokio task awaits the first; an observer thread spins on the second (`cuEventQuery` in a
-//! tight loop) and timestamps the moment the GPU reached it. Two latencies per sample, from that
-//! moment:
-//! - `to waker`: until the reactor calls the task's waker (the reactor's own part);
-//! - `to task`: until the awaiting task runs again (adds the executor waking a worker thread).
+//! tight loop) and timestamps the moment the GPU reached it. From that moment:
+//! - `to waker`: until the reactor calls the task's waker for the completion (the reactor's
+//!   part). With pre-wake the task may find the event complete itself before the reactor's
+//!   call: then until the task resumed. Wakes earlier than the completion (the pre-wake) do not
+//!   count: only a reactor-thread wake at most 5 µs before the observer's stamp does (the two
+//!   spin on events nanoseconds apart);
+//! - `to task`: until the awaiting task runs again (adds the executor waking a worker thread);
+//! - `runtime`: the median of `to task - to waker` per sample, the runtime's part.
 //!
 //! The observer's event completes nanoseconds after the task's, so both slightly under-state,
-//! never over-state, the latency.
+//! never over-state, the latency. Each cell also gives the CPU the reactor thread and the tokio
+//! workers used during it, in ms per s (the observer thread spins throughout and is not counted).
 //!
-//! Regimes, each its own device handle: kernels of 20 µs and 200 µs (inside the default
-//! reactor spin of 500 µs), 2 ms and 20 ms (past it: sleeping polls), and 2 ms with
-//! `CudaOptions::low_latency()` (polling for as long as anything is pending).
+//! `runtime baseline`: the same measure with no GPU: a thread wakes a task parked in a oneshot
+//! after a delay: what the runtime alone adds to any wakeup.
 //!
 //! CPU: the reactor thread's on-CPU time (`/proc/self/task/<tid>/schedstat`) while idle for
-//! 1 s, and while 1,000 events wait behind 1 s kernels on 10 streams.
+//! 1 s, and while 1,000 events wait behind 1 s kernels on 10 streams: a first round on new
+//! streams (no history to predict from), then a second on the same streams.
 //!
-//! `cargo bench --bench event_latency [-- --samples N]`. Runs on the GPU if there is one, else
-//! on the simulated device (whose figures only check the plumbing).
+//! ```text
+//! cargo bench --bench event_latency -- [--strategies backoff,spin,predict,prewake]
+//!     [--kernels-us 20,200,2000,20000] [--samples 5000] [--cell-secs 5] [--prewake-us 250]
+//!     [--no-cpu] [--no-baseline]
+//! ```
+//! Strategies: `backoff` (`CudaOptions::backoff()`, the reactor before issue 18), `spin`
+//! (`low_latency()`), `predict` (`WakeStrategy::Predict`, no pre-wake), `prewake` (predict and
+//! pre-wake: `CudaOptions::default()` unless `--prewake-us` changes the lead). Each cell takes
+//! `min(samples, cell-secs / kernel)` samples (at least 100) after a warm-up of a tenth as many
+//! (at most 100). Runs on the GPU if there is one, else on the simulated device (whose figures
+//! only check the plumbing).
 
+use std::future::Future;
 use std::sync::mpsc;
+use std::sync::{Arc, Mutex};
+use std::task::{Context, Poll, Wake, Waker};
 use std::time::{Duration, Instant};
 
 mod common;
 
-use common::{now_ns, quantiles, Stamp, Stamped};
-use streamalloc::{CudaOptions, Device, Event, SimConfig};
+use common::now_ns;
+use streamalloc::{CudaOptions, Device, Event, SimConfig, WakeStrategy};
 
 fn open(options: CudaOptions) -> Device {
     match Device::cuda_with(0, options) {
@@ -39,20 +57,89 @@ fn open(options: CudaOptions) -> Device {
     }
 }
 
-/// On-CPU nanoseconds of this process's thread named `name`.
-fn thread_cpu_ns(name: &str) -> Option<u64> {
-    for task in std::fs::read_dir("/proc/self/task").ok()? {
-        let path = task.ok()?.path();
-        let comm = std::fs::read_to_string(path.join("comm")).ok()?;
-        if comm.trim() == name {
-            let stat = std::fs::read_to_string(path.join("schedstat")).ok()?;
-            return stat.split_whitespace().next()?.parse().ok();
+/// On-CPU nanoseconds of this process's threads whose name `matches`.
+fn threads_cpu_ns(matches: impl Fn(&str) -> bool) -> Option<u64> {
+    let mut total = None;
+    for task in std::fs::read_dir("/proc/self/task").ok()?.flatten() {
+        // A thread may exit while we look: skip what cannot be read.
+        let path = task.path();
+        let Ok(comm) = std::fs::read_to_string(path.join("comm")) else {
+            continue;
+        };
+        if !matches(comm.trim()) {
+            continue;
+        }
+        let Ok(stat) = std::fs::read_to_string(path.join("schedstat")) else {
+            continue;
+        };
+        if let Some(ns) = stat
+            .split_whitespace()
+            .next()
+            .and_then(|n| n.parse::<u64>().ok())
+        {
+            total = Some(total.unwrap_or(0) + ns);
         }
     }
-    None
+    total
 }
 
-/// (to waker, to task) latencies in ns; negative when the task ran before the observer saw it.
+/// CPU ms per s of wall time of the reactor (`reactor`) and of the tokio workers while `f` runs.
+fn cpu_while<R>(reactor: &str, f: impl FnOnce() -> R) -> (R, Option<f64>, Option<f64>) {
+    let is_reactor = |name: &str| name == reactor;
+    // Linux keeps 15 bytes of a thread's name: tokio's "tokio-runtime-worker".
+    let is_worker = |name: &str| name.starts_with("tokio-runtime-w");
+    let r0 = threads_cpu_ns(is_reactor);
+    let w0 = threads_cpu_ns(is_worker);
+    let start = Instant::now();
+    let out = f();
+    let secs = start.elapsed().as_secs_f64();
+    let rate = |a: Option<u64>, b: Option<u64>| Some(b?.saturating_sub(a?) as f64 / 1e6 / secs);
+    (
+        out,
+        rate(r0, threads_cpu_ns(is_reactor)),
+        rate(w0, threads_cpu_ns(is_worker)),
+    )
+}
+
+/// A waker that notes when the reactor thread calls it (every call, kept until taken).
+struct ReactorStamps {
+    at: Mutex<Vec<u64>>,
+    inner: Mutex<Option<Waker>>,
+}
+
+impl Wake for ReactorStamps {
+    fn wake(self: Arc<Self>) {
+        self.wake_by_ref()
+    }
+
+    fn wake_by_ref(self: &Arc<Self>) {
+        if std::thread::current()
+            .name()
+            .is_some_and(|n| n.starts_with("sa-reactor"))
+        {
+            self.at.lock().unwrap().push(now_ns());
+        }
+        if let Some(w) = self.inner.lock().unwrap().as_ref() {
+            w.wake_by_ref();
+        }
+    }
+}
+
+/// Awaits `event` through a [`ReactorStamps`] waker.
+async fn stamped(event: Event, stamps: &Arc<ReactorStamps>) -> streamalloc::Result<()> {
+    let mut event = std::pin::pin!(event);
+    std::future::poll_fn(|cx: &mut Context<'_>| {
+        *stamps.inner.lock().unwrap() = Some(cx.waker().clone());
+        let waker = Waker::from(stamps.clone());
+        match event.as_mut().poll(&mut Context::from_waker(&waker)) {
+            Poll::Ready(r) => Poll::Ready(r),
+            Poll::Pending => Poll::Pending,
+        }
+    })
+    .await
+}
+
+/// Per-sample (to waker, to task) in ns.
 fn latency(
     rt: &tokio::runtime::Runtime,
     device: &Device,
@@ -69,28 +156,33 @@ fn latency(
             let _ = reply.send(now_ns());
         }
     });
+    let warmup = (samples / 10).clamp(10, 100);
     let task = rt.spawn(async move {
+        let stamps = Arc::new(ReactorStamps {
+            at: Mutex::new(Vec::new()),
+            inner: Mutex::new(None),
+        });
         let (mut to_waker, mut to_task) =
             (Vec::with_capacity(samples), Vec::with_capacity(samples));
-        for i in 0..samples + 100 {
+        for i in 0..samples + warmup {
             stream.spin(kernel).unwrap();
             let ours = stream.record().unwrap();
             let theirs = stream.record().unwrap();
             let (tx, rx) = tokio::sync::oneshot::channel();
             to_observer.send((theirs, tx)).unwrap();
-            let stamp = Stamp::new();
-            Stamped::new(ours, stamp.clone()).await.unwrap();
+            stamps.at.lock().unwrap().clear();
+            stamped(ours, &stamps).await.unwrap();
             let resumed = now_ns();
+            let woken: Vec<u64> = std::mem::take(&mut *stamps.at.lock().unwrap());
             let reached = rx.await.unwrap();
-            let woken = stamp.woken_at();
-            if i >= 100 {
-                // The first 100 samples are warm-up. A task that found its event complete on its
-                // first poll was never woken: count that as zero reactor latency.
-                to_waker.push(if woken == 0 {
-                    0
-                } else {
-                    woken as i64 - reached as i64
-                });
+            if i >= warmup {
+                let completion_wake = woken
+                    .iter()
+                    .copied()
+                    .find(|&t| t + 5_000 >= reached)
+                    .unwrap_or(resumed)
+                    .min(resumed);
+                to_waker.push(completion_wake as i64 - reached as i64);
                 to_task.push(resumed as i64 - reached as i64);
             }
         }
@@ -101,22 +193,87 @@ fn latency(
     result
 }
 
-fn cpu_while(device: &Device, f: impl FnOnce()) -> Option<f64> {
-    let name = format!("sa-reactor-{}", device.id());
-    let before = thread_cpu_ns(&name)?;
-    let start = Instant::now();
-    f();
-    let elapsed = start.elapsed();
-    let after = thread_cpu_ns(&name)?;
-    Some((after - before) as f64 / 1e6 / elapsed.as_secs_f64())
+fn at(sorted: &[i64], q: f64) -> Duration {
+    Duration::from_nanos(sorted[((sorted.len() - 1) as f64 * q).round() as usize].max(0) as u64)
+}
+
+/// "median p99" of nanosecond samples (negative ones count as zero).
+fn med_p99(mut v: Vec<i64>) -> String {
+    v.sort();
+    format!("{:>9.1?} {:>9.1?}", at(&v, 0.5), at(&v, 0.99))
+}
+
+fn ms(v: Option<f64>) -> String {
+    v.map_or("     n/a".to_owned(), |ms| format!("{ms:8.1}"))
+}
+
+fn arg(name: &str) -> Option<String> {
+    std::env::args().skip_while(|a| a != name).nth(1)
+}
+
+fn flag(name: &str) -> bool {
+    std::env::args().any(|a| a == name)
+}
+
+fn strategy(name: &str, prewake: Duration) -> CudaOptions {
+    match name {
+        "backoff" => CudaOptions::backoff(),
+        "spin" => CudaOptions::low_latency(),
+        "predict" => CudaOptions {
+            reactor_strategy: WakeStrategy::Predict,
+            reactor_prewake: None,
+            ..CudaOptions::default()
+        },
+        "prewake" => CudaOptions {
+            reactor_strategy: WakeStrategy::Predict,
+            reactor_prewake: Some(prewake),
+            ..CudaOptions::default()
+        },
+        other => panic!("unknown strategy {other}: backoff, spin, predict or prewake"),
+    }
+}
+
+/// What the runtime alone adds: a thread sends to a task parked in a oneshot after `delay`.
+fn runtime_baseline(rt: &tokio::runtime::Runtime, delay: Duration, samples: usize) -> Vec<i64> {
+    let mut out = Vec::with_capacity(samples);
+    for _ in 0..samples + 10 {
+        let (tx, rx) = tokio::sync::oneshot::channel::<u64>();
+        let task = rt.spawn(async move {
+            let sent = rx.await.unwrap();
+            now_ns() as i64 - sent as i64
+        });
+        let until = Instant::now() + delay;
+        while Instant::now() < until {
+            std::hint::spin_loop();
+        }
+        tx.send(now_ns()).unwrap();
+        out.push(rt.block_on(task).unwrap());
+    }
+    out.split_off(10)
 }
 
 fn main() {
-    let samples: usize = std::env::args()
-        .skip_while(|a| a != "--samples")
-        .nth(1)
+    let samples: usize = arg("--samples")
         .and_then(|s| s.parse().ok())
-        .unwrap_or(10_000);
+        .unwrap_or(5_000);
+    let cell_secs: f64 = arg("--cell-secs")
+        .and_then(|s| s.parse().ok())
+        .unwrap_or(5.0);
+    let prewake = Duration::from_micros(
+        arg("--prewake-us")
+            .and_then(|s| s.parse().ok())
+            .unwrap_or(250),
+    );
+    let strategies: Vec<String> = arg("--strategies")
+        .unwrap_or_else(|| "backoff,spin,predict,prewake".into())
+        .split(',')
+        .map(str::to_owned)
+        .collect();
+    let kernels: Vec<u64> = arg("--kernels-us")
+        .unwrap_or_else(|| "20,200,2000,20000".into())
+        .split(',')
+        .map(|k| k.parse().expect("--kernels-us: µs, comma-separated"))
+        .collect();
     let rt = tokio::runtime::Builder::new_multi_thread()
         .worker_threads(2)
         .enable_all()
@@ -132,69 +289,104 @@ fn main() {
         date.map(|o| String::from_utf8_lossy(&o.stdout).trim().to_owned())
             .unwrap_or_default()
     );
+    println!("default options: {:?}", CudaOptions::default());
     drop(probe);
 
-    println!("\nwake latency after the event completed: median, p99, max (default CudaOptions: spin 500 µs, max sleep 1 ms)");
-    println!(
-        "{:<12} {:>8} {:>7}   {:^29}   {:^29}",
-        "options", "kernel", "samples", "to waker (reactor)", "to task (reactor + tokio)"
-    );
-    let regimes = [
-        ("default", CudaOptions::default(), 20, samples),
-        ("default", CudaOptions::default(), 200, samples),
-        ("default", CudaOptions::default(), 2_000, samples),
-        (
-            "default",
-            CudaOptions::default(),
-            20_000,
-            (samples / 20).max(100),
-        ),
-        ("low_latency", CudaOptions::low_latency(), 2_000, samples),
-    ];
-    for (name, options, kernel_us, n) in regimes {
-        let device = open(options);
-        let kernel = Duration::from_micros(kernel_us);
-        let (to_waker, to_task) = latency(&rt, &device, kernel, n);
-        println!(
-            "{:<12} {:>8?} {:>7}   {}   {}",
-            name,
-            kernel,
-            n,
-            quantiles(to_waker),
-            quantiles(to_task)
-        );
+    if !flag("--no-baseline") {
+        println!("\nruntime baseline (no GPU): a thread wakes a tokio task parked for the delay; median p99");
+        for delay_us in [20u64, 200, 2_000] {
+            let delay = Duration::from_micros(delay_us);
+            let n = ((cell_secs / 5.0 / delay.as_secs_f64()) as usize).clamp(100, samples);
+            println!(
+                "  delay {:>8?} {:>6} samples   to task {}",
+                delay,
+                n,
+                med_p99(runtime_baseline(&rt, delay, n))
+            );
+        }
     }
 
-    println!("\nreactor CPU use, ms of CPU per s of wall time");
-    for (name, options) in [
-        ("default", CudaOptions::default()),
-        ("low_latency", CudaOptions::low_latency()),
-    ] {
-        let device = open(options);
-        std::thread::sleep(Duration::from_millis(100));
-        let idle = cpu_while(&device, || std::thread::sleep(Duration::from_secs(1)));
-        let streams: Vec<_> = (0..10).map(|_| device.create_stream().unwrap()).collect();
-        let pending = cpu_while(&device, || {
-            rt.block_on(async {
-                for stream in &streams {
-                    stream.spin(Duration::from_secs(1)).unwrap();
-                }
-                let tasks: Vec<_> = (0..1000)
-                    .map(|i| tokio::spawn(streams[i % 10].record().unwrap()))
-                    .collect();
-                // Measure the window where all 1,000 wait behind the kernels.
-                tokio::time::sleep(Duration::from_millis(800)).await;
-                tasks
-            });
-        });
-        let show = |v: Option<f64>| v.map_or("n/a (no /proc)".to_owned(), |ms| format!("{ms:8.3}"));
-        println!(
-            "{name:<12} idle: {}   1,000 events pending: {}",
-            show(idle),
-            show(pending)
-        );
-        for stream in &streams {
-            stream.synchronize_blocking().unwrap();
+    println!("\nwake latency after the event completed (µs figures: median p99)");
+    println!(
+        "{:<9} {:>8} {:>7}  {:^19}  {:^19}  {:>9}  {:>8} {:>8}",
+        "strategy", "kernel", "samples", "to waker", "to task", "runtime", "reactor", "workers"
+    );
+    println!(
+        "{:<9} {:>8} {:>7}  {:^19}  {:^19}  {:>9}  {:>8} {:>8}",
+        "", "", "", "(ours)", "(ours + runtime)", "(median)", "ms/s", "ms/s"
+    );
+    for name in &strategies {
+        for &kernel_us in &kernels {
+            let device = open(strategy(name, prewake));
+            let kernel = Duration::from_micros(kernel_us);
+            let n = ((cell_secs / (kernel.as_secs_f64() + 30e-6)) as usize).clamp(100, samples);
+            let reactor = format!("sa-reactor-{}", device.id());
+            let ((to_waker, to_task), reactor_ms, workers_ms) =
+                cpu_while(&reactor, || latency(&rt, &device, kernel, n));
+            let mut runtime: Vec<i64> = to_task.iter().zip(&to_waker).map(|(t, w)| t - w).collect();
+            runtime.sort();
+            println!(
+                "{:<9} {:>8?} {:>7}  {}  {}  {:>9.1?}  {} {}",
+                name,
+                kernel,
+                n,
+                med_p99(to_waker),
+                med_p99(to_task),
+                at(&runtime, 0.5),
+                ms(reactor_ms),
+                ms(workers_ms),
+            );
         }
+    }
+
+    if flag("--no-cpu") {
+        return;
+    }
+    println!("\nreactor CPU use, ms of CPU per s of wall time (1,000 events pending on 10 streams behind 1 s kernels)");
+    println!(
+        "{:<9} {:>8}   {:^17}   {:^17}",
+        "strategy", "idle", "first round", "second round"
+    );
+    println!(
+        "{:<9} {:>8}   {:>8} {:>8}   {:>8} {:>8}",
+        "", "reactor", "reactor", "workers", "reactor", "workers"
+    );
+    for name in &strategies {
+        let device = open(strategy(name, prewake));
+        let reactor = format!("sa-reactor-{}", device.id());
+        std::thread::sleep(Duration::from_millis(100));
+        let ((), idle, _) = cpu_while(&reactor, || std::thread::sleep(Duration::from_secs(1)));
+        let streams: Vec<_> = (0..10).map(|_| device.create_stream().unwrap()).collect();
+        let mut rounds = vec![];
+        for _ in 0..2 {
+            let (tasks, r, w) = cpu_while(&reactor, || {
+                rt.block_on(async {
+                    for stream in &streams {
+                        stream.spin(Duration::from_secs(1)).unwrap();
+                    }
+                    let tasks: Vec<_> = (0..1000)
+                        .map(|i| tokio::spawn(streams[i % 10].record().unwrap()))
+                        .collect();
+                    // Measure the window where all 1,000 wait behind the kernels.
+                    tokio::time::sleep(Duration::from_millis(800)).await;
+                    tasks
+                })
+            });
+            rounds.push((r, w));
+            rt.block_on(async {
+                for task in tasks {
+                    task.await.unwrap().unwrap();
+                }
+            });
+        }
+        println!(
+            "{:<9} {}   {} {}   {} {}",
+            name,
+            ms(idle),
+            ms(rounds[0].0),
+            ms(rounds[0].1),
+            ms(rounds[1].0),
+            ms(rounds[1].1)
+        );
     }
 }

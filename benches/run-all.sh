@@ -55,5 +55,4 @@ echo
 grep -E "ratio" "$logs/alloc_async.txt" | sed 's/^ */allocate_async overhead: /'
 grep -E "^   (default|low_latency) " "$logs/alloc_async.txt" | sed 's/^ */GPU free -> task holds memory: /'
 grep -E "allocations in" "$logs/alloc_async.txt" | sed 's/^ */64 tasks: /'
-grep -E "^(default|low_latency) +[0-9]" "$logs/event_latency.txt" | sed 's/^/event wake latency: /'
-grep -E "idle:" "$logs/event_latency.txt" | sed 's/^/reactor CPU: /'
+grep -E "^(backoff|spin|predict|prewake) +[0-9]" "$logs/event_latency.txt" | sed 's/^/event_latency: /'

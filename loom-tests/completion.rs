@@ -32,6 +32,7 @@ trait Core: Send + Sync + 'static {
         callback: Callback,
     ) -> std::result::Result<Registration, (Callback, Result<()>)>;
     fn waiting(&self) -> usize;
+    fn hurry(&self, on: bool);
 }
 
 impl Core for Completion {
@@ -55,6 +56,9 @@ impl Core for Completion {
     }
     fn waiting(&self) -> usize {
         Completion::waiting(self)
+    }
+    fn hurry(&self, on: bool) {
+        Completion::hurry(self, on)
     }
 }
 
@@ -496,6 +500,41 @@ fn double_complete() {
 }
 
 // ---------------------------------------------------------------------------------------------
+// (f) the reactor's pre-wake (`hurry`) racing a registration, then the completion.
+// ---------------------------------------------------------------------------------------------
+
+/// The reactor hurries the event (predicting its completion soon) while this thread registers
+/// a waker; then the event completes. The waiter must hear of the hurry either way: woken by the
+/// pre-wake (it was stored before) or woken by its own registration (it saw the flag). Then the
+/// completion wakes it as usual, and nothing stays stored.
+fn hurry_vs_register_model<C: Core>(new: fn() -> C) {
+    let core = Arc::new(new());
+    let (counter, waker) = CountingWaker::new();
+    let reactor = {
+        let core = core.clone();
+        thread::spawn(move || core.hurry(true))
+    };
+    let mut key = None;
+    let registration = core.register_waker(&mut key, &waker);
+    assert!(matches!(registration, Registration::Stored { first: true }));
+    reactor.join().unwrap();
+    assert!(
+        counter.wakes() >= 1,
+        "lost pre-wake: a waiter registered around a hurry was neither woken nor told to hurry"
+    );
+    let before = counter.wakes();
+    assert!(core.complete(Ok(())));
+    assert_eq!(counter.wakes(), before + 1, "the completion did not wake");
+    assert_eq!(core.waiting(), 0);
+}
+
+/// Exhaustive (no preemption bound).
+#[test]
+fn hurry_vs_register() {
+    check(None, || hurry_vs_register_model(real));
+}
+
+// ---------------------------------------------------------------------------------------------
 // Planted bugs: the same models against a copy of `Completion` with one bug each. Each must
 // fail; they are ignored by default (`-- --ignored` runs them). `must_fail` runs the model in a
 // child process and checks the message loom or the model gave when it caught the bug.
@@ -530,6 +569,24 @@ fn planted_none_passes() {
         callback_and_waker_vs_complete_model(|| planted(Bug::None))
     });
     check(None, || double_complete_model(|| planted(Bug::None)));
+    check(None, || hurry_vs_register_model(|| planted(Bug::None)));
+}
+
+/// Bug: `hurry` takes the wakers under the lock but sets its flag after releasing it; a waiter
+/// that registers in between is neither in the list nor sees the flag.
+#[test]
+#[ignore = "planted bug: must fail"]
+fn planted_hurry_flag_outside_lock() {
+    must_fail(
+        module_path!(),
+        "planted_hurry_flag_outside_lock",
+        "lost pre-wake",
+        || {
+            check(None, || {
+                hurry_vs_register_model(|| planted(planted::Bug::HurryFlagOutsideLock))
+            });
+        },
+    );
 }
 
 /// Bug: `register_waker` reads `result()` before taking the waiters lock.
@@ -681,7 +738,7 @@ mod planted {
 
     use crate::completion::{Callback, Registration};
     use crate::error::{Error, Result};
-    use crate::sync::{AtomicU8, Mutex, Ordering};
+    use crate::sync::{AtomicBool, AtomicU8, Mutex, Ordering};
 
     #[derive(Clone, Copy, PartialEq, Eq)]
     pub(super) enum Bug {
@@ -698,6 +755,8 @@ mod planted {
         CallbackCheckedOutsideLock,
         /// `deregister` indexes `wakers[key]` instead of `get_mut(key)`.
         DeregisterIndexes,
+        /// `hurry` sets its flag after releasing the lock it took the wakers under.
+        HurryFlagOutsideLock,
     }
 
     const PENDING: u8 = 0;
@@ -709,6 +768,7 @@ mod planted {
         state: AtomicU8,
         error: Mutex<Option<Error>>,
         waiters: Mutex<Waiters>,
+        hurry: AtomicBool,
     }
 
     #[derive(Default)]
@@ -726,6 +786,7 @@ mod planted {
                 state: AtomicU8::new(PENDING),
                 error: Mutex::new(None),
                 waiters: Mutex::new(Waiters::default()),
+                hurry: AtomicBool::new(false),
             }
         }
 
@@ -811,9 +872,13 @@ mod planted {
                 },
                 None => *key = Some(Self::new_slot(&mut waiters, waker)),
             }
-            Registration::Stored {
-                first: !std::mem::replace(&mut waiters.watched, true),
+            let first = !std::mem::replace(&mut waiters.watched, true);
+            let hurry = self.hurry.load(Ordering::Relaxed);
+            drop(waiters);
+            if hurry {
+                waker.wake_by_ref();
             }
+            Registration::Stored { first }
         }
 
         fn deregister(&self, key: usize) {
@@ -859,6 +924,28 @@ mod planted {
                 .iter()
                 .filter(|w| w.is_some())
                 .count()
+        }
+
+        fn hurry(&self, on: bool) {
+            let wakers: Vec<Waker> = {
+                let waiters = self.waiters.lock();
+                if self.state.load(Ordering::Relaxed) != PENDING {
+                    return;
+                }
+                if self.bug != Bug::HurryFlagOutsideLock {
+                    self.hurry.store(on, Ordering::Relaxed);
+                }
+                if !on {
+                    return;
+                }
+                waiters.wakers.iter().flatten().cloned().collect()
+            };
+            if self.bug == Bug::HurryFlagOutsideLock {
+                self.hurry.store(on, Ordering::Relaxed);
+            }
+            for waker in wakers {
+                waker.wake();
+            }
         }
     }
 }

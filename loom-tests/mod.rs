@@ -2,7 +2,7 @@
 //! `cfg(all(test, streamalloc_loom))` (see `src/lib.rs`), so they drive the real internals.
 //!
 //! - [`completion`]: the wakeup protocol of `Completion` (wakers, deregistration, callbacks,
-//!   concurrent completes), on the crate's own `Completion`.
+//!   concurrent completes, the reactor's pre-wake `hurry`), on the crate's own `Completion`.
 //! - [`reactor`]: the registration path of an event future into a running reactor thread, with a
 //!   fake device that rings the bell as the simulated one does. Run on a mirror of the reactor
 //!   that works around two loom 0.7.2 bugs; see that module and README.md.

@@ -16,7 +16,7 @@
 use std::task::Waker;
 
 use crate::error::{Error, Result};
-use crate::sync::{AtomicU8, Mutex, Ordering};
+use crate::sync::{AtomicBool, AtomicU8, Mutex, Ordering};
 
 /// Work to run once, on the thread that observes completion, with the event's result.
 pub(crate) type Callback = Box<dyn FnOnce(&Result<()>) + Send>;
@@ -32,6 +32,12 @@ pub(crate) struct Completion {
     /// The error, written before `state` becomes `FAILED` and never changed after.
     error: Mutex<Option<Error>>,
     waiters: Mutex<Waiters>,
+    /// Set by the reactor shortly before the predicted completion ([`hurry`](Self::hurry)):
+    /// a future that registers its waker while it is set wakes its own task again at once, so
+    /// that the task keeps polling instead of its worker parking. Written only under `waiters`'
+    /// lock, so a registration either sees it or was stored before the pre-wake took the
+    /// wakers.
+    hurry: AtomicBool,
 }
 
 #[derive(Default)]
@@ -60,6 +66,7 @@ impl Completion {
             state: AtomicU8::new(PENDING),
             error: Mutex::new(None),
             waiters: Mutex::new(Waiters::default()),
+            hurry: AtomicBool::new(false),
         }
     }
 
@@ -119,24 +126,63 @@ impl Completion {
     }
 
     /// Stores `waker` in the future's slot (`key`), replacing an older waker of the same future
-    /// unless it would wake the same task.
+    /// unless it would wake the same task. While the event is hurried ([`hurry`](Self::hurry))
+    /// it also wakes `waker` at once (after the lock), so the future is polled again soon.
     pub(crate) fn register_waker(&self, key: &mut Option<usize>, waker: &Waker) -> Registration {
-        let mut waiters = self.waiters.lock();
-        if let Some(result) = self.result() {
-            return Registration::Done(result);
-        }
-        match *key {
-            Some(k) => match waiters.wakers.get_mut(k) {
-                Some(Some(old)) if old.will_wake(waker) => {}
-                Some(slot) => *slot = Some(waker.clone()),
-                // Unreachable while pending: slots are only dropped by `complete`.
+        let (registration, hurry) = {
+            let mut waiters = self.waiters.lock();
+            if let Some(result) = self.result() {
+                return Registration::Done(result);
+            }
+            match *key {
+                Some(k) => match waiters.wakers.get_mut(k) {
+                    Some(Some(old)) if old.will_wake(waker) => {}
+                    Some(slot) => *slot = Some(waker.clone()),
+                    // Unreachable while pending: slots are only dropped by `complete`.
+                    None => *key = Some(Self::new_slot(&mut waiters, waker)),
+                },
                 None => *key = Some(Self::new_slot(&mut waiters, waker)),
-            },
-            None => *key = Some(Self::new_slot(&mut waiters, waker)),
+            }
+            let first = !std::mem::replace(&mut waiters.watched, true);
+            // Relaxed: written only under this lock, which orders it.
+            (
+                Registration::Stored { first },
+                self.hurry.load(Ordering::Relaxed),
+            )
+        };
+        if hurry {
+            guarded(WAKER, None, || waker.wake_by_ref());
         }
-        Registration::Stored {
-            first: !std::mem::replace(&mut waiters.watched, true),
+        registration
+    }
+
+    /// The reactor expects the event within its pre-wake lead (`on`), or no longer does. On:
+    /// wakes every waiting future now (keeping their wakers for the completion) and makes each
+    /// later registration wake its task again at once, until switched off or complete. A
+    /// no-op once complete. Allocates a list of the wakers: reactor thread only, never a hot
+    /// path.
+    pub(crate) fn hurry(&self, on: bool) {
+        let wakers: Vec<Waker> = {
+            let waiters = self.waiters.lock();
+            if self.state.load(Ordering::Relaxed) != PENDING {
+                return;
+            }
+            self.hurry.store(on, Ordering::Relaxed);
+            if !on {
+                return;
+            }
+            waiters.wakers.iter().flatten().cloned().collect()
+        };
+        for waker in wakers {
+            guarded(WAKER, None, || waker.wake());
         }
+    }
+
+    /// Whether the event is hurried (for the loom models).
+    #[allow(dead_code)]
+    pub(crate) fn hurried(&self) -> bool {
+        let _waiters = self.waiters.lock();
+        self.hurry.load(Ordering::Relaxed)
     }
 
     fn new_slot(waiters: &mut Waiters, waker: &Waker) -> usize {
@@ -274,6 +320,35 @@ mod tests {
         fn wake(self: Arc<Self>) {
             panic!("a waker that panics (completion unit test)");
         }
+    }
+
+    /// A hurried event wakes its waiting futures at once, and each future that registers while
+    /// it is hurried wakes itself; after `hurry(false)` only the completion wakes.
+    #[test]
+    fn hurry_wakes_waiters_and_registrations() {
+        let completion = Completion::new();
+        let counter = Arc::new(Counting(AtomicUsize::new(0)));
+        let waker = Waker::from(counter.clone());
+        let mut key = None;
+        let wakes = || counter.0.load(SeqCst);
+        assert!(matches!(
+            completion.register_waker(&mut key, &waker),
+            Registration::Stored { first: true }
+        ));
+        assert_eq!(wakes(), 0);
+        completion.hurry(true);
+        assert_eq!(wakes(), 1, "the pre-wake");
+        assert!(completion.hurried());
+        let _ = completion.register_waker(&mut key, &waker);
+        assert_eq!(wakes(), 2, "a registration while hurried wakes itself");
+        completion.hurry(false);
+        let _ = completion.register_waker(&mut key, &waker);
+        assert_eq!(wakes(), 2, "no self-wake once the hurry is off");
+        assert!(completion.complete(Ok(())));
+        assert_eq!(wakes(), 3, "the completion");
+        completion.hurry(true);
+        assert!(!completion.hurried(), "a complete event is never hurried");
+        assert_eq!(wakes(), 3);
     }
 
     /// Wakers and callbacks that panic, each stored before a good one: `complete` returns, every

@@ -110,10 +110,12 @@
 //! On the H200 VMs we measured, the driver's ways to wake a sleeping thread (host functions,
 //! blocking-sync events) arrive 250 to 450 µs after an event once the wait exceeds ~100 µs,
 //! while polling `cuEventQuery` sees completion within ~1 µs (`benches/doorbell_probe.rs`). So
-//! while events are pending the reactor polls, in a hot loop for
-//! [`CudaOptions::reactor_spin`](crate::CudaOptions::reactor_spin) after each completion or
-//! registration, then between sleeps that double up to `reactor_max_sleep`; with nothing
-//! pending it parks. The events of one stream complete in order, so it checks only each
+//! while events are pending the reactor polls, when
+//! [`CudaOptions::reactor_strategy`](crate::CudaOptions::reactor_strategy) says: by default
+//! around the completion it predicts from the stream's recent history (sleeping until just
+//! before it), else in a hot loop for `reactor_spin` after each completion or registration,
+//! then between sleeps that double up to `reactor_max_sleep`; with nothing pending it parks.
+//! The details are in `src/reactor.rs`. The events of one stream complete in order, so it checks only each
 //! stream's oldest event; an event's sequence number is taken under the same lock as its
 //! driver record so that the order cannot invert.
 //!

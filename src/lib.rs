@@ -112,7 +112,7 @@ mod vec;
 pub use crate::buffer::DeviceBuffer;
 pub use crate::device::{
     CudaOptions, Device, DeviceKind, DevicePtr, FaultKind, Faults, MemoryAccess, Race, RaceBlock,
-    RaceDetection, RaceKind, RaceSite, SimConfig, SimExecution,
+    RaceDetection, RaceKind, RaceSite, SimConfig, SimExecution, WakeStrategy,
 };
 pub use crate::error::{Error, Result};
 pub use crate::event::Event;

@@ -26,18 +26,40 @@
 //! How it waits, and why (figures in `benches/results/doorbell_probe.h200.txt`): on the H200 we
 //! measured, every way the driver has to wake a sleeping thread (a host function, a
 //! blocking-sync event) arrives 20 µs after the event at best and 250-450 µs after it once the
-//! wait is longer than ~100 µs; polling `cuEventQuery` sees it within ~1 µs. So:
-//! - nothing to watch: the thread parks with no timeout and burns no CPU;
-//! - after progress or a new registration: it polls the heads in a hot loop for the spin budget
-//!   (CUDA default 500 µs), which keeps the wake latency of short GPU work at a few µs;
-//! - then it polls between sleeps that double from 20 µs up to a cap (CUDA default 1 ms), so a
-//!   long wait costs about a thousand cheap polls a second; before each sleep it also arms a
-//!   *doorbell* for each head: on CUDA a host function queued on a watcher stream behind the
-//!   head event, which only rings the [`Bell`] (an atomic flag and an unpark: no CUDA call, and
-//!   nothing dropped there whose Drop could make one). The simulated device rings the bell itself
-//!   whenever a stream reaches an event, so its reactor never needs to poll or time out.
+//! wait is longer than ~100 µs; polling `cuEventQuery` sees it within ~1 µs. So the reactor
+//! polls while events are pending, and the device's [`WakeStrategy`](crate::WakeStrategy)
+//! says when:
+//! - nothing to watch: the thread parks with no timeout and burns no CPU (every strategy);
+//! - `Predict` (the default, issue 18): each stream's history (`predict.rs`) predicts when its
+//!   oldest watched event completes; the thread sleeps until just before the prediction and
+//!   polls in a hot loop through a window around it. The window's margin adapts to how far off
+//!   the stream's predictions were; the thread asks for sleeps shorter by how late its sleeps
+//!   of that length have been ending (it lowers its timer slack; a VM's idle vCPU still wakes
+//!   late), so that it is awake when the window opens. With a pre-wake lead
+//!   (`CudaOptions::reactor_prewake`) it also *hurries* the awaiting tasks that long before the
+//!   prediction: `Completion::hurry` wakes them, and every poll of theirs while hurried wakes
+//!   itself again, so the runtime's worker keeps polling the event instead of parking (a
+//!   parked worker takes the runtime ~140 µs to wake on the VM we
+//!   measured: the runtime's cost, which this hides at the price of that worker's CPU for the
+//!   lead). A head with no prediction (a new stream, or past all its windows) is polled as
+//!   `Backoff` does; every head also gets a doorbell, which cuts a sleep short when an
+//!   event completes well before its prediction;
+//! - `Backoff` (the design before issue 18): after progress or a new registration it polls the
+//!   heads in a hot loop for the spin budget (CUDA default 500 µs), then between sleeps that
+//!   double from 20 µs up to a cap (CUDA default 1 ms); before each sleep it arms a *doorbell*
+//!   for each head: on CUDA a host function queued on a watcher stream behind the head event,
+//!   which only rings the [`Bell`] (an atomic flag and an unpark: no CUDA call, and nothing
+//!   dropped there whose Drop could make one);
+//! - `Spin`: a hot loop while anything is pending.
+//!
+//! The simulated device rings the bell itself whenever a stream reaches an event, so its
+//! reactor never needs to poll, predict or time out.
 
-use std::collections::{BTreeMap, VecDeque};
+use std::collections::{BTreeMap, HashMap, VecDeque};
+
+mod predict;
+#[cfg(all(test, not(streamalloc_loom)))]
+mod tests;
 use std::time::{Duration, Instant};
 
 use crate::completion::Completion;
@@ -97,6 +119,16 @@ pub(crate) trait Doorbells: Send + 'static {
     /// The longest sleep between polls while events are pending; `None` to sleep until the bell
     /// rings (for devices whose every completion rings it).
     fn max_sleep(&self) -> Option<Duration>;
+    /// Whether to predict completions from each stream's history and sleep until just before
+    /// them ([`WakeStrategy::Predict`](crate::WakeStrategy::Predict)).
+    fn predict(&self) -> bool {
+        false
+    }
+    /// While predicting: how long before a predicted completion to hurry the awaiting tasks
+    /// (`Completion::hurry`).
+    fn prewake(&self) -> Option<Duration> {
+        None
+    }
     /// Arranges for `bell` to ring once `head` completes (or at once if it already has).
     /// Returns false if it could not; the reactor then parks with a short timeout instead.
     fn arm(&mut self, head: &dyn Watch, bell: &Arc<Bell>) -> bool;
@@ -145,13 +177,16 @@ impl Bell {
 
 #[derive(Default)]
 struct Inbox {
-    watch: Vec<Watched>,
+    /// Each with when it was handed over, while predicting.
+    watch: Vec<(Watched, Option<Instant>)>,
     forget: Vec<u64>,
     shutdown: bool,
 }
 
 struct Shared {
     inbox: Mutex<Inbox>,
+    /// Whether the loop predicts (then `watch` notes the time).
+    predict: bool,
     bell: Arc<Bell>,
 }
 
@@ -177,6 +212,7 @@ impl Reactor {
     pub(crate) fn start(name: String, doorbells: impl Doorbells) -> Self {
         let shared = Arc::new(Shared {
             inbox: Mutex::new(Inbox::default()),
+            predict: doorbells.predict(),
             bell: Arc::new(Bell::new()),
         });
         let theirs = shared.clone();
@@ -212,7 +248,8 @@ impl Reactor {
     ///
     /// [`Registration`]: crate::completion::Registration
     pub(crate) fn watch(&self, event: impl Watch + 'static) {
-        self.shared.inbox.lock().watch.push(Box::new(event));
+        let at = self.shared.predict.then(Instant::now);
+        self.shared.inbox.lock().watch.push((Box::new(event), at));
         self.shared.bell.ring();
     }
 
@@ -230,26 +267,47 @@ impl Drop for Reactor {
     }
 }
 
+/// A watched event and, when predicting, when it was registered.
+struct Entry {
+    event: Watched,
+    watched: Option<Instant>,
+}
+
 /// One stream's watched events, in record order.
 #[derive(Default)]
 struct StreamQueue {
-    events: VecDeque<Watched>,
+    events: VecDeque<Entry>,
     /// The sequence number of the head a doorbell is armed for.
     armed: Option<u64>,
+    /// The sequence number of the head whose tasks are hurried (`Completion::hurry`).
+    hurried: Option<u64>,
 }
 
 /// The first sleep between polls after the hot spin; each further one doubles, up to the cap.
 const FIRST_SLEEP: Duration = Duration::from_micros(20);
+/// A sleep shorter than this is not worth a context switch: poll instead.
+const MIN_SLEEP: Duration = Duration::from_micros(5);
+/// The longest sleep towards a prediction while every head has a doorbell armed: a backstop,
+/// should the doorbells never ring.
+const LONG_SLEEP: Duration = Duration::from_millis(100);
 
 fn run(shared: Arc<Shared>, mut doorbells: impl Doorbells) {
     crate::offload::mark_reactor_thread();
     *shared.bell.thread.lock() = Some(thread::current());
     doorbells.start();
+    let predict = doorbells.predict();
+    if predict {
+        predict::lower_timer_slack();
+    }
     let mut state = Loop {
         spin: doorbells.spin(),
         max_sleep: doorbells.max_sleep(),
+        predict,
+        prewake: doorbells.prewake(),
         doorbells,
         queues: BTreeMap::new(),
+        history: HashMap::new(),
+        oversleep: predict::Oversleep::default(),
         hot_since: None,
         sleep: FIRST_SLEEP,
     };
@@ -285,9 +343,28 @@ struct Loop<D> {
     doorbells: D,
     spin: Duration,
     max_sleep: Option<Duration>,
+    /// [`WakeStrategy::Predict`](crate::WakeStrategy::Predict). Time is only read when this is
+    /// on or spinning is, so that a loom model (neither) stays deterministic.
+    predict: bool,
+    /// How long before a predicted completion the awaiting tasks are hurried.
+    prewake: Option<Duration>,
     queues: BTreeMap<u64, StreamQueue>,
+    /// Per stream, while predicting; dropped when the stream is.
+    history: HashMap<u64, predict::History>,
+    oversleep: predict::Oversleep,
     hot_since: Option<Instant>,
     sleep: Duration,
+}
+
+/// What the predictions ask of this turn.
+#[derive(Default)]
+struct Plans {
+    /// Some head is inside a hot window.
+    hot: bool,
+    /// Some head has no prediction: the backoff rules apply to the turn.
+    unpredicted: bool,
+    /// The earliest instant at which a plan changes (a window opens, a hurry starts or ends).
+    next: Option<Instant>,
 }
 
 impl<D: Doorbells> Loop<D> {
@@ -303,16 +380,20 @@ impl<D: Doorbells> Loop<D> {
             )
         };
         let registered = !new.is_empty();
-        for event in new {
+        for (event, watched) in new {
             let queue = self.queues.entry(event.stream_id()).or_default();
-            let at = queue.events.partition_point(|e| e.seq() < event.seq());
-            queue.events.insert(at, event);
+            let at = queue
+                .events
+                .partition_point(|e| e.event.seq() < event.seq());
+            queue.events.insert(at, Entry { event, watched });
         }
         for stream in forget {
             self.doorbells.forget(stream);
+            self.history.remove(&stream);
         }
 
-        let progressed = poll_heads(&mut self.queues);
+        let history = self.predict.then_some(&mut self.history);
+        let progressed = poll_heads(&mut self.queues, history);
         if self.queues.is_empty() {
             if shutdown {
                 return Turn::Exit;
@@ -323,58 +404,149 @@ impl<D: Doorbells> Loop<D> {
         }
         if progressed || registered {
             self.sleep = FIRST_SLEEP;
-            // Time is only read when spinning is on, so a loom model (spin zero) stays
-            // deterministic.
             self.hot_since = (self.spin > Duration::ZERO).then(Instant::now);
         }
-        if let Some(since) = self.hot_since {
-            if since.elapsed() < self.spin {
-                std::hint::spin_loop();
+        let plans = if self.predict {
+            self.plan()
+        } else {
+            Plans {
+                unpredicted: true,
+                ..Plans::default()
+            }
+        };
+        if plans.hot {
+            std::hint::spin_loop();
+            return Turn::Again;
+        }
+        if plans.unpredicted {
+            if let Some(since) = self.hot_since {
+                if since.elapsed() < self.spin {
+                    std::hint::spin_loop();
+                    return Turn::Again;
+                }
+                self.hot_since = None;
+            } else if progressed {
                 return Turn::Again;
             }
-            self.hot_since = None;
-        } else if progressed {
-            return Turn::Again;
         }
 
         let mut all_armed = true;
         for queue in self.queues.values_mut() {
             if let Some(head) = queue.events.front() {
-                if queue.armed != Some(head.seq()) {
-                    if self.doorbells.arm(&**head, &shared.bell) {
-                        queue.armed = Some(head.seq());
+                if queue.armed != Some(head.event.seq()) {
+                    if self.doorbells.arm(&*head.event, &shared.bell) {
+                        queue.armed = Some(head.event.seq());
                     } else {
                         all_armed = false;
                     }
                 }
             }
         }
-        match self.max_sleep {
-            Some(cap) => {
-                shared.bell.wait(Some(self.sleep.min(cap)));
+        let mut timeout = match self.max_sleep {
+            Some(cap) if plans.unpredicted => {
+                let sleep = self.sleep.min(cap);
                 self.sleep = (self.sleep * 2).min(cap);
+                Some(sleep)
             }
-            None if all_armed => shared.bell.wait(None),
-            None => shared.bell.wait(Some(Duration::from_millis(1))),
+            Some(cap) if !all_armed => Some(cap),
+            Some(_) => Some(LONG_SLEEP),
+            None if all_armed => None,
+            None => Some(Duration::from_millis(1)),
+        };
+        if let Some(next) = plans.next {
+            // Ask for a sleep that ends at `next` once the usual lateness of a sleep that long
+            // is added; nearer than that, keep polling.
+            let until = next.saturating_duration_since(Instant::now());
+            let asked = until.saturating_sub(self.oversleep.get(until));
+            if asked < MIN_SLEEP {
+                std::hint::spin_loop();
+                return Turn::Again;
+            }
+            timeout = Some(timeout.map_or(asked, |t| t.min(asked)));
+        }
+        match (self.predict, timeout) {
+            (true, Some(asked)) => {
+                let before = Instant::now();
+                shared.bell.wait(Some(asked));
+                self.oversleep.slept(asked, before.elapsed());
+            }
+            (_, timeout) => shared.bell.wait(timeout),
         }
         Turn::Again
     }
+
+    /// Each head against its stream's predictions: which are hot, which have none, when the
+    /// next plan changes; hurries (or stops hurrying) the tasks of heads near their predicted
+    /// completion.
+    fn plan(&mut self) -> Plans {
+        let now = Instant::now();
+        let mut plans = Plans::default();
+        let mut soonest = |at: Instant| {
+            plans.next = Some(plans.next.map_or(at, |n: Instant| n.min(at)));
+        };
+        let mut hot = false;
+        let mut unpredicted = false;
+        for (stream, queue) in &mut self.queues {
+            let Some(head) = queue.events.front() else {
+                continue;
+            };
+            let Some(history) = self.history.get(stream) else {
+                unpredicted = true;
+                continue;
+            };
+            let start = history.start(head.watched.unwrap_or(now));
+            let margin = history.margin();
+            match history.plan(start, now, margin) {
+                predict::Plan::None => unpredicted = true,
+                predict::Plan::Hot { .. } => hot = true,
+                predict::Plan::Ahead { wake, .. } => soonest(wake),
+            }
+            if let Some(lead) = self.prewake {
+                let (want, change) = history.hurry(start, now, lead, margin);
+                let seq = head.event.seq();
+                if want != (queue.hurried == Some(seq)) {
+                    head.event.completion().hurry(want);
+                    queue.hurried = want.then_some(seq);
+                }
+                if let Some(at) = change {
+                    soonest(at);
+                }
+            }
+        }
+        plans.hot = hot;
+        plans.unpredicted = unpredicted;
+        plans
+    }
 }
 
-/// Completes every head that the device reports done; returns whether any was.
-fn poll_heads(queues: &mut BTreeMap<u64, StreamQueue>) -> bool {
+/// Completes every head that the device reports done; returns whether any was. While
+/// predicting (`history`), each completion teaches its stream's history.
+fn poll_heads(
+    queues: &mut BTreeMap<u64, StreamQueue>,
+    mut history: Option<&mut HashMap<u64, predict::History>>,
+) -> bool {
+    let now = history.is_some().then(Instant::now);
     let mut progressed = false;
-    queues.retain(|_, queue| {
+    queues.retain(|&stream, queue| {
+        let mut batch = false;
         while let Some(head) = queue.events.front() {
-            if head.completion().result().is_none() {
-                match head.query() {
+            let event = &head.event;
+            if event.completion().result().is_none() {
+                match event.query() {
                     Some(result) => {
-                        head.completion()
-                            .complete_for(result, Some((head.stream_id(), head.seq())));
+                        event
+                            .completion()
+                            .complete_for(result, Some((event.stream_id(), event.seq())));
                     }
                     None => break,
                 }
             }
+            if let (Some(history), Some(now)) = (history.as_deref_mut(), now) {
+                let history = history.entry(stream).or_default();
+                let start = history.start(head.watched.unwrap_or(now));
+                history.completed(start, now, batch);
+            }
+            batch = true;
             queue.events.pop_front();
             progressed = true;
         }

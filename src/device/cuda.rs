@@ -852,15 +852,26 @@ pub(crate) struct CudaDoorbells {
     ctx: Arc<Context>,
     spin: Duration,
     max_sleep: Duration,
+    predict: bool,
+    prewake: Option<Duration>,
     watchers: HashMap<u64, RawStream>,
 }
 
 impl CudaDoorbells {
-    pub(crate) fn new(ctx: Arc<Context>, spin: Duration, max_sleep: Duration) -> Self {
+    pub(crate) fn new(ctx: Arc<Context>, options: &crate::device::CudaOptions) -> Self {
+        use crate::device::WakeStrategy;
+        let spin = match options.reactor_strategy {
+            // An hour of hot loop after every completion or registration: always hot.
+            WakeStrategy::Spin => Duration::from_secs(3600),
+            WakeStrategy::Predict | WakeStrategy::Backoff => options.reactor_spin,
+        };
+        let predict = options.reactor_strategy == WakeStrategy::Predict;
         Self {
             ctx,
             spin,
-            max_sleep: max_sleep.max(Duration::from_micros(1)),
+            max_sleep: options.reactor_max_sleep.max(Duration::from_micros(1)),
+            predict,
+            prewake: options.reactor_prewake.filter(|_| predict),
             watchers: HashMap::new(),
         }
     }
@@ -879,6 +890,14 @@ impl Doorbells for CudaDoorbells {
 
     fn max_sleep(&self) -> Option<Duration> {
         Some(self.max_sleep)
+    }
+
+    fn predict(&self) -> bool {
+        self.predict
+    }
+
+    fn prewake(&self) -> Option<Duration> {
+        self.prewake
     }
 
     fn arm(&mut self, head: &dyn Watch, bell: &Arc<Bell>) -> bool {

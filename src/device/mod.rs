@@ -62,37 +62,81 @@ pub enum DeviceKind {
 /// On the H200 we measured, the driver's own ways to wake a sleeping thread (host functions,
 /// blocking-sync events) arrive 250-450 µs after an event once the wait is longer than ~100 µs,
 /// while polling sees it within ~1 µs (`benches/doorbell_probe.rs`). So while events are
-/// pending the reactor polls: in a hot loop for `reactor_spin` after each completion or new
-/// registration, then between sleeps that double from 20 µs up to `reactor_max_sleep`. With
-/// nothing pending it parks and uses no CPU.
+/// pending the reactor polls; [`reactor_strategy`](Self::reactor_strategy) says when. With
+/// nothing pending it parks and uses no CPU, whatever the strategy.
 #[derive(Debug, Clone)]
 pub struct CudaOptions {
-    /// How long the reactor polls in a hot loop after the last completion or registration.
-    /// Longer keeps the wake latency at a few µs for GPU work of up to that length, at the cost
-    /// of up to that much CPU per burst; zero goes straight to sleeping polls.
+    /// When the reactor polls while events are pending (see [`WakeStrategy`]).
+    pub reactor_strategy: WakeStrategy,
+    /// How long the reactor polls in a hot loop after the last completion or registration, for
+    /// events it has no prediction for ([`WakeStrategy::Predict`]) or for all of them
+    /// ([`WakeStrategy::Backoff`]). Longer keeps the wake latency at a few µs for GPU work of
+    /// up to that length, at the cost of up to that much CPU per burst; zero goes straight to
+    /// sleeping polls.
     pub reactor_spin: Duration,
-    /// The longest sleep between polls while events are pending: the worst-case added latency
-    /// for long GPU work, against about one cheap poll per sleep of CPU.
+    /// The longest sleep between polls while events without a prediction are pending: the
+    /// worst-case added latency for long GPU work, against about one cheap poll per sleep of
+    /// CPU.
     pub reactor_max_sleep: Duration,
+    /// With [`WakeStrategy::Predict`]: wake the tasks awaiting an event this long before its
+    /// predicted completion, and have them poll it until it completes (each poll of the future
+    /// wakes its own task again, so the runtime's worker never parks), or until the prediction
+    /// proves wrong. This hides the runtime's wakeup of a parked worker (a futex wake, ~140 µs
+    /// on the VM we measured) at the cost of that worker's CPU for about this long per awaited
+    /// event. `None`: tasks are woken when the event completes.
+    pub reactor_prewake: Option<Duration>,
+}
+
+/// When a CUDA device's completion reactor polls the GPU while events are pending. Measured
+/// side by side by `benches/event_latency.rs`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum WakeStrategy {
+    /// Predict when each stream's oldest watched event completes, from that stream's history
+    /// (the time its recent events took from the moment the GPU could start on them to their
+    /// completion), sleep until just before the prediction and poll in a hot loop through it.
+    /// The margin adapts to how late the thread's sleeps end and how far off the predictions
+    /// were. Events without a prediction (a stream's first, or one past all its predictions)
+    /// are polled as [`Backoff`](Self::Backoff) does.
+    Predict,
+    /// Poll in a hot loop for `reactor_spin` after each completion or registration, then
+    /// between sleeps that double from 20 µs up to `reactor_max_sleep`, with a doorbell (a host
+    /// function behind the event) to cut a sleep short. The strategy before predictions.
+    Backoff,
+    /// Poll in a hot loop for as long as any event is pending: a core kept busy while work is
+    /// pending (none when nothing is).
+    Spin,
 }
 
 impl Default for CudaOptions {
     fn default() -> Self {
         Self {
+            reactor_strategy: WakeStrategy::Predict,
             reactor_spin: Duration::from_micros(500),
             reactor_max_sleep: Duration::from_millis(1),
+            reactor_prewake: Some(Duration::from_micros(250)),
         }
     }
 }
 
 impl CudaOptions {
-    /// Poll in a hot loop for as long as any event is pending: wake latency of a few µs
-    /// whatever the length of the GPU work, for one core kept busy while work is pending (no
-    /// CPU when nothing is). What `cudaStreamSynchronize` does by default, but for every
-    /// awaiting task at once.
+    /// Poll in a hot loop for as long as any event is pending ([`WakeStrategy::Spin`]): wake
+    /// latency of a few µs whatever the length of the GPU work, for one core kept busy while
+    /// work is pending (no CPU when nothing is). What `cudaStreamSynchronize` does by default,
+    /// but for every awaiting task at once.
     pub fn low_latency() -> Self {
         Self {
-            reactor_spin: Duration::from_secs(3600),
+            reactor_strategy: WakeStrategy::Spin,
+            reactor_prewake: None,
+            ..Self::default()
+        }
+    }
+
+    /// The reactor as it was before predictions ([`WakeStrategy::Backoff`], no pre-wake): for
+    /// comparison.
+    pub fn backoff() -> Self {
+        Self {
+            reactor_strategy: WakeStrategy::Backoff,
+            reactor_prewake: None,
             ..Self::default()
         }
     }
@@ -184,11 +228,7 @@ impl Device {
         let id = NEXT_DEVICE_ID.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
         let reactor = Reactor::start(
             format!("sa-reactor-{id}"),
-            cuda::CudaDoorbells::new(
-                backend.ctx.clone(),
-                options.reactor_spin,
-                options.reactor_max_sleep,
-            ),
+            cuda::CudaDoorbells::new(backend.ctx.clone(), &options),
         );
         tracing::info!(
             device = id,
