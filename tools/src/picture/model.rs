@@ -121,7 +121,6 @@ pub(crate) struct Counts {
     pub(crate) frees: u64,
     pub(crate) failures: u64,
     pub(crate) unmatched_frees: u64,
-    pub(crate) dropped: u64,
 }
 
 /// Everything the page shows.
@@ -177,7 +176,6 @@ pub(crate) fn from_trace(
     let streams = trace.streams.len().max(1);
     let mut counts = Counts {
         events: n as u64,
-        dropped: trace.dropped,
         ..Counts::default()
     };
     let mut live: HashMap<u64, (u64, u32)> = HashMap::new();
