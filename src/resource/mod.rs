@@ -145,6 +145,7 @@ pub(crate) fn check_stream(device: &Device, stream: &Stream) -> Result<()> {
 // ===== waiting for memory =====
 mod allocate;
 mod allocate_all;
+mod wait;
 mod waiters;
 pub use self::allocate::{Allocate, AllocateAsync};
 pub use self::allocate_all::AllocateAll;

@@ -20,7 +20,7 @@ use std::collections::{BTreeMap, VecDeque};
 
 use super::races::{MemoryAccess, Race, RaceBlock, RaceDetection, RaceKind, RaceSite};
 use crate::device::DevicePtr;
-use crate::stream::StreamId;
+use crate::device::StreamId;
 use crate::sync::plain::{Arc as PlainArc, Mutex as PlainMutex, MutexGuard as PlainGuard};
 
 /// A vector clock: component `i` is how many operations of dense stream `i` are ordered before.
