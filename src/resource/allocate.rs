@@ -10,9 +10,9 @@ use super::allocate_all::AllocateAll;
 use super::wait::Wait;
 use super::MemoryResource;
 use crate::device::DevicePtr;
-use crate::error::Result;
 #[cfg(doc)]
 use crate::error::Error;
+use crate::error::Result;
 use crate::stream::Stream;
 
 /// `allocate_async` for every [`MemoryResource`] (and `dyn MemoryResource`).
