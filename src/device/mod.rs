@@ -5,7 +5,10 @@
 //! thread (see `reactor.rs`).
 
 pub(crate) mod cuda;
+mod cuda_peer;
+mod cuda_pools;
 mod cuda_vmm;
+mod cuda_work;
 mod cudarc_interop;
 mod ids;
 pub(crate) mod memory;
