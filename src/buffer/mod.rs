@@ -8,6 +8,8 @@ use std::fmt;
 use std::time::Duration;
 
 use crate::device::DevicePtr;
+#[cfg(doc)]
+use crate::error::Error;
 use crate::error::Result;
 use crate::resource::{AllocateAsync, AsResourceRef, ResourceRef};
 use crate::stream::Stream;

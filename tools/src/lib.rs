@@ -1,4 +1,4 @@
-//! The command-line tools of [streamalloc](streamalloc), apart from the library so that a
+//! The command-line tools of [streamalloc], apart from the library so that a
 //! library user's dependencies stay the library's own (argument parsing, CSV, progress bars and
 //! JSON are the tools'):
 //!
