@@ -44,8 +44,9 @@
 //!    the small types every layer above names (`device::ids`: [`DevicePtr`], [`StreamId`]), the
 //!    [`Device`] handle, which owns its reactor, and its raw memory calls (`device::memory`:
 //!    `malloc`, `free`, managed and page-locked host memory). It names neither streams nor
-//!    events. One arrow still runs back up, `reactor` → `device::cuda` (the reactor polls CUDA
-//!    events by their raw handles): the reactor's work of issue 18 is to remove it.
+//!    events. One arrow still runs back up: `reactor`'s `Watch::raw_cuda_event` returns
+//!    `device::cuda::RawEvent`, for the CUDA doorbells. A raw handle of cudarc's own
+//!    (`sys::CUevent`) there would remove it; until then `.ci/import_cycles.py` allows it.
 //! 4. **`event`, then `stream`**: an [`Event`] names the device and the reactor; a [`Stream`]
 //!    records events. The device's calls that take a stream live here: `create_stream`;
 //!    `stream::memory` (`malloc_async`, `free_async`, `free_after`); `stream::async_pool` (the
