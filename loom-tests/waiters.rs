@@ -9,11 +9,9 @@
 //! the fake resource is lost.
 //!
 //! # What runs
-//! - The queue is `MemoryWaiters` **compiled from src/resource/waiters.rs itself** (`#[path]`
-//!   below), not a copy: the crate's module `resource::waiters` is private and `Leave`, which
-//!   `remove` takes, is not re-exported, so the crate's own instance of the type cannot be
-//!   named here. One line in src/resource/mod.rs (`pub(crate) use self::waiters::Leave;`)
-//!   would let the models use it instead.
+//! - The queue is the crate's own `MemoryWaiters` (`crate::resource::waiters`, a `pub(crate)`
+//!   module so that the models, a module of the crate, can name `Leave`, which `remove`
+//!   takes), not a copy.
 //! - The future is [`Alloc`], a copy of `Allocate::poll` (src/resource/allocate.rs), calling
 //!   the queue in the same order: `Allocate` needs a `MemoryResource`, whose `device()` returns
 //!   a `&Device`, which cannot be built under loom. Deadlines are left out: a timeout leaves
@@ -49,10 +47,8 @@ use loom::thread;
 use super::{check_paths, must_fail, CountingWaker, Seen, Shared};
 use crate::sync::{Arc, AtomicUsize, Mutex, Ordering};
 
-/// src/resource/waiters.rs, compiled again as a module of the models (see the module doc).
-#[allow(dead_code, unreachable_pub, clippy::duplicate_mod)]
-#[path = "../src/resource/waiters.rs"]
-mod src_waiters;
+/// The crate's own queue (src/resource/waiters.rs; see the module doc).
+use crate::resource::waiters;
 
 /// The bytes every waiter asks for.
 const N: usize = 256;
@@ -125,33 +121,33 @@ trait Queue: Send + Sync + 'static {
     fn remove(&self, id: u64, served: bool);
 }
 
-impl Queue for src_waiters::MemoryWaiters {
+impl Queue for waiters::MemoryWaiters {
     fn new() -> Self {
-        src_waiters::MemoryWaiters::new()
+        waiters::MemoryWaiters::new()
     }
     fn notify(&self) {
-        src_waiters::MemoryWaiters::notify(self)
+        waiters::MemoryWaiters::notify(self)
     }
     fn is_empty(&self) -> bool {
-        src_waiters::MemoryWaiters::is_empty(self)
+        waiters::MemoryWaiters::is_empty(self)
     }
     fn register(&self, bytes: usize, waker: &Waker) -> (u64, bool) {
-        src_waiters::MemoryWaiters::register(self, bytes, waker)
+        waiters::MemoryWaiters::register(self, bytes, waker)
     }
     fn poll_entry(&self, id: u64, waker: &Waker) -> Option<bool> {
-        src_waiters::MemoryWaiters::poll_entry(self, id, waker)
+        waiters::MemoryWaiters::poll_entry(self, id, waker)
     }
     fn remove(&self, id: u64, served: bool) {
         let outcome = if served {
-            src_waiters::Leave::Served(Duration::ZERO)
+            waiters::Leave::Served(Duration::ZERO)
         } else {
-            src_waiters::Leave::Cancelled
+            waiters::Leave::Cancelled
         };
-        src_waiters::MemoryWaiters::remove(self, id, outcome)
+        waiters::MemoryWaiters::remove(self, id, outcome)
     }
 }
 
-type Real = src_waiters::MemoryWaiters;
+type Real = waiters::MemoryWaiters;
 
 /// Bugs planted in [`Alloc`] (the copy of `Allocate::poll`).
 #[derive(Clone, Copy, PartialEq, Eq, Debug)]

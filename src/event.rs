@@ -6,10 +6,10 @@ use std::pin::Pin;
 use std::task::{Context, Poll};
 
 use crate::completion::{run_callback, Callback, Completion, Registration};
+use crate::device::StreamId;
 use crate::device::{cuda, sim, Backend, Device};
 use crate::error::Result;
 use crate::reactor::Watch;
-use crate::stream::StreamId;
 use crate::sync::Arc;
 
 /// A recorded point of a stream ([`Stream::record`](crate::Stream::record)).

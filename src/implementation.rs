@@ -18,34 +18,67 @@
 //!
 //! # Layers, and what each owns
 //!
-//! From the bottom:
+//! From the bottom; each layer names only the ones below it (the rule, and the one arrow that
+//! still runs back up, are in the crate root's docs, "Layers"):
 //!
 //! - `sync`: the only file that names `std::sync` or `loom` (`--cfg streamalloc_loom`).
-//! - `error`: the one [`Error`](crate::Error) type, with the numbers in every variant.
-//! - `device`: [`Device`](crate::Device), the only place that calls the driver. `device::cuda`
-//!   goes through cudarc (loaded at run time); `device::sim` is the simulated device: host
-//!   memory at device-like addresses, a worker thread per stream (or none: with
-//!   `SimExecution::Inline`, the default under loom, the queueing thread runs each operation
-//!   at once, so loom models of users' code meet no thread of ours), every access checked, and
-//!   `device::sim::faults` ([`Faults`](crate::Faults)), which makes the Nth driver call of a
-//!   kind fail. `device::staging` caches the page-locked blocks that host copies go through.
-//! - `reactor`, `completion`, `offload`: one completion reactor thread per device turns
-//!   finished events into wakeups and runs deferred callbacks; a lazily started blocking-work
-//!   thread per device takes what may block (`cuMemFree`, dropping a resource). The rules for
-//!   code that runs on the reactor are in the crate root's docs.
-//! - `stream`, `event`, `stream_pool`: [`Stream`](crate::Stream) (ids that are never reused,
-//!   unlike driver handles), [`Event`](crate::Event) (a future), [`StreamPool`](crate::StreamPool).
+//! - `error`: the one [`Error`](crate::Error) type, with the numbers in every variant. `timer`:
+//!   one thread that keeps the deadlines of waits for memory.
+//! - `completion`: an event's completion state (its wakers and deferred callbacks), which any
+//!   thread that sees the event done may complete.
+//! - `offload`, `reactor`: one completion reactor thread per device turns finished events into
+//!   wakeups and runs deferred callbacks; a lazily started blocking-work thread per device takes
+//!   what may block (`cuMemFree`, dropping a resource). The reactor polls what implements its
+//!   `Watch` trait (an event) and sleeps on its `Doorbells` (the device's). The rules for code
+//!   that runs on the reactor are in the crate root's docs.
+//! - `device`: [`Device`](crate::Device), the only place that calls the driver, and the small
+//!   types everyone names ([`DevicePtr`](crate::DevicePtr), [`StreamId`](crate::StreamId):
+//!   `device::ids`). `device::cuda` (with `cuda_pools`, `cuda_work`, `cuda_peer`, `cuda_vmm`
+//!   beside it) goes through cudarc, loaded at run time; `device::sim` is the simulated device
+//!   (see below: a worker thread per stream, or none with `SimExecution::Inline`, the default
+//!   under loom, where the queueing thread runs each operation at once, so loom models of
+//!   users' code meet no thread of ours); `device::memory` holds the raw memory calls, and `device::staging` caches the
+//!   page-locked blocks that host copies go through. It names no stream and no event.
+//! - `event`, `stream`, `stream_pool`: [`Event`](crate::Event) (a future),
+//!   [`Stream`](crate::Stream) (ids that are never reused, unlike driver handles),
+//!   [`StreamPool`](crate::StreamPool). The device's calls that take a stream are written
+//!   here, as `impl Device` blocks under `stream/`: creating streams, the stream-ordered
+//!   allocator (`stream::memory`) and the driver's pools (`stream::async_pool`), returning
+//!   staging blocks behind a copy, the race detector's hooks, cudarc streams.
 //! - `resource`: the [`MemoryResource`](crate::MemoryResource) trait and every resource and
 //!   adaptor; `resource::stream_ordered` and `resource::free_list` are the engine the pool and
-//!   the fixed-size resource share; `resource::waiters` and `resource::allocate` are awaitable
-//!   allocation.
+//!   the fixed-size resource share; `resource::waiters` (the queue), `resource::wait` (one
+//!   waiting request) and `resource::allocate`, `resource::allocate_all` (the futures) are
+//!   awaitable allocation.
 //! - `buffer`, `vec`: [`DeviceBuffer`](crate::DeviceBuffer), [`DeviceVec`](crate::DeviceVec),
 //!   [`DeviceScalar`](crate::DeviceScalar): RAII over a resource, with the streams that used
 //!   them, and frees that wait for those uses.
+//! - Programs, outside the library: `examples/`, `benches/`, and the command-line tools in the
+//!   workspace's `tools/` crate (`streamalloc-replay`, `streamalloc-picture`), whose
+//!   dependencies (argument parsing, CSV, progress bars, JSON) the library does not have.
 //!
-//! A lower layer should never name a higher one. Three cycles remain (issue 17): `device`,
-//! `stream` and `event` name each other; `device::cuda` and `reactor`; `device::sim::kernels`
-//! and `device::sim::stream`.
+//! # What must stay true
+//!
+//! - **Stream order is the contract** (above). A block taken from another stream's free list is
+//!   handed out only after the taking stream waits on an event recorded after the free, with
+//!   the fix of RMM issue 2489 (a block moved between lists is guarded by an event recorded
+//!   when it moves).
+//! - **Free lists are per stream and fast, and free memory is not stranded.** Reuse on the
+//!   freeing stream takes only that stream's lock; free memory held for one stream can still
+//!   coalesce with its neighbours held for others, and serve them, before the pool grows.
+//!   Streams are keyed by a [`StreamId`](crate::StreamId), never by a handle the driver reuses.
+//! - **Growth, limits and release.** A pool grows from its upstream, halving the try on
+//!   failure, never past its maximum, and merges idle streams' lists before it grows (RMM issue
+//!   2039); it returns wholly free chunks (`trim`), never waiting for the GPU inside a lock.
+//! - **Drop never blocks and never loses memory**: a buffer used on several streams frees once
+//!   all their events completed, from the reactor; dropping a stream with frees pending on it is
+//!   safe.
+//! - **Completion reaches futures cheaply**: one reactor per device, no thread per future, no
+//!   busy core when nothing is pending. A host callback (`cuLaunchHostFunc`) makes no CUDA
+//!   call and drops nothing whose drop would make one.
+//! - **Bad input gets a typed error**, with the numbers, never undefined behaviour or a panic,
+//!   and nothing is lost when an error is returned.
+//! - **Every concurrency core is model-checked** (below, "Proving it").
 //!
 //! # The pool's engine: free lists per stream, and its order of resort
 //!
@@ -195,6 +228,46 @@
 //!   correct, only slower: the pool treats memory freed on one as another stream's and orders
 //!   its reuse with an event.
 //! - On the simulated device there is no cudarc: these return `None` or an error.
+//!
+//! # The simulated device
+//!
+//! `Device::simulated` keeps a GPU's semantics on host memory: device memory at addresses that
+//! look like device addresses (disjoint between simulated devices), a worker thread per stream
+//! that runs its queued operations in order (`device::sim::stream`, the operations in
+//! `device::sim::op`, the arithmetic of the built-in kernels in `device::sim::kernels`),
+//! markers for events (`device::sim::marker`), and waits between streams. The same copies,
+//! memsets and kernels (fill, scale, a spin kernel that runs for a given time) run on both
+//! devices, so tests and examples run the same code on either. It is what CI runs, what the
+//! loom models drive, and what a machine without a GPU gets.
+//!
+//! It checks stream order itself (`device::sim::detector`, what it reports in
+//! `device::sim::races`): vector clocks per stream, which a recorded event snapshots and a wait
+//! joins, decided when work is queued, so that a use not ordered after its block's allocation
+//! or before its free, or racing with a use on another stream, is reported with both sites.
+//! Suballocating resources tell it about the blocks they carve out of a chunk
+//! ([`Device::note_allocation`](crate::Device::note_allocation)), so a block inside a pool is
+//! checked, which compute-sanitizer cannot do. And it injects faults
+//! ([`Faults`](crate::Faults): the Nth call of a kind, every call, or by probability and
+//! seed), so that every error path can be tested.
+//!
+//! # Growing without seams
+//!
+//! A pool that grows chunk by chunk can never coalesce across chunk boundaries, and can give
+//! memory back only a whole chunk at a time. [`ExpandablePoolResource`](crate::ExpandablePoolResource)
+//! reserves one range of addresses and maps physical memory into it a granule at a time
+//! (`cuMemAddressReserve`, `cuMemCreate`, `cuMemMap`; `device::vmm`), as PyTorch's expandable
+//! segments do, with the pool's stream semantics; its `trim` unmaps every wholly free granule
+//! once the streams that last used it are done. The simulated device reserves and maps too
+//! (`device::sim::vmm`), and an access to an unmapped granule is an error with its address.
+//!
+//! # Testing, ours and the users'
+//!
+//! Tests are written once against [`Device`](crate::Device) and run on the simulated device
+//! always and on CUDA device 0 when one can be opened; with `STREAMALLOC_REQUIRE_GPU=1` a
+//! missing GPU is a failure, not a fallback. The loom build is not only for our own models:
+//! under `--cfg streamalloc_loom` a user's `loom::model` drives the real simulated device,
+//! resources and buffers, so loom explores the user's tasks together with ours
+//! (`examples/loom_user.rs`; README, "Testing your own code").
 //!
 //! # Proving it
 //!

@@ -28,8 +28,34 @@
 //! ```
 //!
 //! ## Layers
-//! `device` (CUDA through cudarc, or simulated) → `stream`, `event` and the completion
-//! reactor → (memory resources and buffers build on these).
+//!
+//! The modules form layers, lowest first. A module names only modules of lower layers (and its
+//! own submodules); no arrow runs back up, so there is no import cycle. Where a lower layer must
+//! reach a higher one, the higher one implements a trait of the lower (the reactor's `Watch`,
+//! which an event implements) or adds the methods that name its own types in its own files
+//! (`impl Device` blocks under `stream/` for the calls that take a [`Stream`]).
+//!
+//! 1. **Foundations**: `sync` (std, or loom under `--cfg streamalloc_loom`), `error`, `timer`,
+//!    and `completion` (an event's completion state: wakers and deferred callbacks).
+//! 2. **Threads that run completions**: `offload` (the per-device blocking-work thread), then
+//!    `reactor` (the per-device completion reactor, its `Bell` and `Doorbells`, and the `Watch`
+//!    trait that what it polls implements).
+//! 3. **`device`**: the backends (`device::cuda` through cudarc, `device::sim` on host memory),
+//!    the small types every layer above names (`device::ids`: [`DevicePtr`], [`StreamId`]), the
+//!    [`Device`] handle, which owns its reactor, and its raw memory calls (`device::memory`:
+//!    `malloc`, `free`, managed and page-locked host memory). It names neither streams nor
+//!    events. One arrow still runs back up: `reactor`'s `Watch::raw_cuda_event` returns
+//!    `device::cuda::RawEvent`, for the CUDA doorbells. A raw handle of cudarc's own
+//!    (`sys::CUevent`) there would remove it; until then `.ci/import_cycles.py` allows it.
+//! 4. **`event`, then `stream`**: an [`Event`] names the device and the reactor; a [`Stream`]
+//!    records events. The device's calls that take a stream live here: `create_stream`;
+//!    `stream::memory` (`malloc_async`, `free_async`, `free_after`); `stream::async_pool` (the
+//!    driver's pools); the staging blocks returned behind a copy; the race detector's hooks on
+//!    a stream; cudarc streams.
+//! 5. **`resource`** (memory resources, on devices, streams and events) and `stream_pool`.
+//! 6. **`buffer`**, then `vec`: owning allocations, on resources.
+//!
+//! What each layer owns, and why it is built so: [`implementation`].
 //!
 //! ## The completion reactor thread
 //!

@@ -8,7 +8,8 @@
 //! first time it is needed, it runs the jobs one at a time in the order they came, then parks
 //! (no CPU while idle), and it exits once the device is gone and its queue is empty.
 //!
-//! [`run_blocking`] is the one call a resource needs: off the reactor it runs the job at once
+//! [`run_blocking`](crate::device::run_blocking) (in the device layer, which names the device
+//! this module must not) is the one call a resource needs: off the reactor it runs the job at once
 //! and returns its result; on a reactor thread it queues the job, returns `Ok(())` and logs the
 //! job's error, if any, at error level (the reactor's callers could only log it too). A job
 //! that panics is caught and logged; the thread goes on with the next.
@@ -21,8 +22,6 @@
 use std::cell::Cell;
 use std::collections::VecDeque;
 
-use crate::device::Device;
-use crate::error::Result;
 use crate::sync::thread;
 use crate::sync::{Arc, Condvar, Mutex};
 
@@ -46,28 +45,6 @@ pub(crate) fn mark_reactor_thread() {
 /// block.
 pub(crate) fn on_reactor_thread() -> bool {
     ON_REACTOR.with(Cell::get)
-}
-
-/// Runs `job`, a blocking driver call, where it may block: here and now (returning its
-/// result) unless this is a reactor thread, else on `device`'s blocking-work thread (returning
-/// `Ok(())`; an error is logged with `what`).
-pub(crate) fn run_blocking(
-    device: &Device,
-    what: &'static str,
-    job: impl FnOnce() -> Result<()> + Send + 'static,
-) -> Result<()> {
-    if !on_reactor_thread() {
-        return job();
-    }
-    device.reactor().offload(
-        what,
-        Box::new(move || {
-            if let Err(e) = job() {
-                tracing::error!(error = %e, job = what, "blocking work handed off the completion reactor failed");
-            }
-        }),
-    );
-    Ok(())
 }
 
 /// A job for the blocking-work thread.

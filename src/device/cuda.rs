@@ -1,5 +1,7 @@
-//! Real GPUs, through cudarc's driver API with dynamic loading: the only file that calls the
-//! driver.
+//! Real GPUs, through cudarc's driver API with dynamic loading. With its siblings, the only
+//! files that call the driver: here the context, the device, streams and events, raw memory and
+//! the reactor's doorbells; `cuda_pools.rs` the stream-ordered pools, `cuda_work.rs` copies,
+//! memsets and kernels, `cuda_peer.rs` several GPUs, `cuda_vmm.rs` virtual memory.
 //!
 //! Every call first makes the device's primary context current on the calling thread (a cheap
 //! check when it already is). Kernels come from the PTX the crate carries
@@ -21,13 +23,13 @@ use crate::sync::{Arc, Mutex};
 const PTX: &str = concat!(include_str!("../../kernels/streamalloc.ptx"), "\0");
 
 /// Threads per block of the element-wise kernels.
-const BLOCK: u32 = 256;
+pub(super) const BLOCK: u32 = 256;
 
-fn check(call: &'static str, r: std::result::Result<(), DriverError>) -> Result<()> {
+pub(super) fn check(call: &'static str, r: std::result::Result<(), DriverError>) -> Result<()> {
     r.map_err(|e| Error::driver(call, e))
 }
 
-fn raw(call: &'static str, r: sys::CUresult) -> Result<()> {
+pub(super) fn raw(call: &'static str, r: sys::CUresult) -> Result<()> {
     check(call, r.result())
 }
 
@@ -78,7 +80,7 @@ impl Context {
         &self.cudarc
     }
 
-    fn raw(&self) -> sys::CUcontext {
+    pub(super) fn raw(&self) -> sys::CUcontext {
         self.cudarc.cu_ctx()
     }
 
@@ -114,16 +116,16 @@ pub(crate) type RawEvent = Handle<sys::CUevent>;
 /// A driver memory pool (`cuMemPoolCreate`).
 pub(crate) type RawPool = Handle<sys::CUmemoryPool>;
 
-struct Kernels {
-    module: sys::CUmodule,
-    fill_u32: sys::CUfunction,
-    scale_f32: sys::CUfunction,
-    spin: sys::CUfunction,
+pub(super) struct Kernels {
+    pub(super) module: sys::CUmodule,
+    pub(super) fill_u32: sys::CUfunction,
+    pub(super) scale_f32: sys::CUfunction,
+    pub(super) spin: sys::CUfunction,
     /// The pattern kernels (issue 16), added after the others: a PTX file made before them
     /// lacks them, and then only their launches fail (with the lookup's error), not the
     /// device.
-    fill_pattern_u32: Result<sys::CUfunction>,
-    count_mismatches_u32: Result<sys::CUfunction>,
+    pub(super) fill_pattern_u32: Result<sys::CUfunction>,
+    pub(super) count_mismatches_u32: Result<sys::CUfunction>,
 }
 
 pub(crate) struct CudaDevice {
@@ -131,12 +133,12 @@ pub(crate) struct CudaDevice {
     pub(crate) ordinal: usize,
     pub(crate) name: String,
     pub(crate) total_memory: usize,
-    multiprocessors: u32,
-    kernels: Kernels,
+    pub(super) multiprocessors: u32,
+    pub(super) kernels: Kernels,
     /// Idle events, reused by `record` (creating one costs ~330 ns, more than recording).
     events: Mutex<Vec<RawEvent>>,
     /// The driver pool behind `malloc_async`, made on first use.
-    pool: OnceLock<RawPool>,
+    pub(super) pool: OnceLock<RawPool>,
 }
 
 // SAFETY: the module, function and pool handles are driver handles usable from any thread once
@@ -368,450 +370,6 @@ impl CudaDevice {
         // SAFETY: the caller's contract.
         raw("cuMemFreeHost", unsafe {
             sys::cuMemFreeHost(ptr as *mut c_void)
-        })
-    }
-
-    /// The driver pool of `malloc_async`: ours (not the device's default pool, which other
-    /// libraries in the process may trim), with the release threshold at its maximum so freed
-    /// memory stays in the pool instead of going back to the driver at every synchronize.
-    fn pool(&self) -> Result<sys::CUmemoryPool> {
-        if let Some(pool) = self.pool.get() {
-            return Ok(pool.0);
-        }
-        let pool = self.create_pool(u64::MAX, 0)?;
-        match self.pool.set(pool) {
-            Ok(()) => Ok(pool.0),
-            Err(_) => {
-                // Another thread won the race; keep its pool.
-                // SAFETY: `pool` is ours and unused.
-                unsafe { self.destroy_pool(pool) };
-                Ok(self.pool.get().map_or(pool.0, |p| p.0))
-            }
-        }
-    }
-
-    /// A new driver pool of device memory on this device (`cuMemPoolCreate`), that keeps up to
-    /// `release_threshold` bytes of freed memory across synchronizations, and grows to at most
-    /// `max_size` bytes (0: the driver's own limit).
-    pub(crate) fn create_pool(&self, release_threshold: u64, max_size: usize) -> Result<RawPool> {
-        self.ctx.bind()?;
-        // SAFETY: an all-zero CUmemPoolProps is valid plain data; we set the fields that matter.
-        let mut props: sys::CUmemPoolProps = unsafe { std::mem::zeroed() };
-        props.allocType = sys::CUmemAllocationType::CU_MEM_ALLOCATION_TYPE_PINNED;
-        props.handleTypes = sys::CUmemAllocationHandleType::CU_MEM_HANDLE_TYPE_NONE;
-        props.location.type_ = sys::CUmemLocationType::CU_MEM_LOCATION_TYPE_DEVICE;
-        props.location.id = self.ordinal as i32;
-        props.maxSize = max_size;
-        // SAFETY: `props` is fully initialized above.
-        let pool = unsafe { result::mem_pool::create(&props) }
-            .map(Handle)
-            .map_err(|e| Error::driver("cuMemPoolCreate", e))?;
-        if let Err(e) = self.set_pool_threshold(pool, release_threshold) {
-            // SAFETY: the pool is ours and unused.
-            unsafe { self.destroy_pool(pool) };
-            return Err(e);
-        }
-        Ok(pool)
-    }
-
-    /// Reads a `cuuint64_t` attribute of a pool (`cuMemPoolGetAttribute`).
-    fn pool_attribute(&self, pool: RawPool, attr: sys::CUmemPool_attribute) -> Result<u64> {
-        self.ctx.bind()?;
-        let mut value: u64 = 0;
-        // SAFETY: the pool is live (its owner holds it), and every attribute read here
-        // (thresholds and memory counters) is a cuuint64_t, which `value` is.
-        check("cuMemPoolGetAttribute", unsafe {
-            result::mem_pool::get_attribute(pool.0, attr, &mut value as *mut u64 as *mut c_void)
-        })?;
-        Ok(value)
-    }
-
-    /// Bytes of device memory the pool holds (`CU_MEMPOOL_ATTR_RESERVED_MEM_CURRENT`).
-    pub(crate) fn pool_reserved(&self, pool: RawPool) -> Result<u64> {
-        self.pool_attribute(
-            pool,
-            sys::CUmemPool_attribute::CU_MEMPOOL_ATTR_RESERVED_MEM_CURRENT,
-        )
-    }
-
-    /// Bytes of the pool in live allocations (`CU_MEMPOOL_ATTR_USED_MEM_CURRENT`).
-    pub(crate) fn pool_used(&self, pool: RawPool) -> Result<u64> {
-        self.pool_attribute(
-            pool,
-            sys::CUmemPool_attribute::CU_MEMPOOL_ATTR_USED_MEM_CURRENT,
-        )
-    }
-
-    pub(crate) fn pool_threshold(&self, pool: RawPool) -> Result<u64> {
-        self.pool_attribute(
-            pool,
-            sys::CUmemPool_attribute::CU_MEMPOOL_ATTR_RELEASE_THRESHOLD,
-        )
-    }
-
-    pub(crate) fn set_pool_threshold(&self, pool: RawPool, threshold: u64) -> Result<()> {
-        self.ctx.bind()?;
-        let mut threshold = threshold;
-        // SAFETY: the pool is live; the release threshold attribute is a cuuint64_t, which
-        // `threshold` is, and the driver only reads it.
-        check("cuMemPoolSetAttribute", unsafe {
-            result::mem_pool::set_attribute(
-                pool.0,
-                sys::CUmemPool_attribute::CU_MEMPOOL_ATTR_RELEASE_THRESHOLD,
-                &mut threshold as *mut u64 as *mut c_void,
-            )
-        })
-    }
-
-    /// Releases freed memory of the pool until it holds at most `keep` bytes
-    /// (`cuMemPoolTrimTo`). Memory of frees the GPU has not reached yet stays.
-    pub(crate) fn pool_trim(&self, pool: RawPool, keep: usize) -> Result<()> {
-        self.ctx.bind()?;
-        // SAFETY: the pool is live (its owner holds it).
-        check("cuMemPoolTrimTo", unsafe {
-            result::mem_pool::trim_to(pool.0, keep)
-        })
-    }
-
-    /// `cuMemAllocFromPoolAsync`: `bytes` from `pool`, usable by work queued on `stream` after
-    /// this call.
-    pub(crate) fn pool_alloc(&self, pool: RawPool, bytes: usize, stream: RawStream) -> Result<u64> {
-        self.ctx.bind()?;
-        // SAFETY: pool and stream are live (their owners hold them); the memory handed out is
-        // uninitialized device memory, which only unsafe device operations can read.
-        unsafe { result::mem_pool::alloc_async(pool.0, bytes, stream.0) }
-            .map_err(|e| Error::driver("cuMemAllocFromPoolAsync", e))
-    }
-
-    /// Destroys a pool (`cuMemPoolDestroy`). Memory still allocated from it, or whose free the
-    /// GPU has not reached yet, is released by the driver once it is all freed.
-    ///
-    /// # Safety
-    /// `pool` came from `create_pool`, is destroyed once, and nothing allocates from it after
-    /// this call.
-    pub(crate) unsafe fn destroy_pool(&self, pool: RawPool) {
-        if self.ctx.bind().is_ok() {
-            // SAFETY: the caller's contract.
-            let _ = unsafe { result::mem_pool::destroy(pool.0) };
-        }
-    }
-
-    pub(crate) fn malloc_async(&self, bytes: usize, stream: RawStream) -> Result<u64> {
-        let pool = self.pool()?;
-        self.pool_alloc(Handle(pool), bytes, stream)
-    }
-
-    /// # Safety
-    /// `ptr` came from `malloc_async`, and work using it is ordered before this point of
-    /// `stream`.
-    pub(crate) unsafe fn free_async(&self, ptr: u64, stream: RawStream) -> Result<()> {
-        self.ctx.bind()?;
-        // SAFETY: the caller's contract.
-        raw("cuMemFreeAsync", unsafe {
-            sys::cuMemFreeAsync(ptr, stream.0)
-        })
-    }
-
-    // ===== copies, memsets, kernels =====
-
-    /// # Safety
-    /// `dst` is `bytes` of live device memory; `src` stays readable until the stream reaches
-    /// the copy.
-    pub(crate) unsafe fn copy_htod(
-        &self,
-        dst: u64,
-        src: *const u8,
-        bytes: usize,
-        stream: RawStream,
-    ) -> Result<()> {
-        self.ctx.bind()?;
-        // SAFETY: the caller's contract.
-        raw("cuMemcpyHtoDAsync", unsafe {
-            sys::cuMemcpyHtoDAsync_v2(dst, src as *const c_void, bytes, stream.0)
-        })
-    }
-
-    /// # Safety
-    /// `src` is `bytes` of live device memory; `dst` stays writable, and untouched by anyone
-    /// else, until the stream reaches the copy.
-    pub(crate) unsafe fn copy_dtoh(
-        &self,
-        dst: *mut u8,
-        src: u64,
-        bytes: usize,
-        stream: RawStream,
-    ) -> Result<()> {
-        self.ctx.bind()?;
-        // SAFETY: the caller's contract.
-        raw("cuMemcpyDtoHAsync", unsafe {
-            sys::cuMemcpyDtoHAsync_v2(dst as *mut c_void, src, bytes, stream.0)
-        })
-    }
-
-    /// # Safety
-    /// Both ranges are live device memory.
-    pub(crate) unsafe fn copy_dtod(
-        &self,
-        dst: u64,
-        src: u64,
-        bytes: usize,
-        stream: RawStream,
-    ) -> Result<()> {
-        self.ctx.bind()?;
-        // SAFETY: the caller's contract.
-        raw("cuMemcpyDtoDAsync", unsafe {
-            sys::cuMemcpyDtoDAsync_v2(dst, src, bytes, stream.0)
-        })
-    }
-
-    /// # Safety
-    /// `dst` is `bytes` of live device memory.
-    pub(crate) unsafe fn memset_d8(
-        &self,
-        dst: u64,
-        value: u8,
-        bytes: usize,
-        stream: RawStream,
-    ) -> Result<()> {
-        self.ctx.bind()?;
-        // SAFETY: the caller's contract.
-        raw("cuMemsetD8Async", unsafe {
-            sys::cuMemsetD8Async(dst, value, bytes, stream.0)
-        })
-    }
-
-    /// # Safety
-    /// `dst` is `4 * count` bytes of live, 4-aligned device memory.
-    pub(crate) unsafe fn memset_d32(
-        &self,
-        dst: u64,
-        value: u32,
-        count: usize,
-        stream: RawStream,
-    ) -> Result<()> {
-        self.ctx.bind()?;
-        // SAFETY: the caller's contract.
-        raw("cuMemsetD32Async", unsafe {
-            sys::cuMemsetD32Async(dst, value, count, stream.0)
-        })
-    }
-
-    /// # Safety
-    /// `[ptr, ptr + bytes)` is managed memory that stays allocated until the stream reaches this.
-    pub(crate) unsafe fn prefetch(&self, ptr: u64, bytes: usize, stream: RawStream) -> Result<()> {
-        self.ctx.bind()?;
-        // SAFETY: an all-zero CUmemLocation is valid plain data; we set both fields.
-        let mut location: sys::CUmemLocation = unsafe { std::mem::zeroed() };
-        location.type_ = sys::CUmemLocationType::CU_MEM_LOCATION_TYPE_DEVICE;
-        location.id = self.ordinal as i32;
-        // SAFETY: the caller's contract; the stream is live.
-        check("cuMemPrefetchAsync", unsafe {
-            result::mem_prefetch_async(ptr, bytes, location, stream.0)
-        })
-    }
-
-    fn grid(&self, count: usize) -> u32 {
-        let needed = count.div_ceil(BLOCK as usize).max(1);
-        needed.min(self.multiprocessors as usize * 8) as u32
-    }
-
-    /// # Safety
-    /// `dst` is `4 * count` bytes of live, 4-aligned device memory.
-    pub(crate) unsafe fn fill_u32(
-        &self,
-        dst: u64,
-        value: u32,
-        count: usize,
-        stream: RawStream,
-    ) -> Result<()> {
-        self.ctx.bind()?;
-        let (mut dst, mut value, mut count64) = (dst, value, count as u64);
-        let mut params = [
-            &mut dst as *mut u64 as *mut c_void,
-            &mut value as *mut u32 as *mut c_void,
-            &mut count64 as *mut u64 as *mut c_void,
-        ];
-        // SAFETY: the parameters match the kernel's signature (u32*, u32, u64) and the launch
-        // copies them before returning; `dst` is the caller's contract.
-        check("cuLaunchKernel", unsafe {
-            result::launch_kernel(
-                self.kernels.fill_u32,
-                (self.grid(count), 1, 1),
-                (BLOCK, 1, 1),
-                0,
-                stream.0,
-                &mut params,
-            )
-        })
-    }
-
-    /// # Safety
-    /// `dst` is `4 * count` bytes of live, 4-aligned device memory.
-    pub(crate) unsafe fn scale_f32(
-        &self,
-        dst: u64,
-        factor: f32,
-        count: usize,
-        stream: RawStream,
-    ) -> Result<()> {
-        self.ctx.bind()?;
-        let (mut dst, mut factor, mut count64) = (dst, factor, count as u64);
-        let mut params = [
-            &mut dst as *mut u64 as *mut c_void,
-            &mut factor as *mut f32 as *mut c_void,
-            &mut count64 as *mut u64 as *mut c_void,
-        ];
-        // SAFETY: as in `fill_u32`; the signature is (f32*, f32, u64).
-        check("cuLaunchKernel", unsafe {
-            result::launch_kernel(
-                self.kernels.scale_f32,
-                (self.grid(count), 1, 1),
-                (BLOCK, 1, 1),
-                0,
-                stream.0,
-                &mut params,
-            )
-        })
-    }
-
-    /// # Safety
-    /// `dst` is `4 * count` bytes of live, 4-aligned device memory.
-    pub(crate) unsafe fn fill_pattern_u32(
-        &self,
-        dst: u64,
-        seed: u64,
-        count: usize,
-        stream: RawStream,
-    ) -> Result<()> {
-        let function = self.kernels.fill_pattern_u32.clone()?;
-        self.ctx.bind()?;
-        let (mut dst, mut seed, mut count64) = (dst, seed, count as u64);
-        let mut params = [
-            &mut dst as *mut u64 as *mut c_void,
-            &mut seed as *mut u64 as *mut c_void,
-            &mut count64 as *mut u64 as *mut c_void,
-        ];
-        // SAFETY: as in `fill_u32`; the signature is (u32*, u64, u64).
-        check("cuLaunchKernel", unsafe {
-            result::launch_kernel(
-                function,
-                (self.grid(count), 1, 1),
-                (BLOCK, 1, 1),
-                0,
-                stream.0,
-                &mut params,
-            )
-        })
-    }
-
-    /// # Safety
-    /// `src` is `4 * count` bytes of live, 4-aligned device memory; `counter` is 8 bytes of
-    /// live, 8-aligned device memory.
-    pub(crate) unsafe fn count_mismatches_u32(
-        &self,
-        src: u64,
-        seed: u64,
-        count: usize,
-        counter: u64,
-        stream: RawStream,
-    ) -> Result<()> {
-        let function = self.kernels.count_mismatches_u32.clone()?;
-        self.ctx.bind()?;
-        let (mut src, mut seed, mut count64, mut counter) = (src, seed, count as u64, counter);
-        let mut params = [
-            &mut src as *mut u64 as *mut c_void,
-            &mut seed as *mut u64 as *mut c_void,
-            &mut count64 as *mut u64 as *mut c_void,
-            &mut counter as *mut u64 as *mut c_void,
-        ];
-        // SAFETY: as in `fill_u32`; the signature is (const u32*, u64, u64, u64*); both
-        // pointers are the caller's contract.
-        check("cuLaunchKernel", unsafe {
-            result::launch_kernel(
-                function,
-                (self.grid(count), 1, 1),
-                (BLOCK, 1, 1),
-                0,
-                stream.0,
-                &mut params,
-            )
-        })
-    }
-
-    pub(crate) fn spin(&self, duration: Duration, stream: RawStream) -> Result<()> {
-        self.ctx.bind()?;
-        let mut ns = duration.as_nanos().min(u64::MAX as u128) as u64;
-        let mut params = [&mut ns as *mut u64 as *mut c_void];
-        // SAFETY: the kernel takes one u64 and touches no memory.
-        check("cuLaunchKernel", unsafe {
-            result::launch_kernel(
-                self.kernels.spin,
-                (1, 1, 1),
-                (1, 1, 1),
-                0,
-                stream.0,
-                &mut params,
-            )
-        })
-    }
-}
-
-// ===== several GPUs (peer access, copies between GPUs) =====
-
-impl CudaDevice {
-    /// Whether kernels of this GPU can access `peer`'s memory (`cuDeviceCanAccessPeer`).
-    pub(crate) fn can_access_peer(&self, peer: &CudaDevice) -> Result<bool> {
-        let mut can = 0;
-        // SAFETY: `can` is one writable int; both devices are valid.
-        raw("cuDeviceCanAccessPeer", unsafe {
-            sys::cuDeviceCanAccessPeer(
-                &mut can,
-                self.ctx.cudarc().cu_device(),
-                peer.ctx.cudarc().cu_device(),
-            )
-        })?;
-        Ok(can != 0)
-    }
-
-    /// Lets kernels of this GPU's context access `peer`'s memory (`cuCtxEnablePeerAccess`, one
-    /// direction). Already enabled is success.
-    pub(crate) fn enable_peer_access(&self, peer: &CudaDevice) -> Result<()> {
-        self.ctx.bind()?;
-        // SAFETY: the peer's context is alive (its device holds it); flags must be 0.
-        match unsafe { sys::cuCtxEnablePeerAccess(peer.ctx.raw(), 0) } {
-            sys::CUresult::CUDA_SUCCESS | sys::CUresult::CUDA_ERROR_PEER_ACCESS_ALREADY_ENABLED => {
-                Ok(())
-            }
-            r => raw("cuCtxEnablePeerAccess", r),
-        }
-    }
-
-    /// Queues a copy of `bytes` from `src` (memory of `src_device`) to `dst` (memory of this
-    /// device) on `stream` of this device (`cuMemcpyPeerAsync`: needs no peer access; the
-    /// driver stages it when the GPUs cannot reach each other).
-    ///
-    /// # Safety
-    /// Both ranges are live memory of their devices until the stream reaches the copy, and the
-    /// source's writers are ordered before it.
-    pub(crate) unsafe fn copy_peer(
-        &self,
-        dst: u64,
-        src_device: &CudaDevice,
-        src: u64,
-        bytes: usize,
-        stream: RawStream,
-    ) -> Result<()> {
-        self.ctx.bind()?;
-        // SAFETY: the caller's contract; both contexts are alive.
-        check("cuMemcpyPeerAsync", unsafe {
-            result::memcpy_peer_async(
-                self.ctx.raw(),
-                dst,
-                src_device.ctx.raw(),
-                src,
-                bytes,
-                stream.0,
-            )
         })
     }
 }

@@ -21,12 +21,12 @@
 //! another allocation's bytes. Their peer access is always possible (all of it is host memory)
 //! and enabling it changes nothing: the simulated kernels do not model access to another
 //! device's memory, which is what peer access would allow on GPUs.
+//!
+//! [`Stream::wait`]: crate::Stream::wait
+//! [`Stream::copy_peer`]: crate::Stream::copy_peer
 
 use crate::device::{Backend, Device};
 use crate::error::{Error, Result};
-
-#[allow(unused_imports)] // for the docs
-use crate::stream::Stream;
 
 impl Device {
     /// `Ok` if streams, events and buffers of `self` and `other` may meet: the same device,

@@ -17,12 +17,14 @@
 //! the device is dropped. A user thread that gives a block back directly (no copy pending on
 //! it) frees an excess block at once.
 //!
+//! The two calls that give a block back behind an event or a stream are the stream layer's
+//! (`stream/staging.rs`): the device layer does not name streams or events.
+//!
 //! A block whose copy may be queued but whose event could not be recorded goes back behind a
 //! later event of the same stream; if no event can be recorded at all (the stream or the
 //! context is broken) it is leaked rather than reused under a copy that may still write it.
 
 use crate::error::Result;
-use crate::stream::Stream;
 use crate::sync::Mutex;
 
 /// Blocks are cached in power-of-two sizes from this one up.
@@ -91,7 +93,7 @@ impl Staging {
 
     /// Keeps `block` for reuse, or retires it if the cache is full. Never frees: for the
     /// reactor thread.
-    fn put_or_retire(&self, block: StagingBlock) {
+    pub(crate) fn put_or_retire(&self, block: StagingBlock) {
         let mut free = self.free.lock();
         if let Some(block) = Self::cache(&mut free, block) {
             free.retired.push(block);
@@ -142,28 +144,6 @@ impl super::Device {
     pub(crate) fn return_staging(&self, block: StagingBlock) {
         if let Some(block) = self.inner.staging.put(block) {
             self.free_staging([block]);
-        }
-    }
-
-    /// Gives a block back once `event` completes (the copy that used it is queued before it).
-    /// The callback runs on the reactor thread: it caches or retires the block, never frees it.
-    pub(crate) fn return_staging_after(&self, block: StagingBlock, event: &crate::Event) {
-        let device = self.clone();
-        event.on_complete(Box::new(move |_| device.inner.staging.put_or_retire(block)));
-    }
-
-    /// Gives a block back whose copy on `stream` may be queued but has no event after it (the
-    /// record failed): behind a new event of `stream`, which the copy precedes. If that cannot
-    /// be recorded either, the block is leaked (logged): reusing it could let the copy write
-    /// into the next user's data.
-    pub(crate) fn return_staging_after_queued(&self, block: StagingBlock, stream: &Stream) {
-        match stream.record() {
-            Ok(event) => self.return_staging_after(block, &event),
-            Err(e) => tracing::error!(
-                error = %e,
-                bytes = block.size,
-                "could not fence a staging block behind its copy; it is leaked"
-            ),
         }
     }
 

@@ -49,7 +49,7 @@ pub(crate) const MAX_RESERVATION: usize = 1 << 47;
 pub(crate) fn granularity(device: &Device) -> Result<usize> {
     match device.backend() {
         Backend::Cuda(d) => cuda_vmm::granularity(d),
-        Backend::Sim(_) => Ok(sim::vmm::GRANULE),
+        Backend::Sim(_) => Ok(sim::granules::GRANULE),
     }
 }
 

@@ -6,7 +6,7 @@ use std::pin::Pin;
 use std::task::{Context, Poll};
 use std::time::{Duration, Instant};
 
-use super::allocate::{Attempt, Wait};
+use super::wait::{Attempt, Wait};
 use super::{aligned_size, MemoryResource};
 use crate::device::DevicePtr;
 use crate::error::{Error, Result};

@@ -80,7 +80,7 @@ impl MemoryResource for CudaResource {
             (0, _) | (_, 0) => Err(Error::UnknownPointer { ptr: ptr.0, bytes }),
             _ => {
                 let (device, stream) = (self.device.clone(), stream.clone());
-                crate::offload::run_blocking(
+                crate::device::run_blocking(
                     &self.device,
                     "cuMemFree (CudaResource::deallocate)",
                     // SAFETY: the caller's contract: `ptr` came from `allocate` (so from

@@ -5,10 +5,11 @@
 
 use std::fmt;
 
-use crate::device::{AsyncPool, AsyncPoolSettings, Device, DevicePtr};
+use crate::device::{Device, DevicePtr};
 use crate::error::{Error, Result};
 use crate::resource::{aligned_size, check_stream, MemoryKind, MemoryResource};
 use crate::stream::Stream;
+use crate::stream::{AsyncPool, AsyncPoolSettings};
 use crate::sync::{AtomicUsize, Ordering};
 
 /// Settings of a [`CudaAsyncResource`].

@@ -122,7 +122,7 @@ impl MemoryResource for ManagedResource {
             stream.clone(),
             self.outstanding.clone(),
         );
-        crate::offload::run_blocking(
+        crate::device::run_blocking(
             &self.device,
             "cuMemFree (ManagedResource::deallocate)",
             move || {

@@ -145,7 +145,9 @@ pub(crate) fn check_stream(device: &Device, stream: &Stream) -> Result<()> {
 // ===== waiting for memory =====
 mod allocate;
 mod allocate_all;
-mod waiters;
+mod wait;
+// `pub(crate)`: the loom models (loom-tests/waiters.rs) drive the queue and name `Leave`.
+pub(crate) mod waiters;
 pub use self::allocate::{Allocate, AllocateAsync};
 pub use self::allocate_all::AllocateAll;
 pub use self::waiters::{MemoryWaiters, WaitStats};

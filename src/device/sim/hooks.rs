@@ -1,46 +1,17 @@
 //! What the race detector asks of the layers above, and offers them: resources that carve
 //! blocks out of device memory tell the device when they hand one out and take it back
 //! ([`Device::note_allocation`], [`Device::note_free`]), user code declares the memory its own
-//! simulated work touches ([`Stream::declare_access`]), and tests read the races found
-//! ([`Device::races`]). On CUDA, and with the detector off, each is a no-op.
+//! simulated work touches ([`Stream::declare_access`](crate::Stream::declare_access)), and
+//! tests read the races found ([`Device::races`]). On CUDA, and with the detector off, each is
+//! a no-op. The hooks that take a stream are the stream layer's (`stream/sim_hooks.rs`); the
+//! simulated device's side of them is here.
 
 use super::detector::Reuse;
-use super::races::{MemoryAccess, Race, RaceDetection};
+use super::races::{Race, RaceDetection};
 use super::SimDevice;
-use crate::device::{Backend, Device, DevicePtr};
-use crate::error::Result;
-use crate::stream::{RawStream, Stream};
+use crate::device::{Backend, Device};
 
 impl Device {
-    /// Tells the simulated device's race detector that a resource handed out the block of
-    /// `bytes` at `ptr` for use on `stream` (from this point of it), inside memory the device
-    /// already knows (a chunk from an upstream resource). The detector then checks every use of
-    /// the block against this allocation point, and the allocation against the block's previous
-    /// free: a pool that hands a block to one stream while another may still use it is caught
-    /// there, inside the chunk that the driver sees as one allocation.
-    ///
-    /// For authors of suballocating resources: call it after the block is taken from the
-    /// resource's bookkeeping, and [`note_free`](Self::note_free) before it goes back. The
-    /// crate's pool, arena and fixed-size resources do. A no-op on CUDA and when the detector
-    /// is off (one branch); never fails (in the `Panic` mode, a race panics).
-    #[inline]
-    pub fn note_allocation(&self, ptr: DevicePtr, bytes: usize, stream: &Stream) {
-        if let Some((d, s)) = self.sim_with(stream) {
-            d.note_allocation(ptr.0, bytes, s);
-        }
-    }
-
-    /// Tells the simulated device's race detector that the block of `bytes` at `ptr` (as given
-    /// to [`note_allocation`](Self::note_allocation)) was freed on `stream`, at this point of
-    /// it: every use of the block must be ordered before it, and a later use is a use after
-    /// free. A no-op on CUDA and when the detector is off.
-    #[inline]
-    pub fn note_free(&self, ptr: DevicePtr, bytes: usize, stream: &Stream) {
-        if let Some((d, s)) = self.sim_with(stream) {
-            d.note_free(ptr.0, bytes, s);
-        }
-    }
-
     /// The stream-order races the simulated device has found so far (see
     /// [`RaceDetection`]); always empty on CUDA and with the detector off.
     pub fn races(&self) -> Vec<Race> {
@@ -70,83 +41,22 @@ impl Device {
             Backend::Cuda(_) => RaceDetection::Off,
         }
     }
-
-    /// The simulated device and `stream`'s simulated stream, when both are this device's and
-    /// the detector is on.
-    #[inline]
-    fn sim_with<'a>(&'a self, stream: &'a Stream) -> Option<(&'a SimDevice, &'a super::SimStream)> {
-        match (self.backend(), stream.raw()) {
-            (Backend::Sim(d), RawStream::Sim(s))
-                if d.races.is_some() && stream.device().id() == self.id() =>
-            {
-                Some((d, s))
-            }
-            _ => None,
-        }
-    }
 }
 
 impl SimDevice {
-    fn note_allocation(&self, ptr: u64, bytes: usize, stream: &super::SimStream) {
+    /// The detector's side of [`Device::note_allocation`](crate::Device::note_allocation).
+    pub(crate) fn note_allocation(&self, ptr: u64, bytes: usize, stream: &super::SimStream) {
         if let Some((races, idx)) = stream.races() {
             let race = races.allocate(Some(idx), ptr, bytes, false, Reuse::Check);
             let _ = races.settle(race, false);
         }
     }
 
-    fn note_free(&self, ptr: u64, bytes: usize, stream: &super::SimStream) {
+    /// The detector's side of [`Device::note_free`](crate::Device::note_free).
+    pub(crate) fn note_free(&self, ptr: u64, bytes: usize, stream: &super::SimStream) {
         if let Some((races, idx)) = stream.races() {
             let race = races.free(Some(idx), ptr, Some(bytes), false, false);
             let _ = races.settle(race, false);
         }
-    }
-}
-
-impl Stream {
-    /// Declares that work queued on this stream from here on (until the next operation) reads
-    /// or writes `[ptr, ptr + bytes)`: the simulated device's race detector checks it as it
-    /// checks its own copies and kernels (against the memory's allocation, free and uses on
-    /// other streams) and remembers it. For simulated stand-ins of your own kernels: declare
-    /// what the real kernel would touch, then queue the stand-in. `op` names it in reports.
-    ///
-    /// A no-op on CUDA and with the detector off. With [`RaceDetection::Error`], a race is
-    /// returned as [`Error::StreamRace`](crate::Error::StreamRace) (and the access is not
-    /// remembered); with [`RaceDetection::Panic`], it panics.
-    ///
-    /// ```
-    /// use streamalloc::{Device, MemoryAccess, RaceDetection, SimConfig};
-    ///
-    /// let device = Device::simulated(SimConfig {
-    ///     race_detection: RaceDetection::Error,
-    ///     ..SimConfig::default()
-    /// });
-    /// let (a, b) = (device.create_stream()?, device.create_stream()?);
-    /// let ptr = device.malloc(1024)?;
-    /// a.declare_access(ptr, 1024, MemoryAccess::Write, "my_kernel")?;
-    /// // `b` reads what `a` writes without waiting for it:
-    /// let race = b.declare_access(ptr, 1024, MemoryAccess::Read, "my_reader").unwrap_err();
-    /// assert!(race.to_string().contains("read not ordered after a write"));
-    /// b.wait(&a.record()?)?; // ordered now
-    /// b.declare_access(ptr, 1024, MemoryAccess::Read, "my_reader")?;
-    /// # b.synchronize_blocking()?;
-    /// # unsafe { device.free(ptr)? };
-    /// # Ok::<(), streamalloc::Error>(())
-    /// ```
-    pub fn declare_access(
-        &self,
-        ptr: DevicePtr,
-        bytes: usize,
-        access: MemoryAccess,
-        op: &'static str,
-    ) -> Result<()> {
-        let RawStream::Sim(s) = self.raw() else {
-            return Ok(());
-        };
-        let Some((races, idx)) = s.races() else {
-            return Ok(());
-        };
-        let reject = races.rejects();
-        let race = races.access(idx, op, &[(ptr.0, bytes, access)], reject);
-        races.settle(race, reject)
     }
 }

@@ -4,7 +4,7 @@
 use std::sync::atomic::Ordering::Relaxed;
 
 use super::memory::SimMemory;
-use super::stream::Op;
+use super::op::Op;
 use crate::error::{Error, Result};
 use crate::sync::plain::DataByte;
 

@@ -14,6 +14,7 @@ use std::sync::atomic::Ordering::Relaxed;
 
 use rustc_hash::FxHashMap;
 
+use super::granules::{Granules, ADDRESS_SPACE};
 use crate::error::{Error, Result};
 // Plain `Arc`s: loom never models the memory (`sync::plain`), and `block` clones one under the
 // table's std lock, where no loom operation may run.
@@ -34,7 +35,7 @@ pub(crate) struct Block {
     base: u64,
     bytes: Box<[DataByte]>,
     /// A reserved virtual range (`sim/vmm.rs`): only its mapped granules may be accessed.
-    mapping: Option<Arc<super::vmm::Granules>>,
+    mapping: Option<Arc<Granules>>,
 }
 
 impl Block {
@@ -188,11 +189,11 @@ impl SimMemory {
     /// Reserves `size` bytes of address space, backed by lazily zeroed host memory that costs
     /// nothing until touched; only the granules `mapping` marks as mapped may be accessed.
     /// Counts nothing against the device's memory (mapping does, through `charge`).
-    pub(crate) fn reserve(&self, size: usize, mapping: Arc<super::vmm::Granules>) -> Result<u64> {
+    pub(crate) fn reserve(&self, size: usize, mapping: Arc<Granules>) -> Result<u64> {
         let oom = |available| Error::OutOfMemory {
             requested: size,
             available,
-            maximum: super::vmm::ADDRESS_SPACE as usize,
+            maximum: ADDRESS_SPACE as usize,
         };
         let mut state = self.write();
         // Within this device's address range (16 TiB), like every allocation of it.

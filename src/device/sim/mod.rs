@@ -7,9 +7,12 @@
 
 pub(crate) mod detector;
 pub(crate) mod faults;
+pub(crate) mod granules;
 mod hooks;
 mod kernels;
+mod marker;
 pub(crate) mod memory;
+mod op;
 pub(crate) mod races;
 pub(crate) mod stream;
 pub(crate) mod vmm;
@@ -19,12 +22,14 @@ use std::time::Duration;
 use self::detector::{Detector, Reuse};
 pub use self::faults::{FaultKind, Faults};
 pub(crate) use self::kernels::pattern_u32;
+pub(crate) use self::marker::SimMarker;
 use self::memory::{SimHostMemory, SimMemory, SimPool};
+pub(crate) use self::op::{HostPtr, Op};
 pub use self::races::{MemoryAccess, Race, RaceBlock, RaceDetection, RaceKind, RaceSite};
-pub(crate) use self::stream::{HostPtr, Op, SimMarker, SimStream};
+pub(crate) use self::stream::SimStream;
+use crate::device::StreamId;
 use crate::error::Result;
 use crate::reactor::{Bell, Doorbells, Watch};
-use crate::stream::StreamId;
 use crate::sync::plain::Arc as PlainArc;
 use crate::sync::Arc;
 

@@ -15,7 +15,7 @@
 use std::fmt;
 
 use crate::device::DevicePtr;
-use crate::stream::StreamId;
+use crate::device::StreamId;
 
 /// What the simulated device does with a stream-order race it finds
 /// ([`SimConfig::race_detection`](crate::SimConfig::race_detection)).

@@ -1,8 +1,6 @@
 //! `streamalloc-picture` and `streamalloc-replay --picture`: the numbers in the HTML agree with
 //! a log whose numbers are known, and the page fetches nothing.
 
-#![cfg(feature = "replay")]
-
 use std::path::{Path, PathBuf};
 use std::process::Command;
 
@@ -11,6 +9,24 @@ use streamalloc::resource::adaptor::{HistoryAdaptor, HistoryOptions};
 use streamalloc::resource::cuda::CudaResource;
 use streamalloc::resource::pool::{PoolOptions, PoolResource};
 use streamalloc::{Device, MemoryResource, SimConfig};
+
+mod common;
+
+/// The picture tool (see `common::tool`).
+fn picture_bin() -> PathBuf {
+    common::tool(
+        env!("CARGO_BIN_EXE_streamalloc-picture"),
+        "streamalloc-picture",
+    )
+}
+
+/// The replay tool.
+fn replay_bin() -> PathBuf {
+    common::tool(
+        env!("CARGO_BIN_EXE_streamalloc-replay"),
+        "streamalloc-replay",
+    )
+}
 
 /// A scratch directory, removed when dropped.
 struct Scratch(PathBuf);
@@ -47,14 +63,14 @@ const LOG: &str = "Thread,Time,Action,Pointer,Size,Stream
 2,10:00:00.800000,free,0x7f0000000000,262144,6
 ";
 
-fn run(exe: &str, args: &[&Path]) -> String {
+fn run(exe: &Path, args: &[&Path]) -> String {
     let out = Command::new(exe).args(args).output().unwrap();
     let text = format!(
         "{}{}",
         String::from_utf8_lossy(&out.stdout),
         String::from_utf8_lossy(&out.stderr)
     );
-    assert!(out.status.success(), "{exe} failed:\n{text}");
+    assert!(out.status.success(), "{} failed:\n{text}", exe.display());
     text
 }
 
@@ -80,10 +96,7 @@ fn a_known_log_gives_its_numbers() {
     let dir = Scratch::new("log");
     let (log, html) = (dir.path("log.csv"), dir.path("log.html"));
     std::fs::write(&log, LOG).unwrap();
-    let out = run(
-        env!("CARGO_BIN_EXE_streamalloc-picture"),
-        &[&log, Path::new("-o"), &html],
-    );
+    let out = run(&picture_bin(), &[&log, Path::new("-o"), &html]);
     assert!(
         out.contains("peak in use: 3670016 bytes; events: 9"),
         "{out}"
@@ -134,10 +147,7 @@ fn a_log_without_times_is_drawn_by_event_number() {
         "Thread,Action,Pointer,Size\n1,allocate,0x1000,512\n1,allocate,0x2000,256\n1,free,0x1000,512\n1,free,0x9999,8\n",
     )
     .unwrap();
-    run(
-        env!("CARGO_BIN_EXE_streamalloc-picture"),
-        &[&log, Path::new("-o"), &html],
-    );
+    run(&picture_bin(), &[&log, Path::new("-o"), &html]);
     let (_, data) = page(&html);
     assert_eq!(data["x_is_seconds"], false);
     assert_eq!(data["peak_in_use"], 768);
@@ -178,20 +188,14 @@ fn a_history_and_a_snapshot_are_drawn() {
     std::fs::write(&snap, serde_json::to_string_pretty(&snapshot).unwrap()).unwrap();
 
     let out = dir.path("history.html");
-    run(
-        env!("CARGO_BIN_EXE_streamalloc-picture"),
-        &[&hist, Path::new("-o"), &out],
-    );
+    run(&picture_bin(), &[&hist, Path::new("-o"), &out]);
     let (_, data) = page(&out);
     assert_eq!(data["peak_in_use"], (1 << 20) + 300_000 + 5000);
     assert_eq!(data["allocations"], 3);
     assert_eq!(data["streams"].as_array().unwrap().len(), 2);
 
     let out = dir.path("snapshot.html");
-    run(
-        env!("CARGO_BIN_EXE_streamalloc-picture"),
-        &[&snap, Path::new("-o"), &out],
-    );
+    run(&picture_bin(), &[&snap, Path::new("-o"), &out]);
     let (text, data) = page(&out);
     // In use: the two live blocks (rounded to 256); reserved: the pool's 4 MiB.
     assert_eq!(data["peak_in_use"], (1 << 20) + 5120);
@@ -217,7 +221,7 @@ fn the_replay_draws_its_resource() {
     let (log, html) = (dir.path("log.csv"), dir.path("replay.html"));
     std::fs::write(&log, LOG).unwrap();
     let out = run(
-        env!("CARGO_BIN_EXE_streamalloc-replay"),
+        &replay_bin(),
         &[
             &log,
             Path::new("--device"),

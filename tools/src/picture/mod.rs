@@ -2,17 +2,13 @@
 //! per stream, reserved when known), the address space at the peak (blocks coloured by stream
 //! and state) and the largest allocations alive at the peak.
 //!
-//! Used by two binaries through `#[path]` (`streamalloc-picture`, and `streamalloc-replay
-//! --picture`); it is tool code, not part of the library, kept apart in its own files so that
-//! it can move to a tools crate of its own (issue 17).
+//! Used by two tools: `streamalloc-picture` (`cli`), and `streamalloc-replay --picture`.
 //!
 //! - `read`: the inputs (an RMM-format CSV log, a history as JSON, a snapshot as JSON);
 //! - `model`: what the page shows, computed from them;
 //! - `svg`: the two drawings; `html`: the page.
 
-// Each binary uses a different part of it.
-#![allow(dead_code)]
-
+pub(crate) mod cli;
 pub(crate) mod html;
 pub(crate) mod model;
 pub(crate) mod read;

@@ -23,8 +23,7 @@ use std::process::ExitCode;
 
 use clap::Parser;
 
-#[path = "../tools/picture/mod.rs"]
-mod picture;
+use crate::picture;
 
 /// Turns an RMM-format CSV log, a recorded history (JSON) or a snapshot (JSON) into one
 /// self-contained HTML picture.
@@ -42,7 +41,8 @@ struct Args {
     title: Option<String>,
 }
 
-fn main() -> ExitCode {
+/// The tool: parses the command line, draws; returns the exit code.
+pub(crate) fn main() -> ExitCode {
     let args = Args::parse();
     let output = args
         .output

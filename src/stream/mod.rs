@@ -1,45 +1,31 @@
 //! `Stream`: an ordered queue of GPU work, with an id that is never reused.
 
 use std::fmt;
-use std::num::NonZeroU64;
 use std::time::Duration;
 
 use crate::device::sim::{HostPtr, Op};
+pub use crate::device::StreamId;
 use crate::device::{cuda, mismatch, sim, Backend, Device, DevicePtr, FaultKind};
 use crate::error::{Error, Result};
 use crate::event::{Event, RawEvent};
-use crate::sync::{Arc, Mutex};
+use crate::sync::{Arc, Mutex, Ordering};
 
 // The pattern kernels (`fill_pattern_u32`, `count_mismatches_u32`), in their own file.
 mod pattern;
 
-/// A process-unique stream id: the key of per-stream state (free lists, the reactor's queues).
-/// Unlike a driver handle, it is never reused while the process lives.
-#[derive(Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Hash)]
-pub struct StreamId(NonZeroU64);
+pub(crate) use self::async_pool::{AsyncPool, AsyncPoolSettings};
 
-impl StreamId {
-    fn next() -> StreamId {
-        static NEXT: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(1);
-        let id = NEXT.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
-        StreamId(NonZeroU64::new(id).unwrap_or(NonZeroU64::MIN))
-    }
+mod async_pool;
+mod cudarc_interop;
+mod memory;
+mod sim_hooks;
+mod staging;
 
-    /// The id as a number.
-    pub fn get(self) -> u64 {
-        self.0.get()
-    }
-}
-
-impl fmt::Debug for StreamId {
-    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        write!(f, "stream#{}", self.0)
-    }
-}
-
-impl fmt::Display for StreamId {
-    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        write!(f, "stream#{}", self.0)
+impl Device {
+    /// A new stream on this device (non-blocking with respect to the legacy default stream).
+    pub fn create_stream(&self) -> Result<Stream> {
+        self.inner.streams_created.fetch_add(1, Ordering::Relaxed);
+        Stream::new(self)
     }
 }
 

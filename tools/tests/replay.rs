@@ -11,25 +11,14 @@ use streamalloc::resource::cuda::CudaResource;
 use streamalloc::resource::pool::{PoolOptions, PoolResource};
 use streamalloc::{Device, DevicePtr, MemoryResource, SimConfig};
 
-/// The tool: where cargo built it, or, in binaries packed by `shared/tools/gpu-pack` for a GPU
-/// machine (tests in `.gpu/tests`, binaries in `.gpu/bin`), beside them.
-fn bin() -> std::path::PathBuf {
-    let built = std::path::PathBuf::from(env!("CARGO_BIN_EXE_streamalloc-replay"));
-    if built.exists() {
-        return built;
-    }
-    std::env::current_exe()
-        .ok()
-        .and_then(|exe| {
-            Some(
-                exe.parent()?
-                    .parent()?
-                    .join("bin")
-                    .join("streamalloc-replay"),
-            )
-        })
-        .filter(|packed| packed.exists())
-        .unwrap_or(built)
+mod common;
+
+/// The tool (see `common::tool`).
+fn bin() -> PathBuf {
+    common::tool(
+        env!("CARGO_BIN_EXE_streamalloc-replay"),
+        "streamalloc-replay",
+    )
 }
 
 /// A test log: its text is compiled into the test (so packed test binaries run anywhere, a GPU

@@ -1,0 +1,132 @@
+//! Copies between a buffer and the host: `memset`, `copy_from_host`, `to_host`, and the staged
+//! copies under them (`copy_in`, `copy_out`, which `DeviceVec` uses too), which never block the
+//! host on the GPU.
+
+use crate::device::DevicePtr;
+use crate::error::{Error, Result};
+use crate::event::Event;
+use crate::stream::Stream;
+
+use super::DeviceBuffer;
+
+impl DeviceBuffer {
+    /// Sets every byte to `value`, on the buffer's stream.
+    pub fn memset(&mut self, value: u8) -> Result<()> {
+        if self.len == 0 {
+            return Ok(());
+        }
+        // SAFETY: `len` live bytes, used in order on the buffer's stream.
+        unsafe { self.stream.memset_d8(self.ptr, value, self.len) }
+    }
+
+    /// Copies `data` (exactly `len()` bytes) to the device, on the buffer's stream. Never blocks
+    /// on the GPU: the bytes go through a page-locked staging block that returns to the device's
+    /// cache once the copy has run.
+    pub fn copy_from_host(&mut self, data: &[u8]) -> Result<()> {
+        if data.len() != self.len {
+            return Err(Error::InvalidSize {
+                size: data.len(),
+                reason: "copy_from_host needs exactly the buffer's length",
+            });
+        }
+        copy_in(&self.stream, self.ptr, data)
+    }
+
+    /// The contents, copied to the host after the work queued on the buffer's stream so far.
+    /// The task waits by `.await`; no thread blocks.
+    ///
+    /// # Cancel safety
+    /// Cancel-safe: the staging block of a dropped future returns to the cache only once the
+    /// copy into it has run.
+    pub async fn to_host(&self) -> Result<Vec<u8>> {
+        let mut out = vec![0u8; self.len];
+        copy_out(&self.stream, self.ptr, &mut out).await?;
+        Ok(out)
+    }
+}
+
+/// Stages `data` and queues its copy to `dst` on `stream`. Never blocks on the GPU.
+///
+/// On error the copy may or may not have been queued (the event after it could not be
+/// recorded): the destination's contents are then unspecified, and the staging block goes back
+/// to the cache only behind a later event of `stream` (`Device::return_staging_after_queued`).
+pub(crate) fn copy_in(stream: &Stream, dst: DevicePtr, data: &[u8]) -> Result<()> {
+    if data.is_empty() {
+        return Ok(());
+    }
+    let device = stream.device();
+    let block = device.staging_block(data.len())?;
+    // SAFETY: the block has at least `data.len()` bytes and is ours alone until returned.
+    unsafe { std::ptr::copy_nonoverlapping(data.as_ptr(), block.ptr, data.len()) };
+    // SAFETY: `dst` is a live allocation of `data.len()` bytes (the caller's buffer); the block
+    // stays valid and unchanged until the event after the copy completes.
+    let queued =
+        unsafe { stream.copy_htod(dst, block.ptr, data.len()) }.and_then(|()| stream.record());
+    match queued {
+        Ok(event) => {
+            device.return_staging_after(block, &event);
+            Ok(())
+        }
+        Err(e) => {
+            // The copy may be queued: the block is reused only behind a later event.
+            device.return_staging_after_queued(block, stream);
+            Err(e)
+        }
+    }
+}
+
+/// Copies `out.len()` bytes from `src` to `out` through a staging block, after the work queued
+/// on `stream`.
+///
+/// The staging block goes back to the device's cache only once nothing queued can still write
+/// it: at once if no copy was attempted, after the copy's event if it was recorded, else behind
+/// a later event of `stream` (or never, if none can be recorded): whether the future
+/// completes, fails or is dropped.
+pub(crate) async fn copy_out(stream: &Stream, src: DevicePtr, out: &mut [u8]) -> Result<()> {
+    if out.is_empty() {
+        return Ok(());
+    }
+    /// Returns the block when dropped, as above.
+    struct Guard<'a> {
+        stream: &'a Stream,
+        block: Option<crate::device::staging::StagingBlock>,
+        /// A copy into the block was asked of the stream (it may be queued even if the call
+        /// failed).
+        queued: bool,
+        /// Recorded after the copy.
+        event: Option<Event>,
+    }
+    impl Drop for Guard<'_> {
+        fn drop(&mut self) {
+            if let Some(block) = self.block.take() {
+                let device = self.stream.device();
+                match (&self.event, self.queued) {
+                    (Some(event), _) => device.return_staging_after(block, event),
+                    (None, true) => device.return_staging_after_queued(block, self.stream),
+                    (None, false) => device.return_staging(block),
+                }
+            }
+        }
+    }
+    let device = stream.device();
+    let mut guard = Guard {
+        stream,
+        block: Some(device.staging_block(out.len())?),
+        queued: false,
+        event: None,
+    };
+    // (The raw pointer is re-read from the guard after the await, so the future stays `Send`.)
+    let block_ptr =
+        |guard: &Guard<'_>| guard.block.as_ref().map_or(std::ptr::null_mut(), |b| b.ptr);
+    guard.queued = true;
+    // SAFETY: `src` is a live allocation of `out.len()` bytes (the caller's buffer); the block
+    // has at least that many bytes and nobody else touches it until the guard returns it, which
+    // is only once the copy can no longer write it.
+    unsafe { stream.copy_dtoh(block_ptr(&guard), src, out.len()) }?;
+    let event = stream.record()?;
+    guard.event = Some(event.clone());
+    event.await?;
+    // SAFETY: the copy into the block has completed (the event after it did).
+    unsafe { std::ptr::copy_nonoverlapping(block_ptr(&guard), out.as_mut_ptr(), out.len()) };
+    Ok(())
+}

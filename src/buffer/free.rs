@@ -1,0 +1,111 @@
+//! How a buffer goes back to its resource: at once in stream order on its stream, or, with
+//! other streams recorded, once the events recorded on each have all completed
+//! ([`release_after_all`], on the completion reactor).
+
+use crate::completion::Callback;
+use crate::device::DevicePtr;
+use crate::error::Result;
+use crate::event::Event;
+use crate::resource::ResourceRef;
+use crate::stream::Stream;
+use crate::sync::{Arc, AtomicUsize, Ordering};
+
+use super::DeviceBuffer;
+
+/// What a buffer with other uses leaves behind: freed once every use's event completes.
+struct PendingFree {
+    ptr: DevicePtr,
+    /// The allocation's size (the buffer's capacity).
+    len: usize,
+    /// Taken by the release, which runs once.
+    resource: crate::sync::Mutex<Option<ResourceRef>>,
+    stream: Stream,
+}
+
+impl PendingFree {
+    fn release(&self) {
+        let Some(resource) = self.resource.lock().take() else {
+            return;
+        };
+        // SAFETY: the buffer's memory, from this resource with this length, freed once (only
+        // the last of the events gets here, and it takes the resource); every use on other
+        // streams has completed and later work on `stream` is ordered after the free.
+        if let Err(e) = unsafe { resource.deallocate(self.ptr, self.len, &self.stream) } {
+            tracing::error!(error = %e, ptr = ?self.ptr, bytes = self.len, "a deferred free failed");
+        }
+        // This may be the last handle of the resource: its Drop (a pool synchronizing its
+        // streams and returning its chunks) must not run on the completion reactor.
+        if crate::offload::on_reactor_thread() {
+            self.stream
+                .device()
+                .reactor()
+                .offload("drop a buffer's resource", Box::new(move || drop(resource)));
+        }
+    }
+}
+
+impl Drop for DeviceBuffer {
+    fn drop(&mut self) {
+        let uses = std::mem::take(&mut *self.uses.lock());
+        if uses.is_empty() {
+            // SAFETY: our memory, from this resource with this size, used only on `stream`
+            // (in stream order before this point), freed once.
+            if let Err(e) = unsafe {
+                self.resource
+                    .deallocate(self.ptr, self.capacity, &self.stream)
+            } {
+                tracing::error!(error = %e, ptr = ?self.ptr, bytes = self.capacity, "freeing a buffer failed");
+            }
+            return;
+        }
+        let events: Result<Vec<Event>> = uses.iter().map(Stream::record).collect();
+        let events = match events {
+            Ok(events) => events,
+            Err(e) => {
+                // Without events we cannot know when the other streams are done: keep the
+                // memory rather than risk handing it out under running work.
+                tracing::error!(error = %e, ptr = ?self.ptr, bytes = self.capacity, "could not record the buffer's uses; its memory is leaked");
+                return;
+            }
+        };
+        let pending = PendingFree {
+            ptr: self.ptr,
+            len: self.capacity,
+            resource: crate::sync::Mutex::new(Some(self.resource.clone())),
+            stream: self.stream.clone(),
+        };
+        release_after_all(&events, move || pending.release(), Event::on_complete);
+    }
+}
+
+/// Runs `release` exactly once, after every one of `events` has completed (`on_complete`
+/// registers a callback with one event, or runs it at once if the event is already complete).
+///
+/// The countdown starts at the number of events *before* the first callback is registered: a
+/// callback may run during `on_complete`, or on another thread while the next one registers, so
+/// counting up while registering could reach zero early. The callback that brings it to zero
+/// releases; its `AcqRel` decrement makes the release see everything the other events'
+/// callbacks saw. With no events, releases at once. The loom model `loom-tests/deferred_free.rs`
+/// checks it.
+pub(crate) fn release_after_all<E>(
+    events: &[E],
+    release: impl Fn() + Send + Sync + 'static,
+    on_complete: impl Fn(&E, Callback),
+) {
+    if events.is_empty() {
+        return release();
+    }
+    let countdown = Arc::new((AtomicUsize::new(events.len()), release));
+    for event in events {
+        let countdown = countdown.clone();
+        on_complete(
+            event,
+            Box::new(move |_| {
+                let (remaining, release) = &*countdown;
+                if remaining.fetch_sub(1, Ordering::AcqRel) == 1 {
+                    release();
+                }
+            }),
+        );
+    }
+}

@@ -1,0 +1,229 @@
+//! The detector's shadow state, its helpers: the segments of known memory (split, gap-filled,
+//! looked up), the raw blocks the driver handed out, the sites and blocks a report names, and
+//! the check of one use against the last uses and the allocation's life.
+
+use super::{Life, Point, Seg, State, Use, KEPT_RAW_FREES, MAX_USES};
+use crate::device::sim::races::{MemoryAccess, Race, RaceBlock, RaceKind, RaceSite};
+use crate::device::DevicePtr;
+
+impl State {
+    pub(super) fn site(&self, p: Point) -> RaceSite {
+        RaceSite {
+            stream: self.streams.get(p.stream as usize).and_then(|s| s.id),
+            op: p.op,
+            position: u64::from(p.epoch),
+        }
+    }
+
+    pub(super) fn block_info(&self, life: &Life) -> RaceBlock {
+        RaceBlock {
+            ptr: DevicePtr(life.block.0),
+            bytes: (life.block.1 - life.block.0) as usize,
+            allocated: self.site(life.alloc),
+            freed: life.freed.as_ref().map(|f| self.site(f.point)),
+        }
+    }
+
+    /// Keeps `race` in the list and logs it; hands it back for the caller's mode.
+    pub(super) fn note(&mut self, race: Option<Race>) -> Option<Race> {
+        let race = race?;
+        tracing::error!(%race, "the simulated device found a stream-order race");
+        self.races.push(race.clone());
+        Some(race)
+    }
+
+    /// Splits the segment that holds `at` strictly inside it into two.
+    pub(super) fn split(&mut self, at: u64) {
+        let Some((&start, seg)) = self.segs.range_mut(..at).next_back() else {
+            return;
+        };
+        if seg.end <= at {
+            return;
+        }
+        let mut upper = seg.clone();
+        seg.end = at;
+        for life in &mut seg.stack {
+            life.uses.retain(|u| u.start < at);
+        }
+        for life in &mut upper.stack {
+            life.uses.retain(|u| u.end > at);
+        }
+        debug_assert!(start < at);
+        self.segs.insert(at, upper);
+    }
+
+    /// Adds empty segments where `[start, end)` has none (memory the device does not know:
+    /// blocks carved from it are still tracked).
+    pub(super) fn fill_gaps(&mut self, start: u64, end: u64) {
+        let mut gaps = Vec::new();
+        let mut at = start;
+        for (&k, seg) in self.segs.range(start..end) {
+            if k > at {
+                gaps.push((at, k));
+            }
+            at = seg.end;
+        }
+        if at < end {
+            gaps.push((at, end));
+        }
+        for (s, e) in gaps {
+            self.segs.insert(
+                s,
+                Seg {
+                    end: e,
+                    stack: Vec::new(),
+                },
+            );
+        }
+    }
+
+    /// The segments that overlap `[start, end)`.
+    pub(super) fn overlapping(&self, start: u64, end: u64) -> Vec<u64> {
+        let first = self
+            .segs
+            .range(..=start)
+            .next_back()
+            .filter(|(_, s)| s.end > start)
+            .map(|(&k, _)| k);
+        first
+            .into_iter()
+            .chain(self.segs.range(start + 1..end).map(|(&k, _)| k))
+            .collect()
+    }
+
+    /// The live raw block that starts at `ptr`.
+    pub(super) fn raw_block(&self, ptr: u64) -> Option<(u64, u64)> {
+        let seg = self.segs.get(&ptr)?;
+        seg.stack
+            .iter()
+            .find(|l| l.raw && l.block.0 == ptr && l.freed.is_none())
+            .map(|l| l.block)
+    }
+
+    /// The freed raw block that starts at `ptr`.
+    pub(super) fn freed_raw_block(&self, ptr: u64) -> Option<(u64, u64)> {
+        let seg = self.segs.get(&ptr)?;
+        let top = seg.stack.last()?;
+        (top.raw && top.block.0 == ptr && top.freed.is_some()).then_some(top.block)
+    }
+
+    /// After a raw free: one segment for the whole block (the pieces inside it are gone), and
+    /// the oldest freed raw blocks forgotten past the bound.
+    pub(super) fn merge_raw(&mut self, block: (u64, u64)) {
+        let keys: Vec<u64> = self.segs.range(block.0..block.1).map(|(&k, _)| k).collect();
+        let mut merged: Option<Seg> = None;
+        for key in keys {
+            let seg = self.segs.remove(&key).expect("listed above");
+            match &mut merged {
+                None => merged = Some(seg),
+                Some(m) => {
+                    if let (Some(into), Some(from)) = (m.stack.last_mut(), seg.stack.last()) {
+                        into.uses.extend_from_slice(&from.uses);
+                        into.uses.truncate(MAX_USES);
+                    }
+                    m.end = seg.end;
+                }
+            }
+        }
+        if let Some(m) = merged {
+            self.segs.insert(block.0, m);
+        }
+        self.raw_frees.push_back(block);
+        while self.raw_frees.len() > KEPT_RAW_FREES {
+            if let Some(old) = self.raw_frees.pop_front() {
+                if self.freed_raw_block(old.0) == Some(old) {
+                    self.remove(old);
+                }
+            }
+        }
+    }
+
+    pub(super) fn remove(&mut self, block: (u64, u64)) {
+        let keys: Vec<u64> = self.segs.range(block.0..block.1).map(|(&k, _)| k).collect();
+        for key in keys {
+            self.segs.remove(&key);
+        }
+    }
+
+    /// Checks a use against each segment it touches: the first race found.
+    pub(super) fn check_use(
+        &self,
+        ptr: u64,
+        bytes: usize,
+        at: Point,
+        access: MemoryAccess,
+        clock: &[u32],
+    ) -> Option<Race> {
+        let (start, end) = (ptr, ptr.saturating_add(bytes as u64));
+        let write = access == MemoryAccess::Write;
+        for key in self.overlapping(start, end) {
+            let seg = &self.segs[&key];
+            let Some(top) = seg.stack.last() else {
+                continue;
+            };
+            let race = |kind, earlier: Point| Race {
+                kind,
+                ptr: DevicePtr(ptr),
+                bytes,
+                at: self.site(at),
+                earlier: self.site(earlier),
+                block: Some(self.block_info(top)),
+            };
+            if let Some(freed) = &top.freed {
+                return Some(race(RaceKind::UseAfterFree, freed.point));
+            }
+            if !top.alloc.before(clock) {
+                return Some(race(RaceKind::UseBeforeAllocation, top.alloc));
+            }
+            for u in &top.uses {
+                if u.at.stream == at.stream || u.end <= start || u.start >= end {
+                    continue;
+                }
+                if (u.write || write) && !u.at.before(clock) {
+                    let kind = match (u.write, write) {
+                        (true, true) => RaceKind::WriteAfterWrite,
+                        (true, false) => RaceKind::ReadAfterWrite,
+                        _ => RaceKind::WriteAfterRead,
+                    };
+                    return Some(race(kind, u.at));
+                }
+            }
+        }
+        None
+    }
+
+    /// Records a use in each live segment it touches, dropping the uses it covers and is
+    /// ordered after (a later use conflicts with them only if it also conflicts with this one).
+    pub(super) fn add_use(
+        &mut self,
+        ptr: u64,
+        bytes: usize,
+        at: Point,
+        write: bool,
+        clock: &[u32],
+    ) {
+        let (start, end) = (ptr, ptr.saturating_add(bytes as u64));
+        for key in self.overlapping(start, end) {
+            let seg = self.segs.get_mut(&key).expect("listed above");
+            let (s, e) = (start.max(key), end.min(seg.end));
+            let Some(top) = seg.stack.last_mut() else {
+                continue;
+            };
+            if top.freed.is_some() {
+                continue;
+            }
+            top.uses.retain(|u| {
+                !(u.start >= s && u.end <= e && (write || !u.write) && u.at.before(clock))
+            });
+            if top.uses.len() >= MAX_USES {
+                top.uses.remove(0);
+            }
+            top.uses.push(Use {
+                start: s,
+                end: e,
+                at,
+                write,
+            });
+        }
+    }
+}

@@ -1,0 +1,157 @@
+//! The waiting core of an awaitable allocation, shared by [`Allocate`](super::Allocate) (one
+//! request) and [`AllocateAll`](super::AllocateAll) (several at once): the try, the place in
+//! the resource's [`MemoryWaiters`] queue (`waiters.rs`), the deadline, and the cancellation.
+//! Below both futures, so that neither names the other.
+
+use std::task::{Context, Poll};
+use std::time::{Duration, Instant};
+
+use super::waiters::{self, Leave, MemoryWaiters};
+use crate::error::{Error, Result};
+use crate::timer::Deadline;
+
+/// How an attempt is made: whether it is the queue's head trying with the baton (or the retry
+/// just after it registered first in line). Only the head may keep its own rollbacks quiet
+/// (see [`MemoryWaiters::quietly`]): everyone it could wake is behind it in the queue.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) enum Attempt {
+    /// Not in the queue (the first try, with nobody waiting).
+    Fresh,
+    /// First in line: the only queued waiter that tries.
+    Head,
+}
+
+/// The place of one waiting request in its resource's queue, its deadline and its statistics:
+/// the state machine of [`Allocate`](super::Allocate) and [`AllocateAll`](super::AllocateAll), which differ
+/// only in what one attempt does.
+pub(crate) struct Wait {
+    /// What the request needs in all (for the queue's statistics and the logs).
+    pub(crate) bytes: usize,
+    /// Our entry in the resource's queue, while we wait.
+    pub(crate) id: Option<u64>,
+    /// When it started waiting (its first try failed).
+    started: Option<Instant>,
+    /// How long it may wait, counted from `started`.
+    pub(crate) limit: Option<Duration>,
+    pub(crate) deadline: Option<Instant>,
+    timer: Option<Deadline>,
+}
+
+impl Wait {
+    pub(crate) fn new(bytes: usize) -> Self {
+        Self {
+            bytes,
+            id: None,
+            started: None,
+            limit: None,
+            deadline: None,
+            timer: None,
+        }
+    }
+
+    /// Whether it is in the queue.
+    pub(crate) fn is_queued(&self) -> bool {
+        self.id.is_some()
+    }
+
+    fn leave(&mut self, waiters: Option<&MemoryWaiters>, why: Leave) {
+        if let (Some(id), Some(w)) = (self.id.take(), waiters) {
+            w.remove(id, why);
+        }
+        self.timer = None;
+    }
+
+    /// Cancelled (dropped) while waiting: leave the queue, passing on a wakeup we may have
+    /// been given.
+    pub(crate) fn cancel(&mut self, waiters: Option<&MemoryWaiters>) {
+        if self.id.is_some() {
+            self.leave(waiters, Leave::Cancelled);
+        }
+    }
+
+    /// One poll of a waiting request. `attempt` tries to get everything; an error that
+    /// [`worth_waiting`] accepts makes it wait in `waiters` (FIFO, see the module
+    /// `waiters`), any other error ends the wait.
+    pub(crate) fn poll<T>(
+        &mut self,
+        waiters: Option<&MemoryWaiters>,
+        cx: &mut Context<'_>,
+        mut attempt: impl FnMut(Attempt) -> Result<T>,
+    ) -> Poll<Result<T>> {
+        // The common case, kept to one try: not queued, nobody waiting.
+        if self.id.is_none() && waiters.is_none_or(|w| w.is_empty()) {
+            match attempt(Attempt::Fresh) {
+                Ok(got) => return Poll::Ready(Ok(got)),
+                Err(e) if worth_waiting(&e) && waiters.is_some() => {}
+                Err(e) => return Poll::Ready(Err(e)),
+            }
+        }
+        let try_now = match (self.id, waiters) {
+            // Not queued and the try above failed, or others wait (FIFO: queue behind them).
+            (None, _) => None,
+            // Queued: try when woken with the baton. (An entry that is gone, which nothing
+            // does, is tried as if it were not queued.)
+            (Some(id), Some(w)) => match w.poll_entry(id, cx.waker()) {
+                Some(true) => Some(Attempt::Head),
+                Some(false) => None,
+                None => Some(Attempt::Fresh),
+            },
+            (Some(_), None) => Some(Attempt::Fresh),
+        };
+        if let Some(how) = try_now {
+            match attempt(how) {
+                Ok(got) => {
+                    let waited = self.started.map(|t| t.elapsed()).unwrap_or_default();
+                    self.leave(waiters, Leave::Served(waited));
+                    return Poll::Ready(Ok(got));
+                }
+                Err(e) if worth_waiting(&e) && waiters.is_some() => {}
+                Err(e) => {
+                    self.leave(waiters, Leave::Cancelled);
+                    return Poll::Ready(Err(e));
+                }
+            }
+        }
+        let Some(waiters) = waiters else {
+            unreachable!("without a queue every outcome above returns")
+        };
+        if self.id.is_none() {
+            let started = waiters::now();
+            self.started = Some(started);
+            // A limit too far ahead to be an `Instant` (`Duration::MAX`: "no limit") sets no
+            // deadline.
+            if let Some(at) = self.limit.and_then(|limit| started.checked_add(limit)) {
+                self.deadline = Some(self.deadline.map_or(at, |d| d.min(at)));
+            }
+            tracing::debug!(bytes = self.bytes, "waiting for memory");
+            let (id, first) = waiters.register(self.bytes, cx.waker());
+            self.id = Some(id);
+            // Memory freed between our failed try and the registration notified nobody: try
+            // once more if we are first in line.
+            if first {
+                if let Ok(got) = attempt(Attempt::Head) {
+                    self.leave(Some(waiters), Leave::Served(Duration::ZERO));
+                    return Poll::Ready(Ok(got));
+                }
+            }
+        }
+        if let Some(at) = self.deadline {
+            if Instant::now() >= at {
+                let waited = self.started.map(|t| t.elapsed()).unwrap_or_default();
+                self.leave(Some(waiters), Leave::TimedOut);
+                tracing::debug!(bytes = self.bytes, ?waited, "wait for memory timed out");
+                return Poll::Ready(Err(Error::Timeout { waited }));
+            }
+            match &self.timer {
+                Some(timer) => timer.set_waker(cx.waker()),
+                None => self.timer = Some(Deadline::new(at, cx.waker())),
+            }
+        }
+        Poll::Pending
+    }
+}
+
+/// An error that waiting can cure: out of memory now, within what the resource could hold.
+pub(crate) fn worth_waiting(e: &Error) -> bool {
+    matches!(e, Error::OutOfMemory { requested, maximum, .. } if requested <= maximum)
+}

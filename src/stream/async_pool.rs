@@ -1,0 +1,352 @@
+//! The driver's stream-ordered memory pools as `CudaAsyncResource` holds them ([`AsyncPool`]):
+//! one it owns, or a view of the device's default pool or of another. Allocations and frees
+//! are ordered on a [`Stream`], which is why this is the stream layer's.
+
+use std::fmt;
+
+use crate::device::memory::check_size;
+use crate::device::{cuda, mismatch, sim, Backend, Device, DevicePtr, FaultKind};
+use crate::error::{Error, Result};
+use crate::stream::{RawStream, Stream};
+use crate::sync::Arc;
+
+/// Settings of an [`AsyncPool`].
+#[derive(Debug, Clone, Copy)]
+pub(crate) struct AsyncPoolSettings {
+    /// Freed bytes the pool keeps across synchronizations (`u64::MAX`: all of them).
+    pub(crate) release_threshold: u64,
+    /// The most the pool may hold (`maxSize` on CUDA, which the driver rounds up; no cap on
+    /// the simulated pool, see `AsyncPool::new`); `None`: the device's memory.
+    pub(crate) maximum: Option<usize>,
+}
+
+/// A driver memory pool, as a resource holds it: one it created and owns (`cuMemPoolCreate` on
+/// CUDA, [`sim::memory::SimPool`] on the simulated device), or a view of one that exists
+/// already (the device's default pool, or a pool someone else made), which it only uses.
+/// Allocations are stream-ordered (`cuMemAllocFromPoolAsync`), and so are frees
+/// (`cuMemFreeAsync`). Dropping an owned pool destroys it; memory still allocated from it is
+/// released once freed (the driver's rule, which the simulated pool follows). Dropping a view
+/// leaves the pool as it is.
+pub(crate) struct AsyncPool {
+    device: Device,
+    raw: RawPool,
+    maximum: Option<usize>,
+    /// Created by this handle, destroyed by its drop; false for a view.
+    owned: bool,
+}
+
+/// The simulated devices' default pools: one per device, made on first use and kept while the
+/// device lives (as a CUDA context keeps its device's default pool). Entries of dropped devices
+/// are let go at the next lookup. Not in the loom build, where a model's objects must not
+/// outlive it: there each lookup makes a new pool.
+#[cfg(not(streamalloc_loom))]
+static SIM_DEFAULT_POOLS: std::sync::Mutex<
+    Vec<(
+        std::sync::Weak<crate::device::DeviceInner>,
+        Arc<sim::memory::SimPool>,
+    )>,
+> = std::sync::Mutex::new(Vec::new());
+
+enum RawPool {
+    Cuda(cuda::RawPool),
+    Sim(Arc<sim::memory::SimPool>),
+}
+
+impl fmt::Debug for AsyncPool {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        let mut s = f.debug_struct("AsyncPool");
+        s.field("device", &self.device.id());
+        if let Ok(reserved) = self.reserved() {
+            s.field("reserved", &reserved);
+        }
+        if let Ok(used) = self.used() {
+            s.field("used", &used);
+        }
+        s.field("maximum", &self.maximum)
+            .field("owned", &self.owned)
+            .finish()
+    }
+}
+
+impl AsyncPool {
+    pub(crate) fn new(device: &Device, settings: AsyncPoolSettings) -> Result<AsyncPool> {
+        if settings.maximum == Some(0) {
+            return Err(Error::InvalidSize {
+                size: 0,
+                reason: "a pool's maximum size must be at least one byte",
+            });
+        }
+        let raw = match device.backend() {
+            Backend::Cuda(d) => RawPool::Cuda(
+                d.create_pool(settings.release_threshold, settings.maximum.unwrap_or(0))?,
+            ),
+            // No cap on the simulated pool: the driver's `maxSize` is only a physical cap,
+            // rounded up to its own granularity and loose (it reuses a block freed on the same
+            // stream before the GPU reaches the free, which the simulated pool cannot), so the
+            // resource above enforces the maximum by counting, on both devices alike.
+            Backend::Sim(d) => RawPool::Sim(Arc::new(sim::memory::SimPool::new(
+                d.memory.clone(),
+                settings.release_threshold,
+                usize::MAX,
+            ))),
+        };
+        Ok(AsyncPool {
+            device: device.clone(),
+            raw,
+            maximum: settings.maximum,
+            owned: true,
+        })
+    }
+
+    /// A view of `device`'s default pool (`cuDeviceGetDefaultMemPool`): the pool that
+    /// `cuMemAllocAsync` and other libraries in the process use. On the simulated device, a
+    /// pool per device made on first use (release threshold 0, no maximum, as the driver's).
+    pub(crate) fn default_pool(device: &Device) -> Result<AsyncPool> {
+        let raw = match device.backend() {
+            Backend::Cuda(d) => {
+                // Here rather than in cuda.rs, which holds every other driver call, only
+                // because this change was limited to this section; it belongs there.
+                d.ctx.bind()?;
+                let dev = cudarc::driver::result::device::get(d.ordinal as i32)
+                    .map_err(|e| Error::driver("cuDeviceGet", e))?;
+                let mut pool: cudarc::driver::sys::CUmemoryPool = std::ptr::null_mut();
+                // SAFETY: `dev` is a valid device (the context is retained) and `pool` is a
+                // place for one handle, which the driver writes on success.
+                unsafe { cudarc::driver::sys::cuDeviceGetDefaultMemPool(&mut pool, dev) }
+                    .result()
+                    .map_err(|e| Error::driver("cuDeviceGetDefaultMemPool", e))?;
+                RawPool::Cuda(cuda::Handle(pool))
+            }
+            Backend::Sim(d) => RawPool::Sim(Self::sim_default_pool(device, d)),
+        };
+        Ok(AsyncPool {
+            device: device.clone(),
+            raw,
+            maximum: None,
+            owned: false,
+        })
+    }
+
+    #[cfg(not(streamalloc_loom))]
+    fn sim_default_pool(device: &Device, d: &sim::SimDevice) -> Arc<sim::memory::SimPool> {
+        let mut pools = SIM_DEFAULT_POOLS.lock().unwrap_or_else(|e| e.into_inner());
+        pools.retain(|(owner, _)| owner.strong_count() > 0);
+        let me = Arc::downgrade(&device.inner);
+        if let Some((_, pool)) = pools.iter().find(|(owner, _)| owner.ptr_eq(&me)) {
+            return pool.clone();
+        }
+        let pool = Arc::new(sim::memory::SimPool::new(d.memory.clone(), 0, usize::MAX));
+        pools.push((me, pool.clone()));
+        pool
+    }
+
+    #[cfg(streamalloc_loom)]
+    fn sim_default_pool(_: &Device, d: &sim::SimDevice) -> Arc<sim::memory::SimPool> {
+        Arc::new(sim::memory::SimPool::new(d.memory.clone(), 0, usize::MAX))
+    }
+
+    /// A view of an existing driver pool, which this handle uses and never destroys. CUDA
+    /// only: a raw pool handle means nothing to the simulated device
+    /// ([`Error::InvalidArgument`] there).
+    ///
+    /// # Safety
+    /// `pool` is a live `CUmemoryPool` of `device`'s memory, and stays live as long as this
+    /// view and every allocation made through it.
+    pub(crate) unsafe fn view(
+        device: &Device,
+        pool: cudarc::driver::sys::CUmemoryPool,
+    ) -> Result<AsyncPool> {
+        match device.backend() {
+            Backend::Cuda(_) if !pool.is_null() => Ok(AsyncPool {
+                device: device.clone(),
+                raw: RawPool::Cuda(cuda::Handle(pool)),
+                maximum: None,
+                owned: false,
+            }),
+            Backend::Cuda(_) => Err(Error::InvalidArgument {
+                what: "a null driver memory pool handle",
+            }),
+            Backend::Sim(_) => Err(Error::InvalidArgument {
+                what: "a raw driver memory pool handle can only be viewed on a CUDA device",
+            }),
+        }
+    }
+
+    /// The driver's handle of the pool (CUDA only), to give to code that uses it directly.
+    pub(crate) fn raw_handle(&self) -> Option<cudarc::driver::sys::CUmemoryPool> {
+        match &self.raw {
+            RawPool::Cuda(p) => Some(p.0),
+            RawPool::Sim(_) => None,
+        }
+    }
+
+    /// Whether two handles use the same pool.
+    pub(crate) fn same_pool(&self, other: &AsyncPool) -> bool {
+        match (&self.raw, &other.raw) {
+            (RawPool::Cuda(a), RawPool::Cuda(b)) => a.0 == b.0,
+            (RawPool::Sim(a), RawPool::Sim(b)) => Arc::ptr_eq(a, b),
+            _ => false,
+        }
+    }
+
+    pub(crate) fn device(&self) -> &Device {
+        &self.device
+    }
+
+    /// The pool's limit, or the device's memory.
+    pub(crate) fn maximum(&self) -> usize {
+        self.maximum.unwrap_or(self.device.total_memory())
+    }
+
+    /// `bytes` (at least one) for work queued on `stream` after this call. On failure:
+    /// `OutOfMemory` with what the device has free plus what the pool keeps (capped by the
+    /// pool's maximum).
+    ///
+    /// A request larger than the pool's maximum (or the device's memory) fails at once,
+    /// without a driver call.
+    pub(crate) fn alloc_async(&self, bytes: usize, stream: &Stream) -> Result<DevicePtr> {
+        check_size(bytes)?;
+        self.device.check_same(stream.device())?;
+        if bytes > self.maximum() {
+            return Err(self.oom(
+                bytes,
+                Error::OutOfMemory {
+                    requested: bytes,
+                    available: 0,
+                    maximum: 0,
+                },
+            ));
+        }
+        match (&self.raw, self.device.backend(), stream.raw()) {
+            (RawPool::Cuda(p), Backend::Cuda(d), RawStream::Cuda(s)) => d.pool_alloc(*p, bytes, *s),
+            (RawPool::Sim(p), Backend::Sim(d), RawStream::Sim(s)) => d
+                .fault(FaultKind::Allocate)
+                .and_then(|()| d.pool_alloc(p, bytes, s)),
+            _ => Err(mismatch()),
+        }
+        .map(DevicePtr)
+        .map_err(|e| self.oom(bytes, e))
+    }
+
+    fn oom(&self, requested: usize, err: Error) -> Error {
+        if !err.is_out_of_memory() {
+            return err;
+        }
+        let maximum = self.maximum();
+        let used = self.used().unwrap_or(0);
+        let kept = self
+            .reserved()
+            .map_or(0, |reserved| reserved.saturating_sub(used));
+        let available = self
+            .device
+            .free_memory()
+            .unwrap_or(0)
+            .saturating_add(kept)
+            .min(maximum.saturating_sub(used));
+        Error::OutOfMemory {
+            requested,
+            available,
+            maximum,
+        }
+    }
+
+    /// Frees `ptr` in stream order: the pool may reuse it once `stream` reaches this point.
+    /// Never blocks.
+    ///
+    /// # Safety
+    /// `ptr` came from `alloc_async` of this pool and is freed once; all work that uses it is
+    /// ordered before this point of `stream`.
+    pub(crate) unsafe fn free_async(&self, ptr: DevicePtr, stream: &Stream) -> Result<()> {
+        self.device.check_same(stream.device())?;
+        match (&self.raw, self.device.backend(), stream.raw()) {
+            // SAFETY: the caller's contract; cuMemFreeAsync takes pool memory of any pool.
+            (RawPool::Cuda(_), Backend::Cuda(d), RawStream::Cuda(s)) => unsafe {
+                d.free_async(ptr.0, *s)
+            },
+            (RawPool::Sim(p), Backend::Sim(d), RawStream::Sim(s)) => {
+                d.fault(FaultKind::Free)?;
+                if !p.owns(ptr.0) {
+                    return Err(Error::UnknownPointer {
+                        ptr: ptr.0,
+                        bytes: 0,
+                    });
+                }
+                s.push(sim::Op::PoolFree {
+                    pool: p.clone(),
+                    ptr: ptr.0,
+                })
+            }
+            _ => Err(mismatch()),
+        }
+    }
+
+    /// Gives freed memory back to the device until the pool holds at most `keep` bytes, or
+    /// nothing it can release (memory whose free the GPU has not reached stays).
+    pub(crate) fn trim_to(&self, keep: usize) -> Result<()> {
+        match (&self.raw, self.device.backend()) {
+            (RawPool::Cuda(p), Backend::Cuda(d)) => d.pool_trim(*p, keep),
+            (RawPool::Sim(p), _) => {
+                p.trim_to(keep);
+                Ok(())
+            }
+            _ => Err(mismatch()),
+        }
+    }
+
+    /// Bytes of device memory the pool holds: in use, and freed but kept.
+    pub(crate) fn reserved(&self) -> Result<usize> {
+        match (&self.raw, self.device.backend()) {
+            (RawPool::Cuda(p), Backend::Cuda(d)) => d.pool_reserved(*p).map(saturate),
+            (RawPool::Sim(p), _) => Ok(p.counters().0),
+            _ => Err(mismatch()),
+        }
+    }
+
+    /// Bytes of the pool in live allocations (on CUDA, frees count once the GPU reaches them).
+    pub(crate) fn used(&self) -> Result<usize> {
+        match (&self.raw, self.device.backend()) {
+            (RawPool::Cuda(p), Backend::Cuda(d)) => d.pool_used(*p).map(saturate),
+            (RawPool::Sim(p), _) => Ok(p.counters().1),
+            _ => Err(mismatch()),
+        }
+    }
+
+    pub(crate) fn release_threshold(&self) -> Result<u64> {
+        match (&self.raw, self.device.backend()) {
+            (RawPool::Cuda(p), Backend::Cuda(d)) => d.pool_threshold(*p),
+            (RawPool::Sim(p), _) => Ok(p.release_threshold()),
+            _ => Err(mismatch()),
+        }
+    }
+
+    pub(crate) fn set_release_threshold(&self, threshold: u64) -> Result<()> {
+        match (&self.raw, self.device.backend()) {
+            (RawPool::Cuda(p), Backend::Cuda(d)) => d.set_pool_threshold(*p, threshold),
+            (RawPool::Sim(p), _) => {
+                p.set_release_threshold(threshold);
+                Ok(())
+            }
+            _ => Err(mismatch()),
+        }
+    }
+}
+
+impl Drop for AsyncPool {
+    fn drop(&mut self) {
+        if !self.owned {
+            // A view: the pool is someone else's (or the device's), and stays.
+            return;
+        }
+        match (&self.raw, self.device.backend()) {
+            // SAFETY: the pool is ours, destroyed only here, and `&mut self` means nothing
+            // allocates from it any more.
+            (RawPool::Cuda(p), Backend::Cuda(d)) => unsafe { d.destroy_pool(*p) },
+            (RawPool::Sim(p), _) => p.destroy(),
+            _ => {}
+        }
+    }
+}
+
+fn saturate(bytes: u64) -> usize {
+    usize::try_from(bytes).unwrap_or(usize::MAX)
+}

@@ -1,0 +1,46 @@
+//! cudarc both ways, the stream's side: a [`Stream`] on a cudarc stream, and ours handed to
+//! cudarc. The device's side (`Device::from_cudarc`) is `device/cudarc_interop.rs`; the notes
+//! are in [the design notes](crate::implementation#cudarc).
+
+use std::sync::Arc as StdArc;
+
+use cudarc::driver::CudaStream;
+
+use crate::device::{Backend, Device};
+use crate::error::{Error, Result};
+use crate::stream::Stream;
+
+impl Stream {
+    /// cudarc's handle of this stream (an `Arc` clone): work queued through it with cudarc
+    /// (`launch_builder`, copies) is queued on this very stream, in order with ours, with no
+    /// synchronization needed. `None` on the simulated device. The driver's stream lives as
+    /// long as any clone does, even after every `Stream` of it is dropped.
+    pub fn cudarc_stream(&self) -> Option<StdArc<CudaStream>> {
+        self.cudarc_handle().cloned()
+    }
+
+    /// A `Stream` of `device` on a stream that cudarc made (`new_stream`, `fork`, ...): the
+    /// `Stream` holds the `Arc`, so the driver's stream lives while either side uses it.
+    ///
+    /// Errors: [`Error::InvalidArgument`] if `device` is simulated, or if `stream` belongs to
+    /// another context than the device's (make the device with
+    /// [`Device::from_cudarc`] on the stream's context, or use [`Device::cuda`] of the same
+    /// GPU: both share the primary context).
+    pub fn from_cudarc(device: &Device, stream: StdArc<CudaStream>) -> Result<Stream> {
+        let Backend::Cuda(d) = device.backend() else {
+            return Err(Error::InvalidArgument {
+                what: "a cudarc stream cannot belong to the simulated device",
+            });
+        };
+        if stream.context().cu_ctx() != d.ctx.cudarc().cu_ctx() {
+            return Err(Error::InvalidArgument {
+                what: "the cudarc stream belongs to another context than the device's",
+            });
+        }
+        device
+            .inner
+            .streams_created
+            .fetch_add(1, crate::sync::Ordering::Relaxed);
+        Ok(Stream::on_cudarc(device, stream))
+    }
+}

@@ -1,0 +1,79 @@
+//! The device's stream-ordered memory calls: `malloc_async`/`free_async` (the driver's
+//! stream-ordered allocator) and `free_after` (a synchronous allocation freed once a stream's
+//! queued work has run). Methods of [`Device`], here because they take a [`Stream`]: the device
+//! layer below does not name streams.
+
+use crate::device::memory::check_size;
+use crate::device::{mismatch, sim, Backend, Device, DevicePtr, FaultKind};
+use crate::error::{Error, Result};
+use crate::stream::{RawStream, Stream};
+
+impl Device {
+    /// Frees memory from [`malloc`](Self::malloc) or [`malloc_managed`](Self::malloc_managed)
+    /// once the work queued so far on `stream` has run. On CUDA this is `cuMemFree`, which
+    /// itself waits for the device's pending work before it frees (so the calling thread may
+    /// block); the simulated device queues the free on `stream` instead, so that a use still
+    /// queued there does not fault.
+    ///
+    /// `Err(UnknownPointer)` on the simulated device for a pointer that is not a live
+    /// allocation (the driver reports its own error on CUDA).
+    ///
+    /// # Safety
+    /// `ptr` came from `malloc` or `malloc_managed` on this device and is freed once; all work
+    /// that uses it is ordered before this point of `stream`.
+    pub(crate) unsafe fn free_after(&self, ptr: DevicePtr, stream: &Stream) -> Result<()> {
+        self.check_same(stream.device())?;
+        match (&self.inner.backend, stream.raw()) {
+            // SAFETY: the caller's contract; cuMemFree waits for the device's pending work,
+            // which includes every use queued on `stream`.
+            (Backend::Cuda(d), crate::stream::RawStream::Cuda(_)) => unsafe { d.free(ptr.0) },
+            (Backend::Sim(d), crate::stream::RawStream::Sim(s)) => {
+                d.fault(FaultKind::Free)?;
+                if !d.memory.is_allocation(ptr.0) {
+                    return Err(Error::UnknownPointer {
+                        ptr: ptr.0,
+                        bytes: 0,
+                    });
+                }
+                s.push(sim::Op::Free(ptr.0))
+            }
+            _ => Err(mismatch()),
+        }
+    }
+    /// Allocates `bytes` in stream order from the driver's stream-ordered allocator
+    /// (`cuMemAllocFromPoolAsync`), from a pool this device handle owns whose release
+    /// threshold is raised so freed memory stays pooled. The memory may be used by work queued
+    /// on `stream` after this call, and elsewhere once ordered after it.
+    pub fn malloc_async(&self, bytes: usize, stream: &Stream) -> Result<DevicePtr> {
+        check_size(bytes)?;
+        self.check_same(stream.device())?;
+        match (&self.inner.backend, stream.raw()) {
+            (Backend::Cuda(d), RawStream::Cuda(s)) => d.malloc_async(bytes, *s),
+            (Backend::Sim(d), RawStream::Sim(s)) => d
+                .fault(FaultKind::Allocate)
+                .and_then(|()| d.malloc_async(bytes, s)),
+            _ => Err(mismatch()),
+        }
+        .map(DevicePtr)
+        .map_err(|e| self.oom(bytes, e))
+    }
+
+    /// Frees memory from [`malloc_async`](Self::malloc_async) in stream order: it becomes
+    /// reusable when `stream` reaches this point. Never blocks.
+    ///
+    /// # Safety
+    /// `ptr` came from `malloc_async` on this device and is freed once; all work that uses it
+    /// is ordered before this point of `stream`.
+    pub unsafe fn free_async(&self, ptr: DevicePtr, stream: &Stream) -> Result<()> {
+        self.check_same(stream.device())?;
+        match (&self.inner.backend, stream.raw()) {
+            // SAFETY: the caller's contract.
+            (Backend::Cuda(d), RawStream::Cuda(s)) => unsafe { d.free_async(ptr.0, *s) },
+            (Backend::Sim(d), RawStream::Sim(s)) => {
+                d.fault(FaultKind::Free)?;
+                s.push(sim::Op::Free(ptr.0))
+            }
+            _ => Err(mismatch()),
+        }
+    }
+}

@@ -1,0 +1,166 @@
+//! The command line: the resource to replay against, its sizes, the order, the device.
+
+use std::fmt;
+use std::path::PathBuf;
+
+use clap::{Parser, ValueEnum};
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]
+pub(super) enum ResourceKind {
+    /// `PoolResource` over the device (`--initial`, `--maximum`).
+    Pool,
+    /// `ArenaResource` over the device (`--arena-size` or `--initial`/`--maximum`,
+    /// `--superblock-size`).
+    Arena,
+    /// `BinningResource`: power-of-two fixed-size bins over a pool, the pool for larger
+    /// requests (RMM's replay configuration: bins of 2^18..2^22 bytes).
+    Binning,
+    /// `CudaResource`: the driver's allocator, no pooling.
+    Cuda,
+    /// `CudaAsyncResource`: the driver's stream-ordered pool (`--initial`, `--maximum`,
+    /// `--release-threshold`).
+    CudaAsync,
+}
+
+impl fmt::Display for ResourceKind {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(match self {
+            ResourceKind::Pool => "pool",
+            ResourceKind::Arena => "arena",
+            ResourceKind::Binning => "binning",
+            ResourceKind::Cuda => "cuda",
+            ResourceKind::CudaAsync => "cuda-async",
+        })
+    }
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]
+pub(super) enum Order {
+    /// Every event in the log's global order, as RMM's replay benchmark does.
+    Log,
+    /// Each thread in its own order; a free waits only for its allocation.
+    Threads,
+}
+
+/// Replays an RMM-format memory-event log (Thread,Time,Action,Pointer,Size,Stream) against a
+/// streamalloc resource and reports wall time, peak memory, failed allocations and
+/// fragmentation.
+///
+/// Sizes take units: 4096, 64KiB, 1.5GiB, 2G (binary), 2GB (decimal).
+#[derive(Debug, Parser)]
+#[command(name = "streamalloc-replay", version)]
+pub(super) struct Args {
+    /// The log file (CSV, with a header line).
+    pub(super) log: PathBuf,
+
+    /// The resource to replay against.
+    #[arg(short, long, value_enum, default_value_t = ResourceKind::Pool)]
+    pub(super) resource: ResourceKind,
+
+    /// Bytes the pool, arena or cuda-async pool takes at start [default: 0].
+    #[arg(long, value_parser = parse_size)]
+    pub(super) initial: Option<u64>,
+
+    /// The most the pool, arena or cuda-async pool may hold [default: the device's memory].
+    #[arg(long, value_parser = parse_size)]
+    pub(super) maximum: Option<u64>,
+
+    /// Arena: RMM's `arena_size`, a fixed arena (initial = maximum = this, unless `--maximum`
+    /// is given).
+    #[arg(long, value_parser = parse_size)]
+    pub(super) arena_size: Option<u64>,
+
+    /// Arena: the superblock size, also the largest request a stream arena serves.
+    #[arg(long, value_parser = parse_size, default_value = "1MiB")]
+    pub(super) superblock_size: u64,
+
+    /// Binning: the smallest bin is 2^this bytes.
+    #[arg(long, default_value_t = 18)]
+    pub(super) bin_min_log2: u32,
+
+    /// Binning: the largest bin is 2^this bytes.
+    #[arg(long, default_value_t = 22)]
+    pub(super) bin_max_log2: u32,
+
+    /// Binning: blocks each fixed-size bin takes from the pool at a time.
+    #[arg(long, default_value_t = 128)]
+    pub(super) blocks_per_chunk: usize,
+
+    /// cuda-async: freed bytes the driver pool keeps [default: all].
+    #[arg(long, value_parser = parse_size)]
+    pub(super) release_threshold: Option<u64>,
+
+    /// The order events are replayed in.
+    #[arg(long, value_enum, default_value_t = Order::Log)]
+    pub(super) order: Order,
+
+    /// Skip frees of pointers no earlier line allocated, instead of stopping.
+    #[arg(long)]
+    pub(super) ignore_unmatched: bool,
+
+    /// The device: `auto` (a GPU if there is one, else the simulated device; the
+    /// STREAMALLOC_DEVICE variable can choose), `sim`, `cuda` or `cuda:N`.
+    #[arg(long, default_value = "auto")]
+    pub(super) device: String,
+
+    /// Also write the picture of the replay to this HTML file (as `streamalloc-picture` draws
+    /// a log, plus the memory the resource reserved over time and, as the address map, the
+    /// resource's own snapshot at the log's peak).
+    #[arg(long)]
+    pub(super) picture: Option<PathBuf>,
+
+    /// The simulated device's memory [default: 16GiB].
+    #[arg(long, value_parser = parse_size)]
+    pub(super) sim_memory: Option<u64>,
+}
+
+/// `4096`, `64KiB`, `1.5 GiB`, `2G` (binary), `2GB` (decimal).
+pub(super) fn parse_size(text: &str) -> Result<u64, String> {
+    let text = text.trim();
+    let split = text
+        .find(|c: char| !(c.is_ascii_digit() || c == '.'))
+        .unwrap_or(text.len());
+    let (number, unit) = text.split_at(split);
+    let value: f64 = number.parse().map_err(|_| {
+        format!("`{text}` is not a size (a number, then a unit such as KiB, MiB, GiB)")
+    })?;
+    let multiplier: f64 = match unit.trim().to_ascii_lowercase().as_str() {
+        "" | "b" => 1.0,
+        "k" | "ki" | "kib" => 1024.0,
+        "kb" => 1e3,
+        "m" | "mi" | "mib" => 1024.0 * 1024.0,
+        "mb" => 1e6,
+        "g" | "gi" | "gib" => 1024.0 * 1024.0 * 1024.0,
+        "gb" => 1e9,
+        "t" | "ti" | "tib" => 1024.0 * 1024.0 * 1024.0 * 1024.0,
+        "tb" => 1e12,
+        other => {
+            return Err(format!(
+                "unknown unit `{other}` in `{text}` (B, KiB, MiB, GiB, TiB, KB, MB, GB, TB)"
+            ))
+        }
+    };
+    let bytes = value * multiplier;
+    if !bytes.is_finite() || bytes < 0.0 || bytes > u64::MAX as f64 {
+        return Err(format!("`{text}` is out of range"));
+    }
+    Ok(bytes.round() as u64)
+}
+
+/// `1.50 MiB`.
+pub(super) fn fmt_bytes(bytes: u64) -> String {
+    const UNITS: [&str; 5] = ["KiB", "MiB", "GiB", "TiB", "PiB"];
+    if bytes < 1024 {
+        return format!("{bytes} B");
+    }
+    let mut value = bytes as f64;
+    let mut unit = "B";
+    for u in UNITS {
+        if value < 1024.0 {
+            break;
+        }
+        value /= 1024.0;
+        unit = u;
+    }
+    format!("{value:.2} {unit}")
+}
