@@ -72,9 +72,9 @@ impl Watch for EventInner {
         &self.completion
     }
 
-    fn raw_cuda_event(&self) -> Option<cuda::RawEvent> {
+    fn raw_cuda_event(&self) -> Option<cudarc::driver::sys::CUevent> {
         match self.raw {
-            RawEvent::Cuda(e) => Some(e),
+            RawEvent::Cuda(e) => Some(e.0),
             RawEvent::Sim(_) => None,
         }
     }

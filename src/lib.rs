@@ -44,9 +44,8 @@
 //!    the small types every layer above names (`device::ids`: [`DevicePtr`], [`StreamId`]), the
 //!    [`Device`] handle, which owns its reactor, and its raw memory calls (`device::memory`:
 //!    `malloc`, `free`, managed and page-locked host memory). It names neither streams nor
-//!    events. One arrow still runs back up: `reactor`'s `Watch::raw_cuda_event` returns
-//!    `device::cuda::RawEvent`, for the CUDA doorbells. A raw handle of cudarc's own
-//!    (`sys::CUevent`) there would remove it; until then `.ci/import_cycles.py` allows it.
+//!    events. The reactor below it names nothing of it either: its `Watch::raw_cuda_event`
+//!    hands the CUDA doorbells cudarc's own raw handle (`sys::CUevent`).
 //! 4. **`event`, then `stream`**: an [`Event`] names the device and the reactor; a [`Stream`]
 //!    records events. The device's calls that take a stream live here: `create_stream`;
 //!    `stream::memory` (`malloc_async`, `free_async`, `free_after`); `stream::async_pool` (the

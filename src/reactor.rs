@@ -17,7 +17,7 @@
 //! - Nothing that blocks: every wakeup of the device waits for it. A callback whose work is a
 //!   blocking driver call (`cuMemFree` of a deferred free into `CudaResource` or
 //!   `ManagedResource`) hands it to the device's blocking-work thread: [`Reactor::offload`],
-//!   through `offload::run_blocking`, which knows this thread by a thread-local mark set in
+//!   through `device::run_blocking`, which knows this thread by a thread-local mark set in
 //!   `run`. What the reactor itself calls is non-blocking: `cuEventQuery`, and for doorbells
 //!   `cuStreamWaitEvent` and `cuLaunchHostFunc` on watcher streams.
 //! - In a driver callback (the doorbell's host function): only the bell's atomic swap and
@@ -78,8 +78,10 @@ pub(crate) trait Watch: Send + Sync {
     fn query(&self) -> Option<Result<()>>;
     /// Its shared completion state.
     fn completion(&self) -> &Completion;
-    /// The CUDA event behind it, for a doorbell; `None` on the simulated device.
-    fn raw_cuda_event(&self) -> Option<crate::device::cuda::RawEvent> {
+    /// The CUDA event behind it, for a doorbell; `None` on the simulated device. cudarc's raw
+    /// handle, not the device layer's wrapper: the reactor sits below the device and names
+    /// nothing of it.
+    fn raw_cuda_event(&self) -> Option<cudarc::driver::sys::CUevent> {
         None
     }
 }
@@ -105,7 +107,7 @@ impl<T: Watch + ?Sized> Watch for Arc<T> {
         (**self).completion()
     }
 
-    fn raw_cuda_event(&self) -> Option<crate::device::cuda::RawEvent> {
+    fn raw_cuda_event(&self) -> Option<cudarc::driver::sys::CUevent> {
         (**self).raw_cuda_event()
     }
 }
@@ -233,7 +235,7 @@ impl Reactor {
 
     /// Runs `job` on the device's blocking-work thread, started on first use, after every job
     /// handed over before it; never blocks on it. For blocking driver calls that work on the
-    /// reactor thread would otherwise make (`offload::run_blocking` decides). `what` names the
+    /// reactor thread would otherwise make (`device::run_blocking` decides). `what` names the
     /// job in logs.
     pub(crate) fn offload(&self, what: &'static str, job: crate::offload::Job) {
         self.offload.run(what, job);

@@ -473,7 +473,7 @@ impl Doorbells for CudaDoorbells {
         if unsafe {
             result::stream::wait_event(
                 watcher.0,
-                event.0,
+                event,
                 sys::CUevent_wait_flags::CU_EVENT_WAIT_DEFAULT,
             )
         }
