@@ -271,6 +271,11 @@ impl<U: MemoryResource> PoolResource<U> {
     }
 
     /// Checks the invariants of every free list and that no two share memory. Slow; for tests.
+    ///
+    /// Not a consistent snapshot: it reads the lists one after another, so a block that a steal,
+    /// a merge or a growth moves between lists during the check can be seen twice and reported
+    /// as shared. Call it while no other thread allocates or frees (`examples/soak` holds a
+    /// gate around the pool's calls for it).
     #[doc(hidden)]
     pub fn check_invariants(&self) -> std::result::Result<(), String> {
         self.lists.check()
