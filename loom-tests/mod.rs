@@ -27,7 +27,7 @@
 //!   detector (`SimMarker::seen_by_host`: join, then mark seen), on a copy of the protocol.
 //!
 //! Each model states its preemption bound; it is set in the model, so `LOOM_MAX_PREEMPTIONS`
-//! does not change it. `reactor::real_reactor_models` runs the reactor models on the crate's
+//! does not change it. `reactor::events::real_reactor_models` runs the reactor models on the crate's
 //! `Reactor` (it passes since the src changes of README.md, "Findings"). The `#[ignore]`d
 //! tests, run with `-- --ignored`:
 //! - `planted_*`: the same model against a copy of the code with a bug planted in it (the

@@ -5,7 +5,7 @@
 //! holding the waiters lock* and drains the waiters in the same critical section; `register_*`
 //! checks for a result under that same lock before it stores a waker. So a waker is either stored
 //! before the drain (and woken by it) or sees the result (and never waits). The loom model in
-//! `loom-tests/reactor.rs` checks this.
+//! `loom-tests/reactor/` checks this.
 //!
 //! Wakers and callbacks are other people's code (a runtime's waker, a free into a user's memory
 //! resource), run on whichever thread completes the event: usually the device's completion

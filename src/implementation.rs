@@ -112,7 +112,7 @@
 //! `trim` folds the lists of dropped streams back (after synchronizing them their memory is
 //! fresh) and returns wholly free chunks upstream; every error path puts what it took back
 //! where it was. The engine is generic over its stream type so the loom model
-//! (`loom-tests/free_lists.rs`) runs it on a fake stream that records ordering edges in vector
+//! (`loom-tests/free_lists/`) runs it on a fake stream that records ordering edges in vector
 //! clocks.
 //!
 //! **Every free is checked** (`PoolOptions::check_frees`, on by default): each list also keeps

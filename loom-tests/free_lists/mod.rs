@@ -1,0 +1,301 @@
+//! Models of the pool's per-stream free lists (src/resource/stream_ordered.rs, `StreamLists`):
+//! threads allocate, free and steal on two streams, and every block must be handed out once at
+//! a time, never lost, and used on its new stream only after its free on the old one.
+//!
+//! The engine is generic over [`EngineStream`]; here it runs on [`FakeStream`], whose
+//! `order_before` (an event recorded on the donor, a wait for it on the thief) writes the edge
+//! into a fake GPU: a vector clock per stream ([`Gpu`]). A block freed on stream D at position
+//! p of D may be used on stream S only once S's clock has seen p of D (S == D: stream order).
+//! The models check that at every hand-out, and that no block is held twice at once.
+//!
+//! The bookkeeping (`Gpu`) sits behind a **std** mutex, which loom does not see: loom runs one
+//! thread at a time and the bookkeeping makes no loom call while it holds the lock, so it never
+//! blocks, adds no scheduling points and no happens-before edges that could hide a bug of the
+//! engine. Everything the engine shares is loom's (`crate::sync`).
+//!
+//! Fresh memory (never used by a stream) needs no ordering. The upstream cannot grow
+//! ([`NoGrow`]; [`GrowOnce`] in `grow_vs_same_stream_reuse`), so a take that finds nothing goes
+//! down the whole policy: own list, fresh, steal (best fit over the other lists), merge idle
+//! lists and every other list, grow, merge every list again, out of memory. Each test also checks that some of its executions stole, merged (and grew) and
+//! ran out of memory ([`check_paths`]), so that no check is vacuous.
+//!
+//! The thread-local list cache is compiled out under loom (and [`FakeStream`] has none), and
+//! every request is one block. Not modelled: trimming (`take_whole_chunks`, `remove_chunk`),
+//! including the pool's release of whole chunks when it grows at its maximum, and a failing
+//! `order_before` (its error path puts the block back).
+
+use std::collections::HashMap;
+
+use loom::thread;
+
+use super::{check_paths, must_fail, Seen, Shared};
+use crate::error::{Error, Result};
+use crate::resource::stream_ordered::{EngineStream, Grow, StreamLists};
+use crate::sync::Arc;
+
+// The models and their `#[test]`s; the copy of the engine with bugs planted in it.
+mod planted;
+mod steals;
+
+// The paths of the policy an execution can take (see `check_paths`).
+const STEAL: &str = "steal";
+const MERGE: &str = "merge";
+const GROW: &str = "grow";
+const OUT_OF_MEMORY: &str = "out of memory";
+const ALL_BUT_GROW: [&str; 3] = [STEAL, MERGE, OUT_OF_MEMORY];
+const ALL: [&str; 4] = [STEAL, MERGE, GROW, OUT_OF_MEMORY];
+
+/// Every request is one block: addresses stay block-aligned through splits and merges, so a
+/// block is named by its address.
+pub(super) const BLOCK: u64 = 256;
+pub(super) const BASE: u64 = 0x10000;
+
+// ---------------------------------------------------------------------------------------------
+// The fake GPU and its streams.
+// ---------------------------------------------------------------------------------------------
+
+/// What the fake GPU has been asked to order.
+pub(super) struct Gpu {
+    /// `clocks[s][t]`: how many operations of stream `t` come before the next one queued on
+    /// stream `s`; `clocks[s][s]` counts `s`'s own.
+    clocks: Vec<Vec<u64>>,
+    /// Each block's last free: `(stream, position)`: ordered after the first `position`
+    /// operations of `stream`, its last use among them.
+    freed: HashMap<u64, (usize, u64)>,
+    /// Who holds each block now.
+    held: HashMap<u64, &'static str>,
+}
+
+impl Gpu {
+    fn new(streams: usize) -> Self {
+        Gpu {
+            clocks: vec![vec![0; streams]; streams],
+            freed: HashMap::new(),
+            held: HashMap::new(),
+        }
+    }
+
+    /// An event recorded on `from` now, waited on by `to`.
+    pub(super) fn order(&mut self, from: usize, to: usize) {
+        let seen = self.clocks[from].clone();
+        for (mine, theirs) in self.clocks[to].iter_mut().zip(seen) {
+            *mine = (*mine).max(theirs);
+        }
+    }
+
+    /// `who` got `addr` for use on stream `s`, and queues a use of it there.
+    pub(super) fn took(&mut self, who: &'static str, s: usize, addr: u64) {
+        if let Some(other) = self.held.insert(addr, who) {
+            panic!("block {addr:#x} handed out twice: to {who} while {other} holds it");
+        }
+        if let Some(&(d, p)) = self.freed.get(&addr) {
+            let seen = self.clocks[s][d];
+            assert!(
+                seen >= p,
+                "block {addr:#x}, freed on stream {d} after its operation {p}, handed to stream \
+                 {s}, which is ordered after only {seen} of them: a steal or merge not ordered \
+                 behind the donor's free"
+            );
+        }
+        self.clocks[s][s] += 1;
+    }
+
+    /// `addr` is freed on stream `s`: after every operation queued on `s` so far.
+    pub(super) fn freeing(&mut self, s: usize, addr: u64) {
+        self.held
+            .remove(&addr)
+            .unwrap_or_else(|| panic!("block {addr:#x} freed but not held"));
+        self.freed.insert(addr, (s, self.clocks[s][s]));
+    }
+}
+
+pub(super) type Book = Shared<std::sync::Mutex<Gpu>>;
+
+pub(super) fn book(gpu: &Book) -> std::sync::MutexGuard<'_, Gpu> {
+    gpu.lock().expect("bookkeeping lock poisoned")
+}
+
+pub(super) struct FakeInner {
+    index: usize,
+    pub(super) gpu: Book,
+}
+
+/// A handle of a fake stream; clones are the same stream, as `Stream`'s.
+#[derive(Clone)]
+pub(super) struct FakeStream {
+    pub(super) inner: Arc<FakeInner>,
+}
+
+impl FakeStream {
+    pub(super) fn index(&self) -> usize {
+        self.inner.index
+    }
+}
+
+impl EngineStream for FakeStream {
+    type Name = u64;
+
+    fn uid(&self) -> u64 {
+        self.inner.index as u64 + 1
+    }
+
+    fn name(&self) -> u64 {
+        self.uid()
+    }
+
+    fn handle_count(&self) -> usize {
+        Arc::strong_count(&self.inner)
+    }
+
+    fn order_before(&self, later: &Self) -> Result<()> {
+        book(&self.inner.gpu).order(self.index(), later.index());
+        Ok(())
+    }
+}
+
+pub(super) fn streams(n: usize) -> Vec<FakeStream> {
+    let gpu: Book = std::sync::Arc::new(std::sync::Mutex::new(Gpu::new(n)));
+    (0..n)
+        .map(|index| FakeStream {
+            inner: Arc::new(FakeInner {
+                index,
+                gpu: gpu.clone(),
+            }),
+        })
+        .collect()
+}
+
+pub(super) fn out_of_memory(min: u64) -> Error {
+    Error::OutOfMemory {
+        requested: min as usize,
+        available: 0,
+        maximum: 0,
+    }
+}
+
+/// An upstream that cannot grow: the pool at its maximum.
+struct NoGrow;
+
+impl Grow<FakeStream> for NoGrow {
+    fn grow(&self, min: u64, _: &FakeStream) -> Result<(u64, u64)> {
+        Err(out_of_memory(min))
+    }
+}
+
+/// Where the chunk of [`GrowOnce`] starts (apart from the first chunk).
+const GROWN: u64 = BASE + 0x1000;
+
+/// An upstream that gives one chunk of one block, then no more. (A std flag: the upstream's
+/// own synchronisation is not what these models check.)
+struct GrowOnce(std::sync::atomic::AtomicBool);
+
+impl Grow<FakeStream> for GrowOnce {
+    fn grow(&self, min: u64, _: &FakeStream) -> Result<(u64, u64)> {
+        if min <= BLOCK && !self.0.swap(true, std::sync::atomic::Ordering::Relaxed) {
+            Ok((GROWN, BLOCK))
+        } else {
+            Err(out_of_memory(min))
+        }
+    }
+}
+
+// ---------------------------------------------------------------------------------------------
+// What the models drive: the crate's engine, or the planted copy.
+// ---------------------------------------------------------------------------------------------
+
+trait Engine: Send + Sync + 'static {
+    /// An engine with one chunk of `blocks` blocks, all fresh (as a pool's initial chunk).
+    fn with_chunk(blocks: u64) -> Self;
+    fn take(&self, size: u64, stream: &FakeStream, upstream: &impl Grow<FakeStream>)
+        -> Result<u64>;
+    fn give(&self, addr: u64, size: u64, stream: &FakeStream) -> bool;
+    fn check(&self) -> std::result::Result<(), String>;
+    fn free_bytes(&self) -> u64;
+    /// How many steals and merges it made.
+    fn steals_and_merges(&self) -> (u64, u64);
+}
+
+impl Engine for StreamLists<FakeStream> {
+    fn with_chunk(blocks: u64) -> Self {
+        let lists = StreamLists::new();
+        lists.add_chunk(BASE, blocks * BLOCK);
+        lists.give_fresh(BASE, blocks * BLOCK);
+        lists
+    }
+    fn take(
+        &self,
+        size: u64,
+        stream: &FakeStream,
+        upstream: &impl Grow<FakeStream>,
+    ) -> Result<u64> {
+        StreamLists::take(self, size, stream, upstream)
+    }
+    fn give(&self, addr: u64, size: u64, stream: &FakeStream) -> bool {
+        StreamLists::give(self, addr, size, stream)
+    }
+    fn check(&self) -> std::result::Result<(), String> {
+        StreamLists::check(self)
+    }
+    fn free_bytes(&self) -> u64 {
+        StreamLists::free_bytes(self)
+    }
+    fn steals_and_merges(&self) -> (u64, u64) {
+        let stats = StreamLists::stats(self);
+        (stats.steals, stats.merges)
+    }
+}
+
+/// Allocates a block for `who` on `stream`: `None` if the engine is out of memory (the only
+/// error it may give here). The upstream cannot grow.
+fn alloc<E: Engine>(
+    engine: &E,
+    stream: &FakeStream,
+    who: &'static str,
+    seen: &Seen,
+) -> Option<u64> {
+    alloc_from(engine, stream, who, seen, &NoGrow)
+}
+
+fn alloc_from<E: Engine>(
+    engine: &E,
+    stream: &FakeStream,
+    who: &'static str,
+    seen: &Seen,
+    upstream: &impl Grow<FakeStream>,
+) -> Option<u64> {
+    match engine.take(BLOCK, stream, upstream) {
+        Ok(addr) => {
+            book(&stream.inner.gpu).took(who, stream.index(), addr);
+            Some(addr)
+        }
+        Err(e) => {
+            assert!(e.is_out_of_memory(), "unexpected error: {e}");
+            seen.note(OUT_OF_MEMORY, true);
+            None
+        }
+    }
+}
+
+/// Frees `addr` on `stream`, in stream order.
+fn free<E: Engine>(engine: &E, stream: &FakeStream, addr: u64) {
+    book(&stream.inner.gpu).freeing(stream.index(), addr);
+    assert!(
+        engine.give(addr, BLOCK, stream),
+        "the engine refused the free of {addr:#x}"
+    );
+}
+
+/// After every thread is done and every block was given back: the lists are sound, share no
+/// byte, and hold all the memory. Notes which paths the execution took.
+fn all_back<E: Engine>(engine: &E, blocks: u64, gpu: &Book, seen: &Seen) {
+    engine.check().expect("free-list invariants");
+    assert_eq!(
+        engine.free_bytes(),
+        blocks * BLOCK,
+        "memory lost or counted twice"
+    );
+    assert!(book(gpu).held.is_empty());
+    let (steals, merges) = engine.steals_and_merges();
+    seen.note(STEAL, steals > 0);
+    seen.note(MERGE, merges > 0);
+}

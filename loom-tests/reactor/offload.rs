@@ -1,0 +1,42 @@
+//! The blocking-work queue that takes `cuMemFree` off the reactor thread (src/offload.rs).
+
+use super::*;
+
+/// The blocking-work queue (src/offload.rs), on the crate's `Offload`: two threads hand over
+/// jobs (the first one starts the worker thread) while the queue's owner is dropped, as a
+/// device goes away while its reactor still hands off frees. Every job runs exactly once
+/// (`MustRun`), one thread's jobs in the order given, and the worker exits (loom requires every
+/// thread to finish: a worker that misses the shutdown is a deadlock). Preemption bound 3.
+#[test]
+fn offload_jobs_vs_shutdown() {
+    use crate::offload::{Job, Offload};
+
+    fn job(after: Option<Arc<AtomicBool>>, done: Arc<AtomicBool>) -> Job {
+        let guard = MustRun {
+            ran: Arc::new(AtomicUsize::new(0)),
+        };
+        Box::new(move || {
+            if let Some(before) = after {
+                assert!(before.load(Ordering::SeqCst), "jobs out of order");
+            }
+            done.store(true, Ordering::SeqCst);
+            guard.ran.fetch_add(1, Ordering::SeqCst);
+        })
+    }
+
+    check(Some(3), || {
+        let offload = Arc::new(Offload::new("sa-blocking-loom".to_string()));
+        let other = {
+            let offload = offload.clone();
+            let late = job(None, Arc::new(AtomicBool::new(false)));
+            thread::spawn(move || offload.run("loom: the other thread's job", late))
+        };
+        let a_done = Arc::new(AtomicBool::new(false));
+        let a = job(None, a_done.clone());
+        let b = job(Some(a_done), Arc::new(AtomicBool::new(false)));
+        offload.run("loom: job a", a);
+        offload.run("loom: job b", b);
+        drop(offload);
+        other.join().unwrap();
+    });
+}
