@@ -1,4 +1,4 @@
-//! Models of two paths of the pool's free lists (src/resource/stream_ordered.rs) that the models
+//! Models of two paths of the pool's free lists (src/resource/stream_ordered/) that the models
 //! of `free_lists` do not drive, on the same fake streams and fake GPU:
 //!
 //! - [`free_vs_retire`]: a free of a block handed out on a stream the user has dropped, on

@@ -88,7 +88,7 @@
 //! different streams do not contend. Blocks never merge across upstream chunks.
 //!
 //! When a stream's list cannot serve a request, in order (the authoritative comment is at the
-//! top of `src/resource/stream_ordered.rs`):
+//! top of `src/resource/stream_ordered/mod.rs`):
 //!
 //! 1. *fresh* memory, that no stream has used or whose last use the host saw finish (under the
 //!    requester's own lock: no ordering needed);

@@ -1,4 +1,4 @@
-//! Models of the pool's per-stream free lists (src/resource/stream_ordered.rs, `StreamLists`):
+//! Models of the pool's per-stream free lists (src/resource/stream_ordered/, `StreamLists`):
 //! threads allocate, free and steal on two streams, and every block must be handed out once at
 //! a time, never lost, and used on its new stream only after its free on the old one.
 //!

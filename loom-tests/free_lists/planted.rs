@@ -1,4 +1,4 @@
-//! A copy of src/resource/stream_ordered.rs's `StreamLists`, cut to what the models use (no
+//! A copy of src/resource/stream_ordered/'s `StreamLists`, cut to what the models use (no
 //! cache, no trim, no statistics), with switchable bugs. A list's state is a loom `UnsafeCell`
 //! guarded by a `Mutex<()>` instead of a `Mutex<ListState>`, so that the planted "no lock" bug
 //! can be written; with the lock taken it is the same.
