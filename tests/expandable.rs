@@ -1,6 +1,6 @@
 //! `ExpandablePoolResource` on every available device: growth without seams, trim that gives
 //! memory back a granule at a time and in stream order, faults and bad input. (RMM's
-//! memory-resource tests run on it in `base_resources.rs`, the awaitable-memory tests in
+//! memory-resource tests run on it in `base_resources/`, the awaitable-memory tests in
 //! `awaitable.rs`.)
 
 mod common;

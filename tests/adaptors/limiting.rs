@@ -1,0 +1,153 @@
+//! `LimitingAdaptor`: exact at the edge, upstream failures, `allocate_async` waiting for a free.
+
+use super::*;
+
+#[test]
+fn limiting_is_exact_at_the_edge() {
+    for device in devices() {
+        let limit = MIB;
+        let lim = LimitingAdaptor::new(pool(&device, 0, 4 * MIB), limit);
+        let s = device.create_stream().unwrap();
+        assert_eq!(
+            (lim.limit(), lim.used(), lim.available()),
+            (limit, 0, limit)
+        );
+
+        // Exactly the limit in one allocation, then one byte more fails.
+        let a = lim.allocate(limit, &s).unwrap();
+        assert_eq!(lim.used(), limit);
+        assert_eq!(
+            lim.allocate(1, &s).unwrap_err(),
+            Error::OutOfMemory {
+                requested: ALIGNMENT,
+                available: 0,
+                maximum: limit
+            },
+            "{}",
+            label(&device)
+        );
+        // Free, then it fits again.
+        free(&lim, a, limit, &s);
+        assert_eq!(lim.used(), 0);
+        let b = lim.allocate(1, &s).unwrap();
+        assert_eq!(lim.used(), ALIGNMENT, "one byte counts as 256");
+        free(&lim, b, 1, &s);
+
+        // In pieces with rounding: 1000 bytes count as 1024.
+        let pieces: Vec<_> = (0..1024).map(|_| lim.allocate(1000, &s).unwrap()).collect();
+        assert_eq!(lim.used(), limit);
+        assert!(lim.allocate(1, &s).is_err());
+        for p in pieces {
+            free(&lim, p, 1000, &s);
+        }
+
+        // Up to 256 below the limit: 257 bytes need 512, 256 fit.
+        let c = lim.allocate(limit - ALIGNMENT, &s).unwrap();
+        assert_eq!(
+            lim.allocate(ALIGNMENT + 1, &s).unwrap_err(),
+            Error::OutOfMemory {
+                requested: 2 * ALIGNMENT,
+                available: ALIGNMENT,
+                maximum: limit
+            }
+        );
+        let d = lim.allocate(ALIGNMENT, &s).unwrap();
+        assert_eq!(lim.available(), 0);
+        free(&lim, d, ALIGNMENT, &s);
+        free(&lim, c, limit - ALIGNMENT, &s);
+
+        // Above the limit on its own.
+        assert_eq!(
+            lim.allocate(limit + 1, &s).unwrap_err(),
+            Error::OutOfMemory {
+                requested: limit + ALIGNMENT,
+                available: limit,
+                maximum: limit
+            }
+        );
+        // Zero bytes are not limited.
+        let z = lim.allocate(0, &s).unwrap();
+        free(&lim, z, 0, &s);
+        assert_eq!(lim.used(), 0);
+        assert!(matches!(
+            lim.allocate(usize::MAX, &s),
+            Err(Error::InvalidSize { .. })
+        ));
+    }
+}
+
+#[test]
+fn limiting_passes_upstream_failures_through_without_leaking() {
+    for device in devices() {
+        // The limit is above what the pool can hold. (Tracking: an upstream that surely
+        // refuses a bad free.)
+        let lim = LimitingAdaptor::new(TrackingAdaptor::new(pool(&device, 0, 4 * MIB)), 64 * MIB);
+        let s = device.create_stream().unwrap();
+        let a = lim.allocate(3 * MIB, &s).unwrap();
+        match lim.allocate(2 * MIB, &s) {
+            // The pool's own numbers.
+            Err(Error::OutOfMemory { maximum, .. }) => assert_eq!(maximum, 4 * MIB),
+            other => panic!("{}: {other:?}", label(&device)),
+        }
+        assert_eq!(
+            lim.used(),
+            3 * MIB,
+            "the failed request's reservation leaked"
+        );
+        // A refused free changes nothing.
+        assert!(matches!(
+            bad_free(&lim, a.offset(512), MIB, &s),
+            Error::UnknownPointer { .. }
+        ));
+        assert_eq!(lim.used(), 3 * MIB);
+        free(&lim, a, 3 * MIB, &s);
+        assert_eq!(lim.used(), 0);
+    }
+}
+
+#[test]
+fn limiting_allocate_async_waits_for_a_free_from_another_task() {
+    let rt = common::runtime();
+    for device in devices() {
+        let limit = 4 * MIB;
+        let lim = Arc::new(LimitingAdaptor::new(pool(&device, 0, 64 * MIB), limit));
+        let s = device.create_stream().unwrap();
+        let held = lim.allocate(limit, &s).unwrap();
+
+        rt.block_on(async {
+            // A request above the limit can never succeed: it fails at once.
+            let never =
+                tokio::time::timeout(Duration::from_secs(5), lim.allocate_async(limit + 1, &s))
+                    .await
+                    .expect("a request above the limit waited");
+            assert!(matches!(never, Err(Error::OutOfMemory { .. })));
+
+            let waiter = tokio::spawn({
+                let (lim, s) = (lim.clone(), s.clone());
+                async move { lim.allocate_async(limit / 2, &s).await }
+            });
+            assert!(
+                eventually(Duration::from_secs(5), || lim.wait_stats().waiting == 1),
+                "{}: the task did not wait",
+                label(&device)
+            );
+            assert!(!waiter.is_finished());
+            tokio::spawn({
+                let (lim, s) = (lim.clone(), s.clone());
+                async move { free(&*lim, held, limit, &s) }
+            })
+            .await
+            .unwrap();
+            let ptr = tokio::time::timeout(Duration::from_secs(5), waiter)
+                .await
+                .expect("the free did not wake the waiter")
+                .unwrap()
+                .unwrap();
+            assert_eq!(lim.used(), limit / 2);
+            let stats = lim.wait_stats();
+            assert_eq!((stats.waiting, stats.waits), (0, 1));
+            free(&*lim, ptr, limit / 2, &s);
+        });
+        assert_eq!(lim.used(), 0);
+    }
+}

@@ -1,0 +1,219 @@
+//! `BinningResource`: RMM's shared tests, routing to the smallest bin, fixed bins sharing the
+//! upstream, bad arguments.
+
+use super::*;
+
+/// Counts what goes through it: a tiny stand-in for a tracking adaptor.
+#[derive(Debug)]
+struct Counting {
+    inner: CudaResource,
+    allocs: Mutex<Vec<usize>>,
+    frees: Mutex<Vec<usize>>,
+}
+
+impl Counting {
+    fn new(device: &Device) -> Arc<Self> {
+        Arc::new(Self {
+            inner: CudaResource::new(device),
+            allocs: Mutex::new(Vec::new()),
+            frees: Mutex::new(Vec::new()),
+        })
+    }
+
+    fn allocs(&self) -> Vec<usize> {
+        self.allocs.lock().unwrap().clone()
+    }
+
+    fn frees(&self) -> Vec<usize> {
+        self.frees.lock().unwrap().clone()
+    }
+}
+
+impl MemoryResource for Counting {
+    fn device(&self) -> &Device {
+        self.inner.device()
+    }
+
+    fn allocate(&self, bytes: usize, stream: &Stream) -> streamalloc::Result<DevicePtr> {
+        self.allocs.lock().unwrap().push(bytes);
+        self.inner.allocate(bytes, stream)
+    }
+
+    unsafe fn deallocate(
+        &self,
+        ptr: DevicePtr,
+        bytes: usize,
+        stream: &Stream,
+    ) -> streamalloc::Result<()> {
+        self.frees.lock().unwrap().push(bytes);
+        // SAFETY: the caller's contract, passed on.
+        unsafe { self.inner.deallocate(ptr, bytes, stream) }
+    }
+}
+
+fn binning_over_pool(device: &Device) -> BinningResource<PoolResource<CudaResource>> {
+    let pool = PoolResource::new(
+        CudaResource::new(device),
+        PoolOptions {
+            initial: 0,
+            maximum: Some(4096 * MIB),
+            ..PoolOptions::default()
+        },
+    )
+    .unwrap();
+    BinningResource::builder(pool)
+        .bins_pow2(18, 22)
+        .blocks_per_chunk(8)
+        .build()
+        .unwrap()
+}
+
+#[test]
+fn binning_shared_tests() {
+    for device in devices() {
+        let b = binning_over_pool(&device);
+        zero_bytes(&b, &device);
+        assert_eq!(b.upstream().stats().reserved, 0);
+        sizes_from_4_bytes_to_1_gib(&b, &device);
+        one_pib_is_out_of_memory(&b, &device);
+        random_mix(&b, &device, &|| b.upstream().check_invariants().unwrap());
+        four_threads(&b, &device);
+        producer_consumer(&b, &device);
+        b.upstream().check_invariants().unwrap();
+    }
+}
+
+#[test]
+fn binning_routes_sizes_to_the_smallest_bin_that_holds_them() {
+    for device in devices() {
+        let bins = [
+            Counting::new(&device),
+            Counting::new(&device),
+            Counting::new(&device),
+        ];
+        let fallback = Counting::new(&device);
+        let b = BinningResource::builder(CudaResource::new(&device))
+            .add_bin(4 * KIB, bins[1].clone() as ResourceRef)
+            .add_bin(KIB, bins[0].clone() as ResourceRef)
+            .add_bin(64 * KIB, bins[2].clone() as ResourceRef)
+            .fallback(fallback.clone())
+            .build()
+            .unwrap();
+        assert_eq!(b.bin_sizes(), vec![KIB, 4 * KIB, 64 * KIB]);
+        assert_eq!(b.bin_for(1), Some(0));
+        assert_eq!(b.bin_for(KIB + 1), Some(1));
+        assert_eq!(b.bin_for(64 * KIB + 1), None);
+        let s = device.create_stream().unwrap();
+        let sizes = [
+            1,
+            KIB,
+            KIB + 1,
+            4 * KIB,
+            4 * KIB + 1,
+            64 * KIB,
+            64 * KIB + 1,
+            MIB,
+        ];
+        let ptrs: Vec<_> = sizes.iter().map(|&n| b.allocate(n, &s).unwrap()).collect();
+        assert_eq!(bins[0].allocs(), vec![1, KIB]);
+        assert_eq!(bins[1].allocs(), vec![KIB + 1, 4 * KIB]);
+        assert_eq!(bins[2].allocs(), vec![4 * KIB + 1, 64 * KIB]);
+        assert_eq!(fallback.allocs(), vec![64 * KIB + 1, MIB]);
+        for (ptr, n) in ptrs.into_iter().zip(sizes) {
+            free(&b, ptr, n, &s);
+        }
+        // Frees go back by the same rule.
+        assert_eq!(bins[0].frees(), vec![1, KIB]);
+        assert_eq!(bins[1].frees(), vec![KIB + 1, 4 * KIB]);
+        assert_eq!(bins[2].frees(), vec![4 * KIB + 1, 64 * KIB]);
+        assert_eq!(fallback.frees(), vec![64 * KIB + 1, MIB]);
+        // Zero bytes reach no bin.
+        assert_eq!(b.allocate(0, &s).unwrap(), DevicePtr(0));
+        assert_eq!(bins[0].allocs().len(), 2);
+    }
+}
+
+/// Fixed-size bins take chunks of `blocks_per_chunk` blocks from the shared upstream; larger
+/// requests go to the upstream as they are.
+#[test]
+fn binning_fixed_bins_share_the_upstream() {
+    for device in devices() {
+        let upstream = Counting::new(&device);
+        let b = BinningResource::builder(upstream.clone())
+            .bins_pow2(10, 12)
+            .blocks_per_chunk(4)
+            .build()
+            .unwrap();
+        assert_eq!(b.bin_sizes(), vec![1024, 2048, 4096]);
+        let s = device.create_stream().unwrap();
+        let sizes = [1000, 2000, 4000, 5000, 900];
+        let ptrs: Vec<_> = sizes.iter().map(|&n| b.allocate(n, &s).unwrap()).collect();
+        // One chunk per bin used (the second 1 KiB block comes from the first chunk), then
+        // the fallback's request.
+        assert_eq!(upstream.allocs(), vec![4 * 1024, 4 * 2048, 4 * 4096, 5000]);
+        let mut sorted: Vec<u64> = ptrs.iter().map(|p| p.0).collect();
+        sorted.sort_unstable();
+        sorted.dedup();
+        assert_eq!(sorted.len(), sizes.len(), "{}", label(&device));
+        for (ptr, n) in ptrs.into_iter().zip(sizes) {
+            free(&b, ptr, n, &s);
+        }
+        assert_eq!(
+            upstream.frees(),
+            vec![5000],
+            "bins keep their chunks until dropped"
+        );
+        drop(b);
+        assert_eq!(
+            upstream.frees().len(),
+            4,
+            "dropping the bins returns their chunks"
+        );
+    }
+}
+
+#[test]
+fn binning_bad_arguments_are_errors() {
+    let device = &devices()[0];
+    let build_err = |builder: streamalloc::resource::binning::BinningBuilder<CudaResource>| {
+        builder.build().unwrap_err()
+    };
+    let up = || BinningResource::builder(CudaResource::new(device));
+    assert!(matches!(
+        build_err(up().bins_pow2(12, 10)),
+        Error::InvalidSize { .. }
+    ));
+    assert!(matches!(
+        build_err(up().bins_pow2(10, 64)),
+        Error::InvalidSize { .. }
+    ));
+    assert!(matches!(
+        build_err(up().add_bin(0, None)),
+        Error::InvalidSize { .. }
+    ));
+    assert!(matches!(
+        build_err(up().add_bin(1024, None).blocks_per_chunk(0)),
+        Error::InvalidSize { .. }
+    ));
+    let other = Device::simulated(SimConfig::default());
+    assert!(matches!(
+        build_err(up().add_bin(1024, Arc::new(CudaResource::new(&other)) as ResourceRef)),
+        Error::WrongDevice { .. }
+    ));
+    assert!(matches!(
+        build_err(up().fallback(Arc::new(CudaResource::new(&other)))),
+        Error::WrongDevice { .. }
+    ));
+    // A later bin of the same size replaces the earlier one.
+    let b = up()
+        .add_bin(1000, None)
+        .add_bin(1024, None)
+        .build()
+        .unwrap();
+    assert_eq!(b.bin_sizes(), vec![1024]);
+    let s = other.create_stream().unwrap();
+    assert!(matches!(
+        b.allocate(100, &s),
+        Err(Error::WrongDevice { .. })
+    ));
+}

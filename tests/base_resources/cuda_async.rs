@@ -1,0 +1,152 @@
+//! `CudaAsyncResource`: counters and trim, initial size, threshold and maximum, stream-ordered
+//! frees.
+
+use super::*;
+
+#[test]
+fn cuda_async_counters_move_and_trim_gives_memory_back() {
+    for device in devices() {
+        let what = label(&device);
+        let stream = device.create_stream().unwrap();
+        let r = CudaAsyncResource::new(&device, CudaAsyncOptions::default()).unwrap();
+        assert_eq!(r.release_threshold().unwrap(), usize::MAX, "{what}");
+        assert_eq!(r.used_bytes().unwrap(), 0, "{what}");
+        assert_eq!(r.reserved_bytes().unwrap(), 0, "{what}");
+
+        let bytes = 64 * MIB;
+        let ptr = r.allocate(bytes, &stream).unwrap();
+        let (used, reserved) = (r.used_bytes().unwrap(), r.reserved_bytes().unwrap());
+        assert!(
+            used >= bytes && reserved >= used,
+            "{what}: {used} {reserved}"
+        );
+
+        // SAFETY: unused, freed once.
+        unsafe { r.deallocate(ptr, bytes, &stream) }.unwrap();
+        stream.synchronize_blocking().unwrap();
+        assert_eq!(r.used_bytes().unwrap(), 0, "{what}");
+        let kept = r.reserved_bytes().unwrap();
+        assert!(kept >= bytes, "{what}: the pool kept {kept} bytes");
+
+        // Reuse from what the pool keeps: it does not grow.
+        let again = r.allocate(bytes, &stream).unwrap();
+        assert_eq!(r.reserved_bytes().unwrap(), kept, "{what}");
+        // SAFETY: unused, freed once.
+        unsafe { r.deallocate(again, bytes, &stream) }.unwrap();
+        stream.synchronize_blocking().unwrap();
+
+        r.trim_to(0).unwrap();
+        assert_eq!(r.reserved_bytes().unwrap(), 0, "{what}");
+        assert_eq!(r.used_bytes().unwrap(), 0, "{what}");
+
+        // A live allocation survives a trim.
+        let live = r.allocate(bytes, &stream).unwrap();
+        r.trim_to(0).unwrap();
+        assert!(r.reserved_bytes().unwrap() >= bytes, "{what}");
+        write_and_check(MemoryKind::Device, live, bytes, &stream, 9);
+        // SAFETY: its uses are synchronized; freed once.
+        unsafe { r.deallocate(live, bytes, &stream) }.unwrap();
+        stream.synchronize_blocking().unwrap();
+    }
+}
+
+#[test]
+fn cuda_async_initial_size_threshold_and_maximum() {
+    for device in devices() {
+        let what = label(&device);
+        let stream = device.create_stream().unwrap();
+
+        // Primed with 32 MiB: reserved before anything is allocated, and reused.
+        let primed = CudaAsyncResource::new(
+            &device,
+            CudaAsyncOptions {
+                initial_pool_size: Some(32 * MIB),
+                ..CudaAsyncOptions::default()
+            },
+        )
+        .unwrap();
+        let reserved = primed.reserved_bytes().unwrap();
+        assert!(reserved >= 32 * MIB, "{what}: primed pool holds {reserved}");
+        assert_eq!(primed.used_bytes().unwrap(), 0, "{what}");
+        let ptr = primed.allocate(32 * MIB, &stream).unwrap();
+        assert_eq!(primed.reserved_bytes().unwrap(), reserved, "{what}");
+        // SAFETY: unused, freed once.
+        unsafe { primed.deallocate(ptr, 32 * MIB, &stream) }.unwrap();
+
+        // Threshold zero: freed memory goes back at the next synchronization.
+        let lean = CudaAsyncResource::new(
+            &device,
+            CudaAsyncOptions {
+                release_threshold: Some(0),
+                ..CudaAsyncOptions::default()
+            },
+        )
+        .unwrap();
+        assert_eq!(lean.release_threshold().unwrap(), 0, "{what}");
+        let ptr = lean.allocate(16 * MIB, &stream).unwrap();
+        // SAFETY: unused, freed once.
+        unsafe { lean.deallocate(ptr, 16 * MIB, &stream) }.unwrap();
+        stream.synchronize_blocking().unwrap();
+        assert_eq!(lean.reserved_bytes().unwrap(), 0, "{what}");
+        lean.set_release_threshold(usize::MAX).unwrap();
+        assert_eq!(lean.release_threshold().unwrap(), usize::MAX, "{what}");
+
+        // A pool of at most 64 MiB.
+        let capped = CudaAsyncResource::new(
+            &device,
+            CudaAsyncOptions {
+                maximum_pool_size: Some(64 * MIB),
+                ..CudaAsyncOptions::default()
+            },
+        )
+        .unwrap();
+        assert_eq!(capped.maximum_bytes(), 64 * MIB);
+        let first = capped.allocate(48 * MIB, &stream).unwrap();
+        match capped.allocate(48 * MIB, &stream) {
+            Err(Error::OutOfMemory {
+                requested, maximum, ..
+            }) => {
+                assert_eq!(requested, 48 * MIB, "{what}");
+                assert_eq!(maximum, 64 * MIB, "{what}");
+            }
+            other => panic!("{what}: past the maximum: {other:?}"),
+        }
+        // SAFETY: unused, freed once.
+        unsafe { capped.deallocate(first, 48 * MIB, &stream) }.unwrap();
+        stream.synchronize_blocking().unwrap();
+        let second = capped.allocate(48 * MIB, &stream).unwrap();
+        // SAFETY: unused, freed once.
+        unsafe { capped.deallocate(second, 48 * MIB, &stream) }.unwrap();
+        stream.synchronize_blocking().unwrap();
+    }
+}
+
+#[test]
+fn cuda_async_frees_are_stream_ordered() {
+    for device in devices() {
+        let what = label(&device);
+        let r = CudaAsyncResource::new(&device, CudaAsyncOptions::default()).unwrap();
+        let (a, b) = (
+            device.create_stream().unwrap(),
+            device.create_stream().unwrap(),
+        );
+        let n = 256 * KIB / 4;
+        let x = r.allocate(n * 4, &a).unwrap();
+        a.spin(Duration::from_millis(20)).unwrap();
+        // SAFETY: `x` is live until the free below, which `a` reaches after this fill.
+        unsafe { a.fill_u32(x, 0xAAAA, n) }.unwrap();
+        // SAFETY: its only use is queued on `a` before this point.
+        unsafe { r.deallocate(x, n * 4, &a) }.unwrap();
+        // Another stream allocates at once and writes its own value; the fill on `a` must not
+        // land in it, whatever address the driver picks.
+        let y = r.allocate(n * 4, &b).unwrap();
+        // SAFETY: live until freed below.
+        unsafe { b.fill_u32(y, 0xBBBB, n) }.unwrap();
+        a.synchronize_blocking().unwrap();
+        let back = read_words(&b, y, n);
+        assert!(back.iter().all(|&w| w == 0xBBBB), "{what}");
+        // SAFETY: its uses are synchronized; freed once.
+        unsafe { r.deallocate(y, n * 4, &b) }.unwrap();
+        b.synchronize_blocking().unwrap();
+    }
+}
