@@ -3,6 +3,8 @@
 //! Runs on CUDA device 0 when there is a GPU, else on the simulated device, and says which.
 //! `--devices N` spreads the batches over N devices, round robin: GPUs 0..N, or N simulated
 //! devices where the default device is simulated; each device has its own pool and streams.
+//! `--batches N` and `--floats N` set the work (32 batches of two 65,536-float buffers by
+//! default).
 //! `RUST_LOG=streamalloc=debug` shows what the crate does; `STREAMALLOC_DEVICE=sim|cuda|cuda:N`
 //! picks the device. Exits non-zero on a wrong value.
 //!
@@ -35,8 +37,21 @@ use streamalloc::{Device, DeviceBuffer, DeviceVec, SimConfig, StreamPool};
 use tokio::task::JoinSet;
 use tracing_subscriber::EnvFilter;
 
+/// The default shape; `--batches N` and `--floats N` change it (a larger one, for the scaling
+/// over several GPUs that `BENCHMARKS.md` reports).
 const BATCHES: usize = 32;
 const FLOATS: usize = 1 << 16; // per buffer: 256 KiB
+
+/// The shape of this run: (batches, floats per buffer), set once from the command line.
+static SHAPE: std::sync::OnceLock<(usize, usize)> = std::sync::OnceLock::new();
+
+fn batches() -> usize {
+    SHAPE.get().map_or(BATCHES, |s| s.0)
+}
+
+fn floats() -> usize {
+    SHAPE.get().map_or(FLOATS, |s| s.1)
+}
 const STREAMS: usize = 4;
 /// The pool holds the buffers of this many batches at once.
 const POOL_BATCHES: usize = 6;
@@ -122,24 +137,30 @@ struct Lane {
     scale: Option<CudaFunction>,
 }
 
-/// `--devices N` (default 1): the command line, parsed by hand (one flag).
-fn devices_arg() -> Result<usize, BoxError> {
+/// `--devices N` (default 1), `--batches N` (default 32) and `--floats N` (per buffer, default
+/// 65,536): the command line, parsed by hand. Returns the device count and sets [`SHAPE`].
+fn parse_args() -> Result<usize, BoxError> {
     let mut args = std::env::args().skip(1);
-    let mut devices = 1;
+    let (mut devices, mut batches, mut floats) = (1, BATCHES, FLOATS);
     while let Some(arg) = args.next() {
-        match arg.as_str() {
-            "--devices" => {
-                let n = args.next().ok_or("--devices needs a number")?;
-                devices = n
-                    .parse()
-                    .map_err(|_| format!("--devices {n}: not a number"))?;
-                if devices == 0 {
-                    return Err("--devices must be at least 1".into());
-                }
+        let target = match arg.as_str() {
+            "--devices" => &mut devices,
+            "--batches" => &mut batches,
+            "--floats" => &mut floats,
+            other => {
+                return Err(format!(
+                    "unknown argument {other:?} (--devices N, --batches N, --floats N)"
+                )
+                .into())
             }
-            other => return Err(format!("unknown argument {other:?} (only --devices N)").into()),
+        };
+        let n = args.next().ok_or(format!("{arg} needs a number"))?;
+        *target = n.parse().map_err(|_| format!("{arg} {n}: not a number"))?;
+        if *target == 0 {
+            return Err(format!("{arg} must be at least 1").into());
         }
     }
+    let _ = SHAPE.set((batches, floats));
     Ok(devices)
 }
 
@@ -168,7 +189,7 @@ fn open_devices(n: usize) -> Result<Vec<Device>, BoxError> {
 }
 
 async fn run() -> Result<(), BoxError> {
-    let devices = open_devices(devices_arg()?)?;
+    let devices = open_devices(parse_args()?)?;
     let lanes = devices
         .into_iter()
         .map(lane)
@@ -177,7 +198,7 @@ async fn run() -> Result<(), BoxError> {
 
     let start = Instant::now();
     let mut tasks = JoinSet::new();
-    for i in 0..BATCHES {
+    for i in 0..batches() {
         // Batches are spread over the devices round robin.
         tasks.spawn(batch(lanes[i % lanes.len()].clone(), i));
     }
@@ -200,12 +221,14 @@ async fn run() -> Result<(), BoxError> {
 
     let pool_bytes = lanes[0].pool.stats().reserved;
     println!(
-        "{BATCHES} batches of 2 x {FLOATS} f32 over {} device(s), {STREAMS} streams each, from \
+        "{} batches of 2 x {} f32 over {} device(s), {STREAMS} streams each, from \
          one pool of {} MiB per device ({POOL_BATCHES} batches at a time): filled, scaled and \
          copied back {} MiB in {elapsed:.1?}; all values correct",
+        batches(),
+        floats(),
         lanes.len(),
         pool_bytes >> 20,
-        (BATCHES * FLOATS * size_of::<f32>()) >> 20,
+        (batches() * floats() * size_of::<f32>()) >> 20,
     );
     for lane in &lanes {
         let how = if lane.scale.is_some() {
@@ -224,7 +247,7 @@ fn lane(device: Device) -> Result<Lane, BoxError> {
     // One pool for the device's batches. Its memory is taken from the device up front, in one
     // chunk (initial = maximum): a pool that grows chunk by chunk cannot serve a request larger
     // than its largest chunk, however much is free in the others.
-    let batch_bytes = 2 * FLOATS * size_of::<f32>();
+    let batch_bytes = 2 * floats() * size_of::<f32>();
     let pool_bytes = POOL_BATCHES * batch_bytes;
     let options = PoolOptions {
         initial: pool_bytes,
@@ -264,16 +287,16 @@ async fn batch(lane: Arc<Lane>, i: usize) -> Result<(), BoxError> {
     // while it waited for the rest could deadlock with others doing the same, each holding
     // what the others wait for; `alloc_all` holds nothing while it waits (first come, first
     // served with the other waiters) and returns at once when the pool has the whole set.
-    let bytes = FLOATS * size_of::<f32>();
+    let bytes = floats() * size_of::<f32>();
     let mut set = DeviceBuffer::alloc_all(pool, &[(bytes, &a), (bytes, &b)]).await?;
     let mut output = DeviceVec::<f32>::from_buffer(set.pop().expect("two buffers"))?;
     let mut input = DeviceVec::<f32>::from_buffer(set.pop().expect("two buffers"))?;
 
     // Stage 1, on A.
     let value = (i + 1) as f32;
-    // SAFETY: `input` is a live, 256-aligned allocation of FLOATS f32s, used on A. The fill is
+    // SAFETY: `input` is a live, 256-aligned allocation of `floats()` f32s, used on A. The fill is
     // queued on A, and the vector's free (at its drop) is ordered after it in stream order.
-    unsafe { a.fill_u32(input.as_ptr(), value.to_bits(), FLOATS)? };
+    unsafe { a.fill_u32(input.as_ptr(), value.to_bits(), floats())? };
     let filled = a.record()?;
 
     // Stage 2, on B: a GPU-side wait, so the copy runs after the fill without the host waiting.
@@ -281,10 +304,10 @@ async fn batch(lane: Arc<Lane>, i: usize) -> Result<(), BoxError> {
     // The copy below reads `input` on B: record that use, so that the free at its drop waits
     // for B's work queued up to then (an event, and the reactor), not only for A's.
     input.record_stream(&b)?;
-    // SAFETY: both vectors are live allocations of FLOATS f32s. `output` lives on B; B is
+    // SAFETY: both vectors are live allocations of `floats()` f32s. `output` lives on B; B is
     // ordered after the fill of `input` (the wait above), and the free of `input` after B's
     // work (`record_stream`); `output` is freed on B after this work, in stream order.
-    unsafe { b.copy_dtod(output.as_ptr(), input.as_ptr(), FLOATS * size_of::<f32>())? };
+    unsafe { b.copy_dtod(output.as_ptr(), input.as_ptr(), floats() * size_of::<f32>())? };
     match &lane.scale {
         // Our stream handed to cudarc: the launch is queued on B itself, after the copy and
         // before the copy back, with nothing synchronized in between.
@@ -292,16 +315,16 @@ async fn batch(lane: Arc<Lane>, i: usize) -> Result<(), BoxError> {
             let cs = b
                 .cudarc_stream()
                 .ok_or("a CUDA device's stream has a cudarc handle")?;
-            let (factor, count) = (2.0f32, FLOATS as u64);
+            let (factor, count) = (2.0f32, floats() as u64);
             let mut launch = cs.launch_builder(scale);
             launch.arg(&mut output).arg(&factor).arg(&count);
-            // SAFETY: the kernel's signature is (float*, float, u64); `output` holds FLOATS
+            // SAFETY: the kernel's signature is (float*, float, u64); `output` holds `floats()`
             // f32s allocated on B, and this launch is queued on B, after the copy into it and
             // before its copy back and its free.
-            unsafe { launch.launch(LaunchConfig::for_num_elems(FLOATS as u32)) }?;
+            unsafe { launch.launch(LaunchConfig::for_num_elems(floats() as u32)) }?;
         }
-        // SAFETY: as the copy above; `output` holds FLOATS f32s on B.
-        None => unsafe { b.scale_f32(output.as_ptr(), 2.0, FLOATS)? },
+        // SAFETY: as the copy above; `output` holds `floats()` f32s on B.
+        None => unsafe { b.scale_f32(output.as_ptr(), 2.0, floats())? },
     }
     drop(input); // never blocks: its memory goes back to the pool once B's copy has run
 
