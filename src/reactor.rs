@@ -533,9 +533,17 @@ fn poll_heads(
         let mut batch = false;
         while let Some(head) = queue.events.front() {
             let event = &head.event;
+            // Whether this poll is what found the event complete. One that another thread
+            // completed first (a pre-woken task polls its event itself) was done some time
+            // before we looked: its time says only that it is done by `now`, and learning it
+            // as a service time would move the next prediction late, and every later one with
+            // it (the pre-wake then starts after the completion, and the task learns it from
+            // the reactor, later still).
+            let mut seen_here = false;
             if event.completion().result().is_none() {
                 match event.query() {
                     Some(result) => {
+                        seen_here = true;
                         event
                             .completion()
                             .complete_for(result, Some((event.stream_id(), event.seq())));
@@ -546,7 +554,7 @@ fn poll_heads(
             if let (Some(history), Some(now)) = (history.as_deref_mut(), now) {
                 let history = history.entry(stream).or_default();
                 let start = history.start(head.watched.unwrap_or(now));
-                history.completed(start, now, batch);
+                history.completed(start, now, batch || !seen_here);
             }
             batch = true;
             queue.events.pop_front();

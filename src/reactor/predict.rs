@@ -134,9 +134,10 @@ impl History {
         (want, change)
     }
 
-    /// The head whose work could start at `start` was seen complete at `now`. `batch`: it was
-    /// found complete in the same poll as the head before it, so its time says nothing about
-    /// its work (the GPU was past it before we looked).
+    /// The head whose work could start at `start` was seen complete at `now`. `batch`: its
+    /// time says nothing about its work, only that it was done by `now`: it was found complete
+    /// in the same poll as the head before it (the GPU was past it before we looked), or another
+    /// thread completed it first (a pre-woken task that polled its event).
     pub(super) fn completed(&mut self, start: Instant, now: Instant, batch: bool) {
         if !batch {
             let sample = now.saturating_duration_since(start);
