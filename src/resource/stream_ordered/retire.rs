@@ -42,9 +42,11 @@ impl<S: EngineStream> StreamLists<S> {
                 if state.retired {
                     return None;
                 }
+                // A list not retired has its stream; taken first, so that no block is drained
+                // from a list that could not say which stream to wait for.
+                let stream = state.retire()?;
                 self.flush(&mut state);
                 let blocks = state.free.drain();
-                let stream = state.retire()?;
                 drop(state);
                 Some((stream, blocks))
             })
