@@ -160,6 +160,16 @@ fn parse_args() -> Result<usize, BoxError> {
             return Err(format!("{arg} must be at least 1").into());
         }
     }
+    // The kernel's launch counts elements in a u32, and the pool holds POOL_BATCHES batches of
+    // two buffers: refuse what would not fit rather than wrap.
+    let fits = u32::try_from(floats).is_ok()
+        && (floats * size_of::<f32>())
+            .checked_mul(2 * POOL_BATCHES)
+            .and_then(|pool| pool.checked_mul(batches))
+            .is_some();
+    if !fits {
+        return Err(format!("--batches {batches} --floats {floats}: too large").into());
+    }
     let _ = SHAPE.set((batches, floats));
     Ok(devices)
 }

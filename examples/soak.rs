@@ -172,7 +172,8 @@ async fn run(args: Args) -> Result<bool, BoxError> {
         .into());
     }
     let config = Config {
-        duration: Duration::from_secs_f64(seconds),
+        duration: Duration::try_from_secs_f64(seconds)
+            .map_err(|e| format!("a run of {seconds} s: {e}"))?,
         tasks,
         pool_bytes,
         args,
@@ -268,6 +269,9 @@ async fn soak<R: Checked>(
     ));
     self_test(&shared).await?;
     if let Some(p) = args.plant_skipped_waits {
+        if !(0.0..=1.0).contains(&p) {
+            return Err(format!("--plant-skipped-waits {p}: a probability, from 0 to 1").into());
+        }
         let faults = device
             .faults()
             .ok_or("--plant-skipped-waits needs the simulated device")?;
@@ -405,7 +409,7 @@ async fn soak<R: Checked>(
         get(&t.gpu_waits),
         get(&t.host_waits),
         waits.waits,
-        waits.total_wait / (waits.waits.max(1) as u32),
+        waits.total_wait.div_f64(waits.waits.max(1) as f64),
         waits.max_wait,
     ));
     say(format!(

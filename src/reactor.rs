@@ -285,6 +285,10 @@ struct StreamQueue {
     hurried: Option<u64>,
 }
 
+/// The most streams' histories the predicting reactor keeps before it forgets those of streams
+/// with nothing pending.
+const MAX_HISTORIES: usize = 1024;
+
 /// The first sleep between polls after the hot spin; each further one doubles, up to the cap.
 const FIRST_SLEEP: Duration = Duration::from_micros(20);
 /// A sleep shorter than this is not worth a context switch: poll instead.
@@ -396,6 +400,13 @@ impl<D: Doorbells> Loop<D> {
 
         let history = self.predict.then_some(&mut self.history);
         let progressed = poll_heads(&mut self.queues, history);
+        if self.history.len() > MAX_HISTORIES {
+            // Streams dropped while their events were pending teach a history after their
+            // `forget` (stream ids are never reused, so nothing would remove it): keep only
+            // the streams with events pending; the others learn again if they come back.
+            let queues = &self.queues;
+            self.history.retain(|stream, _| queues.contains_key(stream));
+        }
         if self.queues.is_empty() {
             if shutdown {
                 return Turn::Exit;
@@ -493,6 +504,12 @@ impl<D: Doorbells> Loop<D> {
                 continue;
             };
             let Some(history) = self.history.get(stream) else {
+                // No history (a new stream, or one dropped since): no pre-wake either. A head
+                // hurried before its stream's history went must not stay hurried, or its task
+                // would poll itself until the GPU gets there.
+                if queue.hurried.take().is_some() {
+                    head.event.completion().hurry(false);
+                }
                 unpredicted = true;
                 continue;
             };

@@ -69,8 +69,9 @@ pub(crate) fn run(memory: &SimMemory, op: Op) -> Result<()> {
                     .filter(|&(i, w)| load_u32(w) != pattern_u32(seed, i as u64))
                     .count() as u64
             })?;
-            // The stream's worker is the only writer here; the race detector saw the add as a
-            // write of the counter, so adds of unordered streams to one counter are reported.
+            // The thread that executes the stream (its worker, or the queueing thread inline) is
+            // the only writer here; the race detector saw the add as a write of the counter, so
+            // adds of unordered streams to one counter are reported.
             memory.with(counter, 8, |c| {
                 let old = u64::from_le_bytes(std::array::from_fn(|k| c[k].load(Relaxed)));
                 for (byte, v) in c.iter().zip(old.wrapping_add(found).to_le_bytes()) {

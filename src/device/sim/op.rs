@@ -15,8 +15,9 @@ use crate::sync::Arc;
 pub(crate) struct HostPtr(pub(crate) *mut u8);
 
 // SAFETY: the caller of the unsafe enqueue method that made this promised the pointee stays
-// valid, and is not touched by anyone else, until the stream has executed the operation; the
-// worker thread is the only one that dereferences it.
+// valid, and is not touched by anyone else, until the stream has executed the operation; only
+// the thread that executes it dereferences it (the stream's worker, or under
+// `SimExecution::Inline` the queueing thread, under the queue's lock).
 unsafe impl Send for HostPtr {}
 
 pub(crate) enum Op {

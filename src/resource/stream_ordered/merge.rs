@@ -93,7 +93,9 @@ impl<S: EngineStream> StreamLists<S> {
                     self.give_blocks(&blocks, stream);
                     *moved += blocks.len();
                     if idle {
-                        donor.state.lock().retire();
+                        // The stream's last handle goes after the list's lock.
+                        let stream = donor.state.lock().retire();
+                        drop(stream);
                     }
                 }
                 Err(e) => {

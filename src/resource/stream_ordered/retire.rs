@@ -85,12 +85,15 @@ impl<S: EngineStream> StreamLists<S> {
         let lists: Vec<Arc<StreamList<S>>> = self.registry.lock().lists.values().cloned().collect();
         for list in lists {
             let mut state = list.state.lock();
+            // A list without its stream (retired, or the engine going away) could not say
+            // which stream its chunks must wait for: they stay where they are.
+            let Some(stream) = state.stream.clone().filter(|_| !state.retired) else {
+                continue;
+            };
             left.retain(|&base, &mut size| {
                 let whole = state.free.take_exact(base, size);
                 if whole {
-                    let freed_on = (!planted::chunks_as_fresh())
-                        .then(|| state.stream.clone())
-                        .flatten();
+                    let freed_on = (!planted::chunks_as_fresh()).then(|| stream.clone());
                     out.push((base, size, freed_on));
                 }
                 !whole
@@ -104,11 +107,15 @@ impl<S> Drop for StreamLists<S> {
     /// Lets go of every list's stream: threads' caches may hold the lists themselves for as
     /// long as the threads live, but not the streams (and through them the devices).
     fn drop(&mut self) {
+        // The handles go after every lock is let go: a stream's drop takes locks of its own
+        // (the simulated device's queue, the reactor's inbox).
+        let mut streams = Vec::new();
         for list in self.registry.lock().lists.values() {
             let mut state = list.state.lock();
-            state.retire();
+            streams.extend(state.retire());
             state.free = FreeList::new();
             state.live = FxHashMap::default();
         }
+        drop(streams);
     }
 }
