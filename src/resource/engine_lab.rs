@@ -35,6 +35,7 @@ use std::collections::BTreeMap;
 use std::sync::Arc;
 
 use super::stream_ordered::{EngineStream, Grow, StreamLists};
+use crate::device::sim::faults::splitmix64;
 use crate::error::Result;
 
 thread_local! {
@@ -120,19 +121,6 @@ impl Grow<LabStream> for CountingUpstream {
     }
 }
 
-/// WORKLOADS.md's generator.
-struct SplitMix64(u64);
-
-impl SplitMix64 {
-    fn next(&mut self) -> u64 {
-        self.0 = self.0.wrapping_add(0x9E37_79B9_7F4A_7C15);
-        let mut z = self.0;
-        z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
-        z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
-        z ^ (z >> 31)
-    }
-}
-
 /// One operation of `churn(42, 1,000,000, 1 GiB)`: allocate `size` bytes on a stream picked as
 /// `churn-xs-1t` picks it, or free the live block at `index`.
 enum Op {
@@ -141,7 +129,8 @@ enum Op {
 }
 
 struct Churn {
-    rng: SplitMix64,
+    /// WORKLOADS.md's generator's state.
+    rng: u64,
     streams: usize,
     live_bytes: u64,
     peak_live: u64,
@@ -152,7 +141,7 @@ impl Churn {
 
     fn new(streams: usize) -> Self {
         Churn {
-            rng: SplitMix64(42),
+            rng: 42,
             streams,
             live_bytes: 0,
             peak_live: 0,
@@ -160,7 +149,7 @@ impl Churn {
     }
 
     fn next(&mut self, live: usize) -> Op {
-        let (a, b) = (self.rng.next(), self.rng.next());
+        let (a, b) = (splitmix64(&mut self.rng), splitmix64(&mut self.rng));
         let e = 8 + b % 15;
         // Rounded as the pool rounds (256 bytes).
         let size = ((1u64 << e) + (b >> 8) % (1u64 << e)).next_multiple_of(256);

@@ -261,8 +261,9 @@ impl Faults {
     }
 }
 
-/// WORKLOADS.md's generator, so a seed gives the same faults everywhere.
-fn splitmix64(state: &mut u64) -> u64 {
+/// WORKLOADS.md's generator, so a seed gives the same faults everywhere. (The crate's own
+/// tests and `engine_lab` draw from it too.)
+pub(crate) fn splitmix64(state: &mut u64) -> u64 {
     *state = state.wrapping_add(0x9E37_79B9_7F4A_7C15);
     let mut z = *state;
     z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);

@@ -95,13 +95,7 @@ fn exact_fits_are_preferred() {
 #[test]
 fn random_operations_keep_the_invariants() {
     let mut state = 7u64;
-    let mut next = move || {
-        state = state.wrapping_add(0x9E37_79B9_7F4A_7C15);
-        let mut z = state;
-        z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
-        z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
-        z ^ (z >> 31)
-    };
+    let mut next = move || crate::device::sim::faults::splitmix64(&mut state);
     let mut l = FreeList::new();
     let chunks = [
         (0x1000_0000u64, 4096 * U),
