@@ -112,6 +112,34 @@ impl CudaDevice {
         needed.min(self.multiprocessors as usize * 8) as u32
     }
 
+    /// Launches one of the crate's grid-stride kernels over `count` elements on `stream`, in
+    /// the device's context.
+    ///
+    /// # Safety
+    /// `params` point to values of the types of `function`'s parameters, in order, and every
+    /// pointer among them names memory the kernel may touch until the stream has run it.
+    unsafe fn launch_over(
+        &self,
+        function: sys::CUfunction,
+        count: usize,
+        params: &mut [*mut c_void],
+        stream: RawStream,
+    ) -> Result<()> {
+        self.ctx.bind()?;
+        // SAFETY: the caller's contract; the launch copies the parameter values before it
+        // returns, and the grid-stride loop covers `count` elements whatever the grid.
+        check("cuLaunchKernel", unsafe {
+            result::launch_kernel(
+                function,
+                (self.grid(count), 1, 1),
+                (BLOCK, 1, 1),
+                0,
+                stream.0,
+                params,
+            )
+        })
+    }
+
     /// # Safety
     /// `dst` is `4 * count` bytes of live, 4-aligned device memory.
     pub(crate) unsafe fn fill_u32(
@@ -121,7 +149,6 @@ impl CudaDevice {
         count: usize,
         stream: RawStream,
     ) -> Result<()> {
-        self.ctx.bind()?;
         let (mut dst, mut value, mut count64) = (dst, value, count as u64);
         let mut params = [
             &mut dst as *mut u64 as *mut c_void,
@@ -130,16 +157,7 @@ impl CudaDevice {
         ];
         // SAFETY: the parameters match the kernel's signature (u32*, u32, u64) and the launch
         // copies them before returning; `dst` is the caller's contract.
-        check("cuLaunchKernel", unsafe {
-            result::launch_kernel(
-                self.kernels.fill_u32,
-                (self.grid(count), 1, 1),
-                (BLOCK, 1, 1),
-                0,
-                stream.0,
-                &mut params,
-            )
-        })
+        unsafe { self.launch_over(self.kernels.fill_u32, count, &mut params, stream) }
     }
 
     /// # Safety
@@ -151,7 +169,6 @@ impl CudaDevice {
         count: usize,
         stream: RawStream,
     ) -> Result<()> {
-        self.ctx.bind()?;
         let (mut dst, mut factor, mut count64) = (dst, factor, count as u64);
         let mut params = [
             &mut dst as *mut u64 as *mut c_void,
@@ -159,16 +176,7 @@ impl CudaDevice {
             &mut count64 as *mut u64 as *mut c_void,
         ];
         // SAFETY: as in `fill_u32`; the signature is (f32*, f32, u64).
-        check("cuLaunchKernel", unsafe {
-            result::launch_kernel(
-                self.kernels.scale_f32,
-                (self.grid(count), 1, 1),
-                (BLOCK, 1, 1),
-                0,
-                stream.0,
-                &mut params,
-            )
-        })
+        unsafe { self.launch_over(self.kernels.scale_f32, count, &mut params, stream) }
     }
 
     /// # Safety
@@ -181,7 +189,6 @@ impl CudaDevice {
         stream: RawStream,
     ) -> Result<()> {
         let function = self.kernels.fill_pattern_u32.clone()?;
-        self.ctx.bind()?;
         let (mut dst, mut seed, mut count64) = (dst, seed, count as u64);
         let mut params = [
             &mut dst as *mut u64 as *mut c_void,
@@ -189,16 +196,7 @@ impl CudaDevice {
             &mut count64 as *mut u64 as *mut c_void,
         ];
         // SAFETY: as in `fill_u32`; the signature is (u32*, u64, u64).
-        check("cuLaunchKernel", unsafe {
-            result::launch_kernel(
-                function,
-                (self.grid(count), 1, 1),
-                (BLOCK, 1, 1),
-                0,
-                stream.0,
-                &mut params,
-            )
-        })
+        unsafe { self.launch_over(function, count, &mut params, stream) }
     }
 
     /// # Safety
@@ -213,7 +211,6 @@ impl CudaDevice {
         stream: RawStream,
     ) -> Result<()> {
         let function = self.kernels.count_mismatches_u32.clone()?;
-        self.ctx.bind()?;
         let (mut src, mut seed, mut count64, mut counter) = (src, seed, count as u64, counter);
         let mut params = [
             &mut src as *mut u64 as *mut c_void,
@@ -223,16 +220,7 @@ impl CudaDevice {
         ];
         // SAFETY: as in `fill_u32`; the signature is (const u32*, u64, u64, u64*); both
         // pointers are the caller's contract.
-        check("cuLaunchKernel", unsafe {
-            result::launch_kernel(
-                function,
-                (self.grid(count), 1, 1),
-                (BLOCK, 1, 1),
-                0,
-                stream.0,
-                &mut params,
-            )
-        })
+        unsafe { self.launch_over(function, count, &mut params, stream) }
     }
 
     pub(crate) fn spin(&self, duration: Duration, stream: RawStream) -> Result<()> {
