@@ -191,13 +191,12 @@ fn arg(name: &str, default: &str) -> String {
 /// A pool's report column: peak reserved over peak live, and how it got there.
 fn pool_extra(s: &PoolStats, o: &Outcome) -> String {
     format!(
-        "{} MiB / {} MiB = {:.2} ({} grows, {} steals, {} merges)",
+        "{} MiB / {} MiB = {:.2} ({} grows, {} stream waits)",
         s.peak_reserved / MIB,
         o.peak_live / MIB as u64,
         s.peak_reserved as f64 / o.peak_live as f64,
         s.grows,
-        s.steals,
-        s.merges
+        s.stream_waits
     )
 }
 
@@ -287,7 +286,6 @@ fn main() {
                 maximum: Some(8 * GIB),
                 growth_divisor,
                 check_frees,
-                ..PoolOptions::default()
             },
         )
         .unwrap()

@@ -411,8 +411,8 @@ impl App {
             "pool": {
                 "maximum": self.raw.maximum(), "reserved": p.reserved,
                 "peak_reserved": p.peak_reserved, "free": p.free, "free_blocks": p.free_blocks,
-                "chunks": p.chunks, "streams": p.streams, "grows": p.grows, "steals": p.steals,
-                "merges": p.merges,
+                "chunks": p.chunks, "streams": p.streams, "grows": p.grows,
+                "stream_waits": p.stream_waits,
             },
             "in_use": {
                 "bytes": used.bytes.value, "peak_bytes": used.bytes.peak,

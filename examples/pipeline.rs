@@ -357,7 +357,7 @@ fn print_stats(pool: &Pool) {
     let w = pool.wait_stats();
     println!(
         "pool: {} KiB reserved (peak {} KiB) in {} chunk(s), {} KiB free in {} block(s); \
-         {} stream lists, {} grows, {} steals, {} merges",
+         {} streams, {} grows, {} cross-stream waits",
         s.reserved >> 10,
         s.peak_reserved >> 10,
         s.chunks,
@@ -365,8 +365,7 @@ fn print_stats(pool: &Pool) {
         s.free_blocks,
         s.streams,
         s.grows,
-        s.steals,
-        s.merges,
+        s.stream_waits,
     );
     let mean = w.total_wait.as_secs_f64() / w.waits.max(1) as f64;
     println!(

@@ -425,14 +425,12 @@ async fn soak<R: Checked>(
             .count(),
     ));
     say(format!(
-        "pool: peak {} reserved, peak {} in use, {} grows, {} steals, {} merges; at the end \
+        "pool: peak {} reserved, peak {} in use, {} grows, {} cross-stream waits; at the end \
          {} in use, {} allocations outstanding of {}",
         human(stats.peak_reserved as u64),
-        // The statistics' peak is exact (the pool's own is kept in 16 MiB steps).
         human(counters.bytes.peak as u64),
         stats.grows,
-        stats.steals,
-        stats.merges,
+        stats.stream_waits,
         human(stats.in_use as u64),
         counters.allocations.value,
         counters.allocations.total,

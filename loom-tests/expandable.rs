@@ -132,7 +132,7 @@ type Pool = Expander<FakeStream, FakeBacking>;
 /// Allocates a granule on `s`, queues a use of it and frees it (the use stays pending until
 /// the stream is synchronized). Out of memory is allowed: a trim may hold the free granules.
 fn use_once(pool: &Pool, s: &FakeStream) {
-    let Ok(addr) = pool.lists.take(GRANULE, s, pool) else {
+    let Ok(addr) = pool.heap.take(GRANULE, s, pool) else {
         return;
     };
     let i = index(addr);
@@ -148,16 +148,12 @@ fn use_once(pool: &Pool, s: &FakeStream) {
         let at = b.queued;
         b.pending.insert(i, at);
     }
-    assert!(pool.lists.give(addr, GRANULE, s), "free refused");
+    assert!(pool.heap.give(addr, GRANULE, s), "free refused");
 }
 
-/// The resource's trim, on the fake stream: every list's blocks to fresh memory once their
-/// stream is synchronized, then take the free granules, wait for their streams, unmap.
+/// The resource's trim, on the fake stream: take the free granules, wait for their streams,
+/// unmap.
 fn trim(pool: &Pool) {
-    for (stream, blocks) in pool.lists.drain_lists() {
-        stream.synchronize();
-        pool.lists.give_fresh_blocks(&blocks);
-    }
     let taken = pool.take_free(0);
     for (_, _, stream) in &taken {
         if let Some(stream) = stream {
@@ -186,7 +182,6 @@ fn user_vs_trim(seen: &Shared<Seen>, trimmer: fn(&Pool, &FakeStream)) {
     let pool = Arc::new(Expander::new(
         FakeBacking(books.clone()),
         GRANULES as u64 * GRANULE,
-        usize::MAX,
     ));
     let s = FakeStream(Arc::new(FakeInner(books.clone())));
     pool.map_initial(GRANULE).unwrap();
@@ -206,11 +201,11 @@ fn user_vs_trim(seen: &Shared<Seen>, trimmer: fn(&Pool, &FakeStream)) {
     user.join().unwrap();
     trimmer_thread.join().unwrap();
 
-    pool.lists.check().expect("free-list invariants");
+    pool.heap.check().expect("free-list invariants");
     let b = book(&books);
     assert!(b.held.is_empty());
     assert_eq!(
-        pool.lists.free_bytes(),
+        pool.heap.stats().free_bytes,
         b.mapped.len() as u64 * GRANULE,
         "mapped memory lost, or free memory on unmapped granules"
     );

@@ -1,11 +1,11 @@
-//! Models of two paths of the pool's free lists (src/resource/stream_ordered/) that the models
-//! of `free_lists` do not drive, on the same fake streams and fake GPU:
+//! Models of two paths of the pool's shared free list (src/resource/stream_ordered/) that the
+//! models of `free_lists` do not drive, on the same fake streams and fake GPU:
 //!
-//! - [`free_vs_retire`]: a free of a block handed out on a stream the user has dropped, on
-//!   another stream, racing `retire_idle` (the trim that folds dropped streams' lists), which
-//!   moves the block's live entry out of the list being retired. The free must find the entry
-//!   wherever it is: a refused free of a good pointer would leak the block (issue 16's live-block
-//!   table).
+//! - [`forget_vs_take`]: `trim` letting go of a stream (`idle_streams`, a host wait, then
+//!   `forget`, which drops the stream from every free block's tag) racing a request on another
+//!   stream for memory that stream freed. Either the request waits for the stream on the GPU,
+//!   or the host had seen its work finish; and a stream that is not idle is never forgotten (a
+//!   free on it after the host's wait would lose its ordering).
 //! - [`regrow_at_max`]: the pool at its maximum gives whole free chunks back upstream and grows
 //!   a larger one (the give-back-and-regrow path of `PoolResource::grow`, mirrored here on
 //!   [`AtMax`]), while the stream that freed the chunk reuses its own memory. The chunk must go
@@ -20,59 +20,91 @@ use loom::thread;
 use super::free_lists::{book, out_of_memory, streams, Book, FakeStream, BASE, BLOCK};
 use super::{check_paths, must_fail, Seen, Shared};
 use crate::error::Result;
-use crate::resource::stream_ordered::{Grow, StreamLists};
+use crate::resource::stream_ordered::{Grow, StreamHeap};
 use crate::sync::Arc;
 
-const RETIRED_FIRST: &str = "retire returned before the free";
-const FREED_FIRST: &str = "free returned before the retire";
+const FORGOTTEN: &str = "forgotten before the take";
+const WAITED: &str = "the take waited on the GPU";
 const REGREW: &str = "gave back and regrew";
 const OUT_OF_MEMORY: &str = "out of memory";
 
-type Lists = StreamLists<FakeStream>;
+type Lists = StreamHeap<FakeStream>;
 
-/// Stream 0's user took a block and dropped the stream; another thread frees the block on
-/// stream 1 while this one runs `retire_idle`, which moves stream 0's live entries aside.
-fn free_vs_retire(seen: &Shared<Seen>) {
+/// Stream 0 used a block and freed it. A `trim` thread lets go of idle streams (host wait, then
+/// `forget`) while this thread takes the block on stream 1. With `user_keeps_s0`, stream 0's
+/// user still holds the stream and uses and frees a second block on it meanwhile: stream 0 is
+/// not idle and must not be forgotten.
+fn forget_vs_take(seen: &Shared<Seen>, user_keeps_s0: bool) {
     let s = streams(2);
     let (s0, s1) = (s[0].clone(), s[1].clone());
     drop(s);
     let gpu = s1.inner.gpu.clone();
     let lists = Arc::new(Lists::new());
-    lists.add_chunk(BASE, BLOCK);
-    lists.give_fresh(BASE, BLOCK);
+    lists.add_chunk(BASE, 2 * BLOCK);
+    lists.give_fresh(BASE, 2 * BLOCK);
     let a = lists.take(BLOCK, &s0, &NoRoom).unwrap();
     book(&gpu).took("setup", s0.index(), a);
-    drop(s0);
-
-    // A std flag (invisible to loom): which of the two returned first, to name the paths.
-    let freed = Shared::new(std::sync::atomic::AtomicBool::new(false));
-    let freer = {
-        let (lists, s1, freed) = (lists.clone(), s1.clone(), freed.clone());
+    let b = lists.take(BLOCK, &s0, &NoRoom).unwrap();
+    book(&gpu).took("setup", s0.index(), b);
+    book(&gpu).freeing(s0.index(), a);
+    assert!(lists.give(a, BLOCK, &s0));
+    let user = user_keeps_s0.then(|| {
+        let (lists, s0) = (lists.clone(), s0.clone());
         thread::spawn(move || {
-            book(&s1.inner.gpu).freeing(s1.index(), a);
-            assert!(
-                lists.give(a, BLOCK, &s1),
-                "a good free was refused while its list was retired"
-            );
-            freed.store(true, std::sync::atomic::Ordering::Relaxed);
+            book(&s0.inner.gpu).queue(s0.index());
+            book(&s0.inner.gpu).freeing(s0.index(), b);
+            assert!(lists.give(b, BLOCK, &s0));
+        })
+    });
+    if !user_keeps_s0 {
+        book(&gpu).freeing(s0.index(), b);
+        assert!(lists.give(b, BLOCK, &s0));
+    }
+    drop(s0);
+    let trim = {
+        let lists = lists.clone();
+        thread::spawn(move || {
+            for stream in lists.idle_streams() {
+                book(&stream.inner.gpu).synchronize(stream.index());
+                lists.forget(stream);
+            }
         })
     };
-    let retired = lists.retire_idle();
-    let freed_first = freed.load(std::sync::atomic::Ordering::Relaxed);
-    freer.join().unwrap();
-    // The retired list held no free memory (its block was in use, then freed on stream 1).
-    let blocks: usize = retired.iter().map(|(_, b)| b.len()).sum();
-    assert_eq!(blocks, 0, "the retired list held free memory");
-    seen.note(RETIRED_FIRST, !freed_first);
-    seen.note(FREED_FIRST, freed_first);
+    let waits = lists.stats().waits;
+    let mut took = Vec::new();
+    for _ in 0..2 {
+        if let Ok(x) = lists.take(BLOCK, &s1, &NoRoom) {
+            book(&gpu).took("taker", s1.index(), x);
+            took.push(x);
+        }
+    }
+    trim.join().unwrap();
+    if let Some(user) = user {
+        user.join().unwrap();
+    }
+    let waited = lists.stats().waits > waits;
+    seen.note(WAITED, waited);
+    seen.note(FORGOTTEN, !took.is_empty() && !waited);
+    for x in took {
+        book(&gpu).freeing(s1.index(), x);
+        assert!(lists.give(x, BLOCK, &s1));
+    }
     lists.check().expect("free-list invariants");
-    assert_eq!(lists.free_bytes(), BLOCK, "the block was lost");
+    assert_eq!(lists.stats().free_bytes, 2 * BLOCK, "memory lost");
 }
 
 /// Bound 3: 2 threads.
 #[test]
-fn a_free_racing_a_retire_finds_its_block() {
-    check_paths(Some(3), &[RETIRED_FIRST, FREED_FIRST], free_vs_retire);
+fn a_take_racing_a_forget_is_ordered() {
+    check_paths(Some(3), &[FORGOTTEN, WAITED], |seen| {
+        forget_vs_take(seen, false)
+    });
+}
+
+/// Bound 3: 3 threads.
+#[test]
+fn a_stream_in_use_is_not_forgotten() {
+    check_paths(Some(3), &[WAITED], |seen| forget_vs_take(seen, true));
 }
 
 /// An upstream with no room at all.
@@ -133,9 +165,9 @@ fn regrow_at_max(seen: &Shared<Seen>) {
     let (s0, s1, own) = (s[0].clone(), s[1].clone(), s[2].clone());
     drop(s);
     let gpu = s0.inner.gpu.clone();
-    // No merge of busy lists before growing: the chunk stays in stream 0's list, so only the
+    // The chunk, freed on stream 0, is whole when the request for two blocks comes: only its
     // release on stream 0 orders stream 1 after its last use.
-    let lists = Arc::new(Lists::with_merge_limit(0));
+    let lists = Arc::new(Lists::new());
     lists.add_chunk(BASE, BLOCK);
     lists.give_fresh(BASE, BLOCK);
     let upstream = AtMax {
@@ -182,7 +214,11 @@ fn regrow_at_max(seen: &Shared<Seen>) {
     seen.note(OUT_OF_MEMORY, !grown);
     lists.check().expect("free-list invariants");
     let expected = if grown { 2 * BLOCK } else { BLOCK };
-    assert_eq!(lists.free_bytes(), expected, "memory lost or counted twice");
+    assert_eq!(
+        lists.stats().free_bytes,
+        expected,
+        "memory lost or counted twice"
+    );
 }
 
 /// Bound 3: 2 threads.
@@ -198,24 +234,23 @@ fn give_back_and_regrow_at_the_maximum() {
 use crate::resource::stream_ordered::planted;
 use std::sync::atomic::Ordering::Relaxed;
 
-/// Bug: `retire_idle` moves a dropped stream's live entries to the orphans after letting go of
-/// the registry's lock: a free that searches between the two finds the entry neither in the
-/// lists (its list is out of the registry) nor among the orphans, and refuses a good pointer.
+/// Bug: `idle_streams` names every stream and `forget` lets go of one that its user still
+/// holds: a block freed on it after the host's wait loses its ordering.
 #[test]
 #[ignore = "planted bug: must fail"]
-fn planted_live_moved_unlocked() {
+fn planted_stream_in_use_forgotten() {
     must_fail(
         module_path!(),
-        "planted_live_moved_unlocked",
-        "a good free was refused while its list was retired",
+        "planted_stream_in_use_forgotten",
+        "a reuse not ordered behind the free",
         || {
-            planted::MOVE_UNLOCKED.store(true, Relaxed);
-            check_paths(Some(3), &[], free_vs_retire);
+            planted::IDLE_IGNORES_HANDLES.store(true, Relaxed);
+            check_paths(Some(3), &[], |seen| forget_vs_take(seen, true));
         },
     );
 }
 
-/// Bug: whole chunks of streams' lists are reported as fresh, so the pool gives them back on
+/// Bug: whole chunks freed on streams are reported as fresh, so the pool gives them back on
 /// its own stream: the regrown chunk's next user is not ordered after the last one.
 #[test]
 #[ignore = "planted bug: must fail"]

@@ -9,7 +9,7 @@
 //! - [`waiters`]: the memory waiters queue behind `allocate_async` (FIFO, baton passing, the
 //!   fences against store buffering, cancellation), on src/resource/waiters.rs itself, with a
 //!   copy of `Allocate::poll` and a fake resource.
-//! - [`free_lists`]: the pool's per-stream free lists (`StreamLists`) on fake streams that
+//! - [`free_lists`]: the pool's per-stream free lists (`StreamHeap`) on fake streams that
 //!   record the ordering edges: no block handed out twice or lost, every steal and merge ordered
 //!   behind the donor's free.
 //! - [`frees_and_regrowth`]: the same engine's live-block table (a free on another stream

@@ -386,14 +386,14 @@ fn bad_construction_arguments_are_errors() {
 }
 
 /// Stream order with data. A spins, then fills X; X is freed on A while the spin still runs.
-/// B then gets X's memory through a steal and fills it with its own pattern. Unless the steal
-/// ordered B behind A, A's late fill lands on top of B's.
+/// B then gets X's memory and fills it with its own pattern. Unless the pool ordered B behind
+/// A, A's late fill lands on top of B's.
 #[test]
-fn a_steal_waits_for_the_donor_stream() {
+fn reuse_on_another_stream_waits_for_the_freeing_stream() {
     for device in devices() {
         let words = 256 * 1024;
         let bytes = words * 4;
-        // Exactly one block: once A holds it, B can only steal it.
+        // Exactly one block: once A has freed it, B can only reuse it.
         let p = pool(&device, bytes, bytes);
         let (a, b) = (
             device.create_stream().unwrap(),
@@ -406,14 +406,14 @@ fn a_steal_waits_for_the_donor_stream() {
         free(&p, x, bytes, &a);
         let y = p.allocate(bytes, &b).unwrap();
         assert_eq!(x, y, "{}: B did not get A's block", label(&device));
-        assert_eq!(p.stats().steals, 1);
+        assert_eq!(p.stats().stream_waits, 1);
         // SAFETY: B's block, used on B.
         unsafe { b.fill_u32(y, 0xBBBB_BBBB, words) }.unwrap();
         a.synchronize_blocking().unwrap();
         let back = read_u32(&b, y, words);
         assert!(
             back.iter().all(|&w| w == 0xBBBB_BBBB),
-            "{}: A's fill overwrote B's: the steal did not wait for A",
+            "{}: A's fill overwrote B's: the reuse did not wait for A",
             label(&device)
         );
         free(&p, y, bytes, &b);
@@ -421,9 +421,9 @@ fn a_steal_waits_for_the_donor_stream() {
 }
 
 /// RMM issues 2039 and 2489. Half a chunk is freed on A (then A is dropped: idle), half on B.
-/// B's request for the whole chunk needs both halves: the pool must merge A's idle list into B's
-/// (coalescing) rather than grow. Then C steals that block from B: C must be ordered after A's
-/// work too, although the block came to B through a merge.
+/// B's request for the whole chunk needs both halves: they must have coalesced (rather than the
+/// pool grow), and B must wait for A. Then C takes that block after B freed it: C must be
+/// ordered after A's work too, although B was the last to free it.
 #[test]
 fn merged_lists_stay_ordered_behind_their_first_stream() {
     for device in devices() {
@@ -450,10 +450,10 @@ fn merged_lists_stay_ordered_behind_their_first_stream() {
         assert_eq!(
             stats.reserved,
             2 * half,
-            "{}: grew instead of merging: {stats:?}",
+            "{}: grew instead of coalescing: {stats:?}",
             label(&device)
         );
-        assert!(stats.merges >= 1, "{stats:?}");
+        assert!(stats.stream_waits >= 1, "{stats:?}");
         assert_eq!(whole.0, x1.0.min(x2.0));
         free(&p, whole, 2 * half, &b);
         let taken = p.allocate(2 * half, &c).unwrap();

@@ -172,14 +172,9 @@ fn check_metrics(m: &BTreeMap<String, f64>, stats: &Value) -> (usize, Vec<String
             num(&pool["chunks"]),
         ),
         (
-            "steals",
-            get("streamalloc_pool_steals_total"),
-            num(&pool["steals"]),
-        ),
-        (
-            "merges",
-            get("streamalloc_pool_merges_total"),
-            num(&pool["merges"]),
+            "stream waits",
+            get("streamalloc_pool_stream_waits_total"),
+            num(&pool["stream_waits"]),
         ),
         (
             "waits for memory",
@@ -380,22 +375,21 @@ pub(super) async fn run(addr: SocketAddr, args: &Args) -> Result<ExitCode, BoxEr
     );
     println!(
         "waits for memory: {} (mean {:.1} ms, longest {:.1} ms), {} timed out; \
-         {} steals, {} merges",
+         {} cross-stream waits",
         waits["waits"],
         num(&waits["mean_wait_us"]) / 1e3,
         num(&waits["max_wait_us"]) / 1e3,
         waits["timeouts"],
-        pool["steals"],
-        pool["merges"],
+        pool["stream_waits"],
     );
     let (checked, disagree) = check_metrics(&metrics::parse(&scrape), &after);
     println!(
-        "metrics (/metrics): reserved {}, in use {}, peak in use {}, {} free block(s), {} steals, {} waits ({} timed out), {} requests timed on memory; {checked} numbers checked against /stats and each other: {}",
+        "metrics (/metrics): reserved {}, in use {}, peak in use {}, {} free block(s), {} stream waits, {} waits ({} timed out), {} requests timed on memory; {checked} numbers checked against /stats and each other: {}",
         mib(num(&pool["reserved"])),
         mib(num(&used["bytes"])),
         mib(num(&used["peak_bytes"])),
         pool["free_blocks"],
-        pool["steals"],
+        pool["stream_waits"],
         waits["waits"],
         waits["timeouts"],
         reqs["ok"],

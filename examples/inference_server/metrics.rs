@@ -87,15 +87,9 @@ impl Collector for PoolCollector {
         )?;
         counter(
             e,
-            "streamalloc_pool_steals",
-            "Blocks taken from another stream's free list.",
-            p.steals,
-        )?;
-        counter(
-            e,
-            "streamalloc_pool_merges",
-            "Times other streams' lists were merged into a requester's.",
-            p.merges,
+            "streamalloc_pool_stream_waits",
+            "Times a request's stream waited on another stream's event to reuse its memory.",
+            p.stream_waits,
         )?;
         counter(
             e,

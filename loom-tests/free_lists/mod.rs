@@ -1,12 +1,13 @@
-//! Models of the pool's per-stream free lists (src/resource/stream_ordered/, `StreamLists`):
-//! threads allocate, free and steal on two streams, and every block must be handed out once at
-//! a time, never lost, and used on its new stream only after its free on the old one.
+//! Models of the pool's shared free list (src/resource/stream_ordered/, `StreamHeap`): threads
+//! allocate and free on two streams, and every block must be handed out once at a time, never
+//! lost, and used on its new stream only after its free on the old one.
 //!
 //! The engine is generic over [`EngineStream`]; here it runs on [`FakeStream`], whose
-//! `order_before` (an event recorded on the donor, a wait for it on the thief) writes the edge
+//! `order_before` (an event recorded on one stream, a wait for it on another) writes the edge
 //! into a fake GPU: a vector clock per stream ([`Gpu`]). A block freed on stream D at position
-//! p of D may be used on stream S only once S's clock has seen p of D (S == D: stream order).
-//! The models check that at every hand-out, and that no block is held twice at once.
+//! p of D may be used on stream S only once S's clock has seen p of D (S == D: stream order),
+//! or once the host has synchronized D past p. The models check that at every hand-out, and
+//! that no block is held twice at once.
 //!
 //! The bookkeeping (`Gpu`) sits behind a **std** mutex, which loom does not see: loom runs one
 //! thread at a time and the bookkeeping makes no loom call while it holds the lock, so it never
@@ -14,15 +15,13 @@
 //! engine. Everything the engine shares is loom's (`crate::sync`).
 //!
 //! Fresh memory (never used by a stream) needs no ordering. The upstream cannot grow
-//! ([`NoGrow`]; [`GrowOnce`] in `grow_vs_same_stream_reuse`), so a take that finds nothing goes
-//! down the whole policy: own list, fresh, steal (best fit over the other lists), merge idle
-//! lists and every other list, grow, merge every list again, out of memory. Each test also checks that some of its executions stole, merged (and grew) and
-//! ran out of memory ([`check_paths`]), so that no check is vacuous.
+//! ([`NoGrow`]; [`GrowOnce`] in `grow_vs_same_stream_reuse`), so a take that finds nothing
+//! grows or runs out of memory. Each test also checks that some of its executions made an
+//! ordering (and grew) and ran out of memory ([`check_paths`]), so that no check is vacuous.
+//! The planted bugs are switches in the engine (`stream_ordered::planted`, loom builds only).
 //!
-//! The thread-local list cache is compiled out under loom (and [`FakeStream`] has none), and
-//! every request is one block. Not modelled: trimming (`take_whole_chunks`, `remove_chunk`),
-//! including the pool's release of whole chunks when it grows at its maximum, and a failing
-//! `order_before` (its error path puts the block back).
+//! Every request is one block. Not modelled here: trimming (`take_whole_chunks`, see
+//! `frees_and_regrowth`), and a failing `order_before` (its error path puts the block back).
 
 use std::collections::HashMap;
 
@@ -30,20 +29,18 @@ use loom::thread;
 
 use super::{check_paths, must_fail, Seen, Shared};
 use crate::error::{Error, Result};
-use crate::resource::stream_ordered::{EngineStream, Grow, StreamLists};
+use crate::resource::stream_ordered::{EngineStream, Grow, StreamHeap};
 use crate::sync::Arc;
 
-// The models and their `#[test]`s; the copy of the engine with bugs planted in it.
-mod planted;
-mod steals;
+// The models and their `#[test]`s.
+mod reuse;
 
 // The paths of the policy an execution can take (see `check_paths`).
-const STEAL: &str = "steal";
-const MERGE: &str = "merge";
+const WAIT: &str = "cross-stream wait";
 const GROW: &str = "grow";
 const OUT_OF_MEMORY: &str = "out of memory";
-const ALL_BUT_GROW: [&str; 3] = [STEAL, MERGE, OUT_OF_MEMORY];
-const ALL: [&str; 4] = [STEAL, MERGE, GROW, OUT_OF_MEMORY];
+const ALL_BUT_GROW: [&str; 2] = [WAIT, OUT_OF_MEMORY];
+const ALL: [&str; 3] = [WAIT, GROW, OUT_OF_MEMORY];
 
 /// Every request is one block: addresses stay block-aligned through splits and merges, so a
 /// block is named by its address.
@@ -64,6 +61,8 @@ pub(super) struct Gpu {
     freed: HashMap<u64, (usize, u64)>,
     /// Who holds each block now.
     held: HashMap<u64, &'static str>,
+    /// `synced[d]`: how many operations of stream `d` the host has seen finish.
+    synced: Vec<u64>,
 }
 
 impl Gpu {
@@ -72,6 +71,7 @@ impl Gpu {
             clocks: vec![vec![0; streams]; streams],
             freed: HashMap::new(),
             held: HashMap::new(),
+            synced: vec![0; streams],
         }
     }
 
@@ -89,15 +89,25 @@ impl Gpu {
             panic!("block {addr:#x} handed out twice: to {who} while {other} holds it");
         }
         if let Some(&(d, p)) = self.freed.get(&addr) {
-            let seen = self.clocks[s][d];
+            let seen = self.clocks[s][d].max(self.synced[d]);
             assert!(
                 seen >= p,
                 "block {addr:#x}, freed on stream {d} after its operation {p}, handed to stream \
-                 {s}, which is ordered after only {seen} of them: a steal or merge not ordered \
-                 behind the donor's free"
+                 {s}, which is ordered after only {seen} of them: a reuse not ordered \
+                 behind the free"
             );
         }
         self.clocks[s][s] += 1;
+    }
+
+    /// A use of memory queued on stream `s` (a kernel, say) that is not a hand-out.
+    pub(super) fn queue(&mut self, s: usize) {
+        self.clocks[s][s] += 1;
+    }
+
+    /// The host waits for everything queued on `d` so far.
+    pub(super) fn synchronize(&mut self, d: usize) {
+        self.synced[d] = self.clocks[d][d];
     }
 
     /// `addr` is freed on stream `s`: after every operation queued on `s` so far.
@@ -200,64 +210,27 @@ impl Grow<FakeStream> for GrowOnce {
 }
 
 // ---------------------------------------------------------------------------------------------
-// What the models drive: the crate's engine, or the planted copy.
+// What the models drive: the crate's engine.
 // ---------------------------------------------------------------------------------------------
 
-trait Engine: Send + Sync + 'static {
-    /// An engine with one chunk of `blocks` blocks, all fresh (as a pool's initial chunk).
-    fn with_chunk(blocks: u64) -> Self;
-    fn take(&self, size: u64, stream: &FakeStream, upstream: &impl Grow<FakeStream>)
-        -> Result<u64>;
-    fn give(&self, addr: u64, size: u64, stream: &FakeStream) -> bool;
-    fn check(&self) -> std::result::Result<(), String>;
-    fn free_bytes(&self) -> u64;
-    /// How many steals and merges it made.
-    fn steals_and_merges(&self) -> (u64, u64);
-}
+pub(super) type Engine = StreamHeap<FakeStream>;
 
-impl Engine for StreamLists<FakeStream> {
-    fn with_chunk(blocks: u64) -> Self {
-        let lists = StreamLists::new();
-        lists.add_chunk(BASE, blocks * BLOCK);
-        lists.give_fresh(BASE, blocks * BLOCK);
-        lists
-    }
-    fn take(
-        &self,
-        size: u64,
-        stream: &FakeStream,
-        upstream: &impl Grow<FakeStream>,
-    ) -> Result<u64> {
-        StreamLists::take(self, size, stream, upstream)
-    }
-    fn give(&self, addr: u64, size: u64, stream: &FakeStream) -> bool {
-        StreamLists::give(self, addr, size, stream)
-    }
-    fn check(&self) -> std::result::Result<(), String> {
-        StreamLists::check(self)
-    }
-    fn free_bytes(&self) -> u64 {
-        StreamLists::free_bytes(self)
-    }
-    fn steals_and_merges(&self) -> (u64, u64) {
-        let stats = StreamLists::stats(self);
-        (stats.steals, stats.merges)
-    }
+/// An engine with one chunk of `blocks` blocks, all fresh (as a pool's initial chunk).
+fn with_chunk(blocks: u64) -> Engine {
+    let engine = StreamHeap::new();
+    engine.add_chunk(BASE, blocks * BLOCK);
+    engine.give_fresh(BASE, blocks * BLOCK);
+    engine
 }
 
 /// Allocates a block for `who` on `stream`: `None` if the engine is out of memory (the only
 /// error it may give here). The upstream cannot grow.
-fn alloc<E: Engine>(
-    engine: &E,
-    stream: &FakeStream,
-    who: &'static str,
-    seen: &Seen,
-) -> Option<u64> {
+fn alloc(engine: &Engine, stream: &FakeStream, who: &'static str, seen: &Seen) -> Option<u64> {
     alloc_from(engine, stream, who, seen, &NoGrow)
 }
 
-fn alloc_from<E: Engine>(
-    engine: &E,
+fn alloc_from(
+    engine: &Engine,
     stream: &FakeStream,
     who: &'static str,
     seen: &Seen,
@@ -277,7 +250,7 @@ fn alloc_from<E: Engine>(
 }
 
 /// Frees `addr` on `stream`, in stream order.
-fn free<E: Engine>(engine: &E, stream: &FakeStream, addr: u64) {
+fn free(engine: &Engine, stream: &FakeStream, addr: u64) {
     book(&stream.inner.gpu).freeing(stream.index(), addr);
     assert!(
         engine.give(addr, BLOCK, stream),
@@ -285,17 +258,16 @@ fn free<E: Engine>(engine: &E, stream: &FakeStream, addr: u64) {
     );
 }
 
-/// After every thread is done and every block was given back: the lists are sound, share no
-/// byte, and hold all the memory. Notes which paths the execution took.
-fn all_back<E: Engine>(engine: &E, blocks: u64, gpu: &Book, seen: &Seen) {
+/// After every thread is done and every block was given back: the free list is sound and
+/// holds all the memory. Notes which paths the execution took.
+fn all_back(engine: &Engine, blocks: u64, gpu: &Book, seen: &Seen) {
     engine.check().expect("free-list invariants");
+    let stats = engine.stats();
     assert_eq!(
-        engine.free_bytes(),
+        stats.free_bytes,
         blocks * BLOCK,
         "memory lost or counted twice"
     );
     assert!(book(gpu).held.is_empty());
-    let (steals, merges) = engine.steals_and_merges();
-    seen.note(STEAL, steals > 0);
-    seen.note(MERGE, merges > 0);
+    seen.note(WAIT, stats.waits > 0);
 }

@@ -5,7 +5,7 @@ use std::fmt;
 // `snapshot()`, in its own file.
 mod snapshot;
 
-use super::stream_ordered::{Grow, StreamLists};
+use super::stream_ordered::{Grow, StreamHeap};
 use super::{aligned_size, check_stream, MemoryResource, ALIGNMENT};
 use crate::device::{Device, DevicePtr};
 use crate::error::{Error, Result};
@@ -22,7 +22,7 @@ pub struct FixedSizeResource<U: MemoryResource> {
     device: Device,
     block: u64,
     blocks_per_chunk: u64,
-    lists: StreamLists,
+    heap: StreamHeap,
     chunks: Mutex<Vec<(u64, u64)>>,
     reserved: AtomicU64,
     own: Stream,
@@ -60,7 +60,7 @@ impl<U: MemoryResource> FixedSizeResource<U> {
             upstream,
             block,
             blocks_per_chunk: blocks_per_chunk as u64,
-            lists: StreamLists::new(),
+            heap: StreamHeap::new(),
             chunks: Mutex::new(Vec::new()),
             reserved: AtomicU64::new(0),
         })
@@ -79,7 +79,7 @@ impl<U: MemoryResource> FixedSizeResource<U> {
     /// Checks the invariants of every free list. Slow; for tests.
     #[doc(hidden)]
     pub fn check_invariants(&self) -> std::result::Result<(), String> {
-        self.lists.check()
+        self.heap.check()
     }
 }
 
@@ -114,7 +114,7 @@ impl<U: MemoryResource> MemoryResource for FixedSizeResource<U> {
                 reason: "larger than the fixed-size resource's block size",
             });
         }
-        let ptr = DevicePtr(self.lists.take(self.block, stream, self)?);
+        let ptr = DevicePtr(self.heap.take(self.block, stream, self)?);
         // The race detector of the simulated device checks blocks, not chunks (a no-op on CUDA).
         self.device
             .note_allocation(ptr, self.block as usize, stream);
@@ -135,7 +135,7 @@ impl<U: MemoryResource> MemoryResource for FixedSizeResource<U> {
         }
         // Before the block is back in a list, from where another thread may hand it out again.
         self.device.note_free(ptr, self.block as usize, stream);
-        if !self.lists.give(ptr.0, self.block, stream) {
+        if !self.heap.give(ptr.0, self.block, stream) {
             return Err(Error::UnknownPointer { ptr: ptr.0, bytes });
         }
         Ok(())
@@ -148,7 +148,7 @@ impl<U: MemoryResource> MemoryResource for FixedSizeResource<U> {
 
 impl<U: MemoryResource> Drop for FixedSizeResource<U> {
     fn drop(&mut self) {
-        for stream in self.lists.streams() {
+        for stream in self.heap.streams() {
             let _ = stream.synchronize_blocking();
         }
         for (base, size) in std::mem::take(&mut *self.chunks.lock()) {

@@ -14,8 +14,14 @@
 //! chunks: `chunks` holds every chunk's range (a few, sorted), a merge over a chunk start is
 //! refused, and a freed range that does not lie inside one chunk is refused as not ours.
 //!
+//! Each block carries a *tag* ([`BlockTag`]; `()` for lists that need none): the pool's engine
+//! keeps there the streams a block's reuse must be ordered after. Coalescing joins the tags of
+//! the blocks it merges; a split leaves the tag on both pieces.
+//!
 //! [`FreeList::check`] verifies every invariant (talc's `scan_for_errors`); the tests call it
 //! after every step.
+
+use std::fmt;
 
 use rustc_hash::FxHashMap;
 
@@ -31,19 +37,32 @@ const SCAN: usize = 8;
 const NIL: u32 = u32::MAX;
 const UNIT_LOG: u32 = ALIGNMENT.trailing_zeros();
 
-#[derive(Clone, Copy, Debug)]
-struct Block {
+/// What a free block carries beside its range: joined when blocks coalesce, copied when one
+/// splits.
+pub(crate) trait BlockTag: Clone + Default + fmt::Debug {
+    /// Folds `other` (a neighbour's tag, or a freed range's) into `self`.
+    fn join(&mut self, other: &Self);
+}
+
+impl BlockTag for () {
+    #[inline(always)]
+    fn join(&mut self, _other: &Self) {}
+}
+
+#[derive(Clone, Debug)]
+struct Block<T> {
     addr: u64,
     size: u64,
     prev: u32,
     next: u32,
     class: u16,
+    tag: T,
 }
 
 /// The free blocks of one list.
 #[derive(Debug)]
-pub(crate) struct FreeList {
-    blocks: Vec<Block>,
+pub(crate) struct FreeList<T: BlockTag = ()> {
+    blocks: Vec<Block<T>>,
     /// Slab slots free for reuse.
     spare: Vec<u32>,
     heads: Vec<u32>,
@@ -82,13 +101,13 @@ fn class_at_least(units: u64) -> Option<usize> {
         .filter(|&c| c < FL * SL)
 }
 
-impl Default for FreeList {
+impl<T: BlockTag> Default for FreeList<T> {
     fn default() -> Self {
         Self::new()
     }
 }
 
-impl FreeList {
+impl<T: BlockTag> FreeList<T> {
     pub(crate) fn new() -> Self {
         Self {
             blocks: Vec::new(),
@@ -141,6 +160,11 @@ impl FreeList {
     }
 
     /// Whether `[addr, addr + size)` lies inside one registered chunk.
+    pub(crate) fn covers(&self, addr: u64, size: u64) -> bool {
+        self.inside_a_chunk(addr, size)
+    }
+
+    /// Whether `[addr, addr + size)` lies inside one registered chunk.
     fn inside_a_chunk(&self, addr: u64, size: u64) -> bool {
         let at = self.chunks.partition_point(|c| c.0 <= addr);
         at > 0
@@ -189,13 +213,14 @@ impl FreeList {
         }
     }
 
-    fn new_slot(&mut self, addr: u64, size: u64) -> u32 {
+    fn new_slot(&mut self, addr: u64, size: u64, tag: T) -> u32 {
         let block = Block {
             addr,
             size,
             prev: NIL,
             next: NIL,
             class: 0,
+            tag,
         };
         match self.spare.pop() {
             Some(i) => {
@@ -260,53 +285,45 @@ impl FreeList {
 
     // ===== take and give =====
 
-    /// The size of the block [`take`](Self::take) would split for `size` bytes, if any: how
-    /// good a fit this list has, to choose between lists.
-    pub(crate) fn fit(&self, size: u64) -> Option<u64> {
-        self.find(size >> UNIT_LOG)
-            .map(|i| self.blocks[i as usize].size)
-    }
-
     /// Takes `size` bytes (a multiple of [`ALIGNMENT`], non-zero) from the list; the remainder
     /// of the block stays. Returns the address, or `None` if no block is large enough.
     pub(crate) fn take(&mut self, size: u64) -> Option<u64> {
+        self.take_tagged(size).map(|(addr, _)| addr)
+    }
+
+    /// [`take`](Self::take), with the tag of the block it came from.
+    pub(crate) fn take_tagged(&mut self, size: u64) -> Option<(u64, T)> {
         debug_assert!(size > 0 && size.is_multiple_of(ALIGNMENT as u64));
         let i = self.find(size >> UNIT_LOG)?;
         self.unlink(i);
-        let Block {
-            addr, size: have, ..
-        } = self.blocks[i as usize];
+        let (addr, have) = (self.blocks[i as usize].addr, self.blocks[i as usize].size);
         self.by_start.remove(&addr);
-        if have > size {
-            // The remainder keeps the slot and its end; only its start moves.
+        let tag = if have > size {
+            // The remainder keeps the slot, its end and its tag; only its start moves.
             let b = &mut self.blocks[i as usize];
             b.addr = addr + size;
             b.size = have - size;
+            let tag = b.tag.clone();
             self.by_start.insert(addr + size, i);
             self.link(i);
+            tag
         } else {
             self.by_end.remove(&(addr + have));
             self.spare.push(i);
-        }
+            std::mem::take(&mut self.blocks[i as usize].tag)
+        };
         self.free_bytes -= size;
-        Some(addr)
-    }
-
-    /// Takes, whole, the block [`take`](Self::take) would split for `size` bytes: `(address,
-    /// its size)`, or `None` if no block is large enough.
-    pub(crate) fn take_whole(&mut self, size: u64) -> Option<(u64, u64)> {
-        let i = self.find(size >> UNIT_LOG)?;
-        let Block {
-            addr, size: have, ..
-        } = self.blocks[i as usize];
-        let taken = self.take_exact(addr, have);
-        debug_assert!(taken);
-        Some((addr, have))
+        Some((addr, tag))
     }
 
     /// Takes the block starting at `addr` if it is exactly `size` bytes (a whole chunk, for
     /// trimming).
     pub(crate) fn take_exact(&mut self, addr: u64, size: u64) -> bool {
+        self.take_exact_tagged(addr, size).is_some()
+    }
+
+    /// [`take_exact`](Self::take_exact), with the block's tag.
+    pub(crate) fn take_exact_tagged(&mut self, addr: u64, size: u64) -> Option<T> {
         match self.by_start.get(&addr) {
             Some(&i) if self.blocks[i as usize].size == size => {
                 self.unlink(i);
@@ -314,9 +331,9 @@ impl FreeList {
                 self.by_end.remove(&(addr + size));
                 self.spare.push(i);
                 self.free_bytes -= size;
-                true
+                Some(std::mem::take(&mut self.blocks[i as usize].tag))
             }
-            _ => false,
+            _ => None,
         }
     }
 
@@ -324,6 +341,12 @@ impl FreeList {
     /// Returns false, changing nothing, if the range is not inside one chunk, or if a free block
     /// already starts or ends where it does (a double free).
     pub(crate) fn give(&mut self, addr: u64, size: u64) -> bool {
+        self.give_tagged(addr, size, T::default())
+    }
+
+    /// [`give`](Self::give), the range carrying `tag` (joined with its neighbours' if it
+    /// coalesces with them).
+    pub(crate) fn give_tagged(&mut self, addr: u64, size: u64, tag: T) -> bool {
         debug_assert!(
             size > 0
                 && size.is_multiple_of(ALIGNMENT as u64)
@@ -348,7 +371,7 @@ impl FreeList {
         };
         match (left, right) {
             (None, None) => {
-                let i = self.new_slot(addr, size);
+                let i = self.new_slot(addr, size, tag);
                 self.by_start.insert(addr, i);
                 self.by_end.insert(end, i);
                 self.link(i);
@@ -357,7 +380,9 @@ impl FreeList {
                 self.unlink(l);
                 self.by_end.remove(&addr);
                 self.by_end.insert(end, l);
-                self.blocks[l as usize].size += size;
+                let b = &mut self.blocks[l as usize];
+                b.size += size;
+                b.tag.join(&tag);
                 self.link(l);
             }
             (None, Some(r)) => {
@@ -367,6 +392,7 @@ impl FreeList {
                 let b = &mut self.blocks[r as usize];
                 b.addr = addr;
                 b.size += size;
+                b.tag.join(&tag);
                 self.link(r);
             }
             (Some(l), Some(r)) => {
@@ -376,7 +402,11 @@ impl FreeList {
                 self.by_end.remove(&addr);
                 self.by_start.remove(&end);
                 self.by_end.insert(end + r_size, l);
-                self.blocks[l as usize].size += size + r_size;
+                let r_tag = std::mem::take(&mut self.blocks[r as usize].tag);
+                let b = &mut self.blocks[l as usize];
+                b.size += size + r_size;
+                b.tag.join(&tag);
+                b.tag.join(&r_tag);
                 self.spare.push(r);
                 self.link(l);
             }
@@ -385,24 +415,26 @@ impl FreeList {
         true
     }
 
-    /// Removes and returns every block, in no particular order.
-    pub(crate) fn drain(&mut self) -> Vec<(u64, u64)> {
-        let blocks: Vec<(u64, u64)> = self
-            .by_start
-            .values()
-            .map(|&i| (self.blocks[i as usize].addr, self.blocks[i as usize].size))
-            .collect();
-        let chunks = std::mem::take(&mut self.chunks);
-        *self = Self::new();
-        self.chunks = chunks;
-        blocks
-    }
-
     /// Every block (for statistics and the invariant checker).
     pub(crate) fn blocks(&self) -> impl Iterator<Item = (u64, u64)> + '_ {
         self.by_start
             .values()
             .map(|&i| (self.blocks[i as usize].addr, self.blocks[i as usize].size))
+    }
+
+    /// Every block with its tag.
+    pub(crate) fn tagged_blocks(&self) -> impl Iterator<Item = (u64, u64, &T)> + '_ {
+        self.by_start.values().map(|&i| {
+            let b = &self.blocks[i as usize];
+            (b.addr, b.size, &b.tag)
+        })
+    }
+
+    /// Runs `f` on every block's tag.
+    pub(crate) fn for_each_tag(&mut self, mut f: impl FnMut(&mut T)) {
+        for &i in self.by_start.values() {
+            f(&mut self.blocks[i as usize].tag);
+        }
     }
 
     /// Verifies every invariant; returns the first violation found. Not cheap: tests only.
@@ -497,23 +529,24 @@ impl FreeList {
     }
 
     /// Takes `[lo, hi)` out of the middle of the free block that starts at `block`, leaving
-    /// its pieces before and after in the list. False, changing nothing, unless such a block
-    /// holds all of the range.
-    pub(crate) fn take_range(&mut self, block: u64, lo: u64, hi: u64) -> bool {
+    /// its pieces before and after in the list (with the block's tag): the block's tag, or
+    /// `None`, changing nothing, unless such a block holds all of the range.
+    pub(crate) fn take_range_tagged(&mut self, block: u64, lo: u64, hi: u64) -> Option<T> {
         let size = self.free_starting_at(block);
         if size == 0 || lo < block || hi > block + size || lo >= hi {
-            return false;
+            return None;
         }
-        let taken = self.take_exact(block, size);
-        debug_assert!(taken);
+        let tag = self.take_exact_tagged(block, size);
+        debug_assert!(tag.is_some());
+        let tag = tag.unwrap_or_default();
         // The pieces cannot merge with anything: the block was coalesced with its neighbours.
         for (addr, end) in [(block, lo), (hi, block + size)] {
             if end > addr {
-                let given = self.give(addr, end - addr);
+                let given = self.give_tagged(addr, end - addr, tag.clone());
                 debug_assert!(given, "a piece of a split block could not go back");
             }
         }
-        true
+        Some(tag)
     }
 }
 

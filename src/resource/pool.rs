@@ -1,4 +1,4 @@
-//! `PoolResource`: a coalescing suballocator over any upstream, with per-stream free lists.
+//! `PoolResource`: a coalescing suballocator over any upstream, whose free memory every stream shares.
 
 use std::collections::BTreeMap;
 use std::fmt;
@@ -6,7 +6,7 @@ use std::fmt;
 // `snapshot()`, in its own file.
 mod snapshot;
 
-use super::stream_ordered::{Grow, StreamLists};
+use super::stream_ordered::{Grow, StreamHeap};
 use super::waiters::{MemoryWaiters, WaitStats};
 use super::{aligned_size, check_stream, MemoryResource, ALIGNMENT};
 use crate::device::{Device, DevicePtr};
@@ -39,19 +39,11 @@ pub struct PoolOptions {
     /// the default, 8, holds at most about 1/8 more than the peak needed, in more chunks
     /// (`BENCHMARKS.md` has the figures). 0 is taken as 1.
     pub growth_divisor: u32,
-    /// How many other streams' free lists a request may take over (its stream waiting on
-    /// each on the GPU: one event and one wait per list; the host never waits) before the
-    /// pool grows. Merged lists coalesce, so memory freed on other streams is reused instead
-    /// of stranding. `usize::MAX` (the default) merges them all; 0 grows as soon as no single
-    /// free block fits (less waiting between streams, more memory held). The lists of streams
-    /// the user has dropped are always merged.
-    pub merge_limit: usize,
     /// Whether every free is checked against the blocks the pool has handed out (a table of
-    /// them, per stream): a pointer it did not hand out, one inside a block, a wrong size or
-    /// a second free is refused with [`Error::UnknownPointer`]
-    /// and changes nothing. Without the check, only a free overlapping free memory of the
-    /// list it goes to is refused, and a bad one can corrupt the pool (hand the same memory
-    /// out twice). On by default: it costs about 100 instructions per allocate/free pair
+    /// them): a pointer it did not hand out, one inside a block, a wrong size or a second free
+    /// is refused with [`Error::UnknownPointer`] and changes nothing. Without the check, only
+    /// a free overlapping free memory is refused, and a bad one can corrupt the pool (hand the
+    /// same memory out twice). On by default: it costs about 100 instructions per allocate/free pair
     /// (`BENCHMARKS.md` has the time on an H200).
     pub check_frees: bool,
 }
@@ -62,7 +54,6 @@ impl Default for PoolOptions {
             initial: 0,
             maximum: None,
             growth_divisor: 8,
-            merge_limit: usize::MAX,
             check_frees: true,
         }
     }
@@ -78,56 +69,54 @@ pub struct PoolStats {
     pub reserved: usize,
     /// The most ever held from the upstream.
     pub peak_reserved: usize,
-    /// Bytes free in the pool's lists (reserved minus handed out, minus memory being trimmed).
+    /// Bytes free in the pool (reserved minus handed out, minus memory being trimmed).
     pub free: usize,
-    /// Free blocks over all lists.
+    /// Free blocks (each coalesced with its free neighbours).
     pub free_blocks: usize,
     /// Upstream chunks held.
     pub chunks: usize,
-    /// Streams with a free list.
+    /// Streams the pool holds: every stream it has served or taken a free on, until `trim`
+    /// lets go of those the user has dropped.
     pub streams: usize,
     /// Times the pool grew from its upstream after construction.
     pub grows: u64,
-    /// Blocks taken from another stream's list.
-    pub steals: u64,
-    /// Times other streams' lists were merged into a requester's (before growing, up to
-    /// `PoolOptions::merge_limit` of them besides dropped streams', and all before failing).
-    pub merges: u64,
+    /// Cross-stream waits: times a request's stream was made to wait (on the GPU: an event
+    /// recorded on another stream and waited on) before reusing memory that other stream
+    /// freed. One wait covers everything that stream had freed so far.
+    pub stream_waits: u64,
     /// Bytes handed out and not yet given back.
     pub in_use: usize,
-    /// The most bytes handed out at once, as far as the pool could see: each stream's list
-    /// counts locally and shares its count in 16 MiB steps (so the fast path touches no
-    /// shared counter), and the peak is raised at those steps and by `stats` itself. It can be
-    /// off by up to 16 MiB per stream either way, and is never above `peak_reserved`.
+    /// The most bytes handed out at once (exact: counted under the lock every request takes).
     pub peak_in_use: usize,
 }
 
-/// A coalescing suballocator over any upstream (RMM's `pool_memory_resource`), with a free list
-/// per stream.
+/// A coalescing suballocator over any upstream (RMM's `pool_memory_resource`), whose free
+/// memory every stream shares.
 ///
-/// - Allocation and free on one stream take that stream's lock only (found through a
-///   thread-local cache): threads on different streams do not contend.
-/// - A free list is a two-level segregated fit: a block within 3% of the best fit, and
-///   coalescing with both neighbours, in constant time; blocks never merge across upstream
-///   chunks.
-/// - A request its stream's list cannot serve takes fresh memory, else steals from another
-///   stream's list after ordering its stream behind the donor's (an event and a GPU-side wait),
-///   else merges the lists of streams the user dropped and of other streams (up to
-///   [`PoolOptions::merge_limit`]) into its own, where free neighbours coalesce whatever stream
-///   freed them, else grows: it asks the upstream for a chunk (at least the request and
-///   1/[`PoolOptions::growth_divisor`] of what it holds), halving the try on failure, never
-///   past `maximum`; at the maximum it first gives wholly free chunks back upstream (in stream
-///   order) to make room for one large enough. Only when all of that fails,
-///   [`Error::OutOfMemory`] with requested, available and maximum bytes.
-/// - [`trim`](Self::trim) folds the lists of dropped streams back (releasing the streams) and
-///   returns wholly free chunks to the upstream.
+/// - One free list for every stream, a two-level segregated fit: a block within 3% of the best
+///   fit, and coalescing with both neighbours whatever stream freed them, in constant time;
+///   blocks never merge across upstream chunks. So memory freed on one stream never strands
+///   there while another grows the pool (issue 10: grown from 256 MiB, WORKLOADS.md's runs
+///   hold 1.03 to 1.17 times their peak live memory; `BENCHMARKS.md`).
+/// - Each free block remembers the streams it was freed on. A request on the stream that freed
+///   its block uses it at once (stream order); one on another stream is first ordered after
+///   that stream on the GPU (an event recorded there and a wait for it: the host never waits),
+///   which also covers everything that stream had freed so far. [`PoolStats::stream_waits`]
+///   counts them.
+/// - A request no free block fits grows the pool: it asks the upstream for a chunk (at least
+///   the request and 1/[`PoolOptions::growth_divisor`] of what it holds), halving the try on
+///   failure, never past `maximum`; at the maximum it first gives wholly free chunks back
+///   upstream (in stream order) to make room for one large enough. Only when all of that
+///   fails, [`Error::OutOfMemory`] with requested, available and maximum bytes.
+/// - [`trim`](Self::trim) lets go of streams the user has dropped and returns wholly free
+///   chunks to the upstream.
 ///
 /// Dropping the pool synchronizes the streams it knows and returns every chunk upstream (the
 /// buffers that hold it keep it alive until they are gone).
 pub struct PoolResource<U: MemoryResource> {
     upstream: U,
     device: Device,
-    lists: StreamLists,
+    heap: StreamHeap,
     /// Upstream chunks: base → size.
     chunks: Mutex<BTreeMap<u64, u64>>,
     /// Bytes held from upstream, including chunks being grown (reserved before the upstream
@@ -182,7 +171,7 @@ impl<U: MemoryResource> PoolResource<U> {
             own: device.create_stream()?,
             device,
             upstream,
-            lists: StreamLists::with_options(options.merge_limit, options.check_frees),
+            heap: StreamHeap::with_options(options.check_frees),
             chunks: Mutex::new(BTreeMap::new()),
             reserved: AtomicU64::new(0),
             peak_reserved: AtomicU64::new(0),
@@ -196,8 +185,8 @@ impl<U: MemoryResource> PoolResource<U> {
             // The chunk was allocated in stream order on our own stream; once that has run, any
             // stream may use it without waiting: it is fresh.
             pool.own.synchronize_blocking()?;
-            pool.lists.add_chunk(base, size);
-            pool.lists.give_fresh(base, size);
+            pool.heap.add_chunk(base, size);
+            pool.heap.give_fresh(base, size);
         }
         Ok(pool)
     }
@@ -214,7 +203,7 @@ impl<U: MemoryResource> PoolResource<U> {
 
     /// What the pool holds and has done.
     pub fn stats(&self) -> PoolStats {
-        let engine = self.lists.stats();
+        let engine = self.heap.stats();
         PoolStats {
             reserved: self.reserved.load(Ordering::Relaxed) as usize,
             peak_reserved: self.peak_reserved.load(Ordering::Relaxed) as usize,
@@ -223,11 +212,9 @@ impl<U: MemoryResource> PoolResource<U> {
             chunks: self.chunks.lock().len(),
             streams: engine.streams,
             grows: self.grows.load(Ordering::Relaxed),
-            steals: engine.steals,
-            merges: engine.merges,
+            stream_waits: engine.waits,
             in_use: engine.in_use as usize,
-            peak_in_use: (engine.peak_in_use as usize)
-                .min(self.peak_reserved.load(Ordering::Relaxed) as usize),
+            peak_in_use: engine.peak_in_use as usize,
         }
     }
 
@@ -259,7 +246,7 @@ impl<U: MemoryResource> PoolResource<U> {
         let room = self.maximum.saturating_sub(reserved);
         Error::OutOfMemory {
             requested: requested as usize,
-            available: room.max(self.lists.largest_free_block()) as usize,
+            available: room.max(self.heap.largest_free_block()) as usize,
             maximum: self.maximum as usize,
         }
     }
@@ -272,34 +259,33 @@ impl<U: MemoryResource> PoolResource<U> {
 
     /// Checks the invariants of every free list and that no two share memory. Slow; for tests.
     ///
-    /// Not a consistent snapshot: it reads the lists one after another, so a block that a steal,
-    /// a merge or a growth moves between lists during the check can be seen twice and reported
-    /// as shared. Call it while no other thread allocates or frees (`examples/soak` holds a
-    /// gate around the pool's calls for it).
+    /// A consistent snapshot: it holds the pool's lock throughout (a growth's chunk being
+    /// registered is the one thing it can see half done).
     #[doc(hidden)]
     pub fn check_invariants(&self) -> std::result::Result<(), String> {
-        self.lists.check()
+        self.heap.check()
     }
 
-    /// Folds the lists of streams the user has dropped back into the pool (their memory
-    /// becomes usable by every stream, and the pool lets go of the streams), then returns
-    /// every wholly free chunk to the upstream, waiting (by `.await`, never inside a lock) for
-    /// the GPU work on the streams they were freed on. Returns the bytes released.
+    /// Lets go of the streams the user has dropped (once their GPU work is done, no free block
+    /// needs to wait for them), then returns every wholly free chunk to the upstream, waiting
+    /// (by `.await`, never inside a lock) for the GPU work on the streams it was freed on.
+    /// Returns the bytes released.
     ///
     /// On an error (a failed synchronization or upstream free), every block taken out is put
     /// back where it was: nothing is lost, and the pool works as before.
     ///
     /// # Cancel safety
-    /// Not cancel-safe: blocks taken out of the lists before the future is dropped stay out
+    /// Not cancel-safe: chunks taken out of the free list before the future is dropped stay out
     /// (counted in `reserved`, never handed out) until the pool is dropped.
     pub async fn trim(&self) -> Result<usize> {
-        // Every retired list is folded or put back, whatever fails: one `?` here would drop
-        // the others' blocks.
+        // Every idle stream is waited for, whatever fails: one `?` here would skip the others.
         let mut first_error = None;
-        for (stream, blocks) in self.lists.retire_idle() {
-            let synced = stream.synchronize().await;
-            if let Err(e) = self.fold_idle(stream, blocks, synced) {
-                first_error.get_or_insert(e);
+        for stream in self.heap.idle_streams() {
+            match stream.synchronize().await {
+                Ok(()) => self.heap.forget(stream),
+                Err(e) => {
+                    first_error.get_or_insert(e);
+                }
             }
         }
         if let Some(e) = first_error {
@@ -319,13 +305,13 @@ impl<U: MemoryResource> PoolResource<U> {
 
     /// [`trim`](Self::trim) for synchronous code: blocks the calling thread while it waits.
     pub fn trim_blocking(&self) -> Result<usize> {
-        // Every retired list is folded or put back, whatever fails: one `?` here would drop
-        // the others' blocks.
         let mut first_error = None;
-        for (stream, blocks) in self.lists.retire_idle() {
-            let synced = stream.synchronize_blocking();
-            if let Err(e) = self.fold_idle(stream, blocks, synced) {
-                first_error.get_or_insert(e);
+        for stream in self.heap.idle_streams() {
+            match stream.synchronize_blocking() {
+                Ok(()) => self.heap.forget(stream),
+                Err(e) => {
+                    first_error.get_or_insert(e);
+                }
             }
         }
         if let Some(e) = first_error {
@@ -343,38 +329,22 @@ impl<U: MemoryResource> PoolResource<U> {
         self.release_chunks(taken)
     }
 
-    /// A dropped stream's list, once its stream was synchronized (`synced`): its blocks are
-    /// fresh. If the synchronization failed, they go back to a list of that stream.
-    fn fold_idle(&self, stream: Stream, blocks: Vec<(u64, u64)>, synced: Result<()>) -> Result<()> {
-        match synced {
-            Ok(()) => {
-                self.lists.give_fresh_blocks(&blocks);
-                self.waiters.notify();
-                Ok(())
-            }
-            Err(e) => {
-                self.lists.give_blocks_to(&blocks, &stream);
-                Err(e)
-            }
-        }
-    }
-
-    /// Whole chunks taken out for release go back to the lists they came from.
+    /// Whole chunks taken out for release go back, as freed on the stream they must wait for.
     fn put_back(&self, taken: &[(u64, u64, Option<Stream>)]) {
         for (base, size, stream) in taken {
             match stream {
-                Some(stream) => self.lists.give_blocks_to(&[(*base, *size)], stream),
-                None => self.lists.give_fresh(*base, *size),
+                Some(stream) => self.heap.give_blocks_to(&[(*base, *size)], stream),
+                None => self.heap.give_fresh(*base, *size),
             }
         }
     }
 
     fn take_whole_chunks(&self) -> Vec<(u64, u64, Option<Stream>)> {
         let chunks: Vec<(u64, u64)> = self.chunks.lock().iter().map(|(&b, &s)| (b, s)).collect();
-        self.lists.take_whole_chunks(&chunks)
+        self.heap.take_whole_chunks(&chunks)
     }
 
-    /// Gives whole chunks (out of every list) back upstream, each on the stream it was freed
+    /// Gives whole chunks (out of the free list) back upstream, each on the stream it was freed
     /// on (or our own, for fresh memory), which orders the release after its last use.
     fn release_chunks(&self, taken: Vec<(u64, u64, Option<Stream>)>) -> Result<usize> {
         let _span = tracing::debug_span!("trim", chunks = taken.len()).entered();
@@ -385,7 +355,7 @@ impl<U: MemoryResource> PoolResource<U> {
             // address out again, and a concurrent grow would register it; removing after the
             // call would then delete that new, live chunk.
             self.chunks.lock().remove(&base);
-            self.lists.remove_chunk(base);
+            self.heap.remove_chunk(base);
             let on = stream.as_ref().unwrap_or(&self.own);
             // SAFETY: a whole chunk, out of every list and unregistered, so nothing can hand
             // it out again; it came from this upstream with this size, and its last use is
@@ -396,10 +366,10 @@ impl<U: MemoryResource> PoolResource<U> {
                     released += size as usize;
                 }
                 Err(e) => {
-                    // Keep it: registered again, and back where it was (the list of the stream
-                    // it was freed on, so reuse elsewhere is still ordered after that stream).
+                    // Keep it: registered again, and free again as freed on the stream it waits
+                    // for, so reuse elsewhere is still ordered after that stream.
                     self.chunks.lock().insert(base, size);
-                    self.lists.add_chunk(base, size);
+                    self.heap.add_chunk(base, size);
                     self.put_back(&[(base, size, stream)]);
                     first_error.get_or_insert(e);
                 }
@@ -495,7 +465,7 @@ impl<U: MemoryResource> MemoryResource for PoolResource<U> {
         if size > self.maximum {
             return Err(self.out_of_memory(size));
         }
-        let ptr = DevicePtr(self.lists.take(size, stream, self)?);
+        let ptr = DevicePtr(self.heap.take(size, stream, self)?);
         // The race detector of the simulated device checks blocks, not chunks (a no-op on CUDA).
         self.device.note_allocation(ptr, size as usize, stream);
         Ok(ptr)
@@ -516,7 +486,7 @@ impl<U: MemoryResource> MemoryResource for PoolResource<U> {
         }
         // Before the block is back in a list, from where another thread may hand it out again.
         self.device.note_free(ptr, size as usize, stream);
-        if !self.lists.give(ptr.0, size, stream) {
+        if !self.heap.give(ptr.0, size, stream) {
             return Err(Error::UnknownPointer { ptr: ptr.0, bytes });
         }
         self.waiters.notify();
@@ -536,7 +506,7 @@ impl<U: MemoryResource> Drop for PoolResource<U> {
     fn drop(&mut self) {
         // Frees may still be queued on the streams the lists belong to: let them run, then give
         // every chunk back on our own stream.
-        for stream in self.lists.streams() {
+        for stream in self.heap.streams() {
             let _ = stream.synchronize_blocking();
         }
         let chunks = std::mem::take(&mut *self.chunks.lock());

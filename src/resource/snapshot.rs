@@ -266,7 +266,7 @@ impl Snapshot {
 }
 
 /// The free blocks of a free-list engine, list by list as
-/// `StreamLists::free_blocks_by_list` gives them, as snapshot blocks: each with the stream whose
+/// `StreamHeap::free_blocks_by_list` gives them, as snapshot blocks: each with the stream whose
 /// list holds it (`None`: fresh memory). What the pool, the fixed-size resource and the
 /// expandable pool hand to [`tile`].
 pub(crate) fn free_blocks(by_list: Vec<super::stream_ordered::ListBlocks>) -> Vec<Block> {

@@ -1,7 +1,7 @@
 //! The bookkeeping of an expandable pool, generic over its streams and its address range so
 //! that the loom model (`loom-tests/expandable.rs`) drives this very code with fake ones.
 //!
-//! [`Expander`] joins the pool's free-list engine ([`StreamLists`]) to a reserved address range
+//! [`Expander`] joins the pool's free-list engine ([`StreamHeap`]) to a reserved address range
 //! ([`Backing`]) and a table of which granules are mapped. The whole range is one chunk of the
 //! engine, so free blocks coalesce across every growth. It grows the engine ([`Grow`]) by
 //! mapping granules where the memory coalesces with the requester's free blocks, and it takes
@@ -12,7 +12,7 @@
 //! Lock order: the table, then a list (growth reads the requester's list while it holds the
 //! table); nothing takes the table while it holds a list's lock.
 
-use super::super::stream_ordered::{EngineStream, Grow, StreamLists};
+use super::super::stream_ordered::{EngineStream, Grow, StreamHeap};
 use crate::error::{Error, Result};
 use crate::sync::{AtomicU64, Mutex, Ordering};
 
@@ -99,7 +99,7 @@ pub(crate) type Taken<S> = (u64, u64, Option<S>);
 
 /// An expandable pool's lists, address range and mapping table.
 pub(crate) struct Expander<S: EngineStream, B: Backing> {
-    pub(crate) lists: StreamLists<S>,
+    pub(crate) heap: StreamHeap<S>,
     pub(crate) backing: B,
     table: Mutex<Table>,
     bits: Bits,
@@ -113,12 +113,12 @@ pub(crate) struct Expander<S: EngineStream, B: Backing> {
 
 impl<S: EngineStream, B: Backing> Expander<S, B> {
     /// The lists over `backing`'s whole range (one chunk), nothing mapped yet.
-    pub(crate) fn new(backing: B, maximum: u64, merge_limit: usize) -> Self {
-        let lists = StreamLists::with_merge_limit(merge_limit);
+    pub(crate) fn new(backing: B, maximum: u64) -> Self {
+        let heap = StreamHeap::new();
         let granules = backing.granules();
-        lists.add_chunk(backing.base(), granules as u64 * backing.granule());
+        heap.add_chunk(backing.base(), granules as u64 * backing.granule());
         Self {
-            lists,
+            heap,
             table: Mutex::new(Table {
                 len: granules,
                 frontier: 0,
@@ -204,7 +204,7 @@ impl<S: EngineStream, B: Backing> Expander<S, B> {
             let mut table = self.table.lock();
             self.map_locked(&mut table, 0, count, bytes)?
         };
-        self.lists.give_fresh(addr, size);
+        self.heap.give_fresh(addr, size);
         Ok(())
     }
 
@@ -239,7 +239,7 @@ impl<S: EngineStream, B: Backing> Expander<S, B> {
         let room = self.maximum.saturating_sub(self.reserved());
         Error::OutOfMemory {
             requested: requested as usize,
-            available: room.max(self.lists.largest_free_block()) as usize,
+            available: room.max(self.heap.largest_free_block()) as usize,
             maximum: self.maximum as usize,
         }
     }
@@ -248,7 +248,7 @@ impl<S: EngineStream, B: Backing> Expander<S, B> {
     /// lowest hole (granules unmapped by a trim) that, with the free blocks of the stream's
     /// list on either side, holds the request; else the frontier, counting the free block
     /// that ends there. Only as many granules as the request needs beyond those free blocks.
-    fn place(&self, table: &Table, min: u64, stream: &S) -> Option<(usize, usize)> {
+    fn place(&self, table: &Table, min: u64) -> Option<(usize, usize)> {
         let g = self.granule();
         let needed = |have: u64| (min.saturating_sub(have).div_ceil(g) as usize).max(1);
         let mut i = 0;
@@ -262,9 +262,7 @@ impl<S: EngineStream, B: Backing> Expander<S, B> {
                 i += 1;
             }
             let run = i - start;
-            let (left, right) = self
-                .lists
-                .free_around(stream, self.addr(start), self.addr(i));
+            let (left, right) = self.heap.free_around(self.addr(start), self.addr(i));
             let count = needed(left);
             if count <= run {
                 return Some((start, count));
@@ -273,9 +271,7 @@ impl<S: EngineStream, B: Backing> Expander<S, B> {
                 return Some((start, run));
             }
         }
-        let (left, _) = self
-            .lists
-            .free_around(stream, self.addr(table.frontier), u64::MAX);
+        let (left, _) = self.heap.free_around(self.addr(table.frontier), u64::MAX);
         let count = needed(left);
         (table.frontier + count <= table.len).then_some((table.frontier, count))
     }
@@ -286,7 +282,7 @@ impl<S: EngineStream, B: Backing> Expander<S, B> {
     /// [`unmap_ranges`](Self::unmap_ranges), or [`put_back`](Self::put_back) if it cannot.
     pub(crate) fn take_free(&self, keep: u64) -> Vec<Taken<S>> {
         let g = self.granule();
-        let mut taken = self.lists.take_aligned(g);
+        let mut taken = self.heap.take_aligned(g);
         taken.sort_unstable_by_key(|t| std::cmp::Reverse(t.0));
         let mut excess = self.reserved().saturating_sub(keep);
         let mut out = Vec::new();
@@ -315,8 +311,8 @@ impl<S: EngineStream, B: Backing> Expander<S, B> {
     pub(crate) fn put_back(&self, ranges: Vec<Taken<S>>) {
         for (addr, size, stream) in ranges {
             match stream {
-                Some(stream) => self.lists.give_blocks_to(&[(addr, size)], &stream),
-                None => self.lists.give_fresh_blocks(&[(addr, size)]),
+                Some(stream) => self.heap.give_blocks_to(&[(addr, size)], &stream),
+                None => self.heap.give_fresh_blocks(&[(addr, size)]),
             }
         }
     }
@@ -373,9 +369,9 @@ impl<S: EngineStream, B: Backing> Grow<S> for Expander<S, B> {
     /// Maps granules for a request of `min` bytes where they coalesce with the requester's
     /// free memory; never a new chunk. The engine gives the range to the requester's list,
     /// where it merges with its free neighbours.
-    fn grow(&self, min: u64, stream: &S) -> Result<(u64, u64)> {
+    fn grow(&self, min: u64, _stream: &S) -> Result<(u64, u64)> {
         let mut table = self.table.lock();
-        let Some((first, count)) = self.place(&table, min, stream) else {
+        let Some((first, count)) = self.place(&table, min) else {
             tracing::debug!(requested = min, "no room left in the reserved addresses");
             return Err(self.out_of_memory(min));
         };

@@ -31,7 +31,7 @@ use crate::sync::{AtomicBool, AtomicU64, Ordering};
 /// };
 /// assert_eq!(options.reserve, None); // the device's total memory
 /// ```
-#[derive(Debug, Clone)]
+#[derive(Debug, Clone, Default)]
 pub struct ExpandableOptions {
     /// Bytes of virtual addresses to reserve; `None` for the device's total memory (rounded up
     /// to the allocation granularity). Addresses cost no memory: only what is mapped does.
@@ -47,20 +47,6 @@ pub struct ExpandableOptions {
     /// toward the threshold, in stream order. `None` (the default): only
     /// [`trim`](ExpandablePoolResource::trim) gives memory back.
     pub release_threshold: Option<usize>,
-    /// As [`PoolOptions::merge_limit`](super::PoolOptions::merge_limit).
-    pub merge_limit: usize,
-}
-
-impl Default for ExpandableOptions {
-    fn default() -> Self {
-        Self {
-            reserve: None,
-            maximum: None,
-            initial: 0,
-            release_threshold: None,
-            merge_limit: usize::MAX,
-        }
-    }
 }
 
 /// A pool that grows by mapping physical memory into one reserved range of virtual addresses
@@ -150,7 +136,7 @@ impl ExpandablePoolResource {
             });
         }
         let reservation = Reservation::new(device, reserve)?;
-        let core = Expander::new(reservation, maximum as u64, options.merge_limit);
+        let core = Expander::new(reservation, maximum as u64);
         core.map_initial(options.initial as u64)?;
         let threshold = options.release_threshold.map_or(u64::MAX, |t| t as u64);
         let inner = StdArc::new_cyclic(|me| Inner {
@@ -185,7 +171,7 @@ impl ExpandablePoolResource {
     /// granules mapped.
     pub fn stats(&self) -> PoolStats {
         let core = &self.inner.core;
-        let engine = core.lists.stats();
+        let engine = core.heap.stats();
         PoolStats {
             reserved: core.reserved() as usize,
             peak_reserved: core.peak_reserved() as usize,
@@ -194,10 +180,9 @@ impl ExpandablePoolResource {
             chunks: core.mapped_granules(),
             streams: engine.streams,
             grows: core.grows(),
-            steals: engine.steals,
-            merges: engine.merges,
+            stream_waits: engine.waits,
             in_use: engine.in_use as usize,
-            peak_in_use: (engine.peak_in_use as usize).min(core.peak_reserved() as usize),
+            peak_in_use: engine.peak_in_use as usize,
         }
     }
 
@@ -210,7 +195,7 @@ impl ExpandablePoolResource {
     /// Checks the invariants of every free list and that no two share memory. Slow; for tests.
     #[doc(hidden)]
     pub fn check_invariants(&self) -> std::result::Result<(), String> {
-        self.inner.core.lists.check()
+        self.inner.core.heap.check()
     }
 
     /// Unmaps and releases every fully free granule, each once the GPU work of the stream
@@ -261,20 +246,16 @@ impl Inner {
     }
 
     async fn trim_to(&self, keep: u64) -> Result<usize> {
+        // Idle streams are let go of first (their waits leave every tag). Free neighbours
+        // freed on different streams have coalesced already: a granule half freed on one
+        // stream and half on another is one free block.
         let mut first_error = None;
-        for (stream, blocks) in self.core.lists.retire_idle() {
-            let synced = stream.synchronize().await;
-            if let Err(e) = self.fold_idle(stream, blocks, synced) {
-                first_error.get_or_insert(e);
-            }
-        }
-        // Every list's blocks, once their stream's work is done, become fresh memory, where
-        // free neighbours freed on different streams coalesce: a granule half freed on one
-        // stream and half on another is then fully free.
-        for (stream, blocks) in self.core.lists.drain_lists() {
-            let synced = stream.synchronize().await;
-            if let Err(e) = self.fold_idle(stream, blocks, synced) {
-                first_error.get_or_insert(e);
+        for stream in self.core.heap.idle_streams() {
+            match stream.synchronize().await {
+                Ok(()) => self.core.heap.forget(stream),
+                Err(e) => {
+                    first_error.get_or_insert(e);
+                }
             }
         }
         if let Some(e) = first_error {
@@ -292,16 +273,12 @@ impl Inner {
 
     fn trim_to_blocking(&self, keep: u64) -> Result<usize> {
         let mut first_error = None;
-        for (stream, blocks) in self.core.lists.retire_idle() {
-            let synced = stream.synchronize_blocking();
-            if let Err(e) = self.fold_idle(stream, blocks, synced) {
-                first_error.get_or_insert(e);
-            }
-        }
-        for (stream, blocks) in self.core.lists.drain_lists() {
-            let synced = stream.synchronize_blocking();
-            if let Err(e) = self.fold_idle(stream, blocks, synced) {
-                first_error.get_or_insert(e);
+        for stream in self.core.heap.idle_streams() {
+            match stream.synchronize_blocking() {
+                Ok(()) => self.core.heap.forget(stream),
+                Err(e) => {
+                    first_error.get_or_insert(e);
+                }
             }
         }
         if let Some(e) = first_error {
@@ -328,23 +305,6 @@ impl Inner {
         // Room under the maximum came back: a waiter for a large block may now grow.
         self.waiters.notify();
         result.map(|()| released as usize)
-    }
-
-    /// A list's blocks (a dropped stream's, or any stream's drained for a trim), once its
-    /// stream was synchronized (`synced`): they are fresh. If the synchronization failed, they
-    /// go back to a list of that stream.
-    fn fold_idle(&self, stream: Stream, blocks: Vec<(u64, u64)>, synced: Result<()>) -> Result<()> {
-        match synced {
-            Ok(()) => {
-                self.core.lists.give_fresh_blocks(&blocks);
-                self.waiters.notify();
-                Ok(())
-            }
-            Err(e) => {
-                self.core.lists.give_blocks_to(&blocks, &stream);
-                Err(e)
-            }
-        }
     }
 
     /// After a free: with a release threshold, once more than it is mapped and a granule's
@@ -391,7 +351,7 @@ impl MemoryResource for ExpandablePoolResource {
         if size > inner.core.maximum() {
             return Err(inner.core.out_of_memory(size));
         }
-        let ptr = DevicePtr(inner.core.lists.take(size, stream, &inner.core)?);
+        let ptr = DevicePtr(inner.core.heap.take(size, stream, &inner.core)?);
         // The race detector of the simulated device checks blocks (a no-op on CUDA).
         inner.device.note_allocation(ptr, size as usize, stream);
         Ok(ptr)
@@ -415,7 +375,7 @@ impl MemoryResource for ExpandablePoolResource {
         }
         // Before the block is back in a list, from where another thread may hand it out again.
         inner.device.note_free(ptr, size as usize, stream);
-        if !inner.core.lists.give(ptr.0, size, stream) {
+        if !inner.core.heap.give(ptr.0, size, stream) {
             return Err(Error::UnknownPointer { ptr: ptr.0, bytes });
         }
         inner.waiters.notify();
@@ -434,12 +394,10 @@ impl MemoryResource for ExpandablePoolResource {
 
 impl Drop for Inner {
     fn drop(&mut self) {
-        // Frees may still be queued on the streams the lists belong to: let them run before
-        // the reservation (dropped after this) unmaps everything.
-        for stream in self.core.lists.streams() {
+        // Frees may still be queued on the streams the pool holds: let them run before the
+        // reservation (dropped after this) unmaps everything.
+        for stream in self.core.heap.streams() {
             let _ = stream.synchronize_blocking();
         }
-        // This thread's cached list (which holds a stream handle) goes too.
-        drop(self.core.lists.retire_idle());
     }
 }

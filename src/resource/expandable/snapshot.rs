@@ -16,7 +16,7 @@ impl ExpandablePoolResource {
         let mut snapshot = Snapshot::new("expandable pool");
         snapshot.reserved = core.reserved();
         let runs = core.mapped_runs();
-        let free = free_blocks(core.lists.free_blocks_by_list());
+        let free = free_blocks(core.heap.free_blocks_by_list());
         snapshot.chunks = tile(&runs, ChunkKind::Mapped, free, &mut snapshot.notes);
         snapshot.notes.push(
             "in-use blocks are the gaps between free blocks in mapped memory: adjacent allocations show as one block, with no stream or time (no live tracking)".into(),

@@ -16,7 +16,7 @@ impl<U: MemoryResource> FixedSizeResource<U> {
         let mut snapshot = Snapshot::new(format!("fixed_size({})", self.block));
         snapshot.reserved = self.reserved.load(Ordering::Relaxed);
         let chunks: Vec<(u64, u64)> = self.chunks.lock().clone();
-        let free = free_blocks(self.lists.free_blocks_by_list());
+        let free = free_blocks(self.heap.free_blocks_by_list());
         snapshot.chunks = tile(&chunks, ChunkKind::Upstream, free, &mut snapshot.notes);
         // Every block is `block` bytes: a gap between free blocks is that many blocks in use.
         let block = self.block;

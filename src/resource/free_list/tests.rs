@@ -47,7 +47,7 @@ fn classes_are_monotonic_and_search_rounds_up() {
 
 #[test]
 fn take_splits_and_give_coalesces() {
-    let mut l = FreeList::new();
+    let mut l: FreeList = FreeList::new();
     l.add_chunk(0x10000, 64 * U);
     assert!(!l.give(0x20000, U), "outside every chunk");
     assert!(!l.give(0x10000 + 60 * U, 8 * U), "runs past the chunk");
@@ -66,7 +66,7 @@ fn take_splits_and_give_coalesces() {
 
 #[test]
 fn no_merge_across_chunks() {
-    let mut l = FreeList::new();
+    let mut l: FreeList = FreeList::new();
     l.add_chunk(0x10000, 8 * U);
     l.add_chunk(0x10000 + 8 * U, 8 * U);
     assert!(l.give(0x10000, 8 * U));
@@ -80,7 +80,7 @@ fn no_merge_across_chunks() {
 
 #[test]
 fn exact_fits_are_preferred() {
-    let mut l = FreeList::new();
+    let mut l: FreeList = FreeList::new();
     // Separate chunks so nothing merges: sizes 37, 40, 33 units in one class.
     for (i, units) in [37u64, 40, 33].iter().enumerate() {
         let base = 0x1_0000_0000 * (i as u64 + 1);
@@ -96,7 +96,7 @@ fn exact_fits_are_preferred() {
 fn random_operations_keep_the_invariants() {
     let mut state = 7u64;
     let mut next = move || crate::device::sim::faults::splitmix64(&mut state);
-    let mut l = FreeList::new();
+    let mut l: FreeList = FreeList::new();
     let chunks = [
         (0x1000_0000u64, 4096 * U),
         (0x1000_0000 + 4096 * U, 1024 * U),

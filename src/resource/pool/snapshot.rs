@@ -25,7 +25,7 @@ impl<U: MemoryResource> PoolResource<U> {
         let mut snapshot = Snapshot::new("pool");
         snapshot.reserved = self.reserved.load(Ordering::Relaxed);
         let chunks: Vec<(u64, u64)> = self.chunks.lock().iter().map(|(&b, &s)| (b, s)).collect();
-        let free = free_blocks(self.lists.free_blocks_by_list());
+        let free = free_blocks(self.heap.free_blocks_by_list());
         snapshot.chunks = tile(&chunks, ChunkKind::Upstream, free, &mut snapshot.notes);
         snapshot.notes.push(
             "in-use blocks are the gaps between free blocks: adjacent allocations show as one block, with no stream or time (no live tracking)".into(),
@@ -68,7 +68,7 @@ mod tests {
         let mut copy: Vec<Duration> = (0..50)
             .map(|_| {
                 let t = Instant::now();
-                let lists = pool.lists.free_blocks_by_list();
+                let lists = pool.heap.free_blocks_by_list();
                 let d = t.elapsed();
                 assert_eq!(lists.iter().map(|l| l.1.len()).sum::<usize>(), 10_000);
                 d

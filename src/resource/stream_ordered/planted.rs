@@ -4,34 +4,37 @@
 #[cfg(streamalloc_loom)]
 use std::sync::atomic::{AtomicBool, Ordering};
 
-/// `retire_idle` moves the live entries of dropped streams' lists to the orphans after it
-/// has let go of the registry's lock (the lists already out of it): a free can miss them in
-/// both places.
+/// An ordering bumps the freeing stream's epoch only after the event is recorded: a free on
+/// that stream in between is tagged with the old epoch, looks covered, and is not.
 #[cfg(streamalloc_loom)]
-pub(crate) static MOVE_UNLOCKED: AtomicBool = AtomicBool::new(false);
-/// `take_whole_chunks` reports whole chunks of streams' lists as fresh: the pool would give
+pub(crate) static BUMP_AFTER_ORDER: AtomicBool = AtomicBool::new(false);
+/// Orderings are noted but never made (no event, no wait).
+#[cfg(streamalloc_loom)]
+pub(crate) static UNORDERED: AtomicBool = AtomicBool::new(false);
+/// `idle_streams` names every stream, and `forget` lets go of one whatever its handles.
+#[cfg(streamalloc_loom)]
+pub(crate) static IDLE_IGNORES_HANDLES: AtomicBool = AtomicBool::new(false);
+/// `take_whole_chunks` reports whole chunks freed on streams as fresh: the pool would give
 /// them back upstream on its own stream, not after their last use.
 #[cfg(streamalloc_loom)]
 pub(crate) static CHUNKS_AS_FRESH: AtomicBool = AtomicBool::new(false);
 
-#[cfg(streamalloc_loom)]
-pub(super) fn move_unlocked() -> bool {
-    MOVE_UNLOCKED.load(Ordering::Relaxed)
+macro_rules! switch {
+    ($name:ident, $flag:ident) => {
+        #[cfg(streamalloc_loom)]
+        pub(super) fn $name() -> bool {
+            $flag.load(Ordering::Relaxed)
+        }
+
+        #[cfg(not(streamalloc_loom))]
+        #[inline(always)]
+        pub(super) const fn $name() -> bool {
+            false
+        }
+    };
 }
 
-#[cfg(streamalloc_loom)]
-pub(super) fn chunks_as_fresh() -> bool {
-    CHUNKS_AS_FRESH.load(Ordering::Relaxed)
-}
-
-#[cfg(not(streamalloc_loom))]
-#[inline(always)]
-pub(super) const fn move_unlocked() -> bool {
-    false
-}
-
-#[cfg(not(streamalloc_loom))]
-#[inline(always)]
-pub(super) const fn chunks_as_fresh() -> bool {
-    false
-}
+switch!(bump_after_order, BUMP_AFTER_ORDER);
+switch!(unordered, UNORDERED);
+switch!(chunks_as_fresh, CHUNKS_AS_FRESH);
+switch!(idle_ignores_handles, IDLE_IGNORES_HANDLES);

@@ -1,5 +1,5 @@
 //! A laboratory for the free-list engine's policy (issue 10): WORKLOADS.md's `churn` and
-//! `churn-xs` decisions run straight against [`StreamLists`], with fake streams and an upstream
+//! `churn-xs` decisions run straight against [`StreamHeap`], with fake streams and an upstream
 //! that only counts, so that one run takes a third of a second instead of the minutes the
 //! simulated device needs. It measures what a policy decides (peak reserved over peak live,
 //! growths, steals, merges, orderings), not what it costs in time.
@@ -34,7 +34,7 @@ use std::cell::Cell;
 use std::collections::BTreeMap;
 use std::sync::Arc;
 
-use super::stream_ordered::{EngineStream, Grow, StreamLists};
+use super::stream_ordered::{EngineStream, Grow, StreamHeap};
 use crate::device::sim::faults::splitmix64;
 use crate::error::Result;
 
@@ -91,14 +91,14 @@ struct CountingUpstream {
 
 impl CountingUpstream {
     /// The upstream and the engine, which starts with `initial` bytes of fresh memory.
-    fn start(initial: u64) -> (Self, StreamLists<LabStream>) {
+    fn start(initial: u64) -> (Self, StreamHeap<LabStream>) {
         let up = CountingUpstream {
             next: Cell::new(1 << 40),
             reserved: Cell::new(0),
             peak: Cell::new(0),
             grows: Cell::new(0),
         };
-        let lists = StreamLists::new();
+        let lists = StreamHeap::new();
         let (base, size) = up.grow(initial, &LabStream::new(0)).unwrap();
         lists.add_chunk(base, size);
         lists.give_fresh(base, size);
@@ -194,11 +194,10 @@ fn engine(streams: usize, hand_off: bool) -> String {
     }
     let stats = lists.stats();
     format!(
-        "{:.3} ({} growths, {} steals, {} merges, {} orderings)",
+        "{:.3} ({} growths, {} stream waits, {} orderings)",
         up.peak.get() as f64 / churn.peak_live as f64,
         up.grows.get(),
-        stats.steals,
-        stats.merges,
+        stats.waits,
         ORDERS.with(|c| c.get())
     )
 }
@@ -384,3 +383,4 @@ fn policies_grown_from_256_mib() {
         eprintln!("churn-xs-1t, one tagged list, covered fits up to {tolerance} larger: {run}");
     }
 }
+mod two_level;

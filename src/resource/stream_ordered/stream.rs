@@ -1,0 +1,27 @@
+//! What [`Stream`] gives the engine ([`EngineStream`]); the loom models use a fake stream
+//! instead.
+
+use super::EngineStream;
+use crate::error::Result;
+use crate::stream::Stream;
+
+impl EngineStream for Stream {
+    type Name = crate::stream::StreamId;
+
+    #[inline]
+    fn uid(&self) -> u64 {
+        Stream::id(self).get()
+    }
+
+    fn name(&self) -> crate::stream::StreamId {
+        Stream::id(self)
+    }
+
+    fn handle_count(&self) -> usize {
+        Stream::handle_count(self)
+    }
+
+    fn order_before(&self, later: &Self) -> Result<()> {
+        self.record().and_then(|event| later.wait(&event))
+    }
+}
