@@ -295,11 +295,64 @@ impl<T: BlockTag> FreeList<T> {
     pub(crate) fn take_tagged(&mut self, size: u64) -> Option<(u64, T)> {
         debug_assert!(size > 0 && size.is_multiple_of(ALIGNMENT as u64));
         let i = self.find(size >> UNIT_LOG)?;
+        Some(self.take_from(i, size))
+    }
+
+    /// [`take_tagged`](Self::take_tagged), preferring a block whose tag `prefer` accepts: if
+    /// the block it would take is not one, the first such block at most `slack` (a fraction)
+    /// larger, among a few of each size class up to that size, is taken instead.
+    pub(crate) fn take_preferring(
+        &mut self,
+        size: u64,
+        slack: f64,
+        prefer: impl Fn(&T) -> bool,
+    ) -> Option<(u64, T)> {
+        debug_assert!(size > 0 && size.is_multiple_of(ALIGNMENT as u64));
+        let units = size >> UNIT_LOG;
+        let i = self.find(units)?;
+        let b = &self.blocks[i as usize];
+        if slack <= 0.0 || prefer(&b.tag) {
+            return Some(self.take_from(i, size));
+        }
+        let limit = ((b.size as f64) * (1.0 + slack)) as u64;
+        let mut class = class_of(units);
+        while class < FL * SL {
+            let Some(c) = self.first_class_from(class) else {
+                break;
+            };
+            let mut j = self.heads[c];
+            let mut looked = 0;
+            let mut past = false;
+            while j != NIL && looked < SCAN {
+                let b = &self.blocks[j as usize];
+                if b.size > limit {
+                    past = true;
+                } else if b.size >= size && prefer(&b.tag) {
+                    return Some(self.take_from(j, size));
+                }
+                j = b.next;
+                looked += 1;
+            }
+            // The smallest block a class holds is at least its base size: once a class's blocks
+            // are past the limit, so are the next classes'.
+            if past && looked < SCAN {
+                break;
+            }
+            class = c + 1;
+            if self.blocks[self.heads[c] as usize].size > limit {
+                break;
+            }
+        }
+        Some(self.take_from(i, size))
+    }
+
+    /// Takes `size` bytes from the start of block `i`; the remainder keeps the slot, its end
+    /// and its tag.
+    fn take_from(&mut self, i: u32, size: u64) -> (u64, T) {
         self.unlink(i);
         let (addr, have) = (self.blocks[i as usize].addr, self.blocks[i as usize].size);
         self.by_start.remove(&addr);
         let tag = if have > size {
-            // The remainder keeps the slot, its end and its tag; only its start moves.
             let b = &mut self.blocks[i as usize];
             b.addr = addr + size;
             b.size = have - size;
@@ -313,7 +366,7 @@ impl<T: BlockTag> FreeList<T> {
             std::mem::take(&mut self.blocks[i as usize].tag)
         };
         self.free_bytes -= size;
-        Some((addr, tag))
+        (addr, tag)
     }
 
     /// Takes the block starting at `addr` if it is exactly `size` bytes (a whole chunk, for

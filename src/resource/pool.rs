@@ -46,6 +46,13 @@ pub struct PoolOptions {
     /// same memory out twice). On by default: it costs about 100 instructions per allocate/free pair
     /// (`BENCHMARKS.md` has the time on an H200).
     pub check_frees: bool,
+    /// How much waiting between streams a request avoids at the cost of memory: a request on
+    /// stream S whose best-fitting free block was freed on another stream (so S would wait on
+    /// the GPU for that stream first: an event recorded there and waited on) takes instead a
+    /// block S need not wait for, if one is at most this fraction larger (0.5: 50% larger).
+    /// 0 (the default) always takes the best fit: the least memory held (`BENCHMARKS.md` has
+    /// the figures for both). Negative or not finite is taken as 0.
+    pub reuse_slack: f64,
 }
 
 impl Default for PoolOptions {
@@ -55,6 +62,7 @@ impl Default for PoolOptions {
             maximum: None,
             growth_divisor: 8,
             check_frees: true,
+            reuse_slack: 0.0,
         }
     }
 }
@@ -171,7 +179,7 @@ impl<U: MemoryResource> PoolResource<U> {
             own: device.create_stream()?,
             device,
             upstream,
-            heap: StreamHeap::with_options(options.check_frees),
+            heap: StreamHeap::with_options(options.check_frees, options.reuse_slack),
             chunks: Mutex::new(BTreeMap::new()),
             reserved: AtomicU64::new(0),
             peak_reserved: AtomicU64::new(0),

@@ -92,13 +92,19 @@ struct CountingUpstream {
 impl CountingUpstream {
     /// The upstream and the engine, which starts with `initial` bytes of fresh memory.
     fn start(initial: u64) -> (Self, StreamHeap<LabStream>) {
+        Self::start_with(initial, 0.0)
+    }
+
+    /// [`start`](Self::start), the engine preferring blocks that need no wait up to `slack`
+    /// larger than the best fit.
+    fn start_with(initial: u64, slack: f64) -> (Self, StreamHeap<LabStream>) {
         let up = CountingUpstream {
             next: Cell::new(1 << 40),
             reserved: Cell::new(0),
             peak: Cell::new(0),
             grows: Cell::new(0),
         };
-        let lists = StreamHeap::new();
+        let lists = StreamHeap::with_options(true, slack);
         let (base, size) = up.grow(initial, &LabStream::new(0)).unwrap();
         lists.add_chunk(base, size);
         lists.give_fresh(base, size);
@@ -370,6 +376,66 @@ fn tagged_list(streams: usize, tolerance: f64) -> String {
         "{:.3} ({growths} growths, {refreshes} refreshes in {takes} takes)",
         peak_held as f64 / churn.peak_live as f64,
     )
+}
+
+/// WORKLOADS.md's four-thread runs (`churn-4t`, `churn-xs-4t` with `hand_off`) on the engine,
+/// the threads' operations interleaved one each in turn (the real runs interleave at random),
+/// with `slack` (`PoolOptions::reuse_slack`): peak reserved over the sum of the threads' peaks
+/// live, and the waits.
+fn engine_four_threads(hand_off: bool, slack: f64) -> String {
+    let (up, lists) = CountingUpstream::start_with(256 << 20, slack);
+    let handles: Vec<LabStream> = (1..=4).map(LabStream::new).collect();
+    struct T {
+        rng: u64,
+        ops: u64,
+        live: Vec<(u64, u64)>,
+        bytes: u64,
+        peak: u64,
+    }
+    let mut ts: Vec<T> = (0..4u64)
+        .map(|t| T { rng: 42 + t, ops: 250_000, live: Vec::new(), bytes: 0, peak: 0 })
+        .collect();
+    for _ in 0..250_000 {
+        for (t, th) in ts.iter_mut().enumerate() {
+            let (a, b) = (splitmix64(&mut th.rng), splitmix64(&mut th.rng));
+            th.ops -= 1;
+            let e = 8 + b % 15;
+            let size = ((1u64 << e) + (b >> 8) % (1u64 << e)).next_multiple_of(256);
+            if th.live.is_empty() || (a & 1 == 0 && th.bytes + size <= 256 << 20) {
+                let addr = lists.take(size, &handles[t], &up).unwrap();
+                th.live.push((addr, size));
+                th.bytes += size;
+                th.peak = th.peak.max(th.bytes);
+            } else {
+                let i = ((a >> 1) % th.live.len() as u64) as usize;
+                let (addr, size) = th.live.swap_remove(i);
+                let on = if hand_off { (t + 1) % 4 } else { t };
+                assert!(lists.give(addr, size, &handles[on]));
+                th.bytes -= size;
+            }
+        }
+    }
+    let peak: u64 = ts.iter().map(|t| t.peak).sum();
+    format!(
+        "{:.3} ({} growths, {} stream waits)",
+        up.peak.get() as f64 / peak as f64,
+        up.grows.get(),
+        lists.stats().waits
+    )
+}
+
+#[test]
+#[ignore = "a measurement, not a check: run it with --ignored --nocapture"]
+fn reuse_slack_grown_from_256_mib() {
+    for slack in [0.0, 0.1, 0.25, 0.5, 1.0] {
+        let (up, lists) = CountingUpstream::start_with(256 << 20, slack);
+        drop((up, lists));
+        eprintln!(
+            "slack {slack}: churn-4t {}; churn-xs-4t {}",
+            engine_four_threads(false, slack),
+            engine_four_threads(true, slack)
+        );
+    }
 }
 
 #[test]

@@ -212,6 +212,9 @@ pub(crate) struct StreamHeap<S = Stream> {
     check_frees: bool,
     /// Orderings made (a request's stream waiting on another's event).
     waits: AtomicU64,
+    /// How much larger (a fraction) than the best fit a block the requester need not wait
+    /// for may be, to be taken instead (`PoolOptions::reuse_slack`).
+    slack: f64,
 }
 
 impl<S: EngineStream> fmt::Debug for StreamHeap<S> {
@@ -242,16 +245,19 @@ impl<S: EngineStream> Default for StreamHeap<S> {
 }
 
 impl<S: EngineStream> StreamHeap<S> {
-    /// An engine whose frees are checked against the blocks it handed out.
+    /// An engine whose frees are checked against the blocks it handed out, taking the best
+    /// fit whatever the waits.
     pub(crate) fn new() -> Self {
-        Self::with_options(true)
+        Self::with_options(true, 0.0)
     }
 
     /// An engine with frees checked against the blocks in use (`check_frees`) or not (a free
     /// is then only checked against free memory, and one that names memory in use corrupts
-    /// the free list).
-    pub(crate) fn with_options(check_frees: bool) -> Self {
+    /// the free list), preferring blocks that need no wait up to `slack` larger than the best
+    /// fit.
+    pub(crate) fn with_options(check_frees: bool, slack: f64) -> Self {
         Self {
+            slack: if slack.is_finite() { slack.max(0.0) } else { 0.0 },
             state: Mutex::new(Heap {
                 free: FreeList::new(),
                 live: FxHashMap::default(),
@@ -340,7 +346,14 @@ impl<S: EngineStream> StreamHeap<S> {
             let given = heap.free.give(base, chunk);
             debug_assert!(given, "a fresh chunk overlapped free memory");
         }
-        let Some((addr, tag)) = heap.free.take_tagged(size) else {
+        let taken = if self.slack > 0.0 {
+            let slot = heap.slot(stream);
+            let Heap { free, entries, .. } = &mut *heap;
+            free.take_preferring(size, self.slack, |tag| covered(entries, slot, tag))
+        } else {
+            heap.free.take_tagged(size)
+        };
+        let Some((addr, tag)) = taken else {
             return Ok(None);
         };
         if self.check_frees {
@@ -401,6 +414,15 @@ impl<S: EngineStream> StreamHeap<S> {
             what: "the upstream gave a chunk smaller than asked for",
         })
     }
+}
+
+/// Whether the stream in `slot` may use a block tagged `tag` without an ordering.
+#[inline]
+fn covered<S>(entries: &[Option<Entry<S>>], slot: u32, tag: &Waits) -> bool {
+    let Some(me) = entries.get(slot as usize).and_then(Option::as_ref) else {
+        return false;
+    };
+    !tag.every() && (tag.pairs().iter()).all(|&(d, at)| d == slot || me.waited(d) > at)
 }
 
 /// Removes the live entry of the block at `addr`: `Some(true)` if it was there with `size`,
