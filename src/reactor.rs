@@ -305,7 +305,7 @@ const LONG_SLEEP: Duration = Duration::from_millis(100);
 /// completion it compares with its prediction (`error_ns`: completion minus nearest predicted
 /// completion; `own`: whether the reactor's poll found it, else the completing thread's stamp
 /// is used; `margin_ns`) and one per timed sleep (`asked_ns`, `slept_ns`, `kind`: `coarse`,
-/// `step` or `backoff`). Off unless a subscriber enables this target at trace level
+/// `step`, `backoff` or `cap`). Off unless a subscriber enables this target at trace level
 /// (`benches/event_latency.rs` does): then a callsite check each, nothing more.
 pub(crate) const STATS: &str = "streamalloc::reactor::stats";
 
@@ -478,7 +478,9 @@ impl<D: Doorbells> Loop<D> {
             None if all_armed => None,
             None => Some(Duration::from_millis(1)),
         };
-        let mut kind = "backoff";
+        // For the trace: a backoff sleep, or the longest sleep allowed (`max_sleep` while a
+        // doorbell is missing, else `LONG_SLEEP`).
+        let mut kind = if plans.unpredicted { "backoff" } else { "cap" };
         if let Some(next) = plans.next {
             // Towards `next` in two stages (`predict::sleep_toward`): a coarse sleep that ends
             // well before it, then steps that end at it once the usual lateness of a short

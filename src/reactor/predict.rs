@@ -42,6 +42,8 @@ const MAX_MARGIN: Duration = Duration::from_millis(1);
 /// Completions further than this from every candidate count as this far (a stream that changes
 /// its work should not widen its windows for long).
 const MAX_ERROR: Duration = Duration::from_micros(500);
+/// The most one completion raises a stream's spread (see [`History::margin`]).
+const MAX_RISE: Duration = Duration::from_micros(25);
 /// Samples closer than this to one already kept do not make a window of their own.
 const SAME: Duration = Duration::from_micros(5);
 
@@ -79,12 +81,14 @@ impl History {
     }
 
     /// The half-width of this stream's windows: twice the spread, plus [`MIN_MARGIN`]. The
-    /// spread rises by a quarter of any larger error and falls by a 64th of the difference with
-    /// each smaller one: an asymmetric average (an expectile) that follows the late end of
-    /// recent errors, not their mean. For errors spread as an exponential distribution it
-    /// settles near their 90th percentile (2.4 times their mean), and twice it lies past their
-    /// 99th; twice the mean, which the margin was before, let one completion in seven through
-    /// (less the floor's share).
+    /// spread rises by a quarter of any larger error (by at most [`MAX_RISE`]) and falls by a
+    /// 32nd of the difference with each smaller one: an asymmetric average (an expectile) that
+    /// follows the late end of recent errors, not their mean. For errors spread as an
+    /// exponential distribution it settles near their 86th percentile (twice their mean), and
+    /// twice it lies near their 98th; twice the mean, which the margin was before, let one
+    /// completion in seven through (less the floor's share). The cap on a rise keeps one
+    /// outlier (a new length of work, a preempted thread) from widening the windows, and the
+    /// reactor's hot polling with them, for the next hundred completions.
     pub(super) fn margin(&self) -> Duration {
         (self.spread * 2 + MIN_MARGIN).min(MAX_MARGIN)
     }
@@ -185,9 +189,9 @@ impl History {
             if let Some(error) = nearest {
                 let error = error.min(MAX_ERROR);
                 self.spread = if error > self.spread {
-                    self.spread + (error - self.spread) / 4
+                    self.spread + ((error - self.spread) / 4).min(MAX_RISE)
                 } else {
-                    self.spread - (self.spread - error) / 64
+                    self.spread - (self.spread - error) / 32
                 };
             }
             if nearest.is_none_or(|e| e > SAME) {
@@ -381,9 +385,15 @@ mod tests {
         // latest window.
         start += us(2001);
         let (m, lead) = (h.margin(), us(250));
-        assert_eq!(h.hurry(start, start + us(1700), lead, m), (false, Some(start + us(1750))));
+        assert_eq!(
+            h.hurry(start, start + us(1700), lead, m),
+            (false, Some(start + us(1750)))
+        );
         let first_end = start + us(2000) + m + lead;
-        assert_eq!(h.hurry(start, start + us(2100), lead, m), (true, Some(first_end)));
+        assert_eq!(
+            h.hurry(start, start + us(2100), lead, m),
+            (true, Some(first_end))
+        );
         let end = start + us(2040) + m + lead;
         assert_eq!(h.hurry(start, first_end, lead, m), (true, Some(end)));
         assert_eq!(h.hurry(start, end, lead, m), (false, None));

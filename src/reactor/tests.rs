@@ -195,7 +195,10 @@ fn completions_found_by_others_teach_no_service_time() {
         completion: Completion::new(),
     });
     assert!(by_task.completion.complete(Ok(())));
-    let stamp = by_task.completion.completed_at().expect("a complete event is stamped");
+    let stamp = by_task
+        .completion
+        .completed_at()
+        .expect("a complete event is stamped");
     std::thread::sleep(ms(2));
     let mut queues = BTreeMap::new();
     let queue: &mut StreamQueue = queues.entry(1).or_default();
@@ -230,5 +233,9 @@ fn completions_found_by_others_teach_no_service_time() {
     });
     assert!(poll_heads(&mut queues, Some(&mut histories)));
     assert_eq!(own.completion.result(), Some(Ok(())));
-    assert_eq!(histories[&1].samples().len(), 2, "the reactor's own find teaches");
+    assert_eq!(
+        histories[&1].samples().len(),
+        2,
+        "the reactor's own find teaches"
+    );
 }
