@@ -105,7 +105,7 @@ impl History {
     }
 
     /// The recent service times kept (for the tests).
-    #[cfg(test)]
+    #[cfg(all(test, not(streamalloc_loom)))]
     pub(super) fn samples(&self) -> &[Duration] {
         &self.samples[..self.len]
     }
