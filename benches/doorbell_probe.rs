@@ -15,6 +15,12 @@
 //! another spins on `cuEventQuery`, and `writevalue-flag` is the flag's time minus the
 //! query's. Last, what one poll costs the polling thread: `cuEventQuery` on a pending event
 //! against a load of the flag.
+//!
+//! First, on any machine (issue 18): how late a timed sleep ends, as the predicting reactor
+//! sleeps (`thread::park_timeout`, timer slack lowered to 1 ns), for sleeps of 20 µs to 20 ms.
+//! The reactor sleeps towards a predicted completion in two stages, a coarse sleep ending 1 ms
+//! early, then steps of at most 200 µs (`src/reactor/predict.rs`), on the premise that long
+//! sleeps can end hundreds of µs late on a VM and short ones end nearly on time; this checks it.
 
 use std::ffi::c_void;
 use std::sync::atomic::{AtomicU64, Ordering};
@@ -50,7 +56,39 @@ fn pct(mut v: Vec<i64>) -> String {
     format!("{:>9.1} {:>9.1} {:>9.1}", at(0.5), at(0.9), at(0.99))
 }
 
+/// How late `park_timeout` ends for sleeps of several lengths, with the reactor's timer slack.
+fn sleep_lateness() {
+    #[cfg(target_os = "linux")]
+    // SAFETY: PR_SET_TIMERSLACK takes an unsigned long and changes only this thread's slack.
+    unsafe {
+        libc::prctl(libc::PR_SET_TIMERSLACK, 1 as libc::c_ulong, 0, 0, 0);
+    }
+    println!("timed sleep lateness (park_timeout, timer slack 1 ns), µs: median p90 p99 max");
+    for asked_us in [20u64, 100, 200, 1_000, 5_000, 20_000] {
+        let asked = Duration::from_micros(asked_us);
+        let n = (2_000_000 / asked_us).clamp(100, 2_000) as usize;
+        let mut late: Vec<i64> = (0..n)
+            .map(|_| {
+                let start = Instant::now();
+                // A spurious return (an unpark) is measured as early, never as late.
+                std::thread::park_timeout(asked);
+                start.elapsed().as_nanos() as i64 - asked.as_nanos() as i64
+            })
+            .collect();
+        late.sort();
+        let max = late[late.len() - 1] as f64 / 1000.0;
+        println!(
+            "  sleep {asked:>8?} {n:>5} samples {} {max:>9.1}",
+            pct(late)
+        );
+    }
+    println!();
+}
+
 fn main() {
+    if !std::env::args().any(|a| a == "--no-sleeps") {
+        sleep_lateness();
+    }
     let device = match Device::cuda(0) {
         Ok(d) => d,
         Err(why) => {

@@ -16,6 +16,11 @@
 //! never over-state, the latency. Each cell also gives the CPU the reactor thread and the tokio
 //! workers used during it, in ms per s (the observer thread spins throughout and is not counted).
 //!
+//! `where the tail comes from`, per cell of the predicting strategies: the reactor's prediction
+//! errors and how late its timed sleeps ended (its trace-level `tracing` events, collected by
+//! `event_latency/diag.rs`), the pre-wake's lead and the worker's wake after it as the task saw
+//! them, and what each sample later than 50 µs to the task lacked (see [`diag::header`]).
+//!
 //! `runtime baseline`: the same measure with no GPU: a thread wakes a task parked in a oneshot
 //! after a delay: what the runtime alone adds to any wakeup.
 //!
@@ -42,6 +47,8 @@ use std::task::{Context, Poll, Wake, Waker};
 use std::time::{Duration, Instant};
 
 mod common;
+#[path = "event_latency/diag.rs"]
+mod diag;
 
 use common::now_ns;
 use streamalloc::{CudaOptions, Device, Event, SimConfig, WakeStrategy};
@@ -86,8 +93,9 @@ fn threads_cpu_ns(matches: impl Fn(&str) -> bool) -> Option<u64> {
 /// CPU ms per s of wall time of the reactor (`reactor`) and of the tokio workers while `f` runs.
 fn cpu_while<R>(reactor: &str, f: impl FnOnce() -> R) -> (R, Option<f64>, Option<f64>) {
     let is_reactor = |name: &str| name == reactor;
-    // Linux keeps 15 bytes of a thread's name: tokio's "tokio-runtime-worker".
-    let is_worker = |name: &str| name.starts_with("tokio-runtime-w");
+    // The runtime's threads are named so (`main`); tokio's default name changed between
+    // versions ("tokio-runtime-worker", kept as its first 15 bytes, then "tokio-rt-worker").
+    let is_worker = |name: &str| name == WORKERS;
     let r0 = threads_cpu_ns(is_reactor);
     let w0 = threads_cpu_ns(is_worker);
     let start = Instant::now();
@@ -101,9 +109,23 @@ fn cpu_while<R>(reactor: &str, f: impl FnOnce() -> R) -> (R, Option<f64>, Option
     )
 }
 
-/// A waker that notes when the reactor thread calls it (every call, kept until taken).
+/// The name of the runtime's threads (at most 15 bytes: Linux keeps no more).
+const WORKERS: &str = "bench-worker";
+
+/// Waits (up to a second) until this process has a thread named `name`: a new device's reactor
+/// names itself once it runs, and measuring before that would find no thread ("n/a").
+fn wait_for_thread(name: &str) {
+    let until = Instant::now() + Duration::from_secs(1);
+    while threads_cpu_ns(|n| n == name).is_none() && Instant::now() < until {
+        std::thread::sleep(Duration::from_millis(1));
+    }
+}
+
+/// A waker that notes when the reactor thread calls it (every call, kept until taken), and when
+/// the task polls.
 struct ReactorStamps {
     at: Mutex<Vec<u64>>,
+    polls: Mutex<Vec<u64>>,
     inner: Mutex<Option<Waker>>,
 }
 
@@ -129,6 +151,7 @@ impl Wake for ReactorStamps {
 async fn stamped(event: Event, stamps: &Arc<ReactorStamps>) -> streamalloc::Result<()> {
     let mut event = std::pin::pin!(event);
     std::future::poll_fn(|cx: &mut Context<'_>| {
+        stamps.polls.lock().unwrap().push(now_ns());
         *stamps.inner.lock().unwrap() = Some(cx.waker().clone());
         let waker = Waker::from(stamps.clone());
         match event.as_mut().poll(&mut Context::from_waker(&waker)) {
@@ -139,13 +162,13 @@ async fn stamped(event: Event, stamps: &Arc<ReactorStamps>) -> streamalloc::Resu
     .await
 }
 
-/// Per-sample (to waker, to task) in ns.
+/// Per-sample (to waker, to task) in ns, and what the task saw of each.
 fn latency(
     rt: &tokio::runtime::Runtime,
     device: &Device,
     kernel: Duration,
     samples: usize,
-) -> (Vec<i64>, Vec<i64>) {
+) -> (Vec<i64>, Vec<i64>, Vec<diag::Seen>) {
     let stream = device.create_stream().unwrap();
     let (to_observer, observer_rx) = mpsc::channel::<(Event, tokio::sync::oneshot::Sender<u64>)>();
     let observer = std::thread::spawn(move || {
@@ -160,10 +183,14 @@ fn latency(
     let task = rt.spawn(async move {
         let stamps = Arc::new(ReactorStamps {
             at: Mutex::new(Vec::new()),
+            polls: Mutex::new(Vec::new()),
             inner: Mutex::new(None),
         });
-        let (mut to_waker, mut to_task) =
-            (Vec::with_capacity(samples), Vec::with_capacity(samples));
+        let (mut to_waker, mut to_task, mut seen) = (
+            Vec::with_capacity(samples),
+            Vec::with_capacity(samples),
+            Vec::with_capacity(samples),
+        );
         for i in 0..samples + warmup {
             stream.spin(kernel).unwrap();
             let ours = stream.record().unwrap();
@@ -171,9 +198,11 @@ fn latency(
             let (tx, rx) = tokio::sync::oneshot::channel();
             to_observer.send((theirs, tx)).unwrap();
             stamps.at.lock().unwrap().clear();
+            stamps.polls.lock().unwrap().clear();
             stamped(ours, &stamps).await.unwrap();
             let resumed = now_ns();
             let woken: Vec<u64> = std::mem::take(&mut *stamps.at.lock().unwrap());
+            let polls: Vec<u64> = std::mem::take(&mut *stamps.polls.lock().unwrap());
             let reached = rx.await.unwrap();
             if i >= warmup {
                 let completion_wake = woken
@@ -184,9 +213,19 @@ fn latency(
                     .min(resumed);
                 to_waker.push(completion_wake as i64 - reached as i64);
                 to_task.push(resumed as i64 - reached as i64);
+                let rel = |t: u64| t as i64 - reached as i64;
+                let prewake = woken.iter().copied().find(|&t| t + 5_000 < reached);
+                seen.push(diag::Seen {
+                    to_task: rel(resumed),
+                    prewake: prewake.map(rel),
+                    first_poll: prewake
+                        .and_then(|p| polls.iter().copied().find(|&t| t > p))
+                        .map(rel),
+                    last_poll_before: polls.iter().copied().rfind(|&t| t < reached).map(rel),
+                });
             }
         }
-        (to_waker, to_task)
+        (to_waker, to_task, seen)
     });
     let result = rt.block_on(task).unwrap();
     observer.join().unwrap();
@@ -274,8 +313,10 @@ fn main() {
         .split(',')
         .map(|k| k.parse().expect("--kernels-us: µs, comma-separated"))
         .collect();
+    diag::install();
     let rt = tokio::runtime::Builder::new_multi_thread()
         .worker_threads(2)
+        .thread_name(WORKERS)
         .enable_all()
         .build()
         .unwrap();
@@ -315,14 +356,20 @@ fn main() {
         "{:<9} {:>8} {:>7}  {:^19}  {:^19}  {:>9}  {:>8} {:>8}",
         "", "", "", "(ours)", "(ours + runtime)", "(median)", "ms/s", "ms/s"
     );
+    let mut diagnosed = vec![];
     for name in &strategies {
         for &kernel_us in &kernels {
             let device = open(strategy(name, prewake));
             let kernel = Duration::from_micros(kernel_us);
             let n = ((cell_secs / (kernel.as_secs_f64() + 30e-6)) as usize).clamp(100, samples);
             let reactor = format!("sa-reactor-{}", device.id());
-            let ((to_waker, to_task), reactor_ms, workers_ms) =
+            wait_for_thread(&reactor);
+            let _ = diag::take();
+            let ((to_waker, to_task, seen), reactor_ms, workers_ms) =
                 cpu_while(&reactor, || latency(&rt, &device, kernel, n));
+            if name == "predict" || name == "prewake" {
+                diagnosed.push((name.clone(), kernel, diag::take(), seen));
+            }
             let mut runtime: Vec<i64> = to_task.iter().zip(&to_waker).map(|(t, w)| t - w).collect();
             runtime.sort();
             println!(
@@ -336,6 +383,12 @@ fn main() {
                 ms(reactor_ms),
                 ms(workers_ms),
             );
+        }
+    }
+    if !diagnosed.is_empty() {
+        diag::header();
+        for (name, kernel, reported, seen) in diagnosed {
+            diag::line(&name, kernel, reported, &seen);
         }
     }
 
@@ -354,6 +407,7 @@ fn main() {
     for name in &strategies {
         let device = open(strategy(name, prewake));
         let reactor = format!("sa-reactor-{}", device.id());
+        wait_for_thread(&reactor);
         std::thread::sleep(Duration::from_millis(100));
         let ((), idle, _) = cpu_while(&reactor, || std::thread::sleep(Duration::from_secs(1)));
         let streams: Vec<_> = (0..10).map(|_| device.create_stream().unwrap()).collect();

@@ -14,6 +14,7 @@
 //! loses the wakeups and frees queued behind it.
 
 use std::task::Waker;
+use std::time::Instant;
 
 use crate::error::{Error, Result};
 use crate::sync::{AtomicBool, AtomicU8, Mutex, Ordering};
@@ -49,6 +50,11 @@ struct Waiters {
     callbacks: Vec<Callback>,
     /// Whether the reactor was already told to watch this event.
     watched: bool,
+    /// When the event was completed (by whichever thread did), stamped under this lock before
+    /// the result is published. The predicting reactor uses it as the stream's last
+    /// completion when another thread (a pre-woken task) completed the event before the
+    /// reactor's own poll: the reactor's later look would make the next prediction late.
+    completed_at: Option<Instant>,
 }
 
 /// What a registration found.
@@ -109,6 +115,9 @@ impl Completion {
                     FAILED
                 }
             };
+            // Before the result is published: whoever sees the result and then takes this lock
+            // sees the stamp (`completed_at`).
+            waiters.completed_at = Some(Instant::now());
             self.state.store(state, Ordering::Release);
             waiters.free.clear();
             (
@@ -176,6 +185,12 @@ impl Completion {
         for waker in wakers {
             guarded(WAKER, None, || waker.wake());
         }
+    }
+
+    /// When the event was completed, by whichever thread; `None` while pending. Once
+    /// [`result`](Self::result) has returned a result, this returns the instant.
+    pub(crate) fn completed_at(&self) -> Option<Instant> {
+        self.waiters.lock().completed_at
     }
 
     /// Whether the event is hurried (for the loom models).
@@ -349,6 +364,20 @@ mod tests {
         completion.hurry(true);
         assert!(!completion.hurried(), "a complete event is never hurried");
         assert_eq!(wakes(), 3);
+    }
+
+    /// The first completion stamps the instant (for the predicting reactor); a second changes
+    /// nothing.
+    #[test]
+    fn completion_is_stamped_once() {
+        let completion = Completion::new();
+        assert_eq!(completion.completed_at(), None);
+        let before = Instant::now();
+        assert!(completion.complete(Ok(())));
+        let at = completion.completed_at().expect("stamped");
+        assert!(before <= at && at <= Instant::now());
+        assert!(!completion.complete(Ok(())));
+        assert_eq!(completion.completed_at(), Some(at));
     }
 
     /// Wakers and callbacks that panic, each stored before a good one: `complete` returns, every

@@ -32,18 +32,23 @@
 //! - nothing to watch: the thread parks with no timeout and burns no CPU (every strategy);
 //! - `Predict` (the default, issue 18): each stream's history (`predict.rs`) predicts when its
 //!   oldest watched event completes; the thread sleeps until just before the prediction and
-//!   polls in a hot loop through a window around it. The window's margin adapts to how far off
-//!   the stream's predictions were; the thread asks for sleeps shorter by how late its sleeps
-//!   of that length have been ending (it lowers its timer slack; a VM's idle vCPU still wakes
-//!   late), so that it is awake when the window opens. With a pre-wake lead
+//!   polls in a hot loop through a window around it. The window's margin adapts to the late
+//!   end of how far off the stream's predictions were. The thread sleeps towards a window in
+//!   two stages: a coarse sleep that ends a millisecond early (`predict::SETTLE`: a long sleep
+//!   on a VM can end hundreds of µs late), then short steps asked shorter by how late its short
+//!   sleeps have been ending (it lowers its timer slack; a VM's idle vCPU still wakes late), so
+//!   that it is awake when the window opens. With a pre-wake lead
 //!   (`CudaOptions::reactor_prewake`) it also *hurries* the awaiting tasks that long before the
-//!   prediction: `Completion::hurry` wakes them, and every poll of theirs while hurried wakes
-//!   itself again, so the runtime's worker keeps polling the event instead of parking (a
-//!   parked worker takes the runtime ~140 µs to wake on the VM we
+//!   prediction, until that long after its window: `Completion::hurry` wakes them, and every
+//!   poll of theirs while hurried wakes itself again, so the runtime's worker keeps polling the
+//!   event instead of parking (a parked worker takes the runtime ~140 µs to wake on the VM we
 //!   measured: the runtime's cost, which this hides at the price of that worker's CPU for the
 //!   lead). A head with no prediction (a new stream, or past all its windows) is polled as
 //!   `Backoff` does; every head also gets a doorbell, which cuts a sleep short when an
-//!   event completes well before its prediction;
+//!   event completes well before its prediction. Each stream's clock for its next head starts
+//!   at its last completion: the instant the reactor's poll found it, or, when a pre-woken task
+//!   found it first, the instant that task completed it (`Completion::completed_at`), not the
+//!   later one at which the reactor looked;
 //! - `Backoff` (the design before issue 18): after progress or a new registration it polls the
 //!   heads in a hot loop for the spin budget (CUDA default 500 µs), then between sleeps that
 //!   double from 20 µs up to a cap (CUDA default 1 ms); before each sleep it arms a *doorbell*
@@ -296,6 +301,13 @@ const MIN_SLEEP: Duration = Duration::from_micros(5);
 /// The longest sleep towards a prediction while every head has a doorbell armed: a backstop,
 /// should the doorbells never ring.
 const LONG_SLEEP: Duration = Duration::from_millis(100);
+/// The `tracing` target of the predicting reactor's trace-level measurements, one event per
+/// completion it compares with its prediction (`error_ns`: completion minus nearest predicted
+/// completion; `own`: whether the reactor's poll found it, else the completing thread's stamp
+/// is used; `margin_ns`) and one per timed sleep (`asked_ns`, `slept_ns`, `kind`: `coarse`,
+/// `step`, `backoff` or `cap`). Off unless a subscriber enables this target at trace level
+/// (`benches/event_latency.rs` does): then a callsite check each, nothing more.
+pub(crate) const STATS: &str = "streamalloc::reactor::stats";
 
 fn run(shared: Arc<Shared>, mut doorbells: impl Doorbells) {
     crate::offload::mark_reactor_thread();
@@ -466,22 +478,37 @@ impl<D: Doorbells> Loop<D> {
             None if all_armed => None,
             None => Some(Duration::from_millis(1)),
         };
+        // For the trace: a backoff sleep, or the longest sleep allowed (`max_sleep` while a
+        // doorbell is missing, else `LONG_SLEEP`).
+        let mut kind = if plans.unpredicted { "backoff" } else { "cap" };
         if let Some(next) = plans.next {
-            // Ask for a sleep that ends at `next` once the usual lateness of a sleep that long
-            // is added; nearer than that, keep polling.
+            // Towards `next` in two stages (`predict::sleep_toward`): a coarse sleep that ends
+            // well before it, then steps that end at it once the usual lateness of a short
+            // sleep is added; nearer than a step is worth, keep polling.
             let until = next.saturating_duration_since(Instant::now());
-            let asked = until.saturating_sub(self.oversleep.get(until));
+            let (asked, coarse) = predict::sleep_toward(until, &self.oversleep);
             if asked < MIN_SLEEP {
                 std::hint::spin_loop();
                 return Turn::Again;
             }
-            timeout = Some(timeout.map_or(asked, |t| t.min(asked)));
+            if timeout.is_none_or(|t| asked < t) {
+                timeout = Some(asked);
+                kind = if coarse { "coarse" } else { "step" };
+            }
         }
         match (self.predict, timeout) {
             (true, Some(asked)) => {
                 let before = Instant::now();
                 shared.bell.wait(Some(asked));
-                self.oversleep.slept(asked, before.elapsed());
+                let slept = before.elapsed();
+                self.oversleep.slept(asked, slept);
+                tracing::trace!(
+                    target: STATS,
+                    asked_ns = asked.as_nanos() as u64,
+                    slept_ns = slept.as_nanos() as u64,
+                    kind,
+                    "timed sleep"
+                );
             }
             (_, timeout) => shared.bell.wait(timeout),
         }
@@ -571,7 +598,31 @@ fn poll_heads(
             if let (Some(history), Some(now)) = (history.as_deref_mut(), now) {
                 let history = history.entry(stream).or_default();
                 let start = history.start(head.watched.unwrap_or(now));
-                history.completed(start, now, batch || !seen_here);
+                // When it was done: now, if this poll found it; else when the thread that
+                // completed it did (a pre-woken task polling its event: within µs of the GPU),
+                // and never later than now. The next head's clock starts there: the time we
+                // looked would start it late, and with it the next prediction and pre-wake.
+                let done = if seen_here {
+                    now
+                } else {
+                    event
+                        .completion()
+                        .completed_at()
+                        .map_or(now, |at| at.min(now))
+                };
+                if !batch {
+                    if let Some(error_ns) = history.error(start, done) {
+                        tracing::trace!(
+                            target: STATS,
+                            stream,
+                            error_ns,
+                            own = seen_here,
+                            margin_ns = history.margin().as_nanos() as u64,
+                            "completion against its prediction"
+                        );
+                    }
+                }
+                history.completed(start, done, batch || !seen_here);
             }
             batch = true;
             queue.events.pop_front();

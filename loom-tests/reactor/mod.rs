@@ -56,6 +56,7 @@ mod events;
 mod mirror;
 mod offload;
 mod planted;
+mod stamp;
 
 /// How the fake GPU publishes that it reached an event.
 #[derive(Clone, Copy, Debug)]

@@ -6,7 +6,10 @@ use std::sync::atomic::{AtomicUsize, Ordering::SeqCst};
 use std::task::{Wake, Waker};
 use std::time::{Duration, Instant};
 
-use super::{Bell, Doorbells, Reactor, Watch};
+use std::collections::{BTreeMap, HashMap};
+
+use super::predict::History;
+use super::{poll_heads, Bell, Doorbells, Entry, Reactor, StreamQueue, Watch};
 use crate::completion::{Completion, Registration};
 use crate::error::Result;
 use crate::sync::Arc;
@@ -167,4 +170,72 @@ fn lateness() {
             late[20], late[36], late[39]
         );
     }
+}
+
+/// The drift fix (f646837): a head that another thread completed before the reactor's poll (a
+/// pre-woken task polls its own event) teaches its stream no service time: the reactor looked
+/// some time after it was done, and learning that as a service time made each prediction, and
+/// each pre-wake, later than the last. The next head's clock starts at the completing thread's
+/// stamp, not at the reactor's look. A head the reactor's own poll finds does teach.
+#[test]
+fn completions_found_by_others_teach_no_service_time() {
+    let ms = Duration::from_millis;
+    let t0 = Instant::now().checked_sub(ms(20)).expect("20 ms of uptime");
+    let mut histories = HashMap::new();
+    let mut history = History::default();
+    history.completed(t0, t0 + ms(3), false);
+    histories.insert(1, history);
+
+    // Registered at 3 ms, reached by the GPU long ago, completed by a task; the reactor polls
+    // 2 ms later.
+    let by_task = Arc::new(Timed {
+        stream: 1,
+        seq: 0,
+        done_at: t0,
+        completion: Completion::new(),
+    });
+    assert!(by_task.completion.complete(Ok(())));
+    let stamp = by_task
+        .completion
+        .completed_at()
+        .expect("a complete event is stamped");
+    std::thread::sleep(ms(2));
+    let mut queues = BTreeMap::new();
+    let queue: &mut StreamQueue = queues.entry(1).or_default();
+    queue.events.push_back(Entry {
+        event: Box::new(by_task),
+        watched: Some(t0 + ms(3)),
+    });
+    assert!(poll_heads(&mut queues, Some(&mut histories)));
+    let history = &histories[&1];
+    assert_eq!(
+        history.samples(),
+        &[ms(3)],
+        "a completion another thread found taught a service time"
+    );
+    assert_eq!(
+        history.start(t0),
+        stamp,
+        "the next head's clock starts when the task completed the event"
+    );
+
+    // Registered at the stamp, and found complete by the reactor's own poll: learnt (some 2 ms
+    // and more, apart from the 3 ms already kept).
+    let own = Arc::new(Timed {
+        stream: 1,
+        seq: 1,
+        done_at: t0,
+        completion: Completion::new(),
+    });
+    queues.entry(1).or_default().events.push_back(Entry {
+        event: Box::new(own.clone()),
+        watched: Some(stamp),
+    });
+    assert!(poll_heads(&mut queues, Some(&mut histories)));
+    assert_eq!(own.completion.result(), Some(Ok(())));
+    assert_eq!(
+        histories[&1].samples().len(),
+        2,
+        "the reactor's own find teaches"
+    );
 }
