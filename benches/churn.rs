@@ -8,7 +8,7 @@
 //!
 //! `--growth-divisor N` sets the pools' `PoolOptions::growth_divisor` (default 8);
 //! `--check-frees off` turns the pools' `PoolOptions::check_frees` off (default on), to time
-//! what the check costs.
+//! what the check costs; `--reuse-slack X` sets `PoolOptions::reuse_slack` (default 0).
 //!
 //! `--initial` lists the sizes (MiB) the pool and the arena start with, each run once per size:
 //! `2048` (the timed loop measures suballocation), `256` (WORKLOADS.md's growth from small), or
@@ -207,6 +207,7 @@ fn main() {
     let repeat: usize = arg("--repeat", "1").parse().unwrap_or(1);
     let growth_divisor: u32 = arg("--growth-divisor", "8").parse().unwrap_or(8);
     let check_frees = arg("--check-frees", "on") != "off";
+    let reuse_slack: f64 = arg("--reuse-slack", "0").parse().unwrap_or(0.0);
     let initials: Vec<usize> = arg("--initial", "2048,256")
         .split(',')
         .map(|m| {
@@ -286,6 +287,7 @@ fn main() {
                 maximum: Some(8 * GIB),
                 growth_divisor,
                 check_frees,
+                reuse_slack,
             },
         )
         .unwrap()

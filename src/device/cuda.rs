@@ -264,6 +264,16 @@ impl CudaDevice {
         }
     }
 
+    /// Records `event` (one the caller owns, idle or not: a wait already enqueued keeps the
+    /// recording it saw) on `stream`.
+    pub(crate) fn record_into(&self, event: RawEvent, stream: RawStream) -> Result<()> {
+        self.ctx.bind()?;
+        // SAFETY: both handles are live (the caller owns the event).
+        check("cuEventRecord", unsafe {
+            result::event::record(event.0, stream.0)
+        })
+    }
+
     /// Gives an event back to the free list. Its last recording may still be pending on the
     /// GPU: re-recording it later is still correct, since a stream wait captures the recording
     /// current when the wait was enqueued.

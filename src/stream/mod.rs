@@ -58,6 +58,10 @@ struct StreamInner {
     /// stream lives as long as this or any clone that cudarc code holds. `None` on the
     /// simulated device.
     cudarc: Option<std::sync::Arc<cudarc::driver::CudaStream>>,
+    /// On CUDA, this stream's own event for [`Stream::order_before`]: recorded here and waited
+    /// on by the later stream under this lock, then left for the next ordering (a wait captures
+    /// the recording current when it is enqueued, so re-recording it is safe).
+    order_event: Mutex<Option<cuda::RawEvent>>,
 }
 
 impl fmt::Debug for Stream {
@@ -71,6 +75,10 @@ impl fmt::Debug for Stream {
 
 impl Drop for StreamInner {
     fn drop(&mut self) {
+        let event = self.order_event.lock().take();
+        if let (Some(event), Backend::Cuda(d)) = (event, self.device.backend()) {
+            d.release_event(event);
+        }
         // A CUDA stream is destroyed by cudarc when the last `Arc` of its handle goes: ours
         // (the field, after this) or a clone held by cudarc code.
         if let RawStream::Sim(s) = &self.raw {
@@ -118,6 +126,7 @@ impl Stream {
                 device: device.clone(),
                 raw,
                 seq: Mutex::new(0),
+                order_event: Mutex::new(None),
                 cudarc,
             }),
         }
@@ -178,6 +187,33 @@ impl Stream {
         *next += 1;
         drop(next);
         Ok(Event::new(device.clone(), self.inner.id, seq, raw))
+    }
+
+    /// Makes work queued on `later` from now on wait for all work queued on this stream so far
+    /// (the host does not wait): [`record`](Self::record) then [`wait`](Self::wait), but on
+    /// CUDA with this stream's own reusable event, so that the pool's cross-stream orderings
+    /// cost two driver calls and no event object.
+    pub(crate) fn order_before(&self, later: &Stream) -> Result<()> {
+        let device = &self.inner.device;
+        match (&self.inner.raw, &later.inner.raw, device.backend()) {
+            (RawStream::Cuda(s), RawStream::Cuda(l), Backend::Cuda(d))
+                if later.inner.device.id() == device.id() =>
+            {
+                // Held from the record to the wait: another thread's record in between would
+                // only make ours wait for more, but the event must not go back to the device
+                // while in use.
+                let mut slot = self.inner.order_event.lock();
+                let event = match *slot {
+                    Some(event) => {
+                        d.record_into(event, *s)?;
+                        event
+                    }
+                    None => *slot.insert(d.record(*s)?),
+                };
+                d.wait(*l, event)
+            }
+            _ => self.record().and_then(|event| later.wait(&event)),
+        }
     }
 
     /// Makes work queued on this stream after this call wait until `event` completes. The host

@@ -393,7 +393,13 @@ fn engine_four_threads(hand_off: bool, slack: f64) -> String {
         peak: u64,
     }
     let mut ts: Vec<T> = (0..4u64)
-        .map(|t| T { rng: 42 + t, ops: 250_000, live: Vec::new(), bytes: 0, peak: 0 })
+        .map(|t| T {
+            rng: 42 + t,
+            ops: 250_000,
+            live: Vec::new(),
+            bytes: 0,
+            peak: 0,
+        })
         .collect();
     for _ in 0..250_000 {
         for (t, th) in ts.iter_mut().enumerate() {

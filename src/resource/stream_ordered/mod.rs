@@ -257,7 +257,11 @@ impl<S: EngineStream> StreamHeap<S> {
     /// fit.
     pub(crate) fn with_options(check_frees: bool, slack: f64) -> Self {
         Self {
-            slack: if slack.is_finite() { slack.max(0.0) } else { 0.0 },
+            slack: if slack.is_finite() {
+                slack.max(0.0)
+            } else {
+                0.0
+            },
             state: Mutex::new(Heap {
                 free: FreeList::new(),
                 live: FxHashMap::default(),

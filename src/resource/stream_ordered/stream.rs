@@ -22,6 +22,6 @@ impl EngineStream for Stream {
     }
 
     fn order_before(&self, later: &Self) -> Result<()> {
-        self.record().and_then(|event| later.wait(&event))
+        Stream::order_before(self, later)
     }
 }

@@ -1,0 +1,29 @@
+#!/usr/bin/env bash
+# One GPU call for the shared free list (issue 10) and the reactor (issue 18): the suite, then
+# RMM's churn harness, this build's churn (reuse_slack 0, 0.25, 1) and the churn of the build
+# before the shared free list (.before/churn) alternating, then event_latency.
+# Here: ../shared/tools/gpu-pack --bench churn --bench event_latency; move the bench binaries
+# to .gpu/bin; strip; `bash ../shared/bench/rmm/run.sh fetch`. There: bash benches/gpu/heap.sh
+set -uo pipefail
+FINAL=${OUT:-/tmp/out}; OUT="$FINAL/run"; mkdir -p "$OUT"
+trap 'tar czf "$FINAL/run.tgz" -C "$FINAL" run && rm -rf "$OUT"' EXIT
+nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader | tee "$OUT/gpu.txt"
+date -u | tee -a "$OUT/gpu.txt"
+echo "===== tests (STREAMALLOC_REQUIRE_GPU=1)"
+bash .gpu/run > "$OUT/tests.log" 2>&1; echo "tests exit $?"
+grep -E "^(=== |FAILED|test result)|passed|failed|panicked" "$OUT/tests.log" > "$OUT/tests-summary.txt"
+tail -3 "$OUT/tests-summary.txt"; gzip -f "$OUT/tests.log"
+churn=$(ls .gpu/bin/churn-* | head -1)
+for r in 1 2; do
+  echo "===== round $r: RMM"
+  bash .rmm/run.sh >> "$OUT/rmm.txt" 2>&1; tail -40 "$OUT/rmm.txt" | grep -E "rmm_pool" | tail -8
+  for slack in 0 0.25 1; do
+    echo "===== round $r: this build, reuse_slack $slack"
+    "$churn" --resource pool --run workloads --initial 2048,256 --reuse-slack $slack 2>&1 | tee -a "$OUT/churn-slack$slack.txt" | grep -E "^pool"
+  done
+  echo "===== round $r: before (per-stream lists, 43f6cc1)"
+  .before/churn --resource pool --run workloads --initial 2048,256 2>&1 | tee -a "$OUT/churn-before.txt" | grep -E "^pool"
+done
+echo "===== event_latency (prewake, 10 s cells)"
+el=$(ls .gpu/bin/event_latency-* | head -1)
+timeout 200 "$el" --strategies prewake --cell-secs 10 2>&1 | tee "$OUT/event_latency.txt" | tail -40
