@@ -12,7 +12,7 @@
 #[cfg(not(streamalloc_loom))]
 mod imp {
     pub(crate) use std::sync::atomic::{
-        fence, AtomicBool, AtomicU64, AtomicU8, AtomicUsize, Ordering,
+        fence, AtomicBool, AtomicPtr, AtomicU64, AtomicU8, AtomicUsize, Ordering,
     };
     pub(crate) use std::sync::Arc;
     pub(crate) use std::sync::MutexGuard;
@@ -66,7 +66,7 @@ mod imp {
 #[cfg(streamalloc_loom)]
 mod imp {
     pub(crate) use loom::sync::atomic::{
-        fence, AtomicBool, AtomicU64, AtomicU8, AtomicUsize, Ordering,
+        fence, AtomicBool, AtomicPtr, AtomicU64, AtomicU8, AtomicUsize, Ordering,
     };
     pub(crate) use loom::sync::Arc;
     pub(crate) use loom::sync::MutexGuard;

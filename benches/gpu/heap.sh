@@ -4,6 +4,7 @@
 # before the shared free list (.before/churn) alternating, then event_latency.
 # Here: ../shared/tools/gpu-pack --bench churn --bench event_latency; move the bench binaries
 # to .gpu/bin; strip; `bash ../shared/bench/rmm/run.sh fetch`. There: bash benches/gpu/heap.sh
+# (env: ROUNDS=2, SLACKS="0 0.25 1", EL_ARGS=extra event_latency flags, EXPANDABLE=0)
 set -uo pipefail
 FINAL=${OUT:-/tmp/out}; OUT="$FINAL/run"; mkdir -p "$OUT"
 trap 'tar czf "$FINAL/run.tgz" -C "$FINAL" run && rm -rf "$OUT"' EXIT
@@ -14,10 +15,10 @@ bash .gpu/run > "$OUT/tests.log" 2>&1; echo "tests exit $?"
 grep -E "^(=== |FAILED|test result)|passed|failed|panicked" "$OUT/tests.log" > "$OUT/tests-summary.txt"
 tail -3 "$OUT/tests-summary.txt"; gzip -f "$OUT/tests.log"
 churn=$(ls .gpu/bin/churn-* | head -1)
-for r in 1 2; do
+for r in $(seq "${ROUNDS:-2}"); do
   echo "===== round $r: RMM"
   bash .rmm/run.sh >> "$OUT/rmm.txt" 2>&1; tail -40 "$OUT/rmm.txt" | grep -E "rmm_pool" | tail -8
-  for slack in 0 0.25 1; do
+  for slack in ${SLACKS:-0 0.25 1}; do
     echo "===== round $r: this build, reuse_slack $slack"
     "$churn" --resource pool --run workloads --initial 2048,256 --reuse-slack $slack 2>&1 | tee -a "$OUT/churn-slack$slack.txt" | grep -E "^pool"
   done
@@ -26,4 +27,8 @@ for r in 1 2; do
 done
 echo "===== event_latency (prewake, 10 s cells)"
 el=$(ls .gpu/bin/event_latency-* | head -1)
-timeout 200 "$el" --strategies prewake --cell-secs 10 2>&1 | tee "$OUT/event_latency.txt" | tail -40
+timeout 200 "$el" --strategies prewake --cell-secs 10 ${EL_ARGS:-} 2>&1 | tee "$OUT/event_latency.txt" | tail -40
+if [ "${EXPANDABLE:-0}" = 1 ]; then
+  echo "===== the expandable pool"
+  "$churn" --resource expandable --run workloads --initial 2048,256 2>&1 | tee "$OUT/expandable.txt" | grep -E "^expandable"
+fi

@@ -160,11 +160,6 @@ impl<T: BlockTag> FreeList<T> {
     }
 
     /// Whether `[addr, addr + size)` lies inside one registered chunk.
-    pub(crate) fn covers(&self, addr: u64, size: u64) -> bool {
-        self.inside_a_chunk(addr, size)
-    }
-
-    /// Whether `[addr, addr + size)` lies inside one registered chunk.
     fn inside_a_chunk(&self, addr: u64, size: u64) -> bool {
         let at = self.chunks.partition_point(|c| c.0 <= addr);
         at > 0
@@ -284,6 +279,13 @@ impl<T: BlockTag> FreeList<T> {
     }
 
     // ===== take and give =====
+
+    /// The size of the block [`take`](Self::take) would split for `size` bytes, if any: how
+    /// good a fit this list has, to choose between lists.
+    pub(crate) fn fit(&self, size: u64) -> Option<u64> {
+        self.find(size >> UNIT_LOG)
+            .map(|i| self.blocks[i as usize].size)
+    }
 
     /// Takes `size` bytes (a multiple of [`ALIGNMENT`], non-zero) from the list; the remainder
     /// of the block stays. Returns the address, or `None` if no block is large enough.

@@ -67,6 +67,10 @@ impl Default for PoolOptions {
     }
 }
 
+/// How many shards the pool's free memory is kept in (each chunk in one, each stream's requests
+/// going to one first): threads on streams of different shards take different locks.
+const SHARDS: usize = 8;
+
 /// The least a pool grows by: smaller chunks would cost more upstream calls than they save.
 const MIN_GROWTH: u64 = 2 << 20;
 
@@ -179,7 +183,7 @@ impl<U: MemoryResource> PoolResource<U> {
             own: device.create_stream()?,
             device,
             upstream,
-            heap: StreamHeap::with_options(options.check_frees, options.reuse_slack),
+            heap: StreamHeap::with_options(options.check_frees, options.reuse_slack, SHARDS),
             chunks: Mutex::new(BTreeMap::new()),
             reserved: AtomicU64::new(0),
             peak_reserved: AtomicU64::new(0),

@@ -104,7 +104,7 @@ impl CountingUpstream {
             peak: Cell::new(0),
             grows: Cell::new(0),
         };
-        let lists = StreamHeap::with_options(true, slack);
+        let lists = StreamHeap::with_options(true, slack, 8);
         let (base, size) = up.grow(initial, &LabStream::new(0)).unwrap();
         lists.add_chunk(base, size);
         lists.give_fresh(base, size);

@@ -5,9 +5,10 @@ use super::*;
 
 impl<S: EngineStream> StreamHeap<S> {
     /// The sizes of the free blocks that end at `start` and that start at `end` (0 where there
-    /// is none): what memory mapped at `[start, end)` would coalesce with.
+    /// is none): what memory mapped at `[start, end)` would coalesce with. (The expandable pool
+    /// is one chunk in one shard.)
     pub(crate) fn free_around(&self, start: u64, end: u64) -> (u64, u64) {
-        let heap = self.state.lock();
+        let heap = self.shards[0].lock();
         (
             heap.free.free_ending_at(start),
             heap.free.free_starting_at(end),
@@ -20,32 +21,34 @@ impl<S: EngineStream> StreamHeap<S> {
     /// [`give_blocks_to`](Self::give_blocks_to) or [`give_fresh_blocks`](Self::give_fresh_blocks)
     /// if it cannot be unmapped.
     pub(crate) fn take_aligned(&self, granule: u64) -> Vec<(u64, u64, Option<S>)> {
-        let taken: Vec<(u64, u64, Waits)> = {
-            let mut heap = self.state.lock();
-            let blocks: Vec<(u64, u64)> = heap.free.blocks().collect();
-            let mut taken = Vec::new();
-            for (addr, size) in blocks {
-                let lo = addr.next_multiple_of(granule);
-                let hi = (addr + size) / granule * granule;
-                if lo < hi {
-                    if let Some(tag) = heap.free.take_range_tagged(addr, lo, hi) {
-                        taken.push((lo, hi - lo, tag));
+        let mut out = Vec::new();
+        for shard in self.shards.iter() {
+            let taken: Vec<(u64, u64, Waits)> = {
+                let mut heap = shard.lock();
+                let blocks: Vec<(u64, u64)> = heap.free.blocks().collect();
+                let mut taken = Vec::new();
+                for (addr, size) in blocks {
+                    let lo = addr.next_multiple_of(granule);
+                    let hi = (addr + size) / granule * granule;
+                    if lo < hi {
+                        if let Some(tag) = heap.free.take_range_tagged(addr, lo, hi) {
+                            taken.push((lo, hi - lo, tag));
+                        }
+                    }
+                }
+                taken
+            };
+            for (addr, size, tag) in taken {
+                match self.onto_one(shard, &tag) {
+                    Ok(stream) => out.push((addr, size, stream)),
+                    Err(e) => {
+                        tracing::warn!(error = %e, addr, "a free range stays mapped: ordering failed");
+                        let given = shard.lock().free.give_tagged(addr, size, tag);
+                        debug_assert!(given, "a range taken out could not go back");
                     }
                 }
             }
-            taken
-        };
-        taken
-            .into_iter()
-            .filter_map(|(addr, size, tag)| match self.onto_one(&tag) {
-                Ok(stream) => Some((addr, size, stream)),
-                Err(e) => {
-                    tracing::warn!(error = %e, addr, "a free range stays mapped: ordering failed");
-                    let given = self.state.lock().free.give_tagged(addr, size, tag);
-                    debug_assert!(given, "a range taken out could not go back");
-                    None
-                }
-            })
-            .collect()
+        }
+        out
     }
 }

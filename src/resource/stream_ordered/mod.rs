@@ -47,6 +47,7 @@ use crate::error::{Error, Result};
 use crate::stream::Stream;
 use crate::sync::{AtomicU64, Mutex, Ordering};
 
+mod chunks;
 mod expandable;
 mod order;
 #[cfg(streamalloc_loom)]
@@ -58,6 +59,7 @@ mod stream;
 mod view;
 mod waits;
 
+use chunks::ChunkTable;
 pub(crate) use view::ListBlocks;
 pub(crate) use waits::Waits;
 
@@ -202,9 +204,21 @@ impl<S: EngineStream> Heap<S> {
     }
 }
 
+/// One shard: a free list and the streams it has seen, under one lock.
+type Shard<S> = Mutex<Heap<S>>;
+
 /// The free memory of one resource, shared by every stream, and the streams it has seen.
+///
+/// In shards: each chunk belongs to one, and a request goes first to its thread's *home* shard
+/// (threads are spread over the shards in turn), then to the best fit of the others, before
+/// the pool grows into the home shard. Free blocks coalesce within their chunk whatever stream freed them, as they
+/// would in one list (blocks never merge across chunks anyway), while threads working on
+/// different streams take different locks: one lock for every thread cost 20 to 30 times the
+/// time of per-stream locks on four threads on an H200 host (issue 10; `BENCHMARKS.md`).
 pub(crate) struct StreamHeap<S = Stream> {
-    state: Mutex<Heap<S>>,
+    shards: Box<[Shard<S>]>,
+    /// Which shard each chunk is in, for frees.
+    table: ChunkTable,
     /// Held by a request through its growth: two requests that both find nothing would
     /// otherwise both grow.
     slow: Mutex<()>,
@@ -238,31 +252,20 @@ pub(crate) struct EngineStats {
     pub(crate) peak_in_use: u64,
 }
 
-impl<S: EngineStream> Default for StreamHeap<S> {
-    fn default() -> Self {
-        Self::new()
-    }
-}
-
 impl<S: EngineStream> StreamHeap<S> {
-    /// An engine whose frees are checked against the blocks it handed out, taking the best
-    /// fit whatever the waits.
+    /// An engine of one shard whose frees are checked against the blocks it handed out, taking
+    /// the best fit whatever the waits.
     pub(crate) fn new() -> Self {
-        Self::with_options(true, 0.0)
+        Self::with_options(true, 0.0, 1)
     }
 
-    /// An engine with frees checked against the blocks in use (`check_frees`) or not (a free
-    /// is then only checked against free memory, and one that names memory in use corrupts
-    /// the free list), preferring blocks that need no wait up to `slack` larger than the best
-    /// fit.
-    pub(crate) fn with_options(check_frees: bool, slack: f64) -> Self {
-        Self {
-            slack: if slack.is_finite() {
-                slack.max(0.0)
-            } else {
-                0.0
-            },
-            state: Mutex::new(Heap {
+    /// An engine of `shards` shards (at least 1) with frees checked against the blocks in use
+    /// (`check_frees`) or not (a free is then only checked against free memory, and one that
+    /// names memory in use corrupts the free list), preferring blocks that need no wait up to
+    /// `slack` larger than the best fit.
+    pub(crate) fn with_options(check_frees: bool, slack: f64, shards: usize) -> Self {
+        let shard = || {
+            Mutex::new(Heap {
                 free: FreeList::new(),
                 live: FxHashMap::default(),
                 slots: FxHashMap::default(),
@@ -271,32 +274,67 @@ impl<S: EngineStream> StreamHeap<S> {
                 last: (0, 0),
                 in_use: 0,
                 peak_in_use: 0,
-            }),
+            })
+        };
+        Self {
+            shards: (0..shards.max(1)).map(|_| shard()).collect(),
+            table: ChunkTable::new(),
             slow: Mutex::new(()),
             check_frees,
             waits: AtomicU64::new(0),
+            slack: if slack.is_finite() {
+                slack.max(0.0)
+            } else {
+                0.0
+            },
         }
     }
 
-    /// A new chunk: frees inside it are accepted, and no block merges across its start.
+    /// The shard this thread's requests go to first: by thread, not by stream, because the
+    /// shards are there so that threads do not contend (one thread driving several streams,
+    /// as a pipeline's scheduler does, keeps the best fit over all its memory).
+    #[inline]
+    fn home(&self) -> usize {
+        thread_index() % self.shards.len()
+    }
+
+    /// A new chunk, in the first shard: frees inside it are accepted, and no block merges
+    /// across its start.
     pub(crate) fn add_chunk(&self, start: u64, size: u64) {
-        let mut heap = self.state.lock();
+        self.add_chunk_to(0, start, size);
+    }
+
+    fn add_chunk_to(&self, shard: usize, start: u64, size: u64) {
         // Issue 11: memory mapped inside a chunk already registered (the expandable pool's one
         // reserved range) is accepted there already, and must not become a merge boundary.
-        if !heap.free.covers(start, size) {
-            heap.free.add_chunk(start, size);
+        if self.table.covers(start, size) {
+            return;
         }
+        self.shards[shard].lock().free.add_chunk(start, size);
+        self.table.add(start, size, shard as u32);
     }
 
     /// A chunk went back upstream.
     pub(crate) fn remove_chunk(&self, start: u64) {
-        self.state.lock().free.remove_chunk(start);
+        if let Some(shard) = self.table.remove(start) {
+            self.shards[shard as usize].lock().free.remove_chunk(start);
+        }
+    }
+
+    /// The shard whose chunk holds `[addr, addr + size)`.
+    #[inline]
+    fn shard_of(&self, addr: u64, size: u64) -> Option<&Shard<S>> {
+        self.table
+            .shard_of(addr, size)
+            .map(|i| &self.shards[i as usize])
     }
 
     /// Memory any stream may use at once (a chunk allocated synchronously).
     pub(crate) fn give_fresh(&self, addr: u64, size: u64) {
-        let given = self.state.lock().free.give(addr, size);
-        debug_assert!(given, "a fresh chunk overlapped free memory");
+        let given = self
+            .shard_of(addr, size)
+            .is_some_and(|shard| shard.lock().free.give(addr, size));
+        debug_assert!(given, "a fresh chunk overlapped free memory or no chunk");
     }
 
     /// Gives memory back on `stream` (a free). False, and nothing changes, unless
@@ -305,7 +343,10 @@ impl<S: EngineStream> StreamHeap<S> {
     /// one inside a block, a wrong size and a second free are all refused.
     #[inline]
     pub(crate) fn give(&self, addr: u64, size: u64, stream: &S) -> bool {
-        let mut heap = self.state.lock();
+        let Some(shard) = self.shard_of(addr, size) else {
+            return false;
+        };
+        let mut heap = shard.lock();
         if self.check_frees && unlive(&mut heap.live, addr, size) != Some(true) {
             return false;
         }
@@ -319,33 +360,57 @@ impl<S: EngineStream> StreamHeap<S> {
         true
     }
 
-    /// `size` bytes for use on `stream`: the best fit of the free list, ordered after the
-    /// streams that freed it; else a growth.
+    /// `size` bytes for use on `stream`: the best fit of the stream's home shard, else of
+    /// another, ordered after the streams that freed it; else a growth.
     #[inline]
     pub(crate) fn take(&self, size: u64, stream: &S, upstream: &impl Grow<S>) -> Result<u64> {
-        match self.take_free(size, stream)? {
+        match self.take_any(size, stream)? {
             Some(addr) => Ok(addr),
             None => self.take_slow(size, stream, upstream),
         }
     }
 
-    /// The free list's best fit for `size`, handed out on `stream` after the orderings its tag
-    /// needs; `None` if no block is large enough.
+    /// The home shard's fit, else the first other shard's.
     #[inline]
-    fn take_free(&self, size: u64, stream: &S) -> Result<Option<u64>> {
-        self.take_free_after(None, size, stream)
+    fn take_any(&self, size: u64, stream: &S) -> Result<Option<u64>> {
+        let home = self.home();
+        if let Some(addr) = self.take_free(&self.shards[home], None, size, stream)? {
+            return Ok(Some(addr));
+        }
+        self.take_elsewhere(home, size, stream)
     }
 
-    /// [`take_free`](Self::take_free), with `fresh` (a chunk just grown) first given to the
-    /// free list under the same lock, so that no other request takes it in between.
+    /// The best fit among the other shards (as one list would choose: taking the first fit
+    /// found would split large blocks that a later request needs whole), looked at one lock at
+    /// a time; if another request took it meanwhile, the next best.
+    #[cold]
+    fn take_elsewhere(&self, home: usize, size: u64, stream: &S) -> Result<Option<u64>> {
+        let n = self.shards.len();
+        let mut fits: Vec<(u64, usize)> = (1..n)
+            .map(|k| (home + k) % n)
+            .filter_map(|i| self.shards[i].lock().free.fit(size).map(|fit| (fit, i)))
+            .collect();
+        fits.sort_unstable();
+        for (_, i) in fits {
+            if let Some(addr) = self.take_free(&self.shards[i], None, size, stream)? {
+                return Ok(Some(addr));
+            }
+        }
+        Ok(None)
+    }
+
+    /// `shard`'s best fit for `size`, handed out on `stream` after the orderings its tag
+    /// needs; `None` if no block is large enough. `fresh` (a chunk just grown) is first given
+    /// to the free list under the same lock, so that no other request takes it in between.
     #[inline]
-    fn take_free_after(
+    fn take_free(
         &self,
+        shard: &Shard<S>,
         fresh: Option<(u64, u64)>,
         size: u64,
         stream: &S,
     ) -> Result<Option<u64>> {
-        let mut heap = self.state.lock();
+        let mut heap = shard.lock();
         if let Some((base, chunk)) = fresh {
             let given = heap.free.give(base, chunk);
             debug_assert!(given, "a fresh chunk overlapped free memory");
@@ -373,12 +438,12 @@ impl<S: EngineStream> StreamHeap<S> {
             return Ok(Some(addr));
         }
         drop(heap);
-        match self.order(stream, slot, orders) {
+        match self.order(shard, stream, slot, orders) {
             Ok(()) => Ok(Some(addr)),
             Err(e) => {
                 // The block goes back as it was: nothing is lost, and its tag still asks for
                 // the orderings that failed.
-                let mut heap = self.state.lock();
+                let mut heap = shard.lock();
                 if self.check_frees {
                     heap.live.remove(&addr);
                 }
@@ -393,14 +458,15 @@ impl<S: EngineStream> StreamHeap<S> {
         }
     }
 
-    /// Growth: one request at a time.
+    /// Growth: one request at a time, into the stream's home shard.
     #[cold]
     fn take_slow(&self, size: u64, stream: &S, upstream: &impl Grow<S>) -> Result<u64> {
         let _slow = self.slow.lock();
         // Another request may have grown the pool, or freed, while this one waited.
-        if let Some(addr) = self.take_free(size, stream)? {
+        if let Some(addr) = self.take_any(size, stream)? {
             return Ok(addr);
         }
+        let home = self.home();
         let mut grown = upstream.grow(size, stream)?;
         // An upstream that extends free memory (the expandable pool maps only what the request
         // lacks beyond the free block at its end) can come back to find that block taken
@@ -408,8 +474,13 @@ impl<S: EngineStream> StreamHeap<S> {
         // again, extending what it mapped. A few tries; a plain upstream serves the first.
         for _ in 0..4 {
             let (base, chunk) = grown;
-            self.add_chunk(base, chunk);
-            if let Some(addr) = self.take_free_after(Some((base, chunk)), size, stream)? {
+            self.add_chunk_to(home, base, chunk);
+            let Some(shard) = self.shard_of(base, chunk) else {
+                return Err(Error::InvalidArgument {
+                    what: "the upstream gave a chunk that overlaps another",
+                });
+            };
+            if let Some(addr) = self.take_free(shard, Some((base, chunk)), size, stream)? {
                 return Ok(addr);
             }
             grown = upstream.grow(size, stream)?;
@@ -418,6 +489,25 @@ impl<S: EngineStream> StreamHeap<S> {
             what: "the upstream gave a chunk smaller than asked for",
         })
     }
+}
+
+/// A small number for the calling thread, handed out in turn to threads as they first ask.
+#[inline]
+fn thread_index() -> usize {
+    use std::cell::Cell;
+    use std::sync::atomic::{AtomicUsize, Ordering::Relaxed};
+    // Std's, not `crate::sync`'s: a counter that only spreads threads over shards, with no
+    // bearing on what is safe (under loom every model thread may well get the same shard).
+    static NEXT: AtomicUsize = AtomicUsize::new(0);
+    thread_local! {
+        static MINE: Cell<usize> = const { Cell::new(usize::MAX) };
+    }
+    MINE.with(|mine| {
+        if mine.get() == usize::MAX {
+            mine.set(NEXT.fetch_add(1, Relaxed));
+        }
+        mine.get()
+    })
 }
 
 /// Whether the stream in `slot` may use a block tagged `tag` without an ordering.

@@ -50,10 +50,16 @@ impl<S: EngineStream> StreamHeap<S> {
         orders
     }
 
-    /// Makes `orders` for `stream` (in `slot`), outside the engine's lock, then notes what the
-    /// stream has waited on. On an error, the orderings made so far stand (harmless: a wait
+    /// Makes `orders` for `stream` (in `slot` of `shard`), outside the shard's lock, then notes
+    /// what the stream has waited on. On an error, the orderings made so far stand (harmless: a wait
     /// more), and the caller puts its block back.
-    pub(super) fn order(&self, stream: &S, slot: u32, orders: Vec<Order<S>>) -> Result<()> {
+    pub(super) fn order(
+        &self,
+        shard: &Shard<S>,
+        stream: &S,
+        slot: u32,
+        orders: Vec<Order<S>>,
+    ) -> Result<()> {
         let _span =
             tracing::debug_span!("stream_wait", to = %stream.name(), streams = orders.len())
                 .entered();
@@ -71,7 +77,7 @@ impl<S: EngineStream> StreamHeap<S> {
             drop(order.stream);
         }
         self.waits.fetch_add(made.len() as u64, Ordering::Relaxed);
-        let mut heap = self.state.lock();
+        let mut heap = shard.lock();
         for (d, epoch) in made {
             if planted::bump_after_order() {
                 if let Some(donor) = heap.entry_mut(d) {

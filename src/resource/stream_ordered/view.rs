@@ -10,49 +10,80 @@ pub(crate) type ListBlocks = (Option<u64>, Vec<(u64, u64)>);
 impl<S: EngineStream> StreamHeap<S> {
     /// The largest free block (a scan: for error messages).
     pub(crate) fn largest_free_block(&self) -> u64 {
-        let heap = self.state.lock();
-        heap.free.blocks().map(|b| b.1).max().unwrap_or(0)
+        (self.shards.iter())
+            .map(|shard| shard.lock().free.blocks().map(|b| b.1).max().unwrap_or(0))
+            .max()
+            .unwrap_or(0)
     }
 
+    /// Sums over the shards. The peak in use is each shard's peak summed: exact with one
+    /// shard, an upper bound with several (their peaks need not coincide).
     pub(crate) fn stats(&self) -> EngineStats {
-        let heap = self.state.lock();
-        EngineStats {
-            streams: heap.slots.len(),
-            free_bytes: heap.free.free_bytes(),
-            free_blocks: heap.free.len(),
+        let mut stats = EngineStats {
             waits: self.waits.load(Ordering::Relaxed),
-            in_use: heap.in_use,
-            peak_in_use: heap.peak_in_use,
+            ..EngineStats::default()
+        };
+        let mut uids: Vec<u64> = Vec::new();
+        for shard in self.shards.iter() {
+            let heap = shard.lock();
+            uids.extend(heap.slots.keys().copied());
+            stats.free_bytes += heap.free.free_bytes();
+            stats.free_blocks += heap.free.len();
+            stats.in_use += heap.in_use;
+            stats.peak_in_use += heap.peak_in_use;
         }
+        uids.sort_unstable();
+        uids.dedup();
+        stats.streams = uids.len();
+        stats
     }
 
     /// Every stream the engine holds (to synchronize before returning chunks upstream).
     pub(crate) fn streams(&self) -> Vec<S> {
-        let heap = self.state.lock();
-        heap.entries
-            .iter()
-            .flatten()
-            .map(|e| e.stream.clone())
-            .collect()
+        let mut out: Vec<S> = Vec::new();
+        for shard in self.shards.iter() {
+            let heap = shard.lock();
+            for e in heap.entries.iter().flatten() {
+                if !out.iter().any(|s| s.uid() == e.uid) {
+                    out.push(e.stream.clone());
+                }
+            }
+        }
+        out
     }
 
     /// Checks the free list's invariants, that no block in use overlaps free memory or
     /// another block in use, and that every tag names a stream the engine holds. Tests only.
     pub(crate) fn check(&self) -> std::result::Result<(), String> {
-        let heap = self.state.lock();
-        heap.free.check()?;
-        for (addr, size, tag) in heap.free.tagged_blocks() {
-            if let Some(&(slot, _)) = tag.pairs().iter().find(|p| heap.entry(p.0).is_none()) {
+        // (start, size, in use)
+        let mut all: Vec<(u64, u64, bool)> = Vec::new();
+        for (i, shard) in self.shards.iter().enumerate() {
+            let heap = shard.lock();
+            heap.free.check().map_err(|e| format!("shard {i}: {e}"))?;
+            for (addr, size, tag) in heap.free.tagged_blocks() {
+                if let Some(&(slot, _)) = tag.pairs().iter().find(|p| heap.entry(p.0).is_none()) {
+                    return Err(format!(
+                        "shard {i}: free block {:x?} waits on slot {slot}, which holds no stream",
+                        (addr, size)
+                    ));
+                }
+                if self.table.shard_of(addr, size) != Some(i as u32) {
+                    return Err(format!(
+                        "shard {i}: free block {:x?} lies in no chunk of the shard",
+                        (addr, size)
+                    ));
+                }
+            }
+            all.extend(heap.free.blocks().map(|(a, s)| (a, s, false)));
+            all.extend(heap.live.iter().map(|(&a, &s)| (a, s, true)));
+            let live: u64 = heap.live.values().sum();
+            if self.check_frees && live != heap.in_use {
                 return Err(format!(
-                    "free block {:x?} waits on slot {slot}, which holds no stream",
-                    (addr, size)
+                    "shard {i}: {live} bytes live, {} counted in use",
+                    heap.in_use
                 ));
             }
         }
-        // (start, size, in use)
-        let mut all: Vec<(u64, u64, bool)> =
-            heap.free.blocks().map(|(a, s)| (a, s, false)).collect();
-        all.extend(heap.live.iter().map(|(&a, &s)| (a, s, true)));
         all.sort_unstable();
         for w in all.windows(2) {
             let ((a, x, a_live), (b, y, b_live)) = (w[0], w[1]);
@@ -65,25 +96,20 @@ impl<S: EngineStream> StreamHeap<S> {
                 return Err(format!("{what}: {:x?} and {:x?}", (a, x), (b, y)));
             }
         }
-        let live: u64 = heap.live.values().sum();
-        if self.check_frees && live != heap.in_use {
-            return Err(format!("{live} bytes live, {} counted in use", heap.in_use));
-        }
         Ok(())
     }
 
     /// Every free block, grouped by the first stream its tag names (`None`: no ordering
     /// needed; a block freed on several streams shows under one of them).
     pub(crate) fn free_blocks_by_list(&self) -> Vec<ListBlocks> {
-        let heap = self.state.lock();
         let mut by: FxHashMap<Option<u64>, Vec<(u64, u64)>> = FxHashMap::default();
         by.insert(None, Vec::new());
-        for (addr, size, tag) in heap.free.tagged_blocks() {
-            let uid = tag
-                .first()
-                .and_then(|slot| heap.entry(slot))
-                .map(|e| e.stream.uid());
-            by.entry(uid).or_default().push((addr, size));
+        for shard in self.shards.iter() {
+            let heap = shard.lock();
+            for (addr, size, tag) in heap.free.tagged_blocks() {
+                let uid = tag.first().and_then(|slot| heap.entry(slot)).map(|e| e.uid);
+                by.entry(uid).or_default().push((addr, size));
+            }
         }
         let mut out: Vec<ListBlocks> = by.into_iter().collect();
         out.sort_unstable_by_key(|l| l.0);
