@@ -28,7 +28,10 @@ use crate::sync::{AtomicU64, Mutex, Ordering};
 /// ```
 #[derive(Debug, Clone)]
 pub struct PoolOptions {
-    /// Bytes taken from the upstream at construction (a multiple of 256; may be 0).
+    /// Bytes taken from the upstream at construction (a multiple of 256; may be 0). From
+    /// 256 MiB up it is taken as 8 equal chunks, one per shard of the pool's free memory (so
+    /// that threads start out on different locks): a single request larger than one of them
+    /// then makes the pool grow.
     pub initial: usize,
     /// The most the pool may ever hold from its upstream (a multiple of 256, at least
     /// `initial`); `None` for the device's total memory.
@@ -70,6 +73,10 @@ impl Default for PoolOptions {
 /// How many shards the pool's free memory is kept in (each chunk in one, each stream's requests
 /// going to one first): threads on streams of different shards take different locks.
 const SHARDS: usize = 8;
+
+/// The least an initial chunk per shard holds: smaller initial sizes stay one chunk (a request
+/// larger than one piece would otherwise make the pool grow).
+const SPLIT_MIN: u64 = 32 << 20;
 
 /// The least a pool grows by: smaller chunks would cost more upstream calls than they save.
 const MIN_GROWTH: u64 = 2 << 20;
@@ -193,12 +200,32 @@ impl<U: MemoryResource> PoolResource<U> {
             waiters: MemoryWaiters::new(),
         };
         if options.initial > 0 {
-            let (base, size) = pool.grow_exactly(options.initial as u64, &pool.own)?;
-            // The chunk was allocated in stream order on our own stream; once that has run, any
-            // stream may use it without waiting: it is fresh.
+            // One chunk per shard when each would hold at least `SPLIT_MIN`, so that threads
+            // start out on different locks (a pool that never grows would otherwise keep every
+            // thread on the one shard holding all its memory); else one chunk.
+            let initial = options.initial as u64;
+            let pieces = if initial >= SHARDS as u64 * SPLIT_MIN {
+                SHARDS as u64
+            } else {
+                1
+            };
+            let piece = initial / pieces / ALIGNMENT as u64 * ALIGNMENT as u64;
+            let mut grown = Vec::new();
+            for i in 0..pieces {
+                let size = if i + 1 == pieces {
+                    initial - piece * (pieces - 1)
+                } else {
+                    piece
+                };
+                grown.push((i as usize, pool.grow_exactly(size, &pool.own)?));
+            }
+            // The chunks were allocated in stream order on our own stream; once that has run,
+            // any stream may use them without waiting: they are fresh.
             pool.own.synchronize_blocking()?;
-            pool.heap.add_chunk(base, size);
-            pool.heap.give_fresh(base, size);
+            for (shard, (base, size)) in grown {
+                pool.heap.add_chunk_in(shard, base, size);
+                pool.heap.give_fresh(base, size);
+            }
         }
         Ok(pool)
     }

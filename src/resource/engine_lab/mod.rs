@@ -105,9 +105,12 @@ impl CountingUpstream {
             grows: Cell::new(0),
         };
         let lists = StreamHeap::with_options(true, slack, 8);
-        let (base, size) = up.grow(initial, &LabStream::new(0)).unwrap();
-        lists.add_chunk(base, size);
-        lists.give_fresh(base, size);
+        // As the pool does: eight chunks, one per shard.
+        for shard in 0..8 {
+            let (base, size) = up.grow(initial / 8, &LabStream::new(0)).unwrap();
+            lists.add_chunk_in(shard, base, size);
+            lists.give_fresh(base, size);
+        }
         up.grows.set(0);
         (up, lists)
     }

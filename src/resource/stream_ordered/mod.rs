@@ -304,6 +304,11 @@ impl<S: EngineStream> StreamHeap<S> {
         self.add_chunk_to(0, start, size);
     }
 
+    /// A new chunk in shard `shard` (modulo the shard count).
+    pub(crate) fn add_chunk_in(&self, shard: usize, start: u64, size: u64) {
+        self.add_chunk_to(shard % self.shards.len(), start, size);
+    }
+
     fn add_chunk_to(&self, shard: usize, start: u64, size: u64) {
         // Issue 11: memory mapped inside a chunk already registered (the expandable pool's one
         // reserved range) is accepted there already, and must not become a merge boundary.
