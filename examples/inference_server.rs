@@ -36,7 +36,7 @@
 //!
 //! Looking at the memory:
 //! - `GET /metrics`: Prometheus' text format (`prometheus-client`): the pool's reserved, in
-//!   use, peak, free bytes and blocks, steals, merges, waits for memory and timeouts, and a
+//!   use, peak, free bytes and blocks, cross-stream waits, waits for memory and timeouts, and a
 //!   histogram of how long requests waited for their buffers. `--load` scrapes it at the end
 //!   and checks that its numbers add up (against `/stats` and each other).
 //! - `GET /snapshot`: the pool's blocks as JSON (`resource::snapshot`); with the history

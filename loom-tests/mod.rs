@@ -9,12 +9,12 @@
 //! - [`waiters`]: the memory waiters queue behind `allocate_async` (FIFO, baton passing, the
 //!   fences against store buffering, cancellation), on src/resource/waiters.rs itself, with a
 //!   copy of `Allocate::poll` and a fake resource.
-//! - [`free_lists`]: the pool's per-stream free lists (`StreamHeap`) on fake streams that
-//!   record the ordering edges: no block handed out twice or lost, every steal and merge ordered
-//!   behind the donor's free.
-//! - [`frees_and_regrowth`]: the same engine's live-block table (a free on another stream
-//!   racing the trim that retires a dropped stream's list) and its give-back-and-regrow path at
-//!   the pool's maximum.
+//! - [`free_lists`]: the pool's shared free list (`StreamHeap`) on fake streams that record the
+//!   ordering edges: no block handed out twice or lost, every reuse on another stream ordered
+//!   behind its free (the epoch protocol).
+//! - [`frees_and_regrowth`]: the same engine letting go of dropped streams (`forget` racing a
+//!   take, a stream in use never forgotten) and its give-back-and-regrow path at the pool's
+//!   maximum.
 //! - [`expandable`]: the expandable pool's bookkeeping (`Expander`: growth by mapping, trim that
 //!   takes free granules out, waits for their streams and unmaps them) on a fake stream and a
 //!   fake address range: nothing handed out or used on an unmapped granule, nothing unmapped
@@ -30,9 +30,10 @@
 //! does not change it. `reactor::events::real_reactor_models` runs the reactor models on the crate's
 //! `Reactor` (it passes since the src changes of README.md, "Findings"). The `#[ignore]`d
 //! tests, run with `-- --ignored`:
-//! - `planted_*`: the same model against a copy of the code with a bug planted in it (the
-//!   waiters' copy of `Allocate::poll` carries its bugs as switches); each expects loom to catch
-//!   it, and says how;
+//! - `planted_*`: the same model against a copy of the code with a bug planted in it, or with a
+//!   bug switched on in the crate's own code (the engine's `stream_ordered::planted`; the
+//!   waiters' copy of `Allocate::poll` carries its bugs as switches too); each expects loom to
+//!   catch it, and says how;
 //! - `loom_false_positive_*`: pin down the two loom bugs (they pass while loom has them);
 //!
 //! See `loom-tests/README.md` for the command, timings and what each test catches.

@@ -80,54 +80,60 @@
 //!   and nothing is lost when an error is returned.
 //! - **Every concurrency core is model-checked** (below, "Proving it").
 //!
-//! # The pool's engine: free lists per stream, and its order of resort
+//! # The pool's engine: one free list for every stream, tagged with what reuse must wait for
 //!
-//! Each stream that frees memory into a pool has its own free list (a two-level segregated fit:
-//! O(1) fit within 3% of the best, O(1) coalescing through two address maps), found through a
-//! thread-local cache: reuse on the freeing stream takes that list's lock only, so threads on
-//! different streams do not contend. Blocks never merge across upstream chunks.
+//! (The authoritative comment is at the top of `src/resource/stream_ordered/mod.rs`.) All free
+//! memory of a pool is in one address-ordered, coalescing free list (a two-level segregated
+//! fit: O(1) fit within 3% of the best, O(1) coalescing through two address maps), whatever
+//! stream freed it. Blocks never merge across upstream chunks. Until issue 10 each stream had
+//! its own list, with *steals* and *merges* between them; blocks freed on different streams then
+//! coalesced only when a merge brought them together, and on hand-off workloads (WORKLOADS.md's
+//! `churn-xs`) the pool held 1.5 to 1.7 times its peak live memory. With one list, neighbours
+//! coalesce at the free and a request gets the best fit over everything: 1.03 to 1.17 on every
+//! run (`BENCHMARKS.md`).
 //!
-//! When a stream's list cannot serve a request, in order (the authoritative comment is at the
-//! top of `src/resource/stream_ordered/mod.rs`):
+//! **Stream order through tags.** Each free block carries the streams it was freed on, each with
+//! that stream's *epoch* at the free (`Waits`, at most four pairs; more stand for "every
+//! stream"). A request on stream S that gets a block freed only on S needs nothing. For a block
+//! freed on D after S last waited on D, S is *ordered* after D: D's epoch is bumped under the
+//! lock, then (outside it) an event is recorded on D and S waits on it, and S notes that it has
+//! seen D up to the new epoch, which covers everything D had freed by then. The bump comes
+//! before the record, so a free tagged with the old epoch was queued before the event; a free
+//! tagged after the bump is not covered, rightly (the planted `BUMP_AFTER_ORDER` of the loom
+//! model breaks exactly this). A block coalesced from frees on several streams waits on each:
+//! the fix of RMM issue 2489 holds by construction. Each stream has one event of its own for
+//! these orderings (`Stream::order_before`): two driver calls and no event object.
 //!
-//! 1. *fresh* memory, that no stream has used or whose last use the host saw finish (under the
-//!    requester's own lock: no ordering needed);
-//! 2. a *steal*: the closest fit over the other lists; an event is recorded on the donor now
-//!    and the requester waits on it; the whole block moves, its remainder joining the
-//!    requester's list. Recording at the steal rather than at every free costs one event per
-//!    steal, and covers blocks the donor itself took over (the fix of RMM issue 2489 holds by
-//!    construction);
-//! 3. under a slow-path lock (so that blocks in flight between lists never look missing to a
-//!    second request), a *merge*: the lists of dropped streams, and up to
-//!    [`PoolOptions::merge_limit`](crate::PoolOptions::merge_limit) other lists, fullest first,
-//!    move into the requester's after it waits on each; there free neighbours coalesce
-//!    whatever stream freed them (RMM issue 2039);
-//! 4. *growth* by at least 1/[`growth_divisor`](crate::PoolOptions::growth_divisor) of what
-//!    the pool holds, halving the try on failure; at the maximum, wholly free chunks go back
-//!    upstream first, on the stream they were freed on;
-//! 5. if that fails, merge every list and try once more (growing again if the merge made a
-//!    chunk whole); then [`Error::OutOfMemory`](crate::Error::OutOfMemory), whose `available`
-//!    is the largest request that could have been served.
+//! **Shards.** One lock for every thread cost 20 to 30 times per-stream locks on four threads
+//! (futex hand-offs in the GPU machine's VM), so the list is kept in 8 shards, each chunk in
+//! one (a lock-free table maps addresses to shards for frees). A thread's requests go to its
+//! own shard, then to the best fit of the others, and the pool grows into the thread's shard;
+//! an initial size from 256 MiB is split into one chunk per shard.
 //!
-//! `trim` folds the lists of dropped streams back (after synchronizing them their memory is
-//! fresh) and returns wholly free chunks upstream; every error path puts what it took back
-//! where it was. The engine is generic over its stream type so the loom model
-//! (`loom-tests/free_lists/`) runs it on a fake stream that records ordering edges in vector
-//! clocks.
+//! A request, in order: its shard's best fit, the other shards' best fit, then (one request at a
+//! time) *growth* by at least 1/[`growth_divisor`](crate::PoolOptions::growth_divisor) of what
+//! the pool holds, halving the try on failure; at the maximum, wholly free chunks go back
+//! upstream first (ordered onto one of the streams their tag names); then
+//! [`Error::OutOfMemory`](crate::Error::OutOfMemory), whose `available` is the largest request
+//! that could have been served. [`PoolOptions::reuse_slack`](crate::PoolOptions::reuse_slack)
+//! trades memory for fewer waits (a block that needs none, up to that much larger than the best
+//! fit).
 //!
-//! **Every free is checked** (`PoolOptions::check_frees`, on by default): each list also keeps
-//! the blocks handed out to requests on its stream (address to size). A free must name one of
-//! them with its size, in its own stream's list (one lock, the common case), in a list this
-//! thread has cached (four are), or in any list or among the *orphans* (the entries of lists
-//! whose streams were dropped: they move there under the registry's lock, and the search holds
-//! that lock too, so an entry is always in one place it looks). Anything else is refused and
-//! changes nothing. The model is `loom-tests/frees_and_regrowth.rs`. The arena keeps the same
-//! table per stream arena, moved with its superblocks.
+//! `trim` lets go of streams the user dropped (the host waits for each, then every tag forgets
+//! it) and returns wholly free chunks upstream; every error path puts what it took back. The
+//! engine is generic over its stream type so the loom models (`loom-tests/free_lists/`,
+//! `loom-tests/frees_and_regrowth.rs`) run it on a fake stream that records ordering edges in
+//! vector clocks.
 //!
-//! What it does not do yet: blocks freed on different streams coalesce only when a merge
-//! brings them together, so on hand-off workloads (WORKLOADS.md's `churn-xs`) the pool still
-//! holds 1.5 to 1.7 times its peak live memory; an address index across lists, in which a
-//! merged block carries the streams it must wait on, is the next step.
+//! **Every free is checked** (`PoolOptions::check_frees`, on by default): each shard keeps the
+//! blocks it handed out (address to size), and a free, found in its shard by address, must name
+//! one of them with its size. Anything else is refused and changes nothing. The arena keeps the
+//! same table per stream arena, moved with its superblocks.
+//!
+//! What it does not do yet: its fast path is slower than the per-stream lists' was on several
+//! threads and on hand-offs (`churn-4t` 97 to 124 ns/op against 39 to 57; `BENCHMARKS.md`): a
+//! thread whose shard misses looks through the others one lock at a time, and a hand-off waits
+//! on the GPU for every block it reuses.
 //!
 //! # Buffers: uses and deferred frees
 //!

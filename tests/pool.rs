@@ -1,5 +1,5 @@
 //! `PoolResource` and `FixedSizeResource` on every available device: RMM's memory-resource tests
-//! and the pool's own promises (stream order with data, steals, merges, growth, trim).
+//! and the pool's own promises (stream order with data, cross-stream reuse, coalescing across streams, growth, trim).
 
 mod common;
 
@@ -224,7 +224,7 @@ fn a_stream_dropped_with_frees_pending_loses_nothing() {
         }
         let reserved = p.stats().reserved;
         let b = device.create_stream().unwrap();
-        // B gets all of it back without growing: through steals or by merging A's idle list.
+        // B gets all of it back without growing: reusing what A freed (coalesced), after waiting for A.
         let again: Vec<_> = (0..8).map(|_| p.allocate(MIB, &b).unwrap()).collect();
         assert_eq!(
             p.stats().reserved,
@@ -425,7 +425,7 @@ fn reuse_on_another_stream_waits_for_the_freeing_stream() {
 /// pool grow), and B must wait for A. Then C takes that block after B freed it: C must be
 /// ordered after A's work too, although B was the last to free it.
 #[test]
-fn merged_lists_stay_ordered_behind_their_first_stream() {
+fn coalesced_blocks_stay_ordered_behind_their_first_stream() {
     for device in devices() {
         let words = 256 * 1024;
         let half = words * 4;
@@ -467,7 +467,7 @@ fn merged_lists_stay_ordered_behind_their_first_stream() {
         let back = read_u32(&c, taken, 2 * words);
         assert!(
             back.iter().all(|&w| w == 0xCCCC_CCCC),
-            "{}: A's fill overwrote C's: the merge lost A's ordering",
+            "{}: A's fill overwrote C's: the coalesced block lost A's ordering",
             label(&device)
         );
         free(&p, taken, 2 * half, &c);
@@ -532,7 +532,7 @@ fn fixed_size_blocks() {
         for p in &blocks {
             free(&f, *p, 1000, &s);
         }
-        // Another stream reuses them (through steals) without growing.
+        // Another stream reuses them (after waiting for the freeing stream) without growing.
         let again: Vec<_> = (0..40).map(|_| f.allocate(64 << 10, &t).unwrap()).collect();
         assert_eq!(f.reserved(), 3 * 16 * (64 << 10));
         for p in again {

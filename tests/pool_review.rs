@@ -1,7 +1,7 @@
 //! The pool's findings of the review (issue 19) and of RMM's tests (issue 20), each a test that
 //! failed before its fix: a trim racing a grow, a request that fits but grew the pool, a request
 //! for the whole pool refused at its maximum, streams kept alive by their lists, and the error
-//! paths of steals, trims and releases under injected driver faults.
+//! paths of cross-stream reuse, trims and releases under injected driver faults.
 
 mod common;
 
@@ -159,9 +159,10 @@ fn faulty() -> (Device, Faults) {
     (device, faults)
 }
 
-/// A steal whose ordering fails returns the error and loses nothing; the next try steals.
+/// A cross-stream reuse whose ordering fails returns the error and loses nothing; the next try
+/// reuses the block.
 #[test]
-fn a_failed_steal_loses_nothing() {
+fn a_failed_cross_stream_ordering_loses_nothing() {
     let (device, faults) = faulty();
     let pool = pool(&device, MIB, 64 * MIB);
     let (a, b) = (
@@ -227,7 +228,7 @@ fn a_failed_trim_puts_its_chunks_back() {
 
 /// Issue 19: at its maximum the pool returns free chunks to grow one large enough; when the
 /// upstream's free fails, the chunk must stay with the stream it was freed on (reuse elsewhere
-/// still ordered after that stream: a steal), not become fresh memory any stream takes at once.
+/// still ordered after that stream), not become fresh memory any stream takes at once.
 #[test]
 fn a_failed_release_at_the_maximum_keeps_stream_order() {
     let (device, faults) = faulty();
@@ -331,8 +332,8 @@ fn memory_coalesced_across_live_streams_is_reused_in_stream_order() {
 }
 
 /// Issue 10: random allocations and frees over three streams (frees on another stream after
-/// ordering it behind the first, as a hand-off does), in a pool small enough that steals,
-/// merges of live streams' lists, growth and give-backs at the maximum all happen; the
+/// ordering it behind the first, as a hand-off does), in a pool small enough that cross-stream
+/// waits, growth and give-backs at the maximum all happen; the
 /// invariant checker after every operation, and every byte accounted for.
 #[test]
 fn random_hand_offs_in_a_small_pool_keep_the_invariants_at_every_step() {

@@ -1,7 +1,7 @@
 //! The simulated device's stream-order race detector: planted bugs, each caught by the detector
 //! alone (no data is checked), and the same code without the bug, which must stay clean.
 //!
-//! The bugs in the crate's own ordering (a pool's steal or merge, `to_host`'s wait) are planted
+//! The bugs in the crate's own ordering (a pool's reuse of memory freed on another stream, `to_host`'s wait) are planted
 //! with `FaultKind::SkipWait`, which makes the next wait of a stream a silent no-op: no engine
 //! change, and exactly the wait a buggy engine would forget. Simulated device only: the
 //! detector is the simulated device's.
@@ -108,7 +108,7 @@ fn drop_after_record_stream_is_clean() {
 
 // ===== a pool's cross-stream reuse that skips the wait =====
 
-fn steal(skip_wait: bool) -> (Device, Stream, Stream) {
+fn reuse(skip_wait: bool) -> (Device, Stream, Stream) {
     let (device, faults) = device(RaceDetection::Record);
     let p = pool(&device, 4 << 20);
     let (a, b) = streams(&device);
@@ -132,8 +132,8 @@ fn steal(skip_wait: bool) -> (Device, Stream, Stream) {
 }
 
 #[test]
-fn planted_steal_without_wait_is_caught() {
-    let (device, a, b) = steal(true);
+fn planted_reuse_without_wait_is_caught() {
+    let (device, a, b) = reuse(true);
     let race = the_race(&device);
     assert_eq!(race.kind, RaceKind::ReuseBeforeFree, "{race}");
     assert_eq!(
@@ -150,14 +150,14 @@ fn planted_steal_without_wait_is_caught() {
 }
 
 #[test]
-fn steal_with_wait_is_clean() {
-    let (device, ..) = steal(false);
+fn reuse_with_wait_is_clean() {
+    let (device, ..) = reuse(false);
     assert_eq!(device.races(), Vec::new());
 }
 
 // ===== a block coalesced across streams, reused without the waits =====
 
-fn merge(skip_wait: bool) -> (Device, Stream, Stream, Stream) {
+fn coalesced(skip_wait: bool) -> (Device, Stream, Stream, Stream) {
     const HALF: usize = 512 << 10;
     let (device, faults) = device(RaceDetection::Record);
     // One chunk of 1 MiB and no room to grow: a request for all of it can only be served by
@@ -197,8 +197,8 @@ fn merge(skip_wait: bool) -> (Device, Stream, Stream, Stream) {
 }
 
 #[test]
-fn planted_merge_without_wait_is_caught() {
-    let (device, a, b, c) = merge(true);
+fn planted_coalesced_reuse_without_waits_is_caught() {
+    let (device, a, b, c) = coalesced(true);
     let race = the_race(&device);
     assert_eq!(race.kind, RaceKind::ReuseBeforeFree, "{race}");
     assert_eq!(
@@ -215,8 +215,8 @@ fn planted_merge_without_wait_is_caught() {
 }
 
 #[test]
-fn merge_with_wait_is_clean() {
-    let (device, ..) = merge(false);
+fn coalesced_reuse_with_waits_is_clean() {
+    let (device, ..) = coalesced(false);
     assert_eq!(device.races(), Vec::new());
 }
 

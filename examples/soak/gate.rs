@@ -1,12 +1,11 @@
 //! A resource adaptor that lets the pool's invariant checker see the pool at rest.
 //!
-//! The pools' `check_invariants` reads each free list under its own lock, one after another.
-//! While other threads allocate, a block can move from a list already read to one not yet read
-//! (a steal, a merge, a growth) and be seen twice: a false "two lists share memory". So every
-//! call into the pool takes a shared lock here, for that call only (never across an `.await`:
-//! `allocate_async` retries through `allocate`), and the checker takes it exclusively. Blocks
-//! move between lists only inside such calls, so the checker sees a state the pool was really
-//! in. Frees that the completion reactor runs (a buffer used on several streams) go through
+//! The pools' `check_invariants` reads each shard of the free memory under its own lock, one
+//! after another. While other threads allocate, the shards read first can change before the
+//! last is read (a block handed out from one and freed, a growth), and the check could see a
+//! state the pool was never in. So every call into the pool takes a shared lock here, for that
+//! call only (never across an `.await`: `allocate_async` retries through `allocate`), and the
+//! checker takes it exclusively: it sees a state the pool was really in. Frees that the completion reactor runs (a buffer used on several streams) go through
 //! here too, and wait the few milliseconds of a check.
 
 use std::fmt;

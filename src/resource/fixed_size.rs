@@ -13,8 +13,9 @@ use crate::stream::Stream;
 use crate::sync::{AtomicU64, Mutex, Ordering};
 
 /// Blocks of one size (RMM's `fixed_size_memory_resource`): every allocation of at most
-/// `block_size` bytes gets one block. Upstream chunks of `blocks_per_chunk` blocks; free lists
-/// per stream with the pool's engine (same-stream reuse at once, steals ordered by an event).
+/// `block_size` bytes gets one block. Upstream chunks of `blocks_per_chunk` blocks, in the pool's
+/// engine (one free list for every stream: same-stream reuse at once, reuse on another stream
+/// ordered by an event).
 /// Larger requests are an error ([`Error::InvalidSize`]): put it behind a binning resource.
 /// Dropping it synchronizes the streams it knows and returns every chunk upstream.
 pub struct FixedSizeResource<U: MemoryResource> {

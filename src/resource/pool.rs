@@ -105,7 +105,9 @@ pub struct PoolStats {
     pub stream_waits: u64,
     /// Bytes handed out and not yet given back.
     pub in_use: usize,
-    /// The most bytes handed out at once (exact: counted under the lock every request takes).
+    /// The most bytes handed out at once: each shard of the pool's free memory counts its
+    /// peak under its own lock, and this is their sum, so exact for a pool one thread uses and
+    /// an upper bound otherwise (the shards' peaks need not coincide).
     pub peak_in_use: usize,
 }
 
@@ -116,7 +118,9 @@ pub struct PoolStats {
 ///   fit, and coalescing with both neighbours whatever stream freed them, in constant time;
 ///   blocks never merge across upstream chunks. So memory freed on one stream never strands
 ///   there while another grows the pool (issue 10: grown from 256 MiB, WORKLOADS.md's runs
-///   hold 1.03 to 1.17 times their peak live memory; `BENCHMARKS.md`).
+///   hold 1.03 to 1.17 times their peak live memory; `BENCHMARKS.md`). The list is kept in 8
+///   shards, each chunk in one: a thread's requests go to its own shard first, then to the
+///   best fit of the others, so that threads mostly take different locks.
 /// - Each free block remembers the streams it was freed on. A request on the stream that freed
 ///   its block uses it at once (stream order); one on another stream is first ordered after
 ///   that stream on the GPU (an event recorded there and a wait for it: the host never waits),
@@ -298,8 +302,10 @@ impl<U: MemoryResource> PoolResource<U> {
 
     /// Checks the invariants of every free list and that no two share memory. Slow; for tests.
     ///
-    /// A consistent snapshot: it holds the pool's lock throughout (a growth's chunk being
-    /// registered is the one thing it can see half done).
+    /// Not a consistent snapshot: it reads the shards of the free memory one after another, so
+    /// an operation on another thread during the check can make it see a state the pool was
+    /// never in. Call it while no other thread allocates or frees (`examples/soak` holds a gate
+    /// around the pool's calls for it).
     #[doc(hidden)]
     pub fn check_invariants(&self) -> std::result::Result<(), String> {
         self.heap.check()

@@ -41,7 +41,7 @@ pub enum FaultKind {
     /// Not an error: a stream's wait (`cuStreamWaitEvent`) that this rule fires on is dropped
     /// and reported as done, as a bug that forgets the wait would. For showing that the race
     /// detector ([`SimConfig::race_detection`](super::SimConfig::race_detection)) catches
-    /// what the missing order allows (a pool's steal or merge, a copy on another stream).
+    /// what the missing order allows (a pool's reuse of memory freed on another stream, a copy on another stream).
     /// Checked after [`Wait`](Self::Wait), on waits that did not fail.
     SkipWait,
     /// Creating physical memory for a virtual memory mapping (`cuMemCreate`): what fails when

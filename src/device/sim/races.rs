@@ -92,7 +92,7 @@ pub enum RaceKind {
     /// `record_stream`).
     FreedWhileInUse,
     /// A block handed out again at a point not ordered after its previous free on another
-    /// stream (a pool that steals or merges a free list without waiting for its stream).
+    /// stream (a pool that reuses memory freed on another stream without waiting for it).
     ReuseBeforeFree,
     /// Two writes on different streams, neither ordered before the other.
     WriteAfterWrite,

@@ -54,7 +54,7 @@ pub struct ExpandableOptions {
 /// allocation granularity: 2 MiB on an H100 or H200), as PyTorch's expandable segments do.
 ///
 /// It has the stream semantics of [`PoolResource`](super::PoolResource) (the same free-list
-/// engine: per-stream reuse at once, steals and merges ordered by events, awaitable
+/// engine: same-stream reuse at once, reuse on other streams ordered by events, awaitable
 /// allocation, the same [`PoolStats`]), with two differences:
 ///
 /// - **No seams.** All its memory lies in one address range, so any free block coalesces with
