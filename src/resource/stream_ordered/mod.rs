@@ -20,16 +20,20 @@
 //! so the next such block from D costs nothing. No request waits on more than one event per
 //! stream named in its block's tag. Orderings are made outside the engine's lock.
 //!
-//! A request, in order: the free list (best fit; orderings as its block's tag asks); then,
-//! one request at a time (`slow`), the free list again and a growth from the upstream ([`Grow`];
-//! the pool, at its maximum, first gives wholly free chunks back); then the upstream's error.
+//! The list is kept in shards (8 for the pool, 1 for the fixed-size and expandable pools), each
+//! chunk in one, so that threads mostly take different locks (`chunks.rs` maps addresses to
+//! shards for frees, without a lock). A request, in order: its thread's shard (best fit;
+//! orderings as its block's tag asks); the best fit of the other shards; then, one request at a
+//! time (`slow`), all of that again and a growth into the thread's shard ([`Grow`]; the pool, at
+//! its maximum, first gives wholly free chunks back); then the upstream's error.
 //!
 //! Streams are registered on first use and keep a slot (their epoch and what they waited on)
 //! and a handle (to record events on). A stream the user has dropped is let go by `trim`:
 //! [`StreamHeap::idle_streams`] names them, the caller waits for each on the host, and
 //! [`StreamHeap::forget`] drops it from every tag and releases its handle.
 //!
-//! Here: the engine's state, requests and frees; beside it `waits.rs` (the tags), `order.rs`
+//! Here: the engine's state, requests and frees; beside it `waits.rs` (the tags), `chunks.rs`
+//! (the chunk-to-shard table), `order.rs`
 //! (orderings), `retire.rs` (memory and streams going back), `view.rs` (statistics, the invariant
 //! checker, snapshots), `expandable.rs` (what the expandable pool needs), `stream.rs` (what
 //! [`Stream`] gives the engine) and `planted.rs` (the loom models' switches).
