@@ -35,8 +35,9 @@ impl ChunkTable {
     pub(super) fn shard_of(&self, addr: u64, size: u64) -> Option<u32> {
         let ptr = self.current.load(Ordering::Acquire);
         // SAFETY: `current` always points to a version in `versions`, which are freed only
-        // with the table (`&self` keeps it alive); a version is never changed after it is
-        // published (Release above, Acquire here).
+        // with the table (`&self` keeps it alive), and a version is never changed after it is
+        // published (stored with Release in `update` after it was written, loaded with Acquire
+        // here).
         let entries = unsafe { &*ptr };
         let at = entries.partition_point(|e| e.0 <= addr);
         let &(_, end, shard) = entries.get(at.checked_sub(1)?)?;
