@@ -37,6 +37,9 @@ use std::sync::Arc;
 use super::stream_ordered::{EngineStream, Grow, StreamHeap};
 use crate::device::sim::faults::splitmix64;
 use crate::error::Result;
+use two_level::{Blocks, Tag};
+
+mod two_level;
 
 thread_local! {
     /// Orderings (`order_before` calls) made on this thread.
@@ -276,61 +279,40 @@ fn global_tagged(streams: usize) -> String {
     )
 }
 
-/// A stream-tagged free block: the streams its last frees were on, each with that stream's
-/// epoch at the free (the highest, after coalescing).
-type Tag = Vec<(usize, u64)>;
-
 /// One best-fit list for every stream that coalesces every free, whatever stream freed it, and
-/// keeps the streams a block's reuse must be ordered after (see [`Tag`]). A take on S prefers a
-/// block S is already ordered after, among the fits at most `tolerance` larger than the best:
-/// how much placement such a structure must give up to keep refreshes rare.
+/// keeps the streams a block's reuse must be ordered after (`two_level`'s [`Blocks`], tagged by
+/// stream and epoch). A take on S prefers a block S is already ordered after, among the fits at
+/// most `tolerance` larger than the best: how much placement such a structure must give up to
+/// keep refreshes rare.
 fn tagged_list(streams: usize, tolerance: f64) -> String {
-    use std::collections::BTreeSet;
-    let mut blocks: BTreeMap<u64, (u64, Tag)> = BTreeMap::new();
-    let mut by_size: BTreeSet<(u64, u64)> = BTreeSet::new();
+    let mut blocks = Blocks::default();
     let (mut held, mut peak_held, mut next, mut growths) = (0u64, 0u64, 1u64 << 40, 0u64);
     let mut churn = Churn::new(streams);
     let mut live: Vec<(u64, u64, usize)> = Vec::new();
     let mut epoch = vec![0u64; streams];
     let mut waited = vec![vec![0u64; streams]; streams];
     let (mut refreshes, mut takes) = (0u64, 0u64);
-    let mut grow = |min: u64,
-                    held: &mut u64,
-                    blocks: &mut BTreeMap<u64, (u64, Tag)>,
-                    by_size: &mut BTreeSet<(u64, u64)>| {
+    let mut grow = |min: u64, held: &mut u64, blocks: &mut Blocks| {
         let size = (*held / 8).max(2 << 20).max(min).next_multiple_of(256);
-        blocks.insert(next, (size, Vec::new()));
-        by_size.insert((size, next));
+        blocks.give(next, size, Tag::new());
         next += size + (1 << 30);
         *held += size;
         peak_held = peak_held.max(*held);
     };
-    grow(256 << 20, &mut held, &mut blocks, &mut by_size);
+    grow(256 << 20, &mut held, &mut blocks);
     for _ in 0..1_000_000 {
         match churn.next(live.len()) {
             Op::Allocate { size, stream: s } => {
                 takes += 1;
                 let covered = |tag: &Tag| tag.iter().all(|&(d, at)| d == s || waited[s][d] > at);
-                let best = by_size.range((size, 0)..).next().copied();
-                let (fit, addr) = match best {
-                    Some((fit, addr)) => {
-                        let bound = (fit as f64 * (1.0 + tolerance)) as u64;
-                        by_size
-                            .range((fit, addr)..)
-                            .take_while(|&&(n, _)| n <= bound)
-                            .take(16)
-                            .find(|&&(_, a)| covered(&blocks[&a].1))
-                            .copied()
-                            .unwrap_or((fit, addr))
-                    }
+                let (addr, tag) = match blocks.take(size, tolerance, covered) {
+                    Some(taken) => taken,
                     None => {
                         growths += 1;
-                        grow(size, &mut held, &mut blocks, &mut by_size);
-                        *by_size.range((size, 0)..).next().unwrap()
+                        grow(size, &mut held, &mut blocks);
+                        blocks.take(size, 0.0, |_| true).unwrap()
                     }
                 };
-                by_size.remove(&(fit, addr));
-                let (_, tag) = blocks.remove(&addr).unwrap();
                 for &(d, at) in &tag {
                     if d != s && waited[s][d] <= at {
                         epoch[d] += 1;
@@ -338,39 +320,12 @@ fn tagged_list(streams: usize, tolerance: f64) -> String {
                         refreshes += 1;
                     }
                 }
-                if fit > size {
-                    blocks.insert(addr + size, (fit - size, tag));
-                    by_size.insert((fit - size, addr + size));
-                }
                 live.push((addr, size, s));
             }
             Op::Free { index } => {
-                let (mut addr, size, s) = live.swap_remove(index);
+                let (addr, size, s) = live.swap_remove(index);
                 let d = (s + 1) % streams;
-                let mut end = addr + size;
-                let mut tag: Tag = vec![(d, epoch[d])];
-                let join = |other: Tag, tag: &mut Tag| {
-                    for (d, at) in other {
-                        match tag.iter_mut().find(|e| e.0 == d) {
-                            Some(e) => e.1 = e.1.max(at),
-                            None => tag.push((d, at)),
-                        }
-                    }
-                };
-                let before = blocks.range(..addr).next_back().map(|(&a, v)| (a, v.0));
-                if let Some((start, n)) = before.filter(|&(a, n)| a + n == addr) {
-                    let (_, other) = blocks.remove(&start).unwrap();
-                    by_size.remove(&(n, start));
-                    join(other, &mut tag);
-                    addr = start;
-                }
-                if let Some((n, other)) = blocks.remove(&end) {
-                    by_size.remove(&(n, end));
-                    join(other, &mut tag);
-                    end += n;
-                }
-                blocks.insert(addr, (end - addr, tag));
-                by_size.insert((end - addr, addr));
+                blocks.give(addr, size, vec![(d, epoch[d])]);
                 churn.live_bytes -= size;
             }
         }
@@ -458,4 +413,3 @@ fn policies_grown_from_256_mib() {
         eprintln!("churn-xs-1t, one tagged list, covered fits up to {tolerance} larger: {run}");
     }
 }
-mod two_level;

@@ -8,11 +8,11 @@ use std::collections::{BTreeMap, BTreeSet};
 use crate::device::sim::faults::splitmix64;
 
 /// The streams a free block's reuse must be ordered after: (stream, its epoch at the free).
-type Tag = Vec<(usize, u64)>;
+pub(super) type Tag = Vec<(usize, u64)>;
 
 /// Free blocks, address-ordered and coalesced, with a size index for best fit.
 #[derive(Default)]
-struct Blocks {
+pub(super) struct Blocks {
     by_addr: BTreeMap<u64, (u64, Tag)>,
     by_size: BTreeSet<(u64, u64)>,
     bytes: u64,
@@ -28,7 +28,7 @@ fn join(tag: &mut Tag, other: Tag) {
 }
 
 impl Blocks {
-    fn give(&mut self, mut addr: u64, size: u64, mut tag: Tag) {
+    pub(super) fn give(&mut self, mut addr: u64, size: u64, mut tag: Tag) {
         self.bytes += size;
         let mut end = addr + size;
         let before = self
@@ -52,7 +52,7 @@ impl Blocks {
     }
 
     /// Best fit, or among fits at most `tolerance` larger the first that `prefer` accepts.
-    fn take(
+    pub(super) fn take(
         &mut self,
         size: u64,
         tolerance: f64,
