@@ -1,13 +1,7 @@
 //! One free list: the free blocks of one stream (or the pool's fresh memory), coalesced.
 //!
-//! A two-level segregated fit (TLSF) index finds a block in O(1): sizes (in 256-byte units) map
-//! to 32 linear sub-classes per power of two, two bitmaps name the non-empty classes, and each
-//! class is a doubly linked list of blocks in a slab. A request first scans a few blocks of its
-//! own class for the smallest that fits (exact fits are common: the same sizes come back), then
-//! takes the first block of the smallest class whose every block fits. That is a fit within
-//! 1/32 (3%) of the best, in constant time, where an exact best fit in a size-ordered tree costs
-//! two tree updates per operation (we measured that budget: the pool's target is under 100 ns
-//! per allocate or free, all included).
+//! A two-level segregated fit index (`tlsf.rs`) finds a block in O(1), within 3% of the best
+//! fit.
 //!
 //! Coalescing is O(1) too: two hash maps find a freed block's neighbours by address (the block
 //! ending where it starts, the block starting where it ends). Blocks never merge across upstream
@@ -25,17 +19,8 @@ use std::fmt;
 
 use rustc_hash::FxHashMap;
 
+use crate::resource::tlsf::{Indexed, Links, SizeIndex};
 use crate::resource::ALIGNMENT;
-
-/// log2 of the sub-classes per power of two.
-const SL_LOG: u32 = 5;
-const SL: usize = 1 << SL_LOG;
-/// First-level classes: enough for any 64-bit size in 256-byte units.
-const FL: usize = 64 - SL_LOG as usize;
-/// How many blocks of the request's own class to scan for a closer fit.
-const SCAN: usize = 8;
-const NIL: u32 = u32::MAX;
-const UNIT_LOG: u32 = ALIGNMENT.trailing_zeros();
 
 /// What a free block carries beside its range: joined when blocks coalesce, copied when one
 /// splits.
@@ -53,10 +38,23 @@ impl BlockTag for () {
 struct Block<T> {
     addr: u64,
     size: u64,
-    prev: u32,
-    next: u32,
-    class: u16,
+    links: Links,
     tag: T,
+}
+
+impl<T> Indexed for Block<T> {
+    #[inline]
+    fn size(&self) -> u64 {
+        self.size
+    }
+    #[inline]
+    fn links(&self) -> &Links {
+        &self.links
+    }
+    #[inline]
+    fn links_mut(&mut self) -> &mut Links {
+        &mut self.links
+    }
 }
 
 /// The free blocks of one list.
@@ -65,40 +63,13 @@ pub(crate) struct FreeList<T: BlockTag = ()> {
     blocks: Vec<Block<T>>,
     /// Slab slots free for reuse.
     spare: Vec<u32>,
-    heads: Vec<u32>,
-    fl_map: u64,
-    sl_maps: [u32; FL],
+    index: SizeIndex,
     by_start: FxHashMap<u64, u32>,
     by_end: FxHashMap<u64, u32>,
     /// The upstream chunks' `(start, end)`, sorted: no merge crosses a start, and a freed range
     /// must lie inside one.
     chunks: Vec<(u64, u64)>,
     free_bytes: u64,
-}
-
-/// The class of a size in units: (first level, second level), flattened.
-fn class_of(units: u64) -> usize {
-    if units < SL as u64 {
-        units as usize
-    } else {
-        let msb = 63 - units.leading_zeros();
-        let fl = (msb - SL_LOG + 1) as usize;
-        let sl = ((units >> (msb - SL_LOG)) as usize) & (SL - 1);
-        fl * SL + sl
-    }
-}
-
-/// The smallest class whose every block holds `units`.
-fn class_at_least(units: u64) -> Option<usize> {
-    if units < SL as u64 {
-        return Some(units as usize);
-    }
-    let msb = 63 - units.leading_zeros();
-    let round = (1u64 << (msb - SL_LOG)) - 1;
-    units
-        .checked_add(round)
-        .map(class_of)
-        .filter(|&c| c < FL * SL)
 }
 
 impl<T: BlockTag> Default for FreeList<T> {
@@ -112,9 +83,7 @@ impl<T: BlockTag> FreeList<T> {
         Self {
             blocks: Vec::new(),
             spare: Vec::new(),
-            heads: vec![NIL; FL * SL],
-            fl_map: 0,
-            sl_maps: [0; FL],
+            index: SizeIndex::default(),
             by_start: FxHashMap::default(),
             by_end: FxHashMap::default(),
             chunks: Vec::new(),
@@ -171,50 +140,18 @@ impl<T: BlockTag> FreeList<T> {
     // ===== class lists =====
 
     fn link(&mut self, i: u32) {
-        let class = class_of(self.blocks[i as usize].size >> UNIT_LOG);
-        let head = self.heads[class];
-        {
-            let b = &mut self.blocks[i as usize];
-            b.class = class as u16;
-            b.prev = NIL;
-            b.next = head;
-        }
-        if head != NIL {
-            self.blocks[head as usize].prev = i;
-        }
-        self.heads[class] = i;
-        self.sl_maps[class / SL] |= 1 << (class % SL);
-        self.fl_map |= 1 << (class / SL);
+        self.index.link(&mut self.blocks, i);
     }
 
     fn unlink(&mut self, i: u32) {
-        let Block {
-            prev, next, class, ..
-        } = self.blocks[i as usize];
-        let class = class as usize;
-        if prev != NIL {
-            self.blocks[prev as usize].next = next;
-        } else {
-            self.heads[class] = next;
-            if next == NIL {
-                self.sl_maps[class / SL] &= !(1 << (class % SL));
-                if self.sl_maps[class / SL] == 0 {
-                    self.fl_map &= !(1 << (class / SL));
-                }
-            }
-        }
-        if next != NIL {
-            self.blocks[next as usize].prev = prev;
-        }
+        self.index.unlink(&mut self.blocks, i);
     }
 
     fn new_slot(&mut self, addr: u64, size: u64, tag: T) -> u32 {
         let block = Block {
             addr,
             size,
-            prev: NIL,
-            next: NIL,
-            class: 0,
+            links: Links::default(),
             tag,
         };
         match self.spare.pop() {
@@ -229,61 +166,13 @@ impl<T: BlockTag> FreeList<T> {
         }
     }
 
-    /// The first non-empty class at or above `class`.
-    fn first_class_from(&self, class: usize) -> Option<usize> {
-        let (fl, sl) = (class / SL, class % SL);
-        let sl_map = self.sl_maps[fl] & (u32::MAX << sl);
-        if sl_map != 0 {
-            return Some(fl * SL + sl_map.trailing_zeros() as usize);
-        }
-        let fl_map = if fl + 1 >= 64 {
-            0
-        } else {
-            self.fl_map & (u64::MAX << (fl + 1))
-        };
-        if fl_map == 0 {
-            return None;
-        }
-        let fl = fl_map.trailing_zeros() as usize;
-        Some(fl * SL + self.sl_maps[fl].trailing_zeros() as usize)
-    }
-
-    /// A block of at least `units`: the closest among the first few of its own class, else the
-    /// head of the smallest class that surely fits.
-    fn find(&self, units: u64) -> Option<u32> {
-        let own = class_of(units);
-        if own < FL * SL {
-            let mut best: Option<u32> = None;
-            let mut i = self.heads[own];
-            for _ in 0..SCAN {
-                if i == NIL {
-                    break;
-                }
-                let b = &self.blocks[i as usize];
-                if (b.size >> UNIT_LOG) >= units
-                    && best.is_none_or(|j| b.size < self.blocks[j as usize].size)
-                {
-                    best = Some(i);
-                    if b.size >> UNIT_LOG == units {
-                        break;
-                    }
-                }
-                i = b.next;
-            }
-            if best.is_some() {
-                return best;
-            }
-        }
-        let class = self.first_class_from(class_at_least(units)?)?;
-        Some(self.heads[class])
-    }
-
     // ===== take and give =====
 
     /// The size of the block [`take`](Self::take) would split for `size` bytes, if any: how
     /// good a fit this list has, to choose between lists.
     pub(crate) fn fit(&self, size: u64) -> Option<u64> {
-        self.find(size >> UNIT_LOG)
+        self.index
+            .find(&self.blocks, size)
             .map(|i| self.blocks[i as usize].size)
     }
 
@@ -296,7 +185,7 @@ impl<T: BlockTag> FreeList<T> {
     /// [`take`](Self::take), with the tag of the block it came from.
     pub(crate) fn take_tagged(&mut self, size: u64) -> Option<(u64, T)> {
         debug_assert!(size > 0 && size.is_multiple_of(ALIGNMENT as u64));
-        let i = self.find(size >> UNIT_LOG)?;
+        let i = self.index.find(&self.blocks, size)?;
         Some(self.take_from(i, size))
     }
 
@@ -310,42 +199,16 @@ impl<T: BlockTag> FreeList<T> {
         prefer: impl Fn(&T) -> bool,
     ) -> Option<(u64, T)> {
         debug_assert!(size > 0 && size.is_multiple_of(ALIGNMENT as u64));
-        let units = size >> UNIT_LOG;
-        let i = self.find(units)?;
+        let i = self.index.find(&self.blocks, size)?;
         let b = &self.blocks[i as usize];
         if slack <= 0.0 || prefer(&b.tag) {
             return Some(self.take_from(i, size));
         }
         let limit = ((b.size as f64) * (1.0 + slack)) as u64;
-        let mut class = class_of(units);
-        while class < FL * SL {
-            let Some(c) = self.first_class_from(class) else {
-                break;
-            };
-            let mut j = self.heads[c];
-            let mut looked = 0;
-            let mut past = false;
-            while j != NIL && looked < SCAN {
-                let b = &self.blocks[j as usize];
-                if b.size > limit {
-                    past = true;
-                } else if b.size >= size && prefer(&b.tag) {
-                    return Some(self.take_from(j, size));
-                }
-                j = b.next;
-                looked += 1;
-            }
-            // The smallest block a class holds is at least its base size: once a class's blocks
-            // are past the limit, so are the next classes'.
-            if past && looked < SCAN {
-                break;
-            }
-            class = c + 1;
-            if self.blocks[self.heads[c] as usize].size > limit {
-                break;
-            }
-        }
-        Some(self.take_from(i, size))
+        let j = (self.index)
+            .find_preferred(&self.blocks, size, limit, |b| prefer(&b.tag))
+            .unwrap_or(i);
+        Some(self.take_from(j, size))
     }
 
     /// Takes `size` bytes from the start of block `i`; the remainder keeps the slot, its end
@@ -494,50 +357,25 @@ impl<T: BlockTag> FreeList<T> {
 
     /// Verifies every invariant; returns the first violation found. Not cheap: tests only.
     pub(crate) fn check(&self) -> Result<(), String> {
-        let mut listed = 0usize;
         let mut total = 0u64;
-        for class in 0..FL * SL {
-            let bit = self.sl_maps[class / SL] & (1 << (class % SL)) != 0;
-            if bit != (self.heads[class] != NIL) {
-                return Err(format!(
-                    "class {class}: bitmap {bit} but head {}",
-                    self.heads[class]
-                ));
+        let listed = self.index.check(&self.blocks, |i, b| {
+            if self.by_start.get(&b.addr) != Some(&i)
+                || self.by_end.get(&(b.addr + b.size)) != Some(&i)
+            {
+                return Err(format!("block {i}: address maps disagree ({b:?})"));
             }
-            if bit && self.fl_map & (1 << (class / SL)) == 0 {
-                return Err(format!("class {class}: first-level bit missing"));
+            if !self.inside_a_chunk(b.addr, b.size) {
+                return Err(format!("block {i} lies outside every chunk ({b:?})"));
             }
-            let (mut i, mut prev) = (self.heads[class], NIL);
-            while i != NIL {
-                let b = &self.blocks[i as usize];
-                if b.prev != prev || b.class as usize != class {
-                    return Err(format!(
-                        "block {i}: broken links or class ({b:?}, in class {class})"
-                    ));
-                }
-                if class_of(b.size >> UNIT_LOG) != class {
-                    return Err(format!("block {i}: size {} filed in class {class}", b.size));
-                }
-                if self.by_start.get(&b.addr) != Some(&i)
-                    || self.by_end.get(&(b.addr + b.size)) != Some(&i)
-                {
-                    return Err(format!("block {i}: address maps disagree ({b:?})"));
-                }
-                if !self.inside_a_chunk(b.addr, b.size) {
-                    return Err(format!("block {i} lies outside every chunk ({b:?})"));
-                }
-                if b.size == 0
-                    || !b.size.is_multiple_of(ALIGNMENT as u64)
-                    || !b.addr.is_multiple_of(ALIGNMENT as u64)
-                {
-                    return Err(format!("block {i}: misaligned or empty ({b:?})"));
-                }
-                listed += 1;
-                total += b.size;
-                prev = i;
-                i = b.next;
+            if b.size == 0
+                || !b.size.is_multiple_of(ALIGNMENT as u64)
+                || !b.addr.is_multiple_of(ALIGNMENT as u64)
+            {
+                return Err(format!("block {i}: misaligned or empty ({b:?})"));
             }
-        }
+            total += b.size;
+            Ok(())
+        })?;
         if listed != self.by_start.len() || listed != self.by_end.len() {
             return Err(format!(
                 "{listed} blocks listed, {} by start, {} by end",

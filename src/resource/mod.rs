@@ -166,6 +166,7 @@ pub mod fixed_size;
 pub(crate) mod free_list;
 pub mod pool;
 pub(crate) mod stream_ordered;
+pub(crate) mod tlsf;
 // The rest of RMM's family.
 pub mod adaptor;
 pub mod arena;

@@ -413,3 +413,34 @@ fn policies_grown_from_256_mib() {
         eprintln!("churn-xs-1t, one tagged list, covered fits up to {tolerance} larger: {run}");
     }
 }
+
+/// The engine's own time per operation on `churn-1t` (one stream, started at 2 GiB so that the
+/// loop measures suballocation), with frees checked as the pool checks them: what the engine
+/// costs of the GPU run's ns/op, without the device's checks. Run under `perf record` to see
+/// where it goes.
+#[test]
+#[ignore = "a measurement, not a check: run it with --ignored --nocapture"]
+fn engine_time_churn_1t() {
+    let reps: u32 = std::env::var("LAB_REPS").ok().and_then(|v| v.parse().ok()).unwrap_or(3);
+    for _ in 0..reps {
+        let (up, lists) = CountingUpstream::start(2 << 30);
+        let stream = LabStream::new(1);
+        let mut churn = Churn::new(1);
+        let mut live: Vec<(u64, u64)> = Vec::with_capacity(4096);
+        let start = std::time::Instant::now();
+        for _ in 0..1_000_000 {
+            match churn.next(live.len()) {
+                Op::Allocate { size, .. } => {
+                    live.push((lists.take(size, &stream, &up).unwrap(), size));
+                }
+                Op::Free { index } => {
+                    let (addr, size) = live.swap_remove(index);
+                    assert!(lists.give(addr, size, &stream));
+                    churn.live_bytes -= size;
+                }
+            }
+        }
+        let ns = start.elapsed().as_nanos() as f64 / 1e6;
+        eprintln!("engine, churn-1t from 2 GiB: {ns:.1} ns/op ({} growths)", up.grows.get());
+    }
+}

@@ -4,47 +4,6 @@ use super::*;
 
 const U: u64 = ALIGNMENT as u64;
 
-/// The smallest size (in units) filed in `class`.
-fn class_min(class: usize) -> u64 {
-    if class < SL {
-        return class as u64;
-    }
-    let (fl, sl) = (class / SL, (class % SL) as u64);
-    let msb = fl as u32 + SL_LOG - 1;
-    (1u64 << msb) | (sl << (msb - SL_LOG))
-}
-
-#[test]
-fn classes_are_monotonic_and_search_rounds_up() {
-    let small = 1..5000u64;
-    let large = (13..50).flat_map(|p| {
-        [
-            (1u64 << p) - 1,
-            1 << p,
-            (1 << p) + 1,
-            (1 << p) + (1 << (p - 6)) + 3,
-        ]
-    });
-    let mut last = 0;
-    for units in small.chain(large) {
-        let c = class_of(units);
-        assert!(
-            c >= last && class_min(c) <= units,
-            "units {units}: class {c}"
-        );
-        last = c;
-        let at_least = class_at_least(units).unwrap();
-        assert!(
-            class_min(at_least) >= units,
-            "units {units}: class {at_least} may hold less"
-        );
-        assert!(
-            at_least <= c + 1,
-            "units {units}: rounded up more than one class"
-        );
-    }
-}
-
 #[test]
 fn take_splits_and_give_coalesces() {
     let mut l: FreeList = FreeList::new();

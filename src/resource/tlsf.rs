@@ -1,0 +1,312 @@
+//! A two-level segregated fit (TLSF) index of free blocks by size, shared by the free list
+//! (`free_list.rs`, the arena's) and the stream-ordered engine's block table
+//! (`stream_ordered/blocks.rs`).
+//!
+//! Sizes (in 256-byte units) map to 32 linear sub-classes per power of two, two bitmaps name the
+//! non-empty classes, and each class is a doubly linked list of blocks kept in the caller's slab
+//! (the links live in each block: [`Links`]). A request first scans a few blocks of its own
+//! class for the smallest that fits (exact fits are common: the same sizes come back), then
+//! takes the first block of the smallest class whose every block fits. That is a fit within
+//! 1/32 (3%) of the best, in constant time, where an exact best fit in a size-ordered tree costs
+//! two tree updates per operation.
+
+use crate::resource::ALIGNMENT;
+
+/// log2 of the sub-classes per power of two.
+const SL_LOG: u32 = 5;
+const SL: usize = 1 << SL_LOG;
+/// First-level classes: enough for any 64-bit size in 256-byte units.
+const FL: usize = 64 - SL_LOG as usize;
+/// How many blocks of the request's own class to scan for a closer fit.
+const SCAN: usize = 8;
+/// No block (the end of a class list, or no neighbour).
+pub(crate) const NIL: u32 = u32::MAX;
+/// log2 of the size unit.
+pub(crate) const UNIT_LOG: u32 = ALIGNMENT.trailing_zeros();
+
+/// A block's place in its class list.
+#[derive(Clone, Copy, Debug)]
+pub(crate) struct Links {
+    prev: u32,
+    next: u32,
+    class: u16,
+}
+
+impl Default for Links {
+    fn default() -> Self {
+        Links {
+            prev: NIL,
+            next: NIL,
+            class: 0,
+        }
+    }
+}
+
+/// What the index needs of a block in the caller's slab.
+pub(crate) trait Indexed {
+    /// The block's size in bytes (a multiple of [`ALIGNMENT`]).
+    fn size(&self) -> u64;
+    fn links(&self) -> &Links;
+    fn links_mut(&mut self) -> &mut Links;
+}
+
+/// The class of a size in units: (first level, second level), flattened.
+fn class_of(units: u64) -> usize {
+    if units < SL as u64 {
+        units as usize
+    } else {
+        let msb = 63 - units.leading_zeros();
+        let fl = (msb - SL_LOG + 1) as usize;
+        let sl = ((units >> (msb - SL_LOG)) as usize) & (SL - 1);
+        fl * SL + sl
+    }
+}
+
+/// The smallest class whose every block holds `units`.
+fn class_at_least(units: u64) -> Option<usize> {
+    if units < SL as u64 {
+        return Some(units as usize);
+    }
+    let msb = 63 - units.leading_zeros();
+    let round = (1u64 << (msb - SL_LOG)) - 1;
+    units
+        .checked_add(round)
+        .map(class_of)
+        .filter(|&c| c < FL * SL)
+}
+
+/// The index: a list head per class and the bitmaps of non-empty classes.
+#[derive(Debug)]
+pub(crate) struct SizeIndex {
+    heads: Vec<u32>,
+    fl_map: u64,
+    sl_maps: [u32; FL],
+}
+
+impl Default for SizeIndex {
+    fn default() -> Self {
+        SizeIndex {
+            heads: vec![NIL; FL * SL],
+            fl_map: 0,
+            sl_maps: [0; FL],
+        }
+    }
+}
+
+impl SizeIndex {
+    /// Files block `i` under its size's class.
+    #[inline]
+    pub(crate) fn link<B: Indexed>(&mut self, blocks: &mut [B], i: u32) {
+        let class = class_of(blocks[i as usize].size() >> UNIT_LOG);
+        let head = self.heads[class];
+        *blocks[i as usize].links_mut() = Links {
+            prev: NIL,
+            next: head,
+            class: class as u16,
+        };
+        if head != NIL {
+            blocks[head as usize].links_mut().prev = i;
+        }
+        self.heads[class] = i;
+        self.sl_maps[class / SL] |= 1 << (class % SL);
+        self.fl_map |= 1 << (class / SL);
+    }
+
+    /// Takes block `i` out of its class list.
+    #[inline]
+    pub(crate) fn unlink<B: Indexed>(&mut self, blocks: &mut [B], i: u32) {
+        let Links { prev, next, class } = *blocks[i as usize].links();
+        let class = class as usize;
+        if prev != NIL {
+            blocks[prev as usize].links_mut().next = next;
+        } else {
+            self.heads[class] = next;
+            if next == NIL {
+                self.sl_maps[class / SL] &= !(1 << (class % SL));
+                if self.sl_maps[class / SL] == 0 {
+                    self.fl_map &= !(1 << (class / SL));
+                }
+            }
+        }
+        if next != NIL {
+            blocks[next as usize].links_mut().prev = prev;
+        }
+    }
+
+    /// The first non-empty class at or above `class`.
+    fn first_class_from(&self, class: usize) -> Option<usize> {
+        let (fl, sl) = (class / SL, class % SL);
+        let sl_map = self.sl_maps[fl] & (u32::MAX << sl);
+        if sl_map != 0 {
+            return Some(fl * SL + sl_map.trailing_zeros() as usize);
+        }
+        let fl_map = if fl + 1 >= 64 {
+            0
+        } else {
+            self.fl_map & (u64::MAX << (fl + 1))
+        };
+        if fl_map == 0 {
+            return None;
+        }
+        let fl = fl_map.trailing_zeros() as usize;
+        Some(fl * SL + self.sl_maps[fl].trailing_zeros() as usize)
+    }
+
+    /// A block of at least `size` bytes: the closest among the first few of its own class,
+    /// else the head of the smallest class that surely fits.
+    #[inline]
+    pub(crate) fn find<B: Indexed>(&self, blocks: &[B], size: u64) -> Option<u32> {
+        let units = size >> UNIT_LOG;
+        let own = class_of(units);
+        if own < FL * SL {
+            let mut best: Option<u32> = None;
+            let mut i = self.heads[own];
+            for _ in 0..SCAN {
+                if i == NIL {
+                    break;
+                }
+                let b = &blocks[i as usize];
+                if b.size() >= size && best.is_none_or(|j| b.size() < blocks[j as usize].size()) {
+                    best = Some(i);
+                    if b.size() == size {
+                        break;
+                    }
+                }
+                i = b.links().next;
+            }
+            if best.is_some() {
+                return best;
+            }
+        }
+        let class = self.first_class_from(class_at_least(units)?)?;
+        Some(self.heads[class])
+    }
+
+    /// The first block the predicate `prefer` accepts among those of at least `size` bytes and
+    /// at most `limit`, looking at a few of each class up to that size.
+    pub(crate) fn find_preferred<B: Indexed>(
+        &self,
+        blocks: &[B],
+        size: u64,
+        limit: u64,
+        prefer: impl Fn(&B) -> bool,
+    ) -> Option<u32> {
+        let mut class = class_of(size >> UNIT_LOG);
+        while class < FL * SL {
+            let c = self.first_class_from(class)?;
+            let mut j = self.heads[c];
+            let mut looked = 0;
+            let mut past = false;
+            while j != NIL && looked < SCAN {
+                let b = &blocks[j as usize];
+                if b.size() > limit {
+                    past = true;
+                } else if b.size() >= size && prefer(b) {
+                    return Some(j);
+                }
+                j = b.links().next;
+                looked += 1;
+            }
+            // The smallest block a class holds is at least its base size: once a class's blocks
+            // are past the limit, so are the next classes'.
+            if past && looked < SCAN {
+                return None;
+            }
+            class = c + 1;
+            if blocks[self.heads[c] as usize].size() > limit {
+                return None;
+            }
+        }
+        None
+    }
+
+    /// Verifies the bitmaps and every class list (links, and each block filed under its size's
+    /// class), calling `each` on every listed block; returns how many are listed.
+    pub(crate) fn check<B: Indexed + std::fmt::Debug>(
+        &self,
+        blocks: &[B],
+        mut each: impl FnMut(u32, &B) -> Result<(), String>,
+    ) -> Result<usize, String> {
+        let mut listed = 0usize;
+        for class in 0..FL * SL {
+            let bit = self.sl_maps[class / SL] & (1 << (class % SL)) != 0;
+            if bit != (self.heads[class] != NIL) {
+                return Err(format!(
+                    "class {class}: bitmap {bit} but head {}",
+                    self.heads[class]
+                ));
+            }
+            if bit && self.fl_map & (1 << (class / SL)) == 0 {
+                return Err(format!("class {class}: first-level bit missing"));
+            }
+            let (mut i, mut prev) = (self.heads[class], NIL);
+            while i != NIL {
+                let b = blocks
+                    .get(i as usize)
+                    .ok_or_else(|| format!("class {class} lists slot {i}, past the slab"))?;
+                if b.links().prev != prev || b.links().class as usize != class {
+                    return Err(format!(
+                        "block {i}: broken links or class ({b:?}, in class {class})"
+                    ));
+                }
+                if class_of(b.size() >> UNIT_LOG) != class {
+                    return Err(format!(
+                        "block {i}: size {} filed in class {class}",
+                        b.size()
+                    ));
+                }
+                each(i, b)?;
+                listed += 1;
+                prev = i;
+                i = b.links().next;
+            }
+        }
+        Ok(listed)
+    }
+}
+
+#[cfg(all(test, not(streamalloc_loom)))]
+mod tests {
+    use super::*;
+
+    /// The smallest size (in units) filed in `class`.
+    fn class_min(class: usize) -> u64 {
+        if class < SL {
+            return class as u64;
+        }
+        let (fl, sl) = (class / SL, (class % SL) as u64);
+        let msb = fl as u32 + SL_LOG - 1;
+        (1u64 << msb) | (sl << (msb - SL_LOG))
+    }
+
+    #[test]
+    fn classes_are_monotonic_and_search_rounds_up() {
+        let small = 1..5000u64;
+        let large = (13..50).flat_map(|p| {
+            [
+                (1u64 << p) - 1,
+                1 << p,
+                (1 << p) + 1,
+                (1 << p) + (1 << (p - 6)) + 3,
+            ]
+        });
+        let mut last = 0;
+        for units in small.chain(large) {
+            let c = class_of(units);
+            assert!(
+                c >= last && class_min(c) <= units,
+                "units {units}: class {c}"
+            );
+            last = c;
+            let at_least = class_at_least(units).unwrap();
+            assert!(
+                class_min(at_least) >= units,
+                "units {units}: class {at_least} may hold less"
+            );
+            assert!(
+                at_least <= c + 1,
+                "units {units}: rounded up more than one class"
+            );
+        }
+    }
+}
