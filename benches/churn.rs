@@ -7,8 +7,7 @@
 //! `scaling` (1, 2, 4 and 8 threads); `all` is every one.
 //!
 //! `--growth-divisor N` sets the pools' `PoolOptions::growth_divisor` (default 8);
-//! `--check-frees off` turns the pools' `PoolOptions::check_frees` off (default on), to time
-//! what the check costs; `--reuse-slack X` sets `PoolOptions::reuse_slack` (default 0).
+//! `--reuse-slack X` sets `PoolOptions::reuse_slack` (default 0).
 //!
 //! `--initial` lists the sizes (MiB) the pool and the arena start with, each run once per size:
 //! `2048` (the timed loop measures suballocation), `256` (WORKLOADS.md's growth from small), or
@@ -191,12 +190,13 @@ fn arg(name: &str, default: &str) -> String {
 /// A pool's report column: peak reserved over peak live, and how it got there.
 fn pool_extra(s: &PoolStats, o: &Outcome) -> String {
     format!(
-        "{} MiB / {} MiB = {:.2} ({} grows, {} stream waits)",
+        "{} MiB / {} MiB = {:.2} ({} grows, {} stream waits, {} shard spills)",
         s.peak_reserved / MIB,
         o.peak_live / MIB as u64,
         s.peak_reserved as f64 / o.peak_live as f64,
         s.grows,
-        s.stream_waits
+        s.stream_waits,
+        s.shard_spills
     )
 }
 
@@ -206,7 +206,6 @@ fn main() {
     let which = arg("--run", "all");
     let repeat: usize = arg("--repeat", "1").parse().unwrap_or(1);
     let growth_divisor: u32 = arg("--growth-divisor", "8").parse().unwrap_or(8);
-    let check_frees = arg("--check-frees", "on") != "off";
     let reuse_slack: f64 = arg("--reuse-slack", "0").parse().unwrap_or(0.0);
     let initials: Vec<usize> = arg("--initial", "2048,256")
         .split(',')
@@ -286,7 +285,6 @@ fn main() {
                 initial,
                 maximum: Some(8 * GIB),
                 growth_divisor,
-                check_frees,
                 reuse_slack,
             },
         )

@@ -125,10 +125,13 @@
 //! `loom-tests/frees_and_regrowth.rs`) run it on a fake stream that records ordering edges in
 //! vector clocks.
 //!
-//! **Every free is checked** (`PoolOptions::check_frees`, on by default): each shard keeps the
-//! blocks it handed out (address to size), and a free, found in its shard by address, must name
-//! one of them with its size. Anything else is refused and changes nothing. The arena keeps the
-//! same table per stream arena, moved with its superblocks.
+//! **Every free is checked**: each shard keeps every block of its chunks, free or handed out,
+//! linked to its address neighbours (`stream_ordered/blocks.rs`), and a free, found in its
+//! shard's map of blocks handed out by address, must name one of them with its size. Anything
+//! else is refused and changes nothing. (Until issue 10 the check was an option: a free list of
+//! free blocks only found a freed block's neighbours in two maps by address, and the check was
+//! a third; now the lookup that checks a free is also the one that finds its neighbours.) The
+//! arena keeps a table of blocks handed out per stream arena, moved with its superblocks.
 //!
 //! What it does not do yet: its fast path is slower than the per-stream lists' was on several
 //! threads and on hand-offs (`churn-4t` 97 to 124 ns/op against 39 to 57; `BENCHMARKS.md`): a

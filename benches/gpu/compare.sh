@@ -10,7 +10,7 @@
 #        strip .gpu/tests/* .gpu/bin/*       # the carry is 64 MiB in all
 #        bash ../shared/bench/rmm/run.sh fetch
 #        (optional) a churn binary of an earlier commit in .before/churn, for before/after
-# There: bash benches/gpu/compare.sh   (env: ROUNDS=3, SKIP_TESTS=0, SKIP_EXAMPLES=0, NOCHECK=1)
+# There: bash benches/gpu/compare.sh   (env: ROUNDS=3, SKIP_TESTS=0, SKIP_EXAMPLES=0)
 set -uo pipefail
 # Everything goes into $OUT/run and, at the end, into one archive $OUT/run.tgz (the device tool
 # brings back only a few files per call).
@@ -33,10 +33,6 @@ for r in $(seq "$ROUNDS"); do
   bash .rmm/run.sh >> "$OUT/rmm.txt" 2>&1; tail -40 "$OUT/rmm.txt" | grep -E "ns/op|ratio" | tail -24
   echo "===== round $r: streamalloc (this build)"
   "$churn" --resource pool --run workloads --initial 2048,256 2>&1 | tee -a "$OUT/churn.txt" | grep -E "^pool"
-  if [ "${NOCHECK:-1}" = 1 ]; then
-    echo "===== round $r: streamalloc (this build, PoolOptions::check_frees off: what the check costs)"
-    "$churn" --resource pool --run workloads --initial 2048,256 --check-frees off 2>&1 | tee -a "$OUT/churn-nocheck.txt" | grep -E "^pool"
-  fi
   if [ -x .before/churn ]; then
     echo "===== round $r: streamalloc (before)"
     .before/churn --resource pool --run workloads --initial 2048,256 2>&1 | tee -a "$OUT/churn-before.txt" | grep -E "^pool"

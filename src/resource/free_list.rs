@@ -168,14 +168,6 @@ impl<T: BlockTag> FreeList<T> {
 
     // ===== take and give =====
 
-    /// The size of the block [`take`](Self::take) would split for `size` bytes, if any: how
-    /// good a fit this list has, to choose between lists.
-    pub(crate) fn fit(&self, size: u64) -> Option<u64> {
-        self.index
-            .find(&self.blocks, size)
-            .map(|i| self.blocks[i as usize].size)
-    }
-
     /// Takes `size` bytes (a multiple of [`ALIGNMENT`], non-zero) from the list; the remainder
     /// of the block stays. Returns the address, or `None` if no block is large enough.
     pub(crate) fn take(&mut self, size: u64) -> Option<u64> {
@@ -187,28 +179,6 @@ impl<T: BlockTag> FreeList<T> {
         debug_assert!(size > 0 && size.is_multiple_of(ALIGNMENT as u64));
         let i = self.index.find(&self.blocks, size)?;
         Some(self.take_from(i, size))
-    }
-
-    /// [`take_tagged`](Self::take_tagged), preferring a block whose tag `prefer` accepts: if
-    /// the block it would take is not one, the first such block at most `slack` (a fraction)
-    /// larger, among a few of each size class up to that size, is taken instead.
-    pub(crate) fn take_preferring(
-        &mut self,
-        size: u64,
-        slack: f64,
-        prefer: impl Fn(&T) -> bool,
-    ) -> Option<(u64, T)> {
-        debug_assert!(size > 0 && size.is_multiple_of(ALIGNMENT as u64));
-        let i = self.index.find(&self.blocks, size)?;
-        let b = &self.blocks[i as usize];
-        if slack <= 0.0 || prefer(&b.tag) {
-            return Some(self.take_from(i, size));
-        }
-        let limit = ((b.size as f64) * (1.0 + slack)) as u64;
-        let j = (self.index)
-            .find_preferred(&self.blocks, size, limit, |b| prefer(&b.tag))
-            .unwrap_or(i);
-        Some(self.take_from(j, size))
     }
 
     /// Takes `size` bytes from the start of block `i`; the remainder keeps the slot, its end
@@ -340,21 +310,6 @@ impl<T: BlockTag> FreeList<T> {
             .map(|&i| (self.blocks[i as usize].addr, self.blocks[i as usize].size))
     }
 
-    /// Every block with its tag.
-    pub(crate) fn tagged_blocks(&self) -> impl Iterator<Item = (u64, u64, &T)> + '_ {
-        self.by_start.values().map(|&i| {
-            let b = &self.blocks[i as usize];
-            (b.addr, b.size, &b.tag)
-        })
-    }
-
-    /// Runs `f` on every block's tag.
-    pub(crate) fn for_each_tag(&mut self, mut f: impl FnMut(&mut T)) {
-        for &i in self.by_start.values() {
-            f(&mut self.blocks[i as usize].tag);
-        }
-    }
-
     /// Verifies every invariant; returns the first violation found. Not cheap: tests only.
     pub(crate) fn check(&self) -> Result<(), String> {
         let mut total = 0u64;
@@ -403,43 +358,6 @@ impl<T: BlockTag> FreeList<T> {
             }
         }
         Ok(())
-    }
-
-    // ===== for the expandable pool (resource/expandable): added by issue 11 =====
-
-    /// The size of the free block that ends at `addr`, or 0 if none does.
-    pub(crate) fn free_ending_at(&self, addr: u64) -> u64 {
-        self.by_end
-            .get(&addr)
-            .map_or(0, |&i| self.blocks[i as usize].size)
-    }
-
-    /// The size of the free block that starts at `addr`, or 0 if none does.
-    pub(crate) fn free_starting_at(&self, addr: u64) -> u64 {
-        self.by_start
-            .get(&addr)
-            .map_or(0, |&i| self.blocks[i as usize].size)
-    }
-
-    /// Takes `[lo, hi)` out of the middle of the free block that starts at `block`, leaving
-    /// its pieces before and after in the list (with the block's tag): the block's tag, or
-    /// `None`, changing nothing, unless such a block holds all of the range.
-    pub(crate) fn take_range_tagged(&mut self, block: u64, lo: u64, hi: u64) -> Option<T> {
-        let size = self.free_starting_at(block);
-        if size == 0 || lo < block || hi > block + size || lo >= hi {
-            return None;
-        }
-        let tag = self.take_exact_tagged(block, size);
-        debug_assert!(tag.is_some());
-        let tag = tag.unwrap_or_default();
-        // The pieces cannot merge with anything: the block was coalesced with its neighbours.
-        for (addr, end) in [(block, lo), (hi, block + size)] {
-            if end > addr {
-                let given = self.give_tagged(addr, end - addr, tag.clone());
-                debug_assert!(given, "a piece of a split block could not go back");
-            }
-        }
-        Some(tag)
     }
 }
 

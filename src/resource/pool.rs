@@ -42,13 +42,6 @@ pub struct PoolOptions {
     /// the default, 8, holds at most about 1/8 more than the peak needed, in more chunks
     /// (`BENCHMARKS.md` has the figures). 0 is taken as 1.
     pub growth_divisor: u32,
-    /// Whether every free is checked against the blocks the pool has handed out (a table of
-    /// them): a pointer it did not hand out, one inside a block, a wrong size or a second free
-    /// is refused with [`Error::UnknownPointer`] and changes nothing. Without the check, only
-    /// a free overlapping free memory is refused, and a bad one can corrupt the pool (hand the
-    /// same memory out twice). On by default: it costs about 100 instructions per allocate/free pair
-    /// (`BENCHMARKS.md` has the time on an H200).
-    pub check_frees: bool,
     /// How much waiting between streams a request avoids at the cost of memory: a request on
     /// stream S whose best-fitting free block was freed on another stream (so S would wait on
     /// the GPU for that stream first: an event recorded there and waited on) takes instead a
@@ -64,7 +57,6 @@ impl Default for PoolOptions {
             initial: 0,
             maximum: None,
             growth_divisor: 8,
-            check_frees: true,
             reuse_slack: 0.0,
         }
     }
@@ -103,6 +95,10 @@ pub struct PoolStats {
     /// recorded on another stream and waited on) before reusing memory that other stream
     /// freed. One wait covers everything that stream had freed so far.
     pub stream_waits: u64,
+    /// Requests that their thread's shard of free memory could not serve, served from another
+    /// shard (each one looked at every shard's best fit, one lock at a time): a high count
+    /// against the requests means threads share memory more than the shards assume.
+    pub shard_spills: u64,
     /// Bytes handed out and not yet given back.
     pub in_use: usize,
     /// The most bytes handed out at once: each shard of the pool's free memory counts its
@@ -194,7 +190,7 @@ impl<U: MemoryResource> PoolResource<U> {
             own: device.create_stream()?,
             device,
             upstream,
-            heap: StreamHeap::with_options(options.check_frees, options.reuse_slack, SHARDS),
+            heap: StreamHeap::with_options(options.reuse_slack, SHARDS),
             chunks: Mutex::new(BTreeMap::new()),
             reserved: AtomicU64::new(0),
             peak_reserved: AtomicU64::new(0),
@@ -256,6 +252,7 @@ impl<U: MemoryResource> PoolResource<U> {
             streams: engine.streams,
             grows: self.grows.load(Ordering::Relaxed),
             stream_waits: engine.waits,
+            shard_spills: engine.spills,
             in_use: engine.in_use as usize,
             peak_in_use: engine.peak_in_use as usize,
         }

@@ -182,14 +182,14 @@ impl SizeIndex {
         Some(self.heads[class])
     }
 
-    /// The first block the predicate `prefer` accepts among those of at least `size` bytes and
+    /// The first block (by slot) the predicate `prefer` accepts among those of at least `size` bytes and
     /// at most `limit`, looking at a few of each class up to that size.
     pub(crate) fn find_preferred<B: Indexed>(
         &self,
         blocks: &[B],
         size: u64,
         limit: u64,
-        prefer: impl Fn(&B) -> bool,
+        prefer: impl Fn(u32) -> bool,
     ) -> Option<u32> {
         let mut class = class_of(size >> UNIT_LOG);
         while class < FL * SL {
@@ -201,7 +201,7 @@ impl SizeIndex {
                 let b = &blocks[j as usize];
                 if b.size() > limit {
                     past = true;
-                } else if b.size() >= size && prefer(b) {
+                } else if b.size() >= size && prefer(j) {
                     return Some(j);
                 }
                 j = b.links().next;

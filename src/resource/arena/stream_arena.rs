@@ -1,6 +1,7 @@
 //! The arena of one stream: the superblocks it holds, one free list over all of them, and the
 //! blocks freed on other streams that wait to be adopted.
 
+use std::collections::hash_map::Entry;
 use std::collections::BTreeMap;
 
 use rustc_hash::FxHashMap;
@@ -119,7 +120,13 @@ impl ArenaState {
     /// Takes the live entry of a block freed by the user: true if `[addr, addr + size)` is a
     /// block this arena handed out (it is no longer live then).
     pub(super) fn unlive(&mut self, addr: u64, size: u64) -> bool {
-        crate::resource::stream_ordered::unlive(&mut self.live, addr, size) == Some(true)
+        match self.live.entry(addr) {
+            Entry::Occupied(held) if *held.get() == size => {
+                held.remove();
+                true
+            }
+            _ => false,
+        }
     }
 
     /// A free by the user on this arena's stream: the block must be live here.

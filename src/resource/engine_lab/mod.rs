@@ -107,7 +107,7 @@ impl CountingUpstream {
             peak: Cell::new(0),
             grows: Cell::new(0),
         };
-        let lists = StreamHeap::with_options(true, slack, 8);
+        let lists = StreamHeap::with_options(slack, 8);
         // As the pool does: eight chunks, one per shard.
         for shard in 0..8 {
             let (base, size) = up.grow(initial / 8, &LabStream::new(0)).unwrap();
@@ -421,7 +421,10 @@ fn policies_grown_from_256_mib() {
 #[test]
 #[ignore = "a measurement, not a check: run it with --ignored --nocapture"]
 fn engine_time_churn_1t() {
-    let reps: u32 = std::env::var("LAB_REPS").ok().and_then(|v| v.parse().ok()).unwrap_or(3);
+    let reps: u32 = std::env::var("LAB_REPS")
+        .ok()
+        .and_then(|v| v.parse().ok())
+        .unwrap_or(3);
     for _ in 0..reps {
         let (up, lists) = CountingUpstream::start(2 << 30);
         let stream = LabStream::new(1);
@@ -441,6 +444,57 @@ fn engine_time_churn_1t() {
             }
         }
         let ns = start.elapsed().as_nanos() as f64 / 1e6;
-        eprintln!("engine, churn-1t from 2 GiB: {ns:.1} ns/op ({} growths)", up.grows.get());
+        eprintln!(
+            "engine, churn-1t from 2 GiB: {ns:.1} ns/op ({} growths)",
+            up.grows.get()
+        );
     }
+}
+
+/// `churn-4t` on the engine as the pool sets it up (8 shards, 2 GiB in 8 chunks), on four real
+/// threads: the time (on this machine's cores, which may be fewer than four), and how many
+/// requests their home shard could not serve (`spills`: each one looks at every other shard).
+#[test]
+#[ignore = "a measurement, not a check: run it with --ignored --nocapture"]
+fn engine_four_real_threads() {
+    let (up, lists) = CountingUpstream::start(2 << 30);
+    let up = std::sync::Mutex::new(up);
+    struct Locked<'a>(&'a std::sync::Mutex<CountingUpstream>);
+    impl Grow<LabStream> for Locked<'_> {
+        fn grow(&self, min: u64, stream: &LabStream) -> Result<(u64, u64)> {
+            self.0.lock().unwrap().grow(min, stream)
+        }
+    }
+    let start = std::time::Instant::now();
+    std::thread::scope(|scope| {
+        for t in 0..4u64 {
+            let (lists, up) = (&lists, Locked(&up));
+            scope.spawn(move || {
+                let stream = LabStream::new(t + 1);
+                let (mut rng, mut bytes) = (42 + t, 0u64);
+                let mut live: Vec<(u64, u64)> = Vec::new();
+                for _ in 0..250_000 {
+                    let (a, b) = (splitmix64(&mut rng), splitmix64(&mut rng));
+                    let e = 8 + b % 15;
+                    let size = ((1u64 << e) + (b >> 8) % (1u64 << e)).next_multiple_of(256);
+                    if live.is_empty() || (a & 1 == 0 && bytes + size <= 256 << 20) {
+                        live.push((lists.take(size, &stream, &up).unwrap(), size));
+                        bytes += size;
+                    } else {
+                        let i = ((a >> 1) % live.len() as u64) as usize;
+                        let (addr, size) = live.swap_remove(i);
+                        assert!(lists.give(addr, size, &stream));
+                        bytes -= size;
+                    }
+                }
+            });
+        }
+    });
+    let stats = lists.stats();
+    eprintln!(
+        "engine, churn-4t from 2 GiB on 4 threads: {:.1} ns/op, {} spills, {} growths",
+        start.elapsed().as_nanos() as f64 / 1e6,
+        stats.spills,
+        up.lock().unwrap().grows.get()
+    );
 }

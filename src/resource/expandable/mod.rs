@@ -181,6 +181,7 @@ impl ExpandablePoolResource {
             streams: engine.streams,
             grows: core.grows(),
             stream_waits: engine.waits,
+            shard_spills: engine.spills,
             in_use: engine.in_use as usize,
             peak_in_use: engine.peak_in_use as usize,
         }

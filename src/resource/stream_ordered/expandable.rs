@@ -23,27 +23,13 @@ impl<S: EngineStream> StreamHeap<S> {
     pub(crate) fn take_aligned(&self, granule: u64) -> Vec<(u64, u64, Option<S>)> {
         let mut out = Vec::new();
         for shard in self.shards.iter() {
-            let taken: Vec<(u64, u64, Waits)> = {
-                let mut heap = shard.lock();
-                let blocks: Vec<(u64, u64)> = heap.free.blocks().collect();
-                let mut taken = Vec::new();
-                for (addr, size) in blocks {
-                    let lo = addr.next_multiple_of(granule);
-                    let hi = (addr + size) / granule * granule;
-                    if lo < hi {
-                        if let Some(tag) = heap.free.take_range_tagged(addr, lo, hi) {
-                            taken.push((lo, hi - lo, tag));
-                        }
-                    }
-                }
-                taken
-            };
+            let taken = shard.lock().free.take_aligned(granule);
             for (addr, size, tag) in taken {
                 match self.onto_one(shard, &tag) {
                     Ok(stream) => out.push((addr, size, stream)),
                     Err(e) => {
                         tracing::warn!(error = %e, addr, "a free range stays mapped: ordering failed");
-                        let given = shard.lock().free.give_tagged(addr, size, tag);
+                        let given = shard.lock().free.give_range(addr, size, tag);
                         debug_assert!(given, "a range taken out could not go back");
                     }
                 }

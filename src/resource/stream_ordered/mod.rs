@@ -46,11 +46,11 @@ use std::fmt;
 
 use rustc_hash::FxHashMap;
 
-use super::free_list::FreeList;
 use crate::error::{Error, Result};
 use crate::stream::Stream;
 use crate::sync::{AtomicU64, Mutex, Ordering};
 
+mod blocks;
 mod chunks;
 mod expandable;
 mod order;
@@ -63,6 +63,7 @@ mod stream;
 mod view;
 mod waits;
 
+use blocks::BlockTable;
 use chunks::ChunkTable;
 pub(crate) use view::ListBlocks;
 pub(crate) use waits::Waits;
@@ -122,11 +123,10 @@ impl<S> Entry<S> {
 
 /// Everything under the engine's lock.
 struct Heap<S> {
-    free: FreeList<Waits>,
-    /// The blocks handed out: address → size. A free must name one of them, with its size: a
-    /// pointer never handed out, or a wrong size, would otherwise put memory that is in use
-    /// into the free list (issue 16). Empty unless frees are checked.
-    live: FxHashMap<u64, u64>,
+    /// Every block of the shard's chunks, free or handed out. A free must name a block handed
+    /// out, with its size: a pointer never handed out, or a wrong size, would otherwise put
+    /// memory that is in use among the free blocks (issue 16).
+    free: BlockTable<Waits>,
     /// Stream uid → its slot in `entries`.
     slots: FxHashMap<u64, u32>,
     entries: Vec<Option<Entry<S>>>,
@@ -211,6 +211,20 @@ impl<S: EngineStream> Heap<S> {
 /// One shard: a free list and the streams it has seen, under one lock.
 type Shard<S> = Mutex<Heap<S>>;
 
+/// A shard on cache lines of its own: the shards' locks and counters change on every operation,
+/// and neighbours sharing a line would make threads on different shards contend anyway.
+#[repr(align(128))]
+struct Padded<T>(T);
+
+impl<T> std::ops::Deref for Padded<T> {
+    type Target = T;
+
+    #[inline]
+    fn deref(&self) -> &T {
+        &self.0
+    }
+}
+
 /// The free memory of one resource, shared by every stream, and the streams it has seen.
 ///
 /// In shards: each chunk belongs to one, and a request goes first to its thread's *home* shard
@@ -220,16 +234,16 @@ type Shard<S> = Mutex<Heap<S>>;
 /// different streams take different locks: one lock for every thread cost 20 to 30 times the
 /// time of per-stream locks on four threads on an H200 host (issue 10; `BENCHMARKS.md`).
 pub(crate) struct StreamHeap<S = Stream> {
-    shards: Box<[Shard<S>]>,
+    shards: Box<[Padded<Shard<S>>]>,
     /// Which shard each chunk is in, for frees.
     table: ChunkTable,
     /// Held by a request through its growth: two requests that both find nothing would
     /// otherwise both grow.
     slow: Mutex<()>,
-    /// Whether frees are checked against the blocks handed out (`Heap::live`).
-    check_frees: bool,
     /// Orderings made (a request's stream waiting on another's event).
     waits: AtomicU64,
+    /// Requests served by a shard other than their thread's home shard.
+    spills: AtomicU64,
     /// How much larger (a fraction) than the best fit a block the requester need not wait
     /// for may be, to be taken instead (`PoolOptions::reuse_slack`).
     slack: f64,
@@ -252,40 +266,40 @@ pub(crate) struct EngineStats {
     pub(crate) free_bytes: u64,
     pub(crate) free_blocks: usize,
     pub(crate) waits: u64,
+    pub(crate) spills: u64,
     pub(crate) in_use: u64,
     pub(crate) peak_in_use: u64,
 }
 
 impl<S: EngineStream> StreamHeap<S> {
-    /// An engine of one shard whose frees are checked against the blocks it handed out, taking
-    /// the best fit whatever the waits.
+    /// An engine of one shard, taking the best fit whatever the waits.
     pub(crate) fn new() -> Self {
-        Self::with_options(true, 0.0, 1)
+        Self::with_options(0.0, 1)
     }
 
-    /// An engine of `shards` shards (at least 1) with frees checked against the blocks in use
-    /// (`check_frees`) or not (a free is then only checked against free memory, and one that
-    /// names memory in use corrupts the free list), preferring blocks that need no wait up to
+    /// An engine of `shards` shards (at least 1, rounded up to a power of two), preferring blocks that need no wait up to
     /// `slack` larger than the best fit.
-    pub(crate) fn with_options(check_frees: bool, slack: f64, shards: usize) -> Self {
+    pub(crate) fn with_options(slack: f64, shards: usize) -> Self {
         let shard = || {
-            Mutex::new(Heap {
-                free: FreeList::new(),
-                live: FxHashMap::default(),
+            Padded(Mutex::new(Heap {
+                free: BlockTable::new(),
                 slots: FxHashMap::default(),
                 entries: Vec::new(),
                 spare: Vec::new(),
                 last: (0, 0),
                 in_use: 0,
                 peak_in_use: 0,
-            })
+            }))
         };
         Self {
-            shards: (0..shards.max(1)).map(|_| shard()).collect(),
+            // A power of two, so that a thread's home is a mask, not a division.
+            shards: (0..shards.max(1).next_power_of_two())
+                .map(|_| shard())
+                .collect(),
             table: ChunkTable::new(),
             slow: Mutex::new(()),
-            check_frees,
             waits: AtomicU64::new(0),
+            spills: AtomicU64::new(0),
             slack: if slack.is_finite() {
                 slack.max(0.0)
             } else {
@@ -299,7 +313,7 @@ impl<S: EngineStream> StreamHeap<S> {
     /// as a pipeline's scheduler does, keeps the best fit over all its memory).
     #[inline]
     fn home(&self) -> usize {
-        thread_index() % self.shards.len()
+        thread_index() & (self.shards.len() - 1)
     }
 
     /// A new chunk, in the first shard: frees inside it are accepted, and no block merges
@@ -335,34 +349,30 @@ impl<S: EngineStream> StreamHeap<S> {
     fn shard_of(&self, addr: u64, size: u64) -> Option<&Shard<S>> {
         self.table
             .shard_of(addr, size)
-            .map(|i| &self.shards[i as usize])
+            .map(|i| &*self.shards[i as usize])
     }
 
     /// Memory any stream may use at once (a chunk allocated synchronously).
     pub(crate) fn give_fresh(&self, addr: u64, size: u64) {
         let given = self
             .shard_of(addr, size)
-            .is_some_and(|shard| shard.lock().free.give(addr, size));
-        debug_assert!(given, "a fresh chunk overlapped free memory or no chunk");
+            .is_some_and(|shard| shard.lock().free.give_range(addr, size, Waits::default()));
+        debug_assert!(given, "a fresh chunk overlapped a block or no chunk");
     }
 
     /// Gives memory back on `stream` (a free). False, and nothing changes, unless
-    /// `[addr, addr + size)` is a block this engine handed out and has not taken back (with
-    /// frees checked; else unless it overlaps no free memory): a pointer it never handed out,
-    /// one inside a block, a wrong size and a second free are all refused.
+    /// `[addr, addr + size)` is a block this engine handed out and has not taken back: a
+    /// pointer it never handed out, one inside a block, a wrong size and a second free are all
+    /// refused.
     #[inline]
     pub(crate) fn give(&self, addr: u64, size: u64, stream: &S) -> bool {
         let Some(shard) = self.shard_of(addr, size) else {
             return false;
         };
         let mut heap = shard.lock();
-        if self.check_frees && unlive(&mut heap.live, addr, size) != Some(true) {
-            return false;
-        }
         let slot = heap.slot(stream);
         let tag = heap.freed_on(slot);
-        if !heap.free.give_tagged(addr, size, tag) {
-            debug_assert!(!self.check_frees, "a live block overlapped free memory");
+        if !heap.free.free(addr, size, tag) {
             return false;
         }
         heap.in_use -= size;
@@ -402,6 +412,7 @@ impl<S: EngineStream> StreamHeap<S> {
         fits.sort_unstable();
         for (_, i) in fits {
             if let Some(addr) = self.take_free(&self.shards[i], None, size, stream)? {
+                self.spills.fetch_add(1, Ordering::Relaxed);
                 return Ok(Some(addr));
             }
         }
@@ -421,8 +432,8 @@ impl<S: EngineStream> StreamHeap<S> {
     ) -> Result<Option<u64>> {
         let mut heap = shard.lock();
         if let Some((base, chunk)) = fresh {
-            let given = heap.free.give(base, chunk);
-            debug_assert!(given, "a fresh chunk overlapped free memory");
+            let given = heap.free.give_range(base, chunk, Waits::default());
+            debug_assert!(given, "a fresh chunk overlapped a block");
         }
         let taken = if self.slack > 0.0 {
             let slot = heap.slot(stream);
@@ -434,9 +445,6 @@ impl<S: EngineStream> StreamHeap<S> {
         let Some((addr, tag)) = taken else {
             return Ok(None);
         };
-        if self.check_frees {
-            heap.live.insert(addr, size);
-        }
         heap.count_out(size);
         if tag.is_empty() || heap.only(&tag, stream.uid()) {
             return Ok(Some(addr));
@@ -453,11 +461,8 @@ impl<S: EngineStream> StreamHeap<S> {
                 // The block goes back as it was: nothing is lost, and its tag still asks for
                 // the orderings that failed.
                 let mut heap = shard.lock();
-                if self.check_frees {
-                    heap.live.remove(&addr);
-                }
                 heap.in_use -= size;
-                let given = heap.free.give_tagged(addr, size, tag);
+                let given = heap.free.free(addr, size, tag);
                 debug_assert!(
                     given,
                     "a block taken for a failed ordering could not go back"
@@ -526,18 +531,4 @@ fn covered<S>(entries: &[Option<Entry<S>>], slot: u32, tag: &Waits) -> bool {
         return false;
     };
     !tag.every() && (tag.pairs().iter()).all(|&(d, at)| d == slot || me.waited(d) > at)
-}
-
-/// Removes the live entry of the block at `addr`: `Some(true)` if it was there with `size`,
-/// `Some(false)` (and it stays) if it was there with another size, `None` if it was not there.
-/// (The arena's live tables use it too.)
-pub(crate) fn unlive(live: &mut FxHashMap<u64, u64>, addr: u64, size: u64) -> Option<bool> {
-    match live.get(&addr) {
-        Some(&held) if held == size => {
-            live.remove(&addr);
-            Some(true)
-        }
-        Some(_) => Some(false),
-        None => None,
-    }
 }

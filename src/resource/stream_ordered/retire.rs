@@ -79,8 +79,8 @@ impl<S: EngineStream> StreamHeap<S> {
         for &(addr, size) in blocks {
             let given = self
                 .shard_of(addr, size)
-                .is_some_and(|shard| shard.lock().free.give(addr, size));
-            debug_assert!(given, "a block overlapped free memory or no chunk");
+                .is_some_and(|shard| shard.lock().free.give_range(addr, size, Waits::default()));
+            debug_assert!(given, "a block overlapped another or no chunk");
         }
     }
 
@@ -91,9 +91,9 @@ impl<S: EngineStream> StreamHeap<S> {
                 let mut heap = shard.lock();
                 let slot = heap.slot(stream);
                 let tag = heap.freed_on(slot);
-                heap.free.give_tagged(addr, size, tag)
+                heap.free.give_range(addr, size, tag)
             });
-            debug_assert!(given, "a block overlapped free memory or no chunk");
+            debug_assert!(given, "a block overlapped another or no chunk");
         }
     }
 
@@ -114,7 +114,7 @@ impl<S: EngineStream> StreamHeap<S> {
                     }
                     Err(e) => {
                         tracing::warn!(error = %e, base, "a free chunk stays: ordering failed");
-                        let given = shard.lock().free.give_tagged(base, size, tag);
+                        let given = shard.lock().free.give_range(base, size, tag);
                         debug_assert!(given, "a chunk taken out could not go back");
                         None
                     }

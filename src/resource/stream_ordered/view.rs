@@ -21,6 +21,7 @@ impl<S: EngineStream> StreamHeap<S> {
     pub(crate) fn stats(&self) -> EngineStats {
         let mut stats = EngineStats {
             waits: self.waits.load(Ordering::Relaxed),
+            spills: self.spills.load(Ordering::Relaxed),
             ..EngineStats::default()
         };
         let mut uids: Vec<u64> = Vec::new();
@@ -75,9 +76,9 @@ impl<S: EngineStream> StreamHeap<S> {
                 }
             }
             all.extend(heap.free.blocks().map(|(a, s)| (a, s, false)));
-            all.extend(heap.live.iter().map(|(&a, &s)| (a, s, true)));
-            let live: u64 = heap.live.values().sum();
-            if self.check_frees && live != heap.in_use {
+            all.extend(heap.free.used_blocks().map(|(a, s)| (a, s, true)));
+            let live = heap.free.used_bytes();
+            if live != heap.in_use {
                 return Err(format!(
                     "shard {i}: {live} bytes live, {} counted in use",
                     heap.in_use

@@ -1,0 +1,647 @@
+//! The engine's memory, block by block: every block of its chunks, free or handed out, linked
+//! to its neighbours in address order, free blocks also filed by size (`tlsf.rs`).
+//!
+//! Why not the arena's free list (`free_list.rs`)? That one knows only free blocks, so a free
+//! finds its neighbours in two hash maps (by start, by end), and the engine kept a third map of
+//! the blocks handed out, to refuse a free of memory it never handed out: about ten hash-map
+//! operations per allocate/free pair, most of the engine's time (`perf` on `engine_lab`'s
+//! `engine_time_churn_1t`, issue 10). Here a block handed out keeps its slot and its links, so a
+//! free is one lookup in the map of blocks in use, and its neighbours are one link away; a take
+//! is one insertion. A free that does not name a block in use with its exact size is refused,
+//! always: the check costs nothing more.
+//!
+//! Memory inside a chunk that is in no block is a *hole*: not yet given (a chunk is registered
+//! before its memory is given), or taken out ([`take_exact`](BlockTable::take_exact),
+//! [`take_aligned`](BlockTable::take_aligned): a chunk going back upstream, granules being
+//! unmapped). Blocks link only to blocks that touch them, so nothing coalesces across a hole
+//! or a chunk's start; giving a hole's memory back ([`give_range`](BlockTable::give_range))
+//! finds its neighbours by a scan, which only the cold paths (growth, trim, their rollbacks) do.
+
+use std::collections::hash_map::Entry;
+use std::fmt;
+
+use rustc_hash::FxHashMap;
+
+use crate::resource::free_list::BlockTag;
+use crate::resource::tlsf::{Indexed, Links, SizeIndex, NIL};
+use crate::resource::ALIGNMENT;
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum State {
+    Free,
+    Used,
+    /// The slot holds no block (reusable).
+    Spare,
+}
+
+#[derive(Clone, Debug)]
+struct Block {
+    addr: u64,
+    size: u64,
+    /// Its place in the size index (free blocks only).
+    links: Links,
+    /// The blocks that end where it starts and start where it ends, if any ([`NIL`]).
+    before: u32,
+    after: u32,
+    state: State,
+}
+
+impl Block {
+    fn end(&self) -> u64 {
+        self.addr + self.size
+    }
+}
+
+impl Indexed for Block {
+    #[inline]
+    fn size(&self) -> u64 {
+        self.size
+    }
+    #[inline]
+    fn links(&self) -> &Links {
+        &self.links
+    }
+    #[inline]
+    fn links_mut(&mut self) -> &mut Links {
+        &mut self.links
+    }
+}
+
+/// Every block of the engine's chunks (of one shard).
+pub(crate) struct BlockTable<T: BlockTag> {
+    blocks: Vec<Block>,
+    /// What each slot's block's reuse waits for (free blocks; empty otherwise). Apart from the
+    /// blocks, so that walking the size classes and the neighbours touches fewer cache lines:
+    /// the engine's tag is 72 bytes, a block 40.
+    tags: Vec<T>,
+    /// Slots of [`State::Spare`], for reuse.
+    spare: Vec<u32>,
+    index: SizeIndex,
+    /// Blocks handed out: start → slot.
+    used: FxHashMap<u64, u32>,
+    /// The chunks' `(start, end)`, sorted: blocks lie inside one, and none links across a start.
+    chunks: Vec<(u64, u64)>,
+    free_bytes: u64,
+    free_blocks: usize,
+}
+
+impl<T: BlockTag> fmt::Debug for BlockTable<T> {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("BlockTable")
+            .field("free_bytes", &self.free_bytes)
+            .field("free_blocks", &self.free_blocks)
+            .field("used_blocks", &self.used.len())
+            .finish()
+    }
+}
+
+impl<T: BlockTag> Default for BlockTable<T> {
+    fn default() -> Self {
+        Self::new()
+    }
+}
+
+impl<T: BlockTag> BlockTable<T> {
+    pub(crate) fn new() -> Self {
+        BlockTable {
+            blocks: Vec::new(),
+            tags: Vec::new(),
+            spare: Vec::new(),
+            index: SizeIndex::default(),
+            used: FxHashMap::default(),
+            chunks: Vec::new(),
+            free_bytes: 0,
+            free_blocks: 0,
+        }
+    }
+
+    /// Free bytes.
+    pub(crate) fn free_bytes(&self) -> u64 {
+        self.free_bytes
+    }
+
+    /// Free blocks.
+    pub(crate) fn len(&self) -> usize {
+        self.free_blocks
+    }
+
+    // ===== chunks =====
+
+    /// Registers a chunk (its memory a hole until [`give_range`](Self::give_range)).
+    pub(crate) fn add_chunk(&mut self, start: u64, size: u64) {
+        let at = self.chunks.partition_point(|c| c.0 < start);
+        if self.chunks.get(at).is_none_or(|c| c.0 != start) {
+            self.chunks.insert(at, (start, start + size));
+        }
+    }
+
+    /// Forgets a chunk, whose memory must all be a hole by now (taken out).
+    pub(crate) fn remove_chunk(&mut self, start: u64) {
+        debug_assert!(
+            !self.slots().any(|i| {
+                let b = &self.blocks[i as usize];
+                self.chunk_of(b.addr).is_some_and(|c| c.0 == start)
+            }),
+            "a chunk removed while it still holds blocks"
+        );
+        self.chunks.retain(|c| c.0 != start);
+    }
+
+    fn is_chunk_start(&self, addr: u64) -> bool {
+        self.chunks.binary_search_by_key(&addr, |c| c.0).is_ok()
+    }
+
+    /// The chunk holding the byte at `addr`.
+    fn chunk_of(&self, addr: u64) -> Option<(u64, u64)> {
+        let at = self.chunks.partition_point(|c| c.0 <= addr);
+        (at > 0 && addr < self.chunks[at - 1].1).then(|| self.chunks[at - 1])
+    }
+
+    /// Whether `[addr, addr + size)` lies inside one chunk.
+    fn inside_a_chunk(&self, addr: u64, size: u64) -> bool {
+        self.chunk_of(addr)
+            .is_some_and(|c| addr.checked_add(size).is_some_and(|end| end <= c.1))
+    }
+
+    // ===== slots =====
+
+    /// The slots that hold a block.
+    fn slots(&self) -> impl Iterator<Item = u32> + '_ {
+        (0..self.blocks.len() as u32).filter(|&i| self.blocks[i as usize].state != State::Spare)
+    }
+
+    fn new_slot(&mut self, block: Block, tag: T) -> u32 {
+        match self.spare.pop() {
+            Some(i) => {
+                self.blocks[i as usize] = block;
+                self.tags[i as usize] = tag;
+                i
+            }
+            None => {
+                self.blocks.push(block);
+                self.tags.push(tag);
+                (self.blocks.len() - 1) as u32
+            }
+        }
+    }
+
+    fn release_slot(&mut self, i: u32) {
+        self.blocks[i as usize].state = State::Spare;
+        self.tags[i as usize] = T::default();
+        self.spare.push(i);
+    }
+
+    /// Files free block `i` by size and counts it.
+    #[inline]
+    fn file(&mut self, i: u32) {
+        self.index.link(&mut self.blocks, i);
+        self.free_bytes += self.blocks[i as usize].size;
+        self.free_blocks += 1;
+    }
+
+    /// Takes free block `i` out of the size index and the counts.
+    #[inline]
+    fn unfile(&mut self, i: u32) {
+        self.index.unlink(&mut self.blocks, i);
+        self.free_bytes -= self.blocks[i as usize].size;
+        self.free_blocks -= 1;
+    }
+
+    fn is_free(&self, i: u32) -> bool {
+        i != NIL && self.blocks[i as usize].state == State::Free
+    }
+
+    /// Points the neighbour links around block `i` at `to` (after `i` was merged into `to`, or
+    /// at [`NIL`] when `i` becomes a hole).
+    fn relink_neighbours(&mut self, i: u32, to_before: u32, to_after: u32) {
+        let Block { before, after, .. } = self.blocks[i as usize];
+        if before != NIL {
+            self.blocks[before as usize].after = to_before;
+        }
+        if after != NIL {
+            self.blocks[after as usize].before = to_after;
+        }
+    }
+
+    /// Merges free block `i` with its free neighbours, files it, and returns its slot.
+    #[inline]
+    fn coalesce_and_file(&mut self, mut i: u32) -> u32 {
+        let after = self.blocks[i as usize].after;
+        if self.is_free(after) {
+            self.unfile(after);
+            let Block {
+                size, after: next, ..
+            } = self.blocks[after as usize];
+            let tag = std::mem::take(&mut self.tags[after as usize]);
+            self.tags[i as usize].join(&tag);
+            let b = &mut self.blocks[i as usize];
+            b.size += size;
+            b.after = next;
+            if next != NIL {
+                self.blocks[next as usize].before = i;
+            }
+            self.release_slot(after);
+        }
+        let before = self.blocks[i as usize].before;
+        if self.is_free(before) {
+            self.unfile(before);
+            let Block {
+                addr,
+                size,
+                after: next,
+                ..
+            } = self.blocks[i as usize];
+            let tag = std::mem::take(&mut self.tags[i as usize]);
+            self.tags[before as usize].join(&tag);
+            let l = &mut self.blocks[before as usize];
+            debug_assert_eq!(l.end(), addr);
+            l.size += size;
+            l.after = next;
+            if next != NIL {
+                self.blocks[next as usize].before = before;
+            }
+            self.release_slot(i);
+            i = before;
+        }
+        self.file(i);
+        i
+    }
+
+    // ===== take =====
+
+    /// The size of the block [`take_tagged`](Self::take_tagged) would split for `size` bytes,
+    /// if any: how good a fit this table has, to choose between shards.
+    pub(crate) fn fit(&self, size: u64) -> Option<u64> {
+        self.index
+            .find(&self.blocks, size)
+            .map(|i| self.blocks[i as usize].size)
+    }
+
+    /// Hands out `size` bytes (a multiple of [`ALIGNMENT`], non-zero) from a fit within 3% of
+    /// the best, with the tag of the block it came from; `None` if no block is large enough.
+    #[inline]
+    pub(crate) fn take_tagged(&mut self, size: u64) -> Option<(u64, T)> {
+        debug_assert!(size > 0 && size.is_multiple_of(ALIGNMENT as u64));
+        let i = self.index.find(&self.blocks, size)?;
+        Some(self.take_from(i, size))
+    }
+
+    /// [`take_tagged`](Self::take_tagged), preferring a block whose tag `prefer` accepts: if
+    /// the block it would take is not one, the first such block at most `slack` (a fraction)
+    /// larger, among a few of each size class up to that size, is taken instead.
+    pub(crate) fn take_preferring(
+        &mut self,
+        size: u64,
+        slack: f64,
+        prefer: impl Fn(&T) -> bool,
+    ) -> Option<(u64, T)> {
+        debug_assert!(size > 0 && size.is_multiple_of(ALIGNMENT as u64));
+        let i = self.index.find(&self.blocks, size)?;
+        if slack <= 0.0 || prefer(&self.tags[i as usize]) {
+            return Some(self.take_from(i, size));
+        }
+        let limit = ((self.blocks[i as usize].size as f64) * (1.0 + slack)) as u64;
+        let j = (self.index)
+            .find_preferred(&self.blocks, size, limit, |j| {
+                prefer(&self.tags[j as usize])
+            })
+            .unwrap_or(i);
+        Some(self.take_from(j, size))
+    }
+
+    /// Hands out the first `size` bytes of free block `i`: a new block in use before what
+    /// stays free (which keeps the slot and the tag).
+    #[inline]
+    fn take_from(&mut self, i: u32, size: u64) -> (u64, T) {
+        self.unfile(i);
+        let (addr, have, before) = {
+            let b = &self.blocks[i as usize];
+            (b.addr, b.size, b.before)
+        };
+        let (used, tag) = if have > size {
+            let tag = self.tags[i as usize].clone();
+            let used = self.new_slot(
+                Block {
+                    addr,
+                    size,
+                    links: Links::default(),
+                    before,
+                    after: i,
+                    state: State::Used,
+                },
+                T::default(),
+            );
+            if before != NIL {
+                self.blocks[before as usize].after = used;
+            }
+            let b = &mut self.blocks[i as usize];
+            b.addr = addr + size;
+            b.size = have - size;
+            b.before = used;
+            self.file(i);
+            (used, tag)
+        } else {
+            self.blocks[i as usize].state = State::Used;
+            (i, std::mem::take(&mut self.tags[i as usize]))
+        };
+        self.used.insert(addr, used);
+        (addr, tag)
+    }
+
+    // ===== give =====
+
+    /// Takes back the block in use at `addr`, of exactly `size` bytes, carrying `tag` (joined
+    /// with its free neighbours' as it coalesces with them). False, changing nothing, unless
+    /// such a block is in use: a pointer never handed out, one inside a block, a wrong size and
+    /// a second free are all refused.
+    #[inline]
+    pub(crate) fn free(&mut self, addr: u64, size: u64, tag: T) -> bool {
+        let i = match self.used.entry(addr) {
+            Entry::Occupied(held) if self.blocks[*held.get() as usize].size == size => {
+                held.remove()
+            }
+            _ => return false,
+        };
+        self.blocks[i as usize].state = State::Free;
+        self.tags[i as usize] = tag;
+        self.coalesce_and_file(i);
+        true
+    }
+
+    /// Gives `[addr, addr + size)`, a hole (memory in no block), to the free blocks with `tag`,
+    /// coalescing with free neighbours. False, changing nothing, unless it lies inside one chunk
+    /// and overlaps no block. A scan of every block: for growth, trims and their rollbacks.
+    pub(crate) fn give_range(&mut self, addr: u64, size: u64, tag: T) -> bool {
+        debug_assert!(
+            size > 0
+                && size.is_multiple_of(ALIGNMENT as u64)
+                && addr.is_multiple_of(ALIGNMENT as u64)
+        );
+        if !self.inside_a_chunk(addr, size) {
+            return false;
+        }
+        let end = addr + size;
+        let (mut before, mut after) = (NIL, NIL);
+        for i in self.slots() {
+            let b = &self.blocks[i as usize];
+            if b.addr < end && addr < b.end() {
+                return false;
+            }
+            if b.end() == addr && !self.is_chunk_start(addr) {
+                before = i;
+            }
+            if b.addr == end && !self.is_chunk_start(end) {
+                after = i;
+            }
+        }
+        let i = self.new_slot(
+            Block {
+                addr,
+                size,
+                links: Links::default(),
+                before,
+                after,
+                state: State::Free,
+            },
+            tag,
+        );
+        if before != NIL {
+            self.blocks[before as usize].after = i;
+        }
+        if after != NIL {
+            self.blocks[after as usize].before = i;
+        }
+        self.coalesce_and_file(i);
+        true
+    }
+
+    // ===== holes =====
+
+    /// The slot of the free block that starts at `addr` (a scan).
+    fn free_at(&self, addr: u64) -> Option<u32> {
+        self.slots().find(|&i| {
+            let b = &self.blocks[i as usize];
+            b.state == State::Free && b.addr == addr
+        })
+    }
+
+    /// Makes free block `i` a hole: out of the index, unlinked from its neighbours.
+    fn hollow(&mut self, i: u32) -> T {
+        self.unfile(i);
+        self.relink_neighbours(i, NIL, NIL);
+        let tag = std::mem::take(&mut self.tags[i as usize]);
+        self.release_slot(i);
+        tag
+    }
+
+    /// Takes out the free block starting at `addr` if it is exactly `size` bytes (a whole
+    /// chunk, for trimming), leaving a hole: its tag.
+    pub(crate) fn take_exact_tagged(&mut self, addr: u64, size: u64) -> Option<T> {
+        let i = self.free_at(addr)?;
+        (self.blocks[i as usize].size == size).then(|| self.hollow(i))
+    }
+
+    /// Takes the `granule`-aligned part out of every free block, leaving holes, for unmapping:
+    /// `(start, size, the block's tag)`. The unaligned ends stay free.
+    pub(crate) fn take_aligned(&mut self, granule: u64) -> Vec<(u64, u64, T)> {
+        let free: Vec<u32> = self
+            .slots()
+            .filter(|&i| self.blocks[i as usize].state == State::Free)
+            .collect();
+        let mut out = Vec::new();
+        for i in free {
+            let (addr, end) = (self.blocks[i as usize].addr, self.blocks[i as usize].end());
+            let (lo, hi) = (addr.next_multiple_of(granule), end / granule * granule);
+            if lo >= hi {
+                continue;
+            }
+            let Block { before, after, .. } = self.blocks[i as usize];
+            let tag = self.hollow(i);
+            // The pieces before and after stay free, linked to the neighbours they touch (they
+            // cannot merge: the block was coalesced with its neighbours).
+            if lo > addr {
+                let j = self.piece(addr, lo - addr, before, NIL, tag.clone());
+                if before != NIL {
+                    self.blocks[before as usize].after = j;
+                }
+            }
+            if end > hi {
+                let j = self.piece(hi, end - hi, NIL, after, tag.clone());
+                if after != NIL {
+                    self.blocks[after as usize].before = j;
+                }
+            }
+            out.push((lo, hi - lo, tag));
+        }
+        out
+    }
+
+    /// A new free block, filed.
+    fn piece(&mut self, addr: u64, size: u64, before: u32, after: u32, tag: T) -> u32 {
+        let j = self.new_slot(
+            Block {
+                addr,
+                size,
+                links: Links::default(),
+                before,
+                after,
+                state: State::Free,
+            },
+            tag,
+        );
+        self.file(j);
+        j
+    }
+
+    /// The size of the free block that ends at `addr`, or 0 if none does (a scan).
+    pub(crate) fn free_ending_at(&self, addr: u64) -> u64 {
+        self.slots()
+            .map(|i| &self.blocks[i as usize])
+            .find(|b| b.state == State::Free && b.end() == addr)
+            .map_or(0, |b| b.size)
+    }
+
+    /// The size of the free block that starts at `addr`, or 0 if none does (a scan).
+    pub(crate) fn free_starting_at(&self, addr: u64) -> u64 {
+        self.free_at(addr)
+            .map_or(0, |i| self.blocks[i as usize].size)
+    }
+
+    // ===== views =====
+
+    /// Every free block `(addr, size)`.
+    pub(crate) fn blocks(&self) -> impl Iterator<Item = (u64, u64)> + '_ {
+        self.tagged_blocks().map(|(a, s, _)| (a, s))
+    }
+
+    /// Every free block with its tag.
+    pub(crate) fn tagged_blocks(&self) -> impl Iterator<Item = (u64, u64, &T)> + '_ {
+        (self.blocks.iter().zip(&self.tags))
+            .filter(|(b, _)| b.state == State::Free)
+            .map(|(b, tag)| (b.addr, b.size, tag))
+    }
+
+    /// Every block in use `(addr, size)`.
+    pub(crate) fn used_blocks(&self) -> impl Iterator<Item = (u64, u64)> + '_ {
+        (self.used.iter()).map(|(&a, &i)| (a, self.blocks[i as usize].size))
+    }
+
+    /// Bytes in use.
+    pub(crate) fn used_bytes(&self) -> u64 {
+        self.used_blocks().map(|b| b.1).sum()
+    }
+
+    /// Runs `f` on every free block's tag.
+    pub(crate) fn for_each_tag(&mut self, mut f: impl FnMut(&mut T)) {
+        for (b, tag) in self.blocks.iter().zip(&mut self.tags) {
+            if b.state == State::Free {
+                f(tag);
+            }
+        }
+    }
+
+    /// Verifies every invariant; returns the first violation found. Not cheap: tests only.
+    pub(crate) fn check(&self) -> Result<(), String> {
+        let mut total = 0u64;
+        let listed = self.index.check(&self.blocks, |i, b| {
+            if b.state != State::Free {
+                return Err(format!("block {i} is filed by size but not free ({b:?})"));
+            }
+            total += b.size;
+            Ok(())
+        })?;
+        if listed != self.free_blocks || total != self.free_bytes {
+            return Err(format!(
+                "{listed} free blocks of {total} bytes filed, counted {} of {}",
+                self.free_blocks, self.free_bytes
+            ));
+        }
+        let mut spare = 0;
+        for (i, b) in self.blocks.iter().enumerate() {
+            let i = i as u32;
+            if b.state == State::Spare {
+                spare += 1;
+                continue;
+            }
+            if b.size == 0
+                || !b.size.is_multiple_of(ALIGNMENT as u64)
+                || !b.addr.is_multiple_of(ALIGNMENT as u64)
+                || !self.inside_a_chunk(b.addr, b.size)
+            {
+                return Err(format!(
+                    "block {i}: empty, misaligned or outside a chunk ({b:?})"
+                ));
+            }
+            if (b.state == State::Used) != (self.used.get(&b.addr) == Some(&i)) {
+                return Err(format!(
+                    "block {i}: the map of blocks in use disagrees ({b:?})"
+                ));
+            }
+            if b.after != NIL {
+                let a = &self.blocks[b.after as usize];
+                if a.state == State::Spare || a.addr != b.end() || a.before != i {
+                    return Err(format!(
+                        "block {i}: broken link to what follows ({b:?}, {a:?})"
+                    ));
+                }
+                if b.state == State::Free && a.state == State::Free {
+                    return Err(format!("adjacent free blocks not merged: {b:?} and {a:?}"));
+                }
+            }
+            if b.before != NIL {
+                let l = &self.blocks[b.before as usize];
+                if l.state == State::Spare || l.end() != b.addr || l.after != i {
+                    return Err(format!(
+                        "block {i}: broken link to what precedes ({b:?}, {l:?})"
+                    ));
+                }
+            }
+        }
+        if spare != self.spare.len()
+            || self.used.len() + self.free_blocks + spare != self.blocks.len()
+        {
+            return Err(format!(
+                "{} slots: {} in use, {} free, {spare} spare, {} listed spare",
+                self.blocks.len(),
+                self.used.len(),
+                self.free_blocks,
+                self.spare.len()
+            ));
+        }
+        // Touching blocks must be linked (a free block not linked to a free neighbour would
+        // never merge with it) and no two blocks may overlap.
+        let mut sorted: Vec<(u64, u64, u32)> = self
+            .slots()
+            .map(|i| {
+                (
+                    self.blocks[i as usize].addr,
+                    self.blocks[i as usize].end(),
+                    i,
+                )
+            })
+            .collect();
+        sorted.sort_unstable();
+        for w in sorted.windows(2) {
+            let ((a, a_end, i), (b, _, j)) = (w[0], w[1]);
+            if a_end > b {
+                return Err(format!("blocks overlap: {i} at {a:x} and {j} at {b:x}"));
+            }
+            let linked = self.blocks[i as usize].after == j;
+            let seam = self.is_chunk_start(b);
+            if a_end == b && !seam && !linked {
+                return Err(format!(
+                    "touching blocks {i} and {j} at {b:x} are not linked"
+                ));
+            }
+            if linked && (a_end != b || seam) {
+                return Err(format!(
+                    "blocks {i} and {j} linked across a gap or a chunk start"
+                ));
+            }
+        }
+        Ok(())
+    }
+}
+
+#[cfg(all(test, not(streamalloc_loom)))]
+mod tests;

@@ -1,0 +1,187 @@
+//! The block table's unit tests: every step followed by `BlockTable::check`.
+
+use super::*;
+use crate::device::sim::faults::splitmix64;
+
+const U: u64 = ALIGNMENT as u64;
+
+/// A tag that records which frees a block holds memory of (bit per free), to see joins.
+#[derive(Clone, Copy, Debug, Default, PartialEq)]
+struct Bits(u64);
+
+impl BlockTag for Bits {
+    fn join(&mut self, other: &Self) {
+        self.0 |= other.0;
+    }
+}
+
+fn table(start: u64, units: u64) -> BlockTable<Bits> {
+    let mut t = BlockTable::new();
+    t.add_chunk(start, units * U);
+    assert!(t.give_range(start, units * U, Bits(0)));
+    t.check().unwrap();
+    t
+}
+
+#[test]
+fn take_splits_and_free_coalesces_with_tags_joined() {
+    let mut t = table(0x10000, 64);
+    let a = t.take_tagged(4 * U).unwrap().0;
+    let b = t.take_tagged(4 * U).unwrap().0;
+    let c = t.take_tagged(4 * U).unwrap().0;
+    assert_eq!((a, b, c), (0x10000, 0x10000 + 4 * U, 0x10000 + 8 * U));
+    assert_eq!((t.len(), t.free_bytes()), (1, 52 * U));
+    t.check().unwrap();
+    assert!(t.free(a, 4 * U, Bits(1)));
+    assert!(t.free(c, 4 * U, Bits(4)));
+    t.check().unwrap();
+    assert_eq!(
+        t.len(),
+        2,
+        "a and c are apart (b is in use); c joined the rest"
+    );
+    assert!(t.free(b, 4 * U, Bits(2)));
+    t.check().unwrap();
+    let all: Vec<_> = t.tagged_blocks().map(|(a, s, g)| (a, s, *g)).collect();
+    assert_eq!(all, vec![(0x10000, 64 * U, Bits(7))]);
+    // A take of the block gets its joined tag.
+    assert_eq!(t.take_tagged(64 * U), Some((0x10000, Bits(7))));
+    assert_eq!(t.len(), 0);
+    t.check().unwrap();
+}
+
+#[test]
+fn frees_not_naming_a_block_in_use_are_refused() {
+    let mut t = table(0x10000, 64);
+    let a = t.take_tagged(8 * U).unwrap().0;
+    assert!(!t.free(a + U, 7 * U, Bits(0)), "inside a block");
+    assert!(!t.free(a, 4 * U, Bits(0)), "wrong size");
+    assert!(!t.free(a, 16 * U, Bits(0)), "wrong size, past the block");
+    assert!(!t.free(0x10000 + 32 * U, 4 * U, Bits(0)), "free memory");
+    assert!(!t.free(0x90000, U, Bits(0)), "never handed out");
+    t.check().unwrap();
+    assert!(t.free(a, 8 * U, Bits(0)));
+    assert!(!t.free(a, 8 * U, Bits(0)), "a second free");
+    t.check().unwrap();
+    assert_eq!(t.free_bytes(), 64 * U);
+}
+
+#[test]
+fn ranges_go_only_into_holes_of_a_chunk_and_never_merge_across_chunks() {
+    let mut t: BlockTable<Bits> = BlockTable::new();
+    t.add_chunk(0x10000, 16 * U);
+    t.add_chunk(0x10000 + 16 * U, 16 * U);
+    assert!(
+        !t.give_range(0x10000 + 12 * U, 8 * U, Bits(0)),
+        "across two chunks"
+    );
+    assert!(!t.give_range(0x90000, U, Bits(0)), "in no chunk");
+    assert!(t.give_range(0x10000, 16 * U, Bits(0)));
+    assert!(t.give_range(0x10000 + 16 * U, 16 * U, Bits(0)));
+    assert!(
+        !t.give_range(0x10000 + 4 * U, U, Bits(0)),
+        "overlaps a free block"
+    );
+    t.check().unwrap();
+    assert_eq!(t.len(), 2, "chunks that touch stay apart");
+    let a = t.take_tagged(16 * U).unwrap().0;
+    assert!(!t.give_range(a, U, Bits(0)), "overlaps a block in use");
+    assert!(t.free(a, 16 * U, Bits(0)));
+    // A whole chunk goes out, and the chunk with it.
+    assert_eq!(t.take_exact_tagged(0x10000, 16 * U), Some(Bits(0)));
+    assert_eq!(
+        t.take_exact_tagged(0x10000 + 16 * U, 8 * U),
+        None,
+        "not whole"
+    );
+    t.remove_chunk(0x10000);
+    t.check().unwrap();
+    assert!(!t.give_range(0x10000, U, Bits(0)), "the chunk is gone");
+    assert_eq!(t.free_bytes(), 16 * U);
+}
+
+#[test]
+fn aligned_parts_go_out_as_holes_and_come_back_coalesced() {
+    let g = 8 * U;
+    let mut t = table(0x100000, 64);
+    // In use: [0, 3) and [20, 21); free: [3, 20) and [21, 64) (units).
+    let a = t.take_tagged(3 * U).unwrap().0;
+    let _ = t.take_tagged(17 * U).unwrap().0;
+    let c = t.take_tagged(U).unwrap().0;
+    assert!(t.free(a + 3 * U, 17 * U, Bits(1)));
+    assert_eq!(a, 0x100000);
+    assert_eq!(c, 0x100000 + 20 * U);
+    let mut taken = t.take_aligned(g);
+    taken.sort_unstable_by_key(|r| r.0);
+    let base = 0x100000;
+    assert_eq!(
+        taken,
+        vec![
+            (base + 8 * U, 8 * U, Bits(1)),
+            (base + 24 * U, 40 * U, Bits(0))
+        ]
+    );
+    t.check().unwrap();
+    assert_eq!(t.free_ending_at(base + 8 * U), 5 * U);
+    assert_eq!(t.free_starting_at(base + 16 * U), 4 * U);
+    assert_eq!(t.free_starting_at(base + 21 * U), 3 * U);
+    // Back again: everything merges into what it touches.
+    for (addr, size, tag) in taken {
+        assert!(t.give_range(addr, size, tag));
+        t.check().unwrap();
+    }
+    assert!(t.free(c, U, Bits(2)));
+    t.check().unwrap();
+    let free: Vec<_> = t.blocks().collect();
+    assert_eq!(free, vec![(base + 3 * U, 61 * U)]);
+}
+
+/// Random takes, frees (good and bad), holes cut and filled, against a model of what is in
+/// use; the invariants after every step.
+#[test]
+fn random_operations_keep_every_invariant() {
+    let mut rng = 7u64;
+    let (base, units) = (1u64 << 32, 4096u64);
+    let mut t: BlockTable<Bits> = BlockTable::new();
+    // Two chunks that touch, and one apart.
+    let chunks = [
+        (base, units / 2),
+        (base + units / 2 * U, units / 2),
+        (base + 2 * units * U, units),
+    ];
+    for &(start, n) in &chunks {
+        t.add_chunk(start, n * U);
+        assert!(t.give_range(start, n * U, Bits(0)));
+    }
+    let total: u64 = chunks.iter().map(|c| c.1 * U).sum();
+    let mut used: Vec<(u64, u64)> = Vec::new();
+    let mut holes: Vec<(u64, u64, Bits)> = Vec::new();
+    for step in 0..4000 {
+        let r = splitmix64(&mut rng);
+        match r % 8 {
+            0..=3 => {
+                let size = (1 + (r >> 8) % 64) * U;
+                if let Some((addr, _)) = t.take_tagged(size) {
+                    used.push((addr, size));
+                }
+            }
+            4 | 5 if !used.is_empty() => {
+                let (addr, size) = used.swap_remove((r >> 8) as usize % used.len());
+                assert!(!t.free(addr, size + U, Bits(0)), "step {step}: wrong size");
+                assert!(t.free(addr, size, Bits(1 << (step % 64))), "step {step}");
+                assert!(!t.free(addr, size, Bits(0)), "step {step}: second free");
+            }
+            6 if step % 50 == 0 => holes.extend(t.take_aligned(32 * U)),
+            7 if !holes.is_empty() => {
+                let (addr, size, tag) = holes.swap_remove((r >> 8) as usize % holes.len());
+                assert!(t.give_range(addr, size, tag), "step {step}");
+            }
+            _ => {}
+        }
+        t.check().unwrap_or_else(|e| panic!("step {step}: {e}"));
+        let in_use: u64 = used.iter().map(|u| u.1).sum();
+        let hollow: u64 = holes.iter().map(|h| h.1).sum();
+        assert_eq!(t.free_bytes() + in_use + hollow, total, "step {step}");
+        assert_eq!(t.used_bytes(), in_use, "step {step}");
+    }
+}
