@@ -25,8 +25,13 @@ extern "C" __global__ void streamalloc_scale_f32(float *data, float factor,
 
 // Keeps the stream busy for `ns` nanoseconds of GPU time (read from %globaltimer), touching no
 // memory. Launched with one thread; it sleeps between reads so that it does not hog the SM.
-// Time is summed from forward steps only: %globaltimer may be adjusted backwards, and a plain
-// `now - start` would then wrap and end the spin at once.
+// Time is summed from steps between reads, each counted only if forward and at most
+// STEP_MAX: %globaltimer may be adjusted backwards (a plain `now - start` would then wrap and
+// end the spin at once) and forwards (on a GPU just brought up it was seen to jump, ending a
+// 100 ms spin within microseconds: tests that rely on a stream still being busy failed on two
+// fresh H200s). A read follows a sleep of about 1 us, so a longer step is such a jump, or the
+// thread being descheduled; counting it as STEP_MAX only makes the spin longer.
+#define STEP_MAX 100000ull
 extern "C" __global__ void streamalloc_spin(unsigned long long ns) {
     unsigned long long last, now, elapsed = 0;
     asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(last));
@@ -34,7 +39,7 @@ extern "C" __global__ void streamalloc_spin(unsigned long long ns) {
         __nanosleep(1000);
         asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(now));
         if (now > last) {
-            elapsed += now - last;
+            elapsed += min(now - last, STEP_MAX);
         }
         last = now;
     }

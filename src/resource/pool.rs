@@ -200,9 +200,11 @@ impl<U: MemoryResource> PoolResource<U> {
             waiters: MemoryWaiters::new(),
         };
         if options.initial > 0 {
-            // One chunk per shard when each would hold at least `SPLIT_MIN`, so that threads
-            // start out on different locks (a pool that never grows would otherwise keep every
-            // thread on the one shard holding all its memory); else one chunk.
+            // One chunk per shard when each would hold at least `SPLIT_MIN`, into the engine's
+            // reserve: each thread's shard takes chunks from there as it needs them, so that
+            // threads work on different locks (a pool that never grows would otherwise keep
+            // every thread on the one shard holding all its memory), and one thread keeps all
+            // its memory in its own shard.
             let initial = options.initial as u64;
             let pieces = if initial >= SHARDS as u64 * SPLIT_MIN {
                 SHARDS as u64
@@ -217,14 +219,13 @@ impl<U: MemoryResource> PoolResource<U> {
                 } else {
                     piece
                 };
-                grown.push((i as usize, pool.grow_exactly(size, &pool.own)?));
+                grown.push(pool.grow_exactly(size, &pool.own)?);
             }
             // The chunks were allocated in stream order on our own stream; once that has run,
             // any stream may use them without waiting: they are fresh.
             pool.own.synchronize_blocking()?;
-            for (shard, (base, size)) in grown {
-                pool.heap.add_chunk_in(shard, base, size);
-                pool.heap.give_fresh(base, size);
+            for (base, size) in grown {
+                pool.heap.add_reserve(base, size);
             }
         }
         Ok(pool)

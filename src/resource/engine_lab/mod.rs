@@ -108,11 +108,10 @@ impl CountingUpstream {
             grows: Cell::new(0),
         };
         let lists = StreamHeap::with_options(slack, 8);
-        // As the pool does: eight chunks, one per shard.
-        for shard in 0..8 {
+        // As the pool does: eight chunks, in the reserve.
+        for _ in 0..8 {
             let (base, size) = up.grow(initial / 8, &LabStream::new(0)).unwrap();
-            lists.add_chunk_in(shard, base, size);
-            lists.give_fresh(base, size);
+            lists.add_reserve(base, size);
         }
         up.grows.set(0);
         (up, lists)

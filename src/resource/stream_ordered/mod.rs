@@ -240,6 +240,17 @@ pub(crate) struct StreamHeap<S = Stream> {
     /// Held by a request through its growth: two requests that both find nothing would
     /// otherwise both grow.
     slow: Mutex<()>,
+    /// Fresh chunks in no shard yet (the pool's initial memory, in pieces): a request its home
+    /// shard cannot serve moves one into that shard before it looks at other threads' shards.
+    /// So one thread ends up with all the memory it uses in its own shard, and threads take
+    /// their shares as they need them, instead of a split fixed at construction (which left a
+    /// single thread's memory in eight shards, most requests missing at home: `churn-1t`
+    /// started at 2 GiB ran 25% slower than started at 256 MiB, issue 10's run22).
+    reserve: Mutex<Vec<(u64, u64)>>,
+    /// How many chunks `reserve` holds: read without its lock, so that a request with nothing
+    /// in reserve takes no lock for it. Std's, not `crate::sync`'s: only a hint (the count is
+    /// read again under the lock), and the loom models put nothing in reserve.
+    reserved_chunks: std::sync::atomic::AtomicUsize,
     /// Orderings made (a request's stream waiting on another's event).
     waits: AtomicU64,
     /// Requests served by a shard other than their thread's home shard.
@@ -298,6 +309,8 @@ impl<S: EngineStream> StreamHeap<S> {
                 .collect(),
             table: ChunkTable::new(),
             slow: Mutex::new(()),
+            reserve: Mutex::new(Vec::new()),
+            reserved_chunks: std::sync::atomic::AtomicUsize::new(0),
             waits: AtomicU64::new(0),
             spills: AtomicU64::new(0),
             slack: if slack.is_finite() {
@@ -320,11 +333,6 @@ impl<S: EngineStream> StreamHeap<S> {
     /// across its start.
     pub(crate) fn add_chunk(&self, start: u64, size: u64) {
         self.add_chunk_to(0, start, size);
-    }
-
-    /// A new chunk in shard `shard` (modulo the shard count).
-    pub(crate) fn add_chunk_in(&self, shard: usize, start: u64, size: u64) {
-        self.add_chunk_to(shard % self.shards.len(), start, size);
     }
 
     fn add_chunk_to(&self, shard: usize, start: u64, size: u64) {
@@ -352,12 +360,16 @@ impl<S: EngineStream> StreamHeap<S> {
             .map(|i| &*self.shards[i as usize])
     }
 
-    /// Memory any stream may use at once (a chunk allocated synchronously).
+    /// Memory any stream may use at once (a chunk allocated synchronously). A whole chunk that
+    /// no shard holds (one the reserve gave up to a trim that then failed) goes back to the
+    /// reserve.
     pub(crate) fn give_fresh(&self, addr: u64, size: u64) {
-        let given = self
-            .shard_of(addr, size)
-            .is_some_and(|shard| shard.lock().free.give_range(addr, size, Waits::default()));
-        debug_assert!(given, "a fresh chunk overlapped a block or no chunk");
+        let Some(shard) = self.shard_of(addr, size) else {
+            self.add_reserve(addr, size);
+            return;
+        };
+        let given = shard.lock().free.give_range(addr, size, Waits::default());
+        debug_assert!(given, "a fresh chunk overlapped a block");
     }
 
     /// Gives memory back on `stream` (a free). False, and nothing changes, unless
@@ -389,14 +401,68 @@ impl<S: EngineStream> StreamHeap<S> {
         }
     }
 
-    /// The home shard's fit, else the first other shard's.
+    /// The home shard's fit, else a chunk from the reserve moved into the home shard, else the
+    /// best fit of the other shards.
     #[inline]
     fn take_any(&self, size: u64, stream: &S) -> Result<Option<u64>> {
         let home = self.home();
         if let Some(addr) = self.take_free(&self.shards[home], None, size, stream)? {
             return Ok(Some(addr));
         }
+        if self
+            .reserved_chunks
+            .load(std::sync::atomic::Ordering::Relaxed)
+            > 0
+        {
+            if let Some(addr) = self.take_reserve(home, size, stream)? {
+                return Ok(Some(addr));
+            }
+        }
         self.take_elsewhere(home, size, stream)
+    }
+
+    /// Fresh memory, a whole chunk that no shard holds yet (the pool's initial memory): it
+    /// waits in the reserve until a thread's shard needs it.
+    pub(crate) fn add_reserve(&self, base: u64, size: u64) {
+        let mut reserve = self.reserve.lock();
+        reserve.push((base, size));
+        self.reserved_chunks
+            .store(reserve.len(), std::sync::atomic::Ordering::Relaxed);
+    }
+
+    /// Takes out of the reserve the chunk `base` if it is there (a trim releasing it).
+    fn take_reserved(&self, base: u64, size: u64) -> bool {
+        let mut reserve = self.reserve.lock();
+        let Some(at) = reserve.iter().position(|&c| c == (base, size)) else {
+            return false;
+        };
+        reserve.swap_remove(at);
+        self.reserved_chunks
+            .store(reserve.len(), std::sync::atomic::Ordering::Relaxed);
+        true
+    }
+
+    /// The smallest chunk of the reserve that holds `size`, moved into shard `home`, with
+    /// `size` bytes taken from it; `None` if none is large enough.
+    #[cold]
+    fn take_reserve(&self, home: usize, size: u64, stream: &S) -> Result<Option<u64>> {
+        let chunk = {
+            let mut reserve = self.reserve.lock();
+            let best = (0..reserve.len())
+                .filter(|&i| reserve[i].1 >= size)
+                .min_by_key(|&i| reserve[i].1);
+            let Some(at) = best else {
+                return Ok(None);
+            };
+            let chunk = reserve.swap_remove(at);
+            self.reserved_chunks
+                .store(reserve.len(), std::sync::atomic::Ordering::Relaxed);
+            chunk
+        };
+        let (base, chunk) = chunk;
+        let _span = tracing::debug_span!("reserve chunk to shard", base, chunk, home).entered();
+        self.add_chunk_to(home, base, chunk);
+        self.take_free(&self.shards[home], Some((base, chunk)), size, stream)
     }
 
     /// The best fit among the other shards (as one list would choose: taking the first fit

@@ -105,6 +105,9 @@ impl<S: EngineStream> StreamHeap<S> {
         chunks
             .iter()
             .filter_map(|&(base, size)| {
+                if self.take_reserved(base, size) {
+                    return Some((base, size, None));
+                }
                 let shard = self.shard_of(base, size)?;
                 let tag = shard.lock().free.take_exact_tagged(base, size)?;
                 match self.onto_one(shard, &tag) {

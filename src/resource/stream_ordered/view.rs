@@ -10,10 +10,12 @@ pub(crate) type ListBlocks = (Option<u64>, Vec<(u64, u64)>);
 impl<S: EngineStream> StreamHeap<S> {
     /// The largest free block (a scan: for error messages).
     pub(crate) fn largest_free_block(&self) -> u64 {
+        let reserved = self.reserve.lock().iter().map(|c| c.1).max().unwrap_or(0);
         (self.shards.iter())
             .map(|shard| shard.lock().free.blocks().map(|b| b.1).max().unwrap_or(0))
             .max()
             .unwrap_or(0)
+            .max(reserved)
     }
 
     /// Sums over the shards. The peak in use is each shard's peak summed: exact with one
@@ -24,6 +26,10 @@ impl<S: EngineStream> StreamHeap<S> {
             spills: self.spills.load(Ordering::Relaxed),
             ..EngineStats::default()
         };
+        for &(_, size) in self.reserve.lock().iter() {
+            stats.free_bytes += size;
+            stats.free_blocks += 1;
+        }
         let mut uids: Vec<u64> = Vec::new();
         for shard in self.shards.iter() {
             let heap = shard.lock();
@@ -58,6 +64,15 @@ impl<S: EngineStream> StreamHeap<S> {
     pub(crate) fn check(&self) -> std::result::Result<(), String> {
         // (start, size, in use)
         let mut all: Vec<(u64, u64, bool)> = Vec::new();
+        for &(base, size) in self.reserve.lock().iter() {
+            if self.table.covers(base, size) {
+                return Err(format!(
+                    "reserved chunk {:x?} is also in a shard",
+                    (base, size)
+                ));
+            }
+            all.push((base, size, false));
+        }
         for (i, shard) in self.shards.iter().enumerate() {
             let heap = shard.lock();
             heap.free.check().map_err(|e| format!("shard {i}: {e}"))?;
@@ -104,7 +119,7 @@ impl<S: EngineStream> StreamHeap<S> {
     /// needed; a block freed on several streams shows under one of them).
     pub(crate) fn free_blocks_by_list(&self) -> Vec<ListBlocks> {
         let mut by: FxHashMap<Option<u64>, Vec<(u64, u64)>> = FxHashMap::default();
-        by.insert(None, Vec::new());
+        by.insert(None, self.reserve.lock().clone());
         for shard in self.shards.iter() {
             let heap = shard.lock();
             for (addr, size, tag) in heap.free.tagged_blocks() {
