@@ -133,10 +133,11 @@
 //! a third; now the lookup that checks a free is also the one that finds its neighbours.) The
 //! arena keeps a table of blocks handed out per stream arena, moved with its superblocks.
 //!
-//! What it does not do yet: its fast path is slower than the per-stream lists' was on several
-//! threads and on hand-offs (`churn-4t` 97 to 124 ns/op against 39 to 57; `BENCHMARKS.md`): a
-//! thread whose shard misses looks through the others one lock at a time, and a hand-off waits
-//! on the GPU for every block it reuses.
+//! What it does not do yet: it is slower than the per-stream lists were where streams hand
+//! memory to each other on one thread (`churn-xs-1t` 197 ns/op against 129, about 180,000
+//! orderings of 500,000 takes: each an event recorded and waited on) and on four threads grown
+//! from small (`churn-4t` from 256 MiB 68 against 45: requests their shard cannot serve look
+//! through the others one lock at a time); `BENCHMARKS.md`, run23.
 //!
 //! # Buffers: uses and deferred frees
 //!

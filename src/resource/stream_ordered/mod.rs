@@ -3,9 +3,10 @@
 //! RMM's `stream_ordered_memory_resource`, with one free structure for every stream instead of
 //! one per stream (issue 10).
 //!
-//! All free memory lives in one address-ordered, coalescing free list (a TLSF index, see
-//! `free_list.rs`), whatever stream freed it: free neighbours coalesce at once, and a request
-//! gets the best fit over everything free. So memory never strands in one stream's list while
+//! All memory lives in one block table (`blocks.rs`: every block, free or handed out, linked to
+//! its address neighbours, free blocks filed by size in a TLSF index, `tlsf.rs`), whatever
+//! stream freed it: free neighbours coalesce at once, and a request gets the best fit over
+//! everything free. So memory never strands in one stream's list while
 //! another stream grows the pool. A per-stream design (RMM's, and ours until issue 10) reuses
 //! a stream's own frees without any ordering, but blocks freed on different streams do not
 //! coalesce until a merge, and by then the layout is fragmented: grown from 256 MiB, the
@@ -20,21 +21,21 @@
 //! so the next such block from D costs nothing. No request waits on more than one event per
 //! stream named in its block's tag. Orderings are made outside the engine's lock.
 //!
-//! The list is kept in shards (8 for the pool, 1 for the fixed-size and expandable pools), each
+//! The table is kept in shards (8 for the pool, 1 for the fixed-size and expandable pools), each
 //! chunk in one, so that threads mostly take different locks (`chunks.rs` maps addresses to
 //! shards for frees, without a lock). A request, in order: its thread's shard (best fit;
-//! orderings as its block's tag asks); the best fit of the other shards; then, one request at a
-//! time (`slow`), all of that again and a growth into the thread's shard ([`Grow`]; the pool, at
-//! its maximum, first gives wholly free chunks back); then the upstream's error.
+//! orderings as its block's tag asks); a chunk of the reserve (the pool's initial memory, in
+//! pieces) moved into the thread's shard; the best fit of the other shards; then, one request
+//! at a time (`slow`), all of that again and a growth into the thread's shard ([`Grow`]; the
+//! pool, at its maximum, first gives wholly free chunks back); then the upstream's error.
 //!
 //! Streams are registered on first use and keep a slot (their epoch and what they waited on)
 //! and a handle (to record events on). A stream the user has dropped is let go by `trim`:
 //! [`StreamHeap::idle_streams`] names them, the caller waits for each on the host, and
 //! [`StreamHeap::forget`] drops it from every tag and releases its handle.
 //!
-//! Here: the engine's state, requests and frees; beside it `waits.rs` (the tags), `chunks.rs`
-//! (the chunk-to-shard table), `order.rs`
-//! (orderings), `retire.rs` (memory and streams going back), `view.rs` (statistics, the invariant
+//! Here: the engine's state, requests and frees; beside it `blocks.rs` (the block table),
+//! `waits.rs` (the tags), `chunks.rs` (the chunk-to-shard table), `order.rs` (orderings), `retire.rs` (memory and streams going back), `view.rs` (statistics, the invariant
 //! checker, snapshots), `expandable.rs` (what the expandable pool needs), `stream.rs` (what
 //! [`Stream`] gives the engine) and `planted.rs` (the loom models' switches).
 //!
