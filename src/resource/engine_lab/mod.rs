@@ -450,13 +450,19 @@ fn engine_time_churn_1t() {
     }
 }
 
-/// `churn-4t` on the engine as the pool sets it up (8 shards, 2 GiB in 8 chunks), on four real
-/// threads: the time (on this machine's cores, which may be fewer than four), and how many
+/// `churn-4t` on the engine as the pool sets it up (8 shards, the initial memory in 8 reserved
+/// chunks), started at 2 GiB and at 256 MiB, on four real threads: the time (on this machine's cores, which may be fewer than four), and how many
 /// requests their home shard could not serve (`spills`: each one looks at every other shard).
 #[test]
 #[ignore = "a measurement, not a check: run it with --ignored --nocapture"]
 fn engine_four_real_threads() {
-    let (up, lists) = CountingUpstream::start(2 << 30);
+    for initial in [2u64 << 30, 256 << 20] {
+        four_real_threads(initial);
+    }
+}
+
+fn four_real_threads(initial: u64) {
+    let (up, lists) = CountingUpstream::start(initial);
     let up = std::sync::Mutex::new(up);
     struct Locked<'a>(&'a std::sync::Mutex<CountingUpstream>);
     impl Grow<LabStream> for Locked<'_> {
@@ -491,7 +497,8 @@ fn engine_four_real_threads() {
     });
     let stats = lists.stats();
     eprintln!(
-        "engine, churn-4t from 2 GiB on 4 threads: {:.1} ns/op, {} spills, {} growths",
+        "engine, churn-4t from {} MiB on 4 threads: {:.1} ns/op, {} spills, {} growths",
+        initial >> 20,
         start.elapsed().as_nanos() as f64 / 1e6,
         stats.spills,
         up.lock().unwrap().grows.get()

@@ -396,16 +396,16 @@ impl<S: EngineStream> StreamHeap<S> {
     /// another, ordered after the streams that freed it; else a growth.
     #[inline]
     pub(crate) fn take(&self, size: u64, stream: &S, upstream: &impl Grow<S>) -> Result<u64> {
-        match self.take_any(size, stream)? {
+        match self.take_any(size, stream, false)? {
             Some(addr) => Ok(addr),
             None => self.take_slow(size, stream, upstream),
         }
     }
 
     /// The home shard's fit, else a chunk from the reserve moved into the home shard, else the
-    /// best fit of the other shards.
+    /// best fit of the other shards (with `every_shard` false, of those whose lock is free now).
     #[inline]
-    fn take_any(&self, size: u64, stream: &S) -> Result<Option<u64>> {
+    fn take_any(&self, size: u64, stream: &S, every_shard: bool) -> Result<Option<u64>> {
         let home = self.home();
         if let Some(addr) = self.take_free(&self.shards[home], None, size, stream)? {
             return Ok(Some(addr));
@@ -419,7 +419,7 @@ impl<S: EngineStream> StreamHeap<S> {
                 return Ok(Some(addr));
             }
         }
-        self.take_elsewhere(home, size, stream)
+        self.take_elsewhere(home, size, stream, every_shard)
     }
 
     /// Fresh memory, a whole chunk that no shard holds yet (the pool's initial memory): it
@@ -468,14 +468,31 @@ impl<S: EngineStream> StreamHeap<S> {
 
     /// The best fit among the other shards (as one list would choose: taking the first fit
     /// found would split large blocks that a later request needs whole), looked at one lock at
-    /// a time; if another request took it meanwhile, the next best.
+    /// a time; if another request took it meanwhile, the next best. Without `every_shard`,
+    /// only shards whose lock is free now: a busy shard is another thread at work in its own
+    /// memory, and waiting for each in turn cost `churn-4t` grown from 256 MiB half again its
+    /// time (run23); the request looks at every shard, waiting, before the pool grows
+    /// ([`take_slow`](Self::take_slow)).
     #[cold]
-    fn take_elsewhere(&self, home: usize, size: u64, stream: &S) -> Result<Option<u64>> {
+    fn take_elsewhere(
+        &self,
+        home: usize,
+        size: u64,
+        stream: &S,
+        every_shard: bool,
+    ) -> Result<Option<u64>> {
         let n = self.shards.len();
-        let mut fits: Vec<(u64, usize)> = (1..n)
-            .map(|k| (home + k) % n)
-            .filter_map(|i| self.shards[i].lock().free.fit(size).map(|fit| (fit, i)))
-            .collect();
+        let fit_in = |i: usize| {
+            let heap = if every_shard {
+                Some(self.shards[i].lock())
+            } else {
+                self.shards[i].try_lock()
+            };
+            heap.and_then(|heap| heap.free.fit(size))
+                .map(|fit| (fit, i))
+        };
+        let mut fits: Vec<(u64, usize)> =
+            (1..n).map(|k| (home + k) % n).filter_map(fit_in).collect();
         fits.sort_unstable();
         for (_, i) in fits {
             if let Some(addr) = self.take_free(&self.shards[i], None, size, stream)? {
@@ -543,8 +560,9 @@ impl<S: EngineStream> StreamHeap<S> {
     #[cold]
     fn take_slow(&self, size: u64, stream: &S, upstream: &impl Grow<S>) -> Result<u64> {
         let _slow = self.slow.lock();
-        // Another request may have grown the pool, or freed, while this one waited.
-        if let Some(addr) = self.take_any(size, stream)? {
+        // Another request may have grown the pool, or freed, while this one waited; and the
+        // fast path skipped the shards that were busy.
+        if let Some(addr) = self.take_any(size, stream, true)? {
             return Ok(addr);
         }
         let home = self.home();
