@@ -174,6 +174,50 @@ fn four_threads_at_once() {
     }
 }
 
+/// The initial memory, in pieces in the engine's reserve, goes to the threads' shards as they
+/// need it: no thread grows the pool or takes memory from another thread's shard, and trim
+/// gives back every piece, used or not.
+#[test]
+fn initial_memory_is_shared_out_as_threads_need_it_and_trimmed_whole() {
+    for device in devices() {
+        let p = Arc::new(pool(&device, 256 * MIB, 1024 * MIB));
+        let start = p.stats();
+        assert_eq!(
+            (start.free, start.free_blocks, start.chunks, start.reserved),
+            (256 * MIB, 8, 8, 256 * MIB),
+            "{}: {start:?}",
+            label(&device)
+        );
+        std::thread::scope(|scope| {
+            for _ in 0..4 {
+                let (p, device) = (p.clone(), device.clone());
+                scope.spawn(move || {
+                    let s = device.create_stream().unwrap();
+                    let a = p.allocate(20 * MIB, &s).unwrap();
+                    let b = p.allocate(8 * MIB, &s).unwrap();
+                    free(&*p, a, 20 * MIB, &s);
+                    free(&*p, b, 8 * MIB, &s);
+                    s.synchronize_blocking().unwrap();
+                });
+            }
+        });
+        let used = p.stats();
+        assert_eq!(
+            (used.grows, used.shard_spills, used.free),
+            (0, 0, used.reserved),
+            "{}: {used:?}",
+            label(&device)
+        );
+        check_pool(&p);
+        assert_eq!(p.trim_blocking().unwrap(), 256 * MIB, "{}", label(&device));
+        assert_eq!(p.stats().reserved, 0);
+        let s = device.create_stream().unwrap();
+        let c = p.allocate(MIB, &s).unwrap();
+        free(&*p, c, MIB, &s);
+        check_pool(&p);
+    }
+}
+
 #[test]
 fn producer_consumer_across_threads_and_streams() {
     for device in devices() {
