@@ -134,10 +134,10 @@
 //! arena keeps a table of blocks handed out per stream arena, moved with its superblocks.
 //!
 //! What it does not do yet: it is slower than the per-stream lists were where streams hand
-//! memory to each other on one thread (`churn-xs-1t` 197 ns/op against 129, about 180,000
-//! orderings of 500,000 takes: each an event recorded and waited on) and on four threads grown
-//! from small (`churn-4t` from 256 MiB 68 against 45: requests their shard cannot serve look
-//! through the others one lock at a time); `BENCHMARKS.md`, run23.
+//! memory to each other on one thread (`churn-xs-1t` 1.35 times, 264 to 279 ns/op against 194
+//! to 207 in run24: about 180,000 orderings of 500,000 takes, each an event recorded and waited
+//! on, where the per-stream lists kept hand-offs stream-local by stranding memory, 1.67 times
+//! the peak live); `BENCHMARKS.md`.
 //!
 //! # Buffers: uses and deferred frees
 //!
