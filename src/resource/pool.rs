@@ -96,8 +96,9 @@ pub struct PoolStats {
     /// freed. One wait covers everything that stream had freed so far.
     pub stream_waits: u64,
     /// Requests that their thread's shard of free memory could not serve, served from another
-    /// shard (each one looked at every shard's best fit, one lock at a time): a high count
-    /// against the requests means threads share memory more than the shards assume.
+    /// thread's shard (the best fit among the shards not busy at that moment, or, before the
+    /// pool grows, among all): a high count against the requests means threads share memory
+    /// more than the shards assume.
     pub shard_spills: u64,
     /// Bytes handed out and not yet given back.
     pub in_use: usize,
@@ -377,7 +378,7 @@ impl<U: MemoryResource> PoolResource<U> {
         for (base, size, stream) in taken {
             match stream {
                 Some(stream) => self.heap.give_blocks_to(&[(*base, *size)], stream),
-                None => self.heap.give_fresh(*base, *size),
+                None => self.heap.give_back_fresh_chunk(*base, *size),
             }
         }
     }

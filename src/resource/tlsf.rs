@@ -46,7 +46,9 @@ impl Default for Links {
 pub(crate) trait Indexed {
     /// The block's size in bytes (a multiple of [`ALIGNMENT`]).
     fn size(&self) -> u64;
+    /// The block's place in its class list.
     fn links(&self) -> &Links;
+    /// The same, to change.
     fn links_mut(&mut self) -> &mut Links;
 }
 

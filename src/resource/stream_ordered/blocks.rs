@@ -102,6 +102,7 @@ impl<T: BlockTag> Default for BlockTable<T> {
 }
 
 impl<T: BlockTag> BlockTable<T> {
+    /// A table of no chunks.
     pub(crate) fn new() -> Self {
         BlockTable {
             blocks: Vec::new(),
@@ -211,15 +212,14 @@ impl<T: BlockTag> BlockTable<T> {
         i != NIL && self.blocks[i as usize].state == State::Free
     }
 
-    /// Points the neighbour links around block `i` at `to` (after `i` was merged into `to`, or
-    /// at [`NIL`] when `i` becomes a hole).
-    fn relink_neighbours(&mut self, i: u32, to_before: u32, to_after: u32) {
+    /// Unlinks block `i`'s neighbours from it (`i` becomes a hole).
+    fn unlink_neighbours(&mut self, i: u32) {
         let Block { before, after, .. } = self.blocks[i as usize];
         if before != NIL {
-            self.blocks[before as usize].after = to_before;
+            self.blocks[before as usize].after = NIL;
         }
         if after != NIL {
-            self.blocks[after as usize].before = to_after;
+            self.blocks[after as usize].before = NIL;
         }
     }
 
@@ -428,7 +428,7 @@ impl<T: BlockTag> BlockTable<T> {
     /// Makes free block `i` a hole: out of the index, unlinked from its neighbours.
     fn hollow(&mut self, i: u32) -> T {
         self.unfile(i);
-        self.relink_neighbours(i, NIL, NIL);
+        self.unlink_neighbours(i);
         let tag = std::mem::take(&mut self.tags[i as usize]);
         self.release_slot(i);
         tag
@@ -554,6 +554,24 @@ impl<T: BlockTag> BlockTable<T> {
             return Err(format!(
                 "{listed} free blocks of {total} bytes filed, counted {} of {}",
                 self.free_blocks, self.free_bytes
+            ));
+        }
+        let mut listed_spare = vec![false; self.blocks.len()];
+        for &i in &self.spare {
+            let slot = listed_spare.get_mut(i as usize);
+            if slot.as_deref() != Some(&false) || self.blocks[i as usize].state != State::Spare {
+                return Err(format!(
+                    "slot {i} listed spare twice, past the slab or in use"
+                ));
+            }
+            if let Some(slot) = slot {
+                *slot = true;
+            }
+        }
+        if self.chunks.windows(2).any(|w| w[0].1 > w[1].0) {
+            return Err(format!(
+                "chunks overlap or are out of order: {:x?}",
+                self.chunks
             ));
         }
         let mut spare = 0;

@@ -229,11 +229,12 @@ impl<T> std::ops::Deref for Padded<T> {
 /// The free memory of one resource, shared by every stream, and the streams it has seen.
 ///
 /// In shards: each chunk belongs to one, and a request goes first to its thread's *home* shard
-/// (threads are spread over the shards in turn), then to the best fit of the others, before
-/// the pool grows into the home shard. Free blocks coalesce within their chunk whatever stream freed them, as they
-/// would in one list (blocks never merge across chunks anyway), while threads working on
-/// different streams take different locks: one lock for every thread cost 20 to 30 times the
-/// time of per-stream locks on four threads on an H200 host (issue 10; `BENCHMARKS.md`).
+/// (threads are spread over the shards in turn), then to a chunk of the reserve moved into
+/// it, then to the best fit of the others, before the pool grows into the home shard. Free
+/// blocks coalesce within their chunk whatever stream freed them, as they would in one list
+/// (blocks never merge across chunks anyway), while threads working on different streams take
+/// different locks: one lock for every thread cost 20 to 30 times the time of per-stream locks
+/// on four threads on an H200 host (issue 10; `BENCHMARKS.md`).
 pub(crate) struct StreamHeap<S = Stream> {
     shards: Box<[Padded<Shard<S>>]>,
     /// Which shard each chunk is in, for frees.
@@ -278,6 +279,7 @@ pub(crate) struct EngineStats {
     pub(crate) free_bytes: u64,
     pub(crate) free_blocks: usize,
     pub(crate) waits: u64,
+    /// Requests served by a shard other than their thread's.
     pub(crate) spills: u64,
     pub(crate) in_use: u64,
     pub(crate) peak_in_use: u64,
@@ -361,16 +363,24 @@ impl<S: EngineStream> StreamHeap<S> {
             .map(|i| &*self.shards[i as usize])
     }
 
-    /// Memory any stream may use at once (a chunk allocated synchronously). A whole chunk that
-    /// no shard holds (one the reserve gave up to a trim that then failed) goes back to the
-    /// reserve.
+    /// Memory any stream may use at once (a chunk allocated synchronously), inside a chunk
+    /// already registered.
     pub(crate) fn give_fresh(&self, addr: u64, size: u64) {
-        let Some(shard) = self.shard_of(addr, size) else {
-            self.add_reserve(addr, size);
-            return;
-        };
-        let given = shard.lock().free.give_range(addr, size, Waits::default());
-        debug_assert!(given, "a fresh chunk overlapped a block");
+        let given = self
+            .shard_of(addr, size)
+            .is_some_and(|shard| shard.lock().free.give_range(addr, size, Waits::default()));
+        debug_assert!(given, "a fresh chunk overlapped a block or no chunk");
+    }
+
+    /// A whole chunk taken out by [`take_whole_chunks`](Self::take_whole_chunks) as needing no
+    /// ordering, back where it was: its shard, or the reserve if no shard holds it (it came
+    /// from there).
+    pub(crate) fn give_back_fresh_chunk(&self, base: u64, size: u64) {
+        if self.table.covers(base, size) {
+            self.give_fresh(base, size);
+        } else {
+            self.add_reserve(base, size);
+        }
     }
 
     /// Gives memory back on `stream` (a free). False, and nothing changes, unless

@@ -185,3 +185,16 @@ fn random_operations_keep_every_invariant() {
         assert_eq!(t.used_bytes(), in_use, "step {step}");
     }
 }
+
+/// A slot listed spare while it holds a block would be handed to the next new block: the
+/// checker must see it.
+#[test]
+fn the_checker_sees_a_block_in_use_listed_spare() {
+    let mut t = table(0x10000, 64);
+    let a = t.take_tagged(4 * U).unwrap().0;
+    assert!(t.free(a, 4 * U, Bits(0)));
+    let b = t.take_tagged(4 * U).unwrap().0;
+    t.check().unwrap();
+    t.spare.push(t.used[&b]);
+    assert!(t.check().is_err());
+}
