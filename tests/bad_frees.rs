@@ -105,6 +105,24 @@ fn the_pool_refuses_frees_of_memory_it_did_not_hand_out() {
         let stats = pool.stats();
         assert_eq!(stats.free, stats.reserved, "{what}: {stats:?}");
         assert_eq!(stats.in_use, 0, "{what}: {stats:?}");
+        // A refused free on a stream the pool never saw leaves no trace of that stream.
+        let s = device.create_stream().unwrap();
+        let x = pool.allocate(4 * KIB, &s).unwrap();
+        let streams = pool.stats().streams;
+        let new = device.create_stream().unwrap();
+        refused(
+            &pool,
+            x.offset(256),
+            256,
+            &new,
+            "inside a live block, a new stream",
+        );
+        assert_eq!(
+            pool.stats().streams,
+            streams,
+            "{what}: the refused free's stream"
+        );
+        free(&pool, x, 4 * KIB, &s);
     }
 }
 

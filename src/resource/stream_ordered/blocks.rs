@@ -67,6 +67,9 @@ impl Indexed for Block {
     }
 }
 
+/// The free block a [`BlockTable::free_untagged`] ended in: valid until the table changes.
+pub(crate) struct FreedBlock(u32);
+
 /// Every block of the engine's chunks (of one shard).
 pub(crate) struct BlockTable<T: BlockTag> {
     blocks: Vec<Block>,
@@ -356,16 +359,32 @@ impl<T: BlockTag> BlockTable<T> {
     /// a second free are all refused.
     #[inline]
     pub(crate) fn free(&mut self, addr: u64, size: u64, tag: T) -> bool {
+        self.free_untagged(addr, size)
+            .map(|freed| self.join_tag(freed, &tag))
+            .is_some()
+    }
+
+    /// [`free`](Self::free) with no tag yet: the free block the memory ended up in (after
+    /// coalescing), to give its tag with [`join_tag`](Self::join_tag) under the same borrow,
+    /// once the free is known to be good (the engine registers the freeing stream only then).
+    #[inline]
+    pub(crate) fn free_untagged(&mut self, addr: u64, size: u64) -> Option<FreedBlock> {
         let i = match self.used.entry(addr) {
             Entry::Occupied(held) if self.blocks[*held.get() as usize].size == size => {
                 held.remove()
             }
-            _ => return false,
+            _ => return None,
         };
         self.blocks[i as usize].state = State::Free;
-        self.tags[i as usize] = tag;
-        self.coalesce_and_file(i);
-        true
+        Some(FreedBlock(self.coalesce_and_file(i)))
+    }
+
+    /// Joins `tag` into the tag of the free block `freed` (from
+    /// [`free_untagged`](Self::free_untagged), with nothing changed since).
+    #[inline]
+    pub(crate) fn join_tag(&mut self, freed: FreedBlock, tag: &T) {
+        debug_assert_eq!(self.blocks[freed.0 as usize].state, State::Free);
+        self.tags[freed.0 as usize].join(tag);
     }
 
     /// Gives `[addr, addr + size)`, a hole (memory in no block), to the free blocks with `tag`,

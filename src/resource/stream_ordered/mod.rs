@@ -6,8 +6,8 @@
 //! All memory lives in one block table (`blocks.rs`: every block, free or handed out, linked to
 //! its address neighbours, free blocks filed by size in a TLSF index, `tlsf.rs`), whatever
 //! stream freed it: free neighbours coalesce at once, and a request gets the best fit over
-//! everything free. So memory never strands in one stream's list while
-//! another stream grows the pool. A per-stream design (RMM's, and ours until issue 10) reuses
+//! everything free. So memory never strands in one stream's list while another stream grows
+//! the pool. A per-stream design (RMM's, and ours until issue 10) reuses
 //! a stream's own frees without any ordering, but blocks freed on different streams do not
 //! coalesce until a merge, and by then the layout is fragmented: grown from 256 MiB, the
 //! hand-off runs of WORKLOADS.md reserved 1.5 to 1.9 times their peak live memory, against
@@ -35,8 +35,9 @@
 //! [`StreamHeap::forget`] drops it from every tag and releases its handle.
 //!
 //! Here: the engine's state, requests and frees; beside it `blocks.rs` (the block table),
-//! `waits.rs` (the tags), `chunks.rs` (the chunk-to-shard table), `order.rs` (orderings), `retire.rs` (memory and streams going back), `view.rs` (statistics, the invariant
-//! checker, snapshots), `expandable.rs` (what the expandable pool needs), `stream.rs` (what
+//! `waits.rs` (the tags), `chunks.rs` (the chunk-to-shard table), `order.rs` (orderings),
+//! `retire.rs` (memory and streams going back), `view.rs` (statistics, the invariant checker,
+//! snapshots), `expandable.rs` (what the expandable pool needs), `stream.rs` (what
 //! [`Stream`] gives the engine) and `planted.rs` (the loom models' switches).
 //!
 //! The engine is generic over what it needs from a stream ([`EngineStream`]): the resources use
@@ -291,8 +292,8 @@ impl<S: EngineStream> StreamHeap<S> {
         Self::with_options(0.0, 1)
     }
 
-    /// An engine of `shards` shards (at least 1, rounded up to a power of two), preferring blocks that need no wait up to
-    /// `slack` larger than the best fit.
+    /// An engine of `shards` shards (at least 1, rounded up to a power of two), preferring
+    /// blocks that need no wait up to `slack` larger than the best fit.
     pub(crate) fn with_options(slack: f64, shards: usize) -> Self {
         let shard = || {
             Padded(Mutex::new(Heap {
@@ -393,11 +394,13 @@ impl<S: EngineStream> StreamHeap<S> {
             return false;
         };
         let mut heap = shard.lock();
+        // Checked first: a refused free registers no stream.
+        let Some(freed) = heap.free.free_untagged(addr, size) else {
+            return false;
+        };
         let slot = heap.slot(stream);
         let tag = heap.freed_on(slot);
-        if !heap.free.free(addr, size, tag) {
-            return false;
-        }
+        heap.free.join_tag(freed, &tag);
         heap.in_use -= size;
         true
     }
