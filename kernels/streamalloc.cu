@@ -23,19 +23,23 @@ extern "C" __global__ void streamalloc_scale_f32(float *data, float factor,
     }
 }
 
-// Keeps the stream busy for `ns` nanoseconds of GPU time (read from %globaltimer), touching no
-// memory. Launched with one thread; it sleeps between reads so that it does not hog the SM.
-// Time is summed from steps between reads, each counted only if forward and at most
-// STEP_MAX: %globaltimer may be adjusted backwards (a plain `now - start` would then wrap and
-// end the spin at once) and forwards (on a GPU just brought up it was seen to jump, ending a
-// 100 ms spin within microseconds: tests that rely on a stream still being busy failed on two
-// fresh H200s). A read follows a sleep of about 1 us, so a longer step is such a jump, or the
-// thread being descheduled; counting it as STEP_MAX only makes the spin longer.
+// Keeps the stream busy for at least `ns` nanoseconds, touching no memory. Launched with one
+// thread; it sleeps between reads so that it does not hog the SM.
+//
+// Two clocks must both say so. %globaltimer: its steps between reads are summed, each counted
+// only if forward and at most STEP_MAX, since it may be adjusted backwards (a plain
+// `now - start` would then wrap) and forwards. And the SM's cycle counter: at least
+// `min_cycles`, which the host computes from the device's highest clock rate, so that it
+// stands for at most the real time. On fresh H200s in our VMs a 30 ms or 100 ms spin ended
+// within microseconds now and then (four tests, in three of eight fresh machines), with the
+// global timer alone: a clock that runs fast cannot end a spin early any more. Either clock
+// running slow only makes the spin longer.
 #define STEP_MAX 100000ull
-extern "C" __global__ void streamalloc_spin(unsigned long long ns) {
+extern "C" __global__ void streamalloc_spin(unsigned long long ns, unsigned long long min_cycles) {
     unsigned long long last, now, elapsed = 0;
+    long long start = clock64();
     asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(last));
-    while (elapsed < ns) {
+    while (elapsed < ns || (unsigned long long)(clock64() - start) < min_cycles) {
         __nanosleep(1000);
         asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(now));
         if (now > last) {

@@ -269,6 +269,28 @@ fn the_latest_waker_is_woken_when_a_task_moves() {
     }
 }
 
+/// A spin keeps its stream busy at least as long as asked: the tests that need a stream still
+/// busy (a drop that must wait for it, a future still pending) rely on it. The host's time
+/// from the launch to the stream seen idle bounds the spin from above, so a spin that ended
+/// early is seen (only a lower bound is checked: a slow machine cannot fail it).
+#[test]
+fn a_spin_lasts_at_least_as_long_as_asked() {
+    for device in devices() {
+        let s = device.create_stream().unwrap();
+        for ms in [1u64, 30, 100] {
+            let start = Instant::now();
+            s.spin(Duration::from_millis(ms)).unwrap();
+            s.synchronize_blocking().unwrap();
+            let took = start.elapsed();
+            assert!(
+                took >= Duration::from_millis(ms),
+                "{}: a spin of {ms} ms ended after {took:?}",
+                label(&device)
+            );
+        }
+    }
+}
+
 #[test]
 fn dropping_streams_and_futures_early_leaks_nothing_and_hangs_nothing() {
     for device in devices() {

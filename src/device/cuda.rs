@@ -134,6 +134,9 @@ pub(crate) struct CudaDevice {
     pub(crate) name: String,
     pub(crate) total_memory: usize,
     pub(super) multiprocessors: u32,
+    /// The SM's highest clock rate, in kHz: the spin kernel's cycle count stands for at most
+    /// the real time at this rate.
+    pub(super) clock_khz: u64,
     pub(super) kernels: Kernels,
     /// Idle events, reused by `record` (creating one costs ~330 ns, more than recording).
     events: Mutex<Vec<RawEvent>>,
@@ -175,6 +178,14 @@ impl CudaDevice {
             )
         }
         .map_err(|e| Error::driver("cuDeviceGetAttribute", e))?;
+        // SAFETY: as above.
+        let clock_khz = unsafe {
+            result::device::get_attribute(
+                dev,
+                sys::CUdevice_attribute::CU_DEVICE_ATTRIBUTE_CLOCK_RATE,
+            )
+        }
+        .map_err(|e| Error::driver("cuDeviceGetAttribute", e))?;
         let kernels = Self::load_kernels()?;
         Ok(Self {
             ctx,
@@ -182,6 +193,7 @@ impl CudaDevice {
             name,
             total_memory,
             multiprocessors: multiprocessors.max(1) as u32,
+            clock_khz: clock_khz.max(0) as u64,
             kernels,
             events: Mutex::new(Vec::new()),
             pool: OnceLock::new(),

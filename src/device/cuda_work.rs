@@ -226,8 +226,14 @@ impl CudaDevice {
     pub(crate) fn spin(&self, duration: Duration, stream: RawStream) -> Result<()> {
         self.ctx.bind()?;
         let mut ns = duration.as_nanos().min(u64::MAX as u128) as u64;
-        let mut params = [&mut ns as *mut u64 as *mut c_void];
-        // SAFETY: the kernel takes one u64 and touches no memory.
+        // Cycles at the highest clock rate: no more than the duration at any real clock.
+        let mut cycles =
+            (u128::from(ns) * u128::from(self.clock_khz) / 1_000_000).min(u64::MAX as u128) as u64;
+        let mut params = [
+            &mut ns as *mut u64 as *mut c_void,
+            &mut cycles as *mut u64 as *mut c_void,
+        ];
+        // SAFETY: the kernel takes two u64 and touches no memory.
         check("cuLaunchKernel", unsafe {
             result::launch_kernel(
                 self.kernels.spin,
