@@ -1,4 +1,7 @@
-//! One free list: the free blocks of one stream (or the pool's fresh memory), coalesced.
+//! One free list: the free blocks of one of the arena's stream arenas, coalesced. (The pool's
+//! engine has its own structure, `stream_ordered/blocks.rs`, which also knows the blocks in
+//! use; moving the arena onto it needs a way to move a superblock's blocks, free and in use,
+//! between stream arenas.)
 //!
 //! A two-level segregated fit index (`tlsf.rs`) finds a block in O(1), within 3% of the best
 //! fit.
@@ -8,9 +11,9 @@
 //! chunks: `chunks` holds every chunk's range (a few, sorted), a merge over a chunk start is
 //! refused, and a freed range that does not lie inside one chunk is refused as not ours.
 //!
-//! Each block carries a *tag* ([`BlockTag`]; `()` for lists that need none): the pool's engine
-//! keeps there the streams a block's reuse must be ordered after. Coalescing joins the tags of
-//! the blocks it merges; a split leaves the tag on both pieces.
+//! Each block carries a *tag* ([`BlockTag`]; `()` for the arena, the only user now; the trait
+//! is also the engine's block table's). Coalescing joins the tags of the blocks it merges; a
+//! split leaves the tag on both pieces.
 //!
 //! [`FreeList::check`] verifies every invariant (talc's `scan_for_errors`); the tests call it
 //! after every step.
