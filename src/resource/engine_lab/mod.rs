@@ -143,17 +143,23 @@ struct Churn {
     /// WORKLOADS.md's generator's state.
     rng: u64,
     streams: usize,
+    max_live: u64,
     live_bytes: u64,
     peak_live: u64,
 }
 
 impl Churn {
-    const MAX_LIVE: u64 = 1 << 30;
-
+    /// `churn(42, 1,000,000, 1 GiB)` over `streams` streams.
     fn new(streams: usize) -> Self {
+        Self::with(42, 1 << 30, streams)
+    }
+
+    /// `churn(seed, _, max_live)` over `streams` streams.
+    fn with(seed: u64, max_live: u64, streams: usize) -> Self {
         Churn {
-            rng: 42,
+            rng: seed,
             streams,
+            max_live,
             live_bytes: 0,
             peak_live: 0,
         }
@@ -164,7 +170,7 @@ impl Churn {
         let e = 8 + b % 15;
         // Rounded as the pool rounds (256 bytes).
         let size = ((1u64 << e) + (b >> 8) % (1u64 << e)).next_multiple_of(256);
-        if live == 0 || (a & 1 == 0 && self.live_bytes + size <= Self::MAX_LIVE) {
+        if live == 0 || (a & 1 == 0 && self.live_bytes + size <= self.max_live) {
             self.live_bytes += size;
             self.peak_live = self.peak_live.max(self.live_bytes);
             let stream = ((a >> 40) % self.streams as u64) as usize;
@@ -476,20 +482,18 @@ fn four_real_threads(initial: u64) {
             let (lists, up) = (&lists, Locked(&up));
             scope.spawn(move || {
                 let stream = LabStream::new(t + 1);
-                let (mut rng, mut bytes) = (42 + t, 0u64);
+                let mut churn = Churn::with(42 + t, 256 << 20, 1);
                 let mut live: Vec<(u64, u64)> = Vec::new();
                 for _ in 0..250_000 {
-                    let (a, b) = (splitmix64(&mut rng), splitmix64(&mut rng));
-                    let e = 8 + b % 15;
-                    let size = ((1u64 << e) + (b >> 8) % (1u64 << e)).next_multiple_of(256);
-                    if live.is_empty() || (a & 1 == 0 && bytes + size <= 256 << 20) {
-                        live.push((lists.take(size, &stream, &up).unwrap(), size));
-                        bytes += size;
-                    } else {
-                        let i = ((a >> 1) % live.len() as u64) as usize;
-                        let (addr, size) = live.swap_remove(i);
-                        assert!(lists.give(addr, size, &stream));
-                        bytes -= size;
+                    match churn.next(live.len()) {
+                        Op::Allocate { size, .. } => {
+                            live.push((lists.take(size, &stream, &up).unwrap(), size));
+                        }
+                        Op::Free { index } => {
+                            let (addr, size) = live.swap_remove(index);
+                            assert!(lists.give(addr, size, &stream));
+                            churn.live_bytes -= size;
+                        }
                     }
                 }
             });

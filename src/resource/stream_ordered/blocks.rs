@@ -189,6 +189,34 @@ impl<T: BlockTag> BlockTable<T> {
         }
     }
 
+    /// A new block of `[addr, addr + size)` between `before` and `after` (either [`NIL`]),
+    /// which are linked to it. Not filed: the caller files a free one, or coalesces it.
+    #[inline]
+    fn new_block(
+        &mut self,
+        (addr, size): (u64, u64),
+        (before, after): (u32, u32),
+        state: State,
+        tag: T,
+    ) -> u32 {
+        let block = Block {
+            addr,
+            size,
+            links: Links::default(),
+            before,
+            after,
+            state,
+        };
+        let i = self.new_slot(block, tag);
+        if before != NIL {
+            self.blocks[before as usize].after = i;
+        }
+        if after != NIL {
+            self.blocks[after as usize].before = i;
+        }
+        i
+    }
+
     fn release_slot(&mut self, i: u32) {
         self.blocks[i as usize].state = State::Spare;
         self.tags[i as usize] = T::default();
@@ -323,24 +351,10 @@ impl<T: BlockTag> BlockTable<T> {
         };
         let (used, tag) = if have > size {
             let tag = self.tags[i as usize].clone();
-            let used = self.new_slot(
-                Block {
-                    addr,
-                    size,
-                    links: Links::default(),
-                    before,
-                    after: i,
-                    state: State::Used,
-                },
-                T::default(),
-            );
-            if before != NIL {
-                self.blocks[before as usize].after = used;
-            }
+            let used = self.new_block((addr, size), (before, i), State::Used, T::default());
             let b = &mut self.blocks[i as usize];
             b.addr = addr + size;
             b.size = have - size;
-            b.before = used;
             self.file(i);
             (used, tag)
         } else {
@@ -413,23 +427,7 @@ impl<T: BlockTag> BlockTable<T> {
                 after = i;
             }
         }
-        let i = self.new_slot(
-            Block {
-                addr,
-                size,
-                links: Links::default(),
-                before,
-                after,
-                state: State::Free,
-            },
-            tag,
-        );
-        if before != NIL {
-            self.blocks[before as usize].after = i;
-        }
-        if after != NIL {
-            self.blocks[after as usize].before = i;
-        }
+        let i = self.new_block((addr, size), (before, after), State::Free, tag);
         self.coalesce_and_file(i);
         true
     }
@@ -479,37 +477,16 @@ impl<T: BlockTag> BlockTable<T> {
             // The pieces before and after stay free, linked to the neighbours they touch (they
             // cannot merge: the block was coalesced with its neighbours).
             if lo > addr {
-                let j = self.piece(addr, lo - addr, before, NIL, tag.clone());
-                if before != NIL {
-                    self.blocks[before as usize].after = j;
-                }
+                let j = self.new_block((addr, lo - addr), (before, NIL), State::Free, tag.clone());
+                self.file(j);
             }
             if end > hi {
-                let j = self.piece(hi, end - hi, NIL, after, tag.clone());
-                if after != NIL {
-                    self.blocks[after as usize].before = j;
-                }
+                let j = self.new_block((hi, end - hi), (NIL, after), State::Free, tag.clone());
+                self.file(j);
             }
             out.push((lo, hi - lo, tag));
         }
         out
-    }
-
-    /// A new free block, filed.
-    fn piece(&mut self, addr: u64, size: u64, before: u32, after: u32, tag: T) -> u32 {
-        let j = self.new_slot(
-            Block {
-                addr,
-                size,
-                links: Links::default(),
-                before,
-                after,
-                state: State::Free,
-            },
-            tag,
-        );
-        self.file(j);
-        j
     }
 
     /// The size of the free block that ends at `addr`, or 0 if none does (a scan).
