@@ -7,7 +7,8 @@
 //! `scaling` (1, 2, 4 and 8 threads); `all` is every one.
 //!
 //! `--growth-divisor N` sets the pools' `PoolOptions::growth_divisor` (default 8);
-//! `--reuse-slack X` sets `PoolOptions::reuse_slack` (default 0).
+//! `--reuse-slack X` sets `PoolOptions::reuse_slack` (default 0); `--opportunistic off` turns
+//! `PoolOptions::opportunistic_reuse` off (every cross-stream reuse waits on the GPU).
 //!
 //! `--initial` lists the sizes (MiB) the pool and the arena start with, each run once per size:
 //! `2048` (the timed loop measures suballocation), `256` (WORKLOADS.md's growth from small), or
@@ -190,12 +191,13 @@ fn arg(name: &str, default: &str) -> String {
 /// A pool's report column: peak reserved over peak live, and how it got there.
 fn pool_extra(s: &PoolStats, o: &Outcome) -> String {
     format!(
-        "{} MiB / {} MiB = {:.2} ({} grows, {} stream waits, {} shard spills)",
+        "{} MiB / {} MiB = {:.2} ({} grows, {} stream waits, {} idle reuses, {} shard spills)",
         s.peak_reserved / MIB,
         o.peak_live / MIB as u64,
         s.peak_reserved as f64 / o.peak_live as f64,
         s.grows,
         s.stream_waits,
+        s.idle_reuses,
         s.shard_spills
     )
 }
@@ -207,6 +209,7 @@ fn main() {
     let repeat: usize = arg("--repeat", "1").parse().unwrap_or(1);
     let growth_divisor: u32 = arg("--growth-divisor", "8").parse().unwrap_or(8);
     let reuse_slack: f64 = arg("--reuse-slack", "0").parse().unwrap_or(0.0);
+    let opportunistic_reuse = arg("--opportunistic", "on") != "off";
     let initials: Vec<usize> = arg("--initial", "2048,256")
         .split(',')
         .map(|m| {
@@ -286,6 +289,7 @@ fn main() {
                 maximum: Some(8 * GIB),
                 growth_divisor,
                 reuse_slack,
+                opportunistic_reuse,
             },
         )
         .unwrap()

@@ -125,6 +125,9 @@ impl EngineStream for FakeStream {
     fn order_before(&self, _: &Self) -> Result<()> {
         Ok(())
     }
+    fn is_idle(&self) -> bool {
+        false // one stream: nothing is ever ordered
+    }
 }
 
 type Pool = Expander<FakeStream, FakeBacking>;

@@ -102,7 +102,13 @@
 //! tagged after the bump is not covered, rightly (the planted `BUMP_AFTER_ORDER` of the loom
 //! model breaks exactly this). A block coalesced from frees on several streams waits on each:
 //! the fix of RMM issue 2489 holds by construction. Each stream has one event of its own for
-//! these orderings (`Stream::order_before`): two driver calls and no event object.
+//! these orderings (`Stream::order_before`): two driver calls and no event object. Before
+//! ordering, the engine asks D whether it is idle (`cuStreamQuery`,
+//! [`PoolOptions::opportunistic_reuse`](crate::PoolOptions::opportunistic_reuse), on by
+//! default): if it is, nothing is recorded or waited on, and D is noted finished up to the
+//! bumped epoch for every stream (the loom model's planted `DONE_AT_THE_ANSWER` notes it at the
+//! answer instead, and is caught). On the simulated device an idle answer is the host seeing
+//! the stream's work finish, for the race detector too.
 //!
 //! **Shards.** One lock for every thread cost 20 to 30 times per-stream locks on four threads
 //! (futex hand-offs in the GPU machine's VM), so the list is kept in 8 shards, each chunk in

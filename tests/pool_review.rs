@@ -8,7 +8,7 @@ mod common;
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
-use common::{check_pool, devices, free, label, pool};
+use common::{check_pool, devices, free, label, pool, waiting_pool};
 use streamalloc::resource::callback::CallbackResource;
 use streamalloc::resource::pool::{PoolOptions, PoolResource};
 use streamalloc::{Device, DevicePtr, Error, FaultKind, Faults, MemoryResource, SimConfig, Stream};
@@ -164,7 +164,7 @@ fn faulty() -> (Device, Faults) {
 #[test]
 fn a_failed_cross_stream_ordering_loses_nothing() {
     let (device, faults) = faulty();
-    let pool = pool(&device, MIB, 64 * MIB);
+    let pool = waiting_pool(&device, MIB, 64 * MIB);
     let (a, b) = (
         device.create_stream().unwrap(),
         device.create_stream().unwrap(),
@@ -193,6 +193,65 @@ fn a_failed_cross_stream_ordering_loses_nothing() {
     let p = pool.allocate(MIB, &b).unwrap();
     assert_eq!(pool.stats().stream_waits, 1);
     free(&pool, p, MIB, &b);
+}
+
+/// Opportunistic reuse: memory freed on a stream whose work has all finished is reused on
+/// another with no wait on the GPU (one stream query instead of a record and a wait); with the
+/// option off, the same reuse waits.
+#[test]
+fn memory_of_an_idle_stream_is_reused_without_a_wait() {
+    for device in devices() {
+        for opportunistic in [true, false] {
+            let pool = match opportunistic {
+                true => pool(&device, MIB, 64 * MIB),
+                false => waiting_pool(&device, MIB, 64 * MIB),
+            };
+            let (a, b) = (
+                device.create_stream().unwrap(),
+                device.create_stream().unwrap(),
+            );
+            let p = pool.allocate(MIB, &a).unwrap();
+            free(&pool, p, MIB, &a);
+            a.synchronize_blocking().unwrap();
+            let q = pool.allocate(MIB, &b).unwrap();
+            assert_eq!(q, p, "{}", label(&device));
+            let stats = pool.stats();
+            let expected = match opportunistic {
+                true => (0, 1),
+                false => (1, 0),
+            };
+            assert_eq!(
+                (stats.stream_waits, stats.idle_reuses),
+                expected,
+                "{} opportunistic {opportunistic}: {stats:?}",
+                label(&device)
+            );
+            free(&pool, q, MIB, &b);
+            check_pool(&pool);
+        }
+    }
+}
+
+/// A stream query that fails counts as a busy stream: the reuse is ordered by a wait instead,
+/// and nothing fails.
+#[test]
+fn a_failed_stream_query_is_taken_as_busy() {
+    let (device, faults) = faulty();
+    let pool = pool(&device, MIB, 64 * MIB);
+    let (a, b) = (
+        device.create_stream().unwrap(),
+        device.create_stream().unwrap(),
+    );
+    let p = pool.allocate(MIB, &a).unwrap();
+    free(&pool, p, MIB, &a);
+    a.synchronize_blocking().unwrap();
+    faults.fail_next(FaultKind::Query);
+    let q = pool.allocate(MIB, &b).unwrap();
+    assert_eq!(faults.injected(FaultKind::Query), 1);
+    let stats = pool.stats();
+    assert_eq!((stats.stream_waits, stats.idle_reuses), (1, 0), "{stats:?}");
+    free(&pool, q, MIB, &b);
+    check_pool(&pool);
 }
 
 /// Issue 19: a failed synchronization in `trim` stranded the chunks it had taken out.
@@ -232,7 +291,7 @@ fn a_failed_trim_puts_its_chunks_back() {
 #[test]
 fn a_failed_release_at_the_maximum_keeps_stream_order() {
     let (device, faults) = faulty();
-    let pool = pool(&device, 0, 4 * MIB);
+    let pool = waiting_pool(&device, 0, 4 * MIB);
     let (a, b) = (
         device.create_stream().unwrap(),
         device.create_stream().unwrap(),
@@ -305,15 +364,19 @@ fn memory_coalesced_across_live_streams_is_reused_in_stream_order() {
         unsafe { a.fill_u32(x, 1, MIB / 4) }.unwrap();
         free(&pool, x, MIB, &a);
         free(&pool, y, MIB, &b);
-        // Only both halves together serve this: one block, freed on `a` and on `b`.
-        let waits = pool.stats().stream_waits;
+        // Only both halves together serve this: one block, freed on `a` and on `b`. `a` is
+        // busy (its spin), so `c` waits for it on the GPU; `b` may be idle by now, and then
+        // needs no wait (opportunistic reuse).
+        let before = pool.stats();
         let z = pool.allocate(2 * MIB, &c).unwrap();
         assert_eq!(z, x, "{}", label(&device));
+        let after = pool.stats();
         assert!(
-            pool.stats().stream_waits == waits + 2,
-            "{}: {:?}",
+            after.stream_waits > before.stream_waits
+                && after.stream_waits + after.idle_reuses
+                    == before.stream_waits + before.idle_reuses + 2,
+            "{}: {after:?}",
             label(&device),
-            pool.stats()
         );
         // SAFETY: `z` is 2 MiB of live memory, ours on `c`.
         unsafe { c.fill_u32(z, 2, 2 * MIB / 4) }.unwrap();
@@ -394,7 +457,7 @@ fn random_hand_offs_in_a_small_pool_keep_the_invariants_at_every_step() {
             free(&pool, p, size, &streams[0]);
         }
         let stats = pool.stats();
-        assert!(stats.stream_waits > 0, "{stats:?}");
+        assert!(stats.stream_waits + stats.idle_reuses > 0, "{stats:?}");
         assert!(
             refused < 300,
             "{}: {refused} of 3000 refused",

@@ -29,14 +29,30 @@ fn device(mode: RaceDetection) -> (Device, Faults) {
 }
 
 /// A pool that starts empty (its first chunk comes from a request, into that stream's list)
-/// and can hold at most `maximum` bytes.
+/// and can hold at most `maximum` bytes. Every cross-stream reuse waits on the GPU
+/// (`opportunistic_reuse` off), so that the planted skipped waits are planted whatever the
+/// freeing stream's progress; [`pool_opportunistic`] asks first.
 fn pool(device: &Device, maximum: usize) -> Arc<PoolResource<CudaResource>> {
+    pool_with(device, maximum, false)
+}
+
+/// [`pool`] with opportunistic reuse on (the default).
+fn pool_opportunistic(device: &Device, maximum: usize) -> Arc<PoolResource<CudaResource>> {
+    pool_with(device, maximum, true)
+}
+
+fn pool_with(
+    device: &Device,
+    maximum: usize,
+    opportunistic_reuse: bool,
+) -> Arc<PoolResource<CudaResource>> {
     Arc::new(
         PoolResource::new(
             CudaResource::new(device),
             PoolOptions {
                 initial: 0,
                 maximum: Some(maximum),
+                opportunistic_reuse,
                 ..PoolOptions::default()
             },
         )
@@ -153,6 +169,41 @@ fn planted_reuse_without_wait_is_caught() {
 fn reuse_with_wait_is_clean() {
     let (device, ..) = reuse(false);
     assert_eq!(device.races(), Vec::new());
+}
+
+// ===== a pool's cross-stream reuse of an idle stream's memory, with no wait =====
+
+/// The block is used and freed on `a`; `b` reuses it once `a` has gone idle with no event the
+/// host saw: the pool's question (`cuStreamQuery`) is all that orders `b`'s use after `a`'s,
+/// and the detector must take the idle answer as that order (the host saw `a`'s work finish).
+/// If `a` is still busy when asked, the reuse waits instead: clean either way, and the
+/// counts say which path it took.
+#[test]
+fn reuse_of_an_idle_streams_memory_is_clean() {
+    let (device, _) = device(RaceDetection::Record);
+    let p = pool_opportunistic(&device, 4 << 20);
+    let (a, b) = streams(&device);
+    let mut buf = DeviceBuffer::new(&p, 4096, &a).unwrap();
+    buf.memset(7).unwrap();
+    drop(buf);
+    // Time for `a`'s worker to run the memset, without the host seeing an event of `a`.
+    std::thread::sleep(Duration::from_millis(100));
+    let mut stolen = DeviceBuffer::new(&p, 4096, &b).unwrap();
+    let stats = p.stats();
+    assert_eq!(stats.stream_waits + stats.idle_reuses, 1, "{stats:?}");
+    stolen.memset(9).unwrap();
+    drop(stolen);
+    a.synchronize_blocking().unwrap();
+    b.synchronize_blocking().unwrap();
+    assert_eq!(device.races(), Vec::new(), "{stats:?}");
+    println!(
+        "reused after: {}",
+        if stats.idle_reuses == 1 {
+            "an idle answer"
+        } else {
+            "a wait"
+        }
+    );
 }
 
 // ===== a block coalesced across streams, reused without the waits =====

@@ -20,6 +20,10 @@
 //! ordering (and grew) and ran out of memory ([`check_paths`]), so that no check is vacuous.
 //! The planted bugs are switches in the engine (`stream_ordered::planted`, loom builds only).
 //!
+//! A stream asked whether it is idle (the engine's opportunistic reuse) answers as the model
+//! sets [`Gpu::idle`]: busy (the default, so the engine orders), or idle, which is the host
+//! seeing everything queued on it so far finish.
+//!
 //! Every request is one block. Not modelled here: trimming (`take_whole_chunks`, see
 //! `frees_and_regrowth`), and a failing `order_before` (its error path puts the block back).
 
@@ -37,10 +41,12 @@ mod reuse;
 
 // The paths of the policy an execution can take (see `check_paths`).
 const WAIT: &str = "cross-stream wait";
+const IDLE: &str = "idle freeing stream: no wait";
 const GROW: &str = "grow";
 const OUT_OF_MEMORY: &str = "out of memory";
 const ALL_BUT_GROW: [&str; 2] = [WAIT, OUT_OF_MEMORY];
 const ALL: [&str; 3] = [WAIT, GROW, OUT_OF_MEMORY];
+const IDLE_AND_OUT_OF_MEMORY: [&str; 2] = [IDLE, OUT_OF_MEMORY];
 
 /// Every request is one block: addresses stay block-aligned through splits and merges, so a
 /// block is named by its address.
@@ -63,6 +69,9 @@ pub(super) struct Gpu {
     held: HashMap<u64, &'static str>,
     /// `synced[d]`: how many operations of stream `d` the host has seen finish.
     synced: Vec<u64>,
+    /// What a stream says when asked whether it is idle (`cuStreamQuery`): `true`, everything
+    /// queued on it so far has finished (the host has seen it: `synced`); `false`, busy.
+    pub(super) idle: bool,
 }
 
 impl Gpu {
@@ -72,6 +81,7 @@ impl Gpu {
             freed: HashMap::new(),
             held: HashMap::new(),
             synced: vec![0; streams],
+            idle: false,
         }
     }
 
@@ -160,6 +170,14 @@ impl EngineStream for FakeStream {
     fn order_before(&self, later: &Self) -> Result<()> {
         book(&self.inner.gpu).order(self.index(), later.index());
         Ok(())
+    }
+
+    fn is_idle(&self) -> bool {
+        let mut gpu = book(&self.inner.gpu);
+        if gpu.idle {
+            gpu.synchronize(self.index());
+        }
+        gpu.idle
     }
 }
 
@@ -270,4 +288,5 @@ fn all_back(engine: &Engine, blocks: u64, gpu: &Book, seen: &Seen) {
     );
     assert!(book(gpu).held.is_empty());
     seen.note(WAIT, stats.waits > 0);
+    seen.note(IDLE, stats.idle_skips > 0);
 }

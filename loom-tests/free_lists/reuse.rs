@@ -10,10 +10,11 @@ use std::sync::atomic::Ordering::Relaxed;
 /// only handle besides the engine's) frees two blocks on it and then drops the stream; two
 /// threads on stream 1 allocate one block each, then free it. A taker finds a block freed on
 /// stream 0 (and must wait for stream 0), or finds nothing yet (out of memory).
-fn two_takers(seen: &Shared<Seen>) {
+fn two_takers(seen: &Shared<Seen>, idle: bool) {
     let mut s = streams(2);
     let (s1, s0) = (s.pop().unwrap(), s.pop().unwrap());
     let gpu = s0.inner.gpu.clone();
+    book(&gpu).idle = idle;
     let engine = Arc::new(with_chunk(2));
     let a = alloc(&engine, &s0, "setup", seen).unwrap();
     let b = alloc(&engine, &s0, "setup", seen).unwrap();
@@ -45,11 +46,14 @@ fn two_takers(seen: &Shared<Seen>) {
 /// One taker, two takes, racing two frees. Stream 0's thread frees two blocks; stream 1's
 /// thread allocates twice (keeping the first). The first take's ordering covers what stream 0
 /// had freed by then; a block freed after it must be ordered again: the epoch protocol of
-/// `waits.rs`, which the planted `BUMP_AFTER_ORDER` breaks.
-fn one_taker_two_takes(seen: &Shared<Seen>) {
+/// `waits.rs`, which the planted `BUMP_AFTER_ORDER` breaks. With `idle`, stream 0 answers
+/// idle when asked: the first take's answer covers only what stream 0 had freed before the
+/// question, which the planted `DONE_AT_THE_ANSWER` breaks.
+fn one_taker_two_takes(seen: &Shared<Seen>, idle: bool) {
     let s = streams(2);
     let (s0, s1) = (s[0].clone(), s[1].clone());
     let gpu = s0.inner.gpu.clone();
+    book(&gpu).idle = idle;
     let engine = Arc::new(with_chunk(2));
     let a = alloc(&engine, &s0, "setup", seen).unwrap();
     let b = alloc(&engine, &s0, "setup", seen).unwrap();
@@ -136,13 +140,31 @@ fn grow_vs_reuse(seen: &Shared<Seen>) {
 /// Bound 4: 3 threads (the donor, a taker and the model's main thread, the other taker).
 #[test]
 fn two_takers_one_freeing_stream() {
-    check_paths(Some(4), &ALL_BUT_GROW, two_takers);
+    check_paths(Some(4), &ALL_BUT_GROW, |seen| two_takers(seen, false));
+}
+
+/// Bound 4: 3 threads; the freeing stream answers idle.
+#[test]
+fn two_takers_one_idle_freeing_stream() {
+    check_paths(Some(4), &IDLE_AND_OUT_OF_MEMORY, |seen| {
+        two_takers(seen, true)
+    });
 }
 
 /// Bound 4: 2 threads.
 #[test]
 fn a_free_after_an_ordering_is_ordered_again() {
-    check_paths(Some(4), &ALL_BUT_GROW, one_taker_two_takes);
+    check_paths(Some(4), &ALL_BUT_GROW, |seen| {
+        one_taker_two_takes(seen, false)
+    });
+}
+
+/// Bound 4: 2 threads; the freeing stream answers idle.
+#[test]
+fn a_free_after_an_idle_answer_is_ordered_again() {
+    check_paths(Some(4), &IDLE_AND_OUT_OF_MEMORY, |seen| {
+        one_taker_two_takes(seen, true)
+    });
 }
 
 /// Bound 5: 2 threads.
@@ -188,7 +210,39 @@ fn planted_epoch_bumped_after_the_event() {
         "a reuse not ordered behind the free",
         || {
             planted::BUMP_AFTER_ORDER.store(true, Relaxed);
-            check_paths(Some(4), &[], one_taker_two_takes);
+            check_paths(Some(4), &[], |seen| one_taker_two_takes(seen, false));
+        },
+    );
+}
+
+/// Bug: a freeing stream that says it is busy is taken as idle: no ordering is made.
+#[test]
+#[ignore = "planted bug: must fail"]
+fn planted_busy_stream_taken_as_idle() {
+    must_fail(
+        module_path!(),
+        "planted_busy_stream_taken_as_idle",
+        "a reuse not ordered behind the free",
+        || {
+            planted::BUSY_TAKEN_AS_IDLE.store(true, Relaxed);
+            check_paths(Some(5), &[], reuse_vs_same_stream);
+        },
+    );
+}
+
+/// Bug: an idle answer is noted as covering the freeing stream up to its epoch when the
+/// answer is noted, not up to the epoch bumped before the question: a block freed on it in
+/// between (after a use the answer did not see) is handed out as finished.
+#[test]
+#[ignore = "planted bug: must fail"]
+fn planted_idle_answer_covers_a_later_free() {
+    must_fail(
+        module_path!(),
+        "planted_idle_answer_covers_a_later_free",
+        "a reuse not ordered behind the free",
+        || {
+            planted::DONE_AT_THE_ANSWER.store(true, Relaxed);
+            check_paths(Some(4), &[], |seen| one_taker_two_takes(seen, true));
         },
     );
 }

@@ -317,6 +317,17 @@ impl CudaDevice {
         })
     }
 
+    /// Whether all work queued on `stream` so far has completed (`cuStreamQuery`).
+    pub(crate) fn stream_idle(&self, stream: RawStream) -> Result<bool> {
+        self.ctx.bind()?;
+        // SAFETY: the stream is live (the caller's `Stream` holds it).
+        match unsafe { sys::cuStreamQuery(stream.0) } {
+            sys::CUresult::CUDA_SUCCESS => Ok(true),
+            sys::CUresult::CUDA_ERROR_NOT_READY => Ok(false),
+            e => raw("cuStreamQuery", e).map(|()| false),
+        }
+    }
+
     pub(crate) fn synchronize_stream(&self, stream: RawStream) -> Result<()> {
         self.ctx.bind()?;
         // SAFETY: the stream is live.

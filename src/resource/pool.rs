@@ -49,6 +49,15 @@ pub struct PoolOptions {
     /// 0 (the default) always takes the best fit: the least memory held (`BENCHMARKS.md` has
     /// the figures for both). Negative or not finite is taken as 0.
     pub reuse_slack: f64,
+    /// Whether a request whose block was freed on another stream first asks that stream
+    /// whether all its work has finished (`cuStreamQuery`, one driver call), and reuses the
+    /// block with no GPU-side wait if so, instead of recording an event there and waiting on it
+    /// (two driver calls, and a dependency between the streams' future work). On by default,
+    /// as the driver's own pool does (`CU_MEMPOOL_ATTR_REUSE_ALLOW_OPPORTUNISTIC`); an idle
+    /// answer covers everything that stream had freed, for every stream.
+    /// [`PoolStats::idle_reuses`] counts them. Off, every cross-stream reuse waits on the GPU
+    /// (`BENCHMARKS.md` has the figures for both).
+    pub opportunistic_reuse: bool,
 }
 
 impl Default for PoolOptions {
@@ -58,6 +67,7 @@ impl Default for PoolOptions {
             maximum: None,
             growth_divisor: 8,
             reuse_slack: 0.0,
+            opportunistic_reuse: true,
         }
     }
 }
@@ -100,6 +110,9 @@ pub struct PoolStats {
     /// pool grows, among all): a high count against the requests means threads share memory
     /// more than the shards assume.
     pub shard_spills: u64,
+    /// Cross-stream reuses that needed no wait: the stream that freed the memory was idle when
+    /// asked ([`PoolOptions::opportunistic_reuse`]).
+    pub idle_reuses: u64,
     /// Bytes handed out and not yet given back.
     pub in_use: usize,
     /// The most bytes handed out at once: each shard of the pool's free memory counts its
@@ -122,7 +135,8 @@ pub struct PoolStats {
 ///   its block uses it at once (stream order); one on another stream is first ordered after
 ///   that stream on the GPU (an event recorded there and a wait for it: the host never waits),
 ///   which also covers everything that stream had freed so far. [`PoolStats::stream_waits`]
-///   counts them.
+///   counts them. If that stream is idle when asked (all its work finished), no wait is needed
+///   at all ([`PoolOptions::opportunistic_reuse`]).
 /// - A request no free block fits grows the pool: it asks the upstream for a chunk (at least
 ///   the request and 1/[`PoolOptions::growth_divisor`] of what it holds), halving the try on
 ///   failure, never past `maximum`; at the maximum it first gives wholly free chunks back
@@ -191,7 +205,8 @@ impl<U: MemoryResource> PoolResource<U> {
             own: device.create_stream()?,
             device,
             upstream,
-            heap: StreamHeap::with_options(options.reuse_slack, SHARDS),
+            heap: StreamHeap::with_options(options.reuse_slack, SHARDS)
+                .with_opportunistic(options.opportunistic_reuse),
             chunks: Mutex::new(BTreeMap::new()),
             reserved: AtomicU64::new(0),
             peak_reserved: AtomicU64::new(0),
@@ -255,6 +270,7 @@ impl<U: MemoryResource> PoolResource<U> {
             grows: self.grows.load(Ordering::Relaxed),
             stream_waits: engine.waits,
             shard_spills: engine.spills,
+            idle_reuses: engine.idle_skips,
             in_use: engine.in_use as usize,
             peak_in_use: engine.peak_in_use as usize,
         }

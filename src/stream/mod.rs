@@ -189,6 +189,29 @@ impl Stream {
         Ok(Event::new(device.clone(), self.inner.id, seq, raw))
     }
 
+    /// Whether all work queued on this stream so far has completed (`cuStreamQuery`); the host
+    /// does not wait. `true` means what [`synchronize_blocking`](Self::synchronize_blocking)
+    /// returning means: memory that work used may be reused anywhere.
+    ///
+    /// ```
+    /// # use streamalloc::{Device, SimConfig};
+    /// let device = Device::simulated(SimConfig::default());
+    /// let stream = device.create_stream()?;
+    /// stream.synchronize_blocking()?;
+    /// assert!(stream.is_idle()?);
+    /// # Ok::<(), streamalloc::Error>(())
+    /// ```
+    pub fn is_idle(&self) -> Result<bool> {
+        match (&self.inner.raw, self.inner.device.backend()) {
+            (RawStream::Cuda(s), Backend::Cuda(d)) => d.stream_idle(*s),
+            (RawStream::Sim(s), Backend::Sim(d)) => {
+                d.fault(FaultKind::Query)?;
+                Ok(s.idle())
+            }
+            _ => Err(mismatch()),
+        }
+    }
+
     /// Makes work queued on `later` from now on wait for all work queued on this stream so far
     /// (the host does not wait): [`record`](Self::record) then [`wait`](Self::wait), but on
     /// CUDA with this stream's own reusable event, so that the pool's cross-stream orderings

@@ -91,6 +91,22 @@ pub fn pool(device: &Device, initial: usize, maximum: usize) -> PoolResource<Cud
     .unwrap()
 }
 
+/// [`pool`] whose every cross-stream reuse waits on the GPU, idle streams or not
+/// (`opportunistic_reuse` off): for tests that count or fail those waits.
+#[allow(dead_code)]
+pub fn waiting_pool(device: &Device, initial: usize, maximum: usize) -> PoolResource<CudaResource> {
+    PoolResource::new(
+        CudaResource::new(device),
+        PoolOptions {
+            initial,
+            maximum: Some(maximum),
+            opportunistic_reuse: false,
+            ..PoolOptions::default()
+        },
+    )
+    .unwrap()
+}
+
 /// Frees what `resource` handed out, expecting success.
 pub fn free<R: MemoryResource + ?Sized>(
     resource: &R,

@@ -49,6 +49,9 @@ pub enum FaultKind {
     MemCreate,
     /// Mapping physical memory into a reserved address range (`cuMemMap`).
     MemMap,
+    /// Asking whether a stream is idle (`cuStreamQuery`): [`Stream::is_idle`](crate::Stream::is_idle),
+    /// and the pools' opportunistic reuse, which takes a failed query as a busy stream.
+    Query,
 }
 
 impl FaultKind {
@@ -67,6 +70,7 @@ impl FaultKind {
             FaultKind::CreateStream => "cuStreamCreate",
             FaultKind::MemCreate => "cuMemCreate",
             FaultKind::MemMap => "cuMemMap",
+            FaultKind::Query => "cuStreamQuery",
         }
     }
 

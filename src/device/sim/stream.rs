@@ -25,6 +25,9 @@ use crate::sync::{thread, Arc, Condvar, Mutex};
 #[derive(Default)]
 struct Queue {
     ops: VecDeque<Op>,
+    /// The worker is running an operation it took off `ops` (so an empty queue is not yet an
+    /// idle stream).
+    running: bool,
     closed: bool,
     /// An inline stream's executor, which whoever queues an operation runs under this lock
     /// (`None` on a stream with a worker thread, which owns its executor).
@@ -153,6 +156,23 @@ impl SimStream {
         races.settle(race, reject)
     }
 
+    /// Whether every operation queued so far has run (`cuStreamQuery`). An idle answer is the
+    /// host seeing the stream's work complete: the race detector orders everything queued
+    /// after it behind that work, as it does for an event the host saw complete.
+    pub(crate) fn idle(&self) -> bool {
+        let queue = self.queue.lock();
+        // An inline stream runs each operation as it is queued: it is always idle.
+        let idle = queue.inline.is_some() || (queue.ops.is_empty() && !queue.running);
+        if idle {
+            if let Some((races, idx)) = &self.races {
+                // Under the queue's lock (the detector's lock comes after it): no operation of
+                // this stream can be queued in between and be taken as seen.
+                races.host_join_stream(*idx);
+            }
+        }
+        idle
+    }
+
     /// This stream's index in the race detector's clocks, if it is on.
     pub(crate) fn races(&self) -> Option<(&PlainArc<Detector>, u32)> {
         self.races.as_ref().map(|(d, idx)| (d, *idx))
@@ -193,8 +213,14 @@ impl Worker {
         loop {
             let op = {
                 let mut queue = self.stream.queue.lock();
+                // The last operation taken has run.
+                queue.running = false;
                 loop {
                     if let Some(op) = queue.ops.pop_front() {
+                        // A record does no work: the stream is idle while it completes its
+                        // marker, so that a host that saw the marker complete (a synchronize)
+                        // finds the stream idle at once.
+                        queue.running = !matches!(op, Op::Record(_));
                         break op;
                     }
                     if queue.closed {

@@ -44,6 +44,10 @@ mod two_level;
 thread_local! {
     /// Orderings (`order_before` calls) made on this thread.
     static ORDERS: Cell<u64> = const { Cell::new(0) };
+    /// Whether lab streams say they are idle (as an H200's do in the churn runs, which queue
+    /// no work), and how many times they were asked.
+    static IDLE: Cell<bool> = const { Cell::new(false) };
+    static QUERIES: Cell<u64> = const { Cell::new(0) };
 }
 
 /// A stream that only counts its orderings; `handle_count` is real, so idle lists retire.
@@ -80,6 +84,11 @@ impl EngineStream for LabStream {
     fn order_before(&self, _later: &Self) -> Result<()> {
         ORDERS.with(|c| c.set(c.get() + 1));
         Ok(())
+    }
+
+    fn is_idle(&self) -> bool {
+        QUERIES.with(|c| c.set(c.get() + 1));
+        IDLE.with(Cell::get)
     }
 }
 
@@ -426,32 +435,59 @@ fn policies_grown_from_256_mib() {
 #[test]
 #[ignore = "a measurement, not a check: run it with --ignored --nocapture"]
 fn engine_time_churn_1t() {
+    time_churn(1, false);
+}
+
+/// [`engine_time_churn_1t`] on `churn-xs-1t` (one thread, four streams, each block freed on the
+/// stream after its own): the engine's time with orderings that cost nothing but their
+/// bookkeeping, to set beside the GPU run's, whose orderings are driver calls.
+#[test]
+#[ignore = "a measurement, not a check: run it with --ignored --nocapture"]
+fn engine_time_churn_xs_1t() {
+    time_churn(4, true);
+}
+
+fn time_churn(streams: usize, hand_off: bool) {
     let reps: u32 = std::env::var("LAB_REPS")
         .ok()
         .and_then(|v| v.parse().ok())
         .unwrap_or(3);
+    let name = if hand_off { "churn-xs-1t" } else { "churn-1t" };
+    // LAB_IDLE=1: the streams say they are idle when asked, as the GPU's do in these runs.
+    let idle = std::env::var("LAB_IDLE").is_ok_and(|v| v == "1");
+    IDLE.with(|c| c.set(idle));
     for _ in 0..reps {
         let (up, lists) = CountingUpstream::start(2 << 30);
-        let stream = LabStream::new(1);
-        let mut churn = Churn::new(1);
-        let mut live: Vec<(u64, u64)> = Vec::with_capacity(4096);
+        let handles: Vec<LabStream> = (1..=streams as u64).map(LabStream::new).collect();
+        let mut churn = Churn::new(streams);
+        let mut live: Vec<(u64, u64, usize)> = Vec::with_capacity(4096);
+        ORDERS.with(|c| c.set(0));
+        QUERIES.with(|c| c.set(0));
         let start = std::time::Instant::now();
         for _ in 0..1_000_000 {
             match churn.next(live.len()) {
-                Op::Allocate { size, .. } => {
-                    live.push((lists.take(size, &stream, &up).unwrap(), size));
+                Op::Allocate { size, stream } => {
+                    let addr = lists.take(size, &handles[stream], &up).unwrap();
+                    live.push((addr, size, stream));
                 }
                 Op::Free { index } => {
-                    let (addr, size) = live.swap_remove(index);
-                    assert!(lists.give(addr, size, &stream));
+                    let (addr, size, stream) = live.swap_remove(index);
+                    let on = if hand_off {
+                        (stream + 1) % streams
+                    } else {
+                        stream
+                    };
+                    assert!(lists.give(addr, size, &handles[on]));
                     churn.live_bytes -= size;
                 }
             }
         }
         let ns = start.elapsed().as_nanos() as f64 / 1e6;
         eprintln!(
-            "engine, churn-1t from 2 GiB: {ns:.1} ns/op ({} growths)",
-            up.grows.get()
+            "engine, {name} from 2 GiB: {ns:.1} ns/op ({} growths, {} orderings, {} queries)",
+            up.grows.get(),
+            ORDERS.with(|c| c.get()),
+            QUERIES.with(|c| c.get())
         );
     }
 }

@@ -182,6 +182,7 @@ impl ExpandablePoolResource {
             grows: core.grows(),
             stream_waits: engine.waits,
             shard_spills: engine.spills,
+            idle_reuses: engine.idle_skips,
             in_use: engine.in_use as usize,
             peak_in_use: engine.peak_in_use as usize,
         }

@@ -21,6 +21,12 @@
 //! so the next such block from D costs nothing. No request waits on more than one event per
 //! stream named in its block's tag. Orderings are made outside the engine's lock.
 //!
+//! *Opportunistic reuse* (on by default, as the driver's own pool has it): before recording an
+//! event on D, the engine asks D whether it is idle (`cuStreamQuery`, one driver call instead
+//! of two). If so, every free on D tagged before the question has finished on the GPU, and D
+//! is noted *done* up to the epoch bumped before the question: any stream may take those blocks
+//! with no ordering at all. A busy answer (or a failed query) falls back to the ordering.
+//!
 //! The table is kept in shards (8 for the pool, 1 for the fixed-size and expandable pools), each
 //! chunk in one, so that threads mostly take different locks (`chunks.rs` maps addresses to
 //! shards for frees, without a lock). A request, in order: its thread's shard (best fit;
@@ -89,6 +95,11 @@ pub(crate) trait EngineStream: Clone {
     /// Orders `later` after all work queued on `self` so far: an event recorded on `self` now,
     /// and a (GPU-side) wait for it queued on `later`.
     fn order_before(&self, later: &Self) -> Result<()>;
+
+    /// Whether all work queued on the stream so far has completed (`cuStreamQuery`), so that
+    /// memory it freed needs no ordering at all. An error counts as busy: the ordering that
+    /// follows reports it if it persists.
+    fn is_idle(&self) -> bool;
 }
 
 /// Where new memory comes from.
@@ -105,6 +116,9 @@ struct Entry<S> {
     uid: u64,
     /// Bumped by every ordering after this stream; frees on it are tagged with it.
     epoch: u64,
+    /// Frees on this stream tagged below `done` are known finished on the GPU (the stream was
+    /// seen idle after the bump to `done`): any stream may reuse them without an ordering.
+    done: u64,
     /// `waited[d]`: this stream is ordered after the stream in slot `d` up to that stream's
     /// epoch `waited[d]` (exclusive: its frees tagged below it are covered).
     waited: Vec<u64>,
@@ -172,6 +186,7 @@ impl<S: EngineStream> Heap<S> {
             stream: stream.clone(),
             uid,
             epoch: 0,
+            done: 0,
             waited: Vec::new(),
         };
         let slot = match self.spare.pop() {
@@ -262,6 +277,11 @@ pub(crate) struct StreamHeap<S = Stream> {
     /// How much larger (a fraction) than the best fit a block the requester need not wait
     /// for may be, to be taken instead (`PoolOptions::reuse_slack`).
     slack: f64,
+    /// Whether an ordering first asks the freeing stream whether it is idle, and makes none if
+    /// it is (`PoolOptions::opportunistic_reuse`).
+    opportunistic: bool,
+    /// Orderings not made because the freeing stream was idle.
+    idle_skips: AtomicU64,
 }
 
 impl<S: EngineStream> fmt::Debug for StreamHeap<S> {
@@ -283,6 +303,8 @@ pub(crate) struct EngineStats {
     pub(crate) waits: u64,
     /// Requests served by a shard other than their thread's.
     pub(crate) spills: u64,
+    /// Orderings not made: the freeing stream was idle.
+    pub(crate) idle_skips: u64,
     pub(crate) in_use: u64,
     pub(crate) peak_in_use: u64,
 }
@@ -318,12 +340,20 @@ impl<S: EngineStream> StreamHeap<S> {
             reserved_chunks: std::sync::atomic::AtomicUsize::new(0),
             waits: AtomicU64::new(0),
             spills: AtomicU64::new(0),
+            idle_skips: AtomicU64::new(0),
+            opportunistic: true,
             slack: if slack.is_finite() {
                 slack.max(0.0)
             } else {
                 0.0
             },
         }
+    }
+
+    /// Whether orderings first ask the freeing stream whether it is idle (on by default).
+    pub(crate) fn with_opportunistic(mut self, on: bool) -> Self {
+        self.opportunistic = on;
+        self
     }
 
     /// The shard this thread's requests go to first: by thread, not by stream, because the
@@ -659,5 +689,10 @@ fn covered<S>(entries: &[Option<Entry<S>>], slot: u32, tag: &Waits) -> bool {
     let Some(me) = entries.get(slot as usize).and_then(Option::as_ref) else {
         return false;
     };
-    !tag.every() && (tag.pairs().iter()).all(|&(d, at)| d == slot || me.waited(d) > at)
+    !tag.every()
+        && (tag.pairs().iter()).all(|&(d, at)| {
+            d == slot
+                || me.waited(d) > at
+                || entries[d as usize].as_ref().is_some_and(|e| e.done > at)
+        })
 }

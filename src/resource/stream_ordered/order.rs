@@ -1,7 +1,13 @@
 //! Orderings: a stream made to wait, on the GPU, for the streams that freed the memory it is
 //! about to use (the protocol is in `waits.rs`).
 
+use smallvec::SmallVec;
+
 use super::*;
+
+/// The orderings one request needs: one per stream its block's tag names (at most four but
+/// for the rare tag that stands for every stream), so kept inline.
+pub(super) type Orders<S> = SmallVec<[Order<S>; 4]>;
 
 /// One ordering to make: after the stream in `slot` (`stream`), up to its epoch `epoch`.
 pub(super) struct Order<S> {
@@ -14,23 +20,25 @@ impl<S: EngineStream> StreamHeap<S> {
     /// The orderings the stream in `slot` needs before it may use a block tagged `tag`, each
     /// with the stream's epoch already bumped (under the lock the caller holds: a free tagged
     /// after this is not covered by the event the ordering records). Empty if it needs none.
-    pub(super) fn orders_for(&self, heap: &mut Heap<S>, slot: u32, tag: &Waits) -> Vec<Order<S>> {
-        let mut orders = Vec::new();
+    pub(super) fn orders_for(&self, heap: &mut Heap<S>, slot: u32, tag: &Waits) -> Orders<S> {
+        let mut orders = Orders::new();
         let Some(me) = heap.entry(slot) else {
             return orders;
         };
-        let needed: Vec<u32> = if tag.every() {
+        let mut needed: SmallVec<[u32; 4]> = SmallVec::new();
+        if tag.every() {
             // More streams than a tag holds: every stream, at its current epoch.
-            (0..heap.entries.len() as u32)
-                .filter(|&d| d != slot && heap.entry(d).is_some())
-                .collect()
+            needed.extend(
+                (0..heap.entries.len() as u32).filter(|&d| d != slot && heap.entry(d).is_some()),
+            );
         } else {
-            tag.pairs()
-                .iter()
-                .filter(|&&(d, at)| d != slot && me.waited(d) <= at)
-                .map(|&(d, _)| d)
-                .collect()
-        };
+            for &(d, at) in tag.pairs() {
+                let finished = heap.entry(d).is_some_and(|e| e.done > at);
+                if d != slot && me.waited(d) <= at && !finished {
+                    needed.push(d);
+                }
+            }
+        }
         for d in needed {
             let Some(donor) = heap.entry_mut(d) else {
                 continue;
@@ -51,40 +59,63 @@ impl<S: EngineStream> StreamHeap<S> {
     }
 
     /// Makes `orders` for `stream` (in `slot` of `shard`), outside the shard's lock, then notes
-    /// what the stream has waited on. On an error, the orderings made so far stand (harmless: a wait
-    /// more), and the caller puts its block back.
+    /// what the stream has waited on. With opportunistic reuse, a freeing stream that is idle
+    /// (all its work finished: `cuStreamQuery`, one driver call instead of a record and a
+    /// wait) needs no ordering, and it is noted as finished up to the epoch bumped before the
+    /// question, for every stream. On an error, the orderings made so far stand (harmless: a
+    /// wait more), and the caller puts its block back.
     pub(super) fn order(
         &self,
         shard: &Shard<S>,
         stream: &S,
         slot: u32,
-        orders: Vec<Order<S>>,
+        orders: Orders<S>,
     ) -> Result<()> {
         let _span =
             tracing::debug_span!("stream_wait", to = %stream.name(), streams = orders.len())
                 .entered();
-        let mut made = Vec::with_capacity(orders.len());
+        // (slot, epoch, whether the stream was idle)
+        let mut made: SmallVec<[(u32, u64, bool); 4]> = SmallVec::new();
         let mut result = Ok(());
         for order in orders {
-            if !planted::unordered() {
+            let idle =
+                self.opportunistic && (order.stream.is_idle() || planted::busy_taken_as_idle());
+            if !idle && !planted::unordered() {
                 if let Err(e) = order.stream.order_before(stream) {
                     result = Err(e);
                     break;
                 }
             }
-            made.push((order.slot, order.epoch));
+            made.push((order.slot, order.epoch, idle));
             // The streams' handles go outside the lock.
             drop(order.stream);
         }
-        self.waits.fetch_add(made.len() as u64, Ordering::Relaxed);
+        let skipped = made.iter().filter(|m| m.2).count() as u64;
+        self.waits
+            .fetch_add(made.len() as u64 - skipped, Ordering::Relaxed);
+        if skipped > 0 {
+            self.idle_skips.fetch_add(skipped, Ordering::Relaxed);
+        }
         let mut heap = shard.lock();
-        for (d, epoch) in made {
+        for (d, epoch, idle) in made {
             if planted::bump_after_order() {
                 if let Some(donor) = heap.entry_mut(d) {
                     donor.epoch = donor.epoch.max(epoch);
                 }
             }
-            if let Some(me) = heap.entry_mut(slot) {
+            if idle {
+                if let Some(donor) = heap.entry_mut(d) {
+                    // Every free tagged below `epoch` came before the bump, which came before
+                    // the question: their last uses were queued before it and have finished.
+                    // A free tagged since carries `epoch` or later and is not covered.
+                    let done = if planted::done_at_the_answer() {
+                        donor.epoch + 1
+                    } else {
+                        epoch
+                    };
+                    donor.done = donor.done.max(done);
+                }
+            } else if let Some(me) = heap.entry_mut(slot) {
                 me.note_waited(d, epoch);
             }
         }

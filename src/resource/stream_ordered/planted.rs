@@ -19,6 +19,14 @@ pub(crate) static IDLE_IGNORES_HANDLES: AtomicBool = AtomicBool::new(false);
 #[cfg(streamalloc_loom)]
 pub(crate) static CHUNKS_AS_FRESH: AtomicBool = AtomicBool::new(false);
 
+/// A freeing stream that says it is busy is taken as idle: no ordering is made.
+#[cfg(streamalloc_loom)]
+pub(crate) static BUSY_TAKEN_AS_IDLE: AtomicBool = AtomicBool::new(false);
+/// A freeing stream seen idle is noted finished up to its epoch when the answer is noted, not
+/// up to the epoch bumped before the question: a free on it in between looks finished.
+#[cfg(streamalloc_loom)]
+pub(crate) static DONE_AT_THE_ANSWER: AtomicBool = AtomicBool::new(false);
+
 macro_rules! switch {
     ($name:ident, $flag:ident) => {
         #[cfg(streamalloc_loom)]
@@ -38,3 +46,5 @@ switch!(bump_after_order, BUMP_AFTER_ORDER);
 switch!(unordered, UNORDERED);
 switch!(chunks_as_fresh, CHUNKS_AS_FRESH);
 switch!(idle_ignores_handles, IDLE_IGNORES_HANDLES);
+switch!(busy_taken_as_idle, BUSY_TAKEN_AS_IDLE);
+switch!(done_at_the_answer, DONE_AT_THE_ANSWER);

@@ -24,4 +24,11 @@ impl EngineStream for Stream {
     fn order_before(&self, later: &Self) -> Result<()> {
         Stream::order_before(self, later)
     }
+
+    fn is_idle(&self) -> bool {
+        Stream::is_idle(self).unwrap_or_else(|e| {
+            tracing::debug!(error = %e, stream = %self.id(), "a stream query failed: taken as busy");
+            false
+        })
+    }
 }

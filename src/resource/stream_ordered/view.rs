@@ -24,6 +24,7 @@ impl<S: EngineStream> StreamHeap<S> {
         let mut stats = EngineStats {
             waits: self.waits.load(Ordering::Relaxed),
             spills: self.spills.load(Ordering::Relaxed),
+            idle_skips: self.idle_skips.load(Ordering::Relaxed),
             ..EngineStats::default()
         };
         for &(_, size) in self.reserve.lock().iter() {

@@ -189,6 +189,17 @@ impl Detector {
         }
     }
 
+    /// The host saw stream `idx` idle (everything queued on it so far has run): the host clock
+    /// joins the stream's clock. Called under the stream's queue lock, so that nothing is
+    /// queued on it in between.
+    pub(crate) fn host_join_stream(&self, idx: u32) {
+        let mut st = self.lock();
+        let clock = st.streams[idx as usize].clock.clone();
+        if join(&mut st.host, &clock) {
+            st.host_version += 1;
+        }
+    }
+
     // ===== operations of a stream (called under its queue lock) =====
 
     /// Advances stream `idx` by one operation: its epoch.
