@@ -299,6 +299,7 @@ fn dropping_streams_and_futures_early_leaks_nothing_and_hangs_nothing() {
             let stream = device.create_stream().unwrap();
             let other = device.create_stream().unwrap();
             let mem = device.malloc_async(1 << 20, &stream).unwrap();
+            let launched = Instant::now();
             stream.spin(Duration::from_millis(30)).unwrap();
             // SAFETY: 1 MiB from malloc_async on `stream`, freed in stream order after the fill.
             unsafe {
@@ -310,9 +311,16 @@ fn dropping_streams_and_futures_early_leaks_nothing_and_hangs_nothing() {
             // A future that registered with the reactor, then is dropped before it resolves.
             let mut waiting = event.clone();
             let waker = Waker::from(Arc::new(CountingWaker(AtomicUsize::new(0))));
-            assert!(waiting
-                .poll_unpin(&mut Context::from_waker(&waker))
-                .is_pending());
+            // Seen ready only on fresh H200s, now and then (run25, run29): say how and when.
+            if let Poll::Ready(r) = waiting.poll_unpin(&mut Context::from_waker(&waker)) {
+                panic!(
+                    "{}: the event after a 30 ms spin was ready {:?} after the launch: {r:?} \
+                     (the stream idle: {:?})",
+                    label(&device),
+                    launched.elapsed(),
+                    stream.is_idle()
+                );
+            }
             drop(waiting);
             // A future never polled, dropped; and the streams dropped with work queued.
             drop(event.clone());

@@ -4,8 +4,9 @@
 # before the shared free list (.before/churn) alternating, then event_latency.
 # Here: ../shared/tools/gpu-pack --bench churn --bench event_latency; move the bench binaries
 # to .gpu/bin; strip; `bash ../shared/bench/rmm/run.sh fetch`. There: bash benches/gpu/heap.sh
-# (env: ROUNDS=2, SLACKS="0 0.25 1", EL=1 (0: no event_latency), EL_ARGS=extra event_latency flags,
-# EXPANDABLE=0)
+# (env: ROUNDS=2, SLACKS="0 0.25 1", OPPORTUNISTIC="on" (or "on off": this build both ways, the
+# off runs in churn-slackX-off.txt), EL=1 (0: no event_latency), EL_ARGS=extra event_latency
+# flags, EXPANDABLE=0)
 set -uo pipefail
 FINAL=${OUT:-/tmp/out}; OUT="$FINAL/run"; mkdir -p "$OUT"
 trap 'tar czf "$FINAL/run.tgz" -C "$FINAL" run && rm -rf "$OUT"' EXIT
@@ -20,8 +21,11 @@ for r in $(seq "${ROUNDS:-2}"); do
   echo "===== round $r: RMM"
   bash .rmm/run.sh >> "$OUT/rmm.txt" 2>&1; tail -40 "$OUT/rmm.txt" | grep -E "rmm_pool" | tail -8
   for slack in ${SLACKS:-0 0.25 1}; do
-    echo "===== round $r: this build, reuse_slack $slack"
-    "$churn" --resource pool --run workloads --initial 2048,256 --reuse-slack $slack 2>&1 | tee -a "$OUT/churn-slack$slack.txt" | grep -E "^pool"
+    for opp in ${OPPORTUNISTIC:-on}; do
+      suffix=""; [ "$opp" = off ] && suffix="-off"
+      echo "===== round $r: this build, reuse_slack $slack, opportunistic reuse $opp"
+      "$churn" --resource pool --run workloads --initial 2048,256 --reuse-slack $slack --opportunistic $opp 2>&1 | tee -a "$OUT/churn-slack$slack$suffix.txt" | grep -E "^pool"
+    done
   done
   echo "===== round $r: before (per-stream lists, 43f6cc1)"
   .before/churn --resource pool --run workloads --initial 2048,256 2>&1 | tee -a "$OUT/churn-before.txt" | grep -E "^pool"

@@ -1,7 +1,8 @@
 #!/usr/bin/env python3
 """Summarises one benches/gpu/compare.sh run: medians of our churn (this build and before) beside
 RMM's pool from the same run, with ratios. usage: summary.py DIR (holding churn.txt, rmm.txt and,
-if there, churn-before.txt)."""
+if there, churn-before.txt). usage: summary.py DIR [NOW BEFORE]: other files for "now" and "before"
+(e.g. churn-slack0.txt churn-slack0-off.txt, to set one build's two settings side by side)."""
 import os, re, statistics, sys
 
 d = sys.argv[1]
@@ -25,7 +26,8 @@ for line in open(os.path.join(d, "rmm.txt")):
     if m:
         run = f"churn-{'xs-' if m.group(2) else ''}{m.group(3)}t"
         rmm.setdefault((m.group(1), run), []).append(float(m.group(4)))
-now, before = ours("churn.txt"), ours("churn-before.txt")
+now = ours(sys.argv[2] if len(sys.argv) > 2 else "churn.txt")
+before = ours(sys.argv[3] if len(sys.argv) > 3 else "churn-before.txt")
 print(f"{'run':<12} {'start':>5} | {'now ns/op':>9} {'before':>7} {'RMM pool':>8} {'now/RMM':>7} | ratio now (all)      ratio before (all)")
 for (run, start) in sorted(now, key=lambda k: (k[0], -k[1])):
     n = statistics.median(x[0] for x in now[(run, start)])
