@@ -139,11 +139,12 @@
 //! a third; now the lookup that checks a free is also the one that finds its neighbours.) The
 //! arena keeps a table of blocks handed out per stream arena, moved with its superblocks.
 //!
-//! What it does not do yet: it is slower than the per-stream lists were where streams hand
-//! memory to each other on one thread (`churn-xs-1t` 1.35 times, 264 to 279 ns/op against 194
-//! to 207 in run24: about 180,000 orderings of 500,000 takes, each an event recorded and waited
-//! on, where the per-stream lists kept hand-offs stream-local by stranding memory, 1.67 times
-//! the peak live); `BENCHMARKS.md`.
+//! Where streams hand memory to each other, most takes need an ordering (`churn-xs-1t`: 180,740
+//! of 500,021); with opportunistic reuse an idle stream costs one query instead, and the
+//! hand-off runs are as fast as the per-stream lists were, without stranding memory (run29 and
+//! run30 in `BENCHMARKS.md`). What it does not do yet: `churn-1t` at a tenth of RMM's pool's
+//! time (it is at a fifth: the block table's own work, about 77 ns per operation on the
+//! development machine).
 //!
 //! # Buffers: uses and deferred frees
 //!
