@@ -184,6 +184,27 @@ impl SizeIndex {
         Some(self.heads[class])
     }
 
+    /// A block of exactly `size` bytes that `accept` takes, looked for through the whole list
+    /// of its class: for the cold paths that look for one block (a wholly free chunk), without
+    /// a scan of every slot.
+    pub(crate) fn find_exact<B: Indexed>(
+        &self,
+        blocks: &[B],
+        size: u64,
+        accept: impl Fn(u32) -> bool,
+    ) -> Option<u32> {
+        let class = class_of(size >> UNIT_LOG);
+        let mut i = *self.heads.get(class)?;
+        while i != NIL {
+            let b = &blocks[i as usize];
+            if b.size() == size && accept(i) {
+                return Some(i);
+            }
+            i = b.links().next;
+        }
+        None
+    }
+
     /// The first block (by slot) the predicate `prefer` accepts among those of at least `size` bytes and
     /// at most `limit`, looking at a few of each class up to that size.
     pub(crate) fn find_preferred<B: Indexed>(

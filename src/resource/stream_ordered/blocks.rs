@@ -452,10 +452,14 @@ impl<T: BlockTag> BlockTable<T> {
     }
 
     /// Takes out the free block starting at `addr` if it is exactly `size` bytes (a whole
-    /// chunk, for trimming), leaving a hole: its tag.
+    /// chunk, for trimming), leaving a hole: its tag. Looked for among the free blocks of its
+    /// size class, not every slot: the pool at its maximum asks this of every chunk it holds.
     pub(crate) fn take_exact_tagged(&mut self, addr: u64, size: u64) -> Option<T> {
-        let i = self.free_at(addr)?;
-        (self.blocks[i as usize].size == size).then(|| self.hollow(i))
+        let blocks = &self.blocks;
+        let i = self
+            .index
+            .find_exact(blocks, size, |i| blocks[i as usize].addr == addr)?;
+        Some(self.hollow(i))
     }
 
     /// Takes the `granule`-aligned part out of every free block, leaving holes, for unmapping:

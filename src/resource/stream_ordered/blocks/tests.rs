@@ -100,6 +100,29 @@ fn ranges_go_only_into_holes_of_a_chunk_and_never_merge_across_chunks() {
     assert_eq!(t.free_bytes(), 16 * U);
 }
 
+/// A whole chunk is found among other free blocks of its size class, and only at its address
+/// with its exact size.
+#[test]
+fn a_whole_chunk_is_found_among_blocks_of_its_size() {
+    let mut t: BlockTable<Bits> = BlockTable::new();
+    let starts: Vec<u64> = (0..4).map(|k| 0x100000 * (k + 1)).collect();
+    for (k, &start) in starts.iter().enumerate() {
+        t.add_chunk(start, 32 * U);
+        assert!(t.give_range(start, 32 * U, Bits(1 << k)));
+    }
+    // One chunk is partly in use, and one block of its size class lies in another.
+    let used = t.take_tagged(U).unwrap().0;
+    t.check().unwrap();
+    assert_eq!(t.take_exact_tagged(used, 32 * U), None, "partly in use");
+    assert_eq!(t.take_exact_tagged(starts[2] + U, 32 * U), None, "not at a start");
+    assert_eq!(t.take_exact_tagged(starts[2], 31 * U), None, "not its size");
+    let tag = t.take_exact_tagged(starts[2], 32 * U).unwrap();
+    assert_eq!(tag, Bits(1 << 2));
+    t.remove_chunk(starts[2]);
+    t.check().unwrap();
+    assert_eq!(t.free_bytes(), (3 * 32 - 1) * U);
+}
+
 #[test]
 fn aligned_parts_go_out_as_holes_and_come_back_coalesced() {
     let g = 8 * U;
