@@ -37,11 +37,13 @@ use crate::resource::stream_ordered::{EngineStream, Grow, StreamHeap};
 use crate::sync::Arc;
 
 // The models and their `#[test]`s.
+mod reserve;
 mod reuse;
 
 // The paths of the policy an execution can take (see `check_paths`).
 const WAIT: &str = "cross-stream wait";
 const IDLE: &str = "idle freeing stream: no wait";
+const MOVING: &str = "statistics read with the reserved piece in use";
 const GROW: &str = "grow";
 const OUT_OF_MEMORY: &str = "out of memory";
 const ALL_BUT_GROW: [&str; 2] = [WAIT, OUT_OF_MEMORY];

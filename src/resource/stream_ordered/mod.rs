@@ -513,23 +513,29 @@ impl<S: EngineStream> StreamHeap<S> {
     /// `size` bytes taken from it; `None` if none is large enough.
     #[cold]
     fn take_reserve(&self, home: usize, size: u64, stream: &S) -> Result<Option<u64>> {
-        let chunk = {
-            let mut reserve = self.reserve.lock();
-            let best = (0..reserve.len())
-                .filter(|&i| reserve[i].1 >= size)
-                .min_by_key(|&i| reserve[i].1);
-            let Some(at) = best else {
-                return Ok(None);
-            };
-            let chunk = reserve.swap_remove(at);
-            self.reserved_chunks
-                .store(reserve.len(), std::sync::atomic::Ordering::Relaxed);
-            chunk
+        let mut reserve = self.reserve.lock();
+        let best = (0..reserve.len())
+            .filter(|&i| reserve[i].1 >= size)
+            .min_by_key(|&i| reserve[i].1);
+        let Some(at) = best else {
+            return Ok(None);
         };
-        let (base, chunk) = chunk;
+        let (base, chunk) = reserve.swap_remove(at);
+        self.reserved_chunks
+            .store(reserve.len(), std::sync::atomic::Ordering::Relaxed);
         let _span = tracing::debug_span!("reserve chunk to shard", base, chunk, home).entered();
+        let mut reserve = Some(reserve);
+        if planted::reserve_released_early() {
+            reserve = None;
+        }
         self.add_chunk_to(home, base, chunk);
-        self.take_free(&self.shards[home], Some((base, chunk)), size, stream)
+        // The chunk reaches the shard's free list before the reserve's lock goes (lock order:
+        // the reserve, then a shard), so that `stats`, which holds it while it reads the
+        // shards, finds the chunk in one or the other, never in neither. At most one request
+        // per initial piece comes here.
+        let taken = self.take_free(&self.shards[home], Some((base, chunk)), size, stream);
+        drop(reserve);
+        taken
     }
 
     /// The best fit among the other shards (as one list would choose: taking the first fit

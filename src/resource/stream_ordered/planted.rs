@@ -27,6 +27,11 @@ pub(crate) static BUSY_TAKEN_AS_IDLE: AtomicBool = AtomicBool::new(false);
 #[cfg(streamalloc_loom)]
 pub(crate) static DONE_AT_THE_ANSWER: AtomicBool = AtomicBool::new(false);
 
+/// A chunk of the reserve leaves the reserve's lock before it reaches its shard: `stats` in
+/// between counts it nowhere.
+#[cfg(streamalloc_loom)]
+pub(crate) static RESERVE_RELEASED_EARLY: AtomicBool = AtomicBool::new(false);
+
 macro_rules! switch {
     ($name:ident, $flag:ident) => {
         #[cfg(streamalloc_loom)]
@@ -48,3 +53,4 @@ switch!(chunks_as_fresh, CHUNKS_AS_FRESH);
 switch!(idle_ignores_handles, IDLE_IGNORES_HANDLES);
 switch!(busy_taken_as_idle, BUSY_TAKEN_AS_IDLE);
 switch!(done_at_the_answer, DONE_AT_THE_ANSWER);
+switch!(reserve_released_early, RESERVE_RELEASED_EARLY);

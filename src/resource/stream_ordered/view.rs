@@ -27,7 +27,10 @@ impl<S: EngineStream> StreamHeap<S> {
             idle_skips: self.idle_skips.load(Ordering::Relaxed),
             ..EngineStats::default()
         };
-        for &(_, size) in self.reserve.lock().iter() {
+        // Held while the shards are read: a chunk moving from the reserve into a shard moves
+        // under this lock (`take_reserve`), so it is counted once.
+        let reserve = self.reserve.lock();
+        for &(_, size) in reserve.iter() {
             stats.free_bytes += size;
             stats.free_blocks += 1;
         }
@@ -40,6 +43,7 @@ impl<S: EngineStream> StreamHeap<S> {
             stats.in_use += heap.in_use;
             stats.peak_in_use += heap.peak_in_use;
         }
+        drop(reserve);
         uids.sort_unstable();
         uids.dedup();
         stats.streams = uids.len();

@@ -114,7 +114,11 @@ fn a_whole_chunk_is_found_among_blocks_of_its_size() {
     let used = t.take_tagged(U).unwrap().0;
     t.check().unwrap();
     assert_eq!(t.take_exact_tagged(used, 32 * U), None, "partly in use");
-    assert_eq!(t.take_exact_tagged(starts[2] + U, 32 * U), None, "not at a start");
+    assert_eq!(
+        t.take_exact_tagged(starts[2] + U, 32 * U),
+        None,
+        "not at a start"
+    );
     assert_eq!(t.take_exact_tagged(starts[2], 31 * U), None, "not its size");
     let tag = t.take_exact_tagged(starts[2], 32 * U).unwrap();
     assert_eq!(tag, Bits(1 << 2));
