@@ -30,10 +30,11 @@ extern "C" __global__ void streamalloc_scale_f32(float *data, float factor,
 // only if forward and at most STEP_MAX, since it may be adjusted backwards (a plain
 // `now - start` would then wrap) and forwards. And the SM's cycle counter: at least
 // `min_cycles`, which the host computes from the device's highest clock rate, so that it
-// stands for at most the real time. On fresh H200s in our VMs a 30 ms or 100 ms spin ended
-// within microseconds now and then (four tests, in three of eight fresh machines), with the
-// global timer alone: a clock that runs fast cannot end a spin early any more. Either clock
-// running slow only makes the spin longer.
+// stands for at most the real time: a clock that runs fast cannot end a spin early, and either
+// clock running slow only makes the spin longer. (The second clock was added when tests that
+// need a stream still busy failed now and then on fresh H200s; run31 of 2026-11-24 showed the
+// spins had lasted: the host took over 30 ms to reach its check. Those tests now lengthen the
+// spin when the host is late.)
 #define STEP_MAX 100000ull
 extern "C" __global__ void streamalloc_spin(unsigned long long ns, unsigned long long min_cycles) {
     unsigned long long last, now, elapsed = 0;

@@ -5,7 +5,7 @@ mod common;
 use std::future::Future;
 use std::sync::Arc;
 use std::task::{Context, Poll};
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 use common::{devices, eventually, label, runtime};
 use streamalloc::resource::cuda::CudaResource;
@@ -104,38 +104,65 @@ fn a_drop_waits_for_every_recorded_stream() {
             device.create_stream().unwrap(),
             device.create_stream().unwrap(),
         );
-        let mut x = DeviceBuffer::new(&p, bytes, &a).unwrap();
-        let addr = x.as_ptr();
-        k.wait(&a.record().unwrap()).unwrap();
-        k.spin(Duration::from_millis(100)).unwrap();
-        // SAFETY: `x`'s memory, used on K, which is recorded on `x` before it is dropped.
-        unsafe { k.fill_u32(addr, 0xAAAA_AAAA, words) }.unwrap();
-        x.record_stream(&k).unwrap();
-        drop(x);
+        // K's spin keeps the memory in use for at least `spin` after its launch; the check
+        // below must come before that. A host slower than the spin (a fresh H200 with the
+        // other tests starting at once took over 30 ms for a few calls, run31) is no failure:
+        // the spin lengthens. Memory back before the spin's time is.
+        let mut checked = false;
+        for spin in [100u64, 1000, 5000] {
+            let mut x = DeviceBuffer::new(&p, bytes, &a).unwrap();
+            let addr = x.as_ptr();
+            k.wait(&a.record().unwrap()).unwrap();
+            let launched = Instant::now();
+            k.spin(Duration::from_millis(spin)).unwrap();
+            // SAFETY: `x`'s memory, used on K, which is recorded on `x` before it is dropped.
+            unsafe { k.fill_u32(addr, 0xAAAA_AAAA, words) }.unwrap();
+            x.record_stream(&k).unwrap();
+            drop(x);
+            match DeviceBuffer::new(&p, bytes, &a) {
+                Err(Error::OutOfMemory { .. }) => {}
+                Ok(early) => {
+                    let after = launched.elapsed();
+                    assert!(
+                        after >= Duration::from_millis(spin),
+                        "{}: the memory came back {after:?} after the launch of a {spin} ms \
+                         spin, while K still used it",
+                        label(&device)
+                    );
+                    println!(
+                        "{}: the host took {after:?}, past a {spin} ms spin: a longer one",
+                        label(&device)
+                    );
+                    drop(early);
+                    a.synchronize_blocking().unwrap();
+                    continue;
+                }
+                Err(e) => panic!("{}: {e}", label(&device)),
+            }
+            // Waiting for it: it comes when K's work completes, through the reactor.
+            let y = rt.block_on(DeviceBuffer::alloc(&p, bytes, &a)).unwrap();
+            assert_eq!(y.as_ptr(), addr);
+            let mut y = y;
+            // SAFETY: `y`'s memory, used on A.
+            unsafe { a.fill_u32(y.as_ptr(), 0xBBBB_BBBB, words) }.unwrap();
+            // Had the memory come back before K finished, K's late fill would land now.
+            k.synchronize_blocking().unwrap();
+            let back = rt.block_on(y.to_host()).unwrap();
+            assert!(
+                back.chunks(4).all(|w| w == [0xBB; 4]),
+                "{}: K's fill landed on the new owner's data",
+                label(&device)
+            );
+            y.memset(0).unwrap();
+            drop(y);
+            checked = true;
+            break;
+        }
         assert!(
-            matches!(
-                DeviceBuffer::new(&p, bytes, &a),
-                Err(Error::OutOfMemory { .. })
-            ),
-            "{}: the memory came back while K still used it",
+            checked,
+            "{}: the host never came before a 5 s spin",
             label(&device)
         );
-        // Waiting for it: it comes when K's work completes, through the reactor.
-        let y = rt.block_on(DeviceBuffer::alloc(&p, bytes, &a)).unwrap();
-        assert_eq!(y.as_ptr(), addr);
-        let mut y = y;
-        // SAFETY: `y`'s memory, used on A.
-        unsafe { a.fill_u32(y.as_ptr(), 0xBBBB_BBBB, words) }.unwrap();
-        // Had the memory come back before K finished, K's late fill would land now.
-        k.synchronize_blocking().unwrap();
-        let back = rt.block_on(y.to_host()).unwrap();
-        assert!(
-            back.chunks(4).all(|w| w == [0xBB; 4]),
-            "{}: K's fill landed on the new owner's data",
-            label(&device)
-        );
-        y.memset(0).unwrap();
-        drop(y);
         a.synchronize_blocking().unwrap();
         common::assert_all_back_within(&p, Duration::from_secs(5), "all back");
     }

@@ -366,15 +366,13 @@ fn memory_coalesced_across_live_streams_is_reused_in_stream_order() {
         free(&pool, y, MIB, &b);
         // Only both halves together serve this: one block, freed on `a` and on `b`. `a` is
         // busy (its spin), so `c` waits for it on the GPU; `b` may be idle by now, and then
-        // needs no wait (opportunistic reuse).
+        // needs no wait (opportunistic reuse); so may `a`, on a host slower than the spin.
         let before = pool.stats();
         let z = pool.allocate(2 * MIB, &c).unwrap();
         assert_eq!(z, x, "{}", label(&device));
         let after = pool.stats();
         assert!(
-            after.stream_waits > before.stream_waits
-                && after.stream_waits + after.idle_reuses
-                    == before.stream_waits + before.idle_reuses + 2,
+            after.stream_waits + after.idle_reuses == before.stream_waits + before.idle_reuses + 2,
             "{}: {after:?}",
             label(&device),
         );
