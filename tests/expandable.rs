@@ -44,8 +44,9 @@ fn growths_coalesce_without_seams() {
             free(&p, ptr, g, &s);
         }
         check(&p);
+        // Served at the start of the thread's shard's range, where the first growth mapped.
         let all = p.allocate(8 * g, &s).unwrap();
-        assert_eq!(all, p.reservation().0, "{}", label(&device));
+        assert_eq!(all, ptrs[0], "{}", label(&device));
         assert_eq!(p.stats().grows, 8, "{}: grew again", label(&device));
         free(&p, all, 8 * g, &s);
         // A growth extends the free block at the frontier by only what it lacks.
@@ -54,6 +55,69 @@ fn growths_coalesce_without_seams() {
         assert_eq!(stats.reserved, 9 * g, "{}: {stats:?}", label(&device));
         free(&p, big, 8 * g + MIB, &s);
         check(&p);
+    }
+}
+
+/// Threads whose requests go to different shards grow in different ranges, each coalescing
+/// on its own; one thread can still map the whole maximum as one block (each shard's range is
+/// a whole reservation), and after everything is freed a trim gives all of it back.
+#[test]
+fn threads_grow_in_their_own_ranges_and_all_comes_back() {
+    for device in devices() {
+        let reserve = 64 * MIB;
+        let p = expandable(
+            &device,
+            ExpandableOptions {
+                reserve: Some(reserve),
+                maximum: Some(reserve),
+                ..ExpandableOptions::default()
+            },
+        );
+        let (base, total) = p.reservation();
+        assert!(
+            total >= reserve && total.is_multiple_of(reserve),
+            "{}: {total} bytes reserved",
+            label(&device)
+        );
+        let g = p.granule();
+        std::thread::scope(|scope| {
+            for t in 0..4u64 {
+                let (p, device) = (&p, &device);
+                scope.spawn(move || {
+                    let s = device.create_stream().unwrap();
+                    let mut rng = common::SplitMix64(t + 1);
+                    let mut live: Vec<(DevicePtr, usize)> = Vec::new();
+                    for _ in 0..200 {
+                        let size = 256 + (rng.next() % (2 * g as u64)) as usize;
+                        if live.len() < 4 && rng.next().is_multiple_of(2) {
+                            // The pool's maximum is shared: a thread may find it full.
+                            if let Ok(ptr) = p.allocate(size, &s) {
+                                let off = (ptr.0 - base.0) as usize;
+                                assert!(off + size <= total, "{}", label(device));
+                                live.push((ptr, size));
+                            }
+                        } else if let Some((ptr, size)) = live.pop() {
+                            free(p, ptr, size, &s);
+                        }
+                    }
+                    for (ptr, size) in live {
+                        free(p, ptr, size, &s);
+                    }
+                    s.synchronize_blocking().unwrap();
+                });
+            }
+        });
+        check(&p);
+        assert_eq!(p.stats().in_use, 0, "{}", label(&device));
+        p.trim_blocking().unwrap();
+        assert_eq!(p.stats().reserved, 0, "{}: {:?}", label(&device), p.stats());
+        // The whole maximum, as one block, from this thread's range.
+        let s = device.create_stream().unwrap();
+        let all = p.allocate(reserve, &s).unwrap();
+        check(&p);
+        free(&p, all, reserve, &s);
+        p.trim_blocking().unwrap();
+        assert_eq!(p.stats().reserved, 0, "{}", label(&device));
     }
 }
 

@@ -6,7 +6,7 @@
 # to .gpu/bin; strip; `bash ../shared/bench/rmm/run.sh fetch`. There: bash benches/gpu/heap.sh
 # (env: ROUNDS=2, SLACKS="0 0.25 1", OPPORTUNISTIC="on" (or "on off": this build both ways, the
 # off runs in churn-slackX-off.txt), EL=1 (0: no event_latency), EL_ARGS=extra event_latency
-# flags, EXPANDABLE=0)
+# flags, EXPANDABLE=0 (1: the expandable pool too, in every round, after this build))
 set -uo pipefail
 FINAL=${OUT:-/tmp/out}; OUT="$FINAL/run"; mkdir -p "$OUT"
 trap 'tar czf "$FINAL/run.tgz" -C "$FINAL" run && rm -rf "$OUT"' EXIT
@@ -27,6 +27,10 @@ for r in $(seq "${ROUNDS:-2}"); do
       "$churn" --resource pool --run workloads --initial 2048,256 --reuse-slack $slack --opportunistic $opp 2>&1 | tee -a "$OUT/churn-slack$slack$suffix.txt" | grep -E "^pool"
     done
   done
+  if [ "${EXPANDABLE:-0}" = 1 ]; then
+    echo "===== round $r: the expandable pool"
+    "$churn" --resource expandable --run workloads --initial 2048,256 2>&1 | tee -a "$OUT/expandable.txt" | grep -E "^expandable"
+  fi
   echo "===== round $r: before (per-stream lists, 43f6cc1)"
   .before/churn --resource pool --run workloads --initial 2048,256 2>&1 | tee -a "$OUT/churn-before.txt" | grep -E "^pool"
 done
@@ -34,8 +38,4 @@ if [ "${EL:-1}" = 1 ]; then
   echo "===== event_latency (prewake, 10 s cells)"
   el=$(ls .gpu/bin/event_latency-* | head -1)
   timeout 200 "$el" --strategies prewake --cell-secs 10 ${EL_ARGS:-} 2>&1 | tee "$OUT/event_latency.txt" | tail -40
-fi
-if [ "${EXPANDABLE:-0}" = 1 ]; then
-  echo "===== the expandable pool"
-  "$churn" --resource expandable --run workloads --initial 2048,256 2>&1 | tee "$OUT/expandable.txt" | grep -E "^expandable"
 fi

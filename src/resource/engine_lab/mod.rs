@@ -456,8 +456,17 @@ fn time_churn(streams: usize, hand_off: bool) {
     // LAB_IDLE=1: the streams say they are idle when asked, as the GPU's do in these runs.
     let idle = std::env::var("LAB_IDLE").is_ok_and(|v| v == "1");
     IDLE.with(|c| c.set(idle));
+    // LAB_SLACK: the engine's reuse slack; LAB_INITIAL_MIB: where the pool starts (2048).
+    let slack: f64 = std::env::var("LAB_SLACK")
+        .ok()
+        .and_then(|v| v.parse().ok())
+        .unwrap_or(0.0);
+    let initial: u64 = std::env::var("LAB_INITIAL_MIB")
+        .ok()
+        .and_then(|v| v.parse().ok())
+        .unwrap_or(2048);
     for _ in 0..reps {
-        let (up, lists) = CountingUpstream::start(2 << 30);
+        let (up, lists) = CountingUpstream::start_with(initial << 20, slack);
         let handles: Vec<LabStream> = (1..=streams as u64).map(LabStream::new).collect();
         let mut churn = Churn::new(streams);
         let mut live: Vec<(u64, u64, usize)> = Vec::with_capacity(4096);
@@ -484,7 +493,9 @@ fn time_churn(streams: usize, hand_off: bool) {
         }
         let ns = start.elapsed().as_nanos() as f64 / 1e6;
         eprintln!(
-            "engine, {name} from 2 GiB: {ns:.1} ns/op ({} growths, {} orderings, {} queries)",
+            "engine, {name} from {initial} MiB, slack {slack}: {ns:.1} ns/op, peak reserved / \
+             live {:.3} ({} growths, {} orderings, {} queries)",
+            up.peak.get().max(initial << 20) as f64 / churn.peak_live as f64,
             up.grows.get(),
             ORDERS.with(|c| c.get()),
             QUERIES.with(|c| c.get())

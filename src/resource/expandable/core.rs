@@ -68,10 +68,11 @@ impl Bits {
 
 /// The mapping state that growth and trim change, under one lock.
 struct Table {
-    /// How many granules the range has.
-    len: usize,
-    /// One past the highest mapped granule.
-    frontier: usize,
+    /// How many granules each region has: region `r` is granules `r * per..(r + 1) * per`,
+    /// one chunk of the engine, in shard `r`.
+    per: usize,
+    /// Per region, one past its highest mapped granule (its first granule if none is).
+    frontiers: Vec<usize>,
 }
 
 impl Table {
@@ -85,11 +86,25 @@ impl Table {
         }
     }
 
-    fn recompute_frontier(&mut self, bits: &Bits) {
-        self.frontier = (bits.0.iter().enumerate().rev())
-            .map(|(i, w)| (i, w.load(Ordering::Relaxed)))
-            .find(|&(_, w)| w != 0)
-            .map_or(0, |(i, w)| i * 64 + 64 - w.leading_zeros() as usize);
+    /// The granules of region `r`.
+    fn region(&self, r: usize) -> std::ops::Range<usize> {
+        r * self.per..(r + 1) * self.per
+    }
+
+    fn region_of(&self, index: usize) -> usize {
+        index / self.per
+    }
+
+    /// Every region's frontier again, from the bits (after a trim unmapped granules).
+    fn recompute_frontiers(&mut self, bits: &Bits) {
+        for r in 0..self.frontiers.len() {
+            let region = self.region(r);
+            self.frontiers[r] = region
+                .clone()
+                .rev()
+                .find(|&i| bits.get(i))
+                .map_or(region.start, |i| i + 1);
+        }
     }
 }
 
@@ -112,16 +127,31 @@ pub(crate) struct Expander<S: EngineStream, B: Backing> {
 }
 
 impl<S: EngineStream, B: Backing> Expander<S, B> {
-    /// The lists over `backing`'s whole range (one chunk), nothing mapped yet.
+    /// The lists over `backing`'s whole range (one chunk, one shard), nothing mapped yet.
+    #[cfg(streamalloc_loom)]
     pub(crate) fn new(backing: B, maximum: u64) -> Self {
-        let heap = StreamHeap::new();
+        Self::with_regions(backing, maximum, 1)
+    }
+
+    /// The lists over `backing`'s range cut into `regions` equal regions (a power of two that
+    /// divides its granules), each one chunk in a shard of its own, so that threads whose
+    /// requests go to different shards take different locks and grow in different regions.
+    /// Blocks coalesce within a region, across every growth there.
+    pub(crate) fn with_regions(backing: B, maximum: u64, regions: usize) -> Self {
         let granules = backing.granules();
-        heap.add_chunk(backing.base(), granules as u64 * backing.granule());
+        let regions = regions.max(1);
+        debug_assert!(regions.is_power_of_two() && granules.is_multiple_of(regions));
+        let per = granules / regions;
+        let heap = StreamHeap::with_options(0.0, regions);
+        let g = backing.granule();
+        for r in 0..regions {
+            heap.add_chunk_in(r, backing.base() + (r * per) as u64 * g, per as u64 * g);
+        }
         Self {
             heap,
             table: Mutex::new(Table {
-                len: granules,
-                frontier: 0,
+                per,
+                frontiers: (0..regions).map(|r| r * per).collect(),
             }),
             bits: Bits::new(granules),
             backing,
@@ -168,7 +198,10 @@ impl<S: EngineStream, B: Backing> Expander<S, B> {
         let table = self.table.lock();
         let g = self.granule();
         let mut runs: Vec<(u64, u64)> = Vec::new();
-        for index in (0..table.frontier).filter(|&i| self.bits.get(i)) {
+        let mapped = (0..table.frontiers.len())
+            .flat_map(|r| table.region(r).start..table.frontiers[r])
+            .filter(|&i| self.bits.get(i));
+        for index in mapped {
             match runs.last_mut() {
                 Some((start, size)) if *start + *size == self.addr(index) => *size += g,
                 _ => runs.push((self.addr(index), g)),
@@ -225,7 +258,8 @@ impl<S: EngineStream, B: Backing> Expander<S, B> {
         for index in first..first + count {
             table.set(&self.bits, index, true);
         }
-        table.frontier = table.frontier.max(first + count);
+        let r = table.region_of(first);
+        table.frontiers[r] = table.frontiers[r].max(first + count);
         let now = reserved + size;
         self.reserved.store(now, Ordering::Relaxed);
         self.peak_reserved.fetch_max(now, Ordering::Relaxed);
@@ -244,25 +278,34 @@ impl<S: EngineStream, B: Backing> Expander<S, B> {
         }
     }
 
-    /// Where to map for a request of `min` bytes on `stream`: `(first granule, count)`. The
-    /// lowest hole (granules unmapped by a trim) that, with the free blocks of the stream's
-    /// list on either side, holds the request; else the frontier, counting the free block
-    /// that ends there. Only as many granules as the request needs beyond those free blocks.
+    /// Where to map for a request of `min` bytes: `(first granule, count)`. In the region of
+    /// the requesting thread's shard first, then in the others in turn: the lowest hole
+    /// (granules unmapped by a trim) that, with the free blocks on either side, holds the
+    /// request; else the region's frontier, counting the free block that ends there. Only as
+    /// many granules as the request needs beyond those free blocks.
     fn place(&self, table: &Table, min: u64) -> Option<(usize, usize)> {
+        let regions = table.frontiers.len();
+        let home = self.heap.home_shard() % regions;
+        (0..regions).find_map(|k| self.place_in(table, (home + k) % regions, min))
+    }
+
+    /// [`place`](Self::place) in region `r`.
+    fn place_in(&self, table: &Table, r: usize, min: u64) -> Option<(usize, usize)> {
         let g = self.granule();
         let needed = |have: u64| (min.saturating_sub(have).div_ceil(g) as usize).max(1);
-        let mut i = 0;
-        while i < table.frontier {
+        let (region, frontier) = (table.region(r), table.frontiers[r]);
+        let mut i = region.start;
+        while i < frontier {
             if self.bits.get(i) {
                 i += 1;
                 continue;
             }
             let start = i;
-            while i < table.frontier && !self.bits.get(i) {
+            while i < frontier && !self.bits.get(i) {
                 i += 1;
             }
             let run = i - start;
-            let (left, right) = self.heap.free_around(self.addr(start), self.addr(i));
+            let (left, right) = self.heap.free_around(r, self.addr(start), self.addr(i));
             let count = needed(left);
             if count <= run {
                 return Some((start, count));
@@ -271,9 +314,9 @@ impl<S: EngineStream, B: Backing> Expander<S, B> {
                 return Some((start, run));
             }
         }
-        let (left, _) = self.heap.free_around(self.addr(table.frontier), u64::MAX);
+        let (left, _) = self.heap.free_around(r, self.addr(frontier), u64::MAX);
         let count = needed(left);
-        (table.frontier + count <= table.len).then_some((table.frontier, count))
+        (frontier + count <= region.end).then_some((frontier, count))
     }
 
     /// Takes every fully free granule out of the lists for unmapping, as long as more than
@@ -356,7 +399,7 @@ impl<S: EngineStream, B: Backing> Expander<S, B> {
                     }
                 }
             }
-            table.recompute_frontier(&self.bits);
+            table.recompute_frontiers(&self.bits);
             self.reserved.fetch_sub(released, Ordering::Relaxed);
         }
         // Outside the table's lock (the lock order).

@@ -33,7 +33,8 @@ use crate::sync::{AtomicBool, AtomicU64, Ordering};
 /// ```
 #[derive(Debug, Clone, Default)]
 pub struct ExpandableOptions {
-    /// Bytes of virtual addresses to reserve; `None` for the device's total memory (rounded up
+    /// Bytes of virtual addresses to reserve for each of the pool's shards (8, or fewer where
+    /// the address space has no room for 8); `None` for the device's total memory (rounded up
     /// to the allocation granularity). Addresses cost no memory: only what is mapped does.
     pub reserve: Option<usize>,
     /// The most memory the pool may map at once (rounded up to the granularity); `None` for
@@ -57,10 +58,12 @@ pub struct ExpandableOptions {
 /// engine: same-stream reuse at once, reuse on other streams ordered by events, awaitable
 /// allocation, the same [`PoolStats`]), with two differences:
 ///
-/// - **No seams.** All its memory lies in one address range, so any free block coalesces with
-///   its free neighbours, whenever they were mapped; a growth maps only what the request needs
-///   beyond the free block it extends. A pool of separate chunks never merges across them, so
-///   it holds more than it uses after a change of sizes.
+/// - **No seams.** Its memory lies in one address range per shard (8, as the pool's shards:
+///   threads whose requests go to different shards take different locks), and a thread's
+///   growths map into its own shard's range first, so any free block coalesces with its free
+///   neighbours, whenever they were mapped; a growth maps only what the request needs beyond
+///   the free block it extends. A pool of separate chunks never merges across them, so it
+///   holds more than it uses after a change of sizes.
 /// - **Trim gives memory back a granule at a time.** [`trim`](Self::trim) unmaps and releases
 ///   every fully free granule (where the pool can only return wholly free chunks), after
 ///   waiting for the work of the stream that last used it. The device's free memory rises by
@@ -135,8 +138,8 @@ impl ExpandablePoolResource {
                 reason: "the pool's initial size is above its maximum",
             });
         }
-        let reservation = Reservation::new(device, reserve)?;
-        let core = Expander::new(reservation, maximum as u64);
+        let (reservation, regions) = reserve_regions(device, reserve)?;
+        let core = Expander::with_regions(reservation, maximum as u64, regions);
         core.map_initial(options.initial as u64)?;
         let threshold = options.release_threshold.map_or(u64::MAX, |t| t as u64);
         let inner = StdArc::new_cyclic(|me| Inner {
@@ -161,7 +164,7 @@ impl ExpandablePoolResource {
         self.inner.core.granule() as usize
     }
 
-    /// The reserved range of addresses: `(first address, bytes)`.
+    /// The reserved range of addresses, every shard's: `(first address, bytes)`.
     pub fn reservation(&self) -> (DevicePtr, usize) {
         let r = &self.inner.core.backing;
         (DevicePtr(r.base()), r.size())
@@ -400,6 +403,32 @@ impl Drop for Inner {
         // reservation (dropped after this) unmaps everything.
         for stream in self.core.heap.streams() {
             let _ = stream.synchronize_blocking();
+        }
+    }
+}
+
+/// How many shards (address ranges) an expandable pool has at most: the pool's.
+const REGIONS: usize = 8;
+
+/// Reserves `reserve` bytes of addresses for each of [`REGIONS`] shards, or for half as many
+/// where the address space has no room (down to one, whose error is the caller's).
+fn reserve_regions(device: &Device, reserve: usize) -> Result<(Reservation, usize)> {
+    let mut regions = REGIONS;
+    loop {
+        let attempt = match reserve.checked_mul(regions) {
+            Some(total) => Reservation::new(device, total),
+            None => Err(Error::InvalidSize {
+                size: reserve,
+                reason: "the reservation overflows the address space",
+            }),
+        };
+        match attempt {
+            Ok(reservation) => return Ok((reservation, regions)),
+            Err(e) if regions == 1 => return Err(e),
+            Err(e) => {
+                tracing::debug!(error = %e, regions, "no room for the shards' reservations: fewer");
+                regions /= 2;
+            }
         }
     }
 }

@@ -4,11 +4,22 @@
 use super::*;
 
 impl<S: EngineStream> StreamHeap<S> {
-    /// The sizes of the free blocks that end at `start` and that start at `end` (0 where there
-    /// is none): what memory mapped at `[start, end)` would coalesce with. (The expandable pool
-    /// is one chunk in one shard.)
-    pub(crate) fn free_around(&self, start: u64, end: u64) -> (u64, u64) {
-        let heap = self.shards[0].lock();
+    /// A chunk (one region of the expandable pool's addresses) in `shard` (modulo the shard
+    /// count), its memory a hole until mapped and given.
+    pub(crate) fn add_chunk_in(&self, shard: usize, start: u64, size: u64) {
+        self.add_chunk_to(shard & (self.shards.len() - 1), start, size);
+    }
+
+    /// The shard this thread's requests go to first (see `home`): the region the expandable
+    /// pool maps into first for it.
+    pub(crate) fn home_shard(&self) -> usize {
+        self.home()
+    }
+
+    /// The sizes of the free blocks of `shard` that end at `start` and that start at `end` (0
+    /// where there is none): what memory mapped at `[start, end)` would coalesce with.
+    pub(crate) fn free_around(&self, shard: usize, start: u64, end: u64) -> (u64, u64) {
+        let heap = self.shards[shard & (self.shards.len() - 1)].lock();
         (
             heap.free.free_ending_at(start),
             heap.free.free_starting_at(end),
