@@ -121,6 +121,32 @@ fn threads_grow_in_their_own_ranges_and_all_comes_back() {
     }
 }
 
+/// An initial size of 32 MiB per shard or more is spread over the shards' ranges (one free
+/// block at the start of each), so threads on different shards start on different locks; a
+/// smaller one stays in one range.
+#[test]
+fn the_initial_size_is_spread_over_the_shards() {
+    for device in devices() {
+        for (initial, spread) in [(256 * MIB, true), (16 * MIB, false)] {
+            let reserve = 1 << 30;
+            let p = expandable(
+                &device,
+                ExpandableOptions {
+                    reserve: Some(reserve),
+                    initial,
+                    ..ExpandableOptions::default()
+                },
+            );
+            let regions = p.reservation().1 / reserve;
+            let stats = p.stats();
+            assert_eq!(stats.reserved, initial, "{}: {stats:?}", label(&device));
+            let blocks = if spread { regions } else { 1 };
+            assert_eq!(stats.free_blocks, blocks, "{}: {stats:?}", label(&device));
+            check(&p);
+        }
+    }
+}
+
 /// Trim with buffers alive: every fully free granule goes (the device's free memory rises by
 /// as much), no granule under a live buffer does, the buffers' data is intact, and the pool
 /// maps the holes again when it grows.
