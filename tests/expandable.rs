@@ -15,6 +15,15 @@ use streamalloc::{
 
 const MIB: usize = 1 << 20;
 
+/// Held by every test here: some read the device's free memory before and after a trim, and
+/// another test mapping memory meanwhile (the same process, on the GPU) would hide the rise
+/// (run34: "free memory rose by 0 for 12582912 unmapped" while a test mapped 256 MiB).
+static SERIAL: std::sync::Mutex<()> = std::sync::Mutex::new(());
+
+fn serial() -> std::sync::MutexGuard<'static, ()> {
+    SERIAL.lock().unwrap_or_else(|e| e.into_inner())
+}
+
 fn expandable(device: &Device, options: ExpandableOptions) -> ExpandablePoolResource {
     ExpandablePoolResource::new(device, options).unwrap()
 }
@@ -29,6 +38,7 @@ fn check(p: &ExpandablePoolResource) {
 /// of separate chunks could not (blocks never merge across chunks).
 #[test]
 fn growths_coalesce_without_seams() {
+    let _serial = serial();
     for device in devices() {
         let p = expandable(&device, ExpandableOptions::default());
         let g = p.granule();
@@ -63,6 +73,7 @@ fn growths_coalesce_without_seams() {
 /// a whole reservation), and after everything is freed a trim gives all of it back.
 #[test]
 fn threads_grow_in_their_own_ranges_and_all_comes_back() {
+    let _serial = serial();
     for device in devices() {
         let reserve = 64 * MIB;
         let p = expandable(
@@ -126,6 +137,7 @@ fn threads_grow_in_their_own_ranges_and_all_comes_back() {
 /// smaller one stays in one range.
 #[test]
 fn the_initial_size_is_spread_over_the_shards() {
+    let _serial = serial();
     for device in devices() {
         for (initial, spread) in [(256 * MIB, true), (16 * MIB, false)] {
             let reserve = 1 << 30;
@@ -152,6 +164,7 @@ fn the_initial_size_is_spread_over_the_shards() {
 /// maps the holes again when it grows.
 #[test]
 fn trim_unmaps_free_granules_and_keeps_live_ones() {
+    let _serial = serial();
     for device in devices() {
         let p = expandable(&device, ExpandableOptions::default());
         let g = p.granule();
@@ -209,6 +222,7 @@ fn trim_unmaps_free_granules_and_keeps_live_ones() {
 /// this test fails.)
 #[test]
 fn trim_waits_for_the_stream_that_last_used_a_granule() {
+    let _serial = serial();
     for device in devices() {
         let p = expandable(&device, ExpandableOptions::default());
         let g = p.granule();
@@ -254,6 +268,7 @@ fn trim_waits_for_the_stream_that_last_used_a_granule() {
 /// first unmapped address.
 #[test]
 fn an_access_to_unmapped_memory_names_the_address() {
+    let _serial = serial();
     // The race detector would panic at the memset (a use after free of the trimmed block):
     // here it only records it, so that the device's own check is what this test sees.
     let device = Device::simulated(SimConfig {
@@ -294,6 +309,7 @@ fn an_access_to_unmapped_memory_names_the_address() {
 /// memory): a typed error, nothing stays mapped, nothing leaks, and the pool still works.
 #[test]
 fn mapping_failures_midway_lose_nothing() {
+    let _serial = serial();
     let faults = Faults::new();
     let device = Device::simulated(SimConfig {
         faults: faults.clone(),
@@ -344,6 +360,7 @@ fn mapping_failures_midway_lose_nothing() {
 /// the device stays usable.
 #[test]
 fn bad_input_is_a_typed_error() {
+    let _serial = serial();
     for device in devices() {
         let too_large = ExpandablePoolResource::new(
             &device,
@@ -426,6 +443,7 @@ fn bad_input_is_a_typed_error() {
 /// blocking-work thread), down to the threshold.
 #[test]
 fn the_release_threshold_gives_memory_back_on_its_own() {
+    let _serial = serial();
     for device in devices() {
         let p = expandable(
             &device,
@@ -454,6 +472,7 @@ fn the_release_threshold_gives_memory_back_on_its_own() {
 /// `trim` as a future, and `trim_to` keeping some memory mapped (the highest addresses go).
 #[test]
 fn trim_to_keeps_the_lowest_granules() {
+    let _serial = serial();
     let rt = common::runtime();
     for device in devices() {
         let p = expandable(&device, ExpandableOptions::default());
