@@ -39,6 +39,7 @@ use crate::device::sim::faults::splitmix64;
 use crate::error::Result;
 use two_level::{Blocks, Tag};
 
+mod expandable;
 mod two_level;
 
 thread_local! {
