@@ -133,7 +133,7 @@ pub(crate) struct Expander<S: EngineStream, B: Backing> {
 
 impl<S: EngineStream, B: Backing> Expander<S, B> {
     /// The lists over `backing`'s whole range (one chunk, one shard), nothing mapped yet.
-    #[cfg(streamalloc_loom)]
+    #[cfg(all(streamalloc_loom, test))]
     pub(crate) fn new(backing: B, maximum: u64) -> Self {
         Self::with_regions(backing, maximum, 1)
     }
