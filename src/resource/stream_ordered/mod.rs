@@ -63,6 +63,8 @@ mod blocks;
 mod chunks;
 mod expandable;
 mod order;
+#[cfg(all(test, not(streamalloc_loom)))]
+mod order_tests;
 #[cfg(streamalloc_loom)]
 pub(crate) mod planted;
 #[cfg(not(streamalloc_loom))]

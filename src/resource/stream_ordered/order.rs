@@ -74,8 +74,10 @@ impl<S: EngineStream> StreamHeap<S> {
         let _span =
             tracing::debug_span!("stream_wait", to = %stream.name(), streams = orders.len())
                 .entered();
-        // (slot, epoch, whether the stream was idle)
-        let mut made: SmallVec<[(u32, u64, bool); 4]> = SmallVec::new();
+        // (slot, the stream's uid, epoch, whether the stream was idle). The uid is kept
+        // because the lock is let go: a trim may forget a dropped stream meanwhile and a new
+        // stream take its slot, and what is noted below must not land on the newcomer.
+        let mut made: SmallVec<[(u32, u64, u64, bool); 4]> = SmallVec::new();
         let mut result = Ok(());
         for order in orders {
             let idle =
@@ -86,18 +88,24 @@ impl<S: EngineStream> StreamHeap<S> {
                     break;
                 }
             }
-            made.push((order.slot, order.epoch, idle));
+            made.push((order.slot, order.stream.uid(), order.epoch, idle));
             // The streams' handles go outside the lock.
             drop(order.stream);
         }
-        let skipped = made.iter().filter(|m| m.2).count() as u64;
+        let skipped = made.iter().filter(|m| m.3).count() as u64;
         self.waits
             .fetch_add(made.len() as u64 - skipped, Ordering::Relaxed);
         if skipped > 0 {
             self.idle_skips.fetch_add(skipped, Ordering::Relaxed);
         }
         let mut heap = shard.lock();
-        for (d, epoch, idle) in made {
+        let me = stream.uid();
+        for (d, uid, epoch, idle) in made {
+            if heap.entry(d).is_none_or(|e| e.uid != uid) {
+                // Forgotten while the lock was let go (its slot may hold another stream now):
+                // `forget` cleared it from every tag, so nothing is left to note.
+                continue;
+            }
             if planted::bump_after_order() {
                 if let Some(donor) = heap.entry_mut(d) {
                     donor.epoch = donor.epoch.max(epoch);
@@ -115,8 +123,8 @@ impl<S: EngineStream> StreamHeap<S> {
                     };
                     donor.done = donor.done.max(done);
                 }
-            } else if let Some(me) = heap.entry_mut(slot) {
-                me.note_waited(d, epoch);
+            } else if let Some(e) = heap.entry_mut(slot).filter(|e| e.uid == me) {
+                e.note_waited(d, epoch);
             }
         }
         result

@@ -1,0 +1,123 @@
+//! A stream forgotten (and its slot taken by a new stream) while `order` has let go of the
+//! shard's lock: what `order` notes on relocking must not land on the newcomer.
+
+use std::cell::RefCell;
+use std::sync::atomic::{AtomicBool, AtomicU64 as StdU64, Ordering::SeqCst};
+use std::sync::Arc as StdArc;
+
+use super::*;
+
+struct Inner {
+    uid: u64,
+    idle: AtomicBool,
+    orders: StdU64,
+    queries: StdU64,
+}
+
+/// A stream that counts its orderings and questions; `handle_count` is real.
+#[derive(Clone)]
+struct Probe(StdArc<Inner>);
+
+impl Probe {
+    fn new(uid: u64, idle: bool) -> Self {
+        Probe(StdArc::new(Inner {
+            uid,
+            idle: AtomicBool::new(idle),
+            orders: StdU64::new(0),
+            queries: StdU64::new(0),
+        }))
+    }
+
+    fn asked(&self) -> u64 {
+        self.0.orders.load(SeqCst) + self.0.queries.load(SeqCst)
+    }
+}
+
+thread_local! {
+    /// What runs when stream 2 is asked whether it is idle: inside `order`'s window.
+    static HOOK: RefCell<Option<Box<dyn FnOnce()>>> = const { RefCell::new(None) };
+}
+
+impl EngineStream for Probe {
+    type Name = u64;
+
+    fn uid(&self) -> u64 {
+        self.0.uid
+    }
+
+    fn name(&self) -> u64 {
+        self.0.uid
+    }
+
+    fn handle_count(&self) -> usize {
+        StdArc::strong_count(&self.0)
+    }
+
+    fn order_before(&self, _later: &Self) -> Result<()> {
+        self.0.orders.fetch_add(1, SeqCst);
+        Ok(())
+    }
+
+    fn is_idle(&self) -> bool {
+        self.0.queries.fetch_add(1, SeqCst);
+        if self.0.uid == 2 {
+            if let Some(hook) = HOOK.with(|h| h.borrow_mut().take()) {
+                hook();
+            }
+        }
+        self.0.idle.load(SeqCst)
+    }
+}
+
+struct NoGrowth;
+
+impl Grow<Probe> for NoGrowth {
+    fn grow(&self, _: u64, _: &Probe) -> Result<(u64, u64)> {
+        Err(Error::InvalidArgument { what: "no growth" })
+    }
+}
+
+#[test]
+fn a_stream_forgotten_during_an_ordering_lends_nothing_to_its_slots_next_stream() {
+    const B: u64 = 1 << 20;
+    let heap: StdArc<StreamHeap<Probe>> = StdArc::new(StreamHeap::with_options(0.0, 1));
+    heap.add_chunk(0x1000_0000, 6 * B);
+    heap.give_fresh(0x1000_0000, 6 * B);
+    let first = Probe::new(1, true);
+    let second = Probe::new(2, true);
+    let taker = Probe::new(3, false);
+    let a = heap.take(B, &first, &NoGrowth).unwrap();
+    let b = heap.take(B, &second, &NoGrowth).unwrap();
+    let spare = heap.take(B, &taker, &NoGrowth).unwrap();
+    assert!(heap.give(a, B, &first));
+    assert!(heap.give(b, B, &second));
+    // The user drops `first`: the engine holds its only handles.
+    drop(first);
+    // A new stream, still busy with the block it is about to free.
+    let newcomer = Probe::new(4, false);
+    let (during, fresh) = (heap.clone(), newcomer.clone());
+    HOOK.with(|h| {
+        *h.borrow_mut() = Some(Box::new(move || {
+            // A trim between `order`'s drop of `first`'s handle and its relock ...
+            for idle in during.idle_streams() {
+                during.forget(idle);
+            }
+            // ... and the newcomer frees a block, taking `first`'s old slot.
+            assert!(during.give(spare, B, &fresh));
+        }))
+    });
+    // The taker takes `a` and `b` coalesced: its tag names `first` and `second`, both idle.
+    let both = heap.take(2 * B, &taker, &NoGrowth).unwrap();
+    assert_eq!(both, a.min(b));
+    assert!(HOOK.with(|h| h.borrow().is_none()), "the trim did not run");
+    // Another stream takes the newcomer's block: it must be ordered after the newcomer (or
+    // ask whether it is idle), never handed over as if the newcomer had finished.
+    let other = Probe::new(5, false);
+    let before = newcomer.asked();
+    let got = heap.take(B, &other, &NoGrowth).unwrap();
+    assert_eq!(got, spare);
+    assert!(
+        newcomer.asked() > before,
+        "a block freed on a busy stream was handed over with no ordering and no question"
+    );
+}
