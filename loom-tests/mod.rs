@@ -19,6 +19,8 @@
 //!   takes free granules out, waits for their streams and unmaps them) on a fake stream and a
 //!   fake address range: nothing handed out or used on an unmapped granule, nothing unmapped
 //!   under a held block or pending work.
+//! - [`relocation`]: the expandable pool's move of free memory between its address ranges at
+//!   its maximum: nothing unmapped under work still queued on the stream that freed it.
 //! - [`history`]: the history recorder's live table (`HistoryAdaptor`): a free forgets its
 //!   allocation before the memory goes back upstream, and a stop leaves no stale entry.
 //! - [`deferred_free`]: the countdown that frees a buffer used on several streams once all their
@@ -46,6 +48,7 @@ mod frees_and_regrowth;
 mod history;
 mod races;
 mod reactor;
+mod relocation;
 mod waiters;
 
 use std::task::{Wake, Waker};

@@ -139,7 +139,8 @@ fn threads_grow_in_their_own_ranges_and_all_comes_back() {
 fn the_initial_size_is_spread_over_the_shards() {
     let _serial = serial();
     for device in devices() {
-        for (initial, spread) in [(256 * MIB, true), (16 * MIB, false)] {
+        // 262 MiB: shares of unequal granule counts, exactly the initial size in all.
+        for (initial, spread) in [(256 * MIB, true), (262 * MIB + 1, true), (16 * MIB, false)] {
             let reserve = 1 << 30;
             let p = expandable(
                 &device,
@@ -151,7 +152,8 @@ fn the_initial_size_is_spread_over_the_shards() {
             );
             let regions = p.reservation().1 / reserve;
             let stats = p.stats();
-            assert_eq!(stats.reserved, initial, "{}: {stats:?}", label(&device));
+            let exact = initial.next_multiple_of(p.granule());
+            assert_eq!(stats.reserved, exact, "{}: {stats:?}", label(&device));
             let blocks = if spread { regions } else { 1 };
             assert_eq!(stats.free_blocks, blocks, "{}: {stats:?}", label(&device));
             check(&p);

@@ -2,15 +2,18 @@
 //! that the loom model (`loom-tests/expandable.rs`) drives this very code with fake ones.
 //!
 //! [`Expander`] joins the pool's free-list engine ([`StreamHeap`]) to a reserved address range
-//! ([`Backing`]) and a table of which granules are mapped. The whole range is one chunk of the
-//! engine, so free blocks coalesce across every growth. It grows the engine ([`Grow`]) by
-//! mapping granules where the memory coalesces with the requester's free blocks, and it takes
+//! ([`Backing`]) and a table of which granules are mapped. The range is cut into regions, one
+//! per shard of the engine, each one chunk of it, so free blocks coalesce across every growth
+//! in a region. It grows the engine ([`Grow`]) by mapping granules where the memory coalesces
+//! with the requester's free blocks (at the maximum, first unmapping wholly free granules of
+//! other regions whose last users have finished: [`make_room`](Expander::make_room)), and it takes
 //! fully free granules out of the lists for unmapping ([`take_free`](Expander::take_free)),
 //! unmaps them once the caller has waited for their streams
 //! ([`unmap_ranges`](Expander::unmap_ranges)), or puts them back.
 //!
-//! Lock order: the table, then a list (growth reads the requester's list while it holds the
-//! table); nothing takes the table while it holds a list's lock.
+//! Lock order: the table, then a list (growth reads the requester's list, and takes idle free
+//! granules out of the lists, while it holds the table); nothing takes the table while it
+//! holds a list's lock.
 
 use super::super::stream_ordered::{EngineStream, Grow, StreamHeap};
 use crate::error::{Error, Result};
@@ -64,6 +67,29 @@ impl Bits {
     fn get(&self, index: usize) -> bool {
         self.0[index / 64].load(Ordering::Relaxed) & (1 << (index % 64)) != 0
     }
+
+    /// The highest set bit in `start..end`, a word at a time.
+    fn last_set(&self, start: usize, end: usize) -> Option<usize> {
+        let mut i = end;
+        while i > start {
+            let word = (i - 1) / 64;
+            let low = (word * 64).max(start);
+            // The bits of this word in `low..i`.
+            let width = i - low;
+            let shift = low % 64;
+            let mask = if width == 64 {
+                u64::MAX
+            } else {
+                ((1u64 << width) - 1) << shift
+            };
+            let bits = self.0[word].load(Ordering::Relaxed) & mask;
+            if bits != 0 {
+                return Some(word * 64 + 63 - bits.leading_zeros() as usize);
+            }
+            i = low;
+        }
+        None
+    }
 }
 
 /// The mapping state that growth and trim change, under one lock.
@@ -95,15 +121,14 @@ impl Table {
         index / self.per
     }
 
-    /// Every region's frontier again, from the bits (after a trim unmapped granules).
+    /// Every region's frontier again, from the bits (after granules were unmapped: a
+    /// frontier only moves down, so each region is scanned below its old one).
     fn recompute_frontiers(&mut self, bits: &Bits) {
         for r in 0..self.frontiers.len() {
-            let region = self.region(r);
-            self.frontiers[r] = region
-                .clone()
-                .rev()
-                .find(|&i| bits.get(i))
-                .map_or(region.start, |i| i + 1);
+            let start = self.region(r).start;
+            self.frontiers[r] = bits
+                .last_set(start, self.frontiers[r])
+                .map_or(start, |i| i + 1);
         }
     }
 }
@@ -127,8 +152,18 @@ pub(crate) struct Expander<S: EngineStream, B: Backing> {
     reserved: AtomicU64,
     peak_reserved: AtomicU64,
     grows: AtomicU64,
+    /// Streams whose free memory a move at the maximum could not take, their work still
+    /// running: the resource waits for them off the caller's thread and wakes its memory
+    /// waiters ([`take_busy`](Self::take_busy)).
+    busy: Mutex<Vec<S>>,
+    /// Growths at the maximum that unmapped idle free granules of other regions to map in
+    /// their own ([`make_room`](Self::make_room)).
+    relocations: AtomicU64,
     /// The most that may be mapped at once, in bytes (a multiple of the granule).
     maximum: u64,
+    /// The least initial size per region for `map_initial` to spread it ([`SPLIT_MIN`]; the
+    /// loom models use granules of a few bytes).
+    split_min: u64,
 }
 
 impl<S: EngineStream, B: Backing> Expander<S, B> {
@@ -163,8 +198,18 @@ impl<S: EngineStream, B: Backing> Expander<S, B> {
             reserved: AtomicU64::new(0),
             peak_reserved: AtomicU64::new(0),
             grows: AtomicU64::new(0),
+            relocations: AtomicU64::new(0),
+            busy: Mutex::new(Vec::new()),
             maximum,
+            split_min: SPLIT_MIN,
         }
+    }
+
+    /// The same, spreading initial sizes from `bytes` per region (for the loom models).
+    #[cfg(all(streamalloc_loom, test))]
+    pub(crate) fn with_split_min(mut self, bytes: u64) -> Self {
+        self.split_min = bytes;
+        self
     }
 
     fn addr(&self, index: usize) -> u64 {
@@ -190,6 +235,16 @@ impl<S: EngineStream, B: Backing> Expander<S, B> {
 
     pub(crate) fn grows(&self) -> u64 {
         self.grows.load(Ordering::Relaxed)
+    }
+
+    /// The streams noted busy by refused moves since the last call (each once).
+    pub(crate) fn take_busy(&self) -> Vec<S> {
+        std::mem::take(&mut *self.busy.lock())
+    }
+
+    /// Growths that first moved free memory from other regions (see `make_room`).
+    pub(crate) fn relocations(&self) -> u64 {
+        self.relocations.load(Ordering::Relaxed)
     }
 
     /// Granules mapped now.
@@ -232,33 +287,30 @@ impl<S: EngineStream, B: Backing> Expander<S, B> {
         (first..=last).all(|i| self.bits.get(i))
     }
 
-    /// Maps `bytes` (rounded up to granules) as fresh memory: the initial size. From
+    /// Maps `bytes` (rounded up to a granule) as fresh memory: the initial size. From
     /// [`SPLIT_MIN`] per region up, it is spread evenly over the regions, each share at the
     /// start of its region, so that threads on different shards start out on different locks
     /// (all of it in the first region kept every thread of a `churn-4t` run started at 2 GiB
     /// on one shard: 1,016 to 1,102 ns/op on an H200, run33); less stays in the first region.
     pub(crate) fn map_initial(&self, bytes: u64) -> Result<()> {
         let g = self.granule();
-        let regions = self.table.lock().frontiers.len() as u64;
-        let share = |pieces: u64| bytes.div_ceil(pieces).div_ceil(g);
-        // Spread only where the shares, each rounded up to granules, stay under the maximum.
-        let pieces = if bytes >= regions * SPLIT_MIN && regions * share(regions) * g <= self.maximum
-        {
+        let regions = self.table.lock().frontiers.len();
+        // The initial size in granules, dealt out: the first `total % pieces` regions get one
+        // more, so that exactly the initial size (rounded up to a granule) is mapped.
+        let total = bytes.div_ceil(g) as usize;
+        let pieces = if bytes >= regions as u64 * self.split_min {
             regions
         } else {
             1
         };
-        let count = share(pieces) as usize;
-        if count == 0 {
-            return Ok(());
-        }
-        let mut mapped = Vec::with_capacity(pieces as usize);
+        let share = |r: usize| total / pieces + usize::from(r < total % pieces);
+        let mut mapped = Vec::with_capacity(pieces);
         let mut result = Ok(());
         {
             let mut table = self.table.lock();
-            for r in 0..pieces as usize {
+            for r in (0..pieces).filter(|&r| share(r) > 0) {
                 let first = table.region(r).start;
-                match self.map_locked(&mut table, first, count, bytes) {
+                match self.map_locked(&mut table, first, share(r), bytes) {
                     Ok(piece) => mapped.push(piece),
                     Err(e) => {
                         result = Err(e);
@@ -401,43 +453,92 @@ impl<S: EngineStream, B: Backing> Expander<S, B> {
     /// The work of every range's stream, up to the moment its range was taken, has finished
     /// (the caller synchronized the stream after `take_free`); fresh ranges were never used.
     pub(crate) unsafe fn unmap_ranges(&self, ranges: Vec<Taken<S>>) -> (u64, Result<()>) {
+        let (released, result, back) = {
+            let mut table = self.table.lock();
+            // SAFETY: the caller's contract, passed on.
+            unsafe { self.unmap_locked(&mut table, ranges) }
+        };
+        // Outside the table's lock: the handles' drops take locks of their own.
+        self.put_back(back);
+        (released, result)
+    }
+
+    /// [`unmap_ranges`](Self::unmap_ranges) under the table's lock. Returns what the caller
+    /// must [`put_back`](Self::put_back) (the ranges from a granule that failed to unmap on)
+    /// after letting go of the lock.
+    ///
+    /// # Safety
+    /// As `unmap_ranges`.
+    unsafe fn unmap_locked(
+        &self,
+        table: &mut Table,
+        ranges: Vec<Taken<S>>,
+    ) -> (u64, Result<()>, Vec<Taken<S>>) {
         let g = self.granule();
         let base = self.backing.base();
         let mut released = 0;
         let mut result = Ok(());
         let mut back = Vec::new();
-        {
-            let mut table = self.table.lock();
-            for (addr, size, stream) in ranges {
-                let first = ((addr - base) / g) as usize;
-                let count = (size / g) as usize;
-                for index in first..first + count {
-                    debug_assert!(self.bits.get(index), "granule {index} free but unmapped");
-                    // SAFETY: the granule lies in a range taken out of every list (nothing can
-                    // hand it out), wholly free, and the caller's contract says the work that
-                    // last used it has finished.
-                    match unsafe { self.backing.unmap(index) } {
-                        Ok(()) => {
-                            table.set(&self.bits, index, false);
-                            released += g;
+        for (addr, size, stream) in ranges {
+            let first = ((addr - base) / g) as usize;
+            let count = (size / g) as usize;
+            for index in first..first + count {
+                debug_assert!(self.bits.get(index), "granule {index} free but unmapped");
+                // SAFETY: the granule lies in a range taken out of every list (nothing can
+                // hand it out), wholly free, and the caller's contract says the work that
+                // last used it has finished.
+                match unsafe { self.backing.unmap(index) } {
+                    Ok(()) => {
+                        table.set(&self.bits, index, false);
+                        released += g;
+                    }
+                    Err(e) => {
+                        let at = self.addr(index);
+                        back.push((at, addr + size - at, stream.clone()));
+                        if result.is_ok() {
+                            result = Err(e);
                         }
-                        Err(e) => {
-                            let at = self.addr(index);
-                            back.push((at, addr + size - at, stream.clone()));
-                            if result.is_ok() {
-                                result = Err(e);
-                            }
-                            break;
-                        }
+                        break;
                     }
                 }
             }
-            table.recompute_frontiers(&self.bits);
-            self.reserved.fetch_sub(released, Ordering::Relaxed);
         }
-        // Outside the table's lock (the lock order).
-        self.put_back(back);
-        (released, result)
+        table.recompute_frontiers(&self.bits);
+        self.reserved.fetch_sub(released, Ordering::Relaxed);
+        (released, result, back)
+    }
+
+    /// Room under the maximum for a growth in region `keep` that lacks `bytes` of it: unmaps
+    /// at least `bytes` of wholly free granules of the other regions whose last users have
+    /// finished (free memory in one region cannot coalesce with another's, so without this
+    /// a pool at its maximum would refuse a request its free memory could serve once moved).
+    /// Unmaps nothing unless it finds enough. Returns whether there is room now, what the
+    /// caller must put back after letting go of the table's lock, and the streams whose
+    /// memory was left because they were busy.
+    fn make_room(
+        &self,
+        table: &mut Table,
+        keep: usize,
+        bytes: u64,
+    ) -> (bool, Vec<Taken<S>>, Vec<S>) {
+        let (ranges, busy) = self.heap.take_idle_aligned(self.granule(), keep, bytes);
+        let ranges: Vec<Taken<S>> = ranges
+            .into_iter()
+            .map(|(addr, size)| (addr, size, None))
+            .collect();
+        let found: u64 = ranges.iter().map(|r| r.1).sum();
+        if found < bytes {
+            return (false, ranges, busy);
+        }
+        let _span = tracing::debug_span!("relocate", bytes, found, keep).entered();
+        // SAFETY: `take_idle_aligned` took the ranges out of every list, and the work of
+        // every stream that freed them has finished (or none ever used them).
+        let (released, result, back) = unsafe { self.unmap_locked(table, ranges) };
+        if let Err(e) = &result {
+            tracing::warn!(error = %e, released, "relocation stopped: an unmap failed");
+        }
+        self.relocations.fetch_add(1, Ordering::Relaxed);
+        (result.is_ok() && released >= bytes, back, busy)
     }
 }
 
@@ -452,7 +553,33 @@ impl<S: EngineStream, B: Backing> Grow<S> for Expander<S, B> {
             return Err(self.out_of_memory(min));
         };
         let _span = tracing::debug_span!("grow", requested = min, first, count).entered();
-        let grown = self.map_locked(&mut table, first, count, min)?;
+        let over = (self.reserved() + count as u64 * self.granule()).saturating_sub(self.maximum);
+        let (mut back, mut unused) = (Vec::new(), Vec::new());
+        if over > 0 {
+            let region = table.region_of(first);
+            let (room, rest, busy) = self.make_room(&mut table, region, over);
+            back = rest;
+            if !room {
+                drop(table);
+                self.put_back(back);
+                if !busy.is_empty() {
+                    let mut noted = self.busy.lock();
+                    for stream in busy {
+                        if !noted.iter().any(|s| s.uid() == stream.uid()) {
+                            noted.push(stream);
+                        }
+                    }
+                }
+                return Err(self.out_of_memory(min));
+            }
+            // Handles of busy streams go after the table's lock.
+            unused = busy;
+        }
+        let grown = self.map_locked(&mut table, first, count, min);
+        drop(table);
+        drop(unused);
+        self.put_back(back);
+        let grown = grown?;
         self.grows.fetch_add(1, Ordering::Relaxed);
         Ok(grown)
     }

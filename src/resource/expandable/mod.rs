@@ -61,9 +61,15 @@ pub struct ExpandableOptions {
 /// - **No seams.** Its memory lies in one address range per shard (8, as the pool's shards:
 ///   threads whose requests go to different shards take different locks), and a thread's
 ///   growths map into its own shard's range first, so any free block coalesces with its free
-///   neighbours, whenever they were mapped; a growth maps only what the request needs beyond
-///   the free block it extends. A pool of separate chunks never merges across them, so it
-///   holds more than it uses after a change of sizes.
+///   neighbours in that range, whenever they were mapped; a growth maps only what the request
+///   needs beyond the free block it extends. Free memory in different ranges does not
+///   coalesce, so at the maximum a growth first *moves* memory: it unmaps wholly free granules
+///   of the other ranges (those whose last users' work has finished: the stream is asked,
+///   the host never waits) and maps that room in its own ([`relocations`](Self::relocations)
+///   counts these). Memory freed on a stream still busy is not moved: a request that needs it
+///   fails (or, with `allocate_async`, waits for the next free or trim) until that work is
+///   done. A pool of separate chunks never merges across them, so it holds more than it uses
+///   after a change of sizes.
 /// - **Trim gives memory back a granule at a time.** [`trim`](Self::trim) unmaps and releases
 ///   every fully free granule (where the pool can only return wholly free chunks), after
 ///   waiting for the work of the stream that last used it. The device's free memory rises by
@@ -191,6 +197,14 @@ impl ExpandablePoolResource {
         }
     }
 
+    /// How many growths at the maximum first moved free memory between the pool's address
+    /// ranges: unmapped wholly free granules of other shards' ranges, whose last users had
+    /// finished, to map that room where the request coalesces (free memory in different
+    /// ranges never coalesces).
+    pub fn relocations(&self) -> u64 {
+        self.inner.core.relocations()
+    }
+
     /// What waiting for memory in [`allocate_async`](crate::AllocateAsync::allocate_async) has
     /// cost.
     pub fn wait_stats(&self) -> WaitStats {
@@ -312,6 +326,37 @@ impl Inner {
         result.map(|()| released as usize)
     }
 
+    /// After a refused request: if a move at the maximum left memory of busy streams, wait
+    /// for those streams on the device's blocking-work thread and then wake the memory
+    /// waiters (the memory can move now). Without this a waiter of `allocate_async` would
+    /// wait for a free that may never come.
+    fn settle_busy(&self) {
+        let busy = self.core.take_busy();
+        if busy.is_empty() {
+            return;
+        }
+        let me = self.me.clone();
+        self.device.reactor().offload(
+            "expandable pool: busy streams' memory",
+            Box::new(move || {
+                let mut finished = false;
+                for stream in busy {
+                    match stream.synchronize_blocking() {
+                        Ok(()) => finished = true,
+                        Err(e) => {
+                            tracing::warn!(error = %e, "a stream's work failed: its memory stays");
+                        }
+                    }
+                }
+                // Only if some memory can move now: a waiter woken for nothing would fail
+                // again and queue this again, in a loop.
+                if let Some(pool) = me.upgrade().filter(|_| finished) {
+                    pool.waiters.notify();
+                }
+            }),
+        );
+    }
+
     /// After a free: with a release threshold, once more than it is mapped and a granule's
     /// worth was freed since the last try, queue a trim toward it on the device's
     /// blocking-work thread (it waits for streams; a free never does).
@@ -356,7 +401,13 @@ impl MemoryResource for ExpandablePoolResource {
         if size > inner.core.maximum() {
             return Err(inner.core.out_of_memory(size));
         }
-        let ptr = DevicePtr(inner.core.heap.take(size, stream, &inner.core)?);
+        let ptr = match inner.core.heap.take(size, stream, &inner.core) {
+            Ok(addr) => DevicePtr(addr),
+            Err(e) => {
+                inner.settle_busy();
+                return Err(e);
+            }
+        };
         // The race detector of the simulated device checks blocks (a no-op on CUDA).
         inner.device.note_allocation(ptr, size as usize, stream);
         Ok(ptr)
@@ -374,7 +425,7 @@ impl MemoryResource for ExpandablePoolResource {
         check_stream(&inner.device, stream)?;
         let size = aligned_size(bytes)? as u64;
         // A range not wholly mapped was never handed out (the lists would take it: it lies in
-        // their one chunk, the reservation).
+        // one of their chunks, the shards' ranges).
         if !ptr.0.is_multiple_of(super::ALIGNMENT as u64) || !inner.core.is_mapped(ptr.0, size) {
             return Err(Error::UnknownPointer { ptr: ptr.0, bytes });
         }

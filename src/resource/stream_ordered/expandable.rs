@@ -49,3 +49,99 @@ impl<S: EngineStream> StreamHeap<S> {
         out
     }
 }
+
+impl<S: EngineStream> StreamHeap<S> {
+    /// Takes up to `want` bytes (rounded up to granules, the highest addresses first) of
+    /// `granule`-aligned free memory out of every shard but `keep_shard`, where the work of
+    /// every stream that freed it has finished: fresh memory, memory whose streams are noted
+    /// done past its frees, or whose streams say they are idle (asked outside the lock). The
+    /// expandable pool unmaps it at once and maps its room where a refused request can use
+    /// it. The rest goes back as it was; a range the caller cannot unmap goes back with
+    /// [`give_fresh_blocks`](Self::give_fresh_blocks) (its work has finished). Also returns
+    /// the streams that said they were busy (once each), whose memory was left.
+    pub(crate) fn take_idle_aligned(
+        &self,
+        granule: u64,
+        keep_shard: usize,
+        want: u64,
+    ) -> (Vec<(u64, u64)>, Vec<S>) {
+        let mut out = Vec::new();
+        let mut busy: Vec<S> = Vec::new();
+        let mut left = want.div_ceil(granule) * granule;
+        let keep_shard = keep_shard & (self.shards.len() - 1);
+        for (k, shard) in self.shards.iter().enumerate() {
+            if left == 0 {
+                break;
+            }
+            if k == keep_shard {
+                continue;
+            }
+            // Under the lock: the aligned free ranges, and the handles of the streams whose
+            // work each one waits for (none where every stream is noted done past its free).
+            let mut taken: Vec<(u64, u64, Waits, Vec<S>)> = {
+                let mut heap = shard.lock();
+                let ranges = heap.free.take_aligned(granule);
+                ranges
+                    .into_iter()
+                    .map(|(addr, size, tag)| {
+                        let streams = heap.unfinished(&tag);
+                        (addr, size, tag, streams)
+                    })
+                    .collect()
+            };
+            taken.sort_unstable_by_key(|t| std::cmp::Reverse(t.0));
+            let mut back = Vec::new();
+            for (addr, size, tag, streams) in taken {
+                if left == 0 {
+                    back.push((addr, size, tag));
+                    continue;
+                }
+                let mut finished = true;
+                for stream in streams {
+                    if busy.iter().any(|b| b.uid() == stream.uid())
+                        || !(stream.is_idle() || planted::relocated_busy())
+                    {
+                        finished = false;
+                        if !busy.iter().any(|b| b.uid() == stream.uid()) {
+                            busy.push(stream);
+                        }
+                    }
+                }
+                if !finished {
+                    back.push((addr, size, tag));
+                    continue;
+                }
+                // The top of the range, the bottom back (it stays free with its tag).
+                let part = size.min(left);
+                left -= part;
+                if part < size {
+                    back.push((addr, size - part, tag));
+                }
+                out.push((addr + size - part, part));
+            }
+            let mut heap = shard.lock();
+            for (addr, size, tag) in back {
+                let given = heap.free.give_range(addr, size, tag);
+                debug_assert!(given, "a range taken out could not go back");
+            }
+        }
+        (out, busy)
+    }
+}
+
+impl<S: EngineStream> Heap<S> {
+    /// Handles of the streams whose work a block tagged `tag` still waits for: those it
+    /// names that are not noted done past its free (every stream, for a tag that names more
+    /// than it holds).
+    fn unfinished(&self, tag: &Waits) -> Vec<S> {
+        let live = |slot: u32| self.entry(slot).map(|e| e.stream.clone());
+        if tag.every() {
+            return (0..self.entries.len() as u32).filter_map(live).collect();
+        }
+        tag.pairs()
+            .iter()
+            .filter(|&&(d, at)| self.entry(d).is_some_and(|e| e.done <= at))
+            .filter_map(|&(d, _)| live(d))
+            .collect()
+    }
+}

@@ -27,8 +27,8 @@
 //! is noted *done* up to the epoch bumped before the question: any stream may take those blocks
 //! with no ordering at all. A busy answer (or a failed query) falls back to the ordering.
 //!
-//! The table is kept in shards (8 for the pool, 1 for the fixed-size and expandable pools), each
-//! chunk in one, so that threads mostly take different locks (`chunks.rs` maps addresses to
+//! The table is kept in shards (8 for the pool and the expandable pool, whose address range per
+//! shard is one chunk; 1 for the fixed-size pool), each chunk in one, so that threads mostly take different locks (`chunks.rs` maps addresses to
 //! shards for frees, without a lock). A request, in order: its thread's shard (best fit;
 //! orderings as its block's tag asks); a chunk of the reserve (the pool's initial memory, in
 //! pieces) moved into the thread's shard; the best fit of the other shards; then, one request
@@ -57,7 +57,7 @@ use rustc_hash::FxHashMap;
 
 use crate::error::{Error, Result};
 use crate::stream::Stream;
-use crate::sync::{AtomicU64, Mutex, Ordering};
+use crate::sync::{AtomicU64, Mutex, MutexGuard, Ordering};
 
 mod blocks;
 mod chunks;
@@ -373,8 +373,9 @@ impl<S: EngineStream> StreamHeap<S> {
     }
 
     fn add_chunk_to(&self, shard: usize, start: u64, size: u64) {
-        // Issue 11: memory mapped inside a chunk already registered (the expandable pool's one
-        // reserved range) is accepted there already, and must not become a merge boundary.
+        // Issue 11: memory mapped inside a chunk already registered (one of the expandable
+        // pool's reserved ranges) is accepted there already, and must not become a merge
+        // boundary.
         if self.table.covers(start, size) {
             return;
         }
@@ -533,11 +534,15 @@ impl<S: EngineStream> StreamHeap<S> {
         self.add_chunk_to(home, base, chunk);
         // The chunk reaches the shard's free list before the reserve's lock goes (lock order:
         // the reserve, then a shard), so that `stats`, which holds it while it reads the
-        // shards, finds the chunk in one or the other, never in neither. At most one request
-        // per initial piece comes here.
-        let taken = self.take_free(&self.shards[home], Some((base, chunk)), size, stream);
+        // shards, finds the chunk in one or the other, never in neither; and the reserve's
+        // lock goes before the take, whose orderings are driver calls. The shard's lock is
+        // held throughout, so no other request takes the chunk in between.
+        let shard = &self.shards[home];
+        let mut heap = shard.lock();
+        let given = heap.free.give_range(base, chunk, Waits::default());
+        debug_assert!(given, "a reserved chunk overlapped a block");
         drop(reserve);
-        taken
+        self.take_locked(shard, heap, size, stream)
     }
 
     /// The best fit among the other shards (as one list would choose: taking the first fit
@@ -594,6 +599,18 @@ impl<S: EngineStream> StreamHeap<S> {
             let given = heap.free.give_range(base, chunk, Waits::default());
             debug_assert!(given, "a fresh chunk overlapped a block");
         }
+        self.take_locked(shard, heap, size, stream)
+    }
+
+    /// [`take_free`](Self::take_free) once `shard`'s lock is held (`heap`).
+    #[inline]
+    fn take_locked(
+        &self,
+        shard: &Shard<S>,
+        mut heap: MutexGuard<'_, Heap<S>>,
+        size: u64,
+        stream: &S,
+    ) -> Result<Option<u64>> {
         let taken = if self.slack > 0.0 {
             let slot = heap.slot(stream);
             let Heap { free, entries, .. } = &mut *heap;
@@ -665,12 +682,15 @@ impl<S: EngineStream> StreamHeap<S> {
     }
 }
 
-std::thread_local! {
-    /// (the engine's address, the shard of it that last served a spill of this thread). Std's
-    /// thread-local, not `crate::sync`'s: a hint of where to look first, with no bearing on
-    /// what is safe; an engine dropped and another made at its address only gets a wrong
-    /// first look.
-    static SECOND_HOME: Cell<(usize, usize)> = const { Cell::new((0, 0)) };
+crate::sync::thread_local! {
+    /// (the engine's address, the shard of it that last served a spill of this thread). A hint
+    /// of where to look first, with no bearing on what is safe; an engine dropped and another
+    /// made at its address only gets a wrong first look. `crate::sync`'s thread-local: under
+    /// loom a std one would carry the hint from one execution into the next (an engine made
+    /// at the same address), which loom takes for a model that is not deterministic.
+    // loom's `thread_local!` takes no `const { }` initializer.
+    #[allow(clippy::missing_const_for_thread_local)]
+    static SECOND_HOME: Cell<(usize, usize)> = Cell::new((0, 0));
 }
 
 /// A small number for the calling thread, handed out in turn to threads as they first ask.
@@ -701,6 +721,8 @@ fn covered<S>(entries: &[Option<Entry<S>>], slot: u32, tag: &Waits) -> bool {
         && (tag.pairs().iter()).all(|&(d, at)| {
             d == slot
                 || me.waited(d) > at
-                || entries[d as usize].as_ref().is_some_and(|e| e.done > at)
+                || (entries.get(d as usize))
+                    .and_then(Option::as_ref)
+                    .is_some_and(|e| e.done > at)
         })
 }

@@ -32,6 +32,11 @@ pub(crate) static DONE_AT_THE_ANSWER: AtomicBool = AtomicBool::new(false);
 #[cfg(streamalloc_loom)]
 pub(crate) static RESERVE_RELEASED_EARLY: AtomicBool = AtomicBool::new(false);
 
+/// A growth at the maximum takes free memory whose streams say they are busy as finished,
+/// and unmaps it (the expandable pool's `make_room`).
+#[cfg(streamalloc_loom)]
+pub(crate) static RELOCATED_BUSY: AtomicBool = AtomicBool::new(false);
+
 macro_rules! switch {
     ($name:ident, $flag:ident) => {
         #[cfg(streamalloc_loom)]
@@ -54,3 +59,4 @@ switch!(idle_ignores_handles, IDLE_IGNORES_HANDLES);
 switch!(busy_taken_as_idle, BUSY_TAKEN_AS_IDLE);
 switch!(done_at_the_answer, DONE_AT_THE_ANSWER);
 switch!(reserve_released_early, RESERVE_RELEASED_EARLY);
+switch!(relocated_busy, RELOCATED_BUSY);

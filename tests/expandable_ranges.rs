@@ -1,0 +1,294 @@
+//! `ExpandablePoolResource` at its maximum with free memory spread over its shards' address
+//! ranges (free memory in different ranges never coalesces): a request the free memory could
+//! serve moves it, granules whose last users have finished unmapped in one range and mapped in
+//! another, and never a granule that a stream may still use.
+
+mod common;
+
+use std::time::{Duration, Instant};
+
+use common::{devices, free, label, read_u32};
+use streamalloc::{
+    AllocateAsync, Device, DevicePtr, Error, ExpandableOptions, ExpandablePoolResource, FaultKind,
+    Faults, MemoryResource, SimConfig,
+};
+
+const MIB: usize = 1 << 20;
+
+/// One test at a time: they fill the device's memory up to their maximum.
+static SERIAL: std::sync::Mutex<()> = std::sync::Mutex::new(());
+
+fn serial() -> std::sync::MutexGuard<'static, ()> {
+    SERIAL.lock().unwrap_or_else(|e| e.into_inner())
+}
+
+/// A pool whose reservation per shard, maximum and initial size are all `size`: the initial
+/// memory is spread over the shards' ranges (from 32 MiB a shard), and nothing more may map.
+fn full_pool(device: &Device, size: usize) -> ExpandablePoolResource {
+    ExpandablePoolResource::new(
+        device,
+        ExpandableOptions {
+            reserve: Some(size),
+            maximum: Some(size),
+            initial: size,
+            ..ExpandableOptions::default()
+        },
+    )
+    .unwrap()
+}
+
+fn ranges(p: &ExpandablePoolResource, per_shard: usize) -> usize {
+    p.reservation().1 / per_shard
+}
+
+fn check(p: &ExpandablePoolResource) {
+    p.check_invariants()
+        .unwrap_or_else(|e| panic!("invariants: {e}"));
+}
+
+/// The review's first case: everything mapped up front, spread over the ranges, none of it
+/// used; a request of half the maximum is served (it moved free memory into one range).
+#[test]
+fn fresh_memory_in_other_ranges_serves_a_request_at_the_maximum() {
+    let _serial = serial();
+    for device in devices() {
+        let size = 256 * MIB;
+        let p = full_pool(&device, size);
+        let spread = ranges(&p, size) > 1;
+        assert_eq!(p.stats().reserved, size, "{}", label(&device));
+        let s = device.create_stream().unwrap();
+        let half = p.allocate(size / 2, &s).unwrap();
+        let stats = p.stats();
+        assert!(stats.reserved <= size, "{}: {stats:?}", label(&device));
+        if spread {
+            assert!(p.relocations() >= 1, "{}: {stats:?}", label(&device));
+        }
+        check(&p);
+        // The whole maximum too, once the half is back.
+        free(&p, half, size / 2, &s);
+        let all = p.allocate(size, &s).unwrap();
+        assert!(p.stats().reserved <= size);
+        check(&p);
+        free(&p, all, size, &s);
+        check(&p);
+    }
+}
+
+/// The review's second case: four threads fill their ranges, free everything and synchronize;
+/// a request of half the maximum from another thread is served.
+#[test]
+fn memory_threads_freed_in_their_ranges_serves_a_request_at_the_maximum() {
+    let _serial = serial();
+    for device in devices() {
+        let size = 64 * MIB;
+        let p = ExpandablePoolResource::new(
+            &device,
+            ExpandableOptions {
+                reserve: Some(size),
+                maximum: Some(size),
+                ..ExpandableOptions::default()
+            },
+        )
+        .unwrap();
+        let g = p.granule();
+        let per = size / 4;
+        let barrier = std::sync::Barrier::new(4);
+        std::thread::scope(|scope| {
+            for _ in 0..4 {
+                let (p, device, barrier) = (&p, &device, &barrier);
+                scope.spawn(move || {
+                    let s = device.create_stream().unwrap();
+                    let x = p.allocate(per - g, &s).unwrap();
+                    barrier.wait();
+                    free(p, x, per - g, &s);
+                    s.synchronize_blocking().unwrap();
+                });
+            }
+        });
+        check(&p);
+        let s = device.create_stream().unwrap();
+        let half = p.allocate(size / 2, &s);
+        assert!(half.is_ok(), "{}: {half:?} {:?}", label(&device), p.stats());
+        assert!(p.stats().reserved <= size);
+        free(&p, half.unwrap(), size / 2, &s);
+        check(&p);
+    }
+}
+
+/// Memory freed on a stream that is still busy is not moved: a request that needs it is
+/// refused while the stream's work runs (the pool cannot wait on the host inside
+/// `allocate`), and served once the work is done; the work that ran on the memory before its
+/// free finished on mapped memory, with its data intact.
+#[test]
+fn memory_freed_on_a_busy_stream_is_not_moved() {
+    let _serial = serial();
+    for device in devices() {
+        let size = 256 * MIB;
+        let p = full_pool(&device, size);
+        let regions = ranges(&p, size);
+        if regions == 1 {
+            continue; // one range: nothing ever moves
+        }
+        let share = size / regions;
+        // The top granule of each share: a move takes the highest addresses first.
+        let g = p.granule();
+        let words = g / 4;
+        let busy = device.create_stream().unwrap();
+        let other = device.create_stream().unwrap();
+        // Every share, on the busy stream, behind a spin; the top of each filled and read
+        // back after it.
+        let mut spin = Duration::from_millis(500);
+        let launched = Instant::now();
+        busy.spin(spin).unwrap();
+        let blocks: Vec<DevicePtr> = (0..regions)
+            .map(|_| p.allocate(share, &busy).unwrap())
+            .collect();
+        let mut host = vec![vec![0u32; words]; regions];
+        for (i, (&x, back)) in blocks.iter().zip(host.iter_mut()).enumerate() {
+            // SAFETY: `x` is live and used on `busy` only, before its free below; `back` has
+            // `words` words and is read only after `busy` is synchronized.
+            unsafe {
+                let top = DevicePtr(x.0 + (share - g) as u64);
+                busy.fill_u32(top, 0xC0DE_0000 + i as u32, words).unwrap();
+                busy.copy_dtoh(back.as_mut_ptr() as *mut u8, top, g)
+                    .unwrap();
+            }
+        }
+        for &x in &blocks {
+            free(&p, x, share, &busy);
+        }
+        let refused = p.allocate(2 * share, &other);
+        if launched.elapsed() >= spin {
+            // The host came late (the spin may have ended): a success proves nothing.
+            spin = Duration::ZERO;
+        }
+        let stats = p.stats();
+        // Before any assertion: the queued copies write into `host`, which a panic would free.
+        let synced = busy.synchronize_blocking();
+        assert!(
+            synced.is_ok(),
+            "{}: the busy stream's work failed (memory moved under it?): {synced:?}",
+            label(&device)
+        );
+        match &refused {
+            Err(Error::OutOfMemory { requested, .. }) => assert_eq!(*requested, 2 * share),
+            Ok(_) if spin.is_zero() => {}
+            other => panic!(
+                "{}: memory of a busy stream moved: {other:?} {stats:?}",
+                label(&device)
+            ),
+        }
+        if let Ok(ptr) = refused {
+            free(&p, ptr, 2 * share, &other);
+        }
+        for (i, back) in host.iter().enumerate() {
+            assert!(
+                back.iter().all(|&w| w == 0xC0DE_0000 + i as u32),
+                "{}: the data of share {i} did not come back",
+                label(&device)
+            );
+        }
+        let served = p.allocate(2 * share, &other).unwrap();
+        assert!(p.relocations() >= 1, "{}", label(&device));
+        assert!(p.stats().reserved <= size);
+        // SAFETY: `served` is live and used on `other` only, before its free.
+        unsafe { other.fill_u32(served, 7, 2 * share / 4) }.unwrap();
+        assert_eq!(read_u32(&other, served, 2 * share / 4)[0], 7);
+        free(&p, served, 2 * share, &other);
+        check(&p);
+    }
+}
+
+/// A failed question (`cuStreamQuery`) is a busy answer: nothing moves and the request is
+/// refused with a typed error; a failed mapping after the move loses nothing but the room it
+/// unmapped (given back to the device), and the pool stays usable.
+#[test]
+fn faults_while_moving_lose_nothing() {
+    let _serial = serial();
+    let faults = Faults::new();
+    let device = Device::simulated(SimConfig {
+        faults: faults.clone(),
+        ..SimConfig::default()
+    });
+    let size = 256 * MIB;
+    let p = full_pool(&device, size);
+    let share = size / ranges(&p, size);
+    let s = device.create_stream().unwrap();
+    let other = device.create_stream().unwrap();
+    // Every share used and freed on `s`, whose work is done.
+    let blocks: Vec<DevicePtr> = (0..ranges(&p, size))
+        .map(|_| p.allocate(share, &s).unwrap())
+        .collect();
+    for &x in &blocks {
+        free(&p, x, share, &s);
+    }
+    s.synchronize_blocking().unwrap();
+
+    faults.fail_always(FaultKind::Query);
+    match p.allocate(2 * share, &other) {
+        Err(e @ Error::OutOfMemory { .. }) => assert!(e.is_out_of_memory()),
+        other => panic!("expected out of memory on failed queries, got {other:?}"),
+    }
+    faults.clear();
+    assert_eq!(p.stats().reserved, size, "nothing moved");
+    check(&p);
+
+    faults.fail_nth(FaultKind::MemMap, 1);
+    match p.allocate(2 * share, &other) {
+        Err(Error::Driver { call, .. }) => assert_eq!(call, "cuMemMap"),
+        other => panic!("expected the injected cuMemMap failure, got {other:?}"),
+    }
+    let stats = p.stats();
+    assert_eq!(stats.free, stats.reserved, "free memory lost: {stats:?}");
+    assert_eq!(
+        device.free_memory().unwrap(),
+        device.total_memory() - stats.reserved,
+        "a granule leaked"
+    );
+    check(&p);
+
+    let served = p.allocate(2 * share, &other).unwrap();
+    free(&p, served, 2 * share, &other);
+    p.trim_blocking().unwrap();
+    assert_eq!(p.stats().reserved, 0);
+    assert_eq!(device.free_memory().unwrap(), device.total_memory());
+    check(&p);
+}
+
+/// `allocate_async` of memory that only a move could give, the memory freed on a busy stream:
+/// it waits (no free will come), and is served once that stream's work is done (the pool
+/// waits for the stream off the caller's thread and wakes its waiters).
+#[test]
+fn an_awaited_request_is_served_once_the_busy_stream_finishes() {
+    let _serial = serial();
+    let rt = common::runtime();
+    for device in devices() {
+        let size = 256 * MIB;
+        let p = full_pool(&device, size);
+        let regions = ranges(&p, size);
+        if regions == 1 {
+            continue;
+        }
+        let share = size / regions;
+        let busy = device.create_stream().unwrap();
+        let other = device.create_stream().unwrap();
+        busy.spin(Duration::from_millis(300)).unwrap();
+        let blocks: Vec<DevicePtr> = (0..regions)
+            .map(|_| p.allocate(share, &busy).unwrap())
+            .collect();
+        for &x in &blocks {
+            free(&p, x, share, &busy);
+        }
+        let got = rt
+            .block_on(async {
+                tokio::time::timeout(Duration::from_secs(20), p.allocate_async(2 * share, &other))
+                    .await
+            })
+            .unwrap_or_else(|_| panic!("{}: waited 20 s: {:?}", label(&device), p.stats()))
+            .unwrap();
+        assert!(busy.is_idle().unwrap_or(true), "{}", label(&device));
+        assert!(p.stats().reserved <= size);
+        free(&p, got, 2 * share, &other);
+        check(&p);
+    }
+}
