@@ -128,6 +128,9 @@ impl EngineStream for FakeStream {
     fn is_idle(&self) -> bool {
         false // one stream: nothing is ever ordered
     }
+    fn activity(&self) -> Option<u64> {
+        None
+    }
 }
 
 type Pool = Expander<FakeStream, FakeBacking>;

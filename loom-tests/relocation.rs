@@ -143,6 +143,9 @@ impl EngineStream for FakeStream {
         let b = book(&self.0.books);
         b.progress.get(&self.0.uid).is_none_or(|p| p.1 >= p.0)
     }
+    fn activity(&self) -> Option<u64> {
+        None // every idle answer is asked of the stream
+    }
 }
 
 type Pool = Expander<FakeStream, FakeBacking>;

@@ -22,7 +22,10 @@
 //!
 //! A stream asked whether it is idle (the engine's opportunistic reuse) answers as the model
 //! sets [`Gpu::idle`]: busy (the default, so the engine orders), or idle, which is the host
-//! seeing everything queued on it so far finish.
+//! seeing everything queued on it so far finish. Streams count what is queued on them
+//! (`Gpu::activity`), so a stream seen idle with nothing queued since is taken as still idle
+//! without a question (*quiet*); the host then has seen nothing more, so the check at each
+//! hand-out catches a stream wrongly taken as quiet.
 //!
 //! Every request is one block. Not modelled here: trimming (`take_whole_chunks`, see
 //! `frees_and_regrowth`), and a failing `order_before` (its error path puts the block back).
@@ -34,7 +37,7 @@ use loom::thread;
 use super::{check_paths, must_fail, Seen, Shared};
 use crate::error::{Error, Result};
 use crate::resource::stream_ordered::{EngineStream, Grow, StreamHeap};
-use crate::sync::Arc;
+use crate::sync::{Arc, AtomicU64, Ordering::SeqCst};
 
 // The models and their `#[test]`s.
 mod reserve;
@@ -43,12 +46,14 @@ mod reuse;
 // The paths of the policy an execution can take (see `check_paths`).
 const WAIT: &str = "cross-stream wait";
 const IDLE: &str = "idle freeing stream: no wait";
+const QUIET: &str = "quiet freeing stream (seen idle, nothing queued since): no question";
 const MOVING: &str = "statistics read with the reserved piece in use";
 const GROW: &str = "grow";
 const OUT_OF_MEMORY: &str = "out of memory";
 const ALL_BUT_GROW: [&str; 2] = [WAIT, OUT_OF_MEMORY];
 const ALL: [&str; 3] = [WAIT, GROW, OUT_OF_MEMORY];
 const IDLE_AND_OUT_OF_MEMORY: [&str; 2] = [IDLE, OUT_OF_MEMORY];
+const IDLE_QUIET_AND_OUT_OF_MEMORY: [&str; 3] = [IDLE, QUIET, OUT_OF_MEMORY];
 
 /// Every request is one block: addresses stay block-aligned through splits and merges, so a
 /// block is named by its address.
@@ -74,6 +79,8 @@ pub(super) struct Gpu {
     /// What a stream says when asked whether it is idle (`cuStreamQuery`): `true`, everything
     /// queued on it so far has finished (the host has seen it: `synced`); `false`, busy.
     pub(super) idle: bool,
+    /// How many times a stream was asked whether it is idle.
+    queries: u64,
 }
 
 impl Gpu {
@@ -84,6 +91,7 @@ impl Gpu {
             held: HashMap::new(),
             synced: vec![0; streams],
             idle: false,
+            queries: 0,
         }
     }
 
@@ -140,6 +148,12 @@ pub(super) fn book(gpu: &Book) -> std::sync::MutexGuard<'_, Gpu> {
 pub(super) struct FakeInner {
     index: usize,
     pub(super) gpu: Book,
+    /// Operations queued on the stream (uses, hand-outs, events recorded and waits), what
+    /// `Stream::activity` counts: a stream seen idle whose count has not moved since is still
+    /// idle (the engine's *quiet* streams). Loom's atomic, not the bookkeeping's: loom must see
+    /// a use queued and the engine's read of the count as operations that race, or it takes
+    /// their two orders for one and explores only one of them.
+    activity: AtomicU64,
 }
 
 /// A handle of a fake stream; clones are the same stream, as `Stream`'s.
@@ -151,6 +165,17 @@ pub(super) struct FakeStream {
 impl FakeStream {
     pub(super) fn index(&self) -> usize {
         self.inner.index
+    }
+
+    /// A use of memory queued on the stream (a kernel, say) that is not a hand-out.
+    pub(super) fn queue(&self) {
+        book(&self.inner.gpu).queue(self.index());
+        self.queued();
+    }
+
+    /// Counts an operation queued on the stream.
+    fn queued(&self) {
+        self.inner.activity.fetch_add(1, SeqCst);
     }
 }
 
@@ -171,15 +196,22 @@ impl EngineStream for FakeStream {
 
     fn order_before(&self, later: &Self) -> Result<()> {
         book(&self.inner.gpu).order(self.index(), later.index());
+        self.queued();
+        later.queued();
         Ok(())
     }
 
     fn is_idle(&self) -> bool {
         let mut gpu = book(&self.inner.gpu);
+        gpu.queries += 1;
         if gpu.idle {
             gpu.synchronize(self.index());
         }
         gpu.idle
+    }
+
+    fn activity(&self) -> Option<u64> {
+        Some(self.inner.activity.load(SeqCst))
     }
 }
 
@@ -190,6 +222,7 @@ pub(super) fn streams(n: usize) -> Vec<FakeStream> {
             inner: Arc::new(FakeInner {
                 index,
                 gpu: gpu.clone(),
+                activity: AtomicU64::new(0),
             }),
         })
         .collect()
@@ -259,6 +292,7 @@ fn alloc_from(
     match engine.take(BLOCK, stream, upstream) {
         Ok(addr) => {
             book(&stream.inner.gpu).took(who, stream.index(), addr);
+            stream.queued();
             Some(addr)
         }
         Err(e) => {
@@ -291,4 +325,7 @@ fn all_back(engine: &Engine, blocks: u64, gpu: &Book, seen: &Seen) {
     assert!(book(gpu).held.is_empty());
     seen.note(WAIT, stats.waits > 0);
     seen.note(IDLE, stats.idle_skips > 0);
+    // Every question is answered idle in the models that allow idle answers: skips beyond
+    // the questions were quiet streams, taken as idle with no question.
+    seen.note(QUIET, stats.idle_skips > book(gpu).queries);
 }

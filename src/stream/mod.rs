@@ -8,7 +8,7 @@ pub use crate::device::StreamId;
 use crate::device::{cuda, mismatch, sim, Backend, Device, DevicePtr, FaultKind};
 use crate::error::{Error, Result};
 use crate::event::{Event, RawEvent};
-use crate::sync::{Arc, Mutex, Ordering};
+use crate::sync::{Arc, AtomicBool, AtomicU64, Mutex, Ordering};
 
 // The pattern kernels (`fill_pattern_u32`, `count_mismatches_u32`), in their own file.
 mod pattern;
@@ -62,6 +62,15 @@ struct StreamInner {
     /// on by the later stream under this lock, then left for the next ordering (a wait captures
     /// the recording current when it is enqueued, so re-recording it is safe).
     order_event: Mutex<Option<cuda::RawEvent>>,
+    /// How many operations have been queued on the stream through this crate (every access to
+    /// its handle for queuing: [`Stream::queue_handle`]). A pool that saw the stream idle
+    /// when this read `n`, and reads `n` again, knows that the stream is still idle without
+    /// asking the driver ([`Stream::activity`]).
+    activity: AtomicU64,
+    /// The driver's handle was handed out ([`Stream::cuda_stream`], [`Stream::cudarc_stream`],
+    /// or a stream made by cudarc): work may reach the stream unseen, so `activity` says
+    /// nothing.
+    exposed: AtomicBool,
 }
 
 impl fmt::Debug for Stream {
@@ -111,7 +120,10 @@ impl Stream {
         stream: std::sync::Arc<cudarc::driver::CudaStream>,
     ) -> Stream {
         let raw = RawStream::Cuda(cuda::Handle(stream.cu_stream()));
-        Self::from_parts(StreamId::next(), device, raw, Some(stream))
+        let made = Self::from_parts(StreamId::next(), device, raw, Some(stream));
+        // cudarc code may queue work on it that never passes through `queue_handle`.
+        made.expose();
+        made
     }
 
     fn from_parts(
@@ -128,12 +140,15 @@ impl Stream {
                 seq: Mutex::new(0),
                 order_event: Mutex::new(None),
                 cudarc,
+                activity: AtomicU64::new(0),
+                exposed: AtomicBool::new(false),
             }),
         }
     }
 
     /// cudarc's handle of this stream, on CUDA (`None` on the simulated device).
     pub(crate) fn cudarc_handle(&self) -> Option<&std::sync::Arc<cudarc::driver::CudaStream>> {
+        self.expose();
         self.inner.cudarc.as_ref()
     }
 
@@ -153,13 +168,52 @@ impl Stream {
         Arc::strong_count(&self.inner)
     }
 
-    pub(crate) fn raw(&self) -> &RawStream {
+    /// The stream's handle, to queue an operation on it: counted as activity (see
+    /// [`activity`](Self::activity)). Every operation this crate queues takes the handle here.
+    #[inline]
+    pub(crate) fn queue_handle(&self) -> &RawStream {
+        // Relaxed: a pool reads the count under its lock, after a free that the caller made
+        // after queuing (program order, or the caller's own synchronization), so the lock's
+        // happens-before carries this increment to the reader.
+        self.inner.activity.fetch_add(1, Ordering::Relaxed);
         &self.inner.raw
+    }
+
+    /// The stream's handle for what queues nothing (the race detector's notes of allocations
+    /// and frees, queries).
+    #[inline]
+    pub(crate) fn raw_unqueued(&self) -> &RawStream {
+        &self.inner.raw
+    }
+
+    /// How many operations this crate has queued on the stream, or `None` if work may reach it
+    /// unseen (its driver handle was handed out). The pool's opportunistic reuse keeps the
+    /// count read before an idle answer (`cuStreamQuery`): while it stays the same, nothing was
+    /// queued since, the stream is still idle, and no driver call is needed to know it.
+    #[inline]
+    pub(crate) fn activity(&self) -> Option<u64> {
+        if self.inner.exposed.load(Ordering::Relaxed) {
+            return None;
+        }
+        Some(self.inner.activity.load(Ordering::Relaxed))
+    }
+
+    /// Work may reach the stream without this crate seeing it: [`activity`](Self::activity)
+    /// says nothing from now on.
+    fn expose(&self) {
+        if !self.inner.exposed.load(Ordering::Relaxed) {
+            self.inner.exposed.store(true, Ordering::Relaxed);
+        }
     }
 
     /// The driver's handle, for launching your own kernels (e.g. through cudarc) on this
     /// stream; `None` on the simulated device. The handle is valid while this `Stream` lives.
+    ///
+    /// Work queued through the handle is unseen by this crate, so from the first call on, a
+    /// pool's opportunistic reuse asks the driver whether the stream is idle every time
+    /// (`cuStreamQuery`) instead of knowing that nothing was queued since it last was.
     pub fn cuda_stream(&self) -> Option<cudarc::driver::sys::CUstream> {
+        self.expose();
         match &self.inner.raw {
             RawStream::Cuda(s) => Some(s.0),
             RawStream::Sim(_) => None,
@@ -173,7 +227,7 @@ impl Stream {
         // Uncontended unless threads record on this stream at once, when the driver
         // serializes the records anyway.
         let mut next = self.inner.seq.lock();
-        let raw = match (&self.inner.raw, device.backend()) {
+        let raw = match (self.queue_handle(), device.backend()) {
             (RawStream::Cuda(s), Backend::Cuda(d)) => RawEvent::Cuda(d.record(*s)?),
             (RawStream::Sim(s), Backend::Sim(d)) => {
                 d.fault(FaultKind::Record)?;
@@ -218,7 +272,7 @@ impl Stream {
     /// cost two driver calls and no event object.
     pub(crate) fn order_before(&self, later: &Stream) -> Result<()> {
         let device = &self.inner.device;
-        match (&self.inner.raw, &later.inner.raw, device.backend()) {
+        match (self.queue_handle(), later.queue_handle(), device.backend()) {
             (RawStream::Cuda(s), RawStream::Cuda(l), Backend::Cuda(d))
                 if later.inner.device.id() == device.id() =>
             {
@@ -245,7 +299,11 @@ impl Stream {
     /// GPU's stream or the other way round.
     pub fn wait(&self, event: &Event) -> Result<()> {
         self.inner.device.check_peer(event.device())?;
-        match (&self.inner.raw, event.raw(), self.inner.device.backend()) {
+        match (
+            self.queue_handle(),
+            event.raw(),
+            self.inner.device.backend(),
+        ) {
             (RawStream::Cuda(s), RawEvent::Cuda(e), Backend::Cuda(d)) => d.wait(*s, *e),
             (RawStream::Sim(s), RawEvent::Sim(m), Backend::Sim(d)) => {
                 d.fault(FaultKind::Wait)?;
@@ -297,7 +355,7 @@ impl Stream {
         cuda: impl FnOnce(&cuda::CudaDevice, cuda::RawStream) -> Result<()>,
         sim: impl FnOnce() -> Op,
     ) -> Result<()> {
-        match (&self.inner.raw, self.inner.device.backend()) {
+        match (self.queue_handle(), self.inner.device.backend()) {
             (RawStream::Cuda(s), Backend::Cuda(d)) => cuda(d, *s),
             (RawStream::Sim(s), Backend::Sim(d)) => {
                 d.fault(kind)?;
@@ -435,7 +493,7 @@ impl Stream {
             // SAFETY: the caller's contract.
             return unsafe { self.copy_dtod(dst, src, bytes) };
         }
-        match (&self.inner.raw, device.backend(), src_device.backend()) {
+        match (self.queue_handle(), device.backend(), src_device.backend()) {
             (RawStream::Cuda(s), Backend::Cuda(d), Backend::Cuda(from)) => {
                 // SAFETY: the caller's contract.
                 unsafe { d.copy_peer(dst.0, from, src.0, bytes, *s) }
@@ -461,7 +519,7 @@ impl Stream {
     /// `[ptr, ptr + bytes)` is managed memory of this device that stays allocated until the
     /// stream reaches the prefetch.
     pub unsafe fn prefetch(&self, ptr: DevicePtr, bytes: usize) -> Result<()> {
-        match (&self.inner.raw, self.inner.device.backend()) {
+        match (self.queue_handle(), self.inner.device.backend()) {
             // SAFETY: the caller's contract.
             (RawStream::Cuda(s), Backend::Cuda(d)) => unsafe { d.prefetch(ptr.0, bytes, *s) },
             (RawStream::Sim(_), Backend::Sim(_)) => Ok(()),
@@ -616,5 +674,32 @@ mod tests {
             "the first recorded event was not woken when the GPU reached it: it waits behind \
              a later event of its stream"
         );
+    }
+
+    /// Every operation queued counts as activity, a question does not, and once the driver's
+    /// handle is handed out the count says nothing (work may come through it unseen).
+    #[test]
+    fn activity_counts_what_is_queued_until_the_handle_is_handed_out() {
+        let device = Device::simulated(SimConfig::default());
+        let (a, b) = (
+            device.create_stream().unwrap(),
+            device.create_stream().unwrap(),
+        );
+        let start = a.activity().unwrap();
+        a.spin(Duration::from_micros(1)).unwrap();
+        let event = a.record().unwrap();
+        assert_eq!(a.activity(), Some(start + 2));
+        b.wait(&event).unwrap();
+        let before = (a.activity().unwrap(), b.activity().unwrap());
+        a.order_before(&b).unwrap();
+        assert!(a.activity().unwrap() > before.0 && b.activity().unwrap() > before.1);
+        a.synchronize_blocking().unwrap();
+        let settled = a.activity().unwrap();
+        assert!(a.is_idle().unwrap());
+        assert_eq!(a.activity(), Some(settled), "a question is no activity");
+        // SAFETY: not used: only handed out.
+        let _ = a.cuda_stream();
+        assert_eq!(a.activity(), None);
+        assert!(b.activity().is_some());
     }
 }

@@ -42,7 +42,7 @@ impl Device {
     /// the detector is on.
     #[inline]
     fn sim_with<'a>(&'a self, stream: &'a Stream) -> Option<(&'a SimDevice, &'a SimStream)> {
-        match (self.backend(), stream.raw()) {
+        match (self.backend(), stream.raw_unqueued()) {
             (Backend::Sim(d), RawStream::Sim(s))
                 if d.races.is_some() && stream.device().id() == self.id() =>
             {
@@ -91,7 +91,7 @@ impl Stream {
         access: MemoryAccess,
         op: &'static str,
     ) -> Result<()> {
-        let RawStream::Sim(s) = self.raw() else {
+        let RawStream::Sim(s) = self.queue_handle() else {
             return Ok(());
         };
         let Some((races, idx)) = s.races() else {

@@ -49,6 +49,9 @@ thread_local! {
     /// no work), and how many times they were asked.
     static IDLE: Cell<bool> = const { Cell::new(false) };
     static QUERIES: Cell<u64> = const { Cell::new(0) };
+    /// Whether lab streams report their activity (none: they queue no work), so that a stream
+    /// seen idle needs no second question (`Stream::activity`).
+    static QUIET: Cell<bool> = const { Cell::new(true) };
 }
 
 /// A stream that only counts its orderings; `handle_count` is real, so idle lists retire.
@@ -90,6 +93,12 @@ impl EngineStream for LabStream {
     fn is_idle(&self) -> bool {
         QUERIES.with(|c| c.set(c.get() + 1));
         IDLE.with(Cell::get)
+    }
+
+    fn activity(&self) -> Option<u64> {
+        // The churn runs queue no work: a stream seen idle stays so (LAB_QUIET=0: unknown, so
+        // every idle answer is a question, as for a stream whose handle was handed out).
+        QUIET.with(Cell::get).then_some(0)
     }
 }
 
@@ -457,6 +466,8 @@ fn time_churn(streams: usize, hand_off: bool) {
     // LAB_IDLE=1: the streams say they are idle when asked, as the GPU's do in these runs.
     let idle = std::env::var("LAB_IDLE").is_ok_and(|v| v == "1");
     IDLE.with(|c| c.set(idle));
+    // LAB_QUIET=0: activity unknown, every idle answer asked of the stream.
+    QUIET.with(|c| c.set(std::env::var("LAB_QUIET").map_or(true, |v| v != "0")));
     // LAB_SLACK: the engine's reuse slack; LAB_INITIAL_MIB: where the pool starts (2048).
     let slack: f64 = std::env::var("LAB_SLACK")
         .ok()

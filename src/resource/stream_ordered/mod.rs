@@ -102,6 +102,11 @@ pub(crate) trait EngineStream: Clone {
     /// memory it freed needs no ordering at all. An error counts as busy: the ordering that
     /// follows reports it if it persists.
     fn is_idle(&self) -> bool;
+
+    /// How many operations have been queued on the stream so far, if that is known (`None`:
+    /// work may reach it unseen). Read before an idle answer and found unchanged later, it
+    /// says that the stream is still idle, with no driver call.
+    fn activity(&self) -> Option<u64>;
 }
 
 /// Where new memory comes from.
@@ -121,6 +126,10 @@ struct Entry<S> {
     /// Frees on this stream tagged below `done` are known finished on the GPU (the stream was
     /// seen idle after the bump to `done`): any stream may reuse them without an ordering.
     done: u64,
+    /// The stream's [`activity`](EngineStream::activity) read before its last idle answer:
+    /// while the stream's count still reads this, nothing was queued on it since, and it is
+    /// still idle (*quiet*).
+    quiet_at: Option<u64>,
     /// `waited[d]`: this stream is ordered after the stream in slot `d` up to that stream's
     /// epoch `waited[d]` (exclusive: its frees tagged below it are covered).
     waited: Vec<u64>,
@@ -189,6 +198,7 @@ impl<S: EngineStream> Heap<S> {
             uid,
             epoch: 0,
             done: 0,
+            quiet_at: None,
             waited: Vec::new(),
         };
         let slot = match self.spare.pop() {

@@ -39,6 +39,7 @@ impl<S: EngineStream> StreamHeap<S> {
                 }
             }
         }
+        let mut quiet = 0;
         for d in needed {
             let Some(donor) = heap.entry_mut(d) else {
                 continue;
@@ -49,11 +50,22 @@ impl<S: EngineStream> StreamHeap<S> {
                 donor.epoch += 1;
                 donor.epoch
             };
+            if self.opportunistic && is_quiet(donor) {
+                // Seen idle before, and nothing queued on it since: every free tagged below
+                // the epoch just bumped came before now, after its last use, and that use has
+                // finished. As an idle answer would, with no driver call.
+                donor.done = donor.done.max(epoch);
+                quiet += 1;
+                continue;
+            }
             orders.push(Order {
                 slot: d,
                 epoch,
                 stream: donor.stream.clone(),
             });
+        }
+        if quiet > 0 {
+            self.idle_skips.fetch_add(quiet, Ordering::Relaxed);
         }
         orders
     }
@@ -74,12 +86,16 @@ impl<S: EngineStream> StreamHeap<S> {
         let _span =
             tracing::debug_span!("stream_wait", to = %stream.name(), streams = orders.len())
                 .entered();
-        // (slot, the stream's uid, epoch, whether the stream was idle). The uid is kept
+        // (slot, the stream's uid, epoch, whether the stream was idle, its activity read before
+        // the question). The uid is kept
         // because the lock is let go: a trim may forget a dropped stream meanwhile and a new
         // stream take its slot, and what is noted below must not land on the newcomer.
-        let mut made: SmallVec<[(u32, u64, u64, bool); 4]> = SmallVec::new();
+        let mut made: SmallVec<[(u32, u64, u64, bool, Option<u64>); 4]> = SmallVec::new();
         let mut result = Ok(());
         for order in orders {
+            // Read before the question: work queued after it would not be covered by an idle
+            // answer, so it must show as a change of the count.
+            let activity = order.stream.activity();
             let idle =
                 self.opportunistic && (order.stream.is_idle() || planted::busy_taken_as_idle());
             if !idle && !planted::unordered() {
@@ -88,7 +104,7 @@ impl<S: EngineStream> StreamHeap<S> {
                     break;
                 }
             }
-            made.push((order.slot, order.stream.uid(), order.epoch, idle));
+            made.push((order.slot, order.stream.uid(), order.epoch, idle, activity));
             // The streams' handles go outside the lock.
             drop(order.stream);
         }
@@ -100,7 +116,7 @@ impl<S: EngineStream> StreamHeap<S> {
         }
         let mut heap = shard.lock();
         let me = stream.uid();
-        for (d, uid, epoch, idle) in made {
+        for (d, uid, epoch, idle, activity) in made {
             if heap.entry(d).is_none_or(|e| e.uid != uid) {
                 // Forgotten while the lock was let go (its slot may hold another stream now):
                 // `forget` cleared it from every tag, so nothing is left to note.
@@ -122,11 +138,33 @@ impl<S: EngineStream> StreamHeap<S> {
                         epoch
                     };
                     donor.done = donor.done.max(done);
+                    donor.quiet_at = if planted::activity_after_the_answer() {
+                        donor.stream.activity()
+                    } else {
+                        activity
+                    };
                 }
-            } else if let Some(e) = heap.entry_mut(slot).filter(|e| e.uid == me) {
-                e.note_waited(d, epoch);
+            } else {
+                if let Some(donor) = heap.entry_mut(d) {
+                    donor.quiet_at = None;
+                }
+                if let Some(e) = heap.entry_mut(slot).filter(|e| e.uid == me) {
+                    e.note_waited(d, epoch);
+                }
             }
         }
         result
     }
+}
+
+/// Whether `donor` was seen idle and nothing was queued on it since (its activity count reads
+/// what it read before that idle answer).
+#[inline]
+fn is_quiet<S: EngineStream>(donor: &Entry<S>) -> bool {
+    if planted::quiet_ignores_activity() {
+        return donor.quiet_at.is_some();
+    }
+    donor
+        .quiet_at
+        .is_some_and(|at| donor.stream.activity() == Some(at))
 }

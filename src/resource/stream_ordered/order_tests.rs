@@ -12,6 +12,8 @@ struct Inner {
     idle: AtomicBool,
     orders: StdU64,
     queries: StdU64,
+    /// What `activity` reports, if it reports anything.
+    activity: Option<StdU64>,
 }
 
 /// A stream that counts its orderings and questions; `handle_count` is real.
@@ -25,7 +27,26 @@ impl Probe {
             idle: AtomicBool::new(idle),
             orders: StdU64::new(0),
             queries: StdU64::new(0),
+            activity: None,
         }))
+    }
+
+    /// A stream that reports its activity: work queued on it is counted ([`queue`]).
+    fn counting(uid: u64, idle: bool) -> Self {
+        Probe(StdArc::new(Inner {
+            uid,
+            idle: AtomicBool::new(idle),
+            orders: StdU64::new(0),
+            queries: StdU64::new(0),
+            activity: Some(StdU64::new(0)),
+        }))
+    }
+
+    /// Work queued on the stream.
+    fn queue(&self) {
+        if let Some(a) = &self.0.activity {
+            a.fetch_add(1, SeqCst);
+        }
     }
 
     fn asked(&self) -> u64 {
@@ -56,6 +77,12 @@ impl EngineStream for Probe {
     fn order_before(&self, _later: &Self) -> Result<()> {
         self.0.orders.fetch_add(1, SeqCst);
         Ok(())
+    }
+
+    fn activity(&self) -> Option<u64> {
+        // `new`'s report none: every idle answer is asked for (the hook runs inside `order`'s
+        // window).
+        self.0.activity.as_ref().map(|a| a.load(SeqCst))
     }
 
     fn is_idle(&self) -> bool {
@@ -120,4 +147,59 @@ fn a_stream_forgotten_during_an_ordering_lends_nothing_to_its_slots_next_stream(
         newcomer.asked() > before,
         "a block freed on a busy stream was handed over with no ordering and no question"
     );
+}
+
+#[test]
+fn a_stream_seen_idle_with_nothing_queued_since_is_not_asked_again() {
+    const B: u64 = 1 << 20;
+    let heap: StreamHeap<Probe> = StreamHeap::with_options(0.0, 1);
+    heap.add_chunk(0x1000_0000, 8 * B);
+    heap.give_fresh(0x1000_0000, 8 * B);
+    let donor = Probe::counting(1, true);
+    let taker = Probe::counting(2, false);
+    // Four blocks in use on the donor, with a fresh block between each, held by the taker, so
+    // that none coalesces with another.
+    let mut blocks = Vec::new();
+    let mut fences = Vec::new();
+    for _ in 0..4 {
+        blocks.push(heap.take(B, &donor, &NoGrowth).unwrap());
+        fences.push(heap.take(B, &taker, &NoGrowth).unwrap());
+    }
+    let take_freed = |block: u64| {
+        assert!(heap.give(block, B, &donor));
+        assert_eq!(heap.take(B, &taker, &NoGrowth).unwrap(), block);
+    };
+    // The first hand-over asks: idle.
+    take_freed(blocks[0]);
+    assert_eq!(
+        (donor.0.queries.load(SeqCst), donor.0.orders.load(SeqCst)),
+        (1, 0)
+    );
+    // A block freed after that answer: nothing was queued on the donor since, so it is still
+    // idle, and nobody asks.
+    take_freed(blocks[1]);
+    assert_eq!(
+        (donor.0.queries.load(SeqCst), donor.0.orders.load(SeqCst)),
+        (1, 0)
+    );
+    // Work queued on the donor: the next hand-over asks again ...
+    donor.queue();
+    take_freed(blocks[2]);
+    assert_eq!(donor.0.queries.load(SeqCst), 2);
+    // ... and a busy answer orders, and leaves the stream no longer quiet.
+    donor.0.idle.store(false, SeqCst);
+    donor.queue();
+    take_freed(blocks[3]);
+    assert_eq!(
+        (donor.0.queries.load(SeqCst), donor.0.orders.load(SeqCst)),
+        (3, 1)
+    );
+    assert_eq!(heap.stats().idle_skips, 3);
+    for f in fences {
+        assert!(heap.give(f, B, &taker));
+    }
+    for b in blocks {
+        assert!(heap.give(b, B, &taker));
+    }
+    heap.check().unwrap();
 }

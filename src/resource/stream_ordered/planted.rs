@@ -27,6 +27,14 @@ pub(crate) static BUSY_TAKEN_AS_IDLE: AtomicBool = AtomicBool::new(false);
 #[cfg(streamalloc_loom)]
 pub(crate) static DONE_AT_THE_ANSWER: AtomicBool = AtomicBool::new(false);
 
+/// The freeing stream's activity count is read after its idle answer, not before the question:
+/// work queued in between is taken as seen finished, and the stream as still idle after it.
+#[cfg(streamalloc_loom)]
+pub(crate) static ACTIVITY_AFTER_THE_ANSWER: AtomicBool = AtomicBool::new(false);
+/// A freeing stream once seen idle is taken as still idle whatever was queued on it since.
+#[cfg(streamalloc_loom)]
+pub(crate) static QUIET_IGNORES_ACTIVITY: AtomicBool = AtomicBool::new(false);
+
 /// A chunk of the reserve leaves the reserve's lock before it reaches its shard: `stats` in
 /// between counts it nowhere.
 #[cfg(streamalloc_loom)]
@@ -59,4 +67,6 @@ switch!(idle_ignores_handles, IDLE_IGNORES_HANDLES);
 switch!(busy_taken_as_idle, BUSY_TAKEN_AS_IDLE);
 switch!(done_at_the_answer, DONE_AT_THE_ANSWER);
 switch!(reserve_released_early, RESERVE_RELEASED_EARLY);
+switch!(activity_after_the_answer, ACTIVITY_AFTER_THE_ANSWER);
+switch!(quiet_ignores_activity, QUIET_IGNORES_ACTIVITY);
 switch!(relocated_busy, RELOCATED_BUSY);

@@ -25,6 +25,11 @@ impl EngineStream for Stream {
         Stream::order_before(self, later)
     }
 
+    #[inline]
+    fn activity(&self) -> Option<u64> {
+        Stream::activity(self)
+    }
+
     fn is_idle(&self) -> bool {
         Stream::is_idle(self).unwrap_or_else(|e| {
             tracing::debug!(error = %e, stream = %self.id(), "a stream query failed: taken as busy");
