@@ -167,4 +167,5 @@ fn is_quiet<S: EngineStream>(donor: &Entry<S>) -> bool {
     donor
         .quiet_at
         .is_some_and(|at| donor.stream.activity() == Some(at))
+        && donor.stream.confirm_quiet()
 }

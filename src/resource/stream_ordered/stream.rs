@@ -30,6 +30,11 @@ impl EngineStream for Stream {
         Stream::activity(self)
     }
 
+    #[inline]
+    fn confirm_quiet(&self) -> bool {
+        Stream::confirm_quiet(self)
+    }
+
     fn is_idle(&self) -> bool {
         Stream::is_idle(self).unwrap_or_else(|e| {
             tracing::debug!(error = %e, stream = %self.id(), "a stream query failed: taken as busy");
