@@ -9,6 +9,18 @@ use super::*;
 /// for the rare tag that stands for every stream), so kept inline.
 pub(super) type Orders<S> = SmallVec<[Order<S>; 4]>;
 
+/// An ordering made (or found needless: the stream was idle), to note under the lock again.
+struct Made {
+    slot: u32,
+    /// The stream's uid: the slot may hold another stream by then.
+    uid: u64,
+    epoch: u64,
+    /// The stream answered idle: no ordering was made.
+    idle: bool,
+    /// The stream's activity, read before the question.
+    activity: Option<u64>,
+}
+
 /// One ordering to make: after the stream in `slot` (`stream`), up to its epoch `epoch`.
 pub(super) struct Order<S> {
     slot: u32,
@@ -86,11 +98,10 @@ impl<S: EngineStream> StreamHeap<S> {
         let _span =
             tracing::debug_span!("stream_wait", to = %stream.name(), streams = orders.len())
                 .entered();
-        // (slot, the stream's uid, epoch, whether the stream was idle, its activity read before
-        // the question). The uid is kept
-        // because the lock is let go: a trim may forget a dropped stream meanwhile and a new
-        // stream take its slot, and what is noted below must not land on the newcomer.
-        let mut made: SmallVec<[(u32, u64, u64, bool, Option<u64>); 4]> = SmallVec::new();
+        // The uid is kept because the lock is let go: a trim may forget a dropped stream
+        // meanwhile and a new stream take its slot, and what is noted below must not land on
+        // the newcomer.
+        let mut made: SmallVec<[Made; 4]> = SmallVec::new();
         let mut result = Ok(());
         for order in orders {
             // Read before the question: work queued after it would not be covered by an idle
@@ -104,11 +115,17 @@ impl<S: EngineStream> StreamHeap<S> {
                     break;
                 }
             }
-            made.push((order.slot, order.stream.uid(), order.epoch, idle, activity));
+            made.push(Made {
+                slot: order.slot,
+                uid: order.stream.uid(),
+                epoch: order.epoch,
+                idle,
+                activity,
+            });
             // The streams' handles go outside the lock.
             drop(order.stream);
         }
-        let skipped = made.iter().filter(|m| m.3).count() as u64;
+        let skipped = made.iter().filter(|m| m.idle).count() as u64;
         self.waits
             .fetch_add(made.len() as u64 - skipped, Ordering::Relaxed);
         if skipped > 0 {
@@ -116,7 +133,14 @@ impl<S: EngineStream> StreamHeap<S> {
         }
         let mut heap = shard.lock();
         let me = stream.uid();
-        for (d, uid, epoch, idle, activity) in made {
+        for Made {
+            slot: d,
+            uid,
+            epoch,
+            idle,
+            activity,
+        } in made
+        {
             if heap.entry(d).is_none_or(|e| e.uid != uid) {
                 // Forgotten while the lock was let go (its slot may hold another stream now):
                 // `forget` cleared it from every tag, so nothing is left to note.
