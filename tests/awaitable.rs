@@ -25,6 +25,9 @@ const MIB: usize = 1 << 20;
 trait Awaited: MemoryResource + 'static {
     fn stats(&self) -> PoolStats;
     fn wait_stats(&self) -> WaitStats;
+    /// Growths that came with memory given up elsewhere under the maximum (the expandable
+    /// pool's relocations between its address ranges); 0 for the pool, which never does.
+    fn relocations(&self) -> u64;
 }
 
 impl Awaited for PoolResource<CudaResource> {
@@ -34,6 +37,9 @@ impl Awaited for PoolResource<CudaResource> {
     fn wait_stats(&self) -> WaitStats {
         PoolResource::wait_stats(self)
     }
+    fn relocations(&self) -> u64 {
+        0
+    }
 }
 
 impl Awaited for ExpandablePoolResource {
@@ -42,6 +48,9 @@ impl Awaited for ExpandablePoolResource {
     }
     fn wait_stats(&self) -> WaitStats {
         ExpandablePoolResource::wait_stats(self)
+    }
+    fn relocations(&self) -> u64 {
+        ExpandablePoolResource::relocations(self)
     }
 }
 
@@ -139,7 +148,17 @@ fn sixty_four_tasks_each_needing_a_quarter_on<P: Awaited>(pool: MakePool<P>) {
         assert_eq!(done.load(Ordering::Relaxed), 64, "{}", label(&device));
         let stats = p.stats();
         assert!(stats.peak_reserved <= size, "{}: {stats:?}", label(&device));
-        assert_eq!(stats.grows, 0);
+        // Nothing grows past the maximum. The expandable pool maps granules in a thread's own
+        // address range after unmapping as many free ones of another range (a relocation, on
+        // a machine whose tasks run on threads of different shards): a growth each, never one
+        // without a relocation. The pool never grows at all.
+        assert!(
+            stats.grows <= p.relocations(),
+            "{}: {} growths, {} relocations: {stats:?}",
+            label(&device),
+            stats.grows,
+            p.relocations()
+        );
         let waits = p.wait_stats();
         assert_eq!(waits.waiting, 0);
         assert!(
