@@ -108,7 +108,15 @@
 //! default): if it is, nothing is recorded or waited on, and D is noted finished up to the
 //! bumped epoch for every stream (the loom model's planted `DONE_AT_THE_ANSWER` notes it at the
 //! answer instead, and is caught). On the simulated device an idle answer is the host seeing
-//! the stream's work finish, for the race detector too.
+//! the stream's work finish, for the race detector too. A stream seen idle stays *quiet* while
+//! nothing is queued on it: every operation this crate queues on a stream counts
+//! (`Stream::activity`), the count read before the question is kept with the answer, and a
+//! later ordering after that stream, finding the same count, notes it finished with no driver
+//! call (`churn-xs-1t`: 104,171 questions become 4). Work queued through the driver's handle
+//! is not counted, so a stream whose handle was handed out is asked every time. The loom
+//! models count activity in a loom atomic (a use queued and the engine's read of the count
+//! must race in loom's eyes), and catch `ACTIVITY_AFTER_THE_ANSWER` (the count read after
+//! the answer: a use queued in between looks covered) and `QUIET_IGNORES_ACTIVITY`.
 //!
 //! **Shards.** One lock for every thread cost 20 to 30 times per-stream locks on four threads
 //! (futex hand-offs in the GPU machine's VM), so the list is kept in 8 shards, each chunk in
@@ -140,9 +148,9 @@
 //! arena keeps a table of blocks handed out per stream arena, moved with its superblocks.
 //!
 //! Where streams hand memory to each other, most takes need an ordering (`churn-xs-1t`: 180,740
-//! of 500,021); with opportunistic reuse an idle stream costs one query instead, and the
-//! hand-off runs are as fast as the per-stream lists were, without stranding memory (run29 and
-//! run30 in `BENCHMARKS.md`). What it does not do yet: `churn-1t` at a tenth of RMM's pool's
+//! of 500,021); with opportunistic reuse an idle stream costs one query instead, a quiet one
+//! nothing, and the hand-off runs are faster than the per-stream lists were, without stranding
+//! memory (`BENCHMARKS.md`). What it does not do yet: `churn-1t` at a tenth of RMM's pool's
 //! time (it is at a fifth: the block table's own work, about 77 ns per operation on the
 //! development machine).
 //!

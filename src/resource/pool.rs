@@ -55,8 +55,14 @@ pub struct PoolOptions {
     /// (two driver calls, and a dependency between the streams' future work). On by default,
     /// as the driver's own pool does (`CU_MEMPOOL_ATTR_REUSE_ALLOW_OPPORTUNISTIC`); an idle
     /// answer covers everything that stream had freed, for every stream.
-    /// [`PoolStats::idle_reuses`] counts them. Off, every cross-stream reuse waits on the GPU
-    /// (`BENCHMARKS.md` has the figures for both).
+    /// [`PoolStats::idle_reuses`] counts them. A stream once seen idle, on which nothing was
+    /// queued since (this crate counts what it queues on each stream), is still idle: it is
+    /// not asked again, so a hand-off between idle streams costs no driver call at all. Work
+    /// queued through the stream's driver handle is not counted, so a stream whose handle was
+    /// handed out ([`Stream::cuda_stream`](crate::Stream::cuda_stream),
+    /// [`Stream::cudarc_stream`](crate::Stream::cudarc_stream), a stream made by cudarc) is
+    /// asked every time. Off, every cross-stream reuse waits on the GPU (`BENCHMARKS.md` has
+    /// the figures for both).
     pub opportunistic_reuse: bool,
 }
 
@@ -111,7 +117,7 @@ pub struct PoolStats {
     /// more than the shards assume.
     pub shard_spills: u64,
     /// Cross-stream reuses that needed no wait: the stream that freed the memory was idle when
-    /// asked ([`PoolOptions::opportunistic_reuse`]).
+    /// asked, or known idle since with nothing queued on it ([`PoolOptions::opportunistic_reuse`]).
     pub idle_reuses: u64,
     /// Bytes handed out and not yet given back.
     pub in_use: usize,

@@ -15,6 +15,11 @@ impl Stream {
     /// (`launch_builder`, copies) is queued on this very stream, in order with ours, with no
     /// synchronization needed. `None` on the simulated device. The driver's stream lives as
     /// long as any clone does, even after every `Stream` of it is dropped.
+    ///
+    /// Work queued through cudarc is unseen by this crate, so from the first call on, a pool's
+    /// opportunistic reuse asks the driver whether the stream is idle every time instead of
+    /// knowing that nothing was queued on it since it last was
+    /// ([`PoolOptions::opportunistic_reuse`](crate::PoolOptions::opportunistic_reuse)).
     pub fn cudarc_stream(&self) -> Option<StdArc<CudaStream>> {
         self.cudarc_handle().cloned()
     }
