@@ -17,11 +17,9 @@
 //! or a chunk's start; giving a hole's memory back ([`give_range`](BlockTable::give_range))
 //! finds its neighbours by a scan, which only the cold paths (growth, trim, their rollbacks) do.
 
-use std::collections::hash_map::Entry;
 use std::fmt;
 
-use rustc_hash::FxHashMap;
-
+use super::addr_map::AddrMap;
 use crate::resource::free_list::BlockTag;
 use crate::resource::tlsf::{Indexed, Links, SizeIndex, NIL};
 use crate::resource::ALIGNMENT;
@@ -81,7 +79,7 @@ pub(crate) struct BlockTable<T: BlockTag> {
     spare: Vec<u32>,
     index: SizeIndex,
     /// Blocks handed out: start → slot.
-    used: FxHashMap<u64, u32>,
+    used: AddrMap,
     /// The chunks' `(start, end)`, sorted: blocks lie inside one, and none links across a start.
     chunks: Vec<(u64, u64)>,
     free_bytes: u64,
@@ -112,7 +110,7 @@ impl<T: BlockTag> BlockTable<T> {
             tags: Vec::new(),
             spare: Vec::new(),
             index: SizeIndex::default(),
-            used: FxHashMap::default(),
+            used: AddrMap::default(),
             chunks: Vec::new(),
             free_bytes: 0,
             free_blocks: 0,
@@ -383,12 +381,8 @@ impl<T: BlockTag> BlockTable<T> {
     /// once the free is known to be good (the engine registers the freeing stream only then).
     #[inline]
     pub(crate) fn free_untagged(&mut self, addr: u64, size: u64) -> Option<FreedBlock> {
-        let i = match self.used.entry(addr) {
-            Entry::Occupied(held) if self.blocks[*held.get() as usize].size == size => {
-                held.remove()
-            }
-            _ => return None,
-        };
+        let blocks = &self.blocks;
+        let i = (self.used).remove_if(addr, |i| blocks[i as usize].size == size)?;
         self.blocks[i as usize].state = State::Free;
         Some(FreedBlock(self.coalesce_and_file(i)))
     }
@@ -523,7 +517,7 @@ impl<T: BlockTag> BlockTable<T> {
 
     /// Every block in use `(addr, size)`.
     pub(crate) fn used_blocks(&self) -> impl Iterator<Item = (u64, u64)> + '_ {
-        (self.used.iter()).map(|(&a, &i)| (a, self.blocks[i as usize].size))
+        (self.used.iter()).map(|(a, i)| (a, self.blocks[i as usize].size))
     }
 
     /// Bytes in use.
@@ -590,7 +584,7 @@ impl<T: BlockTag> BlockTable<T> {
                     "block {i}: empty, misaligned or outside a chunk ({b:?})"
                 ));
             }
-            if (b.state == State::Used) != (self.used.get(&b.addr) == Some(&i)) {
+            if (b.state == State::Used) != (self.used.get(b.addr) == Some(i)) {
                 return Err(format!(
                     "block {i}: the map of blocks in use disagrees ({b:?})"
                 ));

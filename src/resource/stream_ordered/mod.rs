@@ -59,6 +59,7 @@ use crate::error::{Error, Result};
 use crate::stream::Stream;
 use crate::sync::{AtomicU64, Mutex, MutexGuard, Ordering};
 
+mod addr_map;
 mod blocks;
 mod chunks;
 mod expandable;

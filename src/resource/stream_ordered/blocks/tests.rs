@@ -222,6 +222,6 @@ fn the_checker_sees_a_block_in_use_listed_spare() {
     assert!(t.free(a, 4 * U, Bits(0)));
     let b = t.take_tagged(4 * U).unwrap().0;
     t.check().unwrap();
-    t.spare.push(t.used[&b]);
+    t.spare.push(t.used.get(b).unwrap());
     assert!(t.check().is_err());
 }
