@@ -145,6 +145,12 @@ pub(super) fn book(gpu: &Book) -> std::sync::MutexGuard<'_, Gpu> {
     gpu.lock().expect("bookkeeping lock poisoned")
 }
 
+/// Planted in the fake stream, not the engine: a use is counted as activity before it is
+/// queued (what `Stream::queue_handle` would do if it counted when it lends the handle rather
+/// than when the operation is in): an idle answer between the two looks as if it covered it.
+pub(super) static COUNT_BEFORE_QUEUE: std::sync::atomic::AtomicBool =
+    std::sync::atomic::AtomicBool::new(false);
+
 pub(super) struct FakeInner {
     index: usize,
     pub(super) gpu: Book,
@@ -154,6 +160,8 @@ pub(super) struct FakeInner {
     /// a use queued and the engine's read of the count as operations that race, or it takes
     /// their two orders for one and explores only one of them.
     activity: AtomicU64,
+    /// Uses that reached the fake GPU (see `FakeStream::reach_the_gpu`).
+    uses: AtomicU64,
 }
 
 /// A handle of a fake stream; clones are the same stream, as `Stream`'s.
@@ -167,10 +175,24 @@ impl FakeStream {
         self.inner.index
     }
 
-    /// A use of memory queued on the stream (a kernel, say) that is not a hand-out.
+    /// A use of memory queued on the stream (a kernel, say) that is not a hand-out: queued,
+    /// then counted, as `Stream`'s `Queuing` guard counts it when it goes.
     pub(super) fn queue(&self) {
-        book(&self.inner.gpu).queue(self.index());
+        if COUNT_BEFORE_QUEUE.load(std::sync::atomic::Ordering::Relaxed) {
+            self.queued();
+            self.reach_the_gpu();
+            return;
+        }
+        self.reach_the_gpu();
         self.queued();
+    }
+
+    /// The use reaches the fake GPU. Marked by a loom atomic that `is_idle` reads, so that loom
+    /// sees the question and the use race (the bookkeeping's lock is invisible to it), and
+    /// explores a question answered between the count and the use.
+    fn reach_the_gpu(&self) {
+        self.inner.uses.fetch_add(1, SeqCst);
+        book(&self.inner.gpu).queue(self.index());
     }
 
     /// Counts an operation queued on the stream.
@@ -202,6 +224,8 @@ impl EngineStream for FakeStream {
     }
 
     fn is_idle(&self) -> bool {
+        // The question races every use reaching the GPU (`reach_the_gpu`).
+        self.inner.uses.load(SeqCst);
         let mut gpu = book(&self.inner.gpu);
         gpu.queries += 1;
         if gpu.idle {
@@ -223,6 +247,7 @@ pub(super) fn streams(n: usize) -> Vec<FakeStream> {
                 index,
                 gpu: gpu.clone(),
                 activity: AtomicU64::new(0),
+                uses: AtomicU64::new(0),
             }),
         })
         .collect()

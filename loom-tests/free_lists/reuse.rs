@@ -279,3 +279,19 @@ fn planted_quiet_ignores_activity() {
         },
     );
 }
+
+/// Bug (in the fake stream): a use is counted as activity before it is queued: a question
+/// answered in between sees the count but not the use, and the stream looks quiet after it.
+#[test]
+#[ignore = "planted bug: must fail"]
+fn planted_activity_counted_before_the_use_is_queued() {
+    must_fail(
+        module_path!(),
+        "planted_activity_counted_before_the_use_is_queued",
+        "a reuse not ordered behind the free",
+        || {
+            COUNT_BEFORE_QUEUE.store(true, Relaxed);
+            check_paths(Some(4), &[], |seen| one_taker_two_takes(seen, true));
+        },
+    );
+}

@@ -217,7 +217,7 @@ impl AsyncPool {
                 },
             ));
         }
-        match (&self.raw, self.device.backend(), stream.queue_handle()) {
+        match (&self.raw, self.device.backend(), &*stream.queue_handle()) {
             (RawPool::Cuda(p), Backend::Cuda(d), RawStream::Cuda(s)) => d.pool_alloc(*p, bytes, *s),
             (RawPool::Sim(p), Backend::Sim(d), RawStream::Sim(s)) => d
                 .fault(FaultKind::Allocate)
@@ -258,7 +258,7 @@ impl AsyncPool {
     /// ordered before this point of `stream`.
     pub(crate) unsafe fn free_async(&self, ptr: DevicePtr, stream: &Stream) -> Result<()> {
         self.device.check_same(stream.device())?;
-        match (&self.raw, self.device.backend(), stream.queue_handle()) {
+        match (&self.raw, self.device.backend(), &*stream.queue_handle()) {
             // SAFETY: the caller's contract; cuMemFreeAsync takes pool memory of any pool.
             (RawPool::Cuda(_), Backend::Cuda(d), RawStream::Cuda(s)) => unsafe {
                 d.free_async(ptr.0, *s)

@@ -23,7 +23,7 @@ impl Device {
     /// that uses it is ordered before this point of `stream`.
     pub(crate) unsafe fn free_after(&self, ptr: DevicePtr, stream: &Stream) -> Result<()> {
         self.check_same(stream.device())?;
-        match (&self.inner.backend, stream.queue_handle()) {
+        match (&self.inner.backend, &*stream.queue_handle()) {
             // SAFETY: the caller's contract; cuMemFree waits for the device's pending work,
             // which includes every use queued on `stream`.
             (Backend::Cuda(d), crate::stream::RawStream::Cuda(_)) => unsafe { d.free(ptr.0) },
@@ -47,7 +47,7 @@ impl Device {
     pub fn malloc_async(&self, bytes: usize, stream: &Stream) -> Result<DevicePtr> {
         check_size(bytes)?;
         self.check_same(stream.device())?;
-        match (&self.inner.backend, stream.queue_handle()) {
+        match (&self.inner.backend, &*stream.queue_handle()) {
             (Backend::Cuda(d), RawStream::Cuda(s)) => d.malloc_async(bytes, *s),
             (Backend::Sim(d), RawStream::Sim(s)) => d
                 .fault(FaultKind::Allocate)
@@ -66,7 +66,7 @@ impl Device {
     /// is ordered before this point of `stream`.
     pub unsafe fn free_async(&self, ptr: DevicePtr, stream: &Stream) -> Result<()> {
         self.check_same(stream.device())?;
-        match (&self.inner.backend, stream.queue_handle()) {
+        match (&self.inner.backend, &*stream.queue_handle()) {
             // SAFETY: the caller's contract.
             (Backend::Cuda(d), RawStream::Cuda(s)) => unsafe { d.free_async(ptr.0, *s) },
             (Backend::Sim(d), RawStream::Sim(s)) => {

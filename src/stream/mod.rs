@@ -73,6 +73,32 @@ struct StreamInner {
     exposed: AtomicBool,
 }
 
+/// A stream's handle lent to queue one operation ([`Stream::queue_handle`]); the operation
+/// counts as activity when this goes, after it was queued.
+pub(crate) struct Queuing<'a>(&'a Stream);
+
+impl std::ops::Deref for Queuing<'_> {
+    type Target = RawStream;
+
+    #[inline]
+    fn deref(&self) -> &RawStream {
+        &self.0.inner.raw
+    }
+}
+
+impl Drop for Queuing<'_> {
+    #[inline]
+    fn drop(&mut self) {
+        // After the operation was queued, not before: a pool that reads the count before
+        // asking whether the stream is idle must not see this operation counted while the
+        // driver has not got it yet (the idle answer would not cover it, and the unchanged
+        // count would later say nothing was queued since). Relaxed: a pool reads the count
+        // under its lock, after a free that the caller made after queuing (program order, or
+        // the caller's own synchronization), so the lock's happens-before carries it there.
+        self.0.inner.activity.fetch_add(1, Ordering::Relaxed);
+    }
+}
+
 impl fmt::Debug for Stream {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         f.debug_struct("Stream")
@@ -168,15 +194,13 @@ impl Stream {
         Arc::strong_count(&self.inner)
     }
 
-    /// The stream's handle, to queue an operation on it: counted as activity (see
-    /// [`activity`](Self::activity)). Every operation this crate queues takes the handle here.
+    /// The stream's handle, to queue an operation on it (`&*stream.queue_handle()`, the guard
+    /// kept until the operation is queued, as a temporary of the `match` that queues it):
+    /// counted as activity when the guard goes (see [`activity`](Self::activity)). Every
+    /// operation this crate queues takes the handle here.
     #[inline]
-    pub(crate) fn queue_handle(&self) -> &RawStream {
-        // Relaxed: a pool reads the count under its lock, after a free that the caller made
-        // after queuing (program order, or the caller's own synchronization), so the lock's
-        // happens-before carries this increment to the reader.
-        self.inner.activity.fetch_add(1, Ordering::Relaxed);
-        &self.inner.raw
+    pub(crate) fn queue_handle(&self) -> Queuing<'_> {
+        Queuing(self)
     }
 
     /// The stream's handle for what queues nothing (the race detector's notes of allocations
@@ -240,7 +264,7 @@ impl Stream {
         // Uncontended unless threads record on this stream at once, when the driver
         // serializes the records anyway.
         let mut next = self.inner.seq.lock();
-        let raw = match (self.queue_handle(), device.backend()) {
+        let raw = match (&*self.queue_handle(), device.backend()) {
             (RawStream::Cuda(s), Backend::Cuda(d)) => RawEvent::Cuda(d.record(*s)?),
             (RawStream::Sim(s), Backend::Sim(d)) => {
                 d.fault(FaultKind::Record)?;
@@ -285,7 +309,11 @@ impl Stream {
     /// cost two driver calls and no event object.
     pub(crate) fn order_before(&self, later: &Stream) -> Result<()> {
         let device = &self.inner.device;
-        match (self.queue_handle(), later.queue_handle(), device.backend()) {
+        match (
+            &*self.queue_handle(),
+            &*later.queue_handle(),
+            device.backend(),
+        ) {
             (RawStream::Cuda(s), RawStream::Cuda(l), Backend::Cuda(d))
                 if later.inner.device.id() == device.id() =>
             {
@@ -313,7 +341,7 @@ impl Stream {
     pub fn wait(&self, event: &Event) -> Result<()> {
         self.inner.device.check_peer(event.device())?;
         match (
-            self.queue_handle(),
+            &*self.queue_handle(),
             event.raw(),
             self.inner.device.backend(),
         ) {
@@ -368,7 +396,7 @@ impl Stream {
         cuda: impl FnOnce(&cuda::CudaDevice, cuda::RawStream) -> Result<()>,
         sim: impl FnOnce() -> Op,
     ) -> Result<()> {
-        match (self.queue_handle(), self.inner.device.backend()) {
+        match (&*self.queue_handle(), self.inner.device.backend()) {
             (RawStream::Cuda(s), Backend::Cuda(d)) => cuda(d, *s),
             (RawStream::Sim(s), Backend::Sim(d)) => {
                 d.fault(kind)?;
@@ -506,7 +534,11 @@ impl Stream {
             // SAFETY: the caller's contract.
             return unsafe { self.copy_dtod(dst, src, bytes) };
         }
-        match (self.queue_handle(), device.backend(), src_device.backend()) {
+        match (
+            &*self.queue_handle(),
+            device.backend(),
+            src_device.backend(),
+        ) {
             (RawStream::Cuda(s), Backend::Cuda(d), Backend::Cuda(from)) => {
                 // SAFETY: the caller's contract.
                 unsafe { d.copy_peer(dst.0, from, src.0, bytes, *s) }
@@ -532,7 +564,7 @@ impl Stream {
     /// `[ptr, ptr + bytes)` is managed memory of this device that stays allocated until the
     /// stream reaches the prefetch.
     pub unsafe fn prefetch(&self, ptr: DevicePtr, bytes: usize) -> Result<()> {
-        match (self.queue_handle(), self.inner.device.backend()) {
+        match (&*self.queue_handle(), self.inner.device.backend()) {
             // SAFETY: the caller's contract.
             (RawStream::Cuda(s), Backend::Cuda(d)) => unsafe { d.prefetch(ptr.0, bytes, *s) },
             (RawStream::Sim(_), Backend::Sim(_)) => Ok(()),

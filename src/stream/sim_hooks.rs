@@ -91,7 +91,8 @@ impl Stream {
         access: MemoryAccess,
         op: &'static str,
     ) -> Result<()> {
-        let RawStream::Sim(s) = self.queue_handle() else {
+        let queued = self.queue_handle();
+        let RawStream::Sim(s) = &*queued else {
             return Ok(());
         };
         let Some((races, idx)) = s.races() else {
