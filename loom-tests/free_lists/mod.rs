@@ -23,7 +23,7 @@
 //! A stream asked whether it is idle (the engine's opportunistic reuse) answers as the model
 //! sets [`Gpu::idle`]: busy (the default, so the engine orders), or idle, which is the host
 //! seeing everything queued on it so far finish. Streams count what is queued on them
-//! (`Gpu::activity`), so a stream seen idle with nothing queued since is taken as still idle
+//! (`FakeInner::activity`), so a stream seen idle with nothing queued since is taken as still idle
 //! without a question (*quiet*); the host then has seen nothing more, so the check at each
 //! hand-out catches a stream wrongly taken as quiet.
 //!

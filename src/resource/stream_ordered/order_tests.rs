@@ -21,24 +21,23 @@ struct Inner {
 struct Probe(StdArc<Inner>);
 
 impl Probe {
+    /// A stream that reports no activity: every idle answer is asked of it.
     fn new(uid: u64, idle: bool) -> Self {
-        Probe(StdArc::new(Inner {
-            uid,
-            idle: AtomicBool::new(idle),
-            orders: StdU64::new(0),
-            queries: StdU64::new(0),
-            activity: None,
-        }))
+        Self::with(uid, idle, None)
     }
 
     /// A stream that reports its activity: work queued on it is counted ([`queue`]).
     fn counting(uid: u64, idle: bool) -> Self {
+        Self::with(uid, idle, Some(StdU64::new(0)))
+    }
+
+    fn with(uid: u64, idle: bool, activity: Option<StdU64>) -> Self {
         Probe(StdArc::new(Inner {
             uid,
             idle: AtomicBool::new(idle),
             orders: StdU64::new(0),
             queries: StdU64::new(0),
-            activity: Some(StdU64::new(0)),
+            activity,
         }))
     }
 
