@@ -191,14 +191,15 @@ fn arg(name: &str, default: &str) -> String {
 /// A pool's report column: peak reserved over peak live, and how it got there.
 fn pool_extra(s: &PoolStats, o: &Outcome) -> String {
     format!(
-        "{} MiB / {} MiB = {:.2} ({} grows, {} stream waits, {} idle reuses, {} shard spills)",
+        "{} MiB / {} MiB = {:.2} ({} grows, {} stream waits, {} idle reuses, {} shard spills, {:.1} ms growing)",
         s.peak_reserved / MIB,
         o.peak_live / MIB as u64,
         s.peak_reserved as f64 / o.peak_live as f64,
         s.grows,
         s.stream_waits,
         s.idle_reuses,
-        s.shard_spills
+        s.shard_spills,
+        s.growth_time.as_secs_f64() * 1e3
     )
 }
 

@@ -2,6 +2,7 @@
 
 use std::collections::BTreeMap;
 use std::fmt;
+use std::time::{Duration, Instant};
 
 // `snapshot()`, in its own file.
 mod snapshot;
@@ -107,6 +108,10 @@ pub struct PoolStats {
     pub streams: usize,
     /// Times the pool grew from its upstream after construction.
     pub grows: u64,
+    /// Time spent in the upstream's allocations for those growths (the driver's share of
+    /// growing: on CUDA, `cuMemAlloc` of a new chunk). A pool grown from small pays it inside
+    /// the requests that grew it.
+    pub growth_time: Duration,
     /// Cross-stream waits: times a request's stream was made to wait (on the GPU: an event
     /// recorded on another stream and waited on) before reusing memory that other stream
     /// freed. One wait covers everything that stream had freed so far.
@@ -164,6 +169,8 @@ pub struct PoolResource<U: MemoryResource> {
     reserved: AtomicU64,
     peak_reserved: AtomicU64,
     grows: AtomicU64,
+    /// Nanoseconds spent in the upstream's allocations for growth.
+    growth_nanos: AtomicU64,
     maximum: u64,
     growth_divisor: u64,
     /// Tasks waiting in `allocate_async` for memory to come back.
@@ -217,6 +224,7 @@ impl<U: MemoryResource> PoolResource<U> {
             reserved: AtomicU64::new(0),
             peak_reserved: AtomicU64::new(0),
             grows: AtomicU64::new(0),
+            growth_nanos: AtomicU64::new(0),
             maximum: maximum as u64,
             growth_divisor: u64::from(options.growth_divisor.max(1)),
             waiters: MemoryWaiters::new(),
@@ -274,6 +282,7 @@ impl<U: MemoryResource> PoolResource<U> {
             chunks: self.chunks.lock().len(),
             streams: engine.streams,
             grows: self.grows.load(Ordering::Relaxed),
+            growth_time: Duration::from_nanos(self.growth_nanos.load(Ordering::Relaxed)),
             stream_waits: engine.waits,
             shard_spills: engine.spills,
             idle_reuses: engine.idle_skips,
@@ -494,7 +503,11 @@ impl<U: MemoryResource> Grow for PoolResource<U> {
             .min(room);
         let _span = tracing::debug_span!("grow", requested = min, reserved, attempt).entered();
         loop {
-            match self.grow_exactly(attempt, stream) {
+            let started = Instant::now();
+            let grown = self.grow_exactly(attempt, stream);
+            let nanos = started.elapsed().as_nanos().min(u128::from(u64::MAX)) as u64;
+            self.growth_nanos.fetch_add(nanos, Ordering::Relaxed);
+            match grown {
                 Ok(chunk) => {
                     self.grows.fetch_add(1, Ordering::Relaxed);
                     tracing::debug!(chunk = chunk.1, "pool grew");

@@ -152,6 +152,8 @@ pub(crate) struct Expander<S: EngineStream, B: Backing> {
     reserved: AtomicU64,
     peak_reserved: AtomicU64,
     grows: AtomicU64,
+    /// Nanoseconds spent mapping granules for growth.
+    growth_nanos: AtomicU64,
     /// Streams whose free memory a move at the maximum could not take, their work still
     /// running: the resource waits for them off the caller's thread and wakes its memory
     /// waiters ([`take_busy`](Self::take_busy)).
@@ -198,6 +200,7 @@ impl<S: EngineStream, B: Backing> Expander<S, B> {
             reserved: AtomicU64::new(0),
             peak_reserved: AtomicU64::new(0),
             grows: AtomicU64::new(0),
+            growth_nanos: AtomicU64::new(0),
             relocations: AtomicU64::new(0),
             busy: Mutex::new(Vec::new()),
             maximum,
@@ -235,6 +238,11 @@ impl<S: EngineStream, B: Backing> Expander<S, B> {
 
     pub(crate) fn grows(&self) -> u64 {
         self.grows.load(Ordering::Relaxed)
+    }
+
+    /// Time spent mapping granules for growth.
+    pub(crate) fn growth_time(&self) -> std::time::Duration {
+        std::time::Duration::from_nanos(self.growth_nanos.load(Ordering::Relaxed))
     }
 
     /// The streams noted busy by refused moves since the last call (each once).
@@ -581,7 +589,10 @@ impl<S: EngineStream, B: Backing> Grow<S> for Expander<S, B> {
             // Handles of busy streams go after the table's lock.
             unused = busy;
         }
+        let started = std::time::Instant::now();
         let grown = self.map_locked(&mut table, first, count, min);
+        let nanos = started.elapsed().as_nanos().min(u128::from(u64::MAX)) as u64;
+        self.growth_nanos.fetch_add(nanos, Ordering::Relaxed);
         drop(table);
         drop(unused);
         self.put_back(back);

@@ -189,6 +189,7 @@ impl ExpandablePoolResource {
             chunks: core.mapped_granules(),
             streams: engine.streams,
             grows: core.grows(),
+            growth_time: core.growth_time(),
             stream_waits: engine.waits,
             shard_spills: engine.spills,
             idle_reuses: engine.idle_skips,
