@@ -8,7 +8,9 @@
 //!
 //! `--growth-divisor N` sets the pools' `PoolOptions::growth_divisor` (default 8);
 //! `--reuse-slack X` sets `PoolOptions::reuse_slack` (default 0); `--opportunistic off` turns
-//! `PoolOptions::opportunistic_reuse` off (every cross-stream reuse waits on the GPU).
+//! `PoolOptions::opportunistic_reuse` off (every cross-stream reuse waits on the GPU);
+//! `--map-unit MIB` sets the expandable pool's `ExpandableOptions::map_unit` (default: 4
+//! granules, 8 MiB on an H100 or H200).
 //!
 //! `--initial` lists the sizes (MiB) the pool and the arena start with, each run once per size:
 //! `2048` (the timed loop measures suballocation), `256` (WORKLOADS.md's growth from small), or
@@ -211,6 +213,7 @@ fn main() {
     let growth_divisor: u32 = arg("--growth-divisor", "8").parse().unwrap_or(8);
     let reuse_slack: f64 = arg("--reuse-slack", "0").parse().unwrap_or(0.0);
     let opportunistic_reuse = arg("--opportunistic", "on") != "off";
+    let map_unit: Option<usize> = arg("--map-unit", "default").parse().ok();
     let initials: Vec<usize> = arg("--initial", "2048,256")
         .split(',')
         .map(|m| {
@@ -312,6 +315,7 @@ fn main() {
                         ExpandableOptions {
                             initial,
                             maximum: Some(8 * GIB),
+                            map_unit: map_unit.map(|mib| mib * MIB),
                             ..ExpandableOptions::default()
                         },
                     )

@@ -77,13 +77,25 @@ fn map(addr: u64, bytes: usize, ordinal: i32, with_access: bool) -> (u64, [f64; 
     let prop = properties(ordinal);
     let mut handle = 0;
     // SAFETY: `prop` is initialized; one handle is written.
-    let c = timed(|| ok("cuMemCreate", unsafe { sys::cuMemCreate(&mut handle, bytes, &prop, 0) }));
+    let c = timed(|| {
+        ok("cuMemCreate", unsafe {
+            sys::cuMemCreate(&mut handle, bytes, &prop, 0)
+        })
+    });
     // SAFETY: `addr..addr + bytes` is reserved and unmapped; `handle` is `bytes` long.
-    let m = timed(|| ok("cuMemMap", unsafe { sys::cuMemMap(addr, bytes, 0, handle, 0) }));
+    let m = timed(|| {
+        ok("cuMemMap", unsafe {
+            sys::cuMemMap(addr, bytes, 0, handle, 0)
+        })
+    });
     let desc = access(ordinal);
     let a = if with_access {
         // SAFETY: the range just mapped; one descriptor.
-        timed(|| ok("cuMemSetAccess", unsafe { sys::cuMemSetAccess(addr, bytes, &desc, 1) }))
+        timed(|| {
+            ok("cuMemSetAccess", unsafe {
+                sys::cuMemSetAccess(addr, bytes, &desc, 1)
+            })
+        })
     } else {
         0.0
     };

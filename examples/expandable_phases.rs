@@ -4,7 +4,7 @@
 //! free chunks).
 //!
 //! ```text
-//! cargo run --release --example expandable_phases [-- --live-gib 8 --keep-gib 1 --seed 1]
+//! cargo run --release --example expandable_phases [-- --live-gib 8 --keep-gib 1 --seed 1 --map-unit MIB]
 //! ```
 //!
 //! Buffers of 1 to 64 MiB (random, not granule multiples) are allocated on 4 streams until
@@ -155,7 +155,16 @@ fn main() {
     );
     let streams: Vec<Stream> = (0..4).map(|_| device.create_stream().unwrap()).collect();
 
-    let expandable = ExpandablePoolResource::new(&device, ExpandableOptions::default()).unwrap();
+    // `--map-unit MIB`: the expandable pool's mapping unit (default: 4 granules).
+    let map_unit = arg("--map-unit", "default").parse::<usize>().ok();
+    let expandable = ExpandablePoolResource::new(
+        &device,
+        ExpandableOptions {
+            map_unit: map_unit.map(|mib| mib * MIB),
+            ..ExpandableOptions::default()
+        },
+    )
+    .unwrap();
     println!(
         "expandable: granule {} MiB, {} GiB of addresses reserved",
         expandable.granule() / MIB,

@@ -495,3 +495,69 @@ fn trim_to_keeps_the_lowest_granules() {
         check(&p);
     }
 }
+
+/// The mapping unit (`ExpandableOptions::map_unit`): a multiple of the device's allocation
+/// granularity (4 granules by default, rounded up otherwise, at least one), and what the pool
+/// maps, unmaps and trims by: a request of one granule maps a whole unit, and the unit goes
+/// back whole once all of it is free, not before.
+#[test]
+fn the_mapping_unit_is_what_grows_and_trims() {
+    let _serial = serial();
+    for device in devices() {
+        let exact = expandable(
+            &device,
+            ExpandableOptions {
+                map_unit: Some(1),
+                ..ExpandableOptions::default()
+            },
+        );
+        let granularity = exact.granule();
+        assert!(granularity >= 256 && granularity.is_multiple_of(256));
+        let default = expandable(&device, ExpandableOptions::default());
+        assert_eq!(
+            default.granule(),
+            streamalloc::resource::expandable::DEFAULT_MAP_GRANULES * granularity,
+            "{}",
+            label(&device)
+        );
+        let rounded = expandable(
+            &device,
+            ExpandableOptions {
+                map_unit: Some(granularity + 1),
+                ..ExpandableOptions::default()
+            },
+        );
+        assert_eq!(rounded.granule(), 2 * granularity, "{}", label(&device));
+        assert!(matches!(
+            ExpandablePoolResource::new(
+                &device,
+                ExpandableOptions {
+                    map_unit: Some(usize::MAX),
+                    ..ExpandableOptions::default()
+                },
+            ),
+            Err(Error::InvalidSize { .. })
+        ));
+        drop((exact, rounded));
+
+        let s = device.create_stream().unwrap();
+        let unit = default.granule();
+        let free_before = device.free_memory().unwrap();
+        // One granule's request maps a whole unit.
+        let a = default.allocate(granularity, &s).unwrap();
+        assert_eq!(default.stats().reserved, unit, "{}", label(&device));
+        assert_eq!(free_before - device.free_memory().unwrap(), unit);
+        // The rest of the unit serves without growing; with `a` alive, trim keeps the unit.
+        let b = default.allocate(unit - granularity, &s).unwrap();
+        assert_eq!(default.stats().grows, 1, "{}", label(&device));
+        free(&default, b, unit - granularity, &s);
+        assert_eq!(default.trim_blocking().unwrap(), 0, "{}", label(&device));
+        assert_eq!(default.stats().reserved, unit);
+        let _ = read_u32(&s, a, 4); // still mapped: readable
+                                    // All of it free: it goes back whole.
+        free(&default, a, granularity, &s);
+        assert_eq!(default.trim_blocking().unwrap(), unit, "{}", label(&device));
+        assert_eq!(device.free_memory().unwrap(), free_before);
+        check(&default);
+    }
+}

@@ -3,9 +3,11 @@
 //! and release it). A file of its own, beside `cuda.rs`, so that the VMM calls stay together;
 //! like `cuda.rs` it binds the device's context before every call.
 //!
-//! Each granule is its own physical allocation (`cuMemCreate` of one granule): `cuMemUnmap`
-//! can only unmap whole mappings, and a pool that returns memory a granule at a time needs a
-//! mapping per granule (PyTorch's expandable segments do the same, per segment).
+//! Each unit of the reservation (its `granule`: a multiple of the driver's granularity, the
+//! expandable pool's `map_unit`) is its own physical allocation (`cuMemCreate` of one unit):
+//! `cuMemUnmap` can only unmap whole mappings, and a pool that returns memory a unit at a time
+//! needs a mapping per unit (PyTorch's expandable segments do the same, per segment). What a
+//! mapping costs is mostly per allocation, not per byte (`benches/vmm_probe.rs`).
 
 use cudarc::driver::sys;
 use rustc_hash::FxHashMap;

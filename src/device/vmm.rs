@@ -1,5 +1,6 @@
 //! Virtual memory management, on both devices: reserve a range of device addresses, map
-//! physical memory into it a granule at a time, unmap it again. What an expandable pool
+//! physical memory into it a unit at a time (a multiple of the allocation granularity, one
+//! physical allocation each), unmap it again. What an expandable pool
 //! (`resource/expandable/`) grows and shrinks by.
 //!
 //! [`Reservation`] is the facade; `cuda_vmm.rs` makes the driver calls on a GPU
@@ -54,20 +55,30 @@ pub(crate) fn granularity(device: &Device) -> Result<usize> {
 }
 
 impl Reservation {
-    /// Reserves at least `size` bytes (rounded up to the granularity) of `device`'s addresses.
-    /// Nothing is mapped yet.
+    /// Reserves at least `size` bytes (rounded up to `unit`) of `device`'s addresses, to be
+    /// mapped `unit` bytes at a time, each unit one physical allocation (`unit` a non-zero
+    /// multiple of the device's [`granularity`]). Nothing is mapped yet.
     ///
-    /// Errors: [`Error::InvalidSize`] for zero or a size that overflows when rounded;
-    /// [`Error::OutOfMemory`] when the address space has no room for it (with the room left
-    /// where the device knows it); the driver's error otherwise.
-    pub(crate) fn new(device: &Device, size: usize) -> Result<Self> {
+    /// Errors: [`Error::InvalidSize`] for zero, a size that overflows when rounded, or a unit
+    /// that is not a multiple of the granularity; [`Error::OutOfMemory`] when the address
+    /// space has no room for it (with the room left where the device knows it); the driver's
+    /// error otherwise.
+    pub(crate) fn new(device: &Device, size: usize, unit: usize) -> Result<Self> {
         if size == 0 {
             return Err(Error::InvalidSize {
                 size,
                 reason: "a virtual address reservation needs at least one byte",
             });
         }
-        let granule = granularity(device)?;
+        let granularity = granularity(device)?;
+        if unit == 0 || !unit.is_multiple_of(granularity) {
+            return Err(Error::InvalidSize {
+                size: unit,
+                reason:
+                    "the mapping unit must be a non-zero multiple of the allocation granularity",
+            });
+        }
+        let granule = unit;
         let size = size
             .checked_next_multiple_of(granule)
             .ok_or(Error::InvalidSize {
@@ -95,7 +106,7 @@ impl Reservation {
                     }
                 })?,
             ),
-            Backend::Sim(d) => Raw::Sim(sim::vmm::SimReservation::new(d, size)?),
+            Backend::Sim(d) => Raw::Sim(sim::vmm::SimReservation::new(d, size, granule)?),
         };
         let base = match &raw {
             Raw::Cuda(r) => r.base(),
@@ -127,12 +138,12 @@ impl Reservation {
         self.size
     }
 
-    /// The unit of mapping, in bytes.
+    /// The unit of mapping (one physical allocation), in bytes.
     pub(crate) fn granule(&self) -> usize {
         self.granule
     }
 
-    /// Maps fresh physical memory at granules `first..first + count` (all unmapped now; the
+    /// Maps fresh physical memory at units `first..first + count` (all unmapped now; the
     /// caller keeps the table), readable and writable by the device. All or none: after a
     /// failure midway (the device out of memory, a failed driver call) nothing this call mapped
     /// stays mapped. The device's out-of-memory becomes [`Error::OutOfMemory`] with its
@@ -157,7 +168,7 @@ impl Reservation {
         })
     }
 
-    /// Unmaps granule `index` and releases its physical memory (nothing if it is unmapped).
+    /// Unmaps unit `index` and releases its physical memory (nothing if it is unmapped).
     ///
     /// # Safety
     /// No queued or running work uses the granule (on a GPU, an access to it afterwards is a

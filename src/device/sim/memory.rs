@@ -186,10 +186,11 @@ impl SimMemory {
 // ===== virtual memory (the rest is in sim/vmm.rs) =====
 
 impl SimMemory {
-    /// Reserves `size` bytes of address space, backed by lazily zeroed host memory that costs
-    /// nothing until touched; only the granules `mapping` marks as mapped may be accessed.
-    /// Counts nothing against the device's memory (mapping does, through `charge`).
-    pub(crate) fn reserve(&self, size: usize, mapping: Arc<Granules>) -> Result<u64> {
+    /// Reserves `size` bytes of address space starting at a multiple of `align` (a power of
+    /// two or any non-zero size), backed by lazily zeroed host memory that costs nothing until
+    /// touched; only the granules `mapping` marks as mapped may be accessed. Counts nothing
+    /// against the device's memory (mapping does, through `charge`).
+    pub(crate) fn reserve(&self, size: usize, align: u64, mapping: Arc<Granules>) -> Result<u64> {
         let oom = |available| Error::OutOfMemory {
             requested: size,
             available,
@@ -197,12 +198,13 @@ impl SimMemory {
         };
         let mut state = self.write();
         // Within this device's address range (16 TiB), like every allocation of it.
-        let left = state.end.saturating_sub(state.next);
+        let start = state.next.next_multiple_of(align.max(1));
+        let left = state.end.saturating_sub(start);
         if size as u64 > left {
             return Err(oom(left as usize));
         }
         let storage = zeroed_bytes(size).ok_or(oom(left as usize))?;
-        let base = state.next;
+        let base = start;
         state.next += size as u64 + GUARD;
         let block = Block {
             base,

@@ -22,23 +22,31 @@ use super::{FaultKind, SimDevice};
 use crate::error::Result;
 use crate::sync::plain::Arc;
 
-/// A reserved range of the simulated device's address space.
+/// A reserved range of the simulated device's address space, mapped a unit (a whole number of
+/// granules) at a time.
 pub(crate) struct SimReservation {
     memory: Arc<SimMemory>,
     base: u64,
     granules: Arc<Granules>,
+    /// Granules per unit of mapping.
+    per_unit: usize,
 }
 
 impl SimReservation {
-    /// Reserves `size` bytes (a non-zero multiple of [`GRANULE`]).
-    pub(crate) fn new(device: &SimDevice, size: usize) -> Result<Self> {
-        debug_assert!(size > 0 && size.is_multiple_of(GRANULE) && size as u64 <= ADDRESS_SPACE);
+    /// Reserves `size` bytes (a non-zero multiple of `unit`, itself a multiple of
+    /// [`GRANULE`]).
+    pub(crate) fn new(device: &SimDevice, size: usize, unit: usize) -> Result<Self> {
+        debug_assert!(unit > 0 && unit.is_multiple_of(GRANULE));
+        debug_assert!(size > 0 && size.is_multiple_of(unit) && size as u64 <= ADDRESS_SPACE);
         let granules = Arc::new(Granules::new(size / GRANULE));
-        let base = device.memory.reserve(size, granules.clone())?;
+        // At a multiple of the unit, as on a GPU (`cuMemAddressReserve` aligned to it), so
+        // that units are aligned in absolute addresses: the pool finds free units by address.
+        let base = device.memory.reserve(size, unit as u64, granules.clone())?;
         Ok(Self {
             memory: device.memory.clone(),
             base,
             granules,
+            per_unit: unit / GRANULE,
         })
     }
 
@@ -46,17 +54,22 @@ impl SimReservation {
         self.base
     }
 
-    /// Maps granules `first..first + count`, each its own "physical allocation": all or none
-    /// (on a fault midway, the ones this call mapped are unmapped again). The caller makes
-    /// sure they are unmapped now.
+    fn unit_bytes(&self) -> usize {
+        self.per_unit * GRANULE
+    }
+
+    /// Maps units `first..first + count`, each its own "physical allocation" (one create and
+    /// one map, as on a GPU): all or none (on a fault midway, the ones this call mapped are
+    /// unmapped again). The caller makes sure they are unmapped now.
     pub(crate) fn map(&self, device: &SimDevice, first: usize, count: usize) -> Result<()> {
+        let unit = self.unit_bytes();
         for done in 0..count {
             let mapped = device
                 .fault(FaultKind::MemCreate)
-                .and_then(|()| self.memory.charge(GRANULE))
+                .and_then(|()| self.memory.charge(unit))
                 .and_then(|()| {
                     device.fault(FaultKind::MemMap).inspect_err(|_| {
-                        self.memory.uncharge(GRANULE);
+                        self.memory.uncharge(unit);
                     })
                 });
             if let Err(e) = mapped {
@@ -65,24 +78,32 @@ impl SimReservation {
                 }
                 return Err(e);
             }
-            let was = self.granules.set(first + done, true);
-            debug_assert!(!was, "granule {} mapped twice", first + done);
+            let at = (first + done) * self.per_unit;
+            for granule in at..at + self.per_unit {
+                let was = self.granules.set(granule, true);
+                debug_assert!(!was, "granule {granule} mapped twice");
+            }
         }
         Ok(())
     }
 
-    /// Unmaps granule `index` and releases its physical memory. Unmapping an unmapped granule
-    /// does nothing.
+    /// Unmaps unit `index` and releases its physical memory. Unmapping an unmapped unit does
+    /// nothing.
     pub(crate) fn unmap(&self, index: usize) {
-        if self.granules.set(index, false) {
-            self.memory.uncharge(GRANULE);
+        let at = index * self.per_unit;
+        let mut was = false;
+        for granule in at..at + self.per_unit {
+            was |= self.granules.set(granule, false);
+        }
+        if was {
+            self.memory.uncharge(self.unit_bytes());
         }
     }
 }
 
 impl Drop for SimReservation {
     fn drop(&mut self) {
-        for index in 0..self.granules.count {
+        for index in 0..self.granules.count / self.per_unit {
             self.unmap(index);
         }
         self.memory.unreserve(self.base);

@@ -186,6 +186,12 @@ impl<S: EngineStream, B: Backing> Expander<S, B> {
         let per = granules / regions;
         let heap = StreamHeap::with_options(0.0, regions);
         let g = backing.granule();
+        // Free granules are found by address (`take_aligned` cuts free blocks at multiples of
+        // the granule): the range must start at one.
+        debug_assert!(
+            backing.base().is_multiple_of(g),
+            "the range does not start at a granule"
+        );
         for r in 0..regions {
             heap.add_chunk_in(r, backing.base() + (r * per) as u64 * g, per as u64 * g);
         }

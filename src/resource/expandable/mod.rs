@@ -48,11 +48,27 @@ pub struct ExpandableOptions {
     /// toward the threshold, in stream order. `None` (the default): only
     /// [`trim`](ExpandablePoolResource::trim) gives memory back.
     pub release_threshold: Option<usize>,
+    /// The unit the pool maps, unmaps and trims by, one physical allocation each
+    /// (`cuMemCreate`, `cuMemMap`, `cuMemSetAccess`): rounded up to the device's allocation
+    /// granularity times a power of two. `None` (the default): [`DEFAULT_MAP_GRANULES`]
+    /// granules, 8 MiB on an H100 or H200. A mapping costs mostly per allocation, not per
+    /// byte (on an H100, 51 µs for one 2 MiB granule, 45 µs for four: `benches/vmm_probe.rs`),
+    /// so a unit of one granule makes a pool grown from small spend about four times as long
+    /// mapping; a larger unit gives memory back in coarser pieces (a unit is unmapped only
+    /// when all of it is free). `Some(1)` gives the granularity itself: trims exact to the
+    /// granule.
+    pub map_unit: Option<usize>,
 }
 
+/// The default mapping unit of an [`ExpandablePoolResource`], in allocation granules
+/// ([`ExpandableOptions::map_unit`]).
+pub const DEFAULT_MAP_GRANULES: usize = 4;
+
 /// A pool that grows by mapping physical memory into one reserved range of virtual addresses
-/// (`cuMemAddressReserve`, `cuMemCreate`, `cuMemMap`), a granule at a time (the driver's
-/// allocation granularity: 2 MiB on an H100 or H200), as PyTorch's expandable segments do.
+/// (`cuMemAddressReserve`, `cuMemCreate`, `cuMemMap`), a *unit* at a time, as PyTorch's
+/// expandable segments do. The unit ([`granule`](Self::granule)) is a whole number of the
+/// driver's allocation granules (2 MiB on an H100 or H200): 4 by default, one physical
+/// allocation each ([`ExpandableOptions::map_unit`]; below, "granule" means this unit).
 ///
 /// It has the stream semantics of [`PoolResource`](super::PoolResource) (the same free-list
 /// engine: same-stream reuse at once, reuse on other streams ordered by events, awaitable
@@ -77,8 +93,8 @@ pub struct ExpandableOptions {
 ///
 /// Pick it over the pool when the footprint must follow live memory (phases of different
 /// sizes, a long-running server that must give memory back); the pool is a little cheaper when
-/// it grows (one `cuMemAlloc` per chunk against a create and a map per granule) and works over
-/// any upstream.
+/// it grows (one `cuMemAlloc` per chunk against a create, a map and an access per unit) and
+/// works over any upstream.
 ///
 /// Dropping it synchronizes the streams it knows and unmaps everything (buffers keep it alive
 /// until they are gone).
@@ -116,7 +132,19 @@ impl ExpandablePoolResource {
     /// ([`Error::OutOfMemory`] with the room left, where the device knows it); the device's
     /// error if it cannot map `initial`.
     pub fn new(device: &Device, options: ExpandableOptions) -> Result<Self> {
-        let granule = vmm::granularity(device)?;
+        let granularity = vmm::granularity(device)?;
+        // A power of two of granules: the range is reserved aligned to the unit (the pool
+        // finds free units by address), and the driver aligns reservations to powers of two.
+        let granule = options
+            .map_unit
+            .map_or(DEFAULT_MAP_GRANULES, |unit| unit.div_ceil(granularity))
+            .max(1)
+            .checked_next_power_of_two()
+            .and_then(|granules| granules.checked_mul(granularity))
+            .ok_or(Error::InvalidSize {
+                size: options.map_unit.unwrap_or(0),
+                reason: "the mapping unit overflows when rounded up to the allocation granularity",
+            })?;
         let round = |size: usize, reason| {
             size.checked_next_multiple_of(granule)
                 .ok_or(Error::InvalidSize { size, reason })
@@ -144,7 +172,7 @@ impl ExpandablePoolResource {
                 reason: "the pool's initial size is above its maximum",
             });
         }
-        let (reservation, regions) = reserve_regions(device, reserve)?;
+        let (reservation, regions) = reserve_regions(device, reserve, granule)?;
         let core = Expander::with_regions(reservation, maximum as u64, regions);
         core.map_initial(options.initial as u64)?;
         let threshold = options.release_threshold.map_or(u64::MAX, |t| t as u64);
@@ -165,7 +193,8 @@ impl ExpandablePoolResource {
         self.inner.core.maximum() as usize
     }
 
-    /// The unit of mapping and of trimming, in bytes.
+    /// The unit of mapping and of trimming, in bytes: [`ExpandableOptions::map_unit`], a
+    /// multiple of the device's allocation granularity.
     pub fn granule(&self) -> usize {
         self.inner.core.granule() as usize
     }
@@ -177,7 +206,7 @@ impl ExpandablePoolResource {
     }
 
     /// What the pool holds and has done. `reserved` is the memory mapped, `chunks` the
-    /// granules mapped.
+    /// units mapped.
     pub fn stats(&self) -> PoolStats {
         let core = &self.inner.core;
         let engine = core.heap.stats();
@@ -464,11 +493,11 @@ const REGIONS: usize = 8;
 
 /// Reserves `reserve` bytes of addresses for each of [`REGIONS`] shards, or for half as many
 /// where the address space has no room (down to one, whose error is the caller's).
-fn reserve_regions(device: &Device, reserve: usize) -> Result<(Reservation, usize)> {
+fn reserve_regions(device: &Device, reserve: usize, unit: usize) -> Result<(Reservation, usize)> {
     let mut regions = REGIONS;
     loop {
         let attempt = match reserve.checked_mul(regions) {
-            Some(total) => Reservation::new(device, total),
+            Some(total) => Reservation::new(device, total, unit),
             None => Err(Error::InvalidSize {
                 size: reserve,
                 reason: "the reservation overflows the address space",
