@@ -58,7 +58,8 @@ impl Awaited for ExpandablePoolResource {
 type MakePool<P> = fn(&Device, usize) -> Arc<P>;
 
 /// An expandable pool of `size` bytes (a multiple of the 2 MiB granule in these tests), all
-/// mapped at construction.
+/// mapped at construction; mapped by the granule (not the default unit of 4), so that its
+/// maximum is `size` exactly.
 fn expandable(device: &Device, size: usize) -> Arc<ExpandablePoolResource> {
     Arc::new(
         ExpandablePoolResource::new(
@@ -66,6 +67,7 @@ fn expandable(device: &Device, size: usize) -> Arc<ExpandablePoolResource> {
             ExpandableOptions {
                 initial: size,
                 maximum: Some(size),
+                map_unit: Some(1),
                 ..ExpandableOptions::default()
             },
         )
