@@ -64,7 +64,7 @@ type BoxError = Box<dyn std::error::Error + Send + Sync>;
 enum Kind {
     /// `PoolResource` over `CudaResource` (chunks from cuMemAlloc).
     Pool,
-    /// `ExpandablePoolResource` (one reserved range, mapped a granule at a time).
+    /// `ExpandablePoolResource` (reserved ranges, mapped a unit of granules at a time).
     Expandable,
 }
 
