@@ -32,6 +32,7 @@
 
 use std::cell::Cell;
 use std::collections::BTreeMap;
+use std::sync::atomic::{AtomicU64, Ordering::Relaxed};
 use std::sync::Arc;
 
 use super::stream_ordered::{EngineStream, Grow, StreamHeap};
@@ -521,12 +522,16 @@ fn time_churn(streams: usize, hand_off: bool) {
 #[test]
 #[ignore = "a measurement, not a check: run it with --ignored --nocapture"]
 fn engine_four_real_threads() {
-    for initial in [2u64 << 30, 256 << 20] {
-        four_real_threads(initial);
+    for hand_off in [false, true] {
+        for initial in [2u64 << 30, 256 << 20] {
+            four_real_threads(initial, hand_off);
+        }
     }
 }
 
-fn four_real_threads(initial: u64) {
+/// `churn-4t`, or with `hand_off` `churn-xs-4t` (thread t allocates on stream t and frees on
+/// stream t + 1), on four threads against one engine whose streams say they are idle.
+fn four_real_threads(initial: u64, hand_off: bool) {
     let (up, lists) = CountingUpstream::start(initial);
     let up = std::sync::Mutex::new(up);
     struct Locked<'a>(&'a std::sync::Mutex<CountingUpstream>);
@@ -535,35 +540,46 @@ fn four_real_threads(initial: u64) {
             self.0.lock().unwrap().grow(min, stream)
         }
     }
+    let streams: Vec<LabStream> = (1..=4).map(LabStream::new).collect();
+    let (orders, queries) = (AtomicU64::new(0), AtomicU64::new(0));
     let start = std::time::Instant::now();
     std::thread::scope(|scope| {
         for t in 0..4u64 {
             let (lists, up) = (&lists, Locked(&up));
+            let (streams, orders, queries) = (&streams, &orders, &queries);
             scope.spawn(move || {
-                let stream = LabStream::new(t + 1);
+                IDLE.with(|i| i.set(true));
+                let stream = &streams[t as usize];
+                let freeing = &streams[(t as usize + usize::from(hand_off)) % 4];
                 let mut churn = Churn::with(42 + t, 256 << 20, 1);
                 let mut live: Vec<(u64, u64)> = Vec::new();
                 for _ in 0..250_000 {
                     match churn.next(live.len()) {
                         Op::Allocate { size, .. } => {
-                            live.push((lists.take(size, &stream, &up).unwrap(), size));
+                            live.push((lists.take(size, stream, &up).unwrap(), size));
                         }
                         Op::Free { index } => {
                             let (addr, size) = live.swap_remove(index);
-                            assert!(lists.give(addr, size, &stream));
+                            assert!(lists.give(addr, size, freeing));
                             churn.live_bytes -= size;
                         }
                     }
                 }
+                orders.fetch_add(ORDERS.with(Cell::get), Relaxed);
+                queries.fetch_add(QUERIES.with(Cell::get), Relaxed);
             });
         }
     });
     let stats = lists.stats();
     eprintln!(
-        "engine, churn-4t from {} MiB on 4 threads: {:.1} ns/op, {} spills, {} growths",
+        "engine, churn{}-4t from {} MiB on 4 threads: {:.1} ns/op, {} spills, {} growths, {} orderings, {} idle questions, {} idle reuses",
+        if hand_off { "-xs" } else { "" },
         initial >> 20,
         start.elapsed().as_nanos() as f64 / 1e6,
         stats.spills,
-        up.lock().unwrap().grows.get()
+        up.lock().unwrap().grows.get(),
+        orders.load(Relaxed),
+        queries.load(Relaxed),
+        stats.idle_skips,
     );
 }
