@@ -293,6 +293,10 @@ pub(crate) struct StreamHeap<S = Stream> {
     /// in reserve takes no lock for it. Std's, not `crate::sync`'s: only a hint (the count is
     /// read again under the lock), and the loom models put nothing in reserve.
     reserved_chunks: std::sync::atomic::AtomicUsize,
+    /// Chunks moved out of the reserve into a shard so far, counted once the chunk is in the
+    /// shard's list (under the reserve's lock): a request about to fail looks again if a move
+    /// ended while it looked ([`take_slow`](Self::take_slow)).
+    reserve_moves: AtomicU64,
     /// Orderings made (a request's stream waiting on another's event).
     waits: AtomicU64,
     /// Requests served by a shard other than their thread's home shard.
@@ -361,6 +365,7 @@ impl<S: EngineStream> StreamHeap<S> {
             slow: Mutex::new(()),
             reserve: Mutex::new(Vec::new()),
             reserved_chunks: std::sync::atomic::AtomicUsize::new(0),
+            reserve_moves: AtomicU64::new(0),
             waits: AtomicU64::new(0),
             spills: AtomicU64::new(0),
             idle_skips: AtomicU64::new(0),
@@ -562,6 +567,8 @@ impl<S: EngineStream> StreamHeap<S> {
         let mut heap = shard.lock();
         let given = heap.free.give_range(base, chunk, Waits::default());
         debug_assert!(given, "a reserved chunk overlapped a block");
+        // Under the reserve's lock, with the chunk in the shard's list (see `take_slow`).
+        self.reserve_moves.fetch_add(1, Ordering::Release);
         drop(reserve);
         self.take_locked(shard, heap, size, stream)
     }
@@ -675,8 +682,23 @@ impl<S: EngineStream> StreamHeap<S> {
         let _slow = self.slow.lock();
         // Another request may have grown the pool, or freed, while this one waited; and the
         // fast path skipped the shards that were busy.
-        if let Some(addr) = self.take_any(size, stream, true)? {
-            return Ok(addr);
+        loop {
+            let moved = self.reserve_moves.load(Ordering::Acquire);
+            if let Some(addr) = self.take_any(size, stream, true)? {
+                return Ok(addr);
+            }
+            // A chunk on its way from the reserve into a shard is in neither for a moment:
+            // a look at both then finds nothing, and at the maximum the request would fail
+            // with that memory free (about one run in fifteen of `multi_device`'s moving
+            // tasks). The move holds the reserve's lock throughout: once this request has had
+            // it, every move begun before is over, and if one ended since the look began,
+            // look again (each move empties a chunk of the reserve, so this ends).
+            drop(self.reserve.lock());
+            if planted::reserve_moves_ignored()
+                || self.reserve_moves.load(Ordering::Acquire) == moved
+            {
+                break;
+            }
         }
         let home = self.home();
         let mut grown = upstream.grow(size, stream)?;

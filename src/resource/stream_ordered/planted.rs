@@ -40,6 +40,11 @@ pub(crate) static QUIET_IGNORES_ACTIVITY: AtomicBool = AtomicBool::new(false);
 #[cfg(streamalloc_loom)]
 pub(crate) static RESERVE_RELEASED_EARLY: AtomicBool = AtomicBool::new(false);
 
+/// A request about to grow does not look again after a chunk moved from the reserve into a
+/// shard while it looked: it fails at the maximum with that memory free.
+#[cfg(streamalloc_loom)]
+pub(crate) static RESERVE_MOVES_IGNORED: AtomicBool = AtomicBool::new(false);
+
 /// A growth at the maximum takes free memory whose streams say they are busy as finished,
 /// and unmaps it (the expandable pool's `make_room`).
 #[cfg(streamalloc_loom)]
@@ -70,3 +75,4 @@ switch!(reserve_released_early, RESERVE_RELEASED_EARLY);
 switch!(activity_after_the_answer, ACTIVITY_AFTER_THE_ANSWER);
 switch!(quiet_ignores_activity, QUIET_IGNORES_ACTIVITY);
 switch!(relocated_busy, RELOCATED_BUSY);
+switch!(reserve_moves_ignored, RESERVE_MOVES_IGNORED);
