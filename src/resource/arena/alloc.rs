@@ -174,10 +174,17 @@ impl<U: MemoryResource> ArenaResource<U> {
 
     // ===== allocation =====
 
-    /// Tries `attempt`; then defragments and tries again; then, for a small request (`arena`
-    /// given), moves a partly used superblock of another stream to `arena`; then grows by at
-    /// least `grow_min` (giving wholly free chunks back upstream first where that is what
-    /// makes room) and tries again; then out of memory.
+    /// Tries `attempt`; then, one request at a time (`slow`), tries again, defragments and
+    /// tries again; then, for a small request (`arena` given), moves a partly used superblock
+    /// of another stream to `arena`; then grows by at least `grow_min` (giving wholly free
+    /// chunks back upstream first where that is what makes room) and tries again; then out of
+    /// memory.
+    ///
+    /// Defragmenting, growing and giving chunks back move memory out of one place before it
+    /// reaches another; a request that looked in between found nothing, and at the maximum
+    /// failed with the memory free (eight threads on a fresh arena, each its first request:
+    /// `tests/no_spurious_oom.rs`). They all run under `slow` (as `trim` and `defragment` do),
+    /// so a request that holds it sees every move finished.
     fn with_retries(
         &self,
         size: u64,
@@ -186,6 +193,10 @@ impl<U: MemoryResource> ArenaResource<U> {
         arena: Option<&Arc<StreamArena>>,
         mut attempt: impl FnMut() -> Option<Result<u64>>,
     ) -> Result<u64> {
+        if let Some(result) = attempt() {
+            return result;
+        }
+        let _slow = self.slow.lock();
         if let Some(result) = attempt() {
             return result;
         }

@@ -73,7 +73,9 @@
 //! ## When memory runs short
 //!
 //! A request the stream arena cannot serve, in this order: adopt the stream's remote frees;
-//! take a superblock (or a large block) from the global arena; **defragment** (every stream
+//! take a superblock (or a large block) from the global arena; then, one request at a time
+//! (with `defragment` and `trim`, so that no request looks while memory is on its way from one
+//! place to another), try that again; **defragment** (every stream
 //! arena adopts its remote frees and returns every wholly free superblock, where they coalesce;
 //! arenas of streams the user dropped and that hold nothing are forgotten) and try again; for a
 //! small request, **move** a partly used superblock from another stream; **grow** from the
@@ -235,6 +237,10 @@ pub struct ArenaResource<U: MemoryResource> {
     uid: u64,
     global: Mutex<Global>,
     registry: Mutex<FxHashMap<u64, Arc<StreamArena>>>,
+    /// Held by whatever moves memory between the stream arenas, the global arena and the
+    /// upstream (a request past its first try, `defragment`, `trim`): one at a time, so that a
+    /// request about to fail sees no memory halfway between two places.
+    slow: Mutex<()>,
     /// Bytes held from the upstream, including chunks being grown.
     reserved: AtomicU64,
     peak_reserved: AtomicU64,
@@ -306,6 +312,7 @@ impl<U: MemoryResource> ArenaResource<U> {
             uid: NEXT_UID.fetch_add(1, std::sync::atomic::Ordering::Relaxed),
             global: Mutex::new(Global::new()),
             registry: Mutex::new(FxHashMap::default()),
+            slow: Mutex::new(()),
             reserved: AtomicU64::new(0),
             peak_reserved: AtomicU64::new(0),
             grows: AtomicU64::new(0),
@@ -400,7 +407,10 @@ impl<U: MemoryResource> ArenaResource<U> {
     /// fails; call it to make the memory that idle streams keep available to large requests.
     /// Never blocks on the GPU. Returns how many superblocks went back.
     pub fn defragment(&self) -> usize {
-        let returned = self.defragment_quietly();
+        let returned = {
+            let _slow = self.slow.lock();
+            self.defragment_quietly()
+        };
         if returned > 0 {
             self.waiters.notify();
         }

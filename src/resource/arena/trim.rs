@@ -75,6 +75,8 @@ impl<U: MemoryResource> ArenaResource<U> {
     }
 
     fn take_for_trim(&self) -> Taken<'_, U> {
+        // Under `slow`: a request does not look while superblocks move to the global arena.
+        let _slow = self.slow.lock();
         self.defragment_quietly();
         let chunks = self.global.lock().take_whole_chunks();
         Taken {
