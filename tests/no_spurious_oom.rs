@@ -30,7 +30,7 @@ const ROUNDS: usize = 40;
 
 /// `THREADS` threads, each on its own stream, allocating blocks of `sizes` (at most `LIVE`
 /// live) and freeing them; panics, naming the resource, at the first refusal.
-fn hammer(name: &str, device: &Device, r: &(impl MemoryResource + Sync), sizes: (usize, usize)) {
+fn hammer(name: &str, device: &Device, r: &impl MemoryResource, sizes: (usize, usize)) {
     let barrier = Barrier::new(THREADS);
     std::thread::scope(|scope| {
         for t in 0..THREADS {
