@@ -5,7 +5,7 @@
 //! from its reserve into a shard (8daa846; one run in fifteen of `multi_device`).
 //!
 //! The pool (initial memory in its reserve, and grown from nothing), the expandable pool, the
-//! arena, and the fixed-size resource, on every available device.
+//! arena, the fixed-size resource and the binning resource, on every available device.
 
 mod common;
 
@@ -13,6 +13,7 @@ use std::sync::Barrier;
 
 use common::{devices, label, SplitMix64};
 use streamalloc::resource::arena::{ArenaOptions, ArenaResource};
+use streamalloc::resource::binning::BinningResource;
 use streamalloc::resource::cuda::CudaResource;
 use streamalloc::resource::fixed_size::FixedSizeResource;
 use streamalloc::resource::pool::{PoolOptions, PoolResource};
@@ -136,6 +137,26 @@ fn the_fixed_size_resource_never_refuses_a_request_that_fits() {
         for _ in 0..ROUNDS / 4 {
             let fixed = FixedSizeResource::new(CudaResource::new(&device), 64 * KIB, 64).unwrap();
             hammer("the fixed-size resource", &device, &fixed, (256, 64 * KIB));
+        }
+    }
+}
+
+#[test]
+fn the_binning_resource_never_refuses_a_request_that_fits() {
+    for device in devices() {
+        for _ in 0..ROUNDS / 4 {
+            // Bins of 2^12..2^16 bytes (their chunks from the pool), over a 16 MiB pool.
+            let upstream = PoolResource::new(
+                CudaResource::new(&device),
+                PoolOptions {
+                    initial: 16 * MIB,
+                    maximum: Some(16 * MIB),
+                    ..PoolOptions::default()
+                },
+            )
+            .unwrap();
+            let binning = BinningResource::new(upstream, 12, 16).unwrap();
+            hammer("the binning resource", &device, &binning, (256, 64 * KIB));
         }
     }
 }
