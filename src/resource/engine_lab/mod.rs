@@ -541,12 +541,12 @@ fn four_real_threads(initial: u64, hand_off: bool) {
         }
     }
     let streams: Vec<LabStream> = (1..=4).map(LabStream::new).collect();
-    let (orders, queries) = (AtomicU64::new(0), AtomicU64::new(0));
+    let (orders, queries, peak_live) = (AtomicU64::new(0), AtomicU64::new(0), AtomicU64::new(0));
     let start = std::time::Instant::now();
     std::thread::scope(|scope| {
         for t in 0..4u64 {
             let (lists, up) = (&lists, Locked(&up));
-            let (streams, orders, queries) = (&streams, &orders, &queries);
+            let (streams, orders, queries, peak_live) = (&streams, &orders, &queries, &peak_live);
             scope.spawn(move || {
                 IDLE.with(|i| i.set(true));
                 let stream = &streams[t as usize];
@@ -565,19 +565,25 @@ fn four_real_threads(initial: u64, hand_off: bool) {
                         }
                     }
                 }
+                peak_live.fetch_add(churn.peak_live, Relaxed);
                 orders.fetch_add(ORDERS.with(Cell::get), Relaxed);
                 queries.fetch_add(QUERIES.with(Cell::get), Relaxed);
             });
         }
     });
     let stats = lists.stats();
+    let (peak, grows) = {
+        let up = up.lock().unwrap();
+        (up.peak.get(), up.grows.get())
+    };
     eprintln!(
-        "engine, churn{}-4t from {} MiB on 4 threads: {:.1} ns/op, {} spills, {} growths, {} orderings, {} idle questions, {} idle reuses",
+        "engine, churn{}-4t from {} MiB on 4 threads: {:.1} ns/op, peak reserved / peak live {:.3}, {} spills, {} growths, {} orderings, {} idle questions, {} idle reuses",
         if hand_off { "-xs" } else { "" },
         initial >> 20,
         start.elapsed().as_nanos() as f64 / 1e6,
+        peak as f64 / peak_live.load(Relaxed) as f64,
         stats.spills,
-        up.lock().unwrap().grows.get(),
+        grows,
         orders.load(Relaxed),
         queries.load(Relaxed),
         stats.idle_skips,
