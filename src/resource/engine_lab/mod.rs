@@ -531,6 +531,17 @@ fn engine_four_real_threads() {
 
 /// `churn-4t`, or with `hand_off` `churn-xs-4t` (thread t allocates on stream t and frees on
 /// stream t + 1), on four threads against one engine whose streams say they are idle.
+///
+/// What it showed on 2026-11-25 (the 2-core development machine, issue 10's "grown from small
+/// within 15%"): from 2 GiB 29 to 42 ns/op with no spills; from 256 MiB 34.6 to 58.1
+/// (`churn-4t`) and 41.9 to 66.6 (`churn-xs-4t`), with 7,000 to 21,000 spills, and in some
+/// runs 60,000 to 215,000: one thread's working set ends up in another thread's shard, and it
+/// takes that thread's lock for most of its requests. Tried and not kept: a thread that has
+/// spilled N times since it last grew grows its own shard at its next miss instead. N = 1024:
+/// 34 to 37 and 42 to 47 ns/op, no outliers, but peak reserved / peak live 1.300 in 6 of 12
+/// runs (14 growths; 0.91 to 1.16 before); N = 4096: the outliers gone (at most 17,000
+/// spills), the medians unchanged, 1.300 in 2 of 20. Memory first: the policy is not in the
+/// engine.
 fn four_real_threads(initial: u64, hand_off: bool) {
     let (up, lists) = CountingUpstream::start(initial);
     let up = std::sync::Mutex::new(up);
