@@ -8,6 +8,7 @@ mod common;
 use std::time::Duration;
 
 use common::{devices, eventually, free, label, read_u32};
+use streamalloc::resource::cuda::CudaResource;
 use streamalloc::{
     Device, DevicePtr, Error, ExpandableOptions, ExpandablePoolResource, FaultKind, Faults,
     MemoryResource, SimConfig,
@@ -514,6 +515,21 @@ fn the_mapping_unit_is_what_grows_and_trims() {
         let granularity = exact.granule();
         assert!(granularity >= 256 && granularity.is_multiple_of(256));
         let default = expandable(&device, ExpandableOptions::default());
+        let s = device.create_stream().unwrap();
+        let unit = default.granule();
+        // The range starts at a multiple of the unit, and memory allocated after it lies
+        // outside it (the simulated device once aligned the start up without moving on).
+        let (base, reserved) = default.reservation();
+        assert_eq!(base.0 % unit as u64, 0, "{}", label(&device));
+        let plain = CudaResource::new(&device);
+        let other = plain.allocate(4096, &s).unwrap();
+        assert!(
+            other.0 >= base.0 + reserved as u64 || other.0 + 4096 <= base.0,
+            "{}: {other:?} inside the reservation {base:?} + {reserved}",
+            label(&device)
+        );
+        free(&plain, other, 4096, &s);
+        s.synchronize_blocking().unwrap();
         assert_eq!(
             default.granule(),
             streamalloc::resource::expandable::DEFAULT_MAP_GRANULES * granularity,
@@ -540,8 +556,6 @@ fn the_mapping_unit_is_what_grows_and_trims() {
         ));
         drop((exact, rounded));
 
-        let s = device.create_stream().unwrap();
-        let unit = default.granule();
         let free_before = device.free_memory().unwrap();
         // One granule's request maps a whole unit.
         let a = default.allocate(granularity, &s).unwrap();
@@ -553,8 +567,9 @@ fn the_mapping_unit_is_what_grows_and_trims() {
         free(&default, b, unit - granularity, &s);
         assert_eq!(default.trim_blocking().unwrap(), 0, "{}", label(&device));
         assert_eq!(default.stats().reserved, unit);
-        let _ = read_u32(&s, a, 4); // still mapped: readable
-                                    // All of it free: it goes back whole.
+        // Still mapped: readable.
+        let _ = read_u32(&s, a, 4);
+        // All of it free: it goes back whole.
         free(&default, a, granularity, &s);
         assert_eq!(default.trim_blocking().unwrap(), unit, "{}", label(&device));
         assert_eq!(device.free_memory().unwrap(), free_before);

@@ -186,8 +186,8 @@ impl SimMemory {
 // ===== virtual memory (the rest is in sim/vmm.rs) =====
 
 impl SimMemory {
-    /// Reserves `size` bytes of address space starting at a multiple of `align` (a power of
-    /// two or any non-zero size), backed by lazily zeroed host memory that costs nothing until
+    /// Reserves `size` bytes of address space starting at a multiple of `align` (0 or 1: any
+    /// address), backed by lazily zeroed host memory that costs nothing until
     /// touched; only the granules `mapping` marks as mapped may be accessed. Counts nothing
     /// against the device's memory (mapping does, through `charge`).
     pub(crate) fn reserve(&self, size: usize, align: u64, mapping: Arc<Granules>) -> Result<u64> {
@@ -205,7 +205,7 @@ impl SimMemory {
         }
         let storage = zeroed_bytes(size).ok_or(oom(left as usize))?;
         let base = start;
-        state.next += size as u64 + GUARD;
+        state.next = start + size as u64 + GUARD;
         let block = Block {
             base,
             bytes: storage,
