@@ -3,14 +3,9 @@
 # mapping unit, and one granule) interleaved round by round, pinned; then expandable_phases.
 # env: ROUNDS=8, SUITE=1. Results in $OUT/exp.tgz.
 set -u
-R=$OUT/r; mkdir -p "$R"
-trap 'tar czf "$OUT/exp.tgz" -C "$OUT" r && rm -rf "$R"' EXIT
-nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader | tee "$R/gpu.txt"; date -u | tee -a "$R/gpu.txt"
-if [ "${SUITE:-1}" = 1 ]; then
-  start=$(date +%s)
-  bash .gpu/run > "$R/tests.log" 2>&1; echo "suite rc=$? in $(( $(date +%s) - start )) s"
-  grep -E "^(FAILED|[0-9]+ passed)|panicked" "$R/tests.log" | tail -8
-fi
+. "$(dirname "$0")/common.sh"
+results exp
+if [ "${SUITE:-1}" = 1 ]; then suite; fi
 P="taskset -c 2-5"
 C=$(ls .gpu/bin/churn-* | head -1)
 for r in $(seq "${ROUNDS:-8}"); do

@@ -4,12 +4,9 @@
 # binary with the others, alone, with --test-threads=1 and with eager module loading; and
 # multi_device (the reserve race) 20 times. Results in $OUT/flaky.tgz.
 set -u
-R=$OUT/r; mkdir -p "$R"
-trap 'tar czf "$OUT/flaky.tgz" -C "$OUT" r && rm -rf "$R"' EXIT
-nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader | tee "$R/gpu.txt"; date -u | tee -a "$R/gpu.txt"
-start=$(date +%s)
-bash .gpu/run > "$R/tests.log" 2>&1; echo "suite rc=$? in $(( $(date +%s) - start )) s"
-grep -E "^(FAILED|[0-9]+ passed)|panicked" "$R/tests.log" | tail -8
+. "$(dirname "$0")/common.sh"
+results flaky
+suite
 export STREAMALLOC_REQUIRE_GPU=1
 B=$(ls .gpu/tests/buffers-* | head -1); M=$(ls .gpu/tests/multi_device-* | head -1)
 one() { local name=$1; shift; if "$@" > "$R/$name.txt" 2>&1; then echo "$name ok"; else echo "$name FAILED"; grep -E "host took|panicked" "$R/$name.txt" | head -4; fi; }

@@ -2,12 +2,9 @@
 # One GPU call: the suite, then the expandable pool's churn with mapping units of 2, 8 and 16 MiB
 # beside the pool (interleaved, pinned), then expandable_phases with each unit.
 set -u
-R=$OUT/r; mkdir -p "$R"
-trap 'tar czf "$OUT/units.tgz" -C "$OUT" r && rm -rf "$R"' EXIT
-nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader | tee "$R/gpu.txt"; date -u | tee -a "$R/gpu.txt"
-start=$(date +%s)
-bash .gpu/run > "$R/tests.log" 2>&1; echo "suite rc=$? in $(( $(date +%s) - start )) s"
-grep -E "^(FAILED|[0-9]+ passed)|panicked" "$R/tests.log" | tail -8
+. "$(dirname "$0")/common.sh"
+results units
+suite
 P="taskset -c 2-5"
 C=$(ls .gpu/bin/churn-* | head -1)
 for r in 1 2 3 4; do

@@ -1,0 +1,17 @@
+# Sourced by the one-call GPU scripts (units.sh, expandable_ab.sh, flaky.sh, final.sh).
+
+# results NAME: logs go to $R ($OUT/r), tarred into $OUT/NAME.tgz when the script exits (the
+# device returns at most 8 files); the GPU and the date first.
+results() {
+  R=$OUT/r; mkdir -p "$R"
+  trap "tar czf '$OUT/$1.tgz' -C '$OUT' r && rm -rf '$R'" EXIT
+  nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader | tee "$R/gpu.txt"
+  date -u | tee -a "$R/gpu.txt"
+}
+
+# suite: every packed test binary (`bash .gpu/run`), its log in $R/tests.log, and a summary.
+suite() {
+  local start; start=$(date +%s)
+  bash .gpu/run > "$R/tests.log" 2>&1; echo "suite rc=$? in $(( $(date +%s) - start )) s"
+  grep -E "^(FAILED|[0-9]+ passed)|panicked" "$R/tests.log" | tail -8
+}
