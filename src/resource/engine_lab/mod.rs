@@ -235,10 +235,29 @@ struct Told<'a>(&'a CountingUpstream, &'a StreamHeap<LabStream>);
 
 impl Grow<LabStream> for Told<'_> {
     fn grow(&self, min: u64, stream: &LabStream) -> Result<(u64, u64)> {
-        if std::env::var("LAB_SMALL_GROWTH").as_deref() == Ok("1") {
-            self.0.free.set(Some(self.1.stats().free_bytes));
+        self.0.grow_told(self.1, min, stream)
+    }
+}
+
+impl CountingUpstream {
+    /// [`grow`](Grow::grow), first told what the engine holds as the `LAB_*` switches ask.
+    fn grow_told(
+        &self,
+        lists: &StreamHeap<LabStream>,
+        min: u64,
+        stream: &LabStream,
+    ) -> Result<(u64, u64)> {
+        let on = |name: &str| std::env::var(name).as_deref() == Ok("1");
+        if on("LAB_GROW_BY_IN_USE") || on("LAB_SMALL_GROWTH") {
+            let stats = lists.stats();
+            if on("LAB_GROW_BY_IN_USE") {
+                self.in_use.set(Some(stats.in_use));
+            }
+            if on("LAB_SMALL_GROWTH") {
+                self.free.set(Some(stats.free_bytes));
+            }
         }
-        self.0.grow(min, stream)
+        self.grow(min, stream)
     }
 }
 
@@ -603,14 +622,7 @@ fn four_real_threads(initial: u64, hand_off: bool) {
     );
     impl Grow<LabStream> for Locked<'_> {
         fn grow(&self, min: u64, stream: &LabStream) -> Result<(u64, u64)> {
-            let up = self.0.lock().unwrap();
-            if std::env::var("LAB_GROW_BY_IN_USE").as_deref() == Ok("1") {
-                up.in_use.set(Some(self.1.stats().in_use));
-            }
-            if std::env::var("LAB_SMALL_GROWTH").as_deref() == Ok("1") {
-                up.free.set(Some(self.1.stats().free_bytes));
-            }
-            up.grow(min, stream)
+            self.0.lock().unwrap().grow_told(self.1, min, stream)
         }
     }
     let streams: Vec<LabStream> = (1..=4).map(LabStream::new).collect();
