@@ -9,6 +9,7 @@
 //! `--growth-divisor N` sets the pools' `PoolOptions::growth_divisor` (default 8);
 //! `--reuse-slack X` sets `PoolOptions::reuse_slack` (default 0); `--opportunistic off` turns
 //! `PoolOptions::opportunistic_reuse` off (every cross-stream reuse waits on the GPU);
+//! `--growth-cap X|none` sets `PoolOptions::growth_cap` (default 1.3);
 //! `--map-unit MIB` sets the expandable pool's `ExpandableOptions::map_unit` (default: 4
 //! granules, 8 MiB on an H100 or H200).
 //!
@@ -214,6 +215,7 @@ fn main() {
     let reuse_slack: f64 = arg("--reuse-slack", "0").parse().unwrap_or(0.0);
     let opportunistic_reuse = arg("--opportunistic", "on") != "off";
     let map_unit: Option<usize> = arg("--map-unit", "default").parse().ok();
+    let growth_cap: Option<f64> = arg("--growth-cap", "1.3").parse().ok();
     let initials: Vec<usize> = arg("--initial", "2048,256")
         .split(',')
         .map(|m| {
@@ -294,6 +296,7 @@ fn main() {
                 growth_divisor,
                 reuse_slack,
                 opportunistic_reuse,
+                growth_cap,
             },
         )
         .unwrap()

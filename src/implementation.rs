@@ -126,7 +126,9 @@
 //!
 //! A request, in order: its shard's best fit, the other shards' best fit, then (one request at a
 //! time) *growth* by at least 1/[`growth_divisor`](crate::PoolOptions::growth_divisor) of what
-//! the pool holds, halving the try on failure; at the maximum, wholly free chunks go back
+//! the pool holds, but no further than [`growth_cap`](crate::PoolOptions::growth_cap) times the
+//! most it had in use at a growth (down to the request alone: the step never carries the pool
+//! past the cap), halving the try on failure; at the maximum, wholly free chunks go back
 //! upstream first (ordered onto one of the streams their tag names); then
 //! [`Error::OutOfMemory`](crate::Error::OutOfMemory), whose `available` is the largest request
 //! that could have been served. [`PoolOptions::reuse_slack`](crate::PoolOptions::reuse_slack)

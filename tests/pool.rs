@@ -330,6 +330,78 @@ fn growth_stops_at_the_maximum() {
     }
 }
 
+/// `PoolOptions::growth_cap`: each growth keeps the pool within the cap times the most it had
+/// in use at a growth (the request included), or, where even the request alone passes that
+/// (free memory too fragmented to serve it), grows by the request alone (at least 2 MiB).
+/// Doubling at each growth (`growth_divisor: 1`) makes the step large, so without the cap the
+/// same churn breaks the rule: checked too, so that the rule is not one the churn never tests.
+#[test]
+fn growth_stays_within_the_cap() {
+    for device in devices() {
+        // Growths that broke the rule, and growths in all.
+        let churn = |growth_cap: Option<f64>| {
+            let p = PoolResource::new(
+                CudaResource::new(&device),
+                PoolOptions {
+                    maximum: Some(512 * MIB),
+                    growth_divisor: 1,
+                    growth_cap,
+                    ..PoolOptions::default()
+                },
+            )
+            .unwrap();
+            let s = device.create_stream().unwrap();
+            let mut rng = SplitMix64(7);
+            let (mut live, mut live_bytes, mut floor) = (Vec::new(), 0usize, 0usize);
+            let (mut broken, mut growths) = (0, 0);
+            for _ in 0..4000 {
+                let (a, b) = (rng.next(), rng.next());
+                if live.is_empty() || a & 1 == 0 {
+                    // 256 B to just under 4 MiB, rounded up to the pool's alignment.
+                    let e = 8 + b % 14;
+                    let size = ((1usize << e) + (b >> 8) as usize % (1usize << e))
+                        .next_multiple_of(ALIGNMENT);
+                    let before = p.stats().reserved;
+                    live.push((p.allocate(size, &s).unwrap(), size));
+                    let after = p.stats().reserved;
+                    if after > before {
+                        growths += 1;
+                        floor = floor.max(live_bytes + size);
+                        // The growth is rounded up to the pool's alignment.
+                        let capped = (floor as f64 * 1.3) as usize + ALIGNMENT;
+                        if after > capped.max(before + size.max(2 * MIB)) {
+                            broken += 1;
+                        }
+                    }
+                    live_bytes += size;
+                } else {
+                    let (ptr, size) = live.swap_remove((a >> 1) as usize % live.len());
+                    free(&p, ptr, size, &s);
+                    live_bytes -= size;
+                }
+            }
+            for (ptr, size) in live {
+                free(&p, ptr, size, &s);
+            }
+            check_pool(&p);
+            (broken, growths)
+        };
+        let (broken, growths) = churn(Some(1.3));
+        assert_eq!(
+            broken,
+            0,
+            "{}: {broken} of {growths} growths past the cap",
+            label(&device)
+        );
+        let (broken, growths) = churn(None);
+        assert!(
+            broken > 0 && growths > 1,
+            "{}: without the cap, {broken} of {growths} growths broke the rule: the churn tests nothing",
+            label(&device)
+        );
+    }
+}
+
 /// A pool that grew in small chunks up to its maximum, then has everything freed, must still
 /// serve a request larger than any of its chunks: it gives the free chunks back and grows one
 /// large enough. (Without that, blocks never merging across chunks, it would fail forever, and

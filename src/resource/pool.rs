@@ -65,6 +65,17 @@ pub struct PoolOptions {
     /// asked every time. Off, every cross-stream reuse waits on the GPU (`BENCHMARKS.md` has
     /// the figures for both).
     pub opportunistic_reuse: bool,
+    /// A bound on what the pool holds against what it uses: a growth asks for no more than
+    /// keeps the pool's reserved bytes within `growth_cap` times the most it has had in use (as
+    /// seen at its growths, the request included). Where even the request passes that (free
+    /// memory too fragmented to serve it), the growth is the request alone (at least 2 MiB).
+    /// So the step never carries the pool past the cap; only its `initial` size and
+    /// fragmentation can. `None` always grows by the [`growth_divisor`](Self::growth_divisor)
+    /// step. The default, 1.3: without it, a pool grown from 256 MiB reached 1.301 times its
+    /// peak in use on `churn-4t` and `churn-xs-4t` (the step landing one growth late); with it,
+    /// more growths of smaller chunks (`BENCHMARKS.md` has the figures for both). Values below
+    /// 1 or not finite are taken as 1.
+    pub growth_cap: Option<f64>,
 }
 
 impl Default for PoolOptions {
@@ -75,6 +86,7 @@ impl Default for PoolOptions {
             growth_divisor: 8,
             reuse_slack: 0.0,
             opportunistic_reuse: true,
+            growth_cap: Some(DEFAULT_GROWTH_CAP),
         }
     }
 }
@@ -89,6 +101,9 @@ const SPLIT_MIN: u64 = 32 << 20;
 
 /// The least a pool grows by: smaller chunks would cost more upstream calls than they save.
 const MIN_GROWTH: u64 = 2 << 20;
+
+/// [`PoolOptions::growth_cap`]'s default.
+pub const DEFAULT_GROWTH_CAP: f64 = 1.3;
 
 /// What a pool holds and has done.
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
@@ -149,7 +164,8 @@ pub struct PoolStats {
 ///   counts them. If that stream is idle when asked (all its work finished), no wait is needed
 ///   at all ([`PoolOptions::opportunistic_reuse`]).
 /// - A request no free block fits grows the pool: it asks the upstream for a chunk (at least
-///   the request and 1/[`PoolOptions::growth_divisor`] of what it holds), halving the try on
+///   the request and 1/[`PoolOptions::growth_divisor`] of what it holds, but no more than
+///   keeps it within [`PoolOptions::growth_cap`] times its use), halving the try on
 ///   failure, never past `maximum`; at the maximum it first gives wholly free chunks back
 ///   upstream (in stream order) to make room for one large enough. Only when all of that
 ///   fails, [`Error::OutOfMemory`] with requested, available and maximum bytes.
@@ -173,6 +189,11 @@ pub struct PoolResource<U: MemoryResource> {
     growth_nanos: AtomicU64,
     maximum: u64,
     growth_divisor: u64,
+    /// [`PoolOptions::growth_cap`], at least 1.
+    growth_cap: Option<f64>,
+    /// The most in use (with the request) seen at a growth: a floor of the pool's peak in use,
+    /// which `growth_cap` multiplies. Written under the engine's growth lock.
+    use_floor: AtomicU64,
     /// Tasks waiting in `allocate_async` for memory to come back.
     waiters: MemoryWaiters,
     /// A stream of the pool's own, for the initial chunk and for returning chunks at drop.
@@ -227,6 +248,10 @@ impl<U: MemoryResource> PoolResource<U> {
             growth_nanos: AtomicU64::new(0),
             maximum: maximum as u64,
             growth_divisor: u64::from(options.growth_divisor.max(1)),
+            growth_cap: options
+                .growth_cap
+                .map(|cap| if cap.is_finite() { cap.max(1.0) } else { 1.0 }),
+            use_floor: AtomicU64::new(0),
             waiters: MemoryWaiters::new(),
         };
         if options.initial > 0 {
@@ -501,6 +526,25 @@ impl<U: MemoryResource> Grow for PoolResource<U> {
             .min(room)
             .next_multiple_of(ALIGNMENT as u64)
             .min(room);
+        if let Some(cap) = self.growth_cap {
+            // What the cap allows over what is held, from the most ever in use at a growth
+            // (a floor of the peak in use), and never less than the request.
+            let in_use = self.heap.in_use().saturating_add(min);
+            let floor = self
+                .use_floor
+                .fetch_max(in_use, Ordering::Relaxed)
+                .max(in_use);
+            let allowed = ((floor as f64 * cap) as u64).saturating_sub(reserved);
+            let capped = allowed
+                .max(MIN_GROWTH)
+                .max(min)
+                .next_multiple_of(ALIGNMENT as u64)
+                .min(room);
+            if capped < attempt {
+                tracing::debug!(step = attempt, capped, floor, "growth capped");
+                attempt = capped;
+            }
+        }
         let _span = tracing::debug_span!("grow", requested = min, reserved, attempt).entered();
         loop {
             let started = Instant::now();

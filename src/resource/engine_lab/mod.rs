@@ -115,6 +115,9 @@ struct CountingUpstream {
     in_use: Cell<Option<u64>>,
     /// Free bytes of the engine when growing (`LAB_SMALL_GROWTH=1`).
     free: Cell<Option<u64>>,
+    /// Bytes in use when growing (told by `grow_told`), for the growth cap.
+    live: Cell<Option<u64>>,
+    live_floor: Cell<u64>,
 }
 
 impl CountingUpstream {
@@ -133,6 +136,8 @@ impl CountingUpstream {
             grows: Cell::new(0),
             in_use: Cell::new(None),
             free: Cell::new(None),
+            live: Cell::new(None),
+            live_floor: Cell::new(0),
         };
         let lists = StreamHeap::with_options(slack, 8);
         // As the pool does: eight chunks, in the reserve.
@@ -166,6 +171,17 @@ impl Grow<LabStream> for CountingUpstream {
                 .and_then(|d| d.parse().ok())
                 .unwrap_or(u64::MAX);
             size = (held / divisor).max(min).max(2 << 20).next_multiple_of(256);
+        }
+        // The pool's `growth_cap`: no growth past C times the most in use at a growth (the
+        // request included), down to the request. `LAB_CAP=C` (default 1.3; `none`: off).
+        let cap = std::env::var("LAB_CAP").unwrap_or_else(|_| "1.3".into());
+        if let (Ok(cap), Some(live)) = (cap.parse::<f64>(), self.live.get()) {
+            // The most ever in use at a growth: a floor of the run's peak live.
+            let floor = self.live_floor.get().max(live + min);
+            self.live_floor.set(floor);
+            let allowed = (floor as f64 * cap) as u64;
+            let allowed = allowed.saturating_sub(held).max(2 << 20).max(min);
+            size = size.min(allowed).next_multiple_of(256);
         }
         let base = self.next.get();
         // A gap after each chunk: chunks never touch, as upstream allocations need not.
@@ -230,7 +246,8 @@ impl Churn {
 
 /// The engine as it is, over `streams` streams; `hand_off`: each block freed on the stream after
 /// the one it was allocated on (`churn-xs-1t`).
-/// The lab's upstream told the engine's free bytes before each growth (`LAB_SMALL_GROWTH=1`).
+/// The lab's upstream told the engine's bytes in use (and free, `LAB_SMALL_GROWTH=1`) before
+/// each growth.
 struct Told<'a>(&'a CountingUpstream, &'a StreamHeap<LabStream>);
 
 impl Grow<LabStream> for Told<'_> {
@@ -248,14 +265,13 @@ impl CountingUpstream {
         stream: &LabStream,
     ) -> Result<(u64, u64)> {
         let on = |name: &str| std::env::var(name).as_deref() == Ok("1");
-        if on("LAB_GROW_BY_IN_USE") || on("LAB_SMALL_GROWTH") {
-            let stats = lists.stats();
-            if on("LAB_GROW_BY_IN_USE") {
-                self.in_use.set(Some(stats.in_use));
-            }
-            if on("LAB_SMALL_GROWTH") {
-                self.free.set(Some(stats.free_bytes));
-            }
+        let stats = lists.stats();
+        self.live.set(Some(stats.in_use));
+        if on("LAB_GROW_BY_IN_USE") {
+            self.in_use.set(Some(stats.in_use));
+        }
+        if on("LAB_SMALL_GROWTH") {
+            self.free.set(Some(stats.free_bytes));
         }
         self.grow(min, stream)
     }
@@ -613,6 +629,14 @@ fn engine_four_real_threads() {
 /// 10: small chunks fragment. Not adopted either. `LAB_DIVISOR=D` (the pool's growth divisor,
 /// 8): one stream 1.174 / 1.201 / 1.216 for D = 8 / 12 / 16; four threads (10 runs each) at
 /// most 1.156 / 1.239 / 1.209. Eight stays.
+///
+/// The pool's `growth_cap` (here `LAB_CAP`, default 1.3, `none` for off), adopted: 6 runs each
+/// (2026-11-25, third session), from 256 MiB: without it `churn-4t` 0.812 to 1.156 and
+/// `churn-xs-4t` 1.028 to 1.300 (12 to 14 growths); with it 0.897 to 1.070 and 0.905 to 1.185
+/// (19 to 56 growths), ns/op the same within this machine's noise (37 to 62 against 39 to 73).
+/// One stream (`policies_grown_from_256_mib`): 1.174 with 10 growths without, 1.228 with 20
+/// with it (a cap of 1.25: 1.210 with 31; 1.2: 1.193 with 57): early growths, with 8 chunks of
+/// 32 MiB fragmented, are capped into smaller chunks.
 fn four_real_threads(initial: u64, hand_off: bool) {
     let (up, lists) = CountingUpstream::start(initial);
     let up = std::sync::Mutex::new(up);

@@ -18,6 +18,12 @@ impl<S: EngineStream> StreamHeap<S> {
             .max(reserved)
     }
 
+    /// Bytes handed out now, summed over the shards (each read under its lock; a request
+    /// between two reads may be counted in neither or both).
+    pub(crate) fn in_use(&self) -> u64 {
+        self.shards.iter().map(|shard| shard.lock().in_use).sum()
+    }
+
     /// Sums over the shards. The peak in use is each shard's peak summed: exact with one
     /// shard, an upper bound with several (their peaks need not coincide).
     pub(crate) fn stats(&self) -> EngineStats {
