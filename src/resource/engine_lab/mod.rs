@@ -553,6 +553,7 @@ fn time_churn(streams: usize, hand_off: bool) {
         .unwrap_or(2048);
     for _ in 0..reps {
         let (up, lists) = CountingUpstream::start_with(initial << 20, slack);
+        let told = Told(&up, &lists);
         let handles: Vec<LabStream> = (1..=streams as u64).map(LabStream::new).collect();
         let mut churn = Churn::new(streams);
         let mut live: Vec<(u64, u64, usize)> = Vec::with_capacity(4096);
@@ -562,7 +563,7 @@ fn time_churn(streams: usize, hand_off: bool) {
         for _ in 0..1_000_000 {
             match churn.next(live.len()) {
                 Op::Allocate { size, stream } => {
-                    let addr = lists.take(size, &handles[stream], &up).unwrap();
+                    let addr = lists.take(size, &handles[stream], &told).unwrap();
                     live.push((addr, size, stream));
                 }
                 Op::Free { index } => {
