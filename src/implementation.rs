@@ -89,8 +89,8 @@
 //! its own list, with *steals* and *merges* between them; blocks freed on different streams then
 //! coalesced only when a merge brought them together, and on hand-off workloads (WORKLOADS.md's
 //! `churn-xs`) the pool held 1.5 to 1.7 times its peak live memory. With one list, neighbours
-//! coalesce at the free and a request gets the best fit over everything: 1.03 to 1.17 on every
-//! run (`BENCHMARKS.md`).
+//! coalesce at the free and a request gets the best fit over everything: 0.82 to 1.23 on every
+//! run with the growth cap, 1.301 at worst without it (`BENCHMARKS.md`).
 //!
 //! **Stream order through tags.** Each free block carries the streams it was freed on, each with
 //! that stream's *epoch* at the free (`Waits`, at most four pairs; more stand for "every

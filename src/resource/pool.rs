@@ -154,7 +154,7 @@ pub struct PoolStats {
 ///   fit, and coalescing with both neighbours whatever stream freed them, in constant time;
 ///   blocks never merge across upstream chunks. So memory freed on one stream never strands
 ///   there while another grows the pool (issue 10: grown from 256 MiB, WORKLOADS.md's runs
-///   hold 1.03 to 1.17 times their peak live memory; `BENCHMARKS.md`). The list is kept in 8
+///   hold 0.82 to 1.23 times their peak live memory; `BENCHMARKS.md`). The list is kept in 8
 ///   shards, each chunk in one: a thread's requests go to its own shard first, then to the
 ///   best fit of the others, so that threads mostly take different locks.
 /// - Each free block remembers the streams it was freed on. A request on the stream that freed
