@@ -357,6 +357,7 @@ fn main() {
         "", "", "", "(ours)", "(ours + runtime)", "(median)", "ms/s", "ms/s"
     );
     let mut diagnosed = vec![];
+    let mut targets: Vec<Target> = vec![];
     for name in &strategies {
         for &kernel_us in &kernels {
             let device = open(strategy(name, prewake));
@@ -372,6 +373,12 @@ fn main() {
             }
             let mut runtime: Vec<i64> = to_task.iter().zip(&to_waker).map(|(t, w)| t - w).collect();
             runtime.sort();
+            if name == "prewake" {
+                let (mut waker, mut task) = (to_waker.clone(), to_task.clone());
+                waker.sort();
+                task.sort();
+                targets.push(Target::latency(kernel, &waker, &task));
+            }
             println!(
                 "{:<9} {:>8?} {:>7}  {}  {}  {:>9.1?}  {} {}",
                 name,
@@ -393,6 +400,7 @@ fn main() {
     }
 
     if flag("--no-cpu") {
+        Target::report(&targets, prewake);
         return;
     }
     println!("\nreactor CPU use, ms of CPU per s of wall time (1,000 events pending on 10 streams behind 1 s kernels)");
@@ -442,5 +450,60 @@ fn main() {
             ms(rounds[1].0),
             ms(rounds[1].1)
         );
+        if name == "prewake" {
+            targets.push(Target::cpu(idle, rounds[0].0, rounds[1].0));
+        }
+    }
+    Target::report(&targets, prewake);
+}
+
+/// One of issue 18's targets for the default strategy, measured.
+struct Target {
+    what: String,
+    met: bool,
+}
+
+impl Target {
+    /// Median to the waker under 5 µs, median to the task under 15 µs, p99 to the task under
+    /// 50 µs, behind a kernel of this length.
+    fn latency(kernel: Duration, waker: &[i64], task: &[i64]) -> Target {
+        let (w, t, t99) = (at(waker, 0.5), at(task, 0.5), at(task, 0.99));
+        let us = Duration::from_micros;
+        Target {
+            what: format!(
+                "{kernel:>8?}: median to waker {w:.1?} (< 5µs), to task {t:.1?} (< 15µs), p99 to task {t99:.1?} (< 50µs)"
+            ),
+            met: w < us(5) && t < us(15) && t99 < us(50),
+        }
+    }
+
+    /// The reactor's CPU under 50 ms per second with 1,000 events pending (both rounds), and
+    /// zero when idle.
+    fn cpu(idle: Option<f64>, first: Option<f64>, second: Option<f64>) -> Target {
+        let shown = |v: Option<f64>| v.map_or("n/a".to_owned(), |ms| format!("{ms:.1}"));
+        Target {
+            what: format!(
+                "reactor CPU: idle {} ms/s (0), 1,000 pending {} and {} ms/s (< 50)",
+                shown(idle),
+                shown(first),
+                shown(second)
+            ),
+            met: idle.is_some_and(|ms| ms < 0.05)
+                && [first, second]
+                    .iter()
+                    .all(|v| v.is_some_and(|ms| ms < 50.0)),
+        }
+    }
+
+    /// Prints each target and whether it was met (only with the default pre-wake, the
+    /// issue's "default options").
+    fn report(targets: &[Target], prewake: Duration) {
+        if targets.is_empty() || prewake != Duration::from_micros(250) {
+            return;
+        }
+        println!("\nissue 18's targets, the default options (prewake):");
+        for t in targets {
+            println!("  {} {}", if t.met { "met    " } else { "NOT MET" }, t.what);
+        }
     }
 }
