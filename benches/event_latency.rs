@@ -49,6 +49,8 @@ use std::time::{Duration, Instant};
 mod common;
 #[path = "event_latency/diag.rs"]
 mod diag;
+#[path = "event_latency/stalls.rs"]
+mod stalls;
 
 use common::now_ns;
 use streamalloc::{CudaOptions, Device, Event, SimConfig, WakeStrategy};
@@ -358,6 +360,7 @@ fn main() {
     );
     let mut diagnosed = vec![];
     let mut targets: Vec<Target> = vec![];
+    let mut host_stalls = vec![];
     for name in &strategies {
         for &kernel_us in &kernels {
             let device = open(strategy(name, prewake));
@@ -366,8 +369,10 @@ fn main() {
             let reactor = format!("sa-reactor-{}", device.id());
             wait_for_thread(&reactor);
             let _ = diag::take();
+            let spinner = stalls::Spinner::start();
             let ((to_waker, to_task, seen), reactor_ms, workers_ms) =
                 cpu_while(&reactor, || latency(&rt, &device, kernel, n));
+            host_stalls.push((name.clone(), kernel, spinner.stop()));
             if name == "predict" || name == "prewake" {
                 diagnosed.push((name.clone(), kernel, diag::take(), seen));
             }
@@ -391,6 +396,10 @@ fn main() {
                 ms(workers_ms),
             );
         }
+    }
+    println!("\nthe host's stalls during each cell: a thread spinning on the clock, its gaps");
+    for (name, kernel, seen) in &host_stalls {
+        println!("{name:<9} {kernel:>8?}  {}", seen.summary());
     }
     if !diagnosed.is_empty() {
         diag::header();
