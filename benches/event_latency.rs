@@ -12,6 +12,10 @@
 //! - `to task`: until the awaiting task runs again (adds the executor waking a worker thread);
 //! - `runtime`: the median of `to task - to waker` per sample, the runtime's part.
 //!
+//! With `--observer flag` the observer spins instead on a word of pinned host memory that the
+//! GPU writes right after the task's event (`cuStreamWriteValue32`, `event_latency/flag.rs`):
+//! no driver call, so the observer does not contend with the reactor's and the task's queries.
+//!
 //! The observer's event completes nanoseconds after the task's, so both slightly under-state,
 //! never over-state, the latency. Each cell also gives the CPU the reactor thread and the tokio
 //! workers used during it, in ms per s (the observer thread spins throughout and is not counted).
@@ -31,7 +35,7 @@
 //! ```text
 //! cargo bench --bench event_latency -- [--strategies backoff,spin,predict,prewake]
 //!     [--kernels-us 20,200,2000,20000] [--samples 5000] [--cell-secs 5] [--prewake-us 250]
-//!     [--no-cpu] [--no-baseline]
+//!     [--no-cpu] [--no-baseline] [--observer event|flag]
 //! ```
 //! Strategies: `backoff` (`CudaOptions::backoff()`, the reactor before issue 18), `spin`
 //! (`low_latency()`), `predict` (`WakeStrategy::Predict`, no pre-wake), `prewake` (predict and
@@ -49,6 +53,8 @@ use std::time::{Duration, Instant};
 mod common;
 #[path = "event_latency/diag.rs"]
 mod diag;
+#[path = "event_latency/flag.rs"]
+mod flag;
 #[path = "event_latency/stalls.rs"]
 mod stalls;
 
@@ -164,19 +170,52 @@ async fn stamped(event: Event, stamps: &Arc<ReactorStamps>) -> streamalloc::Resu
     .await
 }
 
-/// Per-sample (to waker, to task) in ns, and what the task saw of each.
+/// What the observer spins on to stamp the moment the GPU reached the awaited event.
+enum Watch {
+    /// A second event recorded right after it (`cuEventQuery` in a loop).
+    Event(Event),
+    /// The flag's value written right after it (plain loads; `--observer flag`).
+    Flag(u32),
+}
+
+/// Per-sample (to waker, to task) in ns, and what the task saw of each. With `use_flag` (on
+/// CUDA) the observer spins on a flag the GPU writes instead of a second event.
 fn latency(
     rt: &tokio::runtime::Runtime,
     device: &Device,
     kernel: Duration,
     samples: usize,
+    use_flag: bool,
 ) -> (Vec<i64>, Vec<i64>, Vec<diag::Seen>) {
     let stream = device.create_stream().unwrap();
-    let (to_observer, observer_rx) = mpsc::channel::<(Event, tokio::sync::oneshot::Sender<u64>)>();
+    // The flag, on CUDA when asked for (its stream's handle as an integer, to move it into
+    // the task).
+    let flag = if use_flag && !device.is_simulated() {
+        stream.synchronize_blocking().unwrap();
+        flag::Flag::new().map(Arc::new)
+    } else {
+        None
+    };
+    let raw = flag
+        .as_ref()
+        .and_then(|_| stream.cuda_stream())
+        .map(|s| s as usize);
+    let (to_observer, observer_rx) = mpsc::channel::<(Watch, tokio::sync::oneshot::Sender<u64>)>();
+    let seen_by = flag.clone();
     let observer = std::thread::spawn(move || {
-        for (event, reply) in observer_rx {
-            while !event.is_complete() {
-                std::hint::spin_loop();
+        for (watch, reply) in observer_rx {
+            match (watch, &seen_by) {
+                (Watch::Event(event), _) => {
+                    while !event.is_complete() {
+                        std::hint::spin_loop();
+                    }
+                }
+                (Watch::Flag(value), Some(flag)) => {
+                    while flag.read() != value {
+                        std::hint::spin_loop();
+                    }
+                }
+                (Watch::Flag(_), None) => unreachable!("a flag value with no flag"),
             }
             let _ = reply.send(now_ns());
         }
@@ -196,7 +235,14 @@ fn latency(
         for i in 0..samples + warmup {
             stream.spin(kernel).unwrap();
             let ours = stream.record().unwrap();
-            let theirs = stream.record().unwrap();
+            let theirs = match (&flag, raw) {
+                (Some(flag), Some(raw)) => {
+                    let value = i as u32 + 1;
+                    assert!(flag.write(raw, value), "cuStreamWriteValue32 refused");
+                    Watch::Flag(value)
+                }
+                _ => Watch::Event(stream.record().unwrap()),
+            };
             let (tx, rx) = tokio::sync::oneshot::channel();
             to_observer.send((theirs, tx)).unwrap();
             stamps.at.lock().unwrap().clear();
@@ -315,6 +361,8 @@ fn main() {
         .split(',')
         .map(|k| k.parse().expect("--kernels-us: µs, comma-separated"))
         .collect();
+    // `--observer flag`: the observer spins on a flag the GPU writes (no driver call).
+    let use_flag = arg("--observer").as_deref() == Some("flag");
     diag::install();
     let rt = tokio::runtime::Builder::new_multi_thread()
         .worker_threads(2)
@@ -333,6 +381,14 @@ fn main() {
             .unwrap_or_default()
     );
     println!("default options: {:?}", CudaOptions::default());
+    println!(
+        "observer: {}",
+        if use_flag {
+            "a flag the GPU writes after the event (plain loads; on CUDA, else a second event)"
+        } else {
+            "a second event (cuEventQuery in a loop)"
+        }
+    );
     drop(probe);
 
     if !flag("--no-baseline") {
@@ -371,7 +427,7 @@ fn main() {
             let _ = diag::take();
             let spinner = stalls::Spinner::start();
             let ((to_waker, to_task, seen), reactor_ms, workers_ms) =
-                cpu_while(&reactor, || latency(&rt, &device, kernel, n));
+                cpu_while(&reactor, || latency(&rt, &device, kernel, n, use_flag));
             host_stalls.push((name.clone(), kernel, spinner.stop()));
             if name == "predict" || name == "prewake" {
                 diagnosed.push((name.clone(), kernel, diag::take(), seen));
