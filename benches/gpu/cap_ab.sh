@@ -7,8 +7,6 @@ set -u
 . "$(dirname "$0")/common.sh"
 results cap
 if [ "${SUITE:-1}" = 1 ]; then suite; fi
-P="taskset -c 2-5"
-C=$(ls .gpu/bin/churn-* | head -1)
 for r in $(seq "${ROUNDS:-6}"); do
   if [ "$r" = 1 ] || [ "$r" = 4 ]; then bash .rmm/run.sh >> "$R/rmm.txt" 2>&1; fi
   if [ $((r % 2)) = 1 ]; then order="cap none"; else order="none cap"; fi

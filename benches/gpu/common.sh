@@ -1,4 +1,5 @@
-# Sourced by the one-call GPU scripts (units.sh, expandable_ab.sh, flaky.sh, final.sh).
+# Sourced by the one-call GPU scripts (units.sh, expandable_ab.sh, cap_ab.sh, events_4t.sh,
+# flaky.sh, final.sh).
 
 # results NAME: logs go to $R ($OUT/r), tarred into $OUT/NAME.tgz when the script exits (the
 # device returns at most 8 files); the GPU and the date first.
@@ -15,3 +16,8 @@ suite() {
   bash .gpu/run > "$R/tests.log" 2>&1; echo "suite rc=$? in $(( $(date +%s) - start )) s"
   grep -E "^(FAILED|[0-9]+ passed)|panicked" "$R/tests.log" | tail -8
 }
+
+# The packed churn binary in $C, and $P to pin a run to four cores (the same cores for every
+# build and setting a script compares).
+C=$(ls .gpu/bin/churn-* 2>/dev/null | head -1)
+P="taskset -c 2-5"

@@ -12,8 +12,6 @@ for i in 1 2 3; do
   timeout 200 "$EL" --strategies prewake --cell-secs 10 > "$R/event_latency-$i.txt" 2>&1
   sed -n '/issue 18/,$p' "$R/event_latency-$i.txt"
 done
-P="taskset -c 2-5"
-C=$(ls .gpu/bin/churn-* | head -1)
 for r in $(seq "${ROUNDS:-6}"); do
   $P $C --resource pool --run churn-4t,churn-xs-4t --initial 2048,256 >> "$R/pool.txt" 2>&1
   $P $C --resource pool --run churn-4t,churn-xs-4t --initial 256 --growth-divisor 1 --growth-cap none >> "$R/cap-g1.txt" 2>&1

@@ -6,8 +6,6 @@ set -u
 . "$(dirname "$0")/common.sh"
 results exp
 if [ "${SUITE:-1}" = 1 ]; then suite; fi
-P="taskset -c 2-5"
-C=$(ls .gpu/bin/churn-* | head -1)
 for r in $(seq "${ROUNDS:-8}"); do
   if [ "$r" = 1 ] || [ "$r" = 5 ]; then bash .rmm/run.sh >> "$R/rmm.txt" 2>&1; fi
   order=("pool" "exp-8" "exp-2"); k=$((r % 3))

@@ -5,8 +5,6 @@ set -u
 . "$(dirname "$0")/common.sh"
 results units
 suite
-P="taskset -c 2-5"
-C=$(ls .gpu/bin/churn-* | head -1)
 for r in 1 2 3 4; do
   $P $C --resource pool --run workloads --initial 2048,256 >> "$R/pool.txt" 2>&1
   for u in 2 8 16; do $P $C --resource expandable --run workloads --initial 2048,256 --map-unit $u >> "$R/exp-$u.txt" 2>&1; done
