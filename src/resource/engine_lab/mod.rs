@@ -440,6 +440,7 @@ fn tagged_list(streams: usize, tolerance: f64) -> String {
 /// live, and the waits.
 fn engine_four_threads(hand_off: bool, slack: f64) -> String {
     let (up, lists) = CountingUpstream::start_with(256 << 20, slack);
+    let up = Told(&up, &lists);
     let handles: Vec<LabStream> = (1..=4).map(LabStream::new).collect();
     struct T {
         rng: u64,
@@ -480,8 +481,8 @@ fn engine_four_threads(hand_off: bool, slack: f64) -> String {
     let peak: u64 = ts.iter().map(|t| t.peak).sum();
     format!(
         "{:.3} ({} growths, {} stream waits)",
-        up.peak.get() as f64 / peak as f64,
-        up.grows.get(),
+        up.0.peak.get() as f64 / peak as f64,
+        up.0.grows.get(),
         lists.stats().waits
     )
 }
