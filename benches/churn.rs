@@ -194,11 +194,12 @@ fn arg(name: &str, default: &str) -> String {
 /// A pool's report column: peak reserved over peak live, and how it got there.
 fn pool_extra(s: &PoolStats, o: &Outcome) -> String {
     format!(
-        "{} MiB / {} MiB = {:.3} ({} grows, {} stream waits, {} idle reuses, {} shard spills, {:.1} ms growing)",
+        "{} MiB / {} MiB = {:.3} ({} grows, {} capped, {} stream waits, {} idle reuses, {} shard spills, {:.1} ms growing)",
         s.peak_reserved / MIB,
         o.peak_live / MIB as u64,
         s.peak_reserved as f64 / o.peak_live as f64,
         s.grows,
+        s.capped_grows,
         s.stream_waits,
         s.idle_reuses,
         s.shard_spills,

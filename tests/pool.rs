@@ -384,16 +384,24 @@ fn growth_stays_within_the_cap() {
                 free(&p, ptr, size, &s);
             }
             check_pool(&p);
-            (broken, growths)
+            let stats = p.stats();
+            assert_eq!(stats.grows, growths, "{}", label(&device));
+            (broken, growths, stats.capped_grows)
         };
-        let (broken, growths) = churn(Some(1.3));
+        let (broken, growths, capped) = churn(Some(1.3));
         assert_eq!(
             broken,
             0,
             "{}: {broken} of {growths} growths past the cap",
             label(&device)
         );
-        let (broken, growths) = churn(None);
+        assert!(
+            capped > 0,
+            "{}: the cap cut none of {growths} growths",
+            label(&device)
+        );
+        let (broken, growths, capped) = churn(None);
+        assert_eq!(capped, 0, "{}", label(&device));
         assert!(
             broken > 0 && growths > 1,
             "{}: without the cap, {broken} of {growths} growths broke the rule: the churn tests nothing",

@@ -123,6 +123,9 @@ pub struct PoolStats {
     pub streams: usize,
     /// Times the pool grew from its upstream after construction.
     pub grows: u64,
+    /// How many of those growths [`PoolOptions::growth_cap`] made smaller than the
+    /// [`growth_divisor`](PoolOptions::growth_divisor) step.
+    pub capped_grows: u64,
     /// Time spent in the upstream's allocations for those growths (the driver's share of
     /// growing: on CUDA, `cuMemAlloc` of a new chunk). A pool grown from small pays it inside
     /// the requests that grew it.
@@ -185,6 +188,8 @@ pub struct PoolResource<U: MemoryResource> {
     reserved: AtomicU64,
     peak_reserved: AtomicU64,
     grows: AtomicU64,
+    /// Growths the cap made smaller than the step.
+    capped_grows: AtomicU64,
     /// Nanoseconds spent in the upstream's allocations for growth.
     growth_nanos: AtomicU64,
     maximum: u64,
@@ -245,6 +250,7 @@ impl<U: MemoryResource> PoolResource<U> {
             reserved: AtomicU64::new(0),
             peak_reserved: AtomicU64::new(0),
             grows: AtomicU64::new(0),
+            capped_grows: AtomicU64::new(0),
             growth_nanos: AtomicU64::new(0),
             maximum: maximum as u64,
             growth_divisor: u64::from(options.growth_divisor.max(1)),
@@ -307,6 +313,7 @@ impl<U: MemoryResource> PoolResource<U> {
             chunks: self.chunks.lock().len(),
             streams: engine.streams,
             grows: self.grows.load(Ordering::Relaxed),
+            capped_grows: self.capped_grows.load(Ordering::Relaxed),
             growth_time: Duration::from_nanos(self.growth_nanos.load(Ordering::Relaxed)),
             stream_waits: engine.waits,
             shard_spills: engine.spills,
@@ -526,6 +533,7 @@ impl<U: MemoryResource> Grow for PoolResource<U> {
             .min(room)
             .next_multiple_of(ALIGNMENT as u64)
             .min(room);
+        let mut is_capped = false;
         if let Some(cap) = self.growth_cap {
             // What the cap allows over what is held, from the most ever in use at a growth
             // (a floor of the peak in use), and never less than the request.
@@ -543,6 +551,7 @@ impl<U: MemoryResource> Grow for PoolResource<U> {
             if capped < attempt {
                 tracing::debug!(step = attempt, capped, floor, "growth capped");
                 attempt = capped;
+                is_capped = true;
             }
         }
         let _span = tracing::debug_span!("grow", requested = min, reserved, attempt).entered();
@@ -554,6 +563,9 @@ impl<U: MemoryResource> Grow for PoolResource<U> {
             match grown {
                 Ok(chunk) => {
                     self.grows.fetch_add(1, Ordering::Relaxed);
+                    if is_capped {
+                        self.capped_grows.fetch_add(1, Ordering::Relaxed);
+                    }
                     tracing::debug!(chunk = chunk.1, "pool grew");
                     return Ok(chunk);
                 }

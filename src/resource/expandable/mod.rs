@@ -218,6 +218,8 @@ impl ExpandablePoolResource {
             chunks: core.mapped_granules(),
             streams: engine.streams,
             grows: core.grows(),
+            // It maps what each request lacks: no step for a cap to cut.
+            capped_grows: 0,
             growth_time: core.growth_time(),
             stream_waits: engine.waits,
             shard_spills: engine.spills,
