@@ -639,6 +639,15 @@ fn engine_four_real_threads() {
 /// One stream (`policies_grown_from_256_mib`): 1.174 with 10 growths without, 1.228 with 20
 /// with it (a cap of 1.25: 1.210 with 31; 1.2: 1.193 with 57): early growths, with 8 chunks of
 /// 32 MiB fragmented, are capped into smaller chunks.
+///
+/// Tried with the cap and not kept (a temporary patch of the engine, third session): a thread
+/// that has spilled 256 times since it last grew grows its home shard by a whole step, when the
+/// cap leaves room for one (a new `Grow` method). The cap seldom does (the most in use at a
+/// growth lags the peak), so the spills stayed (8,600 to 131,000 against 4,900 to 39,000) and so
+/// did the time (3 runs each: `churn-4t` from 256 MiB 38.7 to 50.6 ns/op against 35.4 to 50.7).
+/// On the GPU hosts, growing in few large chunks (`churn --growth-divisor 1 --growth-cap none`,
+/// run21) made the spills 15,000 to 135,000 and the four-thread runs 2.6 to 3.1 times slower:
+/// spills, not the driver's growth time, are what the 256 MiB start pays for.
 fn four_real_threads(initial: u64, hand_off: bool) {
     let (up, lists) = CountingUpstream::start(initial);
     let up = std::sync::Mutex::new(up);
