@@ -10,6 +10,7 @@
 //! `--reuse-slack X` sets `PoolOptions::reuse_slack` (default 0); `--opportunistic off` turns
 //! `PoolOptions::opportunistic_reuse` off (every cross-stream reuse waits on the GPU);
 //! `--growth-cap X|none` sets `PoolOptions::growth_cap` (default 1.3);
+//! `--superblock MIB` sets the arena's `ArenaOptions::superblock_size` (default 1 MiB, RMM's);
 //! `--map-unit MIB` sets the expandable pool's `ExpandableOptions::map_unit` (default: 4
 //! granules, 8 MiB on an H100 or H200).
 //!
@@ -217,6 +218,7 @@ fn main() {
     let opportunistic_reuse = arg("--opportunistic", "on") != "off";
     let map_unit: Option<usize> = arg("--map-unit", "default").parse().ok();
     let growth_cap: Option<f64> = arg("--growth-cap", "1.3").parse().ok();
+    let superblock: Option<usize> = arg("--superblock", "default").parse().ok();
     let initials: Vec<usize> = arg("--initial", "2048,256")
         .split(',')
         .map(|m| {
@@ -335,7 +337,8 @@ fn main() {
                         ArenaOptions {
                             initial,
                             maximum: Some(8 * GIB),
-                            ..ArenaOptions::default()
+                            superblock_size: superblock
+                                .map_or(ArenaOptions::default().superblock_size, |mib| mib * MIB),
                         },
                     )
                     .unwrap();
