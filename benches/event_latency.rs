@@ -284,10 +284,14 @@ fn at(sorted: &[i64], q: f64) -> Duration {
     Duration::from_nanos(sorted[((sorted.len() - 1) as f64 * q).round() as usize].max(0) as u64)
 }
 
-/// "median p99" of nanosecond samples (negative ones count as zero).
-fn med_p99(mut v: Vec<i64>) -> String {
+/// "median p99" of sorted nanosecond samples (negative ones count as zero).
+fn med_p99(sorted: &[i64]) -> String {
+    format!("{:>9.1?} {:>9.1?}", at(sorted, 0.5), at(sorted, 0.99))
+}
+
+fn sorted(mut v: Vec<i64>) -> Vec<i64> {
     v.sort();
-    format!("{:>9.1?} {:>9.1?}", at(&v, 0.5), at(&v, 0.99))
+    v
 }
 
 fn ms(v: Option<f64>) -> String {
@@ -400,7 +404,7 @@ fn main() {
                 "  delay {:>8?} {:>6} samples   to task {}",
                 delay,
                 n,
-                med_p99(runtime_baseline(&rt, delay, n))
+                med_p99(&sorted(runtime_baseline(&rt, delay, n)))
             );
         }
     }
@@ -426,27 +430,26 @@ fn main() {
             wait_for_thread(&reactor);
             let _ = diag::take();
             let spinner = stalls::Spinner::start();
-            let ((to_waker, to_task, seen), reactor_ms, workers_ms) =
+            let ((mut to_waker, mut to_task, seen), reactor_ms, workers_ms) =
                 cpu_while(&reactor, || latency(&rt, &device, kernel, n, use_flag));
             host_stalls.push((name.clone(), kernel, spinner.stop()));
             if name == "predict" || name == "prewake" {
                 diagnosed.push((name.clone(), kernel, diag::take(), seen));
             }
-            let mut runtime: Vec<i64> = to_task.iter().zip(&to_waker).map(|(t, w)| t - w).collect();
-            runtime.sort();
+            // Per sample, before the two lists are sorted apart.
+            let runtime = sorted(to_task.iter().zip(&to_waker).map(|(t, w)| t - w).collect());
+            to_waker.sort();
+            to_task.sort();
             if name == "prewake" {
-                let (mut waker, mut task) = (to_waker.clone(), to_task.clone());
-                waker.sort();
-                task.sort();
-                targets.push(Target::latency(kernel, &waker, &task));
+                targets.push(Target::latency(kernel, &to_waker, &to_task));
             }
             println!(
                 "{:<9} {:>8?} {:>7}  {}  {}  {:>9.1?}  {} {}",
                 name,
                 kernel,
                 n,
-                med_p99(to_waker),
-                med_p99(to_task),
+                med_p99(&to_waker),
+                med_p99(&to_task),
                 at(&runtime, 0.5),
                 ms(reactor_ms),
                 ms(workers_ms),
