@@ -110,12 +110,10 @@ struct CountingUpstream {
     reserved: Cell<u64>,
     peak: Cell<u64>,
     grows: Cell<u64>,
-    /// Bytes in use when growing (`LAB_GROW_BY_IN_USE=1`): the step is an eighth of the
-    /// smaller of that and what is held.
-    in_use: Cell<Option<u64>>,
     /// Free bytes of the engine when growing (`LAB_SMALL_GROWTH=1`).
     free: Cell<Option<u64>>,
-    /// Bytes in use when growing (told by `grow_told`), for the growth cap.
+    /// Bytes in use when growing (told by `grow_told`): for the growth cap, and with
+    /// `LAB_GROW_BY_IN_USE=1` the step is an eighth of the smaller of that and what is held.
     live: Cell<Option<u64>>,
     live_floor: Cell<u64>,
 }
@@ -134,7 +132,6 @@ impl CountingUpstream {
             reserved: Cell::new(0),
             peak: Cell::new(0),
             grows: Cell::new(0),
-            in_use: Cell::new(None),
             free: Cell::new(None),
             live: Cell::new(None),
             live_floor: Cell::new(0),
@@ -153,7 +150,12 @@ impl CountingUpstream {
 impl Grow<LabStream> for CountingUpstream {
     fn grow(&self, min: u64, _stream: &LabStream) -> Result<(u64, u64)> {
         let held = self.reserved.get();
-        let basis = self.in_use.get().map_or(held, |u| u.min(held));
+        let basis = match self.live.get() {
+            Some(live) if std::env::var("LAB_GROW_BY_IN_USE").as_deref() == Ok("1") => {
+                live.min(held)
+            }
+            _ => held,
+        };
         // `LAB_DIVISOR=D`: an eighth by default, as the pool's `growth_divisor`.
         let divisor: u64 = std::env::var("LAB_DIVISOR")
             .ok()
@@ -267,9 +269,6 @@ impl CountingUpstream {
         let on = |name: &str| std::env::var(name).as_deref() == Ok("1");
         let stats = lists.stats();
         self.live.set(Some(stats.in_use));
-        if on("LAB_GROW_BY_IN_USE") {
-            self.in_use.set(Some(stats.in_use));
-        }
         if on("LAB_SMALL_GROWTH") {
             self.free.set(Some(stats.free_bytes));
         }
