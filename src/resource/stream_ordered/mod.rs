@@ -76,6 +76,9 @@ mod view;
 mod waits;
 
 use blocks::BlockTable;
+/// The block table, for `engine_lab`'s floor.
+#[cfg(all(test, not(streamalloc_loom)))]
+pub(crate) use blocks::BlockTable as BlockTableForLab;
 use chunks::ChunkTable;
 pub(crate) use view::ListBlocks;
 pub(crate) use waits::Waits;
