@@ -77,7 +77,7 @@ mod waits;
 
 use blocks::BlockTable;
 /// The block table, for `engine_lab`'s floor.
-#[cfg(all(test, not(streamalloc_loom)))]
+#[cfg(test)]
 pub(crate) use blocks::BlockTable as BlockTableForLab;
 use chunks::ChunkTable;
 pub(crate) use view::ListBlocks;

@@ -202,3 +202,39 @@ fn a_stream_seen_idle_with_nothing_queued_since_is_not_asked_again() {
     }
     heap.check().unwrap();
 }
+
+#[test]
+fn memory_taken_out_waits_for_its_other_streams_when_its_first_is_forgotten() {
+    const B: u64 = 1 << 20;
+    let heap: StreamHeap<Probe> = StreamHeap::with_options(0.0, 1);
+    heap.add_chunk(0x1000_0000, 2 * B);
+    heap.give_fresh(0x1000_0000, 2 * B);
+    let first = Probe::new(1, true);
+    let busy = Probe::new(3, false);
+    let a = heap.take(B, &first, &NoGrowth).unwrap();
+    let b = heap.take(B, &busy, &NoGrowth).unwrap();
+    assert!(heap.give(a, B, &first));
+    assert!(heap.give(b, B, &busy));
+    // The whole chunk is free, tagged with both streams, `first` first: taken out (a chunk
+    // going back upstream, or granules being unmapped) ...
+    let shard = heap.shard_of(0x1000_0000, 2 * B).unwrap();
+    let tag = (shard.lock().free)
+        .take_exact_tagged(0x1000_0000, 2 * B)
+        .unwrap();
+    assert_eq!(tag.pairs().len(), 2);
+    // ... and, before it is ordered, a trim on another thread forgets `first` (dropped by the
+    // user, idle).
+    drop(first);
+    let forgotten = heap.idle_streams();
+    assert_eq!(forgotten.len(), 1);
+    for idle in forgotten {
+        heap.forget(idle);
+    }
+    // The memory must still wait for `busy`.
+    let onto = heap.onto_one(shard, &tag).unwrap();
+    assert_eq!(
+        onto.map(|s| s.uid()),
+        Some(3),
+        "memory freed on a busy stream released with no wait for it"
+    );
+}

@@ -127,15 +127,24 @@ impl<S: EngineStream> StreamHeap<S> {
     }
 
     /// One stream after which the memory of `shard` tagged `tag` may be reused by anyone (or
-    /// released): the first stream it names, after every other it names has been ordered
-    /// before it. `None` if the tag names none.
+    /// released): the first stream it names that the engine still knows, after every other it
+    /// names has been ordered before it. `None` if it names none the engine still knows: a
+    /// stream is forgotten only after the host saw its work finish.
+    ///
+    /// Not simply the tag's first stream: `tag` was taken out of the shard (a chunk going
+    /// back, granules being unmapped) before this call, so a trim on another thread may have
+    /// forgotten that stream meanwhile, and [`forget`](Self::forget) clears only the tags
+    /// still in the shards. Giving up on the first would release memory that the tag's other
+    /// streams may still be using (a review's finding; `order_tests.rs`).
     pub(super) fn onto_one(&self, shard: &Shard<S>, tag: &Waits) -> Result<Option<S>> {
         let mut heap = shard.lock();
-        let first = match tag.first() {
-            Some(slot) => Some(slot),
+        let first = if tag.every() {
             // More streams than the tag holds: every stream.
-            None if tag.every() => heap.slots.values().copied().min(),
-            None => None,
+            heap.slots.values().copied().min()
+        } else {
+            (tag.pairs().iter())
+                .map(|&(slot, _)| slot)
+                .find(|&slot| heap.entry(slot).is_some())
         };
         let Some(slot) = first else {
             return Ok(None);
