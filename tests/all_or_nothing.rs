@@ -297,7 +297,8 @@ struct Counting<R> {
     tries: AtomicUsize,
 }
 
-impl<R: MemoryResource> MemoryResource for Counting<R> {
+// SAFETY: every allocation is the upstream's, passed on unchanged; this only counts.
+unsafe impl<R: MemoryResource> MemoryResource for Counting<R> {
     fn device(&self) -> &Device {
         self.inner.device()
     }

@@ -304,3 +304,39 @@ fn buffers_and_their_futures_are_send_and_sync() {
 
 // The cudarc launch on our buffers (and on our stream, with no synchronization) is in
 // tests/cudarc_interop.rs.
+
+/// `set_stream` orders the new stream after the old one: a buffer the pool handed out on the
+/// old stream straight from a free there (no ordering: stream order) may still be written by
+/// the previous owner's queued work. A review found the safe `memset` on the new stream racing
+/// that work, and losing to it.
+#[test]
+fn set_stream_orders_the_new_stream_after_the_old() {
+    for device in devices() {
+        let p = pool(&device, 16 << 20, 64 << 20);
+        let (s1, s2) = (
+            device.create_stream().unwrap(),
+            device.create_stream().unwrap(),
+        );
+        let mut a = DeviceBuffer::new(&p, 1 << 20, &s1).unwrap();
+        let at = a.as_ptr();
+        s1.spin(Duration::from_millis(200)).unwrap();
+        a.memset(1).unwrap();
+        drop(a); // freed on `s1`, its memset still queued there
+        let mut b = DeviceBuffer::new(&p, 1 << 20, &s1).unwrap();
+        assert_eq!(
+            b.as_ptr(),
+            at,
+            "{}: the same block, reused in stream order",
+            label(&device)
+        );
+        b.set_stream(&s2).unwrap();
+        b.memset(2).unwrap();
+        s1.synchronize_blocking().unwrap();
+        let back = runtime().block_on(b.to_host()).unwrap();
+        assert!(
+            back.iter().all(|&v| v == 2),
+            "{}: the old stream's queued write landed after the new stream's",
+            label(&device)
+        );
+    }
+}

@@ -668,3 +668,92 @@ fn fixed_size_blocks() {
         f.check_invariants().unwrap();
     }
 }
+
+/// A pool over a stream-ordered upstream (here another pool; the driver's pool is another):
+/// the chunk it grows on stream `s` is ready only in `s`'s order, so a third stream that takes
+/// the rest of it must be ordered after `s`. A review found the rest handed to `t` at once:
+/// `t`'s data was overwritten by work still queued on the stream that freed the inner pool's
+/// block.
+#[test]
+fn a_chunk_grown_on_a_stream_is_ordered_for_other_streams() {
+    for device in devices() {
+        let inner = Arc::new(
+            PoolResource::new(
+                CudaResource::new(&device),
+                PoolOptions {
+                    initial: 0,
+                    maximum: Some(64 * MIB),
+                    opportunistic_reuse: false,
+                    ..PoolOptions::default()
+                },
+            )
+            .unwrap(),
+        );
+        let outer = Arc::new(
+            PoolResource::new(
+                inner.clone(),
+                PoolOptions {
+                    initial: 0,
+                    maximum: Some(64 * MIB),
+                    ..PoolOptions::default()
+                },
+            )
+            .unwrap(),
+        );
+        let (d, s, t) = (
+            device.create_stream().unwrap(),
+            device.create_stream().unwrap(),
+            device.create_stream().unwrap(),
+        );
+        // A block of the inner pool, written on `d` late (behind a spin), freed on `d`.
+        let mut x = streamalloc::DeviceBuffer::new(&inner, 4 * MIB, &d).unwrap();
+        d.spin(Duration::from_millis(300)).unwrap();
+        x.memset(1).unwrap();
+        drop(x);
+        // The outer pool grows on `s` (the inner pool orders `s` after `d`) ...
+        let a = streamalloc::DeviceBuffer::new(&outer, MIB, &s).unwrap();
+        assert_eq!(outer.stats().grows, 1, "{}", label(&device));
+        // ... and hands the rest of that chunk to `t`.
+        let mut b = streamalloc::DeviceBuffer::new(&outer, MIB, &t).unwrap();
+        b.memset(2).unwrap();
+        let back = common::runtime().block_on(b.to_host()).unwrap();
+        d.synchronize_blocking().unwrap();
+        let again = common::runtime().block_on(b.to_host()).unwrap();
+        assert!(
+            back.iter().chain(&again).all(|&v| v == 2),
+            "{}: the grown chunk reached another stream before the memory was free",
+            label(&device)
+        );
+        drop((a, b));
+        for stream in [&d, &s, &t] {
+            stream.synchronize_blocking().unwrap();
+        }
+        if device.is_simulated() {
+            assert_eq!(device.take_races(), Vec::new(), "{}", label(&device));
+        }
+    }
+}
+
+/// A cap so large that the cap times the use passes `u64::MAX` allows every byte of room: no
+/// overflow (a review found a panic in debug builds and growth by 0 bytes in release ones).
+#[test]
+fn a_huge_growth_cap_grows_as_no_cap() {
+    for device in devices() {
+        for cap in [f64::MAX, 1e30, f64::INFINITY] {
+            let p = PoolResource::new(
+                CudaResource::new(&device),
+                PoolOptions {
+                    initial: 0,
+                    maximum: Some(64 * MIB),
+                    growth_cap: Some(cap),
+                    ..PoolOptions::default()
+                },
+            )
+            .unwrap();
+            let s = device.create_stream().unwrap();
+            let ptr = p.allocate(MIB, &s).unwrap();
+            free(&p, ptr, MIB, &s);
+            check_pool(&p);
+        }
+    }
+}

@@ -100,25 +100,29 @@ fn slow_reusing_upstream(device: &Device) -> CallbackResource {
     type Ranges = Arc<Mutex<(u64, Vec<u64>)>>;
     let ranges: Ranges = Arc::new(Mutex::new((1 << 40, Vec::new())));
     let (ra, rd) = (ranges.clone(), ranges);
-    CallbackResource::new(
-        device,
-        move |bytes, _| {
-            let mut r = ra.lock().unwrap();
-            // Bases 1 GiB apart, so a freed base can be handed out again for any size.
-            assert!(bytes <= 1 << 30);
-            if let Some(base) = r.1.pop() {
-                return Ok(DevicePtr(base));
-            }
-            let base = r.0;
-            r.0 += 1 << 30;
-            Ok(DevicePtr(base))
-        },
-        move |ptr, _, _| {
-            rd.lock().unwrap().1.push(ptr.0);
-            std::thread::sleep(Duration::from_millis(200));
-            Ok(())
-        },
-    )
+    // SAFETY: the addresses are made up, and nothing in these tests touches the memory: only
+    // the pool's bookkeeping of it is under test.
+    unsafe {
+        CallbackResource::new(
+            device,
+            move |bytes, _| {
+                let mut r = ra.lock().unwrap();
+                // Bases 1 GiB apart, so a freed base can be handed out again for any size.
+                assert!(bytes <= 1 << 30);
+                if let Some(base) = r.1.pop() {
+                    return Ok(DevicePtr(base));
+                }
+                let base = r.0;
+                r.0 += 1 << 30;
+                Ok(DevicePtr(base))
+            },
+            move |ptr, _, _| {
+                rd.lock().unwrap().1.push(ptr.0);
+                std::thread::sleep(Duration::from_millis(200));
+                Ok(())
+            },
+        )
+    }
 }
 
 /// Issue 19, finding 2: the trim unregistered its chunk only after the upstream returned, by

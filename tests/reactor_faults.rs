@@ -137,11 +137,15 @@ fn a_panicking_deferred_free_does_not_kill_the_reactor() {
         let d = device.clone();
         let message = format!("test deallocate panics (reactor_faults: deferred free, try {n})");
         let panicked = message.clone();
-        let panicking = Arc::new(CallbackResource::new(
-            &device,
-            move |bytes, _| d.malloc(bytes),
-            move |_, _, _| panic!("{panicked}"),
-        ));
+        // SAFETY: memory from the device's own `malloc`; the free panics before it frees anything
+        // (the test is about the panic).
+        let panicking = Arc::new(unsafe {
+            CallbackResource::new(
+                &device,
+                move |bytes, _| d.malloc(bytes),
+                move |_, _, _| panic!("{panicked}"),
+            )
+        });
         let good = Arc::new(CudaResource::new(&device));
         let (s, busy) = (
             device.create_stream().unwrap(),
@@ -295,7 +299,8 @@ struct DropProbe {
     dropped_on: Arc<Mutex<Option<String>>>,
 }
 
-impl streamalloc::MemoryResource for DropProbe {
+// SAFETY: every allocation is the inner resource's, passed on unchanged.
+unsafe impl streamalloc::MemoryResource for DropProbe {
     fn device(&self) -> &Device {
         self.inner.device()
     }

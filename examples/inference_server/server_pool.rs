@@ -63,7 +63,9 @@ impl ServerPool {
     }
 }
 
-impl MemoryResource for ServerPool {
+// SAFETY: every allocation is one of the wrapped resources' (each a `MemoryResource`), passed on
+// unchanged and freed through the same one.
+unsafe impl MemoryResource for ServerPool {
     fn device(&self) -> &Device {
         self.inner().device()
     }

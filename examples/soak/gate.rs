@@ -86,7 +86,9 @@ impl<R: Checked> Gate<R> {
     }
 }
 
-impl<R: Checked> MemoryResource for Gate<R> {
+// SAFETY: every allocation is the wrapped resource's (itself a `MemoryResource`), passed on
+// unchanged.
+unsafe impl<R: Checked> MemoryResource for Gate<R> {
     fn device(&self) -> &Device {
         self.inner.device()
     }

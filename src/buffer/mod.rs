@@ -270,12 +270,20 @@ impl DeviceBuffer {
         &self.stream
     }
 
-    /// Moves the buffer to `stream`: later work uses it there, and it is freed there. The
-    /// caller orders `stream` after work already queued on the old one (or records the old one
-    /// with `record_stream`, which this does for you).
+    /// Moves the buffer to `stream`: later work uses it there, and it is freed there.
+    /// `stream` is ordered after the work queued on the old stream so far (an event recorded
+    /// there and a GPU-side wait: the host does not block), and the old stream is recorded as
+    /// a use, so the free also waits for what is queued there later.
+    ///
+    /// The ordering matters even for a buffer the caller never touched on the old stream: the
+    /// pool may have handed it out on that stream with no ordering at all, straight from a free
+    /// there whose last user is still queued (unlike RMM's `set_stream`, which leaves this to
+    /// the caller, and unlike this method before a review found the safe `memset` on the new
+    /// stream racing the previous owner's copy). On an error nothing changes.
     pub fn set_stream(&mut self, stream: &Stream) -> Result<()> {
         check_device(&self.resource, stream)?;
         if stream.id() != self.stream.id() {
+            stream.wait(&self.stream.record()?)?;
             let old = std::mem::replace(&mut self.stream, stream.clone());
             self.add_use(old);
         }

@@ -94,10 +94,12 @@ impl CudaReservation {
         let mut result = Ok(());
         while done < count {
             let index = first + done;
-            debug_assert!(
-                !handles.contains_key(&index),
-                "granule {index} mapped twice"
-            );
+            if handles.contains_key(&index) {
+                // Still mapped: an earlier call's rollback could not unmap it (see below), and
+                // the pool took it as unmapped. Its memory is there and ours: use it as is.
+                done += 1;
+                continue;
+            }
             let mut handle: sys::CUmemGenericAllocationHandle = 0;
             // SAFETY: `prop` is initialized; the driver writes one handle on success.
             if let Err(e) = call("cuMemCreate", unsafe {
@@ -173,7 +175,13 @@ impl CudaReservation {
         call("cuMemUnmap", unsafe { sys::cuMemUnmap(addr, self.granule) })?;
         handles.remove(&index);
         // SAFETY: the handle of the mapping just removed, released once.
-        call("cuMemRelease", unsafe { sys::cuMemRelease(handle) })
+        if let Err(e) = call("cuMemRelease", unsafe { sys::cuMemRelease(handle) }) {
+            // The granule is unmapped all the same, and must be reported so: an error here
+            // would leave the pool taking it as mapped, and handing out memory that is not
+            // (a review's finding). The physical memory may be lost to the process.
+            tracing::warn!(error = %e, index, "unmapped a granule but could not release its memory");
+        }
+        Ok(())
     }
 
     /// Unmaps everything and gives the address range back (`cuMemAddressFree`).

@@ -263,7 +263,9 @@ impl<U: MemoryResource> BinningResource<U> {
     }
 }
 
-impl<U: MemoryResource> MemoryResource for BinningResource<U> {
+// SAFETY: each size goes to one bin or to the fallback (the upstream or a resource given), each
+// a `MemoryResource`, and is freed through the same one.
+unsafe impl<U: MemoryResource> MemoryResource for BinningResource<U> {
     fn device(&self) -> &Device {
         &self.device
     }

@@ -34,12 +34,15 @@ type DeallocateFn = dyn Fn(DevicePtr, usize, &Stream) -> Result<()> + Send + Syn
 ///
 /// let device = Device::simulated(SimConfig::default());
 /// let (d1, d2) = (device.clone(), device.clone());
-/// let mr = CallbackResource::new(
-///     &device,
-///     move |bytes, _stream| d1.malloc(bytes),
-///     // SAFETY (of the closure's body): only pointers from `malloc` above come back here.
-///     move |ptr, _bytes, stream| { stream.synchronize_blocking()?; unsafe { d2.free(ptr) } },
-/// );
+/// let allocate = move |bytes, _stream: &_| d1.malloc(bytes);
+/// let deallocate = move |ptr, _bytes, stream: &streamalloc::Stream| {
+///     stream.synchronize_blocking()?;
+///     // SAFETY: only pointers from `malloc` above come back here, once their stream is done.
+///     unsafe { d2.free(ptr) }
+/// };
+/// // SAFETY: every pointer comes from the device's own `malloc`, and goes back to `free` once
+/// // the stream that frees it has finished with it.
+/// let mr = unsafe { CallbackResource::new(&device, allocate, deallocate) };
 /// let stream = device.create_stream()?;
 /// let ptr = mr.allocate(1000, &stream)?;
 /// // SAFETY: allocated above with 1000 bytes, unused, freed once.
@@ -66,7 +69,13 @@ impl CallbackResource {
     /// A resource of `device` (device memory) whose `allocate(bytes, stream)` calls
     /// `allocate(bytes, stream)` and whose `deallocate(ptr, bytes, stream)` calls
     /// `deallocate(ptr, bytes, stream)`.
-    pub fn new<A, D>(device: &Device, allocate: A, deallocate: D) -> Self
+    ///
+    /// # Safety
+    /// The closures keep [`MemoryResource`]'s contract (its "Safety" section): every pointer
+    /// `allocate` returns is memory of `device` of at least the bytes asked for, that nothing
+    /// else uses until it comes back through `deallocate`; buffers made from this resource
+    /// queue copies into it from safe code.
+    pub unsafe fn new<A, D>(device: &Device, allocate: A, deallocate: D) -> Self
     where
         A: Fn(usize, &Stream) -> Result<DevicePtr> + Send + Sync + 'static,
         D: Fn(DevicePtr, usize, &Stream) -> Result<()> + Send + Sync + 'static,
@@ -80,13 +89,19 @@ impl CallbackResource {
     }
 
     /// The same resource, reporting `kind` as the kind of memory its closures hand out.
-    pub fn with_memory_kind(mut self, kind: MemoryKind) -> Self {
+    ///
+    /// # Safety
+    /// The closures hand out memory of that kind (code that trusts the kind may access it
+    /// from the host).
+    pub unsafe fn with_memory_kind(mut self, kind: MemoryKind) -> Self {
         self.kind = kind;
         self
     }
 }
 
-impl MemoryResource for CallbackResource {
+// SAFETY: the closures' memory is what `CallbackResource::new`'s caller promised (it is
+// `unsafe`); this adds the null, alignment and device checks.
+unsafe impl MemoryResource for CallbackResource {
     fn device(&self) -> &Device {
         &self.device
     }

@@ -51,7 +51,9 @@ impl fmt::Debug for CudaResource {
     }
 }
 
-impl MemoryResource for CudaResource {
+// SAFETY: each allocation is a fresh `cuMemAlloc` (the simulated device's allocation) of at least
+// the bytes asked for, freed only through `deallocate`.
+unsafe impl MemoryResource for CudaResource {
     fn device(&self) -> &Device {
         &self.device
     }

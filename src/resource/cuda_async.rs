@@ -288,7 +288,10 @@ impl fmt::Debug for CudaAsyncResource {
     }
 }
 
-impl MemoryResource for CudaAsyncResource {
+// SAFETY: each allocation is the driver's stream-ordered `cuMemAllocFromPoolAsync` on the
+// caller's stream (the simulated device's equivalent), of at least the bytes asked for, freed
+// only through `deallocate`.
+unsafe impl MemoryResource for CudaAsyncResource {
     fn device(&self) -> &Device {
         self.pool.device()
     }

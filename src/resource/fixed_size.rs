@@ -95,7 +95,10 @@ impl<U: MemoryResource> Grow for FixedSizeResource<U> {
     }
 }
 
-impl<U: MemoryResource> MemoryResource for FixedSizeResource<U> {
+// SAFETY: blocks are cut from chunks of the upstream (itself a `MemoryResource`) by the
+// stream-ordered engine, whose block table hands out no byte twice and takes back only blocks it
+// handed out, in stream order.
+unsafe impl<U: MemoryResource> MemoryResource for FixedSizeResource<U> {
     fn device(&self) -> &Device {
         &self.device
     }

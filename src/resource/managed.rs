@@ -67,7 +67,9 @@ impl fmt::Debug for ManagedResource {
     }
 }
 
-impl MemoryResource for ManagedResource {
+// SAFETY: each allocation is a fresh `cuMemAllocManaged` (the simulated device's managed memory)
+// of at least the bytes asked for, freed only through `deallocate`.
+unsafe impl MemoryResource for ManagedResource {
     fn device(&self) -> &Device {
         &self.device
     }

@@ -35,7 +35,26 @@ pub enum MemoryKind {
 ///
 /// Every allocation is aligned to at least [`ALIGNMENT`] bytes. Zero bytes is allowed, costs
 /// nothing, and returns a null pointer that `deallocate` accepts back with zero bytes.
-pub trait MemoryResource: Send + Sync + fmt::Debug {
+///
+/// # Safety
+///
+/// Buffers trust what a resource hands out: their safe methods queue copies and fills into
+/// it, and free it when dropped. So an implementation promises, as `GlobalAlloc`'s do, that
+/// `allocate(bytes, stream)` with `bytes > 0` returns (or fails) only
+///
+/// - memory of at least `bytes` bytes, aligned to [`ALIGNMENT`], of the kind
+///   [`memory_kind`](Self::memory_kind) says, that work on `stream` and on the device of
+///   [`device`](Self::device) may use;
+/// - that no other allocation still live (of this resource or any other) overlaps, and that
+///   nothing else uses until it is given back through [`deallocate`](Self::deallocate) and
+///   the work ordered before that point of the freeing stream has run; work queued on
+///   `stream` after the call is ordered after every earlier use of it.
+///
+/// An adaptor that passes on its upstream's allocations (itself a `MemoryResource`) keeps
+/// these by construction. Before a review, this trait was safe to implement, and safe code
+/// could build a buffer over memory it did not own ([`callback::CallbackResource`] returning
+/// another buffer's address); `CallbackResource::new` is `unsafe` now for the same reason.
+pub unsafe trait MemoryResource: Send + Sync + fmt::Debug {
     /// The device the memory belongs to.
     fn device(&self) -> &Device;
 
@@ -98,7 +117,8 @@ impl AsResourceRef for ResourceRef {
 
 /// A shared resource is a resource: adaptors and pools can take `Arc<R>` (or a
 /// [`ResourceRef`]) as their upstream.
-impl<R: MemoryResource + ?Sized> MemoryResource for StdArc<R> {
+// SAFETY: forwards to `R`, itself a `MemoryResource`.
+unsafe impl<R: MemoryResource + ?Sized> MemoryResource for StdArc<R> {
     fn device(&self) -> &Device {
         (**self).device()
     }

@@ -386,7 +386,10 @@ impl fmt::Debug for PinnedHostResource {
     }
 }
 
-impl MemoryResource for PinnedHostResource {
+// SAFETY: each allocation is page-locked host memory of at least the bytes asked for: fresh from
+// the driver, or a cached block whose last GPU use the driver reported done; freed only through
+// `deallocate`.
+unsafe impl MemoryResource for PinnedHostResource {
     fn device(&self) -> &Device {
         &self.device
     }

@@ -527,12 +527,10 @@ impl<U: MemoryResource> Grow for PoolResource<U> {
         }
         // At least the request and a share of what we hold (at most the room left); halve on
         // failure.
-        let mut attempt = (reserved / self.growth_divisor)
-            .max(MIN_GROWTH)
-            .max(min)
-            .min(room)
-            .next_multiple_of(ALIGNMENT as u64)
-            .min(room);
+        let mut attempt = within(
+            (reserved / self.growth_divisor).max(MIN_GROWTH).max(min),
+            room,
+        );
         let mut is_capped = false;
         if let Some(cap) = self.growth_cap {
             // What the cap allows over what is held, from the most ever in use at a growth
@@ -542,12 +540,10 @@ impl<U: MemoryResource> Grow for PoolResource<U> {
                 .use_floor
                 .fetch_max(in_use, Ordering::Relaxed)
                 .max(in_use);
+            // (An `as` cast saturates: a cap so large that this passes `u64::MAX` allows all
+            // the room there is.)
             let allowed = ((floor as f64 * cap) as u64).saturating_sub(reserved);
-            let capped = allowed
-                .max(MIN_GROWTH)
-                .max(min)
-                .next_multiple_of(ALIGNMENT as u64)
-                .min(room);
+            let capped = within(allowed.max(MIN_GROWTH).max(min), room);
             if capped < attempt {
                 tracing::debug!(step = attempt, capped, floor, "growth capped");
                 attempt = capped;
@@ -582,7 +578,20 @@ impl<U: MemoryResource> Grow for PoolResource<U> {
     }
 }
 
-impl<U: MemoryResource> MemoryResource for PoolResource<U> {
+/// `bytes` rounded up to [`ALIGNMENT`], at most `room`: never an
+/// overflow, whatever a large cap or step asks for (a review found `growth_cap: Some(f64::MAX)`
+/// panicking in debug builds and growing by 0 bytes in release ones).
+fn within(bytes: u64, room: u64) -> u64 {
+    bytes
+        .min(room)
+        .checked_next_multiple_of(ALIGNMENT as u64)
+        .map_or(room, |b| b.min(room))
+}
+
+// SAFETY: blocks are cut from chunks of the upstream (itself a `MemoryResource`) by the
+// stream-ordered engine, whose block table hands out no byte twice and takes back only blocks it
+// handed out, and which orders every reuse across streams (`stream_ordered`).
+unsafe impl<U: MemoryResource> MemoryResource for PoolResource<U> {
     fn device(&self) -> &Device {
         &self.device
     }

@@ -29,7 +29,8 @@ impl Counting {
     }
 }
 
-impl MemoryResource for Counting {
+// SAFETY: every allocation is the inner resource's, passed on unchanged; this only counts.
+unsafe impl MemoryResource for Counting {
     fn device(&self) -> &Device {
         self.inner.device()
     }

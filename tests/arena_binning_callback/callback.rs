@@ -11,25 +11,24 @@ fn callback(device: &Device) -> (CallbackResource, Calls) {
     let calls: Calls = Arc::default();
     let (alloc_calls, free_calls) = (calls.clone(), calls.clone());
     let (cuda_a, cuda_f) = (CudaResource::new(device), CudaResource::new(device));
-    let mr = CallbackResource::new(
-        device,
-        move |bytes, stream| {
-            let ptr = cuda_a.allocate(bytes, stream)?;
-            alloc_calls
-                .lock()
-                .unwrap()
-                .push(("allocate", ptr.0, bytes, stream.id()));
-            Ok(ptr)
-        },
-        move |ptr, bytes, stream| {
-            free_calls
-                .lock()
-                .unwrap()
-                .push(("deallocate", ptr.0, bytes, stream.id()));
-            // SAFETY: only pointers from the allocate closure come back here, with their size.
-            unsafe { cuda_f.deallocate(ptr, bytes, stream) }
-        },
-    );
+    let allocate = move |bytes, stream: &Stream| {
+        let ptr = cuda_a.allocate(bytes, stream)?;
+        alloc_calls
+            .lock()
+            .unwrap()
+            .push(("allocate", ptr.0, bytes, stream.id()));
+        Ok(ptr)
+    };
+    let deallocate = move |ptr: DevicePtr, bytes, stream: &Stream| {
+        free_calls
+            .lock()
+            .unwrap()
+            .push(("deallocate", ptr.0, bytes, stream.id()));
+        // SAFETY: only pointers from the allocate closure come back here, with their size.
+        unsafe { cuda_f.deallocate(ptr, bytes, stream) }
+    };
+    // SAFETY: every pointer is a `CudaResource` allocation, freed through the same resource.
+    let mr = unsafe { CallbackResource::new(device, allocate, deallocate) };
     (mr, calls)
 }
 
@@ -93,16 +92,20 @@ fn callback_pointers_that_break_the_contract_are_errors() {
     let device = &devices()[0];
     let freed = Arc::new(AtomicUsize::new(0));
     let f = freed.clone();
-    let misaligned = CallbackResource::new(
-        device,
-        |_, _| Ok(DevicePtr(0x1010)),
-        move |ptr, _, _| {
-            assert_eq!(ptr, DevicePtr(0x1010));
-            f.fetch_add(1, Ordering::SeqCst);
-            Ok(())
-        },
-    )
-    .with_memory_kind(MemoryKind::Managed);
+    // SAFETY: the address is made up and refused (misaligned) before anything could use it,
+    // and the memory kind is never acted on.
+    let misaligned = unsafe {
+        CallbackResource::new(
+            device,
+            |_, _| Ok(DevicePtr(0x1010)),
+            move |ptr, _, _| {
+                assert_eq!(ptr, DevicePtr(0x1010));
+                f.fetch_add(1, Ordering::SeqCst);
+                Ok(())
+            },
+        )
+        .with_memory_kind(MemoryKind::Managed)
+    };
     assert_eq!(misaligned.memory_kind(), MemoryKind::Managed);
     let s = device.create_stream().unwrap();
     assert!(matches!(
@@ -114,22 +117,26 @@ fn callback_pointers_that_break_the_contract_are_errors() {
         1,
         "the misaligned pointer was not given back"
     );
-    let null = CallbackResource::new(device, |_, _| Ok(DevicePtr(0)), |_, _, _| Ok(()));
+    // SAFETY: a null pointer, refused before anything could use it.
+    let null = unsafe { CallbackResource::new(device, |_, _| Ok(DevicePtr(0)), |_, _, _| Ok(())) };
     assert!(matches!(
         null.allocate(64, &s),
         Err(Error::InvalidArgument { .. })
     ));
-    let failing = CallbackResource::new(
-        device,
-        |bytes, _| {
-            Err(Error::OutOfMemory {
-                requested: bytes,
-                available: 0,
-                maximum: 0,
-            })
-        },
-        |_, _, _| Ok(()),
-    );
+    // SAFETY: it never hands out memory.
+    let failing = unsafe {
+        CallbackResource::new(
+            device,
+            |bytes, _| {
+                Err(Error::OutOfMemory {
+                    requested: bytes,
+                    available: 0,
+                    maximum: 0,
+                })
+            },
+            |_, _, _| Ok(()),
+        )
+    };
     assert!(matches!(
         failing.allocate(64, &s),
         Err(Error::OutOfMemory { requested: 64, .. })

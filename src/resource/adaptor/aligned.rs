@@ -112,7 +112,10 @@ impl<U: MemoryResource> AlignedAdaptor<U> {
     }
 }
 
-impl<U: MemoryResource> MemoryResource for AlignedAdaptor<U> {
+// SAFETY: every pointer handed out lies inside one upstream allocation (itself a
+// `MemoryResource`) of at least the bytes asked for plus the alignment's slack, and only one is
+// handed out per upstream allocation.
+unsafe impl<U: MemoryResource> MemoryResource for AlignedAdaptor<U> {
     fn device(&self) -> &Device {
         self.upstream.device()
     }

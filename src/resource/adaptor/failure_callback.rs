@@ -65,7 +65,9 @@ impl<U: MemoryResource> FailureCallbackAdaptor<U> {
     }
 }
 
-impl<U: MemoryResource> MemoryResource for FailureCallbackAdaptor<U> {
+// SAFETY: every allocation is the upstream's (itself a `MemoryResource`), passed on unchanged; a
+// failure only calls the callback and retries.
+unsafe impl<U: MemoryResource> MemoryResource for FailureCallbackAdaptor<U> {
     fn device(&self) -> &Device {
         self.upstream.device()
     }

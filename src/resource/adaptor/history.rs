@@ -446,7 +446,9 @@ impl<U: MemoryResource> HistoryAdaptor<U> {
     }
 }
 
-impl<U: MemoryResource> MemoryResource for HistoryAdaptor<U> {
+// SAFETY: every allocation is the upstream's (itself a `MemoryResource`), passed on unchanged;
+// the adaptor only records.
+unsafe impl<U: MemoryResource> MemoryResource for HistoryAdaptor<U> {
     fn device(&self) -> &Device {
         self.upstream.device()
     }

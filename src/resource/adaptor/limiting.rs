@@ -190,7 +190,9 @@ impl<U: MemoryResource> LimitingAdaptor<U> {
     }
 }
 
-impl<U: MemoryResource> MemoryResource for LimitingAdaptor<U> {
+// SAFETY: every allocation is the upstream's (itself a `MemoryResource`), passed on unchanged;
+// the adaptor only refuses past its limit.
+unsafe impl<U: MemoryResource> MemoryResource for LimitingAdaptor<U> {
     fn device(&self) -> &Device {
         self.upstream.device()
     }

@@ -213,7 +213,9 @@ impl<U: MemoryResource> Drop for LoggingAdaptor<U> {
     }
 }
 
-impl<U: MemoryResource> MemoryResource for LoggingAdaptor<U> {
+// SAFETY: every allocation is the upstream's (itself a `MemoryResource`), passed on unchanged;
+// the adaptor only logs.
+unsafe impl<U: MemoryResource> MemoryResource for LoggingAdaptor<U> {
     fn device(&self) -> &Device {
         self.upstream.device()
     }

@@ -65,7 +65,9 @@ impl<U: MemoryResource> PrefetchAdaptor<U> {
     }
 }
 
-impl<U: MemoryResource> MemoryResource for PrefetchAdaptor<U> {
+// SAFETY: every allocation is the upstream's (itself a `MemoryResource`), passed on unchanged;
+// the adaptor only queues a prefetch.
+unsafe impl<U: MemoryResource> MemoryResource for PrefetchAdaptor<U> {
     fn device(&self) -> &Device {
         self.upstream.device()
     }

@@ -179,7 +179,9 @@ fn signed(bytes: usize) -> i64 {
     i64::try_from(bytes).unwrap_or(i64::MAX)
 }
 
-impl<U: MemoryResource> MemoryResource for StatisticsAdaptor<U> {
+// SAFETY: every allocation is the upstream's (itself a `MemoryResource`), passed on unchanged;
+// the adaptor only counts.
+unsafe impl<U: MemoryResource> MemoryResource for StatisticsAdaptor<U> {
     fn device(&self) -> &Device {
         self.upstream.device()
     }

@@ -152,7 +152,9 @@ impl<U: MemoryResource> TrackingAdaptor<U> {
     }
 }
 
-impl<U: MemoryResource> MemoryResource for TrackingAdaptor<U> {
+// SAFETY: every allocation is the upstream's (itself a `MemoryResource`), passed on unchanged;
+// the adaptor only tracks.
+unsafe impl<U: MemoryResource> MemoryResource for TrackingAdaptor<U> {
     fn device(&self) -> &Device {
         self.upstream.device()
     }

@@ -425,7 +425,10 @@ impl<U: MemoryResource> ArenaResource<U> {
     }
 }
 
-impl<U: MemoryResource> MemoryResource for ArenaResource<U> {
+// SAFETY: blocks are cut from chunks of the upstream (itself a `MemoryResource`); the global and
+// stream arenas hand out no byte twice, and a block freed on another stream enters its arena's
+// free list only after an event on that stream is waited on (`arena`, "Stream order").
+unsafe impl<U: MemoryResource> MemoryResource for ArenaResource<U> {
     fn device(&self) -> &Device {
         &self.device
     }

@@ -418,7 +418,10 @@ impl Inner {
     }
 }
 
-impl MemoryResource for ExpandablePoolResource {
+// SAFETY: blocks are cut from the resource's own mapped granules by the stream-ordered engine,
+// which hands out no byte twice and orders reuse across streams; granules are unmapped only once
+// free and finished on the GPU (`expandable`).
+unsafe impl MemoryResource for ExpandablePoolResource {
     fn device(&self) -> &Device {
         &self.inner.device
     }

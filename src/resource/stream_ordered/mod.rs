@@ -627,7 +627,14 @@ impl<S: EngineStream> StreamHeap<S> {
     ) -> Result<Option<u64>> {
         let mut heap = shard.lock();
         if let Some((base, chunk)) = fresh {
-            let given = heap.free.give_range(base, chunk, Waits::default());
+            // Grown for use on `stream`: a stream-ordered upstream (the driver's pool, another
+            // pool) hands out memory that is ready only in that stream's order, so it is
+            // tagged as if freed there now. The request itself needs nothing; another stream
+            // takes the rest after an ordering or an idle answer, as for any other free (a
+            // review found a nested pool handing such memory to a third stream at once).
+            let slot = heap.slot(stream);
+            let tag = heap.freed_on(slot);
+            let given = heap.free.give_range(base, chunk, tag);
             debug_assert!(given, "a fresh chunk overlapped a block");
         }
         self.take_locked(shard, heap, size, stream)

@@ -30,7 +30,9 @@ impl<U> Counted<U> {
     }
 }
 
-impl<U: MemoryResource> MemoryResource for Counted<U> {
+// SAFETY: every allocation is the upstream's (itself a `MemoryResource`), passed on unchanged;
+// this only counts.
+unsafe impl<U: MemoryResource> MemoryResource for Counted<U> {
     fn device(&self) -> &Device {
         self.inner.device()
     }
