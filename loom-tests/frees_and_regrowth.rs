@@ -227,6 +227,63 @@ fn give_back_and_regrow_at_the_maximum() {
     check_paths(Some(3), &[REGREW, OUT_OF_MEMORY], regrow_at_max);
 }
 
+/// A whole chunk freed on two streams, 0 (dropped by its user, idle) and 1 (its user still
+/// holds it, and its work is queued), goes back upstream (`take_whole_chunks`, as the pool at
+/// its maximum or `trim` does) while a `trim` thread lets go of stream 0. The chunk is taken
+/// out of its shard before it is ordered onto one of its streams, so the forget can fall in
+/// between: the release must still come after stream 1's work (a review's finding: only the
+/// tag's first stream was looked at, and that one forgotten, the chunk went back as fresh).
+fn release_vs_forget(seen: &Shared<Seen>) {
+    let s = streams(3);
+    let (s0, s1, own) = (s[0].clone(), s[1].clone(), s[2].clone());
+    drop(s);
+    let gpu = s1.inner.gpu.clone();
+    let lists = Arc::new(Lists::new());
+    lists.add_chunk(BASE, 2 * BLOCK);
+    lists.give_fresh(BASE, 2 * BLOCK);
+    let a = lists.take(BLOCK, &s0, &NoRoom).unwrap();
+    book(&gpu).took("setup", s0.index(), a);
+    let b = lists.take(BLOCK, &s1, &NoRoom).unwrap();
+    book(&gpu).took("setup", s1.index(), b);
+    for (stream, block) in [(&s0, a), (&s1, b)] {
+        book(&gpu).queue(stream.index());
+        book(&gpu).freeing(stream.index(), block);
+        assert!(lists.give(block, BLOCK, stream));
+    }
+    drop(s0);
+    let trim = {
+        let lists = lists.clone();
+        thread::spawn(move || {
+            for stream in lists.idle_streams() {
+                book(&stream.inner.gpu).synchronize(stream.index());
+                lists.forget(stream);
+            }
+        })
+    };
+    let released = lists.take_whole_chunks(&[(BASE, 2 * BLOCK)]);
+    trim.join().unwrap();
+    assert_eq!(released.len(), 1, "the whole chunk was not taken out");
+    let (base, size, on) = &released[0];
+    seen.note(RELEASED_ON_1, on.as_ref().is_some_and(|s| s.index() == 1));
+    // Given back on `on` (or the pool's own stream for fresh memory): the upstream's next
+    // user of the range is ordered after that point of it.
+    let on = on.as_ref().unwrap_or(&own);
+    book(&gpu).order(on.index(), own.index());
+    for block in (0..*size / BLOCK).map(|i| base + i * BLOCK) {
+        book(&gpu).took("the upstream's next user", own.index(), block);
+    }
+    lists.remove_chunk(BASE);
+    lists.check().expect("free-list invariants");
+}
+
+const RELEASED_ON_1: &str = "released on stream 1";
+
+/// Bound 3: 2 threads.
+#[test]
+fn a_release_racing_a_forget_waits_for_every_live_stream() {
+    check_paths(Some(3), &[RELEASED_ON_1], release_vs_forget);
+}
+
 // ---------------------------------------------------------------------------------------------
 // Planted bugs, switched on in src for one model each (in a child process: see `must_fail`).
 // ---------------------------------------------------------------------------------------------
@@ -262,6 +319,22 @@ fn planted_chunks_released_as_fresh() {
         || {
             planted::CHUNKS_AS_FRESH.store(true, Relaxed);
             check_paths(Some(3), &[], regrow_at_max);
+        },
+    );
+}
+
+/// Bug: memory taken out for release is ordered onto the tag's first stream only, and needs
+/// nothing if that one was forgotten meanwhile.
+#[test]
+#[ignore = "planted bug: must fail"]
+fn planted_release_onto_the_first_stream_only() {
+    must_fail(
+        module_path!(),
+        "planted_release_onto_the_first_stream_only",
+        "which is ordered after only",
+        || {
+            planted::ONTO_FIRST_ONLY.store(true, Relaxed);
+            check_paths(Some(3), &[], release_vs_forget);
         },
     );
 }

@@ -50,6 +50,11 @@ pub(crate) static RESERVE_MOVES_IGNORED: AtomicBool = AtomicBool::new(false);
 #[cfg(streamalloc_loom)]
 pub(crate) static RELOCATED_BUSY: AtomicBool = AtomicBool::new(false);
 
+/// Memory taken out for release is ordered onto the first stream its tag names, and needs
+/// nothing if that stream was forgotten meanwhile (the others are not looked at).
+#[cfg(streamalloc_loom)]
+pub(crate) static ONTO_FIRST_ONLY: AtomicBool = AtomicBool::new(false);
+
 macro_rules! switch {
     ($name:ident, $flag:ident) => {
         #[cfg(streamalloc_loom)]
@@ -76,3 +81,4 @@ switch!(activity_after_the_answer, ACTIVITY_AFTER_THE_ANSWER);
 switch!(quiet_ignores_activity, QUIET_IGNORES_ACTIVITY);
 switch!(relocated_busy, RELOCATED_BUSY);
 switch!(reserve_moves_ignored, RESERVE_MOVES_IGNORED);
+switch!(onto_first_only, ONTO_FIRST_ONLY);

@@ -141,6 +141,8 @@ impl<S: EngineStream> StreamHeap<S> {
         let first = if tag.every() {
             // More streams than the tag holds: every stream.
             heap.slots.values().copied().min()
+        } else if planted::onto_first_only() {
+            tag.first().filter(|&slot| heap.entry(slot).is_some())
         } else {
             (tag.pairs().iter())
                 .map(|&(slot, _)| slot)
