@@ -67,6 +67,12 @@ impl<R: MemoryResource + ?Sized> AllocateAsync for R {}
 /// # Cancel safety
 /// Cancel-safe: dropping it while it waits removes it from the queue, and if it had been woken
 /// to try, the next waiter is woken in its place. Nothing was allocated.
+///
+/// Leaking it instead (`mem::forget` of a future that has waited, or of the task that holds
+/// it) leaves its entry in the queue for good, and the queue is strictly first come, first
+/// served: once that entry is first, the waiters behind it (and every later `allocate_async`)
+/// wait until their deadlines, or for ever without one. Nothing unsafe happens, but drop a
+/// waiting future; never forget it.
 #[must_use = "futures do nothing unless awaited"]
 pub struct Allocate<'a, R: MemoryResource + ?Sized> {
     resource: &'a R,

@@ -19,6 +19,7 @@ use crate::stream::Stream;
 /// Cancel-safe: dropping it while it waits removes it from the queue (passing on a wakeup it
 /// may have been given, as [`Allocate`](super::Allocate) does), and it holds no memory while
 /// it waits: a try that could not complete the set gave back what it took before returning.
+/// Never forget (`mem::forget`) a waiting one: see [`Allocate`](super::Allocate).
 #[must_use = "futures do nothing unless awaited"]
 pub struct AllocateAll<'a, R: MemoryResource + ?Sized> {
     set: Set<'a, R>,
