@@ -20,7 +20,10 @@
 //! 256 KiB / 1 MiB / 2 MiB 1.116 / 1.122 / 1.141 / 1.184; with trimming every 1,000
 //! operations 1.124 / 1.110 / 1.116, every 100 1.130 / 1.102 / 1.105. Better than 1.170, but
 //! the figures jump by 0.02 between neighbouring settings and none is below 1.1: a setting
-//! that met it on this one sequence would be fitted to it.
+//! that met it on this one sequence would be fitted to it. More classes are worse (each has its
+//! own fragmentation and its own part-used end): splits at 64 KiB and 1 MiB 1.141; at 16 KiB,
+//! 256 KiB and 2 MiB 1.178; at 64 KiB, 512 KiB and 2 MiB 1.181; at 32 KiB, 256 KiB, 1 MiB
+//! and 4 MiB 1.266 (`churn-1t` and `churn-xs-1t` alike).
 
 use std::sync::atomic::{AtomicU64, Ordering::Relaxed};
 
