@@ -163,6 +163,14 @@ impl MemoryWaiters {
         f()
     }
 
+    /// Whether this thread is inside [`quietly`](Self::quietly) for this queue: a notify now
+    /// would be dropped. A resource that keeps a mark of refusals to wake someone later (the
+    /// limiting adaptor) keeps it then: the give-back that would have woken the head is not
+    /// the release that the mark is waiting for.
+    pub(crate) fn is_quiet(&self) -> bool {
+        QUIET.try_with(|q| q.get() == self.addr()).unwrap_or(false)
+    }
+
     /// This queue's identity for [`QUIET`]: its address, stable while it is borrowed.
     fn addr(&self) -> usize {
         self as *const Self as usize

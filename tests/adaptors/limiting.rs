@@ -151,3 +151,122 @@ fn limiting_allocate_async_waits_for_a_free_from_another_task() {
         assert_eq!(lim.used(), 0);
     }
 }
+
+/// An upstream that, for a request of exactly 768 bytes, says it entered, waits to be let go,
+/// then fails with out-of-memory (a pool at its maximum, slow to say so).
+struct SlowRefusal {
+    inner: CudaResource,
+    entered: Mutex<Option<std::sync::mpsc::Sender<()>>>,
+    go: Mutex<Option<std::sync::mpsc::Receiver<()>>>,
+}
+
+impl std::fmt::Debug for SlowRefusal {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str("SlowRefusal")
+    }
+}
+
+// SAFETY: every allocation is the inner resource's, passed on unchanged.
+unsafe impl MemoryResource for SlowRefusal {
+    fn device(&self) -> &streamalloc::Device {
+        self.inner.device()
+    }
+
+    fn allocate(&self, bytes: usize, stream: &Stream) -> streamalloc::Result<DevicePtr> {
+        if bytes == 768 {
+            self.entered
+                .lock()
+                .unwrap()
+                .take()
+                .unwrap()
+                .send(())
+                .unwrap();
+            let go = self.go.lock().unwrap().take().unwrap();
+            go.recv().unwrap();
+            return Err(Error::OutOfMemory {
+                requested: 768,
+                available: 0,
+                maximum: 1 << 30,
+            });
+        }
+        self.inner.allocate(bytes, stream)
+    }
+
+    unsafe fn deallocate(
+        &self,
+        ptr: DevicePtr,
+        bytes: usize,
+        stream: &Stream,
+    ) -> streamalloc::Result<()> {
+        // SAFETY: the caller's contract, passed on.
+        unsafe { self.inner.deallocate(ptr, bytes, stream) }
+    }
+}
+
+/// A set waiting at the head of the queue (`allocate_all_async`), refused because another
+/// request had reserved under the limit, gives back the part that fitted quietly; when that
+/// request then fails upstream and rolls back, the set must be woken. A review found the
+/// quiet give-back clearing the mark the rollback looks at: the set slept with the memory
+/// free. A single `allocate_async` in its place was woken (the mark stayed).
+#[test]
+fn a_rollback_wakes_a_set_refused_because_of_it() {
+    use std::sync::mpsc;
+    use std::task::{Context, Poll, Wake, Waker};
+
+    struct Count(AtomicUsize);
+    impl Wake for Count {
+        fn wake(self: Arc<Self>) {
+            self.0.fetch_add(1, Ordering::SeqCst);
+        }
+    }
+    for set in [false, true] {
+        let device = streamalloc::Device::simulated(streamalloc::SimConfig::default());
+        let stream = device.create_stream().unwrap();
+        let ((entered, entered_rx), (go_tx, go)) = (mpsc::channel(), mpsc::channel());
+        let upstream = SlowRefusal {
+            inner: CudaResource::new(&device),
+            entered: Mutex::new(Some(entered)),
+            go: Mutex::new(Some(go)),
+        };
+        let lim = Arc::new(LimitingAdaptor::new(upstream, 1024));
+        // R reserves 768 under the limit; its upstream call waits, then fails.
+        let r = {
+            let (lim, s) = (lim.clone(), stream.clone());
+            std::thread::spawn(move || lim.allocate(768, &s).is_err())
+        };
+        entered_rx.recv().unwrap();
+        let woken = Arc::new(Count(AtomicUsize::new(0)));
+        let waker = Waker::from(woken.clone());
+        let mut cx = Context::from_waker(&waker);
+        let poll_once = |fut: std::pin::Pin<&mut dyn std::future::Future<Output = bool>>,
+                         cx: &mut Context<'_>| fut.poll(cx);
+        // H asks for 512 bytes (as one, or as two of 256: the first fits, the second does
+        // not), and waits first in line.
+        let mut h: std::pin::Pin<Box<dyn std::future::Future<Output = bool>>> = if set {
+            let (lim, s) = (lim.clone(), stream.clone());
+            Box::pin(async move {
+                let got = lim.allocate_all_async([(256, &s), (256, &s)]).await;
+                got.map(|ptrs| ptrs.into_iter().for_each(|p| free(&*lim, p, 256, &s)))
+                    .is_ok()
+            })
+        } else {
+            let (lim, s) = (lim.clone(), stream.clone());
+            Box::pin(async move {
+                let got = lim.allocate_async(512, &s).await;
+                got.map(|p| free(&*lim, p, 512, &s)).is_ok()
+            })
+        };
+        assert!(matches!(poll_once(h.as_mut(), &mut cx), Poll::Pending));
+        assert_eq!(lim.used(), 768);
+        // R fails upstream and rolls back: 512 bytes fit now.
+        go_tx.send(()).unwrap();
+        assert!(r.join().unwrap());
+        assert_eq!(lim.used(), 0);
+        assert!(
+            eventually(Duration::from_secs(5), || woken.0.load(Ordering::SeqCst)
+                > 0),
+            "set {set}: refused because of a reservation that was rolled back, never woken"
+        );
+        assert!(matches!(poll_once(h.as_mut(), &mut cx), Poll::Ready(true)));
+    }
+}

@@ -97,12 +97,24 @@ impl Limit {
     /// Gives `size` bytes back, clearing the refusal mark; returns whether it was set: whether
     /// the limit refused a request since the last release (perhaps because of these bytes).
     pub(crate) fn give_back(&self, size: usize) -> bool {
+        self.give_back_marking(size, false)
+    }
+
+    /// Gives `size` bytes back and leaves the refusal mark as it is: for a give-back whose
+    /// notification is dropped (the head waiter's, [`MemoryWaiters::quietly`]), which wakes
+    /// nobody, so a later rollback must still see the refusals that came before it.
+    pub(crate) fn give_back_quietly(&self, size: usize) {
+        self.give_back_marking(size, true);
+    }
+
+    fn give_back_marking(&self, size: usize, keep_mark: bool) -> bool {
         // Never below zero, even if a caller broke `deallocate`'s contract with a wrong size
         // that the upstream accepted.
         let previous = self
             .state
             .fetch_update(Ordering::AcqRel, Ordering::Acquire, |state| {
-                Some((state & !REFUSED).saturating_sub(size))
+                let mark = if keep_mark { state & REFUSED } else { 0 };
+                Some((state & !REFUSED).saturating_sub(size) | mark)
             })
             .unwrap_or_else(|state| state);
         previous & REFUSED != 0
@@ -173,10 +185,18 @@ impl<U: MemoryResource> LimitingAdaptor<U> {
         })
     }
 
-    /// Memory freed through the adaptor: give it back and wake the first waiter.
+    /// Memory freed through the adaptor: give it back and wake the first waiter. Inside the
+    /// head waiter's quiet give-back (`allocate_all_async` returning part of a set), whose
+    /// notification is dropped, the refusal mark stays: a request that reserved before the
+    /// head was refused, and fails upstream later, must still wake the head when it rolls
+    /// back (a review found the head of a set left asleep with the memory free).
     fn release(&self, size: usize) {
-        self.limit.give_back(size);
-        self.waiters.notify();
+        if self.waiters.is_quiet() {
+            self.limit.give_back_quietly(size);
+        } else {
+            self.limit.give_back(size);
+            self.waiters.notify();
+        }
     }
 
     /// The upstream refused a request we had reserved for: give the reservation back, and wake
