@@ -260,8 +260,12 @@ impl CudaAsyncResource {
                     maximum,
                     "CudaAsyncResource: over its maximum"
                 );
+                // The size counted (rounded to 256), as the limit compares it: with a maximum
+                // that is not a multiple of 256, `bytes` may be at most the maximum while its
+                // rounded size is not, and an error saying so would have waiters wait for
+                // memory that can never come (a review's finding).
                 Error::OutOfMemory {
-                    requested: bytes,
+                    requested: size,
                     available: maximum.saturating_sub(allocated),
                     maximum,
                 }

@@ -150,3 +150,41 @@ fn cuda_async_frees_are_stream_ordered() {
         b.synchronize_blocking().unwrap();
     }
 }
+
+/// A maximum that is not a multiple of 256: a request that fits it only before rounding can
+/// never be served, and the error says so (the rounded size above the maximum), so that
+/// waiting for memory ends at once instead of waiting for ever (a review's finding).
+#[test]
+fn cuda_async_a_maximum_off_the_alignment_refuses_for_good() {
+    use streamalloc::resource::adaptor::LimitingAdaptor;
+    use streamalloc::AllocateAsync;
+    for device in devices() {
+        let what = label(&device);
+        let stream = device.create_stream().unwrap();
+        let capped = CudaAsyncResource::new(
+            &device,
+            CudaAsyncOptions {
+                maximum_pool_size: Some(1000),
+                ..CudaAsyncOptions::default()
+            },
+        )
+        .unwrap();
+        match capped.allocate(1000, &stream) {
+            Err(Error::OutOfMemory {
+                requested, maximum, ..
+            }) => assert!(requested > maximum, "{what}: {requested} within {maximum}"),
+            other => panic!("{what}: 1,000 bytes rounded past a maximum of 1,000: {other:?}"),
+        }
+        let waiting = LimitingAdaptor::new(capped, MIB);
+        // Without the fix this waits out the deadline and returns `Timeout`.
+        let got = common::runtime().block_on(
+            waiting
+                .allocate_async(1000, &stream)
+                .timeout(Duration::from_secs(10)),
+        );
+        assert!(
+            matches!(got, Err(Error::OutOfMemory { .. })),
+            "{what}: {got:?}"
+        );
+    }
+}
