@@ -420,12 +420,29 @@ fn arena_bad_arguments_are_errors() {
     ));
     assert!(matches!(bad(0, None, 0), Error::InvalidSize { .. }));
     assert!(matches!(bad(0, None, 1000), Error::InvalidSize { .. }));
+    // A superblock above the maximum: small requests grow by a whole superblock, so every one
+    // would fail (a review's finding).
+    assert!(matches!(
+        bad(0, Some(16 * MIB), 32 * MIB),
+        Error::InvalidSize { size, .. } if size == 32 * MIB
+    ));
 
     let a_mr = arena(device, 4 * MIB, 16 * MIB);
     let s = device.create_stream().unwrap();
     // SAFETY: deliberately wrong pointers: the arena must refuse them without touching memory.
     unsafe {
-        for (ptr, bytes) in [(12345, 256), (0x1000, 256), (0x1000, 2 * MIB), (0x1000, 0)] {
+        // Near `u64::MAX` too, with and without a superblock on the stream (a review found
+        // the bounds check overflowing there, a panic in debug builds).
+        let held = a_mr.allocate(256, &s).unwrap();
+        let near_max = u64::MAX - 255;
+        for (ptr, bytes) in [
+            (12345, 256),
+            (0x1000, 256),
+            (0x1000, 2 * MIB),
+            (0x1000, 0),
+            (near_max, 256),
+            (near_max, 2 * MIB),
+        ] {
             assert!(
                 matches!(
                     a_mr.deallocate(DevicePtr(ptr), bytes, &s),
@@ -434,6 +451,12 @@ fn arena_bad_arguments_are_errors() {
                 "{ptr:#x} {bytes}"
             );
         }
+        let other = a_mr.device().create_stream().unwrap();
+        assert!(matches!(
+            a_mr.deallocate(DevicePtr(near_max), 256, &other),
+            Err(Error::UnknownPointer { .. })
+        ));
+        a_mr.deallocate(held, 256, &s).unwrap();
     }
     for bytes in [1024, 2 * MIB] {
         let ptr = a_mr.allocate(bytes, &s).unwrap();

@@ -213,7 +213,9 @@ impl Global {
     /// The stream arena holding the superblock that contains `[addr, addr + size)`.
     pub(super) fn owner_of(&self, addr: u64, size: u64) -> Option<Arc<StreamArena>> {
         let (&base, lent) = self.lent.range(..=addr).next_back()?;
-        (addr + size <= base + lent.size).then(|| lent.arena.clone())
+        // Checked, as `StreamArena::find`: a bad pointer near `u64::MAX` is refused.
+        let end = addr.checked_add(size)?;
+        (end <= base + lent.size).then(|| lent.arena.clone())
     }
 
     /// Bytes in chunks that are wholly free (one region spans the whole chunk).

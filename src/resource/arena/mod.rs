@@ -310,6 +310,14 @@ impl<U: MemoryResource> ArenaResource<U> {
                 reason: "the arena's initial size is above its maximum",
             });
         }
+        if options.superblock_size > maximum {
+            // Small requests grow by a whole superblock: above the maximum, every one would
+            // fail with memory "available" (a review's finding).
+            return Err(Error::InvalidSize {
+                size: options.superblock_size,
+                reason: "the arena's superblock size is above its maximum",
+            });
+        }
         let arena = Self {
             own: device.create_stream()?,
             device,

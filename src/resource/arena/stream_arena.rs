@@ -86,7 +86,10 @@ impl ArenaState {
     /// The base of the superblock containing `[addr, addr + size)`.
     pub(super) fn find(&self, addr: u64, size: u64) -> Option<u64> {
         let (&base, sb) = self.superblocks.range(..=addr).next_back()?;
-        (addr + size <= base + sb.size).then_some(base)
+        // Checked: a bad pointer near `u64::MAX` (a free of memory never handed out) must be
+        // refused, not overflow.
+        let end = addr.checked_add(size)?;
+        (end <= base + sb.size).then_some(base)
     }
 
     pub(super) fn take(&mut self, size: u64) -> Option<u64> {
