@@ -291,6 +291,18 @@ unsafe impl<U: MemoryResource> MemoryResource for BinningResource<U> {
             };
         }
         self.device.check_same(stream.device())?;
+        // A size past every bin goes to the fallback, which may be the upstream the fixed-size
+        // bins take their chunks from: a wrong size there could give a bin's chunk back while
+        // its blocks are handed out. The bins check frees of their own sizes themselves.
+        let in_a_bin = || {
+            (self.bins.iter()).any(|b| match &b.resource {
+                BinResource::Fixed(f) => f.overlaps(ptr.0, bytes as u64),
+                BinResource::Given(_) => false,
+            })
+        };
+        if self.bin_for(bytes).is_none() && in_a_bin() {
+            return Err(Error::UnknownPointer { ptr: ptr.0, bytes });
+        }
         // SAFETY: the caller's contract; the same size picks the resource `allocate` used.
         unsafe { self.route(bytes).deallocate(ptr, bytes, stream) }
     }

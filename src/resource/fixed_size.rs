@@ -95,6 +95,17 @@ impl<U: MemoryResource> Grow for FixedSizeResource<U> {
     }
 }
 
+impl<U: MemoryResource> FixedSizeResource<U> {
+    /// Whether `[addr, addr + len)` overlaps one of its chunks: memory it holds, which a free
+    /// through another resource over the same upstream must not give back (the binning
+    /// resource's fallback; a review found a wrong-size free handing a bin's chunk out twice).
+    pub(crate) fn overlaps(&self, addr: u64, len: u64) -> bool {
+        let end = addr.saturating_add(len);
+        (self.chunks.lock().iter())
+            .any(|&(base, size)| addr < base.saturating_add(size) && base < end)
+    }
+}
+
 // SAFETY: blocks are cut from chunks of the upstream (itself a `MemoryResource`) by the
 // stream-ordered engine, whose block table hands out no byte twice and takes back only blocks it
 // handed out, in stream order.

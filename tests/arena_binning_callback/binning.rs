@@ -173,6 +173,42 @@ fn binning_fixed_bins_share_the_upstream() {
     }
 }
 
+/// A free with a wrong size that routes past every bin, to the upstream the fixed-size bins
+/// share, naming a bin's chunk with the chunk's own size: the upstream did hand that range
+/// out, so only the binning resource can refuse it. A review found it accepted: the chunk
+/// went back upstream and was handed out again over a block still in use.
+#[test]
+fn binning_refuses_a_wrong_size_free_of_a_bins_chunk() {
+    for device in devices() {
+        let p = common::pool(&device, 0, 64 * MIB);
+        let b = BinningResource::builder(p)
+            .bins_pow2(8, 10)
+            .blocks_per_chunk(128)
+            .build()
+            .unwrap();
+        let s = device.create_stream().unwrap();
+        let first = b.allocate(256, &s).unwrap();
+        let second = b.allocate(256, &s).unwrap();
+        let chunk = 128 * 256;
+        // SAFETY: a deliberately wrong free, which the resource must refuse untouched.
+        let wrong = unsafe { b.deallocate(first, chunk, &s) };
+        assert!(
+            matches!(wrong, Err(Error::UnknownPointer { .. })),
+            "{}: {wrong:?}",
+            label(&device)
+        );
+        let large = b.allocate(chunk, &s).unwrap();
+        assert!(
+            large.0 >= second.0 + 256 || large.0 + chunk as u64 <= first.0,
+            "{}: a bin's chunk handed out again while its blocks are in use",
+            label(&device)
+        );
+        free(&b, large, chunk, &s);
+        free(&b, second, 256, &s);
+        free(&b, first, 256, &s);
+    }
+}
+
 #[test]
 fn binning_bad_arguments_are_errors() {
     let device = &devices()[0];
