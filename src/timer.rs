@@ -3,6 +3,7 @@
 
 use std::cmp::Reverse;
 use std::collections::{BinaryHeap, HashMap};
+use std::panic::AssertUnwindSafe;
 use std::sync::{Condvar, Mutex, OnceLock};
 use std::task::Waker;
 use std::time::Instant;
@@ -53,7 +54,16 @@ fn run(timer: &'static Timer) {
         }
         if !due.is_empty() {
             drop(state);
-            due.into_iter().for_each(Waker::wake);
+            for waker in due {
+                // A waker that panics must not end this thread: every later deadline would
+                // then never fire (a review's finding). Logged, as the reactor does.
+                if let Err(payload) = std::panic::catch_unwind(AssertUnwindSafe(|| waker.wake())) {
+                    tracing::error!(
+                        panic = crate::completion::panic_message(&*payload),
+                        "a waker panicked when its deadline fell due; the timer goes on"
+                    );
+                }
+            }
             state = timer.state.lock().unwrap_or_else(|e| e.into_inner());
             continue;
         }
@@ -109,5 +119,51 @@ impl Drop for Deadline {
             .unwrap_or_else(|e| e.into_inner())
             .wakers
             .remove(&self.id);
+    }
+}
+
+#[cfg(all(test, not(streamalloc_loom)))]
+mod tests {
+    use std::sync::atomic::{AtomicBool, Ordering};
+    use std::sync::Arc;
+    use std::task::{Wake, Waker};
+    use std::time::{Duration, Instant};
+
+    use super::Deadline;
+
+    struct Panics;
+    impl Wake for Panics {
+        fn wake(self: Arc<Self>) {
+            panic!("a waker that panics (timer test)");
+        }
+    }
+
+    struct Flag(AtomicBool);
+    impl Wake for Flag {
+        fn wake(self: Arc<Self>) {
+            self.0.store(true, Ordering::SeqCst);
+        }
+    }
+
+    /// A waker that panics when its deadline falls due does not stop the deadlines after it
+    /// (a review found the timer thread ended by the panic, and every later deadline lost).
+    #[test]
+    fn a_panicking_waker_does_not_stop_the_timer() {
+        let panics = Deadline::new(Instant::now(), &Waker::from(Arc::new(Panics)));
+        std::thread::sleep(Duration::from_millis(50));
+        let flag = Arc::new(Flag(AtomicBool::new(false)));
+        let later = Deadline::new(
+            Instant::now() + Duration::from_millis(10),
+            &Waker::from(flag.clone()),
+        );
+        let start = Instant::now();
+        while !flag.0.load(Ordering::SeqCst) && start.elapsed() < Duration::from_secs(10) {
+            std::thread::sleep(Duration::from_millis(5));
+        }
+        assert!(
+            flag.0.load(Ordering::SeqCst),
+            "the deadline after a panic never fired"
+        );
+        drop((panics, later));
     }
 }
