@@ -38,6 +38,8 @@ pub(crate) enum RawEvent {
 pub(crate) struct EventInner {
     device: Device,
     stream: StreamId,
+    /// Whether that stream still exists (its `alive` flag).
+    stream_alive: std::sync::Arc<std::sync::atomic::AtomicBool>,
     seq: u64,
     raw: RawEvent,
     completion: Completion,
@@ -72,6 +74,10 @@ impl Watch for EventInner {
         &self.completion
     }
 
+    fn stream_alive(&self) -> bool {
+        self.stream_alive.load(std::sync::atomic::Ordering::Acquire)
+    }
+
     fn raw_cuda_event(&self) -> Option<cudarc::driver::sys::CUevent> {
         match self.raw {
             RawEvent::Cuda(e) => Some(e.0),
@@ -98,11 +104,18 @@ impl EventInner {
 }
 
 impl Event {
-    pub(crate) fn new(device: Device, stream: StreamId, seq: u64, raw: RawEvent) -> Event {
+    /// An event of `stream` (its id and its `alive` flag), number `seq` in its record order.
+    pub(crate) fn new(
+        device: Device,
+        (stream, stream_alive): (StreamId, std::sync::Arc<std::sync::atomic::AtomicBool>),
+        seq: u64,
+        raw: RawEvent,
+    ) -> Event {
         Event {
             inner: Arc::new(EventInner {
                 device,
                 stream,
+                stream_alive,
                 seq,
                 raw,
                 completion: Completion::new(),
@@ -113,6 +126,12 @@ impl Event {
 
     pub(crate) fn raw(&self) -> &RawEvent {
         &self.inner.raw
+    }
+
+    /// Whether the stream it was recorded on still exists ([`Watch::stream_alive`]).
+    #[cfg(all(test, not(streamalloc_loom)))]
+    pub(crate) fn stream_alive(&self) -> bool {
+        self.inner.stream_alive()
     }
 
     /// The device of the stream it was recorded on.

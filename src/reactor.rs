@@ -83,6 +83,11 @@ pub(crate) trait Watch: Send + Sync {
     fn query(&self) -> Option<Result<()>>;
     /// Its shared completion state.
     fn completion(&self) -> &Completion;
+    /// Whether the stream it was recorded on still exists. For one that is gone (forgotten, or
+    /// about to be), doorbells keep nothing per stream: the reactor polls its events instead.
+    fn stream_alive(&self) -> bool {
+        true
+    }
     /// The CUDA event behind it, for a doorbell; `None` on the simulated device. cudarc's raw
     /// handle, not the device layer's wrapper: the reactor sits below the device and names
     /// nothing of it.
@@ -98,6 +103,10 @@ pub(crate) type Watched = Box<dyn Watch>;
 impl<T: Watch + ?Sized> Watch for Arc<T> {
     fn stream_id(&self) -> u64 {
         (**self).stream_id()
+    }
+
+    fn stream_alive(&self) -> bool {
+        (**self).stream_alive()
     }
 
     fn seq(&self) -> u64 {

@@ -495,6 +495,18 @@ impl Doorbells for CudaDoorbells {
         let Some(event) = head.raw_cuda_event() else {
             return false;
         };
+        if !head.stream_alive() {
+            // Its stream is gone: a watcher made for it now would outlive the `forget` that
+            // came (or comes) for it, one driver stream lost per such stream for the device's
+            // life (a review's finding). Its last events are polled instead.
+            return false;
+        }
+        // The context is the device's (`start` bound it, but a deferred free of a peer
+        // device's buffer, run on this thread, binds that device's): watchers are made in
+        // ours. A no-op when it is current already.
+        if self.ctx.bind().is_err() {
+            return false;
+        }
         let watcher = match self.watchers.get(&head.stream_id()) {
             Some(w) => *w,
             None => match result::stream::create(result::stream::StreamKind::NonBlocking) {

@@ -58,6 +58,11 @@ struct StreamInner {
     /// stream lives as long as this or any clone that cudarc code holds. `None` on the
     /// simulated device.
     cudarc: Option<std::sync::Arc<cudarc::driver::CudaStream>>,
+    /// Cleared when the stream goes (before the reactor is told to forget it), and read by the
+    /// reactor through each event recorded on it: a doorbell for an event of a stream already
+    /// gone would make the reactor a watcher stream that nobody forgets (a review's finding).
+    /// Std's: a hint for what the reactor keeps, with no bearing on what is safe.
+    alive: std::sync::Arc<std::sync::atomic::AtomicBool>,
     /// On CUDA, this stream's own event for [`Stream::order_before`]: recorded here and waited
     /// on by the later stream under this lock, then left for the next ordering (a wait captures
     /// the recording current when it is enqueued, so re-recording it is safe).
@@ -119,6 +124,8 @@ impl Drop for StreamInner {
         if let RawStream::Sim(s) = &self.raw {
             s.close();
         }
+        self.alive
+            .store(false, std::sync::atomic::Ordering::Release);
         // A reactor not started yet has armed nothing for this stream.
         if let Some(reactor) = self.device.started_reactor() {
             reactor.forget_stream(self.id.get());
@@ -166,6 +173,7 @@ impl Stream {
                 seq: Mutex::new(0),
                 order_event: Mutex::new(None),
                 cudarc,
+                alive: std::sync::Arc::new(std::sync::atomic::AtomicBool::new(true)),
                 activity: AtomicU64::new(0),
                 exposed: AtomicBool::new(false),
             }),
@@ -277,7 +285,12 @@ impl Stream {
         let seq = *next;
         *next += 1;
         drop(next);
-        Ok(Event::new(device.clone(), self.inner.id, seq, raw))
+        Ok(Event::new(
+            device.clone(),
+            (self.inner.id, self.inner.alive.clone()),
+            seq,
+            raw,
+        ))
     }
 
     /// Whether all work queued on this stream so far has completed (`cuStreamQuery`); the host
@@ -656,6 +669,22 @@ mod tests {
         fn wake(self: std::sync::Arc<Self>) {
             let _ = self.0.lock().unwrap_or_else(|e| e.into_inner()).send(());
         }
+    }
+
+    /// An event says whether its stream still exists: the CUDA doorbells keep no watcher
+    /// stream for the events of a stream that is gone (one would outlive the reactor's
+    /// `forget` of it: a review found one driver stream lost per stream dropped with an event
+    /// pending).
+    #[test]
+    fn an_event_knows_when_its_stream_is_gone() {
+        let device = Device::simulated(SimConfig::default());
+        let stream = device.create_stream().unwrap();
+        let event = stream.record().unwrap();
+        let clone = stream.clone();
+        drop(stream);
+        assert!(event.stream_alive(), "a clone still holds the stream");
+        drop(clone);
+        assert!(!event.stream_alive(), "the stream is gone");
     }
 
     /// Two threads record on one stream: thread 1's event is recorded first on the GPU, but
