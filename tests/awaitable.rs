@@ -15,8 +15,8 @@ use streamalloc::resource::cuda::CudaResource;
 use streamalloc::resource::pool::{PoolOptions, PoolResource, PoolStats};
 use streamalloc::resource::WaitStats;
 use streamalloc::{
-    AllocateAsync, Device, DeviceBuffer, Error, ExpandableOptions, ExpandablePoolResource,
-    MemoryResource, StreamPool,
+    AllocateAsync, Device, DeviceBuffer, DevicePtr, Error, ExpandableOptions,
+    ExpandablePoolResource, MemoryResource, SimConfig, StreamPool,
 };
 
 const MIB: usize = 1 << 20;
@@ -400,4 +400,150 @@ fn the_allocate_future_is_send_on<P: Awaited>(pool: MakePool<P>) {
     send(&p.allocate_async(256, &s).timeout(Duration::from_secs(1)));
     let erased: streamalloc::ResourceRef = p.clone();
     send(&erased.allocate_async(256, &s));
+}
+
+fn full_pool(device: &Device, maximum: usize) -> PoolResource<CudaResource> {
+    PoolResource::new(
+        CudaResource::new(device),
+        PoolOptions {
+            initial: maximum,
+            maximum: Some(maximum),
+            ..PoolOptions::default()
+        },
+    )
+    .unwrap()
+}
+
+/// A request that waiting cannot cure fails at once even while others wait (a review found it
+/// queued without a try behind the first waiter, waiting until it reached the head), and one
+/// that would fit now still queues behind them (FIFO), leaving the memory for the head.
+#[test]
+fn behind_a_waiter_a_hopeless_request_fails_at_once_and_a_fitting_one_queues() {
+    let mut cx = Context::from_waker(std::task::Waker::noop());
+    for device in devices() {
+        let what = label(&device);
+        let mr = full_pool(&device, 4 * MIB);
+        let s = device.create_stream().unwrap();
+        let held = mr.allocate(3 * MIB, &s).unwrap();
+        let mut head = Box::pin(mr.allocate_async(2 * MIB, &s));
+        assert!(head.as_mut().poll(&mut cx).is_pending(), "{what}");
+        let mut too_big = Box::pin(mr.allocate_async(64 * MIB, &s));
+        assert!(
+            matches!(
+                too_big.as_mut().poll(&mut cx),
+                Poll::Ready(Err(Error::OutOfMemory { .. }))
+            ),
+            "{what}: larger than the maximum"
+        );
+        let elsewhere = Device::simulated(SimConfig::default())
+            .create_stream()
+            .unwrap();
+        let mut wrong = Box::pin(mr.allocate_async(MIB, &elsewhere));
+        assert!(
+            matches!(
+                wrong.as_mut().poll(&mut cx),
+                Poll::Ready(Err(Error::WrongDevice { .. }))
+            ),
+            "{what}: a stream of another device"
+        );
+        let mut overflow =
+            Box::pin(mr.allocate_all_async([(usize::MAX - 1000, &s), (usize::MAX - 1000, &s)]));
+        assert!(
+            matches!(
+                overflow.as_mut().poll(&mut cx),
+                Poll::Ready(Err(Error::InvalidSize { .. }))
+            ),
+            "{what}: a set whose size overflows"
+        );
+        // 1 MiB is free: it fits the newcomer, not the head, and the newcomer queues.
+        let mut fits = Box::pin(mr.allocate_async(MIB, &s));
+        assert!(fits.as_mut().poll(&mut cx).is_pending(), "{what}: FIFO");
+        let stats = mr.memory_waiters().unwrap().stats();
+        assert_eq!((stats.waiting, stats.bytes_waiting), (2, 3 * MIB), "{what}");
+        assert_eq!(
+            mr.stats().in_use,
+            3 * MIB,
+            "{what}: the try kept nothing"
+        );
+        // The held memory goes back: the head is served first, then the newcomer.
+        // SAFETY: allocated above, unused, freed once.
+        unsafe { mr.deallocate(held, 3 * MIB, &s) }.unwrap();
+        let Poll::Ready(Ok(a)) = head.as_mut().poll(&mut cx) else {
+            panic!("{what}: the head was not served");
+        };
+        let Poll::Ready(Ok(b)) = fits.as_mut().poll(&mut cx) else {
+            panic!("{what}: the newcomer was not served after the head");
+        };
+        // SAFETY: allocated above, unused, freed once each.
+        unsafe {
+            mr.deallocate(a, 2 * MIB, &s).unwrap();
+            mr.deallocate(b, MIB, &s).unwrap();
+        }
+    }
+}
+
+/// A resource whose second try fails with a driver error.
+#[derive(Debug)]
+struct SecondTryFails {
+    inner: PoolResource<CudaResource>,
+    tries: AtomicUsize,
+}
+
+// SAFETY: every allocation is the inner pool's, passed on unchanged.
+unsafe impl MemoryResource for SecondTryFails {
+    fn device(&self) -> &Device {
+        self.inner.device()
+    }
+
+    fn allocate(
+        &self,
+        bytes: usize,
+        stream: &streamalloc::Stream,
+    ) -> streamalloc::Result<DevicePtr> {
+        if self.tries.fetch_add(1, Ordering::SeqCst) == 1 {
+            return Err(Error::Driver {
+                call: "cuFake",
+                code: 999,
+                name: "CUDA_ERROR_UNKNOWN".into(),
+            });
+        }
+        self.inner.allocate(bytes, stream)
+    }
+
+    unsafe fn deallocate(
+        &self,
+        ptr: DevicePtr,
+        bytes: usize,
+        stream: &streamalloc::Stream,
+    ) -> streamalloc::Result<()> {
+        // SAFETY: the caller's contract, passed on.
+        unsafe { self.inner.deallocate(ptr, bytes, stream) }
+    }
+
+    fn memory_waiters(&self) -> Option<&streamalloc::MemoryWaiters> {
+        self.inner.memory_waiters()
+    }
+}
+
+/// The try right after a request registers first in line ends the wait on an error that
+/// waiting cannot cure, as every other try does (a review found it dropped: the request waited
+/// for the next free, and its deadline then reported a timeout instead of the error).
+#[test]
+fn an_error_on_the_try_after_registering_ends_the_wait() {
+    let mut cx = Context::from_waker(std::task::Waker::noop());
+    let device = Device::simulated(SimConfig::default());
+    let s = device.create_stream().unwrap();
+    let mr = SecondTryFails {
+        inner: full_pool(&device, 4 * MIB),
+        tries: AtomicUsize::new(0),
+    };
+    let held = mr.inner.allocate(4 * MIB, &s).unwrap();
+    let mut waiting = Box::pin(mr.allocate_async(MIB, &s));
+    assert!(matches!(
+        waiting.as_mut().poll(&mut cx),
+        Poll::Ready(Err(Error::Driver { code: 999, .. }))
+    ));
+    assert_eq!(mr.memory_waiters().unwrap().stats().waiting, 0);
+    // SAFETY: allocated above, unused, freed once.
+    unsafe { mr.inner.deallocate(held, 4 * MIB, &s) }.unwrap();
 }

@@ -112,9 +112,18 @@ impl<R: MemoryResource + ?Sized> Future for Allocate<'_, R> {
     fn poll(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<Result<DevicePtr>> {
         let this = self.get_mut();
         let (resource, stream, bytes) = (this.resource, this.stream, this.wait.bytes);
-        this.wait.poll(resource.memory_waiters(), cx, |_| {
-            resource.allocate(bytes, stream)
-        })
+        this.wait.poll(
+            resource.memory_waiters(),
+            cx,
+            |_| resource.allocate(bytes, stream),
+            |ptr| {
+                // SAFETY: `ptr` came from `allocate(bytes, stream)` of this resource a moment
+                // ago, nothing was queued on it, and it is given back once, on that stream.
+                if let Err(e) = unsafe { resource.deallocate(ptr, bytes, stream) } {
+                    tracing::warn!(error = %e, ptr = ptr.0, bytes, "allocate_async: give-back failed");
+                }
+            },
+        )
     }
 }
 

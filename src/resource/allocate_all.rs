@@ -155,8 +155,15 @@ impl<R: MemoryResource + ?Sized> Future for AllocateAll<'_, R> {
         if set.requests.is_empty() {
             return Poll::Ready(Ok(Vec::new()));
         }
-        this.wait
-            .poll(set.resource.memory_waiters(), cx, |how| set.attempt(how))
+        this.wait.poll(
+            set.resource.memory_waiters(),
+            cx,
+            |how| set.attempt(how),
+            |got| {
+                let got: Vec<Option<DevicePtr>> = got.into_iter().map(Some).collect();
+                set.give_back(&got, Attempt::Fresh);
+            },
+        )
     }
 }
 

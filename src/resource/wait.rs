@@ -72,22 +72,32 @@ impl Wait {
     /// One poll of a waiting request. `attempt` tries to get everything; an error that
     /// [`worth_waiting`] accepts makes it wait in `waiters` (FIFO, see the module
     /// `waiters`), any other error ends the wait.
+    ///
+    /// `give_back` returns what a try got when the request may not keep it: a newcomer that
+    /// finds others waiting tries once (to fail at once with an error that waiting cannot
+    /// cure: a request larger than the resource can ever hold, a stream of another device, a
+    /// size that overflows), then gives back what it got and queues behind them (FIFO). A
+    /// review found such requests queued without a try, waiting until they reached the head.
     pub(crate) fn poll<T>(
         &mut self,
         waiters: Option<&MemoryWaiters>,
         cx: &mut Context<'_>,
         mut attempt: impl FnMut(Attempt) -> Result<T>,
+        give_back: impl FnOnce(T),
     ) -> Poll<Result<T>> {
-        // The common case, kept to one try: not queued, nobody waiting.
-        if self.id.is_none() && waiters.is_none_or(|w| w.is_empty()) {
+        if self.id.is_none() {
+            let others_wait = waiters.is_some_and(|w| !w.is_empty());
             match attempt(Attempt::Fresh) {
-                Ok(got) => return Poll::Ready(Ok(got)),
+                // The common case, kept to one try: nobody waiting.
+                Ok(got) if !others_wait => return Poll::Ready(Ok(got)),
+                // Others were first: the memory goes back (loudly: it may serve the head).
+                Ok(got) => give_back(got),
                 Err(e) if worth_waiting(&e) && waiters.is_some() => {}
                 Err(e) => return Poll::Ready(Err(e)),
             }
         }
         let try_now = match (self.id, waiters) {
-            // Not queued and the try above failed, or others wait (FIFO: queue behind them).
+            // Not queued: the try above failed, or others wait (FIFO: queue behind them).
             (None, _) => None,
             // Queued: try when woken with the baton. (An entry that is gone, which nothing
             // does, is tried as if it were not queued.)
@@ -127,11 +137,19 @@ impl Wait {
             let (id, first) = waiters.register(self.bytes, cx.waker());
             self.id = Some(id);
             // Memory freed between our failed try and the registration notified nobody: try
-            // once more if we are first in line.
+            // once more if we are first in line. Its errors count as any try's (a review
+            // found this one's dropped: a device error turned into a wait).
             if first {
-                if let Ok(got) = attempt(Attempt::Head) {
-                    self.leave(Some(waiters), Leave::Served(Duration::ZERO));
-                    return Poll::Ready(Ok(got));
+                match attempt(Attempt::Head) {
+                    Ok(got) => {
+                        self.leave(Some(waiters), Leave::Served(Duration::ZERO));
+                        return Poll::Ready(Ok(got));
+                    }
+                    Err(e) if worth_waiting(&e) => {}
+                    Err(e) => {
+                        self.leave(Some(waiters), Leave::Cancelled);
+                        return Poll::Ready(Err(e));
+                    }
                 }
             }
         }
