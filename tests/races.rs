@@ -424,3 +424,30 @@ fn off_records_nothing() {
     assert_eq!(device.races(), Vec::new());
     assert_eq!(device.race_detection(), RaceDetection::Off);
 }
+
+/// Zero-byte accesses, copies and fills are nothing to the race detector (CUDA takes them as
+/// no-ops); a review found them panicking in its range lookup, on the default device.
+#[test]
+fn zero_byte_work_is_nothing_to_the_detector() {
+    let device = Device::simulated(SimConfig::default());
+    let s = device.create_stream().unwrap();
+    let p = device.malloc(1024).unwrap();
+    s.declare_access(p, 0, MemoryAccess::Read, "a kernel that reads nothing")
+        .unwrap();
+    s.declare_access(
+        streamalloc::DevicePtr(u64::MAX),
+        1,
+        MemoryAccess::Write,
+        "past the end",
+    )
+    .unwrap();
+    // SAFETY: `p` is 1024 bytes of this device; zero bytes are written.
+    unsafe {
+        s.memset_d8(p, 7, 0).unwrap();
+        s.memset_d32(p, 7, 0).unwrap();
+    }
+    s.synchronize_blocking().unwrap();
+    assert_eq!(device.races(), Vec::new());
+    // SAFETY: allocated above, nothing uses it any more.
+    unsafe { device.free(p) }.unwrap();
+}

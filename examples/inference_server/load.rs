@@ -250,7 +250,12 @@ pub(super) async fn run(addr: SocketAddr, args: &Args) -> Result<ExitCode, BoxEr
     );
 
     // Workers take the next request of the plan until it is done or the deadline passes.
-    let deadline = tokio::time::Instant::now() + Duration::from_secs(args.deadline_secs);
+    // Checked: a deadline too far ahead to be an instant is no deadline (a review found
+    // `--deadline-secs 18446744073709551615` panicking).
+    let now = tokio::time::Instant::now();
+    let deadline = now
+        .checked_add(Duration::from_secs(args.deadline_secs))
+        .unwrap_or_else(|| now + Duration::from_secs(86_400 * 365 * 30));
     let next = Arc::new(AtomicUsize::new(0));
     let url: Arc<str> = format!("{base}/infer").into();
     let start = Instant::now();

@@ -227,12 +227,27 @@ fn trim_number(v: f64) -> String {
 /// each block a rectangle coloured by its stream (in use: full colour; free: pale; waiting for
 /// a stream: hatched; unknown: light grey).
 pub(crate) fn address_map(p: &Picture) -> (String, usize) {
-    let total: u64 = p.regions.iter().map(|r| r.size).sum();
+    // Checked: a snapshot's sizes come from a file, and a sum past `u64::MAX` wrapped the span
+    // to 0 and divided by it (a review's finding).
+    let too_large = || {
+        (
+            String::from("<p>(the regions are too large to draw)</p>"),
+            0,
+        )
+    };
+    let Some(total) = (p.regions.iter()).try_fold(0u64, |t, r| t.checked_add(r.size)) else {
+        return too_large();
+    };
     if total == 0 {
         return (String::from("<p>(nothing to show)</p>"), 0);
     }
     let sep = (total / 150).max(1);
-    let span = total + sep * (p.regions.len() as u64 - 1);
+    let Some(span) = (p.regions.len() as u64 - 1)
+        .checked_mul(sep)
+        .and_then(|gaps| total.checked_add(gaps))
+    else {
+        return too_large();
+    };
     let blocks: usize = p.regions.iter().map(|r| r.blocks.len()).sum();
     let rows = blocks.div_ceil(60).clamp(1, 8) as u64;
     let per_row = span.div_ceil(rows);
@@ -286,7 +301,7 @@ pub(crate) fn address_map(p: &Picture) -> (String, usize) {
                 && region.blocks[j].state == b.state
                 && region.blocks[j].stream == b.stream
             {
-                size += region.blocks[j].size;
+                size = size.saturating_add(region.blocks[j].size);
                 j += 1;
             }
             let fill = match b.state {
@@ -319,7 +334,7 @@ pub(crate) fn address_map(p: &Picture) -> (String, usize) {
                 format!("{:#x}: {} {state}{who}", b.addr, fmt_bytes(size))
             };
             // Split over rows.
-            let mut at = offset + (b.addr - region.base);
+            let mut at = offset.saturating_add(b.addr.saturating_sub(region.base));
             let mut left = size;
             while left > 0 {
                 let row = at / per_row;
@@ -339,12 +354,12 @@ pub(crate) fn address_map(p: &Picture) -> (String, usize) {
                     escape(&title)
                 );
                 rects += 1;
-                at += len;
+                at = at.saturating_add(len);
                 left -= len;
             }
             i = j;
         }
-        offset += region.size + sep;
+        offset = offset.saturating_add(region.size).saturating_add(sep);
     }
     s.push_str("</svg>");
     (s, rects)

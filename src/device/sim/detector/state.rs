@@ -79,6 +79,11 @@ impl State {
 
     /// The segments that overlap `[start, end)`.
     pub(super) fn overlapping(&self, start: u64, end: u64) -> Vec<u64> {
+        // An empty range overlaps nothing (and `start + 1..end` would be a reversed range,
+        // which `BTreeMap::range` panics on: a zero-byte copy or memset did; review).
+        if start >= end {
+            return Vec::new();
+        }
         let first = self
             .segs
             .range(..=start)
