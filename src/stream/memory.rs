@@ -24,9 +24,16 @@ impl Device {
     pub(crate) unsafe fn free_after(&self, ptr: DevicePtr, stream: &Stream) -> Result<()> {
         self.check_same(stream.device())?;
         match (&self.inner.backend, &*stream.queue_handle()) {
-            // SAFETY: the caller's contract; cuMemFree waits for the device's pending work,
-            // which includes every use queued on `stream`.
-            (Backend::Cuda(d), crate::stream::RawStream::Cuda(_)) => unsafe { d.free(ptr.0) },
+            // cuMemFree "may perform implicit synchronization" (the driver's documentation),
+            // which is no promise: the stream is synchronized first (a review's finding), so
+            // every use ordered before this point has finished. Off the reactor thread (the
+            // callers use `run_blocking`), like cuMemFree itself.
+            (Backend::Cuda(d), crate::stream::RawStream::Cuda(s)) => {
+                d.synchronize_stream(*s)?;
+                // SAFETY: the caller's contract; every use of `ptr` was ordered before this
+                // point of `stream`, which the host has just seen finish.
+                unsafe { d.free(ptr.0) }
+            }
             (Backend::Sim(d), crate::stream::RawStream::Sim(s)) => {
                 d.fault(FaultKind::Free)?;
                 if !d.memory.is_allocation(ptr.0) {
