@@ -112,16 +112,17 @@ impl<R: MemoryResource + ?Sized> Future for Allocate<'_, R> {
     fn poll(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<Result<DevicePtr>> {
         let this = self.get_mut();
         let (resource, stream, bytes) = (this.resource, this.stream, this.wait.bytes);
+        if bytes == 0 {
+            // Costs nothing and never waits (a null pointer), queue or no queue.
+            return Poll::Ready(resource.allocate(0, stream));
+        }
         this.wait.poll(
             resource.memory_waiters(),
             cx,
             |_| resource.allocate(bytes, stream),
-            |ptr| {
-                // SAFETY: `ptr` came from `allocate(bytes, stream)` of this resource a moment
-                // ago, nothing was queued on it, and it is given back once, on that stream.
-                if let Err(e) = unsafe { resource.deallocate(ptr, bytes, stream) } {
-                    tracing::warn!(error = %e, ptr = ptr.0, bytes, "allocate_async: give-back failed");
-                }
+            || {
+                resource.device().check_same(stream.device())?;
+                super::aligned_size(bytes).map(drop)
             },
         )
     }

@@ -83,16 +83,21 @@ impl<'a, R: MemoryResource + ?Sized> AllocateAll<'a, R> {
     }
 }
 
+/// A set whose sizes, each rounded up, add up to more than `usize::MAX`.
+fn overflow() -> Error {
+    Error::InvalidSize {
+        size: usize::MAX,
+        reason: "the sizes of the set, each rounded up to the 256-byte alignment, add up to \
+                 more than usize::MAX",
+    }
+}
+
 impl<R: MemoryResource + ?Sized> Set<'_, R> {
     /// One try at the whole set: every request, largest first; on the first failure, what was
     /// taken goes back and the error says what the whole set needed.
     fn attempt(&self, how: Attempt) -> Result<Vec<DevicePtr>> {
         let Some(total) = self.total else {
-            return Err(Error::InvalidSize {
-                size: usize::MAX,
-                reason: "the sizes of the set, each rounded up to the 256-byte alignment, \
-                         add up to more than usize::MAX",
-            });
+            return Err(overflow());
         };
         let mut got: Vec<Option<DevicePtr>> = vec![None; self.requests.len()];
         for &i in &self.order {
@@ -121,6 +126,16 @@ impl<R: MemoryResource + ?Sized> Set<'_, R> {
             .into_iter()
             .map(|p| p.expect("every request was allocated"))
             .collect())
+    }
+
+    /// What no wait can cure, found without allocating: a total that overflows, a stream of
+    /// another device.
+    fn check(&self) -> Result<()> {
+        if self.total.is_none() {
+            return Err(overflow());
+        }
+        (self.requests.iter())
+            .try_for_each(|&(_, stream)| self.resource.device().check_same(stream.device()))
     }
 
     /// Gives back the part of the set that a failed try took. The head waiter does it quietly
@@ -159,10 +174,7 @@ impl<R: MemoryResource + ?Sized> Future for AllocateAll<'_, R> {
             set.resource.memory_waiters(),
             cx,
             |how| set.attempt(how),
-            |got| {
-                let got: Vec<Option<DevicePtr>> = got.into_iter().map(Some).collect();
-                set.give_back(&got, Attempt::Fresh);
-            },
+            || set.check(),
         )
     }
 }

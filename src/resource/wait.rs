@@ -73,27 +73,40 @@ impl Wait {
     /// [`worth_waiting`] accepts makes it wait in `waiters` (FIFO, see the module
     /// `waiters`), any other error ends the wait.
     ///
-    /// `give_back` returns what a try got when the request may not keep it: a newcomer that
-    /// finds others waiting tries once (to fail at once with an error that waiting cannot
-    /// cure: a request larger than the resource can ever hold, a stream of another device, a
-    /// size that overflows), then gives back what it got and queues behind them (FIFO). A
-    /// review found such requests queued without a try, waiting until they reached the head.
+    /// A newcomer that finds others waiting queues behind them without a try (FIFO), but
+    /// first `check`s what waiting cannot cure (a stream of another device, a size that
+    /// overflows) and compares its size with the resource's maximum as the queue learned it:
+    /// such a request fails at once. (A review found these queued, waiting until they reached
+    /// the head.)
     pub(crate) fn poll<T>(
         &mut self,
         waiters: Option<&MemoryWaiters>,
         cx: &mut Context<'_>,
         mut attempt: impl FnMut(Attempt) -> Result<T>,
-        give_back: impl FnOnce(T),
+        check: impl FnOnce() -> Result<()>,
     ) -> Poll<Result<T>> {
         if self.id.is_none() {
-            let others_wait = waiters.is_some_and(|w| !w.is_empty());
-            match attempt(Attempt::Fresh) {
+            match waiters.filter(|w| !w.is_empty()) {
                 // The common case, kept to one try: nobody waiting.
-                Ok(got) if !others_wait => return Poll::Ready(Ok(got)),
-                // Others were first: the memory goes back (loudly: it may serve the head).
-                Ok(got) => give_back(got),
-                Err(e) if worth_waiting(&e) && waiters.is_some() => {}
-                Err(e) => return Poll::Ready(Err(e)),
+                None => match attempt(Attempt::Fresh) {
+                    Ok(got) => return Poll::Ready(Ok(got)),
+                    Err(e) if worth_waiting(&e) && waiters.is_some() => {
+                        note_maximum(waiters, &e);
+                    }
+                    Err(e) => return Poll::Ready(Err(e)),
+                },
+                Some(w) => {
+                    if let Err(e) = check() {
+                        return Poll::Ready(Err(e));
+                    }
+                    if let Some(maximum) = w.known_maximum().filter(|&m| self.bytes > m) {
+                        return Poll::Ready(Err(Error::OutOfMemory {
+                            requested: self.bytes,
+                            available: 0,
+                            maximum,
+                        }));
+                    }
+                }
             }
         }
         let try_now = match (self.id, waiters) {
@@ -115,7 +128,7 @@ impl Wait {
                     self.leave(waiters, Leave::Served(waited));
                     return Poll::Ready(Ok(got));
                 }
-                Err(e) if worth_waiting(&e) && waiters.is_some() => {}
+                Err(e) if worth_waiting(&e) && waiters.is_some() => note_maximum(waiters, &e),
                 Err(e) => {
                     self.leave(waiters, Leave::Cancelled);
                     return Poll::Ready(Err(e));
@@ -166,6 +179,13 @@ impl Wait {
             }
         }
         Poll::Pending
+    }
+}
+
+/// Notes the maximum of an out-of-memory error in the queue (see `MemoryWaiters::note_maximum`).
+fn note_maximum(waiters: Option<&MemoryWaiters>, e: &Error) {
+    if let (Some(w), Error::OutOfMemory { maximum, .. }) = (waiters, e) {
+        w.note_maximum(*maximum);
     }
 }
 

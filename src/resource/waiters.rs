@@ -67,6 +67,11 @@ pub struct MemoryWaiters {
     wait_ns: AtomicU64,
     max_wait_ns: AtomicU64,
     timeouts: AtomicU64,
+    /// The resource's maximum, as the out-of-memory errors that made requests wait reported
+    /// it (0: none yet): a newcomer that finds others waiting queues behind them without a
+    /// try, and one larger than this fails at once instead. Std's: it only ever holds a
+    /// resource's (fixed) maximum, so what a thread reads is that or nothing.
+    maximum: std::sync::atomic::AtomicUsize,
 }
 
 /// What waiting for memory has cost a resource.
@@ -111,7 +116,20 @@ impl MemoryWaiters {
             wait_ns: AtomicU64::new(0),
             max_wait_ns: AtomicU64::new(0),
             timeouts: AtomicU64::new(0),
+            maximum: std::sync::atomic::AtomicUsize::new(0),
         }
+    }
+
+    /// Notes the resource's maximum from an out-of-memory error that made a request wait.
+    pub(crate) fn note_maximum(&self, maximum: usize) {
+        self.maximum
+            .store(maximum, std::sync::atomic::Ordering::Relaxed);
+    }
+
+    /// The resource's maximum, if a request has waited here before.
+    pub(crate) fn known_maximum(&self) -> Option<usize> {
+        let maximum = self.maximum.load(std::sync::atomic::Ordering::Relaxed);
+        (maximum > 0).then_some(maximum)
     }
 
     /// Memory came back to the resource: the first waiter tries again. Call it after every
