@@ -460,7 +460,11 @@ fn behind_a_waiter_a_hopeless_request_fails_at_once_and_a_fitting_one_queues() {
         assert!(fits.as_mut().poll(&mut cx).is_pending(), "{what}: FIFO");
         let stats = mr.memory_waiters().unwrap().stats();
         assert_eq!((stats.waiting, stats.bytes_waiting), (2, 3 * MIB), "{what}");
-        assert_eq!(mr.stats().in_use, 3 * MIB, "{what}: nothing taken ahead of the head");
+        assert_eq!(
+            mr.stats().in_use,
+            3 * MIB,
+            "{what}: nothing taken ahead of the head"
+        );
         // The held memory goes back: the head is served first, then the newcomer.
         // SAFETY: allocated above, unused, freed once.
         unsafe { mr.deallocate(held, 3 * MIB, &s) }.unwrap();

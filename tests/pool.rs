@@ -757,3 +757,101 @@ fn a_huge_growth_cap_grows_as_no_cap() {
         }
     }
 }
+
+/// A trim that holds a chunk out (waiting for the stream that freed it) while an awaitable
+/// request at the maximum fails and queues: when the trim gives the chunk back upstream, the
+/// room under the maximum is back, and the waiter must be woken (a review found it asleep
+/// until its deadline).
+#[test]
+fn a_trim_that_makes_room_wakes_the_waiters() {
+    use streamalloc::AllocateAsync;
+    for device in devices() {
+        let p = pool(&device, 0, 4 * MIB);
+        let (s1, s2) = (
+            device.create_stream().unwrap(),
+            device.create_stream().unwrap(),
+        );
+        let x = p.allocate(4 * MIB, &s1).unwrap();
+        s1.spin(Duration::from_millis(300)).unwrap();
+        free(&p, x, 4 * MIB, &s1);
+        let rt = common::runtime();
+        std::thread::scope(|scope| {
+            let trim = scope.spawn(|| p.trim_blocking());
+            // The trim takes the chunk out, then waits for `s1`; the request comes meanwhile.
+            assert!(common::eventually(Duration::from_secs(5), || {
+                p.stats().free == 0
+            }));
+            let got = rt.block_on(
+                p.allocate_async(4 * MIB, &s2)
+                    .timeout(Duration::from_secs(30)),
+            );
+            assert_eq!(trim.join().unwrap().unwrap(), 4 * MIB, "{}", label(&device));
+            let ptr = got.unwrap_or_else(|e| panic!("{}: {e}", label(&device)));
+            free(&p, ptr, 4 * MIB, &s2);
+        });
+    }
+}
+
+/// A pool over a pool with a smaller maximum: a request above the inner maximum can never be
+/// served, and the outer pool's error says so (its maximum and available no more than the
+/// inner pool's), so that waiting for it fails at once. A review found the outer pool's own
+/// maximum in the error, and `allocate_async` waiting for ever.
+#[test]
+fn a_pool_over_a_smaller_pool_reports_the_smaller_maximum() {
+    use streamalloc::AllocateAsync;
+    for device in devices() {
+        let inner = Arc::new(pool(&device, 0, 4 * MIB));
+        let outer = PoolResource::new(
+            inner.clone(),
+            PoolOptions {
+                initial: 0,
+                maximum: Some(64 * MIB),
+                ..PoolOptions::default()
+            },
+        )
+        .unwrap();
+        let s = device.create_stream().unwrap();
+        match outer.allocate(8 * MIB, &s) {
+            Err(Error::OutOfMemory {
+                requested,
+                available,
+                maximum,
+            }) => {
+                assert_eq!(
+                    (requested, maximum),
+                    (8 * MIB, 4 * MIB),
+                    "{}",
+                    label(&device)
+                );
+                assert!(
+                    available <= 4 * MIB,
+                    "{}: available {available}",
+                    label(&device)
+                );
+            }
+            other => panic!("{}: {other:?}", label(&device)),
+        }
+        let got = common::runtime().block_on(
+            outer
+                .allocate_async(8 * MIB, &s)
+                .timeout(Duration::from_secs(30)),
+        );
+        assert!(
+            matches!(got, Err(Error::OutOfMemory { .. })),
+            "{}: {got:?}",
+            label(&device)
+        );
+        // The inner pool holding 3 MiB: 2 MiB more cannot be had, and the error does not
+        // claim the outer pool's room as available.
+        let held = inner.allocate(3 * MIB, &s).unwrap();
+        match outer.allocate(2 * MIB, &s) {
+            Err(Error::OutOfMemory {
+                requested,
+                available,
+                ..
+            }) => assert!(available < requested, "{}: {available}", label(&device)),
+            other => panic!("{}: {other:?}", label(&device)),
+        }
+        free(&*inner, held, 3 * MIB, &s);
+    }
+}

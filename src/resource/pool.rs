@@ -356,6 +356,29 @@ impl<U: MemoryResource> PoolResource<U> {
         }
     }
 
+    /// Out of memory because the upstream refused a growth, with the upstream's numbers where
+    /// it gave them: `available` no more than the upstream said it had (room under our own
+    /// maximum is no use when the upstream cannot fill it), and `maximum` no more than the
+    /// upstream's, so that a request it can never serve is not taken for one worth waiting
+    /// for. (A review found a pool over a smaller pool reporting its own maximum: awaitable
+    /// requests for more than the inner pool could ever hold waited for ever.)
+    fn upstream_out_of_memory(&self, requested: u64, upstream: &Error) -> Error {
+        let Error::OutOfMemory {
+            available, maximum, ..
+        } = *upstream
+        else {
+            return self.out_of_memory(requested);
+        };
+        let room = (self.maximum)
+            .saturating_sub(self.reserved.load(Ordering::Relaxed))
+            .min(available as u64);
+        Error::OutOfMemory {
+            requested: requested as usize,
+            available: room.max(self.heap.largest_free_block()) as usize,
+            maximum: (self.maximum as usize).min(maximum),
+        }
+    }
+
     /// What waiting for memory in [`allocate_async`](crate::AllocateAsync::allocate_async) has
     /// cost: tasks waiting now, bytes they wait for, wait times.
     pub fn wait_stats(&self) -> WaitStats {
@@ -437,12 +460,16 @@ impl<U: MemoryResource> PoolResource<U> {
     }
 
     /// Whole chunks taken out for release go back, as freed on the stream they must wait for.
+    /// Waiters are told: a request may have failed while they were out.
     fn put_back(&self, taken: &[(u64, u64, Option<Stream>)]) {
         for (base, size, stream) in taken {
             match stream {
                 Some(stream) => self.heap.give_blocks_to(&[(*base, *size)], stream),
                 None => self.heap.give_back_fresh_chunk(*base, *size),
             }
+        }
+        if !taken.is_empty() {
+            self.waiters.notify();
         }
     }
 
@@ -483,6 +510,12 @@ impl<U: MemoryResource> PoolResource<U> {
             }
         }
         tracing::debug!(released, "trimmed");
+        if released > 0 {
+            // Room under the maximum came back: a request refused at the maximum (perhaps
+            // while these chunks were out of the lists) may fit now. A review found waiters
+            // left asleep with the room there (the expandable pool already did this).
+            self.waiters.notify();
+        }
         match first_error {
             Some(e) => Err(e),
             None => Ok(released),
@@ -570,7 +603,7 @@ impl<U: MemoryResource> Grow for PoolResource<U> {
                 }
                 Err(e) if e.is_out_of_memory() => {
                     tracing::debug!("upstream out of memory");
-                    return Err(self.out_of_memory(min));
+                    return Err(self.upstream_out_of_memory(min, &e));
                 }
                 Err(e) => return Err(e),
             }
