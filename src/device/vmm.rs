@@ -196,3 +196,32 @@ impl Drop for Reservation {
         }
     }
 }
+
+#[cfg(all(test, not(streamalloc_loom)))]
+mod tests {
+    use super::*;
+    use crate::{RaceDetection, SimConfig};
+
+    /// Zero bytes at the end of a reservation touch nothing (CUDA takes such work as a
+    /// no-op): a review found the granule past the end looked up, a stream's worker panicking
+    /// with 64 granules, and every wait on the stream hanging.
+    #[test]
+    fn zero_bytes_at_the_end_of_a_reservation_are_nothing() {
+        let d = Device::simulated(SimConfig {
+            race_detection: RaceDetection::Record,
+            ..SimConfig::default()
+        });
+        let g = granularity(&d).unwrap();
+        let r = Reservation::new(&d, 64 * g, g).unwrap();
+        r.map(0, 64).unwrap();
+        let s = d.create_stream().unwrap();
+        let end = crate::DevicePtr(r.base() + (64 * g) as u64);
+        // SAFETY: zero bytes are written.
+        unsafe { s.memset_d8(end, 0, 0) }.unwrap();
+        let (tx, rx) = std::sync::mpsc::channel();
+        let waiter = s.clone();
+        std::thread::spawn(move || tx.send(waiter.synchronize_blocking()));
+        let synced = rx.recv_timeout(std::time::Duration::from_secs(30));
+        assert!(matches!(synced, Ok(Ok(()))), "{synced:?}");
+    }
+}

@@ -47,8 +47,14 @@ impl Granules {
     /// `Err(InvalidAddress)` with the first unmapped address if any byte of `[ptr, ptr + len)`
     /// (inside the reservation at `base`) lies in an unmapped granule.
     pub(crate) fn check(&self, base: u64, ptr: u64, len: usize) -> Result<()> {
+        if len == 0 {
+            // Zero bytes touch no granule (CUDA takes such work as a no-op); at the end of the
+            // reservation the granule past it would be out of the table (a review found a
+            // stream's worker panicking there, and every waiter on the stream hanging).
+            return Ok(());
+        }
         let first = ((ptr - base) / GRANULE as u64) as usize;
-        let last = ((ptr + len.max(1) as u64 - 1 - base) / GRANULE as u64) as usize;
+        let last = ((ptr + len as u64 - 1 - base) / GRANULE as u64) as usize;
         for index in first..=last {
             // Relaxed: the stream worker that accesses the memory was ordered after the map by
             // the lock of the stream's queue (the op was pushed after `map` returned); an unmap

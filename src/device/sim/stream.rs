@@ -229,7 +229,16 @@ impl Worker {
                     queue = self.stream.ready.wait(queue);
                 }
             };
-            self.exec.run(op);
+            // A panic in an operation (a bug of the simulator's) must not end the worker: the
+            // markers queued behind it would never complete, and every wait on the stream
+            // would hang. Logged; the stream goes on.
+            let exec = &mut self.exec;
+            if let Err(payload) = crate::completion::catch_unwind(|| exec.run(op)) {
+                tracing::error!(
+                    panic = crate::completion::panic_message(&*payload),
+                    "a simulated stream's operation panicked; the stream goes on"
+                );
+            }
         }
     }
 }
