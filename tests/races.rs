@@ -451,3 +451,38 @@ fn zero_byte_work_is_nothing_to_the_detector() {
     // SAFETY: allocated above, nothing uses it any more.
     unsafe { device.free(p) }.unwrap();
 }
+
+/// A chunk cut into blocks (as a pool does): a block used on stream `b`, freed, allocated
+/// again and freed with no use, then the chunk freed on `a`, which nothing orders after `b`:
+/// `b`'s write may still run. A review found the reuse throwing the first life's uses away,
+/// and the chunk's free unseen (the same without the reuse was caught).
+#[test]
+fn a_reused_block_keeps_its_old_uses_for_the_chunks_free() {
+    for reuse in [false, true] {
+        let (device, _) = device(RaceDetection::Record);
+        let (a, b) = (
+            device.create_stream().unwrap(),
+            device.create_stream().unwrap(),
+        );
+        let chunk = device.malloc_async(4096, &a).unwrap();
+        b.wait(&a.record().unwrap()).unwrap();
+        device.note_allocation(chunk, 1024, &b);
+        b.declare_access(chunk, 1024, MemoryAccess::Write, "a kernel")
+            .unwrap();
+        device.note_free(chunk, 1024, &b);
+        if reuse {
+            device.note_allocation(chunk, 1024, &b);
+            device.note_free(chunk, 1024, &b);
+        }
+        // SAFETY: the chunk came from `malloc_async` above and is freed once; the race is
+        // the point (the simulated device detects it, and runs nothing that touches memory).
+        unsafe { device.free_async(chunk, &a) }.unwrap();
+        let races = device.take_races();
+        assert!(
+            races.iter().any(|r| r.kind == RaceKind::FreedWhileInUse),
+            "reuse {reuse}: missed {races:?}"
+        );
+        a.synchronize_blocking().unwrap();
+        b.synchronize_blocking().unwrap();
+    }
+}

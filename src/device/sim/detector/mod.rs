@@ -319,7 +319,16 @@ impl Detector {
                         }
                     }
                 }
-                st.segs.get_mut(&key).expect("listed above").stack.pop();
+                let seg = st.segs.get_mut(&key).expect("listed above");
+                let popped = seg.stack.pop().expect("the top, just read");
+                // Its uses are what a free of the block below (a chunk a pool cut this block
+                // from) must still be checked against: they move down rather than vanish (a
+                // review found a chunk freed while a reused block's old use still ran, unseen).
+                if let Some(below) = seg.stack.last_mut() {
+                    below.uses.extend(popped.uses);
+                    let excess = below.uses.len().saturating_sub(MAX_USES);
+                    below.uses.drain(..excess);
+                }
             }
             st.segs
                 .get_mut(&key)
