@@ -486,3 +486,37 @@ fn a_reused_block_keeps_its_old_uses_for_the_chunks_free() {
         b.synchronize_blocking().unwrap();
     }
 }
+
+/// A block the driver's pool keeps (freed, to be handed out again) is still caught when a
+/// stale pointer uses it, however many frees came since: a review found the detector
+/// forgetting it after 4,096 frees (its bound on the freed blocks it remembers), while the
+/// pool still held the memory.
+#[test]
+fn a_stale_use_of_a_pool_block_is_caught_after_many_frees() {
+    use streamalloc::resource::cuda_async::{CudaAsyncOptions, CudaAsyncResource};
+    use streamalloc::MemoryResource;
+    let (device, _) = device(RaceDetection::Record);
+    let (a, b) = (
+        device.create_stream().unwrap(),
+        device.create_stream().unwrap(),
+    );
+    let pool = CudaAsyncResource::new(&device, CudaAsyncOptions::default()).unwrap();
+    let stale = pool.allocate(1 << 20, &a).unwrap();
+    // SAFETY: allocated above, unused, freed once.
+    unsafe { pool.deallocate(stale, 1 << 20, &a) }.unwrap();
+    a.synchronize_blocking().unwrap();
+    for _ in 0..5000 {
+        let p = pool.allocate(4096, &a).unwrap();
+        // SAFETY: allocated above, unused, freed once.
+        unsafe { pool.deallocate(p, 4096, &a) }.unwrap();
+    }
+    // SAFETY: a use after free on purpose: the simulated device reports it (and the pool still
+    // holds the memory, so nothing else is written).
+    unsafe { b.memset_d8(stale, 1, 1 << 20) }.unwrap();
+    b.synchronize_blocking().unwrap();
+    let races = device.take_races();
+    assert!(
+        races.iter().any(|r| r.kind == RaceKind::UseAfterFree),
+        "{races:?}"
+    );
+}
