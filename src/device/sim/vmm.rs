@@ -87,6 +87,13 @@ impl SimReservation {
         Ok(())
     }
 
+    /// The addresses of unit `index`: `(start, end)`.
+    pub(crate) fn unit_range(&self, index: usize) -> (u64, u64) {
+        let unit = self.unit_bytes() as u64;
+        let start = self.base + index as u64 * unit;
+        (start, start + unit)
+    }
+
     /// Unmaps unit `index` and releases its physical memory. Unmapping an unmapped unit does
     /// nothing.
     pub(crate) fn unmap(&self, index: usize) {

@@ -449,6 +449,43 @@ impl Detector {
     }
 }
 
+impl Detector {
+    /// The host unmapped `[start, end)` (granules of a reservation going back): as for a host
+    /// free, every use of memory there must be ordered before what the host has seen finish.
+    /// A review found unmapping invisible here, so an expandable pool's trim was checked only
+    /// by the timing of an access to an unmapped granule.
+    pub(crate) fn unmapped(&self, start: u64, end: u64) -> Option<Race> {
+        let mut st = self.lock();
+        let at = Point {
+            stream: HOST,
+            epoch: 0,
+            op: "unmap",
+        };
+        let clock = st.host.clone();
+        let mut found: Option<(Point, Life)> = None;
+        for key in st.overlapping(start, end) {
+            for life in &st.segs[&key].stack {
+                let late = (life.uses.iter())
+                    .find(|u| u.start < end && start < u.end && !u.at.before(&clock));
+                if let (None, Some(u)) = (&found, late) {
+                    found = Some((u.at, life.clone()));
+                }
+            }
+        }
+        // The shadow stays: an access to the range before it is mapped and allocated again
+        // is a use after free of what lived there.
+        let race = found.map(|(earlier, life)| Race {
+            kind: RaceKind::FreedWhileInUse,
+            ptr: DevicePtr(start),
+            bytes: (end - start) as usize,
+            at: st.site(at),
+            earlier: st.site(earlier),
+            block: Some(st.block_info(&life)),
+        });
+        st.note(race)
+    }
+}
+
 /// `into = max(into, from)`, componentwise; whether anything changed.
 fn join(into: &mut Clock, from: &[u32]) -> bool {
     if into.len() < from.len() {
