@@ -114,6 +114,21 @@ fn a_cudarc_stream_adopted_as_ours() {
     }
 }
 
+/// cudarc's per-thread default stream is a different stream on every thread that names it:
+/// refused (a review found it adopted, and the crate's calls from its own threads landing on
+/// other streams, out of order).
+#[test]
+fn the_per_thread_default_stream_is_refused() {
+    for device in gpus("the_per_thread_default_stream_is_refused") {
+        let ctx = device.cudarc_context().unwrap();
+        let per_thread = ctx.per_thread_stream();
+        assert!(matches!(
+            Stream::from_cudarc(&device, per_thread),
+            Err(streamalloc::Error::InvalidArgument { .. })
+        ));
+    }
+}
+
 /// A `Device` on a context a cudarc user made shares it (the same `Arc`, no other context);
 /// a stream of another context is refused with a typed error.
 #[test]

@@ -142,6 +142,12 @@ pub(crate) struct CudaDevice {
     events: Mutex<Vec<RawEvent>>,
     /// The driver pool behind `malloc_async`, made on first use.
     pub(super) pool: OnceLock<RawPool>,
+    /// A cudarc stream held for the device's life: cudarc synchronizes the whole context
+    /// (`cuCtxSynchronize`) whenever its count of live streams of a context goes up from zero
+    /// (with event tracking, its default), so without this a `create_stream` after every
+    /// stream was dropped would wait for all the work of the context, other libraries'
+    /// included (a review's finding). With it, that happens once, here.
+    _streams_alive: std::sync::Arc<cudarc::driver::CudaStream>,
 }
 
 // SAFETY: the module, function and pool handles are driver handles usable from any thread once
@@ -187,6 +193,9 @@ impl CudaDevice {
         }
         .map_err(|e| Error::driver("cuDeviceGetAttribute", e))?;
         let kernels = Self::load_kernels()?;
+        let streams_alive = (ctx.cudarc())
+            .new_stream()
+            .map_err(|e| Error::driver("cuStreamCreate", e))?;
         Ok(Self {
             ctx,
             ordinal,
@@ -197,6 +206,7 @@ impl CudaDevice {
             kernels,
             events: Mutex::new(Vec::new()),
             pool: OnceLock::new(),
+            _streams_alive: streams_alive,
         })
     }
 
@@ -243,9 +253,9 @@ impl CudaDevice {
     /// A new non-blocking stream, made and owned by cudarc (`CudaContext::new_stream`): the
     /// `Stream` holds cudarc's `Arc`, so that handing it to cudarc (`Stream::cudarc_stream`)
     /// is an `Arc` clone, and the driver's stream is destroyed (work already queued still
-    /// runs, the driver's own rule) when the last holder on either side lets go. cudarc
-    /// synchronizes the context once, when the first stream of a context is made, if the
-    /// context tracks events (its default): at device creation for our own contexts.
+    /// runs, the driver's own rule) when the last holder on either side lets go. (cudarc
+    /// synchronizes the context when its count of live streams goes up from zero: the device
+    /// holds one stream for its life, so that happens once, at its creation.)
     pub(crate) fn create_stream(
         &self,
     ) -> Result<(RawStream, std::sync::Arc<cudarc::driver::CudaStream>)> {

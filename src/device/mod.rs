@@ -194,6 +194,11 @@ impl fmt::Display for Device {
 impl Device {
     /// Opens GPU `ordinal` through the CUDA driver, with default [`CudaOptions`].
     ///
+    /// The crate's calls into the driver make the device's context current on the calling
+    /// thread (`cuCtxSetCurrent`) and leave it so, as cudarc does. Code on the same thread that
+    /// uses the CUDA runtime API with another GPU, or pushes and pops contexts itself, sets its
+    /// own again after calling into the crate.
+    ///
     /// Errors: [`Error::NoDriver`] if `libcuda` cannot be loaded, [`Error::InvalidDevice`] if
     /// there is no such ordinal (with how many devices there are), [`Error::Driver`] if a
     /// driver call fails. Never panics.

@@ -62,6 +62,15 @@ impl Device {
     /// (`cuCtxEnablePeerAccess`; one direction: enable it on both for both). Enabling it twice
     /// is fine. Copies between devices do not need it.
     ///
+    /// **Only memory from `cuMemAlloc`** (`CudaResource`, and the pools, arenas and bins over
+    /// it): the driver's stream-ordered pools (`CudaAsyncResource`, `Device::malloc_async`)
+    /// and virtual-memory mappings (`ExpandablePoolResource`) do not follow
+    /// `cuCtxEnablePeerAccess` (the CUDA programming guide, "Device accessibility for multi-GPU
+    /// support"), and this crate does not yet grant their access to peers
+    /// (`cuMemPoolSetAccess`, `cuMemSetAccess`): a peer's kernel touching them faults. Copies
+    /// between devices work with every resource. (A review's finding; not yet tested on two
+    /// GPUs.)
+    ///
     /// Errors: [`Error::InvalidArgument`] where the hardware does not allow it (see
     /// [`can_access_peer`](Self::can_access_peer)), `WrongDevice` for a simulated device and a
     /// GPU, a driver error otherwise.

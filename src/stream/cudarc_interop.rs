@@ -42,6 +42,16 @@ impl Stream {
                 what: "the cudarc stream belongs to another context than the device's",
             });
         }
+        // `CU_STREAM_PER_THREAD` (cudarc's `per_thread_stream`) names the default stream of
+        // whichever thread makes the call: the crate calls the driver from many threads (tokio
+        // workers, the reactor, the blocking-work thread), each of which would queue on a
+        // stream of its own, and stream order would not hold (a review's finding).
+        if stream.cu_stream() as usize == 0x2 {
+            return Err(Error::InvalidArgument {
+                what: "the per-thread default stream (CU_STREAM_PER_THREAD) is another stream on \
+                       every thread; make a stream with `CudaContext::new_stream`",
+            });
+        }
         device
             .inner
             .streams_created
