@@ -67,10 +67,12 @@ pub struct MemoryWaiters {
     wait_ns: AtomicU64,
     max_wait_ns: AtomicU64,
     timeouts: AtomicU64,
-    /// The resource's maximum, as the out-of-memory errors that made requests wait reported
-    /// it (0: none yet): a newcomer that finds others waiting queues behind them without a
-    /// try, and one larger than this fails at once instead. Std's: it only ever holds a
-    /// resource's (fixed) maximum, so what a thread reads is that or nothing.
+    /// A maximum that an out-of-memory error which made a request wait reported (0: none yet;
+    /// a queue shared by layers, an adaptor's over its upstream's, holds the last one's): a
+    /// newcomer that finds others waiting queues behind them without a try, and one larger
+    /// than this fails at once instead. Each layer's maximum bounds what any request can get
+    /// through it, so whichever a thread reads is a true bound. Std's: a single word, read
+    /// and written whole.
     maximum: std::sync::atomic::AtomicUsize,
 }
 
