@@ -402,18 +402,6 @@ fn the_allocate_future_is_send_on<P: Awaited>(pool: MakePool<P>) {
     send(&erased.allocate_async(256, &s));
 }
 
-fn full_pool(device: &Device, maximum: usize) -> PoolResource<CudaResource> {
-    PoolResource::new(
-        CudaResource::new(device),
-        PoolOptions {
-            initial: maximum,
-            maximum: Some(maximum),
-            ..PoolOptions::default()
-        },
-    )
-    .unwrap()
-}
-
 /// A request that waiting cannot cure fails at once even while others wait (a review found it
 /// queued without a try behind the first waiter, waiting until it reached the head), and one
 /// that would fit now still queues behind them (FIFO), leaving the memory for the head.
@@ -422,7 +410,7 @@ fn behind_a_waiter_a_hopeless_request_fails_at_once_and_a_fitting_one_queues() {
     let mut cx = Context::from_waker(std::task::Waker::noop());
     for device in devices() {
         let what = label(&device);
-        let mr = full_pool(&device, 4 * MIB);
+        let mr = common::pool(&device, 4 * MIB, 4 * MIB);
         let s = device.create_stream().unwrap();
         let held = mr.allocate(3 * MIB, &s).unwrap();
         let mut head = Box::pin(mr.allocate_async(2 * MIB, &s));
@@ -534,7 +522,7 @@ fn an_error_on_the_try_after_registering_ends_the_wait() {
     let device = Device::simulated(SimConfig::default());
     let s = device.create_stream().unwrap();
     let mr = SecondTryFails {
-        inner: full_pool(&device, 4 * MIB),
+        inner: common::pool(&device, 4 * MIB, 4 * MIB),
         tries: AtomicUsize::new(0),
     };
     let held = mr.inner.allocate(4 * MIB, &s).unwrap();

@@ -677,18 +677,7 @@ fn fixed_size_blocks() {
 #[test]
 fn a_chunk_grown_on_a_stream_is_ordered_for_other_streams() {
     for device in devices() {
-        let inner = Arc::new(
-            PoolResource::new(
-                CudaResource::new(&device),
-                PoolOptions {
-                    initial: 0,
-                    maximum: Some(64 * MIB),
-                    opportunistic_reuse: false,
-                    ..PoolOptions::default()
-                },
-            )
-            .unwrap(),
-        );
+        let inner = Arc::new(common::waiting_pool(&device, 0, 64 * MIB));
         let outer = Arc::new(
             PoolResource::new(
                 inner.clone(),

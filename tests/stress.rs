@@ -697,6 +697,35 @@ fn check_block(s: &Stream, ptr: DevicePtr, bytes: usize, pat: u8) -> bool {
     read_back(s, ptr, bytes).iter().all(|&b| b == pat)
 }
 
+/// Trims the resource from this thread, `pct` percent of the time.
+fn maybe_trim(setup: &Setup, rng: &mut Rng, pct: u64) {
+    if rng.chance(pct) {
+        if let Some(t) = &setup.trim {
+            t(rng);
+        }
+    }
+}
+
+/// The reuse that ends a scenario: a block of each size allocated on `stream`, written with
+/// `pat`, read back and freed there; the mismatches found.
+fn reuse(setup: &Setup, stream: &Stream, sizes: &[usize], pat: u8) -> Vec<String> {
+    let mut out = Vec::new();
+    for &s in sizes {
+        let Ok(p) = setup.res.allocate(s, stream) else {
+            continue;
+        };
+        // SAFETY: a live block of at least that size, ordered after its allocation.
+        unsafe { stream.memset_d8(p, pat, s) }.unwrap();
+        if !check_block(stream, p, s, pat) {
+            out.push(format!("block {:#x} {s} not {pat}", p.0));
+        }
+        // SAFETY: from this resource with this size, freed once, after its last use.
+        unsafe { setup.res.deallocate(p, s, stream) }.unwrap();
+    }
+    stream.synchronize_blocking().unwrap();
+    out
+}
+
 /// Runs `scenario` for every kind and several configs; collects races and data mismatches.
 fn scenario(name: &str, f: impl Fn(&Device, &Setup, &mut Rng) -> Vec<String>) {
     let mut bad = Vec::new();
@@ -757,25 +786,9 @@ fn scenario_dropped_stream() {
                 unsafe { setup.res.deallocate(p, s, &a) }.unwrap();
             }
         }
-        if rng.chance(50) {
-            if let Some(t) = &setup.trim {
-                t(rng);
-            }
-        }
+        maybe_trim(setup, rng, 50);
         let b = device.create_stream().unwrap();
-        for &s in &sizes {
-            let Ok(p) = setup.res.allocate(s, &b) else {
-                continue;
-            };
-            // SAFETY: a live block of at least that size, ordered after its allocation.
-            unsafe { b.memset_d8(p, 2, s) }.unwrap();
-            if !check_block(&b, p, s, 2) {
-                out.push(format!("block {:#x} {s} not 2", p.0));
-            }
-            // SAFETY: from this resource with this size, freed once, after its last use.
-            unsafe { setup.res.deallocate(p, s, &b) }.unwrap();
-        }
-        b.synchronize_blocking().unwrap();
+        out.extend(reuse(setup, &b, &sizes, 2));
         out
     });
 }
@@ -818,24 +831,9 @@ fn scenario_cross_free() {
         if rng.chance(30) {
             drop(a);
         }
-        if rng.chance(30) {
-            if let Some(t) = &setup.trim {
-                t(rng);
-            }
-        }
-        for &(_, s) in &blocks {
-            let Ok(p) = setup.res.allocate(s, &c) else {
-                continue;
-            };
-            // SAFETY: a live block of at least that size, ordered after its allocation.
-            unsafe { c.memset_d8(p, 3, s) }.unwrap();
-            if !check_block(&c, p, s, 3) {
-                out.push(format!("block {:#x} {s} not 3", p.0));
-            }
-            // SAFETY: from this resource with this size, freed once, after its last use.
-            unsafe { setup.res.deallocate(p, s, &c) }.unwrap();
-        }
-        c.synchronize_blocking().unwrap();
+        maybe_trim(setup, rng, 30);
+        let sizes: Vec<usize> = blocks.iter().map(|&(_, s)| s).collect();
+        out.extend(reuse(setup, &c, &sizes, 3));
         out
     });
 }
@@ -874,24 +872,8 @@ fn scenario_record_stream() {
         if rng.chance(50) {
             drop(b);
         }
-        if rng.chance(30) {
-            if let Some(t) = &setup.trim {
-                t(rng);
-            }
-        }
-        for &s in &sizes {
-            let Ok(p) = setup.res.allocate(s, &c) else {
-                continue;
-            };
-            // SAFETY: a live block of at least that size, ordered after its allocation.
-            unsafe { c.memset_d8(p, 3, s) }.unwrap();
-            if !check_block(&c, p, s, 3) {
-                out.push(format!("block {:#x} {s} not 3", p.0));
-            }
-            // SAFETY: from this resource with this size, freed once, after its last use.
-            unsafe { setup.res.deallocate(p, s, &c) }.unwrap();
-        }
-        c.synchronize_blocking().unwrap();
+        maybe_trim(setup, rng, 30);
+        out.extend(reuse(setup, &c, &sizes, 3));
         out
     });
 }
