@@ -3,7 +3,6 @@
 
 use std::cmp::Reverse;
 use std::collections::{BinaryHeap, HashMap};
-use std::panic::AssertUnwindSafe;
 use std::sync::{Condvar, Mutex, OnceLock};
 use std::task::Waker;
 use std::time::Instant;
@@ -57,7 +56,7 @@ fn run(timer: &'static Timer) {
             for waker in due {
                 // A waker that panics must not end this thread: every later deadline would
                 // then never fire (a review's finding). Logged, as the reactor does.
-                if let Err(payload) = std::panic::catch_unwind(AssertUnwindSafe(|| waker.wake())) {
+                if let Err(payload) = crate::completion::catch_unwind(|| waker.wake()) {
                     tracing::error!(
                         panic = crate::completion::panic_message(&*payload),
                         "a waker panicked when its deadline fell due; the timer goes on"

@@ -347,13 +347,7 @@ impl<U: MemoryResource> PoolResource<U> {
     /// or the room left under the maximum, whichever is larger (free bytes spread over blocks
     /// and chunks cannot serve one request, so they are not "available" to it).
     fn out_of_memory(&self, requested: u64) -> Error {
-        let reserved = self.reserved.load(Ordering::Relaxed);
-        let room = self.maximum.saturating_sub(reserved);
-        Error::OutOfMemory {
-            requested: requested as usize,
-            available: room.max(self.heap.largest_free_block()) as usize,
-            maximum: self.maximum as usize,
-        }
+        self.out_of_memory_within(requested, u64::MAX, usize::MAX)
     }
 
     /// Out of memory because the upstream refused a growth, with the upstream's numbers where
@@ -363,19 +357,29 @@ impl<U: MemoryResource> PoolResource<U> {
     /// for. (A review found a pool over a smaller pool reporting its own maximum: awaitable
     /// requests for more than the inner pool could ever hold waited for ever.)
     fn upstream_out_of_memory(&self, requested: u64, upstream: &Error) -> Error {
-        let Error::OutOfMemory {
-            available, maximum, ..
-        } = *upstream
-        else {
-            return self.out_of_memory(requested);
-        };
+        match *upstream {
+            Error::OutOfMemory {
+                available, maximum, ..
+            } => self.out_of_memory_within(requested, available as u64, maximum),
+            _ => self.out_of_memory(requested),
+        }
+    }
+
+    /// [`out_of_memory`](Self::out_of_memory) where the room under the maximum counts for at
+    /// most `upstream_available`, and the maximum is at most `upstream_maximum`.
+    fn out_of_memory_within(
+        &self,
+        requested: u64,
+        upstream_available: u64,
+        upstream_maximum: usize,
+    ) -> Error {
         let room = (self.maximum)
             .saturating_sub(self.reserved.load(Ordering::Relaxed))
-            .min(available as u64);
+            .min(upstream_available);
         Error::OutOfMemory {
             requested: requested as usize,
             available: room.max(self.heap.largest_free_block()) as usize,
-            maximum: (self.maximum as usize).min(maximum),
+            maximum: (self.maximum as usize).min(upstream_maximum),
         }
     }
 
