@@ -1,7 +1,8 @@
 //! The expandable pool's placement (issue 11) in the laboratory: `churn-1t` and `churn-xs-1t`
 //! against the crate's `Expander` over a backing that maps nothing (granules of 2 MiB, as on
 //! an H200), started at 256 MiB: peak mapped over peak live, the figure whose target is 1.1.
-//! `LAB_TRIM_EVERY=N` unmaps every free granule each N operations.
+//! `LAB_TRIM_EVERY=N` unmaps every free granule each N operations; `LAB_UNIT_MIB=M` maps in
+//! units of M MiB (2 by default, the driver's granule; the pool's default unit is 8 MiB).
 //!
 //! `cargo test --release --lib engine_lab::expandable -- --ignored --nocapture`
 //!
@@ -24,6 +25,11 @@
 //! own fragmentation and its own part-used end): splits at 64 KiB and 1 MiB 1.141; at 16 KiB,
 //! 256 KiB and 2 MiB 1.178; at 64 KiB, 512 KiB and 2 MiB 1.181; at 32 KiB, 256 KiB, 1 MiB
 //! and 4 MiB 1.266 (`churn-1t` and `churn-xs-1t` alike).
+//!
+//! Fifth session (2026-11-26): with the pool's default unit (`LAB_UNIT_MIB=8`) 1.153, 102 units mapped (2 MiB:
+//! 1.170, 414). How far placement and unmapping together could go, and at what cost in driver
+//! calls, is `granule_floor`'s question: 1.1 needs both a placement the size classes cannot make
+//! and about 1,200 granules unmapped and mapped again per run.
 
 use std::sync::atomic::{AtomicU64, Ordering::Relaxed};
 
@@ -31,49 +37,58 @@ use super::{Churn, LabStream, Op};
 use crate::error::Result;
 use crate::resource::expandable::core::{Backing, Expander};
 
-/// A reserved range that only counts what is mapped.
+/// A reserved range that only counts what is mapped, and the calls that mapped and unmapped.
 struct LabBacking {
+    granule: u64,
     granules: usize,
     mapped: AtomicU64,
+    maps: AtomicU64,
+    unmaps: AtomicU64,
 }
-
-const GRANULE: u64 = 2 << 20;
 
 impl Backing for LabBacking {
     fn base(&self) -> u64 {
         1 << 40
     }
     fn granule(&self) -> u64 {
-        GRANULE
+        self.granule
     }
     fn granules(&self) -> usize {
         self.granules
     }
     fn map(&self, _first: usize, count: usize) -> Result<()> {
         self.mapped.fetch_add(count as u64, Relaxed);
+        self.maps.fetch_add(count as u64, Relaxed);
         Ok(())
     }
     unsafe fn unmap(&self, _index: usize) -> Result<()> {
         self.mapped.fetch_sub(1, Relaxed);
+        self.unmaps.fetch_add(1, Relaxed);
         Ok(())
     }
 }
 
+fn env<T: std::str::FromStr>(name: &str) -> Option<T> {
+    std::env::var(name).ok().and_then(|v| v.parse().ok())
+}
+
 fn run(streams: usize, hand_off: bool) -> String {
+    // LAB_UNIT_MIB: the mapping unit (2: the driver's granule; the pool's default is 8).
+    let granule = env::<u64>("LAB_UNIT_MIB").unwrap_or(2) << 20;
     // 8 GiB per region, one region: one thread.
     let backing = LabBacking {
-        granules: (8u64 << 30).div_ceil(GRANULE) as usize,
+        granule,
+        granules: (8u64 << 30).div_ceil(granule) as usize,
         mapped: AtomicU64::new(0),
+        maps: AtomicU64::new(0),
+        unmaps: AtomicU64::new(0),
     };
     let pool = Expander::with_regions(backing, 8 << 30, 1);
     pool.map_initial(256 << 20).unwrap();
     let handles: Vec<LabStream> = (1..=streams as u64).map(LabStream::new).collect();
     let mut churn = Churn::new(streams);
     let mut live: Vec<(u64, u64, usize)> = Vec::new();
-    let every: u64 = std::env::var("LAB_TRIM_EVERY")
-        .ok()
-        .and_then(|v| v.parse().ok())
-        .unwrap_or(0);
+    let every: u64 = env("LAB_TRIM_EVERY").unwrap_or(0);
     for op in 0..1_000_000u64 {
         if every > 0 && op % every == 0 {
             let taken = pool.take_free(0);
@@ -98,9 +113,11 @@ fn run(streams: usize, hand_off: bool) -> String {
         }
     }
     format!(
-        "peak mapped / peak live {:.3} ({} growths)",
+        "peak mapped / peak live {:.3} ({} growths; {} units mapped, {} unmapped)",
         pool.peak_reserved() as f64 / churn.peak_live as f64,
-        pool.grows()
+        pool.grows(),
+        pool.backing.maps.load(Relaxed),
+        pool.backing.unmaps.load(Relaxed),
     )
 }
 

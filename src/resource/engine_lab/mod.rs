@@ -41,6 +41,7 @@ use crate::error::Result;
 use two_level::{Blocks, Tag};
 
 mod expandable;
+mod granule_floor;
 mod two_level;
 
 thread_local! {
