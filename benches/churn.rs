@@ -12,7 +12,8 @@
 //! `--growth-cap X|none` sets `PoolOptions::growth_cap` (default 1.3);
 //! `--superblock MIB` sets the arena's `ArenaOptions::superblock_size` (default 1 MiB, RMM's);
 //! `--map-unit MIB` sets the expandable pool's `ExpandableOptions::map_unit` (default: 4
-//! granules, 8 MiB on an H100 or H200).
+//! granules, 8 MiB on an H100 or H200); `--placement low|closest` its
+//! `ExpandableOptions::placement` (default `low`, `ExpandablePlacement::LowAddress`).
 //!
 //! `--initial` lists the sizes (MiB) the pool and the arena start with, each run once per size:
 //! `2048` (the timed loop measures suballocation), `256` (WORKLOADS.md's growth from small), or
@@ -38,7 +39,9 @@ use streamalloc::resource::binning::BinningResource;
 use streamalloc::resource::cuda::CudaResource;
 use streamalloc::resource::cuda_async::{CudaAsyncOptions, CudaAsyncResource};
 use streamalloc::resource::pool::{PoolOptions, PoolResource, PoolStats};
-use streamalloc::{Device, ExpandableOptions, ExpandablePoolResource, MemoryResource};
+use streamalloc::{
+    Device, ExpandableOptions, ExpandablePlacement, ExpandablePoolResource, MemoryResource,
+};
 
 const GIB: usize = 1 << 30;
 const MIB: usize = 1 << 20;
@@ -219,6 +222,10 @@ fn main() {
     let map_unit: Option<usize> = arg("--map-unit", "default").parse().ok();
     let growth_cap: Option<f64> = arg("--growth-cap", "1.3").parse().ok();
     let superblock: Option<usize> = arg("--superblock", "default").parse().ok();
+    let placement = match arg("--placement", "low").as_str() {
+        "closest" => ExpandablePlacement::ClosestFit,
+        _ => ExpandablePlacement::LowAddress,
+    };
     let initials: Vec<usize> = arg("--initial", "2048,256")
         .split(',')
         .map(|m| {
@@ -322,6 +329,7 @@ fn main() {
                             initial,
                             maximum: Some(8 * GIB),
                             map_unit: map_unit.map(|mib| mib * MIB),
+                            placement,
                             ..ExpandableOptions::default()
                         },
                     )

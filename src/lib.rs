@@ -143,8 +143,8 @@ pub use crate::error::{Error, Result};
 pub use crate::event::Event;
 pub use crate::resource::{
     AllocateAsync, AsResourceRef, CudaAsyncResource, CudaResource, ExpandableOptions,
-    ExpandablePoolResource, MemoryKind, MemoryResource, MemoryWaiters, PoolOptions, PoolResource,
-    ResourceRef, ALIGNMENT,
+    ExpandablePlacement, ExpandablePoolResource, MemoryKind, MemoryResource, MemoryWaiters,
+    PoolOptions, PoolResource, ResourceRef, ALIGNMENT,
 };
 pub use crate::stream::{Stream, StreamId};
 pub use crate::stream_pool::StreamPool;

@@ -24,8 +24,8 @@ use streamalloc::resource::fixed_size::FixedSizeResource;
 use streamalloc::resource::pool::{PoolOptions, PoolResource};
 use streamalloc::resource::{AllocateAsync, ResourceRef};
 use streamalloc::{
-    Device, DeviceBuffer, DevicePtr, Error, ExpandableOptions, ExpandablePoolResource,
-    MemoryAccess, MemoryResource, RaceDetection, SimConfig, Stream,
+    Device, DeviceBuffer, DevicePtr, Error, ExpandableOptions, ExpandablePlacement,
+    ExpandablePoolResource, MemoryAccess, MemoryResource, RaceDetection, SimConfig, Stream,
 };
 
 const MIB: usize = 1 << 20;
@@ -116,6 +116,10 @@ fn make(kind: Kind, device: &Device, rng: &mut Rng) -> Setup {
                 initial: [0, 2 * MIB][rng.below(2) as usize],
                 release_threshold: [None, Some(0), Some(8 * MIB)][rng.below(3) as usize],
                 map_unit: [None, Some(1)][rng.below(2) as usize],
+                placement: [
+                    ExpandablePlacement::LowAddress,
+                    ExpandablePlacement::ClosestFit,
+                ][rng.below(2) as usize],
             };
             let p = Arc::new(ExpandablePoolResource::new(device, opts).unwrap());
             let p2 = p.clone();

@@ -202,7 +202,7 @@ pub use self::callback::CallbackResource;
 pub use self::cuda::CudaResource;
 pub use self::cuda_async::{CudaAsyncOptions, CudaAsyncResource};
 pub use self::current::{current_resource, reset_current_resource, set_current_resource};
-pub use self::expandable::{ExpandableOptions, ExpandablePoolResource};
+pub use self::expandable::{ExpandableOptions, ExpandablePlacement, ExpandablePoolResource};
 pub use self::fixed_size::FixedSizeResource;
 pub use self::managed::ManagedResource;
 pub use self::pinned::{PinnedHostOptions, PinnedHostResource, PinnedHostStats};

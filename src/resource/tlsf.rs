@@ -19,6 +19,8 @@ const SL: usize = 1 << SL_LOG;
 const FL: usize = 64 - SL_LOG as usize;
 /// How many blocks of the request's own class to scan for a closer fit.
 const SCAN: usize = 8;
+/// How many blocks of each class [`SizeIndex::find_low`] looks at.
+const LOW_SCAN: usize = 8;
 /// No block (the end of a class list, or no neighbour).
 pub(crate) const NIL: u32 = u32::MAX;
 /// log2 of the size unit.
@@ -184,6 +186,46 @@ impl SizeIndex {
         Some(self.heads[class])
     }
 
+    /// A block of at least `size` bytes at the lowest address (`addr`) among the fitting
+    /// blocks of the two smallest classes that hold one (a look at up to [`LOW_SCAN`] blocks
+    /// of each class): a fit a little looser than [`find`](Self::find)'s, that keeps memory
+    /// low in the address range, so that its top stays free in whole granules (the expandable
+    /// pool's placement).
+    #[inline]
+    pub(crate) fn find_low<B: Indexed>(
+        &self,
+        blocks: &[B],
+        size: u64,
+        addr: impl Fn(&B) -> u64,
+    ) -> Option<u32> {
+        let mut class = class_of(size >> UNIT_LOG);
+        let mut best: Option<(u64, u32)> = None;
+        let mut classes = 0;
+        while classes < 2 && class < FL * SL {
+            let Some(c) = self.first_class_from(class) else {
+                break;
+            };
+            let mut i = self.heads[c];
+            let mut fits = false;
+            for _ in 0..LOW_SCAN {
+                if i == NIL {
+                    break;
+                }
+                let b = &blocks[i as usize];
+                if b.size() >= size {
+                    fits = true;
+                    if best.is_none_or(|(a, _)| addr(b) < a) {
+                        best = Some((addr(b), i));
+                    }
+                }
+                i = b.links().next;
+            }
+            classes += usize::from(fits);
+            class = c + 1;
+        }
+        best.map(|(_, i)| i)
+    }
+
     /// A block of exactly `size` bytes that `accept` takes, looked for through the whole list
     /// of its class: for the cold paths that look for one block (a wholly free chunk), without
     /// a scan of every slot.
@@ -300,6 +342,57 @@ mod tests {
         let (fl, sl) = (class / SL, (class % SL) as u64);
         let msb = fl as u32 + SL_LOG - 1;
         (1u64 << msb) | (sl << (msb - SL_LOG))
+    }
+
+    #[derive(Debug)]
+    struct TestBlock {
+        addr: u64,
+        size: u64,
+        links: Links,
+    }
+
+    impl Indexed for TestBlock {
+        fn size(&self) -> u64 {
+            self.size
+        }
+        fn links(&self) -> &Links {
+            &self.links
+        }
+        fn links_mut(&mut self) -> &mut Links {
+            &mut self.links
+        }
+    }
+
+    #[test]
+    fn find_low_takes_the_lowest_fit_of_the_two_smallest_classes_that_fit() {
+        let unit = 1u64 << UNIT_LOG;
+        // (address, size in units): an exact fit high up, a looser fit low down, a block too
+        // small lower still, and a much larger block lowest of all (a third class).
+        let spec = [(5000, 10), (100, 12), (0, 9), (50, 40)];
+        let mut blocks: Vec<TestBlock> = spec
+            .iter()
+            .map(|&(addr, units)| TestBlock {
+                addr: addr * unit,
+                size: units * unit,
+                links: Links::default(),
+            })
+            .collect();
+        let mut index = SizeIndex::default();
+        for i in 0..blocks.len() as u32 {
+            index.link(&mut blocks, i);
+        }
+        let request = 10 * unit;
+        assert_eq!(index.find(&blocks, request), Some(0), "the closest fit is exact");
+        assert_eq!(
+            index.find_low(&blocks, request, |b| b.addr),
+            Some(1),
+            "the lower of the two classes' fits, not the lowest block of a third class"
+        );
+        // Nothing fits: none.
+        assert_eq!(index.find_low(&blocks, 41 * unit, |b| b.addr), None);
+        // Only the large block fits.
+        assert_eq!(index.find_low(&blocks, 13 * unit, |b| b.addr), Some(3));
+        assert_eq!(index.check(&blocks, |_, _| Ok(())), Ok(4));
     }
 
     #[test]

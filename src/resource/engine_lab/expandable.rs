@@ -84,9 +84,12 @@ fn run(streams: usize, hand_off: bool) -> String {
         unmaps: AtomicU64::new(0),
     };
     let pool = Expander::with_regions(backing, 8 << 30, 1);
+    // The pool's default placement; `LAB_PLACEMENT=closest` for the closest fit.
+    (pool.heap).set_low_placement(std::env::var("LAB_PLACEMENT").as_deref() != Ok("closest"));
     pool.map_initial(256 << 20).unwrap();
     let handles: Vec<LabStream> = (1..=streams as u64).map(LabStream::new).collect();
-    let mut churn = Churn::new(streams);
+    // LAB_SEED: WORKLOADS.md's generator from another seed (42 by default).
+    let mut churn = Churn::with(env("LAB_SEED").unwrap_or(42), 1 << 30, streams);
     let mut live: Vec<(u64, u64, usize)> = Vec::new();
     let every: u64 = env("LAB_TRIM_EVERY").unwrap_or(0);
     for op in 0..1_000_000u64 {

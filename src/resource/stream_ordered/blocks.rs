@@ -84,6 +84,9 @@ pub(crate) struct BlockTable<T: BlockTag> {
     chunks: Vec<(u64, u64)>,
     free_bytes: u64,
     free_blocks: usize,
+    /// Placement: the lowest address among near fits ([`SizeIndex::find_low`]) instead of the
+    /// closest fit ([`SizeIndex::find`]).
+    low: bool,
 }
 
 impl<T: BlockTag> fmt::Debug for BlockTable<T> {
@@ -114,6 +117,24 @@ impl<T: BlockTag> BlockTable<T> {
             chunks: Vec::new(),
             free_bytes: 0,
             free_blocks: 0,
+            low: false,
+        }
+    }
+
+    /// Places blocks at the lowest address among the near fits ([`SizeIndex::find_low`]), not
+    /// at the closest fit: the expandable pool's default, which keeps the top of its range free
+    /// in whole granules (`ExpandablePlacement`).
+    pub(crate) fn place_low(&mut self, on: bool) {
+        self.low = on;
+    }
+
+    /// The free block a request of `size` bytes takes from, by the table's placement.
+    #[inline]
+    fn find(&self, size: u64) -> Option<u32> {
+        if self.low {
+            self.index.find_low(&self.blocks, size, |b| b.addr)
+        } else {
+            self.index.find(&self.blocks, size)
         }
     }
 
@@ -301,9 +322,7 @@ impl<T: BlockTag> BlockTable<T> {
     /// The size of the block [`take_tagged`](Self::take_tagged) would split for `size` bytes,
     /// if any: how good a fit this table has, to choose between shards.
     pub(crate) fn fit(&self, size: u64) -> Option<u64> {
-        self.index
-            .find(&self.blocks, size)
-            .map(|i| self.blocks[i as usize].size)
+        self.find(size).map(|i| self.blocks[i as usize].size)
     }
 
     /// Hands out `size` bytes (a multiple of [`ALIGNMENT`], non-zero) from a fit within 3% of
@@ -311,7 +330,7 @@ impl<T: BlockTag> BlockTable<T> {
     #[inline]
     pub(crate) fn take_tagged(&mut self, size: u64) -> Option<(u64, T)> {
         debug_assert!(size > 0 && size.is_multiple_of(ALIGNMENT as u64));
-        let i = self.index.find(&self.blocks, size)?;
+        let i = self.find(size)?;
         Some(self.take_from(i, size))
     }
 
@@ -325,7 +344,7 @@ impl<T: BlockTag> BlockTable<T> {
         prefer: impl Fn(&T) -> bool,
     ) -> Option<(u64, T)> {
         debug_assert!(size > 0 && size.is_multiple_of(ALIGNMENT as u64));
-        let i = self.index.find(&self.blocks, size)?;
+        let i = self.find(size)?;
         if slack <= 0.0 || prefer(&self.tags[i as usize]) {
             return Some(self.take_from(i, size));
         }

@@ -381,6 +381,14 @@ impl<S: EngineStream> StreamHeap<S> {
         }
     }
 
+    /// Whether blocks are placed at the lowest address among the near fits instead of at the
+    /// closest fit (the expandable pool's choice: [`BlockTable::place_low`]).
+    pub(crate) fn set_low_placement(&self, on: bool) {
+        for shard in self.shards.iter() {
+            shard.lock().free.place_low(on);
+        }
+    }
+
     /// Whether orderings first ask the freeing stream whether it is idle (on by default).
     pub(crate) fn with_opportunistic(mut self, on: bool) -> Self {
         self.opportunistic = on;
