@@ -1,5 +1,5 @@
 # Sourced by the one-call GPU scripts (units.sh, expandable_ab.sh, cap_ab.sh, events_4t.sh,
-# flaky.sh, final.sh).
+# flaky.sh, final.sh, placement_ab.sh).
 
 # results NAME: logs go to $R ($OUT/r), tarred into $OUT/NAME.tgz when the script exits (the
 # device returns at most 8 files); the GPU and the date first.
