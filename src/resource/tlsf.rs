@@ -382,7 +382,11 @@ mod tests {
             index.link(&mut blocks, i);
         }
         let request = 10 * unit;
-        assert_eq!(index.find(&blocks, request), Some(0), "the closest fit is exact");
+        assert_eq!(
+            index.find(&blocks, request),
+            Some(0),
+            "the closest fit is exact"
+        );
         assert_eq!(
             index.find_low(&blocks, request, |b| b.addr),
             Some(1),
