@@ -10,8 +10,8 @@ use std::time::Duration;
 use common::{devices, eventually, free, label, read_u32};
 use streamalloc::resource::cuda::CudaResource;
 use streamalloc::{
-    Device, DevicePtr, Error, ExpandableOptions, ExpandablePoolResource, FaultKind, Faults,
-    MemoryResource, SimConfig,
+    Device, DevicePtr, Error, ExpandableOptions, ExpandablePlacement, ExpandablePoolResource,
+    FaultKind, Faults, MemoryResource, SimConfig,
 };
 
 const MIB: usize = 1 << 20;
@@ -66,6 +66,52 @@ fn growths_coalesce_without_seams() {
         assert_eq!(stats.reserved, 9 * g, "{}: {stats:?}", label(&device));
         free(&p, big, 8 * g + MIB, &s);
         check(&p);
+    }
+}
+
+/// `ExpandablePlacement`: with a free block a little larger than a request low in the range and
+/// one of exactly its size higher up, `LowAddress` (the default) takes the low one, `ClosestFit`
+/// the exact one; both leave the lists consistent.
+#[test]
+fn placement_low_address_or_closest_fit() {
+    let _serial = serial();
+    for device in devices() {
+        for placement in [
+            ExpandablePlacement::LowAddress,
+            ExpandablePlacement::ClosestFit,
+        ] {
+            let p = expandable(
+                &device,
+                ExpandableOptions {
+                    initial: 8 * MIB,
+                    placement,
+                    ..ExpandableOptions::default()
+                },
+            );
+            let s = device.create_stream().unwrap();
+            // Low: a block of 1 MiB + 64 KiB; then a spacer, an exact 1 MiB, another spacer,
+            // and the rest of the memory free above them (a much larger size class).
+            let sizes = [MIB + 64 * 1024, MIB, MIB, MIB];
+            let ptrs: Vec<DevicePtr> = sizes.iter().map(|&n| p.allocate(n, &s).unwrap()).collect();
+            for w in ptrs.windows(2) {
+                assert!(w[0].0 < w[1].0, "{}: laid out in order", label(&device));
+            }
+            free(&p, ptrs[0], sizes[0], &s);
+            free(&p, ptrs[2], sizes[2], &s);
+            check(&p);
+            let got = p.allocate(MIB, &s).unwrap();
+            let want = match placement {
+                ExpandablePlacement::LowAddress => ptrs[0],
+                ExpandablePlacement::ClosestFit => ptrs[2],
+            };
+            assert_eq!(got, want, "{}: {placement:?}", label(&device));
+            check(&p);
+            for (ptr, n) in [(got, MIB), (ptrs[1], MIB), (ptrs[3], MIB)] {
+                free(&p, ptr, n, &s);
+            }
+            check(&p);
+            s.synchronize_blocking().unwrap();
+        }
     }
 }
 
