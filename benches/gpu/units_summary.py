@@ -13,7 +13,7 @@ for f in sorted(glob.glob(d + "/pool.txt") + glob.glob(d + "/exp-*.txt") + glob.
             k = (m.group(3), m.group(2))
             rows.setdefault(k, {}).setdefault(name, []).append((float(m.group(4)), float(m.group(5)), float(m.group(7))))
 found = {n for r in rows.values() for n in r}
-names = [n for n in ["pool", "exp-2", "exp-8", "exp-16"] if n in found] + sorted(n for n in found if n.startswith("cap-") or n in ("exp-low", "exp-closest"))
+names = [n for n in ["pool", "exp-2", "exp-8", "exp-16"] if n in found] + sorted(n for n in found if n.startswith("cap-") or n in ("exp-low", "exp-closest", "exp-prev"))
 print("run          start | " + " | ".join(f"{n:>22}" for n in names) + "   (median ns/op, ratio, ms growing)")
 for k in sorted(rows):
     out = []

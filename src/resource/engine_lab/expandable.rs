@@ -96,8 +96,16 @@ fn run(streams: usize, hand_off: bool) -> String {
     // The pool's default placement; `LAB_PLACEMENT=closest` for the closest fit.
     (pool.heap).set_low_placement(std::env::var("LAB_PLACEMENT").as_deref() != Ok("closest"));
     pool.map_initial(256 << 20).unwrap();
+    // The pool made on this thread and used on another, as the churn benchmark does (each
+    // run on threads of its own).
+    std::thread::scope(|scope| scope.spawn(|| churn_on(&pool, streams, hand_off)).join())
+        .expect("the churn thread")
+}
+
+/// `churn` (seed `LAB_SEED`, 42 by default) against `pool` on this thread, over `streams`
+/// streams; with `hand_off`, each block freed on the stream after its own.
+fn churn_on(pool: &Expander<LabStream, LabBacking>, streams: usize, hand_off: bool) -> String {
     let handles: Vec<LabStream> = (1..=streams as u64).map(LabStream::new).collect();
-    // LAB_SEED: WORKLOADS.md's generator from another seed (42 by default).
     let mut churn = Churn::with(env("LAB_SEED").unwrap_or(42), 1 << 30, streams);
     let mut live: Vec<(u64, u64, usize)> = Vec::new();
     let every: u64 = env("LAB_TRIM_EVERY").unwrap_or(0);
@@ -109,7 +117,7 @@ fn run(streams: usize, hand_off: bool) -> String {
         }
         match churn.next(live.len()) {
             Op::Allocate { size, stream } => {
-                let addr = pool.heap.take(size, &handles[stream], &pool).unwrap();
+                let addr = pool.heap.take(size, &handles[stream], pool).unwrap();
                 live.push((addr, size, stream));
             }
             Op::Free { index } => {
