@@ -23,7 +23,7 @@ fn serial() -> std::sync::MutexGuard<'static, ()> {
 }
 
 /// A pool whose reservation per shard, maximum and initial size are all `size`: the initial
-/// memory is spread over the shards' ranges (from 64 MiB a shard), and nothing more may map.
+/// memory is spread over the shards' ranges (from 32 MiB a shard), and nothing more may map.
 fn full_pool(device: &Device, size: usize) -> ExpandablePoolResource {
     ExpandablePoolResource::new(
         device,
@@ -52,7 +52,7 @@ fn check(p: &ExpandablePoolResource) {
 fn fresh_memory_in_other_ranges_serves_a_request_at_the_maximum() {
     let _serial = serial();
     for device in devices() {
-        let size = 512 * MIB;
+        let size = 256 * MIB;
         let p = full_pool(&device, size);
         let spread = ranges(&p, size) > 1;
         assert_eq!(p.stats().reserved, size, "{}", label(&device));
@@ -123,7 +123,7 @@ fn memory_threads_freed_in_their_ranges_serves_a_request_at_the_maximum() {
 fn memory_freed_on_a_busy_stream_is_not_moved() {
     let _serial = serial();
     for device in devices() {
-        let size = 512 * MIB;
+        let size = 256 * MIB;
         let p = full_pool(&device, size);
         let regions = ranges(&p, size);
         if regions == 1 {
@@ -210,7 +210,7 @@ fn faults_while_moving_lose_nothing() {
         faults: faults.clone(),
         ..SimConfig::default()
     });
-    let size = 512 * MIB;
+    let size = 256 * MIB;
     let p = full_pool(&device, size);
     let share = size / ranges(&p, size);
     let s = device.create_stream().unwrap();
@@ -277,7 +277,7 @@ fn an_awaited_request_is_served_once_the_busy_stream_finishes() {
     let _serial = serial();
     let rt = common::runtime();
     for device in devices() {
-        let size = 512 * MIB;
+        let size = 256 * MIB;
         let p = full_pool(&device, size);
         let regions = ranges(&p, size);
         if regions == 1 {

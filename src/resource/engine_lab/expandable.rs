@@ -82,17 +82,15 @@ fn env<T: std::str::FromStr>(name: &str) -> Option<T> {
 fn run(streams: usize, hand_off: bool) -> String {
     // LAB_UNIT_MIB: the mapping unit (2: the driver's granule; the pool's default is 8).
     let granule = env::<u64>("LAB_UNIT_MIB").unwrap_or(2) << 20;
-    // 8 GiB per region; one region (`LAB_REGIONS=8`: eight, as on a GPU, where the initial
-    // 256 MiB is spread over them; the simulated device's reservation has room for one).
-    let regions: usize = env("LAB_REGIONS").unwrap_or(1);
+    // 8 GiB per region, one region: one thread.
     let backing = LabBacking {
         granule,
-        granules: (8u64 << 30).div_ceil(granule) as usize * regions,
+        granules: (8u64 << 30).div_ceil(granule) as usize,
         mapped: AtomicU64::new(0),
         maps: AtomicU64::new(0),
         unmaps: AtomicU64::new(0),
     };
-    let pool = Expander::with_regions(backing, 8 << 30, regions);
+    let pool = Expander::with_regions(backing, 8 << 30, 1);
     // The pool's default placement; `LAB_PLACEMENT=closest` for the closest fit.
     (pool.heap).set_low_placement(std::env::var("LAB_PLACEMENT").as_deref() != Ok("closest"));
     pool.map_initial(256 << 20).unwrap();
@@ -133,12 +131,11 @@ fn churn_on(pool: &Expander<LabStream, LabBacking>, streams: usize, hand_off: bo
         }
     }
     format!(
-        "peak mapped / peak live {:.3} ({} growths; {} units mapped, {} unmapped; {} spills)",
+        "peak mapped / peak live {:.3} ({} growths; {} units mapped, {} unmapped)",
         pool.peak_reserved() as f64 / churn.peak_live as f64,
         pool.grows(),
         pool.backing.maps.load(Relaxed),
         pool.backing.unmaps.load(Relaxed),
-        pool.heap.stats().spills,
     )
 }
 

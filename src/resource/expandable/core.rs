@@ -133,15 +133,10 @@ impl Table {
     }
 }
 
-/// The least initial memory per region for the initial size to be spread over the regions;
-/// smaller initial sizes stay in one, the constructing thread's. Twice the pool's
-/// (`pool::SPLIT_MIN`): the pool's pieces wait in a reserve and move to whichever thread
-/// needs one, but a region's piece stays in its region, where a thread of another region can
-/// only use it by taking memory from that shard, which never coalesces with its own. Spread in
-/// 32 MiB pieces, 256 MiB made a one-thread `churn-1t` map 1.164 times its peak live with
-/// 5,102 such takes (the GPU and `engine_lab::expandable` with `LAB_REGIONS=8` alike), against
-/// 1.119 and none in one piece.
-const SPLIT_MIN: u64 = 64 << 20;
+/// The least initial memory per region for the initial size to be spread over the regions
+/// (smaller initial sizes stay in one: a request larger than a share would make the pool
+/// grow), as the pool's initial chunks (`pool::SPLIT_MIN`).
+const SPLIT_MIN: u64 = 32 << 20;
 
 /// A range taken out of the lists for unmapping: `(start, size, the stream whose list held
 /// it)`, `None` for fresh memory.
@@ -316,8 +311,7 @@ impl<S: EngineStream, B: Backing> Expander<S, B> {
     /// [`SPLIT_MIN`] per region up, it is spread evenly over the regions, each share at the
     /// start of its region, so that threads on different shards start out on different locks
     /// (all of it in the first region kept every thread of a `churn-4t` run started at 2 GiB
-    /// on one shard: 1,016 to 1,102 ns/op on an H200, run33); less stays in one region, the
-    /// calling thread's (the thread that makes a pool is often the one that uses it).
+    /// on one shard: 1,016 to 1,102 ns/op on an H200, run33); less stays in the first region.
     pub(crate) fn map_initial(&self, bytes: u64) -> Result<()> {
         let g = self.granule();
         let regions = self.table.lock().frontiers.len();
@@ -330,18 +324,12 @@ impl<S: EngineStream, B: Backing> Expander<S, B> {
             1
         };
         let share = |r: usize| total / pieces + usize::from(r < total % pieces);
-        // One piece: in the calling thread's region.
-        let home = if pieces == 1 {
-            self.heap.home_shard() % regions
-        } else {
-            0
-        };
         let mut mapped = Vec::with_capacity(pieces);
         let mut result = Ok(());
         {
             let mut table = self.table.lock();
             for r in (0..pieces).filter(|&r| share(r) > 0) {
-                let first = table.region((home + r) % regions).start;
+                let first = table.region(r).start;
                 match self.map_locked(&mut table, first, share(r), bytes) {
                     Ok(piece) => mapped.push(piece),
                     Err(e) => {

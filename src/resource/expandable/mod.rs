@@ -40,10 +40,7 @@ pub struct ExpandableOptions {
     /// The most memory the pool may map at once (rounded up to the granularity); `None` for
     /// the whole reservation. At most the reservation.
     pub maximum: Option<usize>,
-    /// Bytes mapped at construction (rounded up to the granularity; may be 0): spread over
-    /// the shards' ranges from 64 MiB a shard up (512 MiB with 8 shards), so that threads on
-    /// different shards start on different locks; less is mapped in one range, that of the
-    /// shard the constructing thread's requests go to.
+    /// Bytes mapped at construction (rounded up to the granularity; may be 0).
     pub initial: usize,
     /// Mapped bytes the pool keeps before it gives fully free granules back on its own (as
     /// the driver pool's release threshold): once it maps more than this and a granule's worth
