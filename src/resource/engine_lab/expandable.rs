@@ -37,6 +37,21 @@
 //! blocks placed low are what keeps whole units free. How far placement and unmapping together
 //! could go, and at what cost in driver calls, is `granule_floor`'s question: 1.1 needs about
 //! 1,200 granules unmapped and mapped again per run.
+//!
+//! Where the initial size goes (fifth session): the pool is made on this thread and the churn
+//! runs on another, as in the benchmark. `LAB_REGIONS=8` gives the pool the GPU's eight ranges
+//! (the simulated device's reservation has room for one), and reproduces the GPU's figures
+//! exactly: `churn-1t` 1.164 with 5,102 requests served from other shards (1.187 and 5,098
+//! with the closest fit; run37 and run27 read the same). The 256 MiB are spread in 32 MiB
+//! pieces, one per range, and a one-thread run uses the other seven only by taking from their
+//! shards, where they never coalesce with what it grows at home: in one range it maps 1.119.
+//! Tried and not kept (b23e8b1, reverted): spreading only from 64 MiB a range up and mapping
+//! less in one range, the constructing thread's: 1.111 to 1.172 over eight seeds against
+//! 1.141 to 1.188 spread, 1.12 on the GPU against 1.16 (run39); but four threads from 256 MiB
+//! then all start in one shard, and ran 1.40 to 1.47 times slower (`churn-4t` 89.6 against
+//! 60.7 ns/op, `churn-xs-4t` 94.5 against 71.3). What would serve both: initial pieces that
+//! belong to no shard until a thread's request needs one, as the pool's reserve does, mapped
+//! into that thread's range (an unmap and a map of each unit, about 80 µs an 8 MiB unit, once).
 
 use std::sync::atomic::{AtomicU64, Ordering::Relaxed};
 
@@ -82,15 +97,17 @@ fn env<T: std::str::FromStr>(name: &str) -> Option<T> {
 fn run(streams: usize, hand_off: bool) -> String {
     // LAB_UNIT_MIB: the mapping unit (2: the driver's granule; the pool's default is 8).
     let granule = env::<u64>("LAB_UNIT_MIB").unwrap_or(2) << 20;
-    // 8 GiB per region, one region: one thread.
+    // 8 GiB per region; one region (`LAB_REGIONS=8`: eight, as on a GPU, where the initial
+    // 256 MiB is spread over them; the simulated device's reservation has room for one).
+    let regions: usize = env("LAB_REGIONS").unwrap_or(1);
     let backing = LabBacking {
         granule,
-        granules: (8u64 << 30).div_ceil(granule) as usize,
+        granules: (8u64 << 30).div_ceil(granule) as usize * regions,
         mapped: AtomicU64::new(0),
         maps: AtomicU64::new(0),
         unmaps: AtomicU64::new(0),
     };
-    let pool = Expander::with_regions(backing, 8 << 30, 1);
+    let pool = Expander::with_regions(backing, 8 << 30, regions);
     // The pool's default placement; `LAB_PLACEMENT=closest` for the closest fit.
     (pool.heap).set_low_placement(std::env::var("LAB_PLACEMENT").as_deref() != Ok("closest"));
     pool.map_initial(256 << 20).unwrap();
@@ -131,11 +148,12 @@ fn churn_on(pool: &Expander<LabStream, LabBacking>, streams: usize, hand_off: bo
         }
     }
     format!(
-        "peak mapped / peak live {:.3} ({} growths; {} units mapped, {} unmapped)",
+        "peak mapped / peak live {:.3} ({} growths; {} units mapped, {} unmapped; {} spills)",
         pool.peak_reserved() as f64 / churn.peak_live as f64,
         pool.grows(),
         pool.backing.maps.load(Relaxed),
         pool.backing.unmaps.load(Relaxed),
+        pool.heap.stats().spills,
     )
 }
 
