@@ -79,7 +79,8 @@ pub enum ExpandablePlacement {
     #[default]
     LowAddress,
     /// The closest fit (within 3%), as [`PoolResource`](super::PoolResource) places blocks:
-    /// a little faster, and about 4% more memory mapped on `churn-1t`.
+    /// about 10% faster per request, and 3 to 4% more memory mapped on `churn-1t` (an H100:
+    /// 1.19 times peak live against 1.16).
     ClosestFit,
 }
 
