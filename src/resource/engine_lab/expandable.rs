@@ -48,7 +48,7 @@
 //! Tried and not kept (b23e8b1, reverted): spreading only from 64 MiB a range up and mapping
 //! less in one range, the constructing thread's: 1.111 to 1.172 over eight seeds against
 //! 1.141 to 1.188 spread, 1.12 on the GPU against 1.16 (run39); but four threads from 256 MiB
-//! then all start in one shard, and ran 1.40 to 1.47 times slower (`churn-4t` 89.6 against
+//! then all start in one shard, and ran 1.33 to 1.48 times slower (`churn-4t` 89.6 against
 //! 60.7 ns/op, `churn-xs-4t` 94.5 against 71.3). What would serve both: initial pieces that
 //! belong to no shard until a thread's request needs one, as the pool's reserve does, mapped
 //! into that thread's range (an unmap and a map of each unit, about 80 µs an 8 MiB unit, once).
