@@ -55,7 +55,7 @@ pub(crate) trait Indexed {
 }
 
 /// The class of a size in units: (first level, second level), flattened.
-fn class_of(units: u64) -> usize {
+pub(crate) fn class_of(units: u64) -> usize {
     if units < SL as u64 {
         units as usize
     } else {

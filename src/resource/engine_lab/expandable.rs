@@ -28,12 +28,12 @@
 //!
 //! Fifth session (2026-11-26): the pool now places blocks at the lowest address among the near
 //! fits of the two smallest size classes that hold one (`ExpandablePlacement::LowAddress`, the
-//! default; `LAB_PLACEMENT=closest` for the old closest fit): `churn-1t` 1.105 in 2 MiB units
-//! and 1.130 in the default 8 MiB ones (1.170 and 1.153 with the closest fit). Over seeds 1 to 7
-//! (`LAB_SEED`), 8 MiB units: 1.112 to 1.164 against 1.141 to 1.211. Neighbouring settings
+//! default; `LAB_PLACEMENT=closest` for the old closest fit): `churn-1t` 1.122 in 2 MiB units
+//! and 1.119 in the default 8 MiB ones (1.170 and 1.153 with the closest fit). Over seeds 1 to 7
+//! (`LAB_SEED`), 8 MiB units: 1.111 to 1.164 against 1.141 to 1.211. Neighbouring settings
 //! scatter as before (two or four classes, 8 or 32 blocks looked at in each: 1.105 to 1.141 in
 //! 2 MiB units), and placing only requests from 64 KiB, 256 KiB or 1 MiB up this way loses most
-//! of the gain (1.141, 1.164, 1.183 averaged over the eight seeds, against 1.137): the small
+//! of the gain (1.155, 1.170, 1.180 averaged over the eight seeds, against 1.137): the small
 //! blocks placed low are what keeps whole units free. How far placement and unmapping together
 //! could go, and at what cost in driver calls, is `granule_floor`'s question: 1.1 needs about
 //! 1,200 granules unmapped and mapped again per run.
@@ -55,7 +55,7 @@
 
 use std::sync::atomic::{AtomicU64, Ordering::Relaxed};
 
-use super::{Churn, LabStream, Op};
+use super::{lab_env, Churn, LabStream, Op};
 use crate::error::Result;
 use crate::resource::expandable::core::{Backing, Expander};
 
@@ -90,16 +90,12 @@ impl Backing for LabBacking {
     }
 }
 
-fn env<T: std::str::FromStr>(name: &str) -> Option<T> {
-    std::env::var(name).ok().and_then(|v| v.parse().ok())
-}
-
 fn run(streams: usize, hand_off: bool) -> String {
     // LAB_UNIT_MIB: the mapping unit (2: the driver's granule; the pool's default is 8).
-    let granule = env::<u64>("LAB_UNIT_MIB").unwrap_or(2) << 20;
+    let granule = lab_env::<u64>("LAB_UNIT_MIB").unwrap_or(2) << 20;
     // 8 GiB per region; one region (`LAB_REGIONS=8`: eight, as on a GPU, where the initial
     // 256 MiB is spread over them; the simulated device's reservation has room for one).
-    let regions: usize = env("LAB_REGIONS").unwrap_or(1);
+    let regions: usize = lab_env("LAB_REGIONS").unwrap_or(1);
     let backing = LabBacking {
         granule,
         granules: (8u64 << 30).div_ceil(granule) as usize * regions,
@@ -121,9 +117,9 @@ fn run(streams: usize, hand_off: bool) -> String {
 /// streams; with `hand_off`, each block freed on the stream after its own.
 fn churn_on(pool: &Expander<LabStream, LabBacking>, streams: usize, hand_off: bool) -> String {
     let handles: Vec<LabStream> = (1..=streams as u64).map(LabStream::new).collect();
-    let mut churn = Churn::with(env("LAB_SEED").unwrap_or(42), 1 << 30, streams);
+    let mut churn = Churn::with(lab_env("LAB_SEED").unwrap_or(42), 1 << 30, streams);
     let mut live: Vec<(u64, u64, usize)> = Vec::new();
-    let every: u64 = env("LAB_TRIM_EVERY").unwrap_or(0);
+    let every: u64 = lab_env("LAB_TRIM_EVERY").unwrap_or(0);
     for op in 0..1_000_000u64 {
         if every > 0 && op % every == 0 {
             let taken = pool.take_free(0);

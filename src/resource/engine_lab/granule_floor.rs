@@ -60,6 +60,7 @@
 use std::collections::BTreeMap;
 
 use super::{Churn, Op};
+use crate::resource::tlsf;
 
 /// The driver's allocation granularity on an H100 or H200.
 const GRANULE: u64 = 2 << 20;
@@ -74,16 +75,9 @@ enum Placement {
     FewestEmpty,
 }
 
-/// The engine's size class of `bytes` (`tlsf.rs`: 32 linear sub-classes per power of two of
-/// 256-byte units).
-fn class_of(bytes: u64) -> u32 {
-    let units = bytes >> 8;
-    if units < 32 {
-        units as u32
-    } else {
-        let msb = 63 - units.leading_zeros();
-        (msb - 4) * 32 + ((units >> (msb - 5)) & 31) as u32
-    }
+/// The engine's size class of a free range of `bytes` (`tlsf.rs`).
+fn class_of(bytes: u64) -> usize {
+    tlsf::class_of(bytes >> tlsf::UNIT_LOG)
 }
 
 #[derive(Clone, Copy, Debug)]
@@ -135,7 +129,7 @@ impl Space {
                 .count()
         };
         // The two smallest classes that hold a fitting range (`TwoClasses`).
-        let mut classes = [u32::MAX; 2];
+        let mut classes = [usize::MAX; 2];
         if matches!(placement, Placement::TwoClasses) {
             for (_, &len) in self.free.iter().filter(|f| *f.1 >= size) {
                 let c = class_of(len);

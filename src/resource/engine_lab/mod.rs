@@ -44,6 +44,11 @@ mod expandable;
 mod granule_floor;
 mod two_level;
 
+/// The value of the lab's switch `name` (`LAB_*`), if it is set and parses.
+fn lab_env<T: std::str::FromStr>(name: &str) -> Option<T> {
+    std::env::var(name).ok().and_then(|v| v.parse().ok())
+}
+
 thread_local! {
     /// Orderings (`order_before` calls) made on this thread.
     static ORDERS: Cell<u64> = const { Cell::new(0) };
@@ -158,10 +163,7 @@ impl Grow<LabStream> for CountingUpstream {
             _ => held,
         };
         // `LAB_DIVISOR=D`: an eighth by default, as the pool's `growth_divisor`.
-        let divisor: u64 = std::env::var("LAB_DIVISOR")
-            .ok()
-            .and_then(|d| d.parse().ok())
-            .unwrap_or(8);
+        let divisor: u64 = lab_env("LAB_DIVISOR").unwrap_or(8);
         let mut size = (basis / divisor)
             .max(2 << 20)
             .max(min)
@@ -169,10 +171,7 @@ impl Grow<LabStream> for CountingUpstream {
         // `LAB_SMALL_GROWTH=1`: with an eighth of what is held free (a miss of fragmentation,
         // not of room), grow by the request only.
         if self.free.get().is_some_and(|f| f >= held / 8) {
-            let divisor: u64 = std::env::var("LAB_SMALL_GROWTH_DIVISOR")
-                .ok()
-                .and_then(|d| d.parse().ok())
-                .unwrap_or(u64::MAX);
+            let divisor: u64 = lab_env("LAB_SMALL_GROWTH_DIVISOR").unwrap_or(u64::MAX);
             size = (held / divisor).max(min).max(2 << 20).next_multiple_of(256);
         }
         // The pool's `growth_cap`: no growth past C times the most in use at a growth (the
@@ -533,10 +532,7 @@ fn engine_time_churn_xs_1t() {
 }
 
 fn time_churn(streams: usize, hand_off: bool) {
-    let reps: u32 = std::env::var("LAB_REPS")
-        .ok()
-        .and_then(|v| v.parse().ok())
-        .unwrap_or(3);
+    let reps: u32 = lab_env("LAB_REPS").unwrap_or(3);
     let name = if hand_off { "churn-xs-1t" } else { "churn-1t" };
     // LAB_IDLE=1: the streams say they are idle when asked, as the GPU's do in these runs.
     let idle = std::env::var("LAB_IDLE").is_ok_and(|v| v == "1");
@@ -544,14 +540,8 @@ fn time_churn(streams: usize, hand_off: bool) {
     // LAB_QUIET=0: activity unknown, every idle answer asked of the stream.
     QUIET.with(|c| c.set(std::env::var("LAB_QUIET").map_or(true, |v| v != "0")));
     // LAB_SLACK: the engine's reuse slack; LAB_INITIAL_MIB: where the pool starts (2048).
-    let slack: f64 = std::env::var("LAB_SLACK")
-        .ok()
-        .and_then(|v| v.parse().ok())
-        .unwrap_or(0.0);
-    let initial: u64 = std::env::var("LAB_INITIAL_MIB")
-        .ok()
-        .and_then(|v| v.parse().ok())
-        .unwrap_or(2048);
+    let slack: f64 = lab_env("LAB_SLACK").unwrap_or(0.0);
+    let initial: u64 = lab_env("LAB_INITIAL_MIB").unwrap_or(2048);
     for _ in 0..reps {
         let (up, lists) = CountingUpstream::start_with(initial << 20, slack);
         let told = Told(&up, &lists);

@@ -68,7 +68,7 @@ pub struct ExpandableOptions {
 ///
 /// Measured on WORKLOADS.md's `churn-1t` grown from 256 MiB, in the default 8 MiB unit
 /// (`engine_lab::expandable`, seeds 1 to 7; the simulated device with its race detector off for
-/// the time, on the 2-core development machine, 2026-11-26): peak mapped / peak live 1.112 to
+/// the time, on the 2-core development machine, 2026-11-26): peak mapped / peak live 1.111 to
 /// 1.164 (mean 1.140) with `LowAddress` against 1.141 to 1.211 (mean 1.186) with
 /// `ClosestFit`; 67 to 70 ns/op against 57 to 61 (`PoolResource`: 58 to 69).
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
