@@ -1,5 +1,5 @@
 # Sourced by the one-call GPU scripts (units.sh, expandable_ab.sh, cap_ab.sh, events_4t.sh,
-# flaky.sh, final.sh, placement_ab.sh).
+# flaky.sh, final.sh, placement_ab.sh, initial_ab.sh).
 
 # results NAME: logs go to $R ($OUT/r), tarred into $OUT/NAME.tgz when the script exits (the
 # device returns at most 8 files); the GPU and the date first.
@@ -23,3 +23,17 @@ suite() {
 for f in .gpu/tests/churn-*; do [ -e "$f" ] && mv "$f" .gpu/bin/; done
 C=$(ls .gpu/bin/churn-* 2>/dev/null | head -1)
 P="taskset -c 2-5"
+
+# interleave ROUNDS NAME...: ROUNDS rounds in which each NAME runs once, its order rotating
+# from round to round, its output appended to $R/NAME.txt. The calling script defines a
+# function run_NAME for each.
+interleave() {
+  local rounds=$1 r i name; shift
+  local names=("$@") n=$#
+  for r in $(seq "$rounds"); do
+    for i in $(seq 0 $((n - 1))); do
+      name=${names[$(( (i + r) % n ))]}
+      "run_$name" >> "$R/$name.txt" 2>&1
+    done
+  done
+}

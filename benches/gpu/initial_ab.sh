@@ -7,14 +7,8 @@ set -u
 . "$(dirname "$0")/common.sh"
 results initial
 if [ "${SUITE:-1}" = 1 ]; then suite; fi
-for r in $(seq "${ROUNDS:-6}"); do
-  order=("pool" "exp-low" "exp-prev"); k=$((r % 3))
-  for i in 0 1 2; do
-    case ${order[$(( (i + k) % 3 ))]} in
-      pool) $P $C --resource pool --run workloads --initial 2048,256 >> "$R/pool.txt" 2>&1 ;;
-      exp-low) $P $C --resource expandable --run workloads --initial 2048,256 >> "$R/exp-low.txt" 2>&1 ;;
-      exp-prev) $P .gpu/bin/churn-prev --resource expandable --run workloads --initial 2048,256 >> "$R/exp-prev.txt" 2>&1 ;;
-    esac
-  done
-done
+run_pool() { $P $C --resource pool --run workloads --initial 2048,256; }
+run_exp-low() { $P $C --resource expandable --run workloads --initial 2048,256; }
+run_exp-prev() { $P .gpu/bin/churn-prev --resource expandable --run workloads --initial 2048,256; }
+interleave "${ROUNDS:-6}" pool exp-low exp-prev
 python3 benches/gpu/units_summary.py "$R" | tee "$R/summary.txt"

@@ -7,15 +7,9 @@ set -u
 . "$(dirname "$0")/common.sh"
 results placement
 if [ "${SUITE:-1}" = 1 ]; then suite; fi
-for r in $(seq "${ROUNDS:-8}"); do
-  order=("pool" "exp-low" "exp-closest"); k=$((r % 3))
-  for i in 0 1 2; do
-    case ${order[$(( (i + k) % 3 ))]} in
-      pool) $P $C --resource pool --run workloads --initial 2048,256 >> "$R/pool.txt" 2>&1 ;;
-      exp-low) $P $C --resource expandable --run workloads --initial 2048,256 >> "$R/exp-low.txt" 2>&1 ;;
-      exp-closest) $P $C --resource expandable --run workloads --initial 2048,256 --placement closest >> "$R/exp-closest.txt" 2>&1 ;;
-    esac
-  done
-done
+run_pool() { $P $C --resource pool --run workloads --initial 2048,256; }
+run_exp-low() { $P $C --resource expandable --run workloads --initial 2048,256; }
+run_exp-closest() { $P $C --resource expandable --run workloads --initial 2048,256 --placement closest; }
+interleave "${ROUNDS:-8}" pool exp-low exp-closest
 .gpu/bin/expandable_phases > "$R/phases.txt" 2>&1; grep -E "^(expandable|pool|target)" "$R/phases.txt"
 python3 benches/gpu/units_summary.py "$R" | tee "$R/summary.txt"

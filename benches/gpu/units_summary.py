@@ -1,5 +1,5 @@
 #!/usr/bin/env python3
-"""Summary of benches/gpu/units.sh, expandable_ab.sh, cap_ab.sh and placement_ab.sh: per run and start, each build's median
+"""Summary of benches/gpu/units.sh, expandable_ab.sh, cap_ab.sh, placement_ab.sh and initial_ab.sh: per run and start, each build's median
 ns/op, its worst peak reserved / peak live, its median ms growing; RMM's pool if rmm.txt is there.
 usage: python3 benches/gpu/units_summary.py DIR"""
 import re, sys, glob, statistics as st, os
@@ -13,7 +13,8 @@ for f in sorted(glob.glob(d + "/pool.txt") + glob.glob(d + "/exp-*.txt") + glob.
             k = (m.group(3), m.group(2))
             rows.setdefault(k, {}).setdefault(name, []).append((float(m.group(4)), float(m.group(5)), float(m.group(7))))
 found = {n for r in rows.values() for n in r}
-names = [n for n in ["pool", "exp-2", "exp-8", "exp-16"] if n in found] + sorted(n for n in found if n.startswith("cap-") or n in ("exp-low", "exp-closest", "exp-prev"))
+first = ["pool", "exp-2", "exp-8", "exp-16"]
+names = [n for n in first if n in found] + sorted(found - set(first))
 print("run          start | " + " | ".join(f"{n:>22}" for n in names) + "   (median ns/op, ratio, ms growing)")
 for k in sorted(rows):
     out = []
