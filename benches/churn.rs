@@ -335,7 +335,11 @@ fn main() {
                     )
                     .unwrap();
                     let (wall, o) = run_on(&r, &device, run);
-                    let extra = pool_extra(&r.stats(), &o);
+                    let extra = format!(
+                        "{}, {} initial pieces moved",
+                        pool_extra(&r.stats(), &o),
+                        r.initial_moves()
+                    );
                     report(&format!("expandable{start}"), run, wall, o, extra);
                 }
                 if resource == "all" || resource == "arena" {

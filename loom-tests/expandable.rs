@@ -27,11 +27,14 @@ use crate::resource::stream_ordered::EngineStream;
 use crate::sync::Arc;
 
 const GRANULE: u64 = 1024;
-const GRANULES: usize = 3;
+/// Granules of the reservation: three in one range, or two ranges of two.
+const GRANULES: usize = 4;
 const BASE: u64 = 0x10_0000;
 
 const TRIMMED: &str = "trimmed a granule";
 const GREW: &str = "grew";
+const MOVED: &str = "claimed a piece of the other range (moved)";
+const REFUSED: &str = "refused (the trim held the piece)";
 
 /// What the fake device has been asked to do.
 #[derive(Default)]
@@ -138,23 +141,34 @@ type Pool = Expander<FakeStream, FakeBacking>;
 /// Allocates a granule on `s`, queues a use of it and frees it (the use stays pending until
 /// the stream is synchronized). Out of memory is allowed: a trim may hold the free granules.
 fn use_once(pool: &Pool, s: &FakeStream) {
-    let Ok(addr) = pool.heap.take(GRANULE, s, pool) else {
-        return;
+    use_granules(pool, s, 1);
+}
+
+/// [`use_once`] of a block of `granules` granules; whether it was served.
+fn use_granules(pool: &Pool, s: &FakeStream, granules: usize) -> bool {
+    let size = granules as u64 * GRANULE;
+    let Ok(addr) = pool.heap.take(size, s, pool) else {
+        return false;
     };
-    let i = index(addr);
+    let first = index(addr);
     {
         let mut b = book(&s.0 .0);
-        assert!(
-            b.mapped.contains(&i),
-            "block handed out on unmapped granule {i}"
-        );
-        assert!(b.held.insert(i), "granule {i} handed out twice");
+        for i in first..first + granules {
+            assert!(
+                b.mapped.contains(&i),
+                "block handed out on unmapped granule {i}"
+            );
+            assert!(b.held.insert(i), "granule {i} handed out twice");
+        }
         b.queued += 1;
-        b.held.remove(&i);
         let at = b.queued;
-        b.pending.insert(i, at);
+        for i in first..first + granules {
+            b.held.remove(&i);
+            b.pending.insert(i, at);
+        }
     }
-    assert!(pool.heap.give(addr, GRANULE, s), "free refused");
+    assert!(pool.heap.give(addr, size, s), "free refused");
+    true
 }
 
 /// The resource's trim, on the fake stream: take the free granules, wait for their streams,
@@ -185,10 +199,7 @@ fn trim_synchronized_too_early(pool: &Pool, stream: &FakeStream) {
 /// granules) while another thread trims. One granule is mapped and free at the start.
 fn user_vs_trim(seen: &Shared<Seen>, trimmer: fn(&Pool, &FakeStream)) {
     let books: Books = Shared::new(std::sync::Mutex::new(Book::default()));
-    let pool = Arc::new(Expander::new(
-        FakeBacking(books.clone()),
-        GRANULES as u64 * GRANULE,
-    ));
+    let pool = Arc::new(Expander::new(FakeBacking(books.clone()), 3 * GRANULE));
     let s = FakeStream(Arc::new(FakeInner(books.clone())));
     pool.map_initial(GRANULE).unwrap();
     use_once(&pool, &s);
@@ -211,7 +222,7 @@ fn user_vs_trim(seen: &Shared<Seen>, trimmer: fn(&Pool, &FakeStream)) {
     let b = book(&books);
     assert!(b.held.is_empty());
     assert_eq!(
-        pool.heap.stats().free_bytes,
+        pool.stats().free_bytes,
         b.mapped.len() as u64 * GRANULE,
         "mapped memory lost, or free memory on unmapped granules"
     );
@@ -242,4 +253,64 @@ fn planted_synchronized_before_take() {
             })
         },
     );
+}
+
+/// The initial memory in two pieces, one per range, that belong to no shard; one user asks for
+/// two granules (it claims its range's piece, then moves the other range's into its own, where
+/// they coalesce) while another thread trims (which releases unclaimed pieces first). Within a
+/// maximum of two granules: the move must unmap before it maps.
+fn claim_vs_trim(seen: &Shared<Seen>) {
+    let books: Books = Shared::new(std::sync::Mutex::new(Book::default()));
+    let pool = Arc::new(
+        Expander::with_regions(FakeBacking(books.clone()), 2 * GRANULE, 2).with_split_min(GRANULE),
+    );
+    let s = FakeStream(Arc::new(FakeInner(books.clone())));
+    pool.map_initial(2 * GRANULE).unwrap();
+    assert_eq!(
+        pool.stats().free_bytes,
+        2 * GRANULE,
+        "unclaimed pieces are free"
+    );
+
+    let user = {
+        let (pool, s) = (pool.clone(), s.clone());
+        thread::spawn(move || use_granules(&pool, &s, 2))
+    };
+    let trimmer_thread = {
+        let pool = pool.clone();
+        thread::spawn(move || trim(&pool))
+    };
+    let served = user.join().unwrap();
+    trimmer_thread.join().unwrap();
+
+    pool.heap.check().expect("free-list invariants");
+    let b = book(&books);
+    assert!(b.held.is_empty());
+    assert!(b.mapped.len() <= 2, "mapped above the maximum");
+    assert_eq!(
+        pool.stats().free_bytes,
+        b.mapped.len() as u64 * GRANULE,
+        "mapped memory lost, or free memory on unmapped granules"
+    );
+    assert_eq!(pool.reserved(), b.mapped.len() as u64 * GRANULE);
+    seen.note(MOVED, served && pool.claim_moves() > 0);
+    seen.note(REFUSED, !served);
+    seen.note(TRIMMED, b.trimmed > 0);
+}
+
+#[test]
+fn claims_of_the_initial_pieces_vs_trim() {
+    check_paths(Some(2), &[MOVED, REFUSED, TRIMMED], claim_vs_trim);
+}
+
+/// Bug: a claim picks a piece, lets go of the table's lock and takes it again, and uses the
+/// piece without looking whether the trim took (and unmapped) it meanwhile.
+#[test]
+#[ignore = "planted bug: must fail"]
+fn planted_claim_relocks() {
+    must_fail(module_path!(), "planted_claim_relocks", "unmapped", || {
+        crate::resource::stream_ordered::planted::CLAIM_RELOCKS
+            .store(true, std::sync::atomic::Ordering::Relaxed);
+        check_paths(Some(2), &[], claim_vs_trim);
+    });
 }

@@ -156,6 +156,8 @@ fn model(seen: &Shared<Seen>) {
         Expander::with_regions(FakeBacking(books.clone()), 2 * GRANULE, 2).with_split_min(GRANULE),
     );
     pool.map_initial(2 * GRANULE).unwrap();
+    // One piece in each range's shard (one thread would claim both into its own range).
+    pool.claim_all_in_place();
     let a = FakeStream::new(1, &books);
     let b = FakeStream::new(2, &books);
     // A takes both granules (one per range), uses and frees them; the uses stay pending.
@@ -192,7 +194,7 @@ fn model(seen: &Shared<Seen>) {
     pool.heap.check().expect("free-list invariants");
     let bk = book(&books);
     assert_eq!(
-        pool.heap.stats().free_bytes,
+        pool.stats().free_bytes,
         bk.mapped.len() as u64 * GRANULE,
         "mapped memory lost, or free memory on unmapped granules"
     );

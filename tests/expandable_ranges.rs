@@ -23,7 +23,8 @@ fn serial() -> std::sync::MutexGuard<'static, ()> {
 }
 
 /// A pool whose reservation per shard, maximum and initial size are all `size`: the initial
-/// memory is spread over the shards' ranges (from 32 MiB a shard), and nothing more may map.
+/// memory is mapped in pieces over the shards' ranges (from 32 MiB a shard), which belong to
+/// no shard until a thread's request claims one, and nothing more may map.
 fn full_pool(device: &Device, size: usize) -> ExpandablePoolResource {
     ExpandablePoolResource::new(
         device,
@@ -41,13 +42,36 @@ fn ranges(p: &ExpandablePoolResource, per_shard: usize) -> usize {
     p.reservation().1 / per_shard
 }
 
+/// `allocate(share)` on `stream` from `count` threads, one after another, each new: threads
+/// are spread over the shards in the order they first ask, so each claims the piece of the
+/// initial memory in a range of its own (one thread would claim them all into its own range,
+/// moving the others). The blocks, one per range.
+fn one_share_per_range(
+    p: &ExpandablePoolResource,
+    share: usize,
+    stream: &streamalloc::Stream,
+    count: usize,
+) -> Vec<DevicePtr> {
+    let blocks: Vec<DevicePtr> = (0..count)
+        .map(|_| std::thread::scope(|scope| scope.spawn(|| p.allocate(share, stream)).join()))
+        .map(|r| r.expect("an allocating thread").unwrap())
+        .collect();
+    assert_eq!(
+        p.initial_moves(),
+        0,
+        "a thread claimed another range's piece"
+    );
+    blocks
+}
+
 fn check(p: &ExpandablePoolResource) {
     p.check_invariants()
         .unwrap_or_else(|e| panic!("invariants: {e}"));
 }
 
 /// The review's first case: everything mapped up front, spread over the ranges, none of it
-/// used; a request of half the maximum is served (it moved free memory into one range).
+/// used; a request of half the maximum is served (its thread claimed the pieces of other
+/// ranges, moving them into its own).
 #[test]
 fn fresh_memory_in_other_ranges_serves_a_request_at_the_maximum() {
     let _serial = serial();
@@ -61,7 +85,7 @@ fn fresh_memory_in_other_ranges_serves_a_request_at_the_maximum() {
         let stats = p.stats();
         assert!(stats.reserved <= size, "{}: {stats:?}", label(&device));
         if spread {
-            assert!(p.relocations() >= 1, "{}: {stats:?}", label(&device));
+            assert!(p.initial_moves() >= 1, "{}: {stats:?}", label(&device));
         }
         check(&p);
         // The whole maximum too, once the half is back.
@@ -140,9 +164,7 @@ fn memory_freed_on_a_busy_stream_is_not_moved() {
         let mut spin = Duration::from_millis(500);
         let launched = Instant::now();
         busy.spin(spin).unwrap();
-        let blocks: Vec<DevicePtr> = (0..regions)
-            .map(|_| p.allocate(share, &busy).unwrap())
-            .collect();
+        let blocks = one_share_per_range(&p, share, &busy, regions);
         let mut host = vec![vec![0u32; words]; regions];
         for (i, (&x, back)) in blocks.iter().zip(host.iter_mut()).enumerate() {
             // SAFETY: `x` is live and used on `busy` only, before its free below; `back` has
@@ -216,9 +238,7 @@ fn faults_while_moving_lose_nothing() {
     let s = device.create_stream().unwrap();
     let other = device.create_stream().unwrap();
     // Every share used and freed on `s`, whose work is done.
-    let blocks: Vec<DevicePtr> = (0..ranges(&p, size))
-        .map(|_| p.allocate(share, &s).unwrap())
-        .collect();
+    let blocks = one_share_per_range(&p, share, &s, ranges(&p, size));
     for &x in &blocks {
         free(&p, x, share, &s);
     }
@@ -287,9 +307,7 @@ fn an_awaited_request_is_served_once_the_busy_stream_finishes() {
         let busy = device.create_stream().unwrap();
         let other = device.create_stream().unwrap();
         busy.spin(Duration::from_millis(300)).unwrap();
-        let blocks: Vec<DevicePtr> = (0..regions)
-            .map(|_| p.allocate(share, &busy).unwrap())
-            .collect();
+        let blocks = one_share_per_range(&p, share, &busy, regions);
         for &x in &blocks {
             free(&p, x, share, &busy);
         }

@@ -144,12 +144,13 @@ fn churn_on(pool: &Expander<LabStream, LabBacking>, streams: usize, hand_off: bo
         }
     }
     format!(
-        "peak mapped / peak live {:.3} ({} growths; {} units mapped, {} unmapped; {} spills)",
+        "peak mapped / peak live {:.3} ({} growths; {} units mapped, {} unmapped; {} spills; {} initial pieces moved)",
         pool.peak_reserved() as f64 / churn.peak_live as f64,
         pool.grows(),
         pool.backing.maps.load(Relaxed),
         pool.backing.unmaps.load(Relaxed),
         pool.heap.stats().spills,
+        pool.claim_moves(),
     )
 }
 

@@ -15,7 +15,7 @@
 //! granules out of the lists, while it holds the table); nothing takes the table while it
 //! holds a list's lock.
 
-use super::super::stream_ordered::{EngineStream, Grow, StreamHeap};
+use super::super::stream_ordered::{planted, EngineStats, EngineStream, Grow, StreamHeap};
 use crate::error::{Error, Result};
 use crate::sync::{AtomicU64, Mutex, Ordering};
 
@@ -99,6 +99,12 @@ struct Table {
     per: usize,
     /// Per region, one past its highest mapped granule (its first granule if none is).
     frontiers: Vec<usize>,
+    /// Mapped pieces of the initial size that belong to no shard yet, `(first granule,
+    /// count)`: a thread claims one when its home shard cannot serve a request
+    /// ([`Expander::claim_piece`]), one in its own region as it is, another region's moved into its
+    /// own. So one thread's memory ends up in one range, where it coalesces, and threads take
+    /// their shares as they need them (as the pool's reserve: `stream_ordered`'s `reserve`).
+    unclaimed: Vec<(usize, usize)>,
 }
 
 impl Table {
@@ -166,6 +172,13 @@ pub(crate) struct Expander<S: EngineStream, B: Backing> {
     /// The least initial size per region for `map_initial` to spread it ([`SPLIT_MIN`]; the
     /// loom models use granules of a few bytes).
     split_min: u64,
+    /// Bytes of the unclaimed pieces (written under the table's lock): read without it, as
+    /// the engine's hint that there is memory to claim ([`Grow::has_unclaimed`]), and for
+    /// statistics. Std's, not `crate::sync`'s: only a hint (claims look again under the
+    /// lock), and a loom atomic would add scheduling points to every request of the models.
+    unclaimed_bytes: std::sync::atomic::AtomicU64,
+    /// Pieces claimed from another region (moved: unmapped there, mapped in the claimer's).
+    moves: AtomicU64,
 }
 
 impl<S: EngineStream, B: Backing> Expander<S, B> {
@@ -200,6 +213,7 @@ impl<S: EngineStream, B: Backing> Expander<S, B> {
             table: Mutex::new(Table {
                 per,
                 frontiers: (0..regions).map(|r| r * per).collect(),
+                unclaimed: Vec::new(),
             }),
             bits: Bits::new(granules),
             backing,
@@ -211,6 +225,8 @@ impl<S: EngineStream, B: Backing> Expander<S, B> {
             busy: Mutex::new(Vec::new()),
             maximum,
             split_min: SPLIT_MIN,
+            unclaimed_bytes: std::sync::atomic::AtomicU64::new(0),
+            moves: AtomicU64::new(0),
         }
     }
 
@@ -307,14 +323,18 @@ impl<S: EngineStream, B: Backing> Expander<S, B> {
         (first..=last).all(|i| self.bits.get(i))
     }
 
-    /// Maps `bytes` (rounded up to a granule) as fresh memory: the initial size. From
-    /// [`SPLIT_MIN`] per region up, it is spread evenly over the regions, each share at the
-    /// start of its region, so that threads on different shards start out on different locks
-    /// (all of it in the first region kept every thread of a `churn-4t` run started at 2 GiB
-    /// on one shard: 1,016 to 1,102 ns/op on an H200, run33); less stays in the first region.
+    /// Maps `bytes` (rounded up to a granule) as fresh memory: the initial size, in pieces
+    /// that belong to no shard until a thread claims one ([`claim_piece`](Self::claim_piece)). From
+    /// [`SPLIT_MIN`] per region up, it is spread evenly over the regions, each piece at the
+    /// start of its region, so that threads on different shards each find one at home (all of
+    /// it in the first region kept every thread of a `churn-4t` run started at 2 GiB on one
+    /// shard: 1,016 to 1,102 ns/op on an H200, run33); less is one piece in the first region.
+    /// Until claimed, the pieces count as free (`free_bytes`, statistics, snapshots) and a
+    /// trim releases them first.
     pub(crate) fn map_initial(&self, bytes: u64) -> Result<()> {
         let g = self.granule();
-        let regions = self.table.lock().frontiers.len();
+        let mut table = self.table.lock();
+        let regions = table.frontiers.len();
         // The initial size in granules, dealt out: the first `total % pieces` regions get one
         // more, so that exactly the initial size (rounded up to a granule) is mapped.
         let total = bytes.div_ceil(g) as usize;
@@ -324,26 +344,140 @@ impl<S: EngineStream, B: Backing> Expander<S, B> {
             1
         };
         let share = |r: usize| total / pieces + usize::from(r < total % pieces);
-        let mut mapped = Vec::with_capacity(pieces);
         let mut result = Ok(());
-        {
-            let mut table = self.table.lock();
-            for r in (0..pieces).filter(|&r| share(r) > 0) {
-                let first = table.region(r).start;
-                match self.map_locked(&mut table, first, share(r), bytes) {
-                    Ok(piece) => mapped.push(piece),
-                    Err(e) => {
-                        result = Err(e);
-                        break;
-                    }
+        for r in (0..pieces).filter(|&r| share(r) > 0) {
+            let first = table.region(r).start;
+            // What was mapped before an error is the pool's memory all the same.
+            match self.map_locked(&mut table, first, share(r), bytes) {
+                Ok(_) => table.unclaimed.push((first, share(r))),
+                Err(e) => {
+                    result = Err(e);
+                    break;
                 }
             }
         }
-        // What was mapped before an error is free memory of the pool all the same.
-        for (addr, size) in mapped {
+        self.note_unclaimed(&table);
+        result
+    }
+
+    /// Gives every unclaimed piece to its own range's shard, as if a thread of each range had
+    /// claimed it (for the loom models, whose threads all share one home shard).
+    #[cfg(all(streamalloc_loom, test))]
+    pub(crate) fn claim_all_in_place(&self) {
+        let mut table = self.table.lock();
+        for (first, count) in std::mem::take(&mut table.unclaimed) {
+            self.heap
+                .give_fresh(self.addr(first), count as u64 * self.granule());
+        }
+        self.note_unclaimed(&table);
+    }
+
+    /// Sets the hint of [`unclaimed_bytes`](Self::unclaimed_bytes) from `table`'s list.
+    fn note_unclaimed(&self, table: &Table) {
+        let granules: usize = table.unclaimed.iter().map(|p| p.1).sum();
+        self.unclaimed_bytes.store(
+            granules as u64 * self.granule(),
+            std::sync::atomic::Ordering::Relaxed,
+        );
+    }
+
+    /// Bytes mapped that belong to no shard yet (the initial size's pieces not claimed).
+    pub(crate) fn unclaimed_bytes(&self) -> u64 {
+        self.unclaimed_bytes
+            .load(std::sync::atomic::Ordering::Relaxed)
+    }
+
+    /// The engine's statistics, with the unclaimed pieces counted as free blocks: read under
+    /// the table's lock (a claim moves a piece into a list under it, so no piece is counted
+    /// twice or not at all).
+    pub(crate) fn stats(&self) -> EngineStats {
+        let table = self.table.lock();
+        let unclaimed: usize = table.unclaimed.iter().map(|p| p.1).sum();
+        let mut stats = self.heap.stats();
+        stats.free_bytes += unclaimed as u64 * self.granule();
+        stats.free_blocks += table.unclaimed.len();
+        stats
+    }
+
+    /// The unclaimed pieces, `(start, size)`, for snapshots.
+    pub(crate) fn unclaimed_ranges(&self) -> Vec<(u64, u64)> {
+        let table = self.table.lock();
+        let g = self.granule();
+        (table.unclaimed.iter())
+            .map(|&(first, count)| (self.addr(first), count as u64 * g))
+            .collect()
+    }
+
+    /// Pieces claimed from another region than the claimer's (moved between ranges).
+    pub(crate) fn claim_moves(&self) -> u64 {
+        self.moves.load(Ordering::Relaxed)
+    }
+
+    /// [`Grow::claim`]: gives an unclaimed piece to the requesting thread's home shard, as
+    /// fresh memory: its own region's piece as it is; else another region's, moved (unmapped
+    /// there, never having been used, and as much mapped where the home region's growth would
+    /// go: where it coalesces with the home shard's free memory). Under the table's lock
+    /// throughout, so that a trim never finds the piece in neither place. Unmapping first
+    /// keeps the pool within its maximum and its peak; if the map then fails (the device out
+    /// of memory: another process took it meanwhile), the pool holds that much less, and the
+    /// request goes on to the other shards and growth, whose error it gets.
+    fn claim_piece(&self, min: u64) -> bool {
+        let mut table = self.table.lock();
+        let regions = table.frontiers.len();
+        let home = self.heap.home_shard() % regions;
+        let at = (table.unclaimed.iter())
+            .position(|&(first, _)| table.region_of(first) == home)
+            .or_else(|| table.unclaimed.len().checked_sub(1));
+        let Some(at) = at else {
+            self.note_unclaimed(&table);
+            return false;
+        };
+        let (first, count) = if planted::claim_relocks() {
+            // The planted bug: the piece picked, the lock let go and taken again, and the
+            // piece used without looking whether a trim took it meanwhile.
+            let piece = table.unclaimed[at];
+            drop(table);
+            table = self.table.lock();
+            table.unclaimed.retain(|&p| p != piece);
+            piece
+        } else {
+            table.unclaimed.swap_remove(at)
+        };
+        self.note_unclaimed(&table);
+        let g = self.granule();
+        let (addr, size) = (self.addr(first), count as u64 * g);
+        if table.region_of(first) == home {
+            self.heap.give_fresh(addr, size);
+            return true;
+        }
+        let _span = tracing::debug_span!("claim from another range", addr, size, home).entered();
+        // SAFETY: the piece was in no list (nothing was ever handed out of it) and is in none
+        // now: no work has used it or can.
+        let (released, result, back) =
+            unsafe { self.unmap_locked(&mut table, vec![(addr, size, None)]) };
+        for (addr, size, _) in back {
+            // Granules that would not unmap stay mapped, as fresh memory of their own region.
             self.heap.give_fresh(addr, size);
         }
-        result
+        if let Err(e) = result {
+            tracing::warn!(error = %e, released, "a claimed piece could not move: it stays");
+        }
+        if released == 0 {
+            return true;
+        }
+        self.moves.fetch_add(1, Ordering::Relaxed);
+        let Some((to, granules)) = self.place_in(&table, home, released.max(min)) else {
+            return true;
+        };
+        let started = std::time::Instant::now();
+        let mapped = self.map_locked(&mut table, to, granules, min);
+        let nanos = started.elapsed().as_nanos().min(u128::from(u64::MAX)) as u64;
+        self.growth_nanos.fetch_add(nanos, Ordering::Relaxed);
+        match mapped {
+            Ok((addr, size)) => self.heap.give_fresh(addr, size),
+            Err(e) => tracing::warn!(error = %e, size, "a claimed piece could not be mapped again"),
+        }
+        true
     }
 
     /// Maps `first..first + count` under the table's lock, within the maximum.
@@ -425,15 +559,37 @@ impl<S: EngineStream, B: Backing> Expander<S, B> {
     }
 
     /// Takes every fully free granule out of the lists for unmapping, as long as more than
-    /// `keep` bytes would stay mapped (the highest addresses first); the rest goes back at
-    /// once. The caller waits for each range's stream (all its work), then calls
+    /// `keep` bytes would stay mapped (the unclaimed pieces first, then the highest addresses
+    /// of the lists); the rest goes back at once. The caller waits for each range's stream (all its work), then calls
     /// [`unmap_ranges`](Self::unmap_ranges), or [`put_back`](Self::put_back) if it cannot.
     pub(crate) fn take_free(&self, keep: u64) -> Vec<Taken<S>> {
         let g = self.granule();
-        let mut taken = self.heap.take_aligned(g);
-        taken.sort_unstable_by_key(|t| std::cmp::Reverse(t.0));
         let mut excess = self.reserved().saturating_sub(keep);
         let mut out = Vec::new();
+        // Unclaimed pieces first (fresh, needing no wait), the highest first, each from its
+        // top: a piece partly released keeps its bottom, unclaimed.
+        if excess > 0 {
+            let mut table = self.table.lock();
+            table
+                .unclaimed
+                .sort_unstable_by_key(|p| std::cmp::Reverse(p.0));
+            let mut kept = Vec::new();
+            for (first, count) in std::mem::take(&mut table.unclaimed) {
+                let part = (excess.div_ceil(g) as usize).min(count);
+                excess = excess.saturating_sub(part as u64 * g);
+                if part < count {
+                    kept.push((first, count - part));
+                }
+                if part > 0 {
+                    let top = first + count - part;
+                    out.push((self.addr(top), part as u64 * g, None));
+                }
+            }
+            table.unclaimed = kept;
+            self.note_unclaimed(&table);
+        }
+        let mut taken = self.heap.take_aligned(g);
+        taken.sort_unstable_by_key(|t| std::cmp::Reverse(t.0));
         let mut back = Vec::new();
         for (addr, size, stream) in taken {
             if excess == 0 {
@@ -563,6 +719,15 @@ impl<S: EngineStream, B: Backing> Expander<S, B> {
 }
 
 impl<S: EngineStream, B: Backing> Grow<S> for Expander<S, B> {
+    #[inline]
+    fn has_unclaimed(&self) -> bool {
+        self.unclaimed_bytes() > 0
+    }
+
+    fn claim(&self, min: u64, _stream: &S) -> bool {
+        self.claim_piece(min)
+    }
+
     /// Maps granules for a request of `min` bytes where they coalesce with the requester's
     /// free memory; never a new chunk. The engine gives the range to the requester's list,
     /// where it merges with its free neighbours.

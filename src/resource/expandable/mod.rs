@@ -234,7 +234,7 @@ impl ExpandablePoolResource {
     /// units mapped.
     pub fn stats(&self) -> PoolStats {
         let core = &self.inner.core;
-        let engine = core.heap.stats();
+        let engine = core.stats();
         PoolStats {
             reserved: core.reserved() as usize,
             peak_reserved: core.peak_reserved() as usize,
@@ -260,6 +260,16 @@ impl ExpandablePoolResource {
     /// ranges never coalesces).
     pub fn relocations(&self) -> u64 {
         self.inner.core.relocations()
+    }
+
+    /// How many pieces of the initial size were claimed by a thread whose shard's range is
+    /// not theirs, and so moved (unmapped in one range, mapped in the claimer's, once each).
+    /// The initial size is mapped at construction in pieces that belong to no shard: a
+    /// request its shard cannot serve claims one (its own range's as it is) before it takes
+    /// memory from other threads' shards, so that one thread's memory ends up in one range,
+    /// where it coalesces.
+    pub fn initial_moves(&self) -> u64 {
+        self.inner.core.claim_moves()
     }
 
     /// What waiting for memory in [`allocate_async`](crate::AllocateAsync::allocate_async) has

@@ -66,10 +66,7 @@ mod expandable;
 mod order;
 #[cfg(all(test, not(streamalloc_loom)))]
 mod order_tests;
-#[cfg(streamalloc_loom)]
 pub(crate) mod planted;
-#[cfg(not(streamalloc_loom))]
-mod planted;
 mod retire;
 mod stream;
 mod view;
@@ -128,6 +125,23 @@ pub(crate) trait Grow<S = Stream> {
     /// A new chunk of at least `min` bytes, allocated for use on `stream`: `(base, size)`. Its
     /// error is the resource's out-of-memory error, with its numbers.
     fn grow(&self, min: u64, stream: &S) -> Result<(u64, u64)>;
+
+    /// Whether memory of the upstream's waits to be [`claim`](Self::claim)ed (the expandable
+    /// pool's initial memory, in pieces that belong to no shard yet). A hint, read with no
+    /// lock: while it says so, a request its home shard cannot serve claims a piece (on the
+    /// slow path) instead of taking memory from other threads' shards, where its blocks would
+    /// never coalesce with its own.
+    #[inline]
+    fn has_unclaimed(&self) -> bool {
+        false
+    }
+
+    /// Gives a piece of unclaimed memory to the requesting thread's home shard, as fresh free
+    /// memory, for a request of `min` bytes: whether there was one. Called with the engine's
+    /// `slow` lock held, like [`grow`](Self::grow).
+    fn claim(&self, _min: u64, _stream: &S) -> bool {
+        false
+    }
 }
 
 /// A stream the engine knows.
@@ -480,16 +494,23 @@ impl<S: EngineStream> StreamHeap<S> {
     /// another, ordered after the streams that freed it; else a growth.
     #[inline]
     pub(crate) fn take(&self, size: u64, stream: &S, upstream: &impl Grow<S>) -> Result<u64> {
-        match self.take_any(size, stream, false)? {
+        match self.take_any(size, stream, false, upstream)? {
             Some(addr) => Ok(addr),
             None => self.take_slow(size, stream, upstream),
         }
     }
 
     /// The home shard's fit, else a chunk from the reserve moved into the home shard, else the
-    /// best fit of the other shards (with `every_shard` false, of those whose lock is free now).
+    /// best fit of the other shards (with `every_shard` false, of those whose lock is free now);
+    /// not the other shards while `upstream` has memory to claim ([`Grow::has_unclaimed`]).
     #[inline]
-    fn take_any(&self, size: u64, stream: &S, every_shard: bool) -> Result<Option<u64>> {
+    fn take_any(
+        &self,
+        size: u64,
+        stream: &S,
+        every_shard: bool,
+        upstream: &impl Grow<S>,
+    ) -> Result<Option<u64>> {
         let home = self.home();
         if let Some(addr) = self.take_free(&self.shards[home], None, size, stream)? {
             return Ok(Some(addr));
@@ -502,6 +523,11 @@ impl<S: EngineStream> StreamHeap<S> {
             if let Some(addr) = self.take_reserve(home, size, stream)? {
                 return Ok(Some(addr));
             }
+        }
+        // Memory waits to be claimed: the request claims it on the slow path, into its home
+        // shard, rather than take other threads' memory.
+        if upstream.has_unclaimed() {
+            return Ok(None);
         }
         // The shard that served this thread's last spill: where its memory went, if its home
         // keeps missing (a thread whose working set ended up in another thread's shard would
@@ -698,11 +724,23 @@ impl<S: EngineStream> StreamHeap<S> {
     #[cold]
     fn take_slow(&self, size: u64, stream: &S, upstream: &impl Grow<S>) -> Result<u64> {
         let _slow = self.slow.lock();
+        // Pieces of the upstream's that belong to no shard yet go to this thread's home shard,
+        // one at a time, until the request fits there or none is left (each claim takes one,
+        // and the hint says none once the last is gone, under `slow`: this ends).
+        while upstream.has_unclaimed() {
+            let home = &self.shards[self.home()];
+            if let Some(addr) = self.take_free(home, None, size, stream)? {
+                return Ok(addr);
+            }
+            if !upstream.claim(size, stream) {
+                break;
+            }
+        }
         // Another request may have grown the pool, or freed, while this one waited; and the
         // fast path skipped the shards that were busy.
         loop {
             let moved = self.reserve_moves.load(Ordering::Acquire);
-            if let Some(addr) = self.take_any(size, stream, true)? {
+            if let Some(addr) = self.take_any(size, stream, true, upstream)? {
                 return Ok(addr);
             }
             // A chunk on its way from the reserve into a shard is in neither for a moment:

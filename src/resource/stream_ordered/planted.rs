@@ -55,6 +55,11 @@ pub(crate) static RELOCATED_BUSY: AtomicBool = AtomicBool::new(false);
 #[cfg(streamalloc_loom)]
 pub(crate) static ONTO_FIRST_ONLY: AtomicBool = AtomicBool::new(false);
 
+/// The expandable pool's claim picks an unclaimed piece, lets go of the table's lock and
+/// takes it again, and uses the piece without looking whether a trim took it meanwhile.
+#[cfg(streamalloc_loom)]
+pub(crate) static CLAIM_RELOCKS: AtomicBool = AtomicBool::new(false);
+
 macro_rules! switch {
     ($name:ident, $flag:ident) => {
         #[cfg(streamalloc_loom)]
@@ -82,3 +87,16 @@ switch!(quiet_ignores_activity, QUIET_IGNORES_ACTIVITY);
 switch!(relocated_busy, RELOCATED_BUSY);
 switch!(reserve_moves_ignored, RESERVE_MOVES_IGNORED);
 switch!(onto_first_only, ONTO_FIRST_ONLY);
+
+/// [`CLAIM_RELOCKS`] (for `resource/expandable/core.rs`, outside this module).
+#[cfg(streamalloc_loom)]
+pub(crate) fn claim_relocks() -> bool {
+    CLAIM_RELOCKS.load(Ordering::Relaxed)
+}
+
+/// Off outside the loom models.
+#[cfg(not(streamalloc_loom))]
+#[inline(always)]
+pub(crate) const fn claim_relocks() -> bool {
+    false
+}
