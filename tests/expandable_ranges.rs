@@ -324,3 +324,62 @@ fn an_awaited_request_is_served_once_the_busy_stream_finishes() {
         check(&p);
     }
 }
+
+/// The initial size is mapped in pieces, one per range, that belong to no shard until a
+/// request claims one: they count as free (statistics and snapshots), and one thread's
+/// requests claim them all into its own range (its range's piece as it is, the others moved)
+/// before they take memory from another shard. So its blocks coalesce there: once it has
+/// freed them, a request of nearly the whole initial size is served with no growth (with the
+/// pieces left in their ranges, it would have needed a growth that moves memory at the
+/// maximum).
+#[test]
+fn one_thread_claims_every_piece_into_its_own_range() {
+    let _serial = serial();
+    for device in devices() {
+        let size = 256 * MIB;
+        let p = full_pool(&device, size);
+        let regions = ranges(&p, size);
+        let piece = size / regions;
+        let stats = p.stats();
+        assert_eq!((stats.reserved, stats.free), (size, size), "{stats:?}");
+        let snapshot = p.snapshot();
+        let free_shown: u64 = (snapshot.chunks.iter().flat_map(|c| &c.blocks))
+            .filter(|b| b.state == streamalloc::resource::snapshot::BlockState::Free)
+            .map(|b| b.size)
+            .sum();
+        assert_eq!(free_shown, size as u64, "{}: the snapshot", label(&device));
+
+        let s = device.create_stream().unwrap();
+        let block = piece - 2 * MIB;
+        let blocks: Vec<DevicePtr> = (0..regions)
+            .map(|_| p.allocate(block, &s).unwrap())
+            .collect();
+        let stats = p.stats();
+        assert_eq!(
+            p.initial_moves(),
+            regions as u64 - 1,
+            "{}: {stats:?}",
+            label(&device)
+        );
+        assert_eq!(stats.shard_spills, 0, "{}: {stats:?}", label(&device));
+        assert_eq!(stats.grows, 0, "{}: {stats:?}", label(&device));
+        assert!(stats.reserved <= size, "{}: {stats:?}", label(&device));
+        check(&p);
+        for &x in &blocks {
+            free(&p, x, block, &s);
+        }
+        let whole = regions * block;
+        let x = p.allocate(whole, &s).unwrap();
+        let stats = p.stats();
+        assert_eq!(stats.grows, 0, "{}: {stats:?}", label(&device));
+        assert_eq!(p.relocations(), 0, "{}: {stats:?}", label(&device));
+        assert!(stats.reserved <= size, "{}: {stats:?}", label(&device));
+        // SAFETY: `x` is live and used on `s` only, before its free.
+        unsafe { s.fill_u32(x, 9, whole / 4) }.unwrap();
+        assert_eq!(read_u32(&s, x, whole / 4)[whole / 4 - 1], 9);
+        free(&p, x, whole, &s);
+        check(&p);
+        p.trim_blocking().unwrap();
+        assert_eq!(p.stats().reserved, 0, "{}", label(&device));
+    }
+}
