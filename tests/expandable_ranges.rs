@@ -383,3 +383,38 @@ fn one_thread_claims_every_piece_into_its_own_range() {
         assert_eq!(p.stats().reserved, 0, "{}", label(&device));
     }
 }
+
+/// Pieces of the initial size larger than 64 MiB are not moved (a move costs driver calls per
+/// unit, and a large initial size seldom grows): a thread that needs more than its range's
+/// piece takes the others where they lie, each given to its own range's shard.
+#[test]
+fn large_pieces_stay_in_their_ranges() {
+    let _serial = serial();
+    for device in devices() {
+        let size = 768 * MIB;
+        let p = full_pool(&device, size);
+        let regions = ranges(&p, size);
+        if regions == 1 {
+            continue; // one range: every piece is the thread's own
+        }
+        let piece = size / regions;
+        let s = device.create_stream().unwrap();
+        let block = piece - 2 * MIB;
+        let a = p.allocate(block, &s).unwrap();
+        let b = p.allocate(block, &s).unwrap();
+        let stats = p.stats();
+        assert_eq!(p.initial_moves(), 0, "{}: {stats:?}", label(&device));
+        assert_eq!(stats.shard_spills, 1, "{}: {stats:?}", label(&device));
+        assert_eq!(stats.reserved, size, "{}: {stats:?}", label(&device));
+        assert_eq!(
+            stats.free,
+            size - 2 * block,
+            "{}: {stats:?}",
+            label(&device)
+        );
+        check(&p);
+        free(&p, a, block, &s);
+        free(&p, b, block, &s);
+        check(&p);
+    }
+}
