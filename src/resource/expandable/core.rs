@@ -474,31 +474,39 @@ impl<S: EngineStream, B: Backing> Expander<S, B> {
         }
         self.note_unclaimed(&table);
         let (addr, size) = (self.addr(first), count as u64 * g);
+        // Where the home range's growth would go for as much (counting the free block it
+        // extends); a home range with no room left keeps nothing from the move: the piece
+        // stays, as free memory of its own range.
+        let Some((to, granules)) = self.place_in(&table, home, size.max(min)) else {
+            self.heap.give_fresh(addr, size);
+            return true;
+        };
         let _span = tracing::debug_span!("claim from another range", addr, size, home).entered();
         // SAFETY: the piece was in no list (nothing was ever handed out of it) and is in none
         // now: no work has used it or can.
         let (released, result, back) =
             unsafe { self.unmap_locked(&mut table, vec![(addr, size, None)]) };
         for (addr, size, _) in back {
-            // Granules that would not unmap stay mapped, as fresh memory of their own region.
+            // Units that would not unmap stay mapped, as fresh memory of their own range.
             self.heap.give_fresh(addr, size);
         }
         if let Err(e) = result {
             tracing::warn!(error = %e, released, "a claimed piece could not move: it stays");
         }
-        if released == 0 {
+        // No more mapped than was unmapped: the move never raises the pool's peak.
+        let granules = granules.min((released / g) as usize);
+        if granules == 0 {
             return true;
         }
-        self.moves.fetch_add(1, Ordering::Relaxed);
-        let Some((to, granules)) = self.place_in(&table, home, released.max(min)) else {
-            return true;
-        };
         let started = std::time::Instant::now();
         let mapped = self.map_locked(&mut table, to, granules, min);
         let nanos = started.elapsed().as_nanos().min(u128::from(u64::MAX)) as u64;
         self.growth_nanos.fetch_add(nanos, Ordering::Relaxed);
         match mapped {
-            Ok((addr, size)) => self.heap.give_fresh(addr, size),
+            Ok((addr, size)) => {
+                self.moves.fetch_add(1, Ordering::Relaxed);
+                self.heap.give_fresh(addr, size);
+            }
             Err(e) => tracing::warn!(error = %e, size, "a claimed piece could not be mapped again"),
         }
         true
