@@ -15,7 +15,9 @@
 //! granules out of the lists, while it holds the table); nothing takes the table while it
 //! holds a list's lock.
 
-use super::super::stream_ordered::{planted, EngineStats, EngineStream, Grow, StreamHeap};
+use super::super::stream_ordered::{
+    planted, EngineStats, EngineStream, Grow, ListBlocks, StreamHeap,
+};
 use crate::error::{Error, Result};
 use crate::sync::{AtomicU64, Mutex, Ordering};
 
@@ -149,6 +151,10 @@ const SPLIT_MIN: u64 = 32 << 20;
 /// [`claim_piece`](Expander::claim_piece).
 const MOVE_MAX_SHARES: u64 = 2;
 
+/// What [`Expander::snapshot_parts`] reads: the mapped runs, the lists' free blocks and the
+/// unclaimed pieces.
+pub(crate) type SnapshotParts = (Vec<(u64, u64)>, Vec<ListBlocks>, Vec<(u64, u64)>);
+
 /// A range taken out of the lists for unmapping: `(start, size, the stream whose list held
 /// it)`, `None` for fresh memory.
 pub(crate) type Taken<S> = (u64, u64, Option<S>);
@@ -177,10 +183,11 @@ pub(crate) struct Expander<S: EngineStream, B: Backing> {
     /// The least initial size per region for `map_initial` to spread it ([`SPLIT_MIN`]; the
     /// loom models use granules of a few bytes).
     split_min: u64,
-    /// Bytes of the unclaimed pieces (written under the table's lock): read without it, as
-    /// the engine's hint that there is memory to claim ([`Grow::has_unclaimed`]), and for
-    /// statistics. Std's, not `crate::sync`'s: only a hint (claims look again under the
-    /// lock), and a loom atomic would add scheduling points to every request of the models.
+    /// Bytes of the unclaimed pieces (written under the table's lock, from its list): read
+    /// without it, as the engine's hint that there is memory to claim
+    /// ([`Grow::has_unclaimed`]); statistics and snapshots read the list. Std's, not
+    /// `crate::sync`'s: only a hint (claims look again under the lock), and a loom atomic
+    /// would add scheduling points to every request of the models.
     unclaimed_bytes: std::sync::atomic::AtomicU64,
     /// Pieces claimed from another region (moved: unmapped there, mapped in the claimer's).
     moves: AtomicU64,
@@ -287,10 +294,23 @@ impl<S: EngineStream, B: Backing> Expander<S, B> {
         (self.reserved() / self.granule()) as usize
     }
 
-    /// The mapped ranges `(start, size)`, in address order: runs of mapped granules, read
-    /// under the table's lock (for snapshots).
-    pub(crate) fn mapped_runs(&self) -> Vec<(u64, u64)> {
+    /// What a snapshot shows, read under the table's lock at once (a claim moves a piece
+    /// under it, so no piece shows in two places or none): the mapped ranges `(start, size)`
+    /// in address order (runs of mapped granules), every list's free blocks, and the unclaimed
+    /// pieces `(start, size)`.
+    pub(crate) fn snapshot_parts(&self) -> SnapshotParts {
         let table = self.table.lock();
+        let g = self.granule();
+        let runs = self.mapped_runs(&table);
+        let lists = self.heap.free_blocks_by_list();
+        let unclaimed = (table.unclaimed.iter())
+            .map(|&(first, count)| (self.addr(first), count as u64 * g))
+            .collect();
+        (runs, lists, unclaimed)
+    }
+
+    /// The mapped ranges `(start, size)`, in address order: runs of mapped granules.
+    fn mapped_runs(&self, table: &Table) -> Vec<(u64, u64)> {
         let g = self.granule();
         let mut runs: Vec<(u64, u64)> = Vec::new();
         let mapped = (0..table.frontiers.len())
@@ -404,38 +424,35 @@ impl<S: EngineStream, B: Backing> Expander<S, B> {
         stats
     }
 
-    /// The unclaimed pieces, `(start, size)`, for snapshots.
-    pub(crate) fn unclaimed_ranges(&self) -> Vec<(u64, u64)> {
-        let table = self.table.lock();
-        let g = self.granule();
-        (table.unclaimed.iter())
-            .map(|&(first, count)| (self.addr(first), count as u64 * g))
-            .collect()
-    }
-
     /// Pieces claimed from another region than the claimer's (moved between ranges).
     pub(crate) fn claim_moves(&self) -> u64 {
         self.moves.load(Ordering::Relaxed)
     }
 
     /// [`Grow::claim`]: gives an unclaimed piece to the requesting thread's home shard, as
-    /// fresh memory: its own region's piece as it is; else another region's, moved (unmapped
-    /// there, never having been used, and as much mapped where the home region's growth would
-    /// go: where it coalesces with the home shard's free memory), if it is at most
-    /// [`MOVE_MAX_SHARES`] least shares; a larger one, and every piece left with it, goes to
-    /// its own range's shard instead (the request then takes from it as from any other
-    /// shard; no piece is unclaimed afterwards). Under the table's lock
-    /// throughout, so that a trim never finds the piece in neither place. Unmapping first
-    /// keeps the pool within its maximum and its peak; if the map then fails (the device out
-    /// of memory: another process took it meanwhile), the pool holds that much less, and the
-    /// request goes on to the other shards and growth, whose error it gets.
+    /// fresh memory: its own region's piece as it is; else another region's (the highest:
+    /// threads are spread over the shards from the first, so the last ranges' pieces are the
+    /// least likely to be claimed by a thread of their own), moved if it is at most
+    /// [`MOVE_MAX_SHARES`] least shares: unmapped there (it was never used) and as many units
+    /// mapped at the lowest place in the home range with room for them (its first hole that
+    /// large, else its frontier, where it coalesces with the free block that ends there). A
+    /// larger piece, and every piece left with it, goes to its own range's shard instead (the
+    /// request then takes from it as from any other shard; no piece is unclaimed afterwards);
+    /// so does a piece the home range has no room for. Under the table's lock throughout, so
+    /// that a trim never finds the piece in neither place. Unmapping first keeps the pool
+    /// within its maximum and its peak; if the map then fails (the device out of memory:
+    /// another process took it meanwhile), the piece's memory has gone back to the device and
+    /// the pool holds that much less: the request claims the next piece, or goes on to the
+    /// other shards and growth, whose error it gets.
     fn claim_piece(&self, min: u64) -> bool {
         let mut table = self.table.lock();
         let regions = table.frontiers.len();
         let home = self.heap.home_shard() % regions;
-        let at = (table.unclaimed.iter())
-            .position(|&(first, _)| table.region_of(first) == home)
-            .or_else(|| table.unclaimed.len().checked_sub(1));
+        let pieces = table.unclaimed.iter().enumerate();
+        let at = (pieces.clone())
+            .find(|&(_, &(first, _))| table.region_of(first) == home)
+            .or_else(|| pieces.max_by_key(|&(_, &(first, _))| first))
+            .map(|(at, _)| at);
         let Some(at) = at else {
             self.note_unclaimed(&table);
             return false;
@@ -474,10 +491,7 @@ impl<S: EngineStream, B: Backing> Expander<S, B> {
         }
         self.note_unclaimed(&table);
         let (addr, size) = (self.addr(first), count as u64 * g);
-        // Where the home range's growth would go for as much (counting the free block it
-        // extends); a home range with no room left keeps nothing from the move: the piece
-        // stays, as free memory of its own range.
-        let Some((to, granules)) = self.place_in(&table, home, size.max(min)) else {
+        let Some(to) = Self::room_for(&table, &self.bits, home, count) else {
             self.heap.give_fresh(addr, size);
             return true;
         };
@@ -493,8 +507,9 @@ impl<S: EngineStream, B: Backing> Expander<S, B> {
         if let Err(e) = result {
             tracing::warn!(error = %e, released, "a claimed piece could not move: it stays");
         }
-        // No more mapped than was unmapped: the move never raises the pool's peak.
-        let granules = granules.min((released / g) as usize);
+        // As many units as were unmapped: the pool keeps its initial size, and never passes its
+        // peak for the move.
+        let granules = (released / g) as usize;
         if granules == 0 {
             return true;
         }
@@ -510,6 +525,28 @@ impl<S: EngineStream, B: Backing> Expander<S, B> {
             Err(e) => tracing::warn!(error = %e, size, "a claimed piece could not be mapped again"),
         }
         true
+    }
+
+    /// The first granule of the lowest run of `count` unmapped granules in region `r`: a hole
+    /// (granules unmapped by a trim) below its frontier, else the frontier, if the region has
+    /// room.
+    fn room_for(table: &Table, bits: &Bits, r: usize, count: usize) -> Option<usize> {
+        let (region, frontier) = (table.region(r), table.frontiers[r]);
+        let mut i = region.start;
+        while i < frontier {
+            if bits.get(i) {
+                i += 1;
+                continue;
+            }
+            let start = i;
+            while i < frontier && !bits.get(i) && i - start < count {
+                i += 1;
+            }
+            if i - start == count {
+                return Some(start);
+            }
+        }
+        (frontier + count <= region.end).then_some(frontier)
     }
 
     /// Maps `first..first + count` under the table's lock, within the maximum.
@@ -596,12 +633,13 @@ impl<S: EngineStream, B: Backing> Expander<S, B> {
     /// [`unmap_ranges`](Self::unmap_ranges), or [`put_back`](Self::put_back) if it cannot.
     pub(crate) fn take_free(&self, keep: u64) -> Vec<Taken<S>> {
         let g = self.granule();
-        let mut excess = self.reserved().saturating_sub(keep);
         let mut out = Vec::new();
         // Unclaimed pieces first (fresh, needing no wait), the highest first, each from its
-        // top: a piece partly released keeps its bottom, unclaimed.
-        if excess > 0 {
-            let mut table = self.table.lock();
+        // top: a piece partly released keeps its bottom, unclaimed. What is mapped is read
+        // under the table's lock, which claims' moves hold while they unmap and map.
+        let mut table = self.table.lock();
+        let mut excess = self.reserved().saturating_sub(keep);
+        {
             table
                 .unclaimed
                 .sort_unstable_by_key(|p| std::cmp::Reverse(p.0));
@@ -620,6 +658,7 @@ impl<S: EngineStream, B: Backing> Expander<S, B> {
             table.unclaimed = kept;
             self.note_unclaimed(&table);
         }
+        drop(table);
         let mut taken = self.heap.take_aligned(g);
         taken.sort_unstable_by_key(|t| std::cmp::Reverse(t.0));
         let mut back = Vec::new();

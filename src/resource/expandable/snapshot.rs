@@ -15,10 +15,8 @@ impl ExpandablePoolResource {
         let core = &self.inner.core;
         let mut snapshot = Snapshot::new("expandable pool");
         snapshot.reserved = core.reserved();
-        let runs = core.mapped_runs();
-        let mut lists = core.heap.free_blocks_by_list();
+        let (runs, mut lists, unclaimed) = core.snapshot_parts();
         // The initial size's pieces that no shard has claimed yet: fresh free memory.
-        let unclaimed = core.unclaimed_ranges();
         match lists.iter_mut().find(|l| l.0.is_none()) {
             Some(fresh) => fresh.1.extend(unclaimed),
             None => lists.push((None, unclaimed)),

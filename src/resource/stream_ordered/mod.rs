@@ -725,8 +725,9 @@ impl<S: EngineStream> StreamHeap<S> {
     fn take_slow(&self, size: u64, stream: &S, upstream: &impl Grow<S>) -> Result<u64> {
         let _slow = self.slow.lock();
         // Pieces of the upstream's that belong to no shard yet go to this thread's home shard,
-        // one at a time, until the request fits there or none is left (each claim takes one,
-        // and the hint says none once the last is gone, under `slow`: this ends).
+        // one at a time, until the request fits there or none is left. This ends: each claim
+        // takes at least one piece, nothing adds pieces after construction (a trim only takes
+        // them), and the hint says none once the last is gone.
         while upstream.has_unclaimed() {
             let home = &self.shards[self.home()];
             if let Some(addr) = self.take_free(home, None, size, stream)? {
