@@ -240,7 +240,8 @@ impl ExpandablePoolResource {
     }
 
     /// What the pool holds and has done. `reserved` is the memory mapped, `chunks` the
-    /// units mapped.
+    /// units mapped, `free` counts the initial size's unclaimed pieces, and `growth_time` the
+    /// mapping of growths and of moved pieces (the unmaps of moves and trims are not in it).
     pub fn stats(&self) -> PoolStats {
         let core = &self.inner.core;
         let engine = core.stats();
