@@ -103,9 +103,10 @@ struct Table {
     frontiers: Vec<usize>,
     /// Mapped pieces of the initial size that belong to no shard yet, `(first granule,
     /// count)`: a thread claims one when its home shard cannot serve a request
-    /// ([`Expander::claim_piece`]), one in its own region as it is, another region's moved into its
-    /// own. So one thread's memory ends up in one range, where it coalesces, and threads take
-    /// their shares as they need them (as the pool's reserve: `stream_ordered`'s `reserve`).
+    /// ([`Expander::claim_piece`]), one in its own region as it is, another region's moved
+    /// into its own. So one thread's memory ends up in one range, where it coalesces, and
+    /// threads take their shares as they need them (as the pool's reserve:
+    /// `stream_ordered`'s `reserve`).
     unclaimed: Vec<(usize, usize)>,
 }
 
@@ -349,8 +350,8 @@ impl<S: EngineStream, B: Backing> Expander<S, B> {
     }
 
     /// Maps `bytes` (rounded up to a granule) as fresh memory: the initial size, in pieces
-    /// that belong to no shard until a thread claims one ([`claim_piece`](Self::claim_piece)). From
-    /// [`SPLIT_MIN`] per region up, it is spread evenly over the regions, each piece at the
+    /// that belong to no shard until a thread claims one
+    /// ([`claim_piece`](Self::claim_piece)). From [`SPLIT_MIN`] per region up, it is spread evenly over the regions, each piece at the
     /// start of its region, so that threads on different shards each find one at home (all of
     /// it in the first region kept every thread of a `churn-4t` run started at 2 GiB on one
     /// shard: 1,016 to 1,102 ns/op on an H200, run33); less is one piece in the first region.
@@ -629,8 +630,9 @@ impl<S: EngineStream, B: Backing> Expander<S, B> {
 
     /// Takes every fully free granule out of the lists for unmapping, as long as more than
     /// `keep` bytes would stay mapped (the unclaimed pieces first, then the highest addresses
-    /// of the lists); the rest goes back at once. The caller waits for each range's stream (all its work), then calls
-    /// [`unmap_ranges`](Self::unmap_ranges), or [`put_back`](Self::put_back) if it cannot.
+    /// of the lists); the rest goes back at once. The caller waits for each range's stream
+    /// (all its work), then calls [`unmap_ranges`](Self::unmap_ranges), or
+    /// [`put_back`](Self::put_back) if it cannot.
     pub(crate) fn take_free(&self, keep: u64) -> Vec<Taken<S>> {
         let g = self.granule();
         let mut out = Vec::new();
@@ -639,25 +641,20 @@ impl<S: EngineStream, B: Backing> Expander<S, B> {
         // under the table's lock, which claims' moves hold while they unmap and map.
         let mut table = self.table.lock();
         let mut excess = self.reserved().saturating_sub(keep);
-        {
-            table
-                .unclaimed
-                .sort_unstable_by_key(|p| std::cmp::Reverse(p.0));
-            let mut kept = Vec::new();
-            for (first, count) in std::mem::take(&mut table.unclaimed) {
-                let part = (excess.div_ceil(g) as usize).min(count);
-                excess = excess.saturating_sub(part as u64 * g);
-                if part < count {
-                    kept.push((first, count - part));
-                }
-                if part > 0 {
-                    let top = first + count - part;
-                    out.push((self.addr(top), part as u64 * g, None));
-                }
+        let mut pieces = std::mem::take(&mut table.unclaimed);
+        pieces.sort_unstable_by_key(|p| std::cmp::Reverse(p.0));
+        for (first, count) in pieces {
+            let part = (excess.div_ceil(g) as usize).min(count);
+            excess = excess.saturating_sub(part as u64 * g);
+            if part < count {
+                table.unclaimed.push((first, count - part));
             }
-            table.unclaimed = kept;
-            self.note_unclaimed(&table);
+            if part > 0 {
+                let top = first + count - part;
+                out.push((self.addr(top), part as u64 * g, None));
+            }
         }
+        self.note_unclaimed(&table);
         drop(table);
         let mut taken = self.heap.take_aligned(g);
         taken.sort_unstable_by_key(|t| std::cmp::Reverse(t.0));

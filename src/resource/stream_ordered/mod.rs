@@ -28,12 +28,15 @@
 //! with no ordering at all. A busy answer (or a failed query) falls back to the ordering.
 //!
 //! The table is kept in shards (8 for the pool and the expandable pool, whose address range per
-//! shard is one chunk; 1 for the fixed-size pool), each chunk in one, so that threads mostly take different locks (`chunks.rs` maps addresses to
-//! shards for frees, without a lock). A request, in order: its thread's shard (best fit;
-//! orderings as its block's tag asks); a chunk of the reserve (the pool's initial memory, in
-//! pieces) moved into the thread's shard; the best fit of the other shards; then, one request
-//! at a time (`slow`), all of that again and a growth into the thread's shard ([`Grow`]; the
-//! pool, at its maximum, first gives wholly free chunks back); then the upstream's error.
+//! shard is one chunk; 1 for the fixed-size pool), each chunk in one, so that threads mostly
+//! take different locks (`chunks.rs` maps addresses to shards for frees, without a lock). A
+//! request, in order: its thread's shard (best fit; orderings as its block's tag asks); a chunk
+//! of the reserve (the pool's initial memory, in pieces) moved into the thread's shard; while
+//! the upstream has memory to claim (the expandable pool's initial pieces,
+//! [`Grow::has_unclaimed`]), a claim into the thread's shard on the slow path; the best fit of
+//! the other shards; then, one request at a time (`slow`), all of that again and a growth into
+//! the thread's shard ([`Grow`]; the pool, at its maximum, first gives wholly free chunks
+//! back); then the upstream's error.
 //!
 //! Streams are registered on first use and keep a slot (their epoch and what they waited on)
 //! and a handle (to record events on). A stream the user has dropped is let go by `trim`:
