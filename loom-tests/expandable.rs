@@ -15,6 +15,11 @@
 //! The planted bug (`planted_synchronized_before_take`): trim waits for the stream *before* it
 //! takes the free granules out of the lists; a block freed between the two is unmapped while
 //! the work queued before its free may still run. Only some interleavings show it.
+//!
+//! `claims_of_the_initial_pieces_vs_trim`: the initial size in two unclaimed pieces, one per
+//! range; a user's request claims both (moving the other range's) while a trim runs. Its
+//! planted bug (`planted_claim_relocks`): the claim lets go of the table's lock between picking
+//! a piece and using it, and uses one the trim unmapped meanwhile.
 
 use std::collections::{HashMap, HashSet};
 
