@@ -109,11 +109,15 @@ fn make(kind: Kind, device: &Device, rng: &mut Rng) -> Setup {
             }
         }
         Kind::Expandable => {
-            let max = [16 * MIB, 24 * MIB, 32 * MIB, 64 * MIB, 128 * MIB][rng.below(5) as usize];
+            let max = [16 * MIB, 24 * MIB, 32 * MIB, 64 * MIB, 128 * MIB, 256 * MIB]
+                [rng.below(6) as usize];
             let opts = ExpandableOptions {
                 reserve: Some(256 * MIB),
                 maximum: Some(max),
-                initial: [0, 2 * MIB][rng.below(2) as usize],
+                // The whole maximum up front too: one unclaimed piece that other threads' claims
+                // move (up to 64 MiB) or take where it lies (above), or at 256 MiB eight pieces
+                // of 32 MiB, one per range.
+                initial: [0, 2 * MIB, max][rng.below(3) as usize],
                 release_threshold: [None, Some(0), Some(8 * MIB)][rng.below(3) as usize],
                 map_unit: [None, Some(1)][rng.below(2) as usize],
                 placement: [
