@@ -8,6 +8,7 @@ mod common;
 use std::time::{Duration, Instant};
 
 use common::{devices, free, label, read_u32};
+use streamalloc::resource::snapshot::BlockState;
 use streamalloc::{
     AllocateAsync, Device, DevicePtr, Error, ExpandableOptions, ExpandablePoolResource, FaultKind,
     Faults, MemoryResource, SimConfig,
@@ -69,6 +70,37 @@ fn one_share_per_range(
 fn check(p: &ExpandablePoolResource) {
     p.check_invariants()
         .unwrap_or_else(|e| panic!("invariants: {e}"));
+}
+
+/// A simulated device whose driver calls fail when told to.
+fn faulty_device() -> (Faults, Device) {
+    let faults = Faults::new();
+    let device = Device::simulated(SimConfig {
+        faults: faults.clone(),
+        ..SimConfig::default()
+    });
+    (faults, device)
+}
+
+/// The pool's counts agree with each other and with the device's memory: every mapped byte is
+/// free or in use, and the device has given out exactly what is mapped (no unit leaked).
+fn counts_agree(device: &Device, p: &ExpandablePoolResource) {
+    let stats = p.stats();
+    assert_eq!(stats.free + stats.in_use, stats.reserved, "{stats:?}");
+    assert_eq!(
+        device.free_memory().unwrap(),
+        device.total_memory() - stats.reserved,
+        "a unit leaked: {stats:?}"
+    );
+    check(p);
+}
+
+/// A trim gives everything back: nothing mapped, the device's memory whole again.
+fn trim_gives_everything_back(device: &Device, p: &ExpandablePoolResource) {
+    p.trim_blocking().unwrap();
+    assert_eq!(p.stats().reserved, 0);
+    assert_eq!(device.free_memory().unwrap(), device.total_memory());
+    check(p);
 }
 
 /// The review's first case: everything mapped up front, spread over the ranges, none of it
@@ -229,11 +261,7 @@ fn memory_freed_on_a_busy_stream_is_not_moved() {
 #[test]
 fn faults_while_moving_lose_nothing() {
     let _serial = serial();
-    let faults = Faults::new();
-    let device = Device::simulated(SimConfig {
-        faults: faults.clone(),
-        ..SimConfig::default()
-    });
+    let (faults, device) = faulty_device();
     let size = 256 * MIB;
     let p = full_pool(&device, size);
     let share = size / ranges(&p, size);
@@ -276,19 +304,11 @@ fn faults_while_moving_lose_nothing() {
     }
     let stats = p.stats();
     assert_eq!(stats.free, stats.reserved, "free memory lost: {stats:?}");
-    assert_eq!(
-        device.free_memory().unwrap(),
-        device.total_memory() - stats.reserved,
-        "a granule leaked"
-    );
-    check(&p);
+    counts_agree(&device, &p);
 
     let served = p.allocate(2 * share, &other).unwrap();
     free(&p, served, 2 * share, &other);
-    p.trim_blocking().unwrap();
-    assert_eq!(p.stats().reserved, 0);
-    assert_eq!(device.free_memory().unwrap(), device.total_memory());
-    check(&p);
+    trim_gives_everything_back(&device, &p);
 }
 
 /// `allocate_async` of memory that only a move could give, the memory freed on a busy stream:
@@ -344,11 +364,7 @@ fn one_thread_claims_every_piece_into_its_own_range() {
         let piece = size / regions;
         let stats = p.stats();
         assert_eq!((stats.reserved, stats.free), (size, size), "{stats:?}");
-        let snapshot = p.snapshot();
-        let free_shown: u64 = (snapshot.chunks.iter().flat_map(|c| &c.blocks))
-            .filter(|b| b.state == streamalloc::resource::snapshot::BlockState::Free)
-            .map(|b| b.size)
-            .sum();
+        let free_shown = p.snapshot().bytes(BlockState::Free);
         assert_eq!(free_shown, size as u64, "{}: the snapshot", label(&device));
 
         let s = device.create_stream().unwrap();
@@ -430,11 +446,7 @@ fn large_pieces_stay_in_their_ranges() {
 #[test]
 fn faults_while_claiming_lose_nothing() {
     let _serial = serial();
-    let faults = Faults::new();
-    let device = Device::simulated(SimConfig {
-        faults: faults.clone(),
-        ..SimConfig::default()
-    });
+    let (faults, device) = faulty_device();
     let size = 256 * MIB;
     let p = full_pool(&device, size);
     let regions = ranges(&p, size);
@@ -442,16 +454,6 @@ fn faults_while_claiming_lose_nothing() {
     let piece = size / regions;
     let block = piece - 2 * MIB;
     let s = device.create_stream().unwrap();
-    let agree = |p: &ExpandablePoolResource| {
-        let stats = p.stats();
-        assert_eq!(stats.free + stats.in_use, stats.reserved, "{stats:?}");
-        assert_eq!(
-            device.free_memory().unwrap(),
-            device.total_memory() - stats.reserved,
-            "a unit leaked: {stats:?}"
-        );
-        check(p);
-    };
     // The thread's own piece, as it lies.
     let a = p.allocate(block, &s).unwrap();
     // The next piece's map fails after its unmap: that piece is gone, the one after serves.
@@ -460,12 +462,10 @@ fn faults_while_claiming_lose_nothing() {
     faults.clear();
     assert_eq!(p.stats().reserved, size - piece);
     assert_eq!(p.initial_moves(), 1, "the failed move is not counted");
-    agree(&p);
+    counts_agree(&device, &p);
     for x in [a, b] {
         free(&p, x, block, &s);
     }
-    agree(&p);
-    p.trim_blocking().unwrap();
-    assert_eq!(p.stats().reserved, 0);
-    assert_eq!(device.free_memory().unwrap(), device.total_memory());
+    counts_agree(&device, &p);
+    trim_gives_everything_back(&device, &p);
 }

@@ -130,6 +130,31 @@ impl Table {
         index / self.per
     }
 
+    /// Granules of the unclaimed pieces.
+    fn unclaimed_granules(&self) -> usize {
+        self.unclaimed.iter().map(|p| p.1).sum()
+    }
+
+    /// The runs of unmapped granules of region `r` below its frontier (holes a trim left),
+    /// lowest first.
+    fn holes<'a>(
+        &self,
+        bits: &'a Bits,
+        r: usize,
+    ) -> impl Iterator<Item = std::ops::Range<usize>> + 'a {
+        let (mut i, frontier) = (self.region(r).start, self.frontiers[r]);
+        std::iter::from_fn(move || {
+            while i < frontier && bits.get(i) {
+                i += 1;
+            }
+            let start = i;
+            while i < frontier && !bits.get(i) {
+                i += 1;
+            }
+            (start < i).then_some(start..i)
+        })
+    }
+
     /// Every region's frontier again, from the bits (after granules were unmapped: a
     /// frontier only moves down, so each region is scanned below its old one).
     fn recompute_frontiers(&mut self, bits: &Bits) {
@@ -390,19 +415,22 @@ impl<S: EngineStream, B: Backing> Expander<S, B> {
     /// claimed it (for the loom models, whose threads all share one home shard).
     #[cfg(all(streamalloc_loom, test))]
     pub(crate) fn claim_all_in_place(&self) {
-        let mut table = self.table.lock();
+        self.give_all_in_place(&mut self.table.lock());
+    }
+
+    /// Gives every unclaimed piece to its own range's shard, as fresh memory.
+    fn give_all_in_place(&self, table: &mut Table) {
         for (first, count) in std::mem::take(&mut table.unclaimed) {
             self.heap
                 .give_fresh(self.addr(first), count as u64 * self.granule());
         }
-        self.note_unclaimed(&table);
+        self.note_unclaimed(table);
     }
 
     /// Sets the hint of [`unclaimed_bytes`](Self::unclaimed_bytes) from `table`'s list.
     fn note_unclaimed(&self, table: &Table) {
-        let granules: usize = table.unclaimed.iter().map(|p| p.1).sum();
         self.unclaimed_bytes.store(
-            granules as u64 * self.granule(),
+            table.unclaimed_granules() as u64 * self.granule(),
             std::sync::atomic::Ordering::Relaxed,
         );
     }
@@ -418,9 +446,8 @@ impl<S: EngineStream, B: Backing> Expander<S, B> {
     /// twice or not at all).
     pub(crate) fn stats(&self) -> EngineStats {
         let table = self.table.lock();
-        let unclaimed: usize = table.unclaimed.iter().map(|p| p.1).sum();
         let mut stats = self.heap.stats();
-        stats.free_bytes += unclaimed as u64 * self.granule();
+        stats.free_bytes += table.unclaimed_granules() as u64 * self.granule();
         stats.free_blocks += table.unclaimed.len();
         stats
     }
@@ -484,15 +511,12 @@ impl<S: EngineStream, B: Backing> Expander<S, B> {
         // other shards' memory.
         if count as u64 * g > MOVE_MAX_SHARES * self.split_min {
             table.unclaimed.push((first, count));
-            for (first, count) in std::mem::take(&mut table.unclaimed) {
-                self.heap.give_fresh(self.addr(first), count as u64 * g);
-            }
-            self.note_unclaimed(&table);
+            self.give_all_in_place(&mut table);
             return true;
         }
         self.note_unclaimed(&table);
         let (addr, size) = (self.addr(first), count as u64 * g);
-        let Some(to) = Self::room_for(&table, &self.bits, home, count) else {
+        let Some(to) = self.room_for(&table, home, count) else {
             self.heap.give_fresh(addr, size);
             return true;
         };
@@ -514,11 +538,7 @@ impl<S: EngineStream, B: Backing> Expander<S, B> {
         if granules == 0 {
             return true;
         }
-        let started = std::time::Instant::now();
-        let mapped = self.map_locked(&mut table, to, granules, min);
-        let nanos = started.elapsed().as_nanos().min(u128::from(u64::MAX)) as u64;
-        self.growth_nanos.fetch_add(nanos, Ordering::Relaxed);
-        match mapped {
+        match self.map_timed(&mut table, to, granules, min) {
             Ok((addr, size)) => {
                 self.moves.fetch_add(1, Ordering::Relaxed);
                 self.heap.give_fresh(addr, size);
@@ -531,23 +551,28 @@ impl<S: EngineStream, B: Backing> Expander<S, B> {
     /// The first granule of the lowest run of `count` unmapped granules in region `r`: a hole
     /// (granules unmapped by a trim) below its frontier, else the frontier, if the region has
     /// room.
-    fn room_for(table: &Table, bits: &Bits, r: usize, count: usize) -> Option<usize> {
+    fn room_for(&self, table: &Table, r: usize, count: usize) -> Option<usize> {
         let (region, frontier) = (table.region(r), table.frontiers[r]);
-        let mut i = region.start;
-        while i < frontier {
-            if bits.get(i) {
-                i += 1;
-                continue;
-            }
-            let start = i;
-            while i < frontier && !bits.get(i) && i - start < count {
-                i += 1;
-            }
-            if i - start == count {
-                return Some(start);
-            }
-        }
-        (frontier + count <= region.end).then_some(frontier)
+        (table.holes(&self.bits, r))
+            .find(|hole| hole.len() >= count)
+            .map(|hole| hole.start)
+            .or((frontier + count <= region.end).then_some(frontier))
+    }
+
+    /// [`map_locked`](Self::map_locked), its time counted as growth's
+    /// ([`growth_time`](Self::growth_time)).
+    fn map_timed(
+        &self,
+        table: &mut Table,
+        first: usize,
+        count: usize,
+        requested: u64,
+    ) -> Result<(u64, u64)> {
+        let started = std::time::Instant::now();
+        let mapped = self.map_locked(table, first, count, requested);
+        let nanos = started.elapsed().as_nanos().min(u128::from(u64::MAX)) as u64;
+        self.growth_nanos.fetch_add(nanos, Ordering::Relaxed);
+        mapped
     }
 
     /// Maps `first..first + count` under the table's lock, within the maximum.
@@ -603,24 +628,16 @@ impl<S: EngineStream, B: Backing> Expander<S, B> {
         let g = self.granule();
         let needed = |have: u64| (min.saturating_sub(have).div_ceil(g) as usize).max(1);
         let (region, frontier) = (table.region(r), table.frontiers[r]);
-        let mut i = region.start;
-        while i < frontier {
-            if self.bits.get(i) {
-                i += 1;
-                continue;
-            }
-            let start = i;
-            while i < frontier && !self.bits.get(i) {
-                i += 1;
-            }
-            let run = i - start;
-            let (left, right) = self.heap.free_around(r, self.addr(start), self.addr(i));
+        for hole in table.holes(&self.bits, r) {
+            let run = hole.len();
+            let (left, right) =
+                (self.heap).free_around(r, self.addr(hole.start), self.addr(hole.end));
             let count = needed(left);
             if count <= run {
-                return Some((start, count));
+                return Some((hole.start, count));
             }
             if left + run as u64 * g + right >= min {
-                return Some((start, run));
+                return Some((hole.start, run));
             }
         }
         let (left, _) = self.heap.free_around(r, self.addr(frontier), u64::MAX);
@@ -828,10 +845,7 @@ impl<S: EngineStream, B: Backing> Grow<S> for Expander<S, B> {
             // Handles of busy streams go after the table's lock.
             unused = busy;
         }
-        let started = std::time::Instant::now();
-        let grown = self.map_locked(&mut table, first, count, min);
-        let nanos = started.elapsed().as_nanos().min(u128::from(u64::MAX)) as u64;
-        self.growth_nanos.fetch_add(nanos, Ordering::Relaxed);
+        let grown = self.map_timed(&mut table, first, count, min);
         drop(table);
         drop(unused);
         self.put_back(back);
