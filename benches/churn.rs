@@ -9,7 +9,9 @@
 //! `--growth-divisor N` sets the pools' `PoolOptions::growth_divisor` (default 8);
 //! `--reuse-slack X` sets `PoolOptions::reuse_slack` (default 0); `--opportunistic off` turns
 //! `PoolOptions::opportunistic_reuse` off (every cross-stream reuse waits on the GPU);
-//! `--growth-cap X|none` sets `PoolOptions::growth_cap` (default 1.3);
+//! `--growth-cap X|none` sets `PoolOptions::growth_cap` (default 1.3); `--small-block-cache KIB`
+//! sets `PoolOptions::small_block_cache` and `ExpandableOptions::small_block_cache` (default
+//! 4096; 0 turns it off);
 //! `--superblock MIB` sets the arena's `ArenaOptions::superblock_size` (default 1 MiB, RMM's);
 //! `--map-unit MIB` sets the expandable pool's `ExpandableOptions::map_unit` (default: 4
 //! granules, 8 MiB on an H100 or H200); `--placement low|closest` its
@@ -198,7 +200,7 @@ fn arg(name: &str, default: &str) -> String {
 /// A pool's report column: peak reserved over peak live, and how it got there.
 fn pool_extra(s: &PoolStats, o: &Outcome) -> String {
     format!(
-        "{} MiB / {} MiB = {:.3} ({} grows, {} capped, {} stream waits, {} idle reuses, {} shard spills, {:.1} ms growing)",
+        "{} MiB / {} MiB = {:.3} ({} grows, {} capped, {} stream waits, {} idle reuses, {} shard spills, {} cache hits, {:.1} ms growing)",
         s.peak_reserved / MIB,
         o.peak_live / MIB as u64,
         s.peak_reserved as f64 / o.peak_live as f64,
@@ -207,6 +209,7 @@ fn pool_extra(s: &PoolStats, o: &Outcome) -> String {
         s.stream_waits,
         s.idle_reuses,
         s.shard_spills,
+        s.cache_hits,
         s.growth_time.as_secs_f64() * 1e3
     )
 }
@@ -222,6 +225,10 @@ fn main() {
     let map_unit: Option<usize> = arg("--map-unit", "default").parse().ok();
     let growth_cap: Option<f64> = arg("--growth-cap", "1.3").parse().ok();
     let superblock: Option<usize> = arg("--superblock", "default").parse().ok();
+    let small_block_cache: usize = arg("--small-block-cache", "4096")
+        .parse::<usize>()
+        .expect("--small-block-cache takes KiB")
+        << 10;
     let placement = match arg("--placement", "low").as_str() {
         "closest" => ExpandablePlacement::ClosestFit,
         _ => ExpandablePlacement::LowAddress,
@@ -307,6 +314,7 @@ fn main() {
                 reuse_slack,
                 opportunistic_reuse,
                 growth_cap,
+                small_block_cache,
             },
         )
         .unwrap()
@@ -330,6 +338,7 @@ fn main() {
                             maximum: Some(8 * GIB),
                             map_unit: map_unit.map(|mib| mib * MIB),
                             placement,
+                            small_block_cache: Some(small_block_cache),
                             ..ExpandableOptions::default()
                         },
                     )

@@ -602,6 +602,118 @@ fn coalesced_blocks_stay_ordered_behind_their_first_stream() {
     }
 }
 
+/// Small blocks of a few sizes, so that the small-block caches serve many requests: allocations
+/// and frees on three streams (a free on another stream than the allocation's after ordering
+/// it behind the first, as a hand-off does), in a pool small enough to grow and to give chunks
+/// back at its maximum; the invariant checker after every operation, every byte accounted for.
+#[test]
+fn random_small_blocks_through_the_cache_keep_the_invariants_at_every_step() {
+    for device in devices() {
+        let p = pool(&device, 0, 8 * MIB);
+        let streams: Vec<Stream> = (0..3).map(|_| device.create_stream().unwrap()).collect();
+        let mut rng = SplitMix64(5);
+        let mut live: Vec<(DevicePtr, usize, usize)> = Vec::new();
+        let mut live_bytes = 0;
+        for step in 0..6000 {
+            let r = rng.next();
+            // 256 bytes to 64 KiB in 8 sizes, and now and then a block too large to cache.
+            let size = if r.is_multiple_of(16) {
+                96 * 1024
+            } else {
+                256 << (rng.next() % 8)
+            };
+            if live.is_empty() || (!(r >> 8).is_multiple_of(3) && live_bytes + size <= 6 * MIB) {
+                let s = (rng.next() % 3) as usize;
+                let ptr = p.allocate(size, &streams[s]).unwrap();
+                live.push((ptr, size, s));
+                live_bytes += size;
+            } else {
+                let (ptr, size, s) = live.swap_remove((rng.next() % live.len() as u64) as usize);
+                let t = (rng.next() % 3) as usize;
+                if t != s {
+                    streams[t].wait(&streams[s].record().unwrap()).unwrap();
+                }
+                free(&p, ptr, size, &streams[t]);
+                live_bytes -= size;
+            }
+            p.check_invariants()
+                .unwrap_or_else(|e| panic!("{}: step {step}: {e}", label(&device)));
+        }
+        for (ptr, size, s) in live {
+            free(&p, ptr, size, &streams[s]);
+        }
+        check_pool(&p);
+        let stats = p.stats();
+        assert_eq!(
+            stats.free,
+            stats.reserved,
+            "{}: bytes lost: {stats:?}",
+            label(&device)
+        );
+        assert!(
+            stats.cache_hits > 100 && stats.stream_waits + stats.idle_reuses > 0,
+            "{}: the cache or the orderings went unused: {stats:?}",
+            label(&device)
+        );
+    }
+}
+
+/// The small-block cache (`PoolOptions::small_block_cache`): a small block freed on A is kept
+/// for A's next request of its size, and handed back to A at once (stream order). Another
+/// stream's request of that size must not get it from the cache: it gets it from the free
+/// blocks, after waiting for A's work. A's fill, queued behind a long spin, must land before
+/// B's, so B reads its own.
+#[test]
+fn cached_small_blocks_are_reused_at_once_only_on_their_stream() {
+    for device in devices() {
+        let words = 4 * 1024;
+        let bytes = words * 4;
+        let p = pool(&device, 2 * MIB, 2 * MIB);
+        let b = device.create_stream().unwrap();
+        let a = device.create_stream().unwrap();
+        // The same stream: the block comes back from the cache, with no wait.
+        let x = p.allocate(bytes, &a).unwrap();
+        free(&p, x, bytes, &a);
+        assert_eq!(p.allocate(bytes, &a).unwrap(), x, "{}", label(&device));
+        let stats = p.stats();
+        assert_eq!((stats.cache_hits, stats.stream_waits), (1, 0), "{stats:?}");
+        check_pool(&p);
+        // Another stream: A still uses the block when it frees it.
+        a.spin(Duration::from_millis(100)).unwrap();
+        // SAFETY: `bytes` live bytes at x, used on A, freed on A after.
+        unsafe { a.fill_u32(x, 0xAAAA_AAAA, words) }.unwrap();
+        free(&p, x, bytes, &a);
+        check_pool(&p);
+        let y = p.allocate(bytes, &b).unwrap();
+        check_pool(&p);
+        let stats = p.stats();
+        assert_eq!(
+            stats.cache_hits,
+            1,
+            "{}: served from A's cache: {stats:?}",
+            label(&device)
+        );
+        // SAFETY: B's block, used on B.
+        unsafe { b.fill_u32(y, 0xBBBB_BBBB, words) }.unwrap();
+        // The pool is otherwise empty: the block went back to the free blocks, coalesced
+        // with the rest of the chunk, and B's best fit starts where it did.
+        assert_eq!(y, x, "{}", label(&device));
+        let back = read_u32(&b, y, words);
+        assert!(
+            back.iter().all(|&w| w == 0xBBBB_BBBB),
+            "{}: A's fill landed after B's: the cached block was reused on B unordered",
+            label(&device)
+        );
+        free(&p, y, bytes, &b);
+        a.synchronize_blocking().unwrap();
+        b.synchronize_blocking().unwrap();
+        check_pool(&p);
+        // Every byte back, coalesced, once the caches are emptied (as `stats` does).
+        let stats = p.stats();
+        assert_eq!((stats.free, stats.free_blocks), (2 * MIB, 1), "{stats:?}");
+    }
+}
+
 #[test]
 fn trim_returns_wholly_free_chunks() {
     let rt = common::runtime();

@@ -95,6 +95,8 @@ fn make(kind: Kind, device: &Device, rng: &mut Rng) -> Setup {
                 opportunistic_reuse: rng.chance(50),
                 reuse_slack: [0.0, 0.5][rng.below(2) as usize],
                 growth_divisor: [1, 8][rng.below(2) as usize],
+                // The default cache, none, or one that fills at once.
+                small_block_cache: [4 * MIB, 0, 64 * 1024][rng.below(3) as usize],
                 ..PoolOptions::default()
             };
             let p = Arc::new(PoolResource::new(CudaResource::new(device), opts).unwrap());
@@ -124,6 +126,7 @@ fn make(kind: Kind, device: &Device, rng: &mut Rng) -> Setup {
                     ExpandablePlacement::LowAddress,
                     ExpandablePlacement::ClosestFit,
                 ][rng.below(2) as usize],
+                small_block_cache: [None, Some(0), Some(64 * 1024)][rng.below(3) as usize],
             };
             let p = Arc::new(ExpandablePoolResource::new(device, opts).unwrap());
             let p2 = p.clone();

@@ -27,6 +27,11 @@
 //! without a question (*quiet*); the host then has seen nothing more, so the check at each
 //! hand-out catches a stream wrongly taken as quiet.
 //!
+//! With the small-block cache on ([`with_cached_chunk`]), a free on a stream keeps its block
+//! aside for that stream's next request, and another stream's request sends it to the free
+//! blocks (and orders after its free) instead: `cached_reuse_vs_same_stream_reuse`, and its
+//! planted bug, a cache that serves any stream.
+//!
 //! Every request is one block. Not modelled here: trimming (`take_whole_chunks`, see
 //! `frees_and_regrowth`), and a failing `order_before` (its error path puts the block back).
 
@@ -49,6 +54,7 @@ const IDLE: &str = "idle freeing stream: no wait";
 const QUIET: &str = "quiet freeing stream (seen idle, nothing queued since): no question";
 const MOVING: &str = "statistics read with the reserved piece in use";
 const GROW: &str = "grow";
+const CACHED: &str = "a block reused from the small-block cache";
 const OUT_OF_MEMORY: &str = "out of memory";
 const ALL_BUT_GROW: [&str; 2] = [WAIT, OUT_OF_MEMORY];
 const ALL: [&str; 3] = [WAIT, GROW, OUT_OF_MEMORY];
@@ -301,6 +307,13 @@ fn with_chunk(blocks: u64) -> Engine {
     engine
 }
 
+/// [`with_chunk`] with a small-block cache (`blocks.rs`'s `Cache`) that holds every block.
+fn with_cached_chunk(blocks: u64) -> Engine {
+    let engine = with_chunk(blocks);
+    engine.set_cache(blocks * BLOCK);
+    engine
+}
+
 /// Allocates a block for `who` on `stream`: `None` if the engine is out of memory (the only
 /// error it may give here). The upstream cannot grow.
 fn alloc(engine: &Engine, stream: &FakeStream, who: &'static str, seen: &Seen) -> Option<u64> {
@@ -349,6 +362,7 @@ fn all_back(engine: &Engine, blocks: u64, gpu: &Book, seen: &Seen) {
     );
     assert!(book(gpu).held.is_empty());
     seen.note(WAIT, stats.waits > 0);
+    seen.note(CACHED, stats.cache_hits > 0);
     seen.note(IDLE, stats.idle_skips > 0);
     // Every question is answered idle in the models that allow idle answers: skips beyond
     // the questions were quiet streams, taken as idle with no question.

@@ -82,11 +82,19 @@ fn one_taker_two_takes(seen: &Shared<Seen>, idle: bool) {
 /// and allocates again on stream 0 (stream order serves it at once, if the block is still
 /// there); stream 1's thread allocates (waiting for stream 0, or out of memory). A second
 /// block stays held by the model until the end, so only one block is in play.
-fn reuse_vs_same_stream(seen: &Shared<Seen>) {
+///
+/// With `cached`, the engine has a small-block cache: the free keeps the block there, the
+/// owner's reuse takes it back from there, and the taker's request, finding it there first,
+/// must send it to the free blocks and order after stream 0 before it uses it.
+fn reuse_vs_same_stream(seen: &Shared<Seen>, cached: bool) {
     let s = streams(2);
     let (s0, s1) = (s[0].clone(), s[1].clone());
     let gpu = s0.inner.gpu.clone();
-    let engine = Arc::new(with_chunk(2));
+    let engine = Arc::new(if cached {
+        with_cached_chunk(2)
+    } else {
+        with_chunk(2)
+    });
     let a = alloc(&engine, &s0, "setup", seen).unwrap();
     let b = alloc(&engine, &s0, "kept", seen).unwrap();
 
@@ -171,7 +179,17 @@ fn a_free_after_an_idle_answer_is_ordered_again() {
 /// Bound 5: 2 threads.
 #[test]
 fn reuse_vs_same_stream_reuse() {
-    check_paths(Some(5), &ALL_BUT_GROW, reuse_vs_same_stream);
+    check_paths(Some(5), &ALL_BUT_GROW, |seen| {
+        reuse_vs_same_stream(seen, false)
+    });
+}
+
+/// Bound 5: 2 threads, the small-block cache on.
+#[test]
+fn cached_reuse_vs_same_stream_reuse() {
+    check_paths(Some(5), &[WAIT, CACHED, OUT_OF_MEMORY], |seen| {
+        reuse_vs_same_stream(seen, true)
+    });
 }
 
 /// Bound 5: 2 threads.
@@ -194,7 +212,23 @@ fn planted_reuse_unordered() {
         "a reuse not ordered behind the free",
         || {
             planted::UNORDERED.store(true, Relaxed);
-            check_paths(Some(5), &[], reuse_vs_same_stream);
+            check_paths(Some(5), &[], |seen| reuse_vs_same_stream(seen, false));
+        },
+    );
+}
+
+/// Bug: the small-block cache hands a block back to any stream's request of its size, not only
+/// to the stream that freed it: stream 1 reuses stream 0's block with no ordering.
+#[test]
+#[ignore = "planted bug: must fail"]
+fn planted_cache_serves_any_stream() {
+    must_fail(
+        module_path!(),
+        "planted_cache_serves_any_stream",
+        "a reuse not ordered behind the free",
+        || {
+            planted::CACHE_ANY_STREAM.store(true, Relaxed);
+            check_paths(Some(5), &[], |seen| reuse_vs_same_stream(seen, true));
         },
     );
 }
@@ -226,7 +260,7 @@ fn planted_busy_stream_taken_as_idle() {
         "a reuse not ordered behind the free",
         || {
             planted::BUSY_TAKEN_AS_IDLE.store(true, Relaxed);
-            check_paths(Some(5), &[], reuse_vs_same_stream);
+            check_paths(Some(5), &[], |seen| reuse_vs_same_stream(seen, false));
         },
     );
 }

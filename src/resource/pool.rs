@@ -76,6 +76,17 @@ pub struct PoolOptions {
     /// more growths of smaller chunks (`BENCHMARKS.md` has the figures for both). Values below
     /// 1 or not finite are taken as 1.
     pub growth_cap: Option<f64>,
+    /// Bytes of small blocks (at most 64 KiB) that each of the pool's 8 shards keeps aside
+    /// when they are freed, whole and uncoalesced, for the next request of the same size on
+    /// the same stream, which then takes the block back with no search, split or coalescing
+    /// (stream order covers the reuse: no event, no wait). Another stream's request of that
+    /// size sends such a block to the free blocks instead, where it coalesces and is reused
+    /// after an ordering as any other. The caches never make the pool grow or fail: a
+    /// request about to grow empties every cache first, and so do `trim`, a release at the
+    /// maximum, [`stats`](PoolResource::stats) and snapshots. The default, 4 MiB (32 MiB over
+    /// the shards at most): on `churn-1t` it serves 43% of the requests and takes a fifth off
+    /// the time per operation, for 0.01 more peak memory (`BENCHMARKS.md`). 0 turns it off.
+    pub small_block_cache: usize,
 }
 
 impl Default for PoolOptions {
@@ -87,6 +98,7 @@ impl Default for PoolOptions {
             reuse_slack: 0.0,
             opportunistic_reuse: true,
             growth_cap: Some(DEFAULT_GROWTH_CAP),
+            small_block_cache: DEFAULT_SMALL_BLOCK_CACHE,
         }
     }
 }
@@ -104,6 +116,9 @@ const MIN_GROWTH: u64 = 2 << 20;
 
 /// [`PoolOptions::growth_cap`]'s default.
 pub const DEFAULT_GROWTH_CAP: f64 = 1.3;
+
+/// [`PoolOptions::small_block_cache`]'s default: 4 MiB per shard.
+pub const DEFAULT_SMALL_BLOCK_CACHE: usize = 4 << 20;
 
 /// What a pool holds and has done.
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
@@ -148,6 +163,8 @@ pub struct PoolStats {
     /// peak under its own lock, and this is their sum, so exact for a pool one thread uses and
     /// an upper bound otherwise (the shards' peaks need not coincide).
     pub peak_in_use: usize,
+    /// Requests served from the small-block caches ([`PoolOptions::small_block_cache`]).
+    pub cache_hits: u64,
 }
 
 /// A coalescing suballocator over any upstream (RMM's `pool_memory_resource`), whose free
@@ -245,7 +262,8 @@ impl<U: MemoryResource> PoolResource<U> {
             device,
             upstream,
             heap: StreamHeap::with_options(options.reuse_slack, SHARDS)
-                .with_opportunistic(options.opportunistic_reuse),
+                .with_opportunistic(options.opportunistic_reuse)
+                .with_cache(options.small_block_cache as u64),
             chunks: Mutex::new(BTreeMap::new()),
             reserved: AtomicU64::new(0),
             peak_reserved: AtomicU64::new(0),
@@ -320,6 +338,7 @@ impl<U: MemoryResource> PoolResource<U> {
             idle_reuses: engine.idle_skips,
             in_use: engine.in_use as usize,
             peak_in_use: engine.peak_in_use as usize,
+            cache_hits: engine.cache_hits,
         }
     }
 

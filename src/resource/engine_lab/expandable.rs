@@ -111,6 +111,8 @@ fn run(streams: usize, hand_off: bool) -> String {
     let pool = Expander::with_regions(backing, 8 << 30, regions);
     // The pool's default placement; `LAB_PLACEMENT=closest` for the closest fit.
     (pool.heap).set_low_placement(std::env::var("LAB_PLACEMENT").as_deref() != Ok("closest"));
+    // LAB_CACHE_KIB: each shard's small-block cache (none unless set).
+    (pool.heap).set_cache(lab_env::<u64>("LAB_CACHE_KIB").unwrap_or(0) << 10);
     pool.map_initial(256 << 20).unwrap();
     // The pool made on this thread and used on another, as the churn benchmark does (each
     // run on threads of its own).

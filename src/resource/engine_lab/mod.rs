@@ -143,6 +143,8 @@ impl CountingUpstream {
             live_floor: Cell::new(0),
         };
         let lists = StreamHeap::with_options(slack, 8);
+        // LAB_CACHE_KIB: each shard's small-block cache (0, none, unless set).
+        lists.set_cache(lab_env::<u64>("LAB_CACHE_KIB").unwrap_or(0) << 10);
         // As the pool does: eight chunks, in the reserve.
         for _ in 0..8 {
             let (base, size) = up.grow(initial / 8, &LabStream::new(0)).unwrap();
@@ -572,11 +574,12 @@ fn time_churn(streams: usize, hand_off: bool) {
         let ns = start.elapsed().as_nanos() as f64 / 1e6;
         eprintln!(
             "engine, {name} from {initial} MiB, slack {slack}: {ns:.1} ns/op, peak reserved / \
-             live {:.3} ({} growths, {} orderings, {} queries)",
+             live {:.3} ({} growths, {} orderings, {} queries, {} cache hits)",
             up.peak.get().max(initial << 20) as f64 / churn.peak_live as f64,
             up.grows.get(),
             ORDERS.with(|c| c.get()),
-            QUERIES.with(|c| c.get())
+            QUERIES.with(|c| c.get()),
+            lists.stats().cache_hits
         );
     }
 }

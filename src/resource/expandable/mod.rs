@@ -71,6 +71,15 @@ pub struct ExpandableOptions {
     /// default) keeps memory low in each range, so that less of it is mapped, for a little
     /// more time per request than [`ClosestFit`](ExpandablePlacement::ClosestFit).
     pub placement: ExpandablePlacement,
+    /// Bytes of small blocks each shard keeps aside for their stream's next request of the
+    /// same size, as [`PoolOptions::small_block_cache`](super::PoolOptions::small_block_cache)
+    /// (which says how it works): `None` (the default) for the pool's default,
+    /// [`DEFAULT_SMALL_BLOCK_CACHE`](super::pool::DEFAULT_SMALL_BLOCK_CACHE), `Some(0)` for
+    /// none. A growth, a trim and a move of free memory between ranges empty the caches
+    /// first, so they never hold
+    /// a unit mapped; on `churn-1t` grown from 256 MiB peak mapped / peak live reads 1.130
+    /// with or without them (`engine_lab::expandable`).
+    pub small_block_cache: Option<usize>,
 }
 
 /// Which free block an [`ExpandablePoolResource`] cuts a request from ([`ExpandableOptions::placement`]).
@@ -208,6 +217,8 @@ impl ExpandablePoolResource {
         let (reservation, regions) = reserve_regions(device, reserve, granule)?;
         let core = Expander::with_regions(reservation, maximum as u64, regions);
         (core.heap).set_low_placement(options.placement == ExpandablePlacement::LowAddress);
+        let cache = (options.small_block_cache).unwrap_or(super::pool::DEFAULT_SMALL_BLOCK_CACHE);
+        (core.heap).set_cache(cache as u64);
         core.map_initial(options.initial as u64)?;
         let threshold = options.release_threshold.map_or(u64::MAX, |t| t as u64);
         let inner = StdArc::new_cyclic(|me| Inner {
@@ -261,6 +272,7 @@ impl ExpandablePoolResource {
             idle_reuses: engine.idle_skips,
             in_use: engine.in_use as usize,
             peak_in_use: engine.peak_in_use as usize,
+            cache_hits: engine.cache_hits,
         }
     }
 

@@ -28,6 +28,9 @@ use crate::resource::ALIGNMENT;
 enum State {
     Free,
     Used,
+    /// Freed, but kept aside whole in the small-block cache for its stream's next request of
+    /// its size (still in the map of blocks in use, not coalesced, not filed by size).
+    Cached,
     /// The slot holds no block (reusable).
     Spare,
 }
@@ -42,7 +45,13 @@ struct Block {
     before: u32,
     after: u32,
     state: State,
+    /// Who the block was handed out to, as the caller named it ([`NO_OWNER`]: no one said):
+    /// only its owner's free may keep it in the small-block cache. In the padding.
+    owner: u16,
 }
+
+/// The owner of a block no caller named ([`BlockTable::take_tagged`]).
+pub(crate) const NO_OWNER: u16 = u16::MAX;
 
 impl Block {
     fn end(&self) -> u64 {
@@ -68,6 +77,9 @@ impl Indexed for Block {
 /// The free block a [`BlockTable::free_untagged`] ended in: valid until the table changes.
 pub(crate) struct FreedBlock(u32);
 
+/// A block in use, found by [`BlockTable::used_slot`]: valid until the table changes.
+pub(crate) struct UsedBlock(u32);
+
 /// Every block of the engine's chunks (of one shard).
 pub(crate) struct BlockTable<T: BlockTag> {
     blocks: Vec<Block>,
@@ -87,6 +99,52 @@ pub(crate) struct BlockTable<T: BlockTag> {
     /// Placement: the lowest address among near fits ([`SizeIndex::find_low`]) instead of the
     /// closest fit ([`SizeIndex::find`]).
     low: bool,
+    /// The small-block cache (see [`Cache`]).
+    cache: Cache,
+}
+
+/// The largest block the small-block cache keeps: a request at most this large may be served
+/// from it.
+pub(crate) const CACHE_MAX: u64 = 64 << 10;
+/// Blocks the cache keeps of one size, at most.
+const CACHE_DEPTH: usize = 16;
+/// Size classes of the cache: one per multiple of [`ALIGNMENT`] up to [`CACHE_MAX`].
+const CACHE_CLASSES: usize = (CACHE_MAX / ALIGNMENT as u64) as usize;
+
+/// The small-block cache (issue 10's fast path): blocks of at most [`CACHE_MAX`] bytes freed
+/// whole, kept aside by exact size instead of coalesced and filed, for the next request of
+/// that size. Such a request takes the block back as it lies: no best-fit search, no split, no
+/// new slot, no change to the map of blocks in use; its free is one lookup. WORKLOADS.md's
+/// sizes repeat often at the small end (`churn-1t` has 2 sizes below 512 bytes and 256 below
+/// 64 KiB), so about 40% of its requests are served here.
+///
+/// A cached block keeps its tag (the stream it was freed on and its epoch then), and the table
+/// hands it back only to a caller that accepts the tag ([`take_cached`](BlockTable::take_cached):
+/// the engine accepts a block freed on the requester's own stream, which stream order covers);
+/// a block the caller does not accept goes to the free blocks, coalesced and tagged as any
+/// free, so the cache turns over. The cache holds at most `budget` bytes and
+/// [`CACHE_DEPTH`] blocks of a size; a free past either goes to the free blocks. Whatever would
+/// grow the pool, trim it or move memory empties the cache first ([`uncache_all`]
+/// (BlockTable::uncache_all)), so a cached block never costs a growth or strands memory.
+#[derive(Default)]
+struct Cache {
+    /// Per size class (`size / ALIGNMENT - 1`), the slots of the blocks it holds, last freed
+    /// last (the first `lens[class]`). Allocated when the cache is turned on.
+    lists: Box<[[u32; CACHE_DEPTH]]>,
+    lens: Box<[u8]>,
+    bytes: u64,
+    blocks: usize,
+    /// Bytes it may hold; 0: off.
+    budget: u64,
+    /// Requests it served.
+    hits: u64,
+}
+
+impl Cache {
+    /// The slots cached in `class`.
+    fn list(&self, class: usize) -> &[u32] {
+        &self.lists[class][..self.lens[class] as usize]
+    }
 }
 
 impl<T: BlockTag> fmt::Debug for BlockTable<T> {
@@ -118,7 +176,35 @@ impl<T: BlockTag> BlockTable<T> {
             free_bytes: 0,
             free_blocks: 0,
             low: false,
+            cache: Cache::default(),
         }
+    }
+
+    /// Turns the small-block cache on with room for `budget` bytes (0: off, emptying it).
+    pub(crate) fn set_cache(&mut self, budget: u64) {
+        if budget == 0 {
+            self.uncache_all();
+        } else if self.cache.lists.is_empty() {
+            self.cache.lists = vec![[NIL; CACHE_DEPTH]; CACHE_CLASSES].into_boxed_slice();
+            self.cache.lens = vec![0; CACHE_CLASSES].into_boxed_slice();
+        }
+        self.cache.budget = budget;
+    }
+
+    /// Whether a block of `size` bytes may be served from (or kept in) the small-block cache.
+    #[inline]
+    pub(crate) fn caches(&self, size: u64) -> bool {
+        size <= CACHE_MAX && self.cache.budget > 0
+    }
+
+    /// Blocks in the small-block cache now.
+    pub(crate) fn cached_blocks(&self) -> usize {
+        self.cache.blocks
+    }
+
+    /// Requests the small-block cache served so far.
+    pub(crate) fn cache_hits(&self) -> u64 {
+        self.cache.hits
     }
 
     /// Places blocks at the lowest address among the near fits ([`SizeIndex::find_low`]), not
@@ -138,14 +224,14 @@ impl<T: BlockTag> BlockTable<T> {
         }
     }
 
-    /// Free bytes.
+    /// Free bytes (the small-block cache's included).
     pub(crate) fn free_bytes(&self) -> u64 {
-        self.free_bytes
+        self.free_bytes + self.cache.bytes
     }
 
-    /// Free blocks.
+    /// Free blocks (the small-block cache's included).
     pub(crate) fn len(&self) -> usize {
-        self.free_blocks
+        self.free_blocks + self.cache.blocks
     }
 
     // ===== chunks =====
@@ -225,6 +311,7 @@ impl<T: BlockTag> BlockTable<T> {
             before,
             after,
             state,
+            owner: NO_OWNER,
         };
         let i = self.new_slot(block, tag);
         if before != NIL {
@@ -327,26 +414,35 @@ impl<T: BlockTag> BlockTable<T> {
 
     /// Hands out `size` bytes (a multiple of [`ALIGNMENT`], non-zero) from a fit within 3% of
     /// the best, with the tag of the block it came from; `None` if no block is large enough.
-    #[inline]
+    #[cfg(test)]
     pub(crate) fn take_tagged(&mut self, size: u64) -> Option<(u64, T)> {
+        self.take_tagged_by(size, NO_OWNER)
+    }
+
+    /// [`take_tagged`](Self::take_tagged) for `owner`, whose free of the block may keep it in
+    /// the small-block cache ([`cache_or_free`](Self::cache_or_free)).
+    #[inline]
+    pub(crate) fn take_tagged_by(&mut self, size: u64, owner: u16) -> Option<(u64, T)> {
         debug_assert!(size > 0 && size.is_multiple_of(ALIGNMENT as u64));
         let i = self.find(size)?;
-        Some(self.take_from(i, size))
+        Some(self.take_from(i, size, owner))
     }
 
     /// [`take_tagged`](Self::take_tagged), preferring a block whose tag `prefer` accepts: if
     /// the block it would take is not one, the first such block at most `slack` (a fraction)
-    /// larger, among a few of each size class up to that size, is taken instead.
+    /// larger, among a few of each size class up to that size, is taken instead. For `owner`,
+    /// as [`take_tagged_by`](Self::take_tagged_by).
     pub(crate) fn take_preferring(
         &mut self,
         size: u64,
         slack: f64,
         prefer: impl Fn(&T) -> bool,
+        owner: u16,
     ) -> Option<(u64, T)> {
         debug_assert!(size > 0 && size.is_multiple_of(ALIGNMENT as u64));
         let i = self.find(size)?;
         if slack <= 0.0 || prefer(&self.tags[i as usize]) {
-            return Some(self.take_from(i, size));
+            return Some(self.take_from(i, size, owner));
         }
         let limit = ((self.blocks[i as usize].size as f64) * (1.0 + slack)) as u64;
         let j = (self.index)
@@ -354,13 +450,13 @@ impl<T: BlockTag> BlockTable<T> {
                 prefer(&self.tags[j as usize])
             })
             .unwrap_or(i);
-        Some(self.take_from(j, size))
+        Some(self.take_from(j, size, owner))
     }
 
     /// Hands out the first `size` bytes of free block `i`: a new block in use before what
-    /// stays free (which keeps the slot and the tag).
+    /// stays free (which keeps the slot and the tag), for `owner`.
     #[inline]
-    fn take_from(&mut self, i: u32, size: u64) -> (u64, T) {
+    fn take_from(&mut self, i: u32, size: u64, owner: u16) -> (u64, T) {
         self.unfile(i);
         let (addr, have, before) = {
             let b = &self.blocks[i as usize];
@@ -378,6 +474,7 @@ impl<T: BlockTag> BlockTable<T> {
             self.blocks[i as usize].state = State::Used;
             (i, std::mem::take(&mut self.tags[i as usize]))
         };
+        self.blocks[used as usize].owner = owner;
         self.used.insert(addr, used);
         (addr, tag)
     }
@@ -401,9 +498,126 @@ impl<T: BlockTag> BlockTable<T> {
     #[inline]
     pub(crate) fn free_untagged(&mut self, addr: u64, size: u64) -> Option<FreedBlock> {
         let blocks = &self.blocks;
-        let i = (self.used).remove_if(addr, |i| blocks[i as usize].size == size)?;
+        let i = (self.used).remove_if(addr, |i| {
+            let b = &blocks[i as usize];
+            b.size == size && b.state == State::Used
+        })?;
         self.blocks[i as usize].state = State::Free;
         Some(FreedBlock(self.coalesce_and_file(i)))
+    }
+
+    // ===== the small-block cache =====
+
+    /// The slot of the block in use at `addr`, if it is exactly `size` bytes (a free's check,
+    /// before [`cache_or_free`](Self::cache_or_free)).
+    #[inline]
+    pub(crate) fn used_slot(&self, addr: u64, size: u64) -> Option<UsedBlock> {
+        let i = self.used.get(addr)?;
+        let b = &self.blocks[i as usize];
+        (b.size == size && b.state == State::Used).then_some(UsedBlock(i))
+    }
+
+    /// Frees block `used` with `tag`, by `owner`: into the small-block cache if `owner` is the
+    /// block's (a block freed by another than its taker, as a hand-off between streams does,
+    /// would wait there for a request of its freer that may never come) and the cache has
+    /// room (see [`caches`](Self::caches)); else to the free blocks, coalesced.
+    #[inline]
+    pub(crate) fn cache_or_free(&mut self, used: UsedBlock, tag: T, owner: u16) {
+        let i = used.0;
+        let Block {
+            size, owner: taker, ..
+        } = self.blocks[i as usize];
+        let class = (size / ALIGNMENT as u64 - 1) as usize;
+        if owner != NO_OWNER
+            && owner == taker
+            && self.cache.bytes + size <= self.cache.budget
+            && class < self.cache.lens.len()
+        {
+            let len = self.cache.lens[class] as usize;
+            if len < CACHE_DEPTH {
+                self.cache.lists[class][len] = i;
+                self.cache.lens[class] += 1;
+                self.cache.bytes += size;
+                self.cache.blocks += 1;
+                self.blocks[i as usize].state = State::Cached;
+                self.tags[i as usize] = tag;
+                return;
+            }
+        }
+        self.release_used(i, tag);
+    }
+
+    /// Block `i` (in use or cached) out of the map of blocks in use and into the free blocks
+    /// with `tag`, coalesced.
+    fn release_used(&mut self, i: u32, tag: T) {
+        let addr = self.blocks[i as usize].addr;
+        let removed = self.used.remove_if(addr, |_| true);
+        debug_assert_eq!(removed, Some(i));
+        self.blocks[i as usize].state = State::Free;
+        self.tags[i as usize] = tag;
+        self.coalesce_and_file(i);
+    }
+
+    /// The block of exactly `size` bytes freed last into the small-block cache among those
+    /// whose tag `accept` takes, handed out again to `owner`; `None` if the cache has none of
+    /// that size,
+    /// or none it accepts, in which case the last one freed goes to the free blocks (so that
+    /// the caller's search finds it there, and the cache turns over).
+    #[inline]
+    pub(crate) fn take_cached(
+        &mut self,
+        size: u64,
+        accept: impl Fn(&T) -> bool,
+        owner: u16,
+    ) -> Option<u64> {
+        debug_assert!(size > 0 && size.is_multiple_of(ALIGNMENT as u64));
+        let class = (size / ALIGNMENT as u64 - 1) as usize;
+        let len = *self.cache.lens.get(class)? as usize;
+        if len == 0 {
+            return None;
+        }
+        let list = &mut self.cache.lists[class];
+        let found = (0..len)
+            .rev()
+            .find(|&k| accept(&self.tags[list[k] as usize]));
+        self.cache.lens[class] -= 1;
+        self.cache.bytes -= size;
+        self.cache.blocks -= 1;
+        let Some(k) = found else {
+            // None it accepts (blocks freed on other streams): the last freed goes to the free
+            // blocks, so that a stream that frees what others allocate cannot fill the cache.
+            let i = list[len - 1];
+            let tag = std::mem::take(&mut self.tags[i as usize]);
+            self.release_used(i, tag);
+            return None;
+        };
+        let i = list[k];
+        // The order of the rest does not matter much: the last freed takes the hole.
+        list[k] = list[len - 1];
+        self.cache.hits += 1;
+        self.tags[i as usize] = T::default();
+        let b = &mut self.blocks[i as usize];
+        b.state = State::Used;
+        b.owner = owner;
+        Some(b.addr)
+    }
+
+    /// Empties the small-block cache into the free blocks (before a growth, a trim, a move of
+    /// memory, a snapshot): each block coalesced with its neighbours, with its tag.
+    pub(crate) fn uncache_all(&mut self) {
+        if self.cache.blocks == 0 {
+            return;
+        }
+        for class in 0..self.cache.lens.len() {
+            let len = std::mem::take(&mut self.cache.lens[class]) as usize;
+            for k in 0..len {
+                let i = self.cache.lists[class][k];
+                let tag = std::mem::take(&mut self.tags[i as usize]);
+                self.release_used(i, tag);
+            }
+        }
+        self.cache.bytes = 0;
+        self.cache.blocks = 0;
     }
 
     /// Joins `tag` into the tag of the free block `freed` (from
@@ -468,6 +682,7 @@ impl<T: BlockTag> BlockTable<T> {
     /// chunk, for trimming), leaving a hole: its tag. Looked for among the free blocks of its
     /// size class, not every slot: the pool at its maximum asks this of every chunk it holds.
     pub(crate) fn take_exact_tagged(&mut self, addr: u64, size: u64) -> Option<T> {
+        self.uncache_all();
         let blocks = &self.blocks;
         let i = self
             .index
@@ -478,6 +693,7 @@ impl<T: BlockTag> BlockTable<T> {
     /// Takes the `granule`-aligned part out of every free block, leaving holes, for unmapping:
     /// `(start, size, the block's tag)`. The unaligned ends stay free.
     pub(crate) fn take_aligned(&mut self, granule: u64) -> Vec<(u64, u64, T)> {
+        self.uncache_all();
         let free: Vec<u32> = self
             .slots()
             .filter(|&i| self.blocks[i as usize].state == State::Free)
@@ -527,16 +743,19 @@ impl<T: BlockTag> BlockTable<T> {
         self.tagged_blocks().map(|(a, s, _)| (a, s))
     }
 
-    /// Every free block with its tag.
+    /// Every free block with its tag (those of the small-block cache included).
     pub(crate) fn tagged_blocks(&self) -> impl Iterator<Item = (u64, u64, &T)> + '_ {
         (self.blocks.iter().zip(&self.tags))
-            .filter(|(b, _)| b.state == State::Free)
+            .filter(|(b, _)| matches!(b.state, State::Free | State::Cached))
             .map(|(b, tag)| (b.addr, b.size, tag))
     }
 
-    /// Every block in use `(addr, size)`.
+    /// Every block in use `(addr, size)` (not those of the small-block cache).
     pub(crate) fn used_blocks(&self) -> impl Iterator<Item = (u64, u64)> + '_ {
-        (self.used.iter()).map(|(a, i)| (a, self.blocks[i as usize].size))
+        (self.used.iter())
+            .map(|(_, i)| &self.blocks[i as usize])
+            .filter(|b| b.state == State::Used)
+            .map(|b| (b.addr, b.size))
     }
 
     /// Bytes in use.
@@ -544,10 +763,10 @@ impl<T: BlockTag> BlockTable<T> {
         self.used_blocks().map(|b| b.1).sum()
     }
 
-    /// Runs `f` on every free block's tag.
+    /// Runs `f` on every free block's tag (those of the small-block cache included).
     pub(crate) fn for_each_tag(&mut self, mut f: impl FnMut(&mut T)) {
         for (b, tag) in self.blocks.iter().zip(&mut self.tags) {
-            if b.state == State::Free {
+            if matches!(b.state, State::Free | State::Cached) {
                 f(tag);
             }
         }
@@ -603,7 +822,8 @@ impl<T: BlockTag> BlockTable<T> {
                     "block {i}: empty, misaligned or outside a chunk ({b:?})"
                 ));
             }
-            if (b.state == State::Used) != (self.used.get(b.addr) == Some(i)) {
+            if matches!(b.state, State::Used | State::Cached) != (self.used.get(b.addr) == Some(i))
+            {
                 return Err(format!(
                     "block {i}: the map of blocks in use disagrees ({b:?})"
                 ));
@@ -628,6 +848,7 @@ impl<T: BlockTag> BlockTable<T> {
                 }
             }
         }
+        self.check_cache()?;
         if spare != self.spare.len()
             || self.used.len() + self.free_blocks + spare != self.blocks.len()
         {
@@ -669,6 +890,47 @@ impl<T: BlockTag> BlockTable<T> {
                     "blocks {i} and {j} linked across a gap or a chunk start"
                 ));
             }
+        }
+        Ok(())
+    }
+
+    /// The small-block cache's part of [`check`](Self::check): every block it lists is cached,
+    /// once, in its size's list, and the counts agree.
+    fn check_cache(&self) -> Result<(), String> {
+        let (mut bytes, mut blocks) = (0, 0);
+        let mut seen = vec![false; self.blocks.len()];
+        for class in 0..self.cache.lens.len() {
+            if self.cache.lens[class] as usize > CACHE_DEPTH {
+                return Err(format!(
+                    "cache class {class} holds {} blocks",
+                    self.cache.lens[class]
+                ));
+            }
+            for &i in self.cache.list(class) {
+                let b = &self.blocks[i as usize];
+                if b.state != State::Cached
+                    || (b.size / ALIGNMENT as u64 - 1) as usize != class
+                    || std::mem::replace(&mut seen[i as usize], true)
+                {
+                    return Err(format!("cache class {class}: block {i} misfiled ({b:?})"));
+                }
+                bytes += b.size;
+                blocks += 1;
+            }
+        }
+        let cached = self
+            .blocks
+            .iter()
+            .filter(|b| b.state == State::Cached)
+            .count();
+        if bytes != self.cache.bytes || blocks != self.cache.blocks || cached != blocks {
+            return Err(format!(
+                "the cache lists {blocks} blocks of {bytes} bytes, counted {} of {}, {cached} cached",
+                self.cache.blocks, self.cache.bytes
+            ));
+        }
+        if bytes > self.cache.budget {
+            return Err(format!("the cache holds {bytes} bytes over its budget"));
         }
         Ok(())
     }

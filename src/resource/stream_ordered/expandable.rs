@@ -19,7 +19,9 @@ impl<S: EngineStream> StreamHeap<S> {
     /// The sizes of the free blocks of `shard` that end at `start` and that start at `end` (0
     /// where there is none): what memory mapped at `[start, end)` would coalesce with.
     pub(crate) fn free_around(&self, shard: usize, start: u64, end: u64) -> (u64, u64) {
-        let heap = self.shards[shard & (self.shards.len() - 1)].lock();
+        let mut heap = self.shards[shard & (self.shards.len() - 1)].lock();
+        // Cached blocks are free memory that a mapping next to them should coalesce with.
+        heap.free.uncache_all();
         (
             heap.free.free_ending_at(start),
             heap.free.free_starting_at(end),

@@ -75,10 +75,10 @@ mod stream;
 mod view;
 mod waits;
 
-use blocks::BlockTable;
 /// The block table, for `engine_lab`'s floor.
 #[cfg(test)]
 pub(crate) use blocks::BlockTable as BlockTableForLab;
+use blocks::{BlockTable, NO_OWNER};
 use chunks::ChunkTable;
 pub(crate) use view::ListBlocks;
 pub(crate) use waits::Waits;
@@ -260,6 +260,17 @@ impl<S: EngineStream> Heap<S> {
         Waits::one(slot, self.entry(slot).map_or(0, |e| e.epoch))
     }
 
+    /// The small-block cache's block of exactly `size` bytes, if it was freed on `stream`
+    /// (whose order covers its reuse: no ordering, no tag to look at further).
+    #[inline]
+    fn take_cached(&mut self, size: u64, stream: &S) -> Option<u64> {
+        let slot = self.slot(stream);
+        let accept = |tag: &Waits| tag.is_only(slot) || planted::cache_any_stream();
+        let addr = self.free.take_cached(size, accept, owner(slot))?;
+        self.count_out(size);
+        Some(addr)
+    }
+
     #[inline]
     fn count_out(&mut self, size: u64) {
         self.in_use += size;
@@ -354,6 +365,8 @@ pub(crate) struct EngineStats {
     pub(crate) idle_skips: u64,
     pub(crate) in_use: u64,
     pub(crate) peak_in_use: u64,
+    /// Requests served by the small-block caches.
+    pub(crate) cache_hits: u64,
 }
 
 impl<S: EngineStream> StreamHeap<S> {
@@ -404,6 +417,31 @@ impl<S: EngineStream> StreamHeap<S> {
         for shard in self.shards.iter() {
             shard.lock().free.place_low(on);
         }
+    }
+
+    /// Gives each shard a small-block cache of `budget` bytes (0: none, the default): see
+    /// `blocks.rs`'s `Cache`.
+    pub(crate) fn set_cache(&self, budget: u64) {
+        for shard in self.shards.iter() {
+            shard.lock().free.set_cache(budget);
+        }
+    }
+
+    /// [`set_cache`](Self::set_cache), as a builder.
+    pub(crate) fn with_cache(self, budget: u64) -> Self {
+        self.set_cache(budget);
+        self
+    }
+
+    /// Empties every shard's small-block cache into its free blocks: whether any held a block.
+    pub(crate) fn uncache_everywhere(&self) -> bool {
+        let mut any = false;
+        for shard in self.shards.iter() {
+            let mut heap = shard.lock();
+            any |= heap.free.cached_blocks() > 0;
+            heap.free.uncache_all();
+        }
+        any
     }
 
     /// Whether orderings first ask the freeing stream whether it is idle (on by default).
@@ -478,10 +516,30 @@ impl<S: EngineStream> StreamHeap<S> {
     /// refused.
     #[inline]
     pub(crate) fn give(&self, addr: u64, size: u64, stream: &S) -> bool {
-        let Some(shard) = self.shard_of(addr, size) else {
+        let Some(index) = self.table.shard_of(addr, size) else {
             return false;
         };
-        let mut heap = shard.lock();
+        let mut heap = self.shards[index as usize].lock();
+        if heap.free.caches(size) {
+            // Checked first: a refused free registers no stream.
+            let Some(used) = heap.free.used_slot(addr, size) else {
+                return false;
+            };
+            let slot = heap.slot(stream);
+            let tag = heap.freed_on(slot);
+            // Kept only in the freeing thread's own shard, the one its requests look in: a
+            // block another thread spilled into this shard would wait in its cache for a
+            // request that never looks there (four threads grown from 256 MiB grew half again
+            // as often with it).
+            let owner = if index as usize == self.home() {
+                owner(slot)
+            } else {
+                NO_OWNER
+            };
+            heap.free.cache_or_free(used, tag, owner);
+            heap.in_use -= size;
+            return true;
+        }
         // Checked first: a refused free registers no stream.
         let Some(freed) = heap.free.free_untagged(addr, size) else {
             return false;
@@ -497,7 +555,14 @@ impl<S: EngineStream> StreamHeap<S> {
     /// another, ordered after the streams that freed it; else a growth.
     #[inline]
     pub(crate) fn take(&self, size: u64, stream: &S, upstream: &impl Grow<S>) -> Result<u64> {
-        match self.take_any(size, stream, false, upstream)? {
+        let home = self.home();
+        let mut heap = self.shards[home].lock();
+        if heap.free.caches(size) {
+            if let Some(addr) = heap.take_cached(size, stream) {
+                return Ok(addr);
+            }
+        }
+        match self.take_any_from(home, heap, size, stream, false, upstream)? {
             Some(addr) => Ok(addr),
             None => self.take_slow(size, stream, upstream),
         }
@@ -515,7 +580,22 @@ impl<S: EngineStream> StreamHeap<S> {
         upstream: &impl Grow<S>,
     ) -> Result<Option<u64>> {
         let home = self.home();
-        if let Some(addr) = self.take_free(&self.shards[home], None, size, stream)? {
+        let heap = self.shards[home].lock();
+        self.take_any_from(home, heap, size, stream, every_shard, upstream)
+    }
+
+    /// [`take_any`](Self::take_any) with the home shard's lock held (`heap`).
+    #[inline]
+    fn take_any_from(
+        &self,
+        home: usize,
+        heap: MutexGuard<'_, Heap<S>>,
+        size: u64,
+        stream: &S,
+        every_shard: bool,
+        upstream: &impl Grow<S>,
+    ) -> Result<Option<u64>> {
+        if let Some(addr) = self.take_locked(&self.shards[home], heap, size, stream)? {
             return Ok(Some(addr));
         }
         if self
@@ -686,13 +766,11 @@ impl<S: EngineStream> StreamHeap<S> {
         size: u64,
         stream: &S,
     ) -> Result<Option<u64>> {
-        let taken = if self.slack > 0.0 {
-            let slot = heap.slot(stream);
-            let Heap { free, entries, .. } = &mut *heap;
-            free.take_preferring(size, self.slack, |tag| covered(entries, slot, tag))
-        } else {
-            heap.free.take_tagged(size)
-        };
+        let slot = heap.slot(stream);
+        let mut taken = self.search(&mut heap, size, slot);
+        if taken.is_none() && heap.free.cached_blocks() > 0 {
+            taken = self.search_uncached(&mut heap, size, slot);
+        }
         let Some((addr, tag)) = taken else {
             return Ok(None);
         };
@@ -700,7 +778,6 @@ impl<S: EngineStream> StreamHeap<S> {
         if tag.is_empty() || heap.only(&tag, stream.uid()) {
             return Ok(Some(addr));
         }
-        let slot = heap.slot(stream);
         let orders = self.orders_for(&mut heap, slot, &tag);
         if orders.is_empty() {
             return Ok(Some(addr));
@@ -721,6 +798,32 @@ impl<S: EngineStream> StreamHeap<S> {
                 Err(e)
             }
         }
+    }
+
+    /// The free block `heap`'s table gives `size` bytes from for the stream in `slot`, by the
+    /// engine's placement, and its tag.
+    #[inline(always)]
+    fn search(&self, heap: &mut Heap<S>, size: u64, slot: u32) -> Option<(u64, Waits)> {
+        if self.slack > 0.0 {
+            let Heap { free, entries, .. } = heap;
+            free.take_preferring(
+                size,
+                self.slack,
+                |tag| covered(entries, slot, tag),
+                owner(slot),
+            )
+        } else {
+            heap.free.take_tagged_by(size, owner(slot))
+        }
+    }
+
+    /// [`search`](Self::search) once nothing fits among the free blocks: the shard's
+    /// small-block cache goes back to them, coalesced, before the request looks at other
+    /// shards or grows the pool.
+    #[cold]
+    fn search_uncached(&self, heap: &mut Heap<S>, size: u64, slot: u32) -> Option<(u64, Waits)> {
+        heap.free.uncache_all();
+        self.search(heap, size, slot)
     }
 
     /// Growth: one request at a time, into the stream's home shard.
@@ -758,6 +861,13 @@ impl<S: EngineStream> StreamHeap<S> {
                 || self.reserve_moves.load(Ordering::Acquire) == moved
             {
                 break;
+            }
+        }
+        // The small-block caches hold free memory that no search sees: back to the free
+        // blocks, coalesced, before the pool grows for want of it.
+        if self.uncache_everywhere() {
+            if let Some(addr) = self.take_any(size, stream, true, upstream)? {
+                return Ok(addr);
             }
         }
         let home = self.home();
@@ -812,6 +922,13 @@ fn thread_index() -> usize {
         }
         mine.get()
     })
+}
+
+/// The block table's owner for the stream in `slot`: its slot, where it fits ([`NO_OWNER`]
+/// past 65,534 streams, whose blocks then skip the small-block cache).
+#[inline]
+fn owner(slot: u32) -> u16 {
+    u16::try_from(slot).unwrap_or(NO_OWNER)
 }
 
 /// Whether the stream in `slot` may use a block tagged `tag` without an ordering.

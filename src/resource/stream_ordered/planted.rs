@@ -60,6 +60,11 @@ pub(crate) static ONTO_FIRST_ONLY: AtomicBool = AtomicBool::new(false);
 #[cfg(streamalloc_loom)]
 pub(crate) static CLAIM_RELOCKS: AtomicBool = AtomicBool::new(false);
 
+/// The small-block cache hands a block back to any stream, not only the one that freed it:
+/// another stream reuses it with no ordering after its last use.
+#[cfg(streamalloc_loom)]
+pub(crate) static CACHE_ANY_STREAM: AtomicBool = AtomicBool::new(false);
+
 macro_rules! switch {
     ($name:ident, $flag:ident) => {
         #[cfg(streamalloc_loom)]
@@ -87,6 +92,7 @@ switch!(quiet_ignores_activity, QUIET_IGNORES_ACTIVITY);
 switch!(relocated_busy, RELOCATED_BUSY);
 switch!(reserve_moves_ignored, RESERVE_MOVES_IGNORED);
 switch!(onto_first_only, ONTO_FIRST_ONLY);
+switch!(cache_any_stream, CACHE_ANY_STREAM);
 
 /// [`CLAIM_RELOCKS`] (for `resource/expandable/core.rs`, outside this module).
 #[cfg(streamalloc_loom)]

@@ -25,7 +25,8 @@ impl<S: EngineStream> StreamHeap<S> {
     }
 
     /// Sums over the shards. The peak in use is each shard's peak summed: exact with one
-    /// shard, an upper bound with several (their peaks need not coincide).
+    /// shard, an upper bound with several (their peaks need not coincide). Empties the
+    /// small-block caches first, so that the free blocks counted are coalesced ones.
     pub(crate) fn stats(&self) -> EngineStats {
         let mut stats = EngineStats {
             waits: self.waits.load(Ordering::Relaxed),
@@ -42,12 +43,15 @@ impl<S: EngineStream> StreamHeap<S> {
         }
         let mut uids: Vec<u64> = Vec::new();
         for shard in self.shards.iter() {
-            let heap = shard.lock();
+            let mut heap = shard.lock();
+            // Free blocks as documented: coalesced (the small-block cache's are not).
+            heap.free.uncache_all();
             uids.extend(heap.slots.keys().copied());
             stats.free_bytes += heap.free.free_bytes();
             stats.free_blocks += heap.free.len();
             stats.in_use += heap.in_use;
             stats.peak_in_use += heap.peak_in_use;
+            stats.cache_hits += heap.free.cache_hits();
         }
         drop(reserve);
         uids.sort_unstable();
@@ -127,12 +131,14 @@ impl<S: EngineStream> StreamHeap<S> {
     }
 
     /// Every free block, grouped by the first stream its tag names (`None`: no ordering
-    /// needed; a block freed on several streams shows under one of them).
+    /// needed; a block freed on several streams shows under one of them), the small-block
+    /// caches emptied first.
     pub(crate) fn free_blocks_by_list(&self) -> Vec<ListBlocks> {
         let mut by: FxHashMap<Option<u64>, Vec<(u64, u64)>> = FxHashMap::default();
         by.insert(None, self.reserve.lock().clone());
         for shard in self.shards.iter() {
-            let heap = shard.lock();
+            let mut heap = shard.lock();
+            heap.free.uncache_all();
             for (addr, size, tag) in heap.free.tagged_blocks() {
                 let uid = tag.first().and_then(|slot| heap.entry(slot)).map(|e| e.uid);
                 by.entry(uid).or_default().push((addr, size));

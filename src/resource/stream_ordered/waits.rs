@@ -45,6 +45,12 @@ impl Waits {
         self.len == 0 && !self.every
     }
 
+    /// Names the stream in `slot` and no other.
+    #[inline]
+    pub(crate) fn is_only(&self, slot: u32) -> bool {
+        self.len == 1 && !self.every && self.at[0].0 == slot
+    }
+
     /// Stands for every stream (more than [`CAP`] were joined).
     pub(crate) fn every(&self) -> bool {
         self.every

@@ -225,3 +225,244 @@ fn the_checker_sees_a_block_in_use_listed_spare() {
     t.spare.push(t.used.get(b).unwrap());
     assert!(t.check().is_err());
 }
+
+/// A table of one chunk of `units` with a small-block cache of `budget` units.
+fn cached_table(start: u64, units: u64, budget: u64) -> BlockTable<Bits> {
+    let mut t = table(start, units);
+    t.set_cache(budget * U);
+    t.check().unwrap();
+    t
+}
+
+/// The owner the cache tests take and free blocks as.
+const OWNER: u16 = 1;
+
+/// A take by [`OWNER`].
+fn take(t: &mut BlockTable<Bits>, size: u64) -> Option<(u64, Bits)> {
+    t.take_tagged_by(size, OWNER)
+}
+
+/// Frees `addr` of `size` with `tag` by `owner`, as the engine does when the cache may keep it.
+fn free_by(t: &mut BlockTable<Bits>, addr: u64, size: u64, tag: Bits, owner: u16) -> bool {
+    match t.used_slot(addr, size) {
+        Some(used) => {
+            t.cache_or_free(used, tag, owner);
+            true
+        }
+        None => false,
+    }
+}
+
+/// [`free_by`] the block's owner.
+fn cache_free(t: &mut BlockTable<Bits>, addr: u64, size: u64, tag: Bits) -> bool {
+    free_by(t, addr, size, tag, OWNER)
+}
+
+#[test]
+fn the_cache_serves_the_tag_it_accepts_and_frees_the_others() {
+    let mut t = cached_table(0x10000, 64, 16);
+    let a = take(&mut t, 4 * U).unwrap().0;
+    let b = take(&mut t, 4 * U).unwrap().0;
+    assert!(cache_free(&mut t, a, 4 * U, Bits(1)));
+    t.check().unwrap();
+    // Cached memory counts as free, but is not among the size index's blocks.
+    assert_eq!((t.len(), t.free_bytes(), t.cached_blocks()), (2, 60 * U, 1));
+    assert_eq!(t.used_bytes(), 4 * U);
+    assert_eq!(
+        t.fit(4 * U),
+        Some(56 * U),
+        "the search does not see the cached block"
+    );
+    // The same size, a tag it accepts: the same block back, with no split.
+    assert_eq!(t.take_cached(4 * U, |g| *g == Bits(1), OWNER), Some(a));
+    assert_eq!((t.cache_hits(), t.used_bytes()), (1, 8 * U));
+    t.check().unwrap();
+    // Another size finds nothing cached.
+    assert!(cache_free(&mut t, a, 4 * U, Bits(2)));
+    assert_eq!(t.take_cached(8 * U, |_| true, OWNER), None);
+    // A tag it does not accept: the block goes to the free blocks, coalesced, with its tag.
+    assert_eq!(t.take_cached(4 * U, |g| *g == Bits(1), OWNER), None);
+    assert_eq!((t.cached_blocks(), t.cache_hits()), (0, 1));
+    t.check().unwrap();
+    let mut free: Vec<_> = t.tagged_blocks().map(|(a, s, g)| (a, s, *g)).collect();
+    free.sort_unstable_by_key(|f| f.0);
+    assert_eq!(
+        free,
+        vec![(a, 4 * U, Bits(2)), (b + 4 * U, 56 * U, Bits(0))]
+    );
+    assert!(t.free(b, 4 * U, Bits(4)));
+    let free: Vec<_> = t.tagged_blocks().map(|(a, s, g)| (a, s, *g)).collect();
+    assert_eq!(free, vec![(0x10000, 64 * U, Bits(6))]);
+    t.check().unwrap();
+}
+
+#[test]
+fn a_cached_block_refuses_a_second_free() {
+    let mut t = cached_table(0x10000, 64, 16);
+    let a = take(&mut t, 4 * U).unwrap().0;
+    assert!(cache_free(&mut t, a, 4 * U, Bits(1)));
+    assert!(
+        !cache_free(&mut t, a, 4 * U, Bits(1)),
+        "second free, cached"
+    );
+    assert!(
+        !t.free(a, 4 * U, Bits(1)),
+        "second free, through the free blocks"
+    );
+    assert!(!cache_free(&mut t, a + U, 3 * U, Bits(1)), "inside it");
+    t.check().unwrap();
+    assert_eq!(t.cached_blocks(), 1);
+}
+
+#[test]
+fn the_cache_keeps_to_its_budget_and_depth() {
+    // Budget 10 units: two blocks of 4, then the third goes to the free blocks.
+    let mut t = cached_table(0x10000, 256, 10);
+    let blocks: Vec<u64> = (0..3).map(|_| take(&mut t, 4 * U).unwrap().0).collect();
+    for &a in &blocks {
+        assert!(cache_free(&mut t, a, 4 * U, Bits(1)));
+        t.check().unwrap();
+    }
+    assert_eq!(t.cached_blocks(), 2);
+    // Depth: at most CACHE_DEPTH blocks of one size, whatever the budget.
+    let mut t = cached_table(0x10000, 512, 256);
+    let n = CACHE_DEPTH as u64 + 3;
+    let blocks: Vec<u64> = (0..n).map(|_| take(&mut t, U).unwrap().0).collect();
+    for &a in &blocks {
+        assert!(cache_free(&mut t, a, U, Bits(1)));
+    }
+    t.check().unwrap();
+    assert_eq!(t.cached_blocks(), CACHE_DEPTH);
+    // Above CACHE_MAX nothing is cached.
+    let big = take(&mut t, CACHE_MAX + U).unwrap().0;
+    assert!(!t.caches(CACHE_MAX + U));
+    assert!(cache_free(&mut t, big, CACHE_MAX + U, Bits(1)));
+    assert_eq!(t.cached_blocks(), CACHE_DEPTH);
+    t.check().unwrap();
+}
+
+#[test]
+fn uncaching_coalesces_every_cached_block_with_its_tag() {
+    let mut t = cached_table(0x10000, 64, 64);
+    let mut blocks = Vec::new();
+    while let Some((addr, _)) = take(&mut t, 2 * U) {
+        blocks.push(addr);
+    }
+    assert_eq!(blocks.len(), 32);
+    for (k, &a) in blocks.iter().enumerate() {
+        assert!(cache_free(&mut t, a, 2 * U, Bits(1 << k)));
+    }
+    t.check().unwrap();
+    // 16 cached (the depth), 16 coalesced into the free blocks.
+    assert_eq!((t.free_bytes(), t.cached_blocks()), (64 * U, CACHE_DEPTH));
+    t.uncache_all();
+    t.check().unwrap();
+    assert_eq!(t.cached_blocks(), 0);
+    let free: Vec<_> = t.tagged_blocks().map(|(a, s, g)| (a, s, *g)).collect();
+    assert_eq!(free, vec![(0x10000, 64 * U, Bits(u32::MAX as u64))]);
+    // Turning the cache off empties it too.
+    let a = take(&mut t, U).unwrap().0;
+    assert!(cache_free(&mut t, a, U, Bits(1)));
+    assert_eq!(t.cached_blocks(), 1);
+    t.set_cache(0);
+    assert_eq!((t.cached_blocks(), t.len()), (0, 1));
+    assert!(!t.caches(U));
+    t.check().unwrap();
+}
+
+/// [`random_operations_keep_every_invariant`] with the cache on: frees through the cache,
+/// takes from it (its tag accepted or not), and whole-table operations that empty it.
+#[test]
+fn random_operations_with_the_cache_keep_every_invariant() {
+    let mut rng = 11u64;
+    let (base, units) = (1u64 << 32, 4096u64);
+    let mut t = cached_table(base, units, 48);
+    let total = units * U;
+    let mut used: Vec<(u64, u64)> = Vec::new();
+    let mut holes: Vec<(u64, u64, Bits)> = Vec::new();
+    for step in 0..6000 {
+        let r = splitmix64(&mut rng);
+        let size = (1 + (r >> 8) % 8) * U;
+        match r % 8 {
+            0 | 1 => {
+                if let Some((addr, _)) = take(&mut t, size) {
+                    used.push((addr, size));
+                }
+            }
+            2 | 3 => {
+                let tag = Bits(1 << ((r >> 20) % 4));
+                if let Some(addr) = t.take_cached(size, |g| *g == tag, OWNER) {
+                    assert!(
+                        used.iter().all(|u| u.0 != addr),
+                        "step {step}: handed out twice"
+                    );
+                    used.push((addr, size));
+                }
+            }
+            4 | 5 if !used.is_empty() => {
+                let (addr, size) = used.swap_remove((r >> 8) as usize % used.len());
+                assert!(
+                    !cache_free(&mut t, addr, size + U, Bits(0)),
+                    "step {step}: wrong size"
+                );
+                assert!(
+                    cache_free(&mut t, addr, size, Bits(1 << ((r >> 20) % 4))),
+                    "step {step}"
+                );
+                assert!(
+                    !cache_free(&mut t, addr, size, Bits(0)),
+                    "step {step}: second free"
+                );
+                assert!(!t.free(addr, size, Bits(0)), "step {step}: second free");
+            }
+            6 if step % 50 == 0 => holes.extend(t.take_aligned(32 * U)),
+            7 if !holes.is_empty() => {
+                let (addr, size, tag) = holes.swap_remove((r >> 8) as usize % holes.len());
+                assert!(t.give_range(addr, size, tag), "step {step}");
+            }
+            _ => {}
+        }
+        t.check().unwrap_or_else(|e| panic!("step {step}: {e}"));
+        let in_use: u64 = used.iter().map(|u| u.1).sum();
+        let hollow: u64 = holes.iter().map(|h| h.1).sum();
+        assert_eq!(t.free_bytes() + in_use + hollow, total, "step {step}");
+        assert_eq!(t.used_bytes(), in_use, "step {step}");
+    }
+    assert!(t.cache_hits() > 100, "the cache served {}", t.cache_hits());
+}
+
+/// A block listed in the cache but marked in use would be handed out twice: the checker sees
+/// it.
+#[test]
+fn the_checker_sees_a_cached_block_in_use() {
+    let mut t = cached_table(0x10000, 64, 16);
+    let a = take(&mut t, 4 * U).unwrap().0;
+    assert!(cache_free(&mut t, a, 4 * U, Bits(1)));
+    t.check().unwrap();
+    let i = t.used.get(a).unwrap();
+    t.blocks[i as usize].state = State::Used;
+    assert!(t.check().is_err());
+}
+
+/// A block freed by another than its taker (a hand-off between streams) is not cached: the
+/// freer's next request of that size may never come.
+#[test]
+fn only_the_taker_s_free_is_cached() {
+    let mut t = cached_table(0x10000, 64, 16);
+    let a = take(&mut t, 4 * U).unwrap().0;
+    let b = t.take_tagged(4 * U).unwrap().0;
+    assert!(free_by(&mut t, a, 4 * U, Bits(1), OWNER + 1));
+    assert!(
+        cache_free(&mut t, b, 4 * U, Bits(2)),
+        "no owner named at the take"
+    );
+    assert_eq!((t.cached_blocks(), t.len()), (0, 1));
+    t.check().unwrap();
+    let c = take(&mut t, 4 * U).unwrap().0;
+    assert!(free_by(&mut t, c, 4 * U, Bits(1), NO_OWNER));
+    assert_eq!(t.cached_blocks(), 0);
+    let d = take(&mut t, 4 * U).unwrap().0;
+    assert!(cache_free(&mut t, d, 4 * U, Bits(1)));
+    assert_eq!(t.cached_blocks(), 1);
+    t.check().unwrap();
+}
