@@ -2,7 +2,8 @@
 """Summary of benches/gpu/cache_ab.sh: per run and start, the median ns/op of this build with its
 small-block cache (cache.txt), without (nocache.txt), a previous build (prev.txt) and RMM's pool
 (rmm.txt); the median (min..max) of the rounds' ratios (round k of each against round k of the
-other: they ran next to each other); the worst peak reserved / peak live and the cache hits.
+other: they ran next to each other; against RMM also the ratio of the medians, where RMM ran
+less often); the worst peak reserved / peak live and the cache hits.
 usage: python3 benches/gpu/cache_summary.py DIR"""
 import os, re, statistics as st, sys
 
@@ -47,7 +48,7 @@ def ratios(a, b):
     return f"{st.median(v):.3f} ({min(v):.3f}..{max(v):.3f})" if v else "-"
 
 
-print("run          start | median ns/op: cache nocache prev RMM-pool | cache/RMM | cache/prev | cache/nocache | worst ratio, hits")
+print("run          start | median ns/op: cache nocache prev RMM-pool | cache/RMM: of medians; rounds | cache/prev | cache/nocache | worst ratio, hits")
 for k in sorted(builds["cache"]):
     c = [x[0] for x in builds["cache"][k]]
     n = [x[0] for x in builds["nocache"].get(k, [])]
@@ -56,5 +57,6 @@ for k in sorted(builds["cache"]):
     med = lambda v: f"{st.median(v):7.1f}" if v else "      -"
     worst = max(x[1] for x in builds["cache"][k])
     hits = st.median(x[2] for x in builds["cache"][k])
-    print(f"{k[0]:<12} {k[1]:>5} | {med(c)} {med(n)} {med(p)} {med(m)} | {ratios(c, m)} | {ratios(c, p)} | "
+    of = f"{st.median(c) / st.median(m):.3f}" if m else "-"
+    print(f"{k[0]:<12} {k[1]:>5} | {med(c)} {med(n)} {med(p)} {med(m)} | {of}; {ratios(c, m)} | {ratios(c, p)} | "
           f"{ratios(c, n)} | {worst:.3f}, {hits:.0f}")

@@ -76,6 +76,22 @@ impl AddrMap {
         self.find(key).map(|i| self.entries[i].1)
     }
 
+    /// The entry of `key`, if present: its position (valid until the map changes) and value.
+    #[inline]
+    pub(crate) fn position(&self, key: u64) -> Option<(usize, u32)> {
+        debug_assert_ne!(key, EMPTY);
+        self.find(key).map(|i| (i, self.entries[i].1))
+    }
+
+    /// Removes the entry at `position` (from [`position`](Self::position), with nothing
+    /// changed since), whose key is `key`.
+    #[inline]
+    pub(crate) fn remove_position(&mut self, position: usize, key: u64) {
+        debug_assert_eq!(self.entries[position].0, key);
+        let _ = key;
+        self.remove_at(position);
+    }
+
     /// Sets `key` to `value` (a block start: never `u64::MAX`).
     #[inline]
     pub(crate) fn insert(&mut self, key: u64, value: u32) {

@@ -77,8 +77,9 @@ impl Indexed for Block {
 /// The free block a [`BlockTable::free_untagged`] ended in: valid until the table changes.
 pub(crate) struct FreedBlock(u32);
 
-/// A block in use, found by [`BlockTable::used_slot`]: valid until the table changes.
-pub(crate) struct UsedBlock(u32);
+/// A block in use, found by [`BlockTable::used_slot`]: its slot and its entry's position in the
+/// map of blocks in use, valid until the table changes.
+pub(crate) struct UsedBlock(u32, usize);
 
 /// Every block of the engine's chunks (of one shard).
 pub(crate) struct BlockTable<T: BlockTag> {
@@ -112,20 +113,25 @@ const CACHE_DEPTH: usize = 16;
 const CACHE_CLASSES: usize = (CACHE_MAX / ALIGNMENT as u64) as usize;
 
 /// The small-block cache (issue 10's fast path): blocks of at most [`CACHE_MAX`] bytes freed
-/// whole, kept aside by exact size instead of coalesced and filed, for the next request of
-/// that size. Such a request takes the block back as it lies: no best-fit search, no split, no
-/// new slot, no change to the map of blocks in use; its free is one lookup. WORKLOADS.md's
-/// sizes repeat often at the small end (`churn-1t` has 2 sizes below 512 bytes and 256 below
-/// 64 KiB), so about 40% of its requests are served here.
+/// whole by their owner, kept aside by exact size instead of coalesced and filed, for the next
+/// request of that size. Such a request takes the block back as it lies: no best-fit search,
+/// no split, no new slot, no change to the map of blocks in use; its free is one lookup.
+/// WORKLOADS.md's sizes repeat often at the small end (`churn-1t` has 2 sizes below 512 bytes
+/// and 256 below 64 KiB), so 43% of its requests are served here.
 ///
-/// A cached block keeps its tag (the stream it was freed on and its epoch then), and the table
-/// hands it back only to a caller that accepts the tag ([`take_cached`](BlockTable::take_cached):
-/// the engine accepts a block freed on the requester's own stream, which stream order covers);
-/// a block the caller does not accept goes to the free blocks, coalesced and tagged as any
-/// free, so the cache turns over. The cache holds at most `budget` bytes and
+/// Only a free by the block's *owner* (whoever took it, as the caller names it: the engine
+/// names the stream, and only in the thread's own shard) is kept ([`may_cache`]
+/// (BlockTable::may_cache)): a block handed off to another stream, or freed into another
+/// thread's shard, would wait for a request that may never look for it. A cached block keeps
+/// its tag (the stream it was freed on and its epoch then), and the table hands it back only
+/// to a caller that accepts the tag ([`take_cached`](BlockTable::take_cached): the engine
+/// accepts a block freed on the requester's own stream, which stream order covers); when none
+/// of its size is accepted, the last freed goes to the free blocks, coalesced and tagged as
+/// any free, so the cache turns over. The cache holds at most `budget` bytes and
 /// [`CACHE_DEPTH`] blocks of a size; a free past either goes to the free blocks. Whatever would
 /// grow the pool, trim it or move memory empties the cache first ([`uncache_all`]
-/// (BlockTable::uncache_all)), so a cached block never costs a growth or strands memory.
+/// (BlockTable::uncache_all)), and so does a request that finds no fit among the free blocks,
+/// so a cached block never costs a growth or strands memory.
 #[derive(Default)]
 struct Cache {
     /// Per size class (`size / ALIGNMENT - 1`), the slots of the blocks it holds, last freed
@@ -195,6 +201,13 @@ impl<T: BlockTag> BlockTable<T> {
     #[inline]
     pub(crate) fn caches(&self, size: u64) -> bool {
         size <= CACHE_MAX && self.cache.budget > 0
+    }
+
+    /// Whether the small-block cache holds a block of exactly `size` bytes (of any stream).
+    #[inline]
+    pub(crate) fn has_cached(&self, size: u64) -> bool {
+        let class = (size / ALIGNMENT as u64).wrapping_sub(1) as usize;
+        self.cache.lens.get(class).is_some_and(|&n| n > 0)
     }
 
     /// Blocks in the small-block cache now.
@@ -512,43 +525,61 @@ impl<T: BlockTag> BlockTable<T> {
     /// before [`cache_or_free`](Self::cache_or_free)).
     #[inline]
     pub(crate) fn used_slot(&self, addr: u64, size: u64) -> Option<UsedBlock> {
-        let i = self.used.get(addr)?;
+        let (position, i) = self.used.position(addr)?;
         let b = &self.blocks[i as usize];
-        (b.size == size && b.state == State::Used).then_some(UsedBlock(i))
+        (b.size == size && b.state == State::Used).then_some(UsedBlock(i, position))
     }
 
-    /// Frees block `used` with `tag`, by `owner`: into the small-block cache if `owner` is the
-    /// block's (a block freed by another than its taker, as a hand-off between streams does,
-    /// would wait there for a request of its freer that may never come) and the cache has
-    /// room (see [`caches`](Self::caches)); else to the free blocks, coalesced.
+    /// Whether block `used`, freed by `owner`, goes into the small-block cache
+    /// ([`cache`](Self::cache)) rather than the free blocks ([`free_used`](Self::free_used)):
+    /// if `owner` is its taker's (a block freed by another, as a hand-off between streams does,
+    /// would wait there for a request of its freer that may never come) and the cache has room
+    /// for it.
     #[inline]
-    pub(crate) fn cache_or_free(&mut self, used: UsedBlock, tag: T, owner: u16) {
-        let i = used.0;
-        let Block {
-            size, owner: taker, ..
-        } = self.blocks[i as usize];
-        let class = (size / ALIGNMENT as u64 - 1) as usize;
-        if owner != NO_OWNER
-            && owner == taker
-            && self.cache.bytes + size <= self.cache.budget
-            && class < self.cache.lens.len()
-        {
-            let len = self.cache.lens[class] as usize;
-            if len < CACHE_DEPTH {
-                self.cache.lists[class][len] = i;
-                self.cache.lens[class] += 1;
-                self.cache.bytes += size;
-                self.cache.blocks += 1;
-                self.blocks[i as usize].state = State::Cached;
-                self.tags[i as usize] = tag;
-                return;
-            }
-        }
-        self.release_used(i, tag);
+    pub(crate) fn may_cache(&self, used: &UsedBlock, owner: u16) -> bool {
+        let b = &self.blocks[used.0 as usize];
+        let class = (b.size / ALIGNMENT as u64 - 1) as usize;
+        owner != NO_OWNER
+            && owner == b.owner
+            && self.cache.bytes + b.size <= self.cache.budget
+            && self
+                .cache
+                .lens
+                .get(class)
+                .is_some_and(|&n| (n as usize) < CACHE_DEPTH)
     }
 
-    /// Block `i` (in use or cached) out of the map of blocks in use and into the free blocks
-    /// with `tag`, coalesced.
+    /// Frees block `used` into the small-block cache with `tag` (after
+    /// [`may_cache`](Self::may_cache) said so).
+    #[inline]
+    pub(crate) fn cache(&mut self, used: UsedBlock, tag: T) {
+        let i = used.0;
+        let size = self.blocks[i as usize].size;
+        let class = (size / ALIGNMENT as u64 - 1) as usize;
+        let len = self.cache.lens[class] as usize;
+        debug_assert!(len < CACHE_DEPTH && self.cache.bytes + size <= self.cache.budget);
+        self.cache.lists[class][len] = i;
+        self.cache.lens[class] += 1;
+        self.cache.bytes += size;
+        self.cache.blocks += 1;
+        self.blocks[i as usize].state = State::Cached;
+        self.tags[i as usize] = tag;
+    }
+
+    /// Frees block `used` into the free blocks, coalesced: the free block it ended in, whose
+    /// tag [`join_tag`](Self::join_tag) completes (as [`free_untagged`](Self::free_untagged),
+    /// with the block already found).
+    #[inline]
+    pub(crate) fn free_used(&mut self, used: UsedBlock) -> FreedBlock {
+        let UsedBlock(i, position) = used;
+        self.used
+            .remove_position(position, self.blocks[i as usize].addr);
+        self.blocks[i as usize].state = State::Free;
+        FreedBlock(self.coalesce_and_file(i))
+    }
+
+    /// Block `i` (cached) out of the map of blocks in use and into the free blocks with `tag`,
+    /// coalesced.
     fn release_used(&mut self, i: u32, tag: T) {
         let addr = self.blocks[i as usize].addr;
         let removed = self.used.remove_if(addr, |_| true);

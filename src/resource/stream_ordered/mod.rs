@@ -516,10 +516,10 @@ impl<S: EngineStream> StreamHeap<S> {
     /// refused.
     #[inline]
     pub(crate) fn give(&self, addr: u64, size: u64, stream: &S) -> bool {
-        let Some(index) = self.table.shard_of(addr, size) else {
+        let Some(shard) = self.shard_of(addr, size) else {
             return false;
         };
-        let mut heap = self.shards[index as usize].lock();
+        let mut heap = shard.lock();
         if heap.free.caches(size) {
             // Checked first: a refused free registers no stream.
             let Some(used) = heap.free.used_slot(addr, size) else {
@@ -527,16 +527,12 @@ impl<S: EngineStream> StreamHeap<S> {
             };
             let slot = heap.slot(stream);
             let tag = heap.freed_on(slot);
-            // Kept only in the freeing thread's own shard, the one its requests look in: a
-            // block another thread spilled into this shard would wait in its cache for a
-            // request that never looks there (four threads grown from 256 MiB grew half again
-            // as often with it).
-            let owner = if index as usize == self.home() {
-                owner(slot)
+            if heap.free.may_cache(&used, owner(slot)) {
+                heap.free.cache(used, tag);
             } else {
-                NO_OWNER
-            };
-            heap.free.cache_or_free(used, tag, owner);
+                let freed = heap.free.free_used(used);
+                heap.free.join_tag(freed, &tag);
+            }
             heap.in_use -= size;
             return true;
         }
@@ -555,14 +551,7 @@ impl<S: EngineStream> StreamHeap<S> {
     /// another, ordered after the streams that freed it; else a growth.
     #[inline]
     pub(crate) fn take(&self, size: u64, stream: &S, upstream: &impl Grow<S>) -> Result<u64> {
-        let home = self.home();
-        let mut heap = self.shards[home].lock();
-        if heap.free.caches(size) {
-            if let Some(addr) = heap.take_cached(size, stream) {
-                return Ok(addr);
-            }
-        }
-        match self.take_any_from(home, heap, size, stream, false, upstream)? {
+        match self.take_any(size, stream, false, upstream)? {
             Some(addr) => Ok(addr),
             None => self.take_slow(size, stream, upstream),
         }
@@ -580,22 +569,7 @@ impl<S: EngineStream> StreamHeap<S> {
         upstream: &impl Grow<S>,
     ) -> Result<Option<u64>> {
         let home = self.home();
-        let heap = self.shards[home].lock();
-        self.take_any_from(home, heap, size, stream, every_shard, upstream)
-    }
-
-    /// [`take_any`](Self::take_any) with the home shard's lock held (`heap`).
-    #[inline]
-    fn take_any_from(
-        &self,
-        home: usize,
-        heap: MutexGuard<'_, Heap<S>>,
-        size: u64,
-        stream: &S,
-        every_shard: bool,
-        upstream: &impl Grow<S>,
-    ) -> Result<Option<u64>> {
-        if let Some(addr) = self.take_locked(&self.shards[home], heap, size, stream)? {
+        if let Some(addr) = self.take_free(&self.shards[home], None, size, stream, true)? {
             return Ok(Some(addr));
         }
         if self
@@ -617,7 +591,7 @@ impl<S: EngineStream> StreamHeap<S> {
         // otherwise look through every shard on every request: 127,423 times in one
         // `churn-4t` repeat of run26).
         if let Some(second) = self.second_home().filter(|&j| j != home) {
-            if let Some(addr) = self.take_free(&self.shards[second], None, size, stream)? {
+            if let Some(addr) = self.take_free(&self.shards[second], None, size, stream, false)? {
                 self.spills.fetch_add(1, Ordering::Relaxed);
                 return Ok(Some(addr));
             }
@@ -690,7 +664,7 @@ impl<S: EngineStream> StreamHeap<S> {
         // Under the reserve's lock, with the chunk in the shard's list (see `take_slow`).
         self.reserve_moves.fetch_add(1, Ordering::Release);
         drop(reserve);
-        self.take_locked(shard, heap, size, stream)
+        self.take_locked(shard, heap, size, stream, true)
     }
 
     /// The best fit among the other shards (as one list would choose: taking the first fit
@@ -722,7 +696,7 @@ impl<S: EngineStream> StreamHeap<S> {
             (1..n).map(|k| (home + k) % n).filter_map(fit_in).collect();
         fits.sort_unstable();
         for (_, i) in fits {
-            if let Some(addr) = self.take_free(&self.shards[i], None, size, stream)? {
+            if let Some(addr) = self.take_free(&self.shards[i], None, size, stream, false)? {
                 self.spills.fetch_add(1, Ordering::Relaxed);
                 self.set_second_home(i);
                 return Ok(Some(addr));
@@ -734,6 +708,7 @@ impl<S: EngineStream> StreamHeap<S> {
     /// `shard`'s best fit for `size`, handed out on `stream` after the orderings its tag
     /// needs; `None` if no block is large enough. `fresh` (a chunk just grown) is first given
     /// to the free list under the same lock, so that no other request takes it in between.
+    /// `home`: the shard is the calling thread's own (see [`take_locked`](Self::take_locked)).
     #[inline]
     fn take_free(
         &self,
@@ -741,6 +716,7 @@ impl<S: EngineStream> StreamHeap<S> {
         fresh: Option<(u64, u64)>,
         size: u64,
         stream: &S,
+        home: bool,
     ) -> Result<Option<u64>> {
         let mut heap = shard.lock();
         if let Some((base, chunk)) = fresh {
@@ -754,7 +730,7 @@ impl<S: EngineStream> StreamHeap<S> {
             let given = heap.free.give_range(base, chunk, tag);
             debug_assert!(given, "a fresh chunk overlapped a block");
         }
-        self.take_locked(shard, heap, size, stream)
+        self.take_locked(shard, heap, size, stream, home)
     }
 
     /// [`take_free`](Self::take_free) once `shard`'s lock is held (`heap`).
@@ -765,11 +741,25 @@ impl<S: EngineStream> StreamHeap<S> {
         mut heap: MutexGuard<'_, Heap<S>>,
         size: u64,
         stream: &S,
+        home: bool,
     ) -> Result<Option<u64>> {
-        let slot = heap.slot(stream);
-        let mut taken = self.search(&mut heap, size, slot);
+        if home && heap.free.has_cached(size) {
+            if let Some(addr) = heap.take_cached(size, stream) {
+                return Ok(Some(addr));
+            }
+        }
+        // A block taken from another thread's shard is not its taker's to cache: that thread's
+        // requests look in its own shard's cache, and a block freed into this one would wait
+        // there for a request that never comes (four threads grown from 256 MiB grew half
+        // again as often with it).
+        let owner = if home && heap.free.caches(size) {
+            owner(heap.slot(stream))
+        } else {
+            NO_OWNER
+        };
+        let mut taken = self.search(&mut heap, size, stream, owner);
         if taken.is_none() && heap.free.cached_blocks() > 0 {
-            taken = self.search_uncached(&mut heap, size, slot);
+            taken = self.search_uncached(&mut heap, size, stream, owner);
         }
         let Some((addr, tag)) = taken else {
             return Ok(None);
@@ -778,6 +768,7 @@ impl<S: EngineStream> StreamHeap<S> {
         if tag.is_empty() || heap.only(&tag, stream.uid()) {
             return Ok(Some(addr));
         }
+        let slot = heap.slot(stream);
         let orders = self.orders_for(&mut heap, slot, &tag);
         if orders.is_empty() {
             return Ok(Some(addr));
@@ -803,17 +794,19 @@ impl<S: EngineStream> StreamHeap<S> {
     /// The free block `heap`'s table gives `size` bytes from for the stream in `slot`, by the
     /// engine's placement, and its tag.
     #[inline(always)]
-    fn search(&self, heap: &mut Heap<S>, size: u64, slot: u32) -> Option<(u64, Waits)> {
+    fn search(
+        &self,
+        heap: &mut Heap<S>,
+        size: u64,
+        stream: &S,
+        owner: u16,
+    ) -> Option<(u64, Waits)> {
         if self.slack > 0.0 {
+            let slot = heap.slot(stream);
             let Heap { free, entries, .. } = heap;
-            free.take_preferring(
-                size,
-                self.slack,
-                |tag| covered(entries, slot, tag),
-                owner(slot),
-            )
+            free.take_preferring(size, self.slack, |tag| covered(entries, slot, tag), owner)
         } else {
-            heap.free.take_tagged_by(size, owner(slot))
+            heap.free.take_tagged_by(size, owner)
         }
     }
 
@@ -821,9 +814,15 @@ impl<S: EngineStream> StreamHeap<S> {
     /// small-block cache goes back to them, coalesced, before the request looks at other
     /// shards or grows the pool.
     #[cold]
-    fn search_uncached(&self, heap: &mut Heap<S>, size: u64, slot: u32) -> Option<(u64, Waits)> {
+    fn search_uncached(
+        &self,
+        heap: &mut Heap<S>,
+        size: u64,
+        stream: &S,
+        owner: u16,
+    ) -> Option<(u64, Waits)> {
         heap.free.uncache_all();
-        self.search(heap, size, slot)
+        self.search(heap, size, stream, owner)
     }
 
     /// Growth: one request at a time, into the stream's home shard.
@@ -836,7 +835,7 @@ impl<S: EngineStream> StreamHeap<S> {
         // them), and the hint says none once the last is gone.
         while upstream.has_unclaimed() {
             let home = &self.shards[self.home()];
-            if let Some(addr) = self.take_free(home, None, size, stream)? {
+            if let Some(addr) = self.take_free(home, None, size, stream, true)? {
                 return Ok(addr);
             }
             if !upstream.claim(size, stream) {
@@ -884,7 +883,7 @@ impl<S: EngineStream> StreamHeap<S> {
                     what: "the upstream gave a chunk that overlaps another",
                 });
             };
-            if let Some(addr) = self.take_free(shard, Some((base, chunk)), size, stream)? {
+            if let Some(addr) = self.take_free(shard, Some((base, chunk)), size, stream, true)? {
                 return Ok(addr);
             }
             grown = upstream.grow(size, stream)?;

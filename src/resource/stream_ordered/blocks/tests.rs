@@ -246,7 +246,12 @@ fn take(t: &mut BlockTable<Bits>, size: u64) -> Option<(u64, Bits)> {
 fn free_by(t: &mut BlockTable<Bits>, addr: u64, size: u64, tag: Bits, owner: u16) -> bool {
     match t.used_slot(addr, size) {
         Some(used) => {
-            t.cache_or_free(used, tag, owner);
+            if t.may_cache(&used, owner) {
+                t.cache(used, tag);
+            } else {
+                let freed = t.free_used(used);
+                t.join_tag(freed, &tag);
+            }
             true
         }
         None => false,
