@@ -3,11 +3,12 @@
 # `churn-1t` from 2 GiB alone, this build with its cache, without it, and a previous build
 # (.gpu/bin/churn-prev), ONE_T rounds interleaved (order rotating), RMM's whole harness every
 # fourth round; then every workload from both starts, ROUNDS rounds of the three builds. Our
-# runs pinned to the same four cores. env: ONE_T=16, ROUNDS=4.
+# runs pinned to the same four cores; the suite first. env: ONE_T=16, ROUNDS=4, SUITE=1.
 # Results in $OUT/fastpath.tgz; summary: python3 benches/gpu/cache_summary.py DIR/one-t and DIR.
 set -u
 . "$(dirname "$0")/common.sh"
 results fastpath
+if [ "${SUITE:-1}" = 1 ]; then suite; fi
 mkdir -p "$R/one-t"
 one() { $P "$1" --resource pool --run churn-1t --initial 2048 "${@:2}" | grep -E "^pool"; }
 for r in $(seq "${ONE_T:-16}"); do
