@@ -10,8 +10,8 @@
 //! `--reuse-slack X` sets `PoolOptions::reuse_slack` (default 0); `--opportunistic off` turns
 //! `PoolOptions::opportunistic_reuse` off (every cross-stream reuse waits on the GPU);
 //! `--growth-cap X|none` sets `PoolOptions::growth_cap` (default 1.3); `--small-block-cache KIB`
-//! sets `PoolOptions::small_block_cache` and `ExpandableOptions::small_block_cache` (default
-//! 4096; 0 turns it off);
+//! sets `PoolOptions::small_block_cache` (default 4096; 0 turns it off) and, only when given,
+//! `ExpandableOptions::small_block_cache` (default none);
 //! `--superblock MIB` sets the arena's `ArenaOptions::superblock_size` (default 1 MiB, RMM's);
 //! `--map-unit MIB` sets the expandable pool's `ExpandableOptions::map_unit` (default: 4
 //! granules, 8 MiB on an H100 or H200); `--placement low|closest` its
@@ -338,7 +338,10 @@ fn main() {
                             maximum: Some(8 * GIB),
                             map_unit: map_unit.map(|mib| mib * MIB),
                             placement,
-                            small_block_cache: Some(small_block_cache),
+                            // Its own default (none) unless asked for.
+                            small_block_cache: std::env::args()
+                                .any(|a| a == "--small-block-cache")
+                                .then_some(small_block_cache),
                             ..ExpandableOptions::default()
                         },
                     )

@@ -73,12 +73,11 @@ pub struct ExpandableOptions {
     pub placement: ExpandablePlacement,
     /// Bytes of small blocks each shard keeps aside for their stream's next request of the
     /// same size, as [`PoolOptions::small_block_cache`](super::PoolOptions::small_block_cache)
-    /// (which says how it works): `None` (the default) for the pool's default,
-    /// [`DEFAULT_SMALL_BLOCK_CACHE`](super::pool::DEFAULT_SMALL_BLOCK_CACHE), `Some(0)` for
-    /// none. A growth, a trim and a move of free memory between ranges empty the caches
-    /// first, so they never hold
-    /// a unit mapped; on `churn-1t` grown from 256 MiB peak mapped / peak live reads 1.130
-    /// with or without them (`engine_lab::expandable`).
+    /// (which says how it works). `None` (the default) or `Some(0)`: none. Off by default
+    /// because this pool is for footprint: cached blocks do not coalesce while they wait, and
+    /// on `churn-1t` grown from 256 MiB an H100 mapped 808 MiB with the pool's 4 MiB a shard
+    /// against 800 without (1.141 and 1.130 times peak live; run48 of 2026-11-26). A growth, a
+    /// trim and a move of free memory between ranges empty the caches first.
     pub small_block_cache: Option<usize>,
 }
 
@@ -217,7 +216,7 @@ impl ExpandablePoolResource {
         let (reservation, regions) = reserve_regions(device, reserve, granule)?;
         let core = Expander::with_regions(reservation, maximum as u64, regions);
         (core.heap).set_low_placement(options.placement == ExpandablePlacement::LowAddress);
-        let cache = (options.small_block_cache).unwrap_or(super::pool::DEFAULT_SMALL_BLOCK_CACHE);
+        let cache = options.small_block_cache.unwrap_or(0);
         (core.heap).set_cache(cache as u64);
         core.map_initial(options.initial as u64)?;
         let threshold = options.release_threshold.map_or(u64::MAX, |t| t as u64);
