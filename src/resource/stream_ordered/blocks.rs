@@ -120,8 +120,8 @@ const CACHE_CLASSES: usize = (CACHE_MAX / ALIGNMENT as u64) as usize;
 /// and 256 below 64 KiB), so 43% of its requests are served here.
 ///
 /// Only a free by the block's *owner* (whoever took it, as the caller names it: the engine
-/// names the stream, and only in the thread's own shard) is kept ([`may_cache`]
-/// (BlockTable::may_cache)): a block handed off to another stream, or freed into another
+/// names the stream, and only in the thread's own shard) is kept
+/// ([`may_cache`](BlockTable::may_cache)): a block handed off to another stream, or freed into another
 /// thread's shard, would wait for a request that may never look for it. A cached block keeps
 /// its tag (the stream it was freed on and its epoch then), and the table hands it back only
 /// to a caller that accepts the tag ([`take_cached`](BlockTable::take_cached): the engine
@@ -129,8 +129,8 @@ const CACHE_CLASSES: usize = (CACHE_MAX / ALIGNMENT as u64) as usize;
 /// of its size is accepted, the last freed goes to the free blocks, coalesced and tagged as
 /// any free, so the cache turns over. The cache holds at most `budget` bytes and
 /// [`CACHE_DEPTH`] blocks of a size; a free past either goes to the free blocks. Whatever would
-/// grow the pool, trim it or move memory empties the cache first ([`uncache_all`]
-/// (BlockTable::uncache_all)), and so does a request that finds no fit among the free blocks,
+/// grow the pool, trim it or move memory empties the cache first
+/// ([`uncache_all`](BlockTable::uncache_all)), and so does a request that finds no fit among the free blocks,
 /// so a cached block never costs a growth or strands memory.
 #[derive(Default)]
 struct Cache {
@@ -433,7 +433,7 @@ impl<T: BlockTag> BlockTable<T> {
     }
 
     /// [`take_tagged`](Self::take_tagged) for `owner`, whose free of the block may keep it in
-    /// the small-block cache ([`cache_or_free`](Self::cache_or_free)).
+    /// the small-block cache ([`may_cache`](Self::may_cache)).
     #[inline]
     pub(crate) fn take_tagged_by(&mut self, size: u64, owner: u16) -> Option<(u64, T)> {
         debug_assert!(size > 0 && size.is_multiple_of(ALIGNMENT as u64));
@@ -521,8 +521,9 @@ impl<T: BlockTag> BlockTable<T> {
 
     // ===== the small-block cache =====
 
-    /// The slot of the block in use at `addr`, if it is exactly `size` bytes (a free's check,
-    /// before [`cache_or_free`](Self::cache_or_free)).
+    /// The block in use at `addr`, if it is exactly `size` bytes (a free's check, before
+    /// [`may_cache`](Self::may_cache) chooses between [`cache`](Self::cache) and
+    /// [`free_used`](Self::free_used)).
     #[inline]
     pub(crate) fn used_slot(&self, addr: u64, size: u64) -> Option<UsedBlock> {
         let (position, i) = self.used.position(addr)?;
@@ -578,22 +579,20 @@ impl<T: BlockTag> BlockTable<T> {
         FreedBlock(self.coalesce_and_file(i))
     }
 
-    /// Block `i` (cached) out of the map of blocks in use and into the free blocks with `tag`,
-    /// coalesced.
-    fn release_used(&mut self, i: u32, tag: T) {
+    /// Cached block `i` (out of the cache's lists already) out of the map of blocks in use and
+    /// into the free blocks with its tag, coalesced.
+    fn release_cached(&mut self, i: u32) {
         let addr = self.blocks[i as usize].addr;
         let removed = self.used.remove_if(addr, |_| true);
         debug_assert_eq!(removed, Some(i));
         self.blocks[i as usize].state = State::Free;
-        self.tags[i as usize] = tag;
         self.coalesce_and_file(i);
     }
 
     /// The block of exactly `size` bytes freed last into the small-block cache among those
     /// whose tag `accept` takes, handed out again to `owner`; `None` if the cache has none of
-    /// that size,
-    /// or none it accepts, in which case the last one freed goes to the free blocks (so that
-    /// the caller's search finds it there, and the cache turns over).
+    /// that size, or none it accepts, in which case the last one freed goes to the free blocks
+    /// (so that the caller's search finds it there, and the cache turns over).
     #[inline]
     pub(crate) fn take_cached(
         &mut self,
@@ -618,8 +617,7 @@ impl<T: BlockTag> BlockTable<T> {
             // None it accepts (blocks freed on other streams): the last freed goes to the free
             // blocks, so that a stream that frees what others allocate cannot fill the cache.
             let i = list[len - 1];
-            let tag = std::mem::take(&mut self.tags[i as usize]);
-            self.release_used(i, tag);
+            self.release_cached(i);
             return None;
         };
         let i = list[k];
@@ -643,8 +641,7 @@ impl<T: BlockTag> BlockTable<T> {
             let len = std::mem::take(&mut self.cache.lens[class]) as usize;
             for k in 0..len {
                 let i = self.cache.lists[class][k];
-                let tag = std::mem::take(&mut self.tags[i as usize]);
-                self.release_used(i, tag);
+                self.release_cached(i);
             }
         }
         self.cache.bytes = 0;
