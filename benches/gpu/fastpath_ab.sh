@@ -4,7 +4,8 @@
 # (.gpu/bin/churn-prev), ONE_T rounds interleaved (order rotating), RMM's whole harness every
 # fourth round; then every workload from both starts, ROUNDS rounds of the three builds. Our
 # runs pinned to the same four cores; the suite first. env: ONE_T=16, ROUNDS=4, SUITE=1,
-# NOASLR=0, EXAMPLES=0 (1: pipeline and inference_server --load, if packed).
+# NOASLR=0, EXAMPLES=0 (1: pipeline and inference_server --load, if packed), RUNS=workloads
+# (the churn runs of the interleaved rounds, comma-separated).
 # Results in $OUT/fastpath.tgz; summary: python3 benches/gpu/cache_summary.py DIR/one-t and DIR.
 set -u
 . "$(dirname "$0")/common.sh"
@@ -23,7 +24,7 @@ fi
 done
 mkdir -p "$R/one-t"
 one() { $P "$1" --resource pool --run churn-1t --initial 2048 "${@:2}" | grep -E "^pool"; }
-for r in $(seq "${ONE_T:-16}"); do
+for r in $(seq 1 "${ONE_T:-16}"); do
   for k in 0 1 2; do
     case $(( (k + r) % 3 )) in
       0) one "$C" >> "$R/one-t/cache.txt" ;;
@@ -33,9 +34,10 @@ for r in $(seq "${ONE_T:-16}"); do
   done
   if [ $((r % 4)) = 1 ] && [ -d .rmm ]; then bash .rmm/run.sh >> "$R/one-t/rmm.txt" 2>&1; fi
 done
-python3 benches/gpu/cache_summary.py "$R/one-t" | tee "$R/one-t/summary.txt"
-run_cache() { $P $C --resource pool --run workloads --initial 2048,256; }
-run_nocache() { $P $C --resource pool --run workloads --initial 2048,256 --small-block-cache 0; }
-run_prev() { $P .gpu/bin/churn-prev --resource pool --run workloads --initial 2048,256; }
+[ "${ONE_T:-16}" -gt 0 ] && python3 benches/gpu/cache_summary.py "$R/one-t" | tee "$R/one-t/summary.txt"
+W=${RUNS:-workloads}
+run_cache() { $P $C --resource pool --run "$W" --initial 2048,256; }
+run_nocache() { $P $C --resource pool --run "$W" --initial 2048,256 --small-block-cache 0; }
+run_prev() { $P .gpu/bin/churn-prev --resource pool --run "$W" --initial 2048,256; }
 interleave "${ROUNDS:-4}" cache nocache prev
 python3 benches/gpu/cache_summary.py "$R" | tee "$R/summary.txt"
