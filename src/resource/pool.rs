@@ -87,7 +87,7 @@ pub struct PoolOptions {
     /// finds no fit empties its shard's cache and looks again, one about to grow empties every
     /// cache first, and so do `trim`, a release at the maximum, [`stats`](PoolResource::stats)
     /// and snapshots. The default, 4 MiB (32 MiB over the shards at most): on `churn-1t` it
-    /// serves 43% of the requests and runs 14% fewer instructions per operation, for 0.01
+    /// serves 43% of the requests and runs 13% fewer instructions per operation, for 0.01
     /// more peak memory grown from 256 MiB (`BENCHMARKS.md`). 0 turns it off.
     pub small_block_cache: usize,
 }
