@@ -94,6 +94,28 @@ fn one_pib_is_out_of_memory_and_the_pool_stays_usable() {
     }
 }
 
+/// The random mixes' end: every block still live freed on the stream it was allocated on, the
+/// invariants, and every byte the pool holds free again: its statistics.
+fn free_all_and_account(
+    p: &PoolResource<CudaResource>,
+    live: Vec<(DevicePtr, usize, usize)>,
+    streams: &[Stream],
+    device: &Device,
+) -> streamalloc::resource::pool::PoolStats {
+    for (ptr, size, s) in live {
+        free(p, ptr, size, &streams[s]);
+    }
+    check_pool(p);
+    let stats = p.stats();
+    assert_eq!(
+        stats.free,
+        stats.reserved,
+        "{}: bytes lost: {stats:?}",
+        label(device)
+    );
+    stats
+}
+
 #[test]
 fn random_mixes_keep_the_invariants() {
     for device in devices() {
@@ -127,17 +149,7 @@ fn random_mixes_keep_the_invariants() {
                 );
             }
         }
-        for (ptr, size, s) in live {
-            free(&p, ptr, size, &streams[s]);
-        }
-        check_pool(&p);
-        let stats = p.stats();
-        assert_eq!(
-            stats.free,
-            stats.reserved,
-            "{}: bytes lost: {stats:?}",
-            label(&device)
-        );
+        free_all_and_account(&p, live, &streams, &device);
     }
 }
 
@@ -639,17 +651,7 @@ fn random_small_blocks_through_the_cache_keep_the_invariants_at_every_step() {
             p.check_invariants()
                 .unwrap_or_else(|e| panic!("{}: step {step}: {e}", label(&device)));
         }
-        for (ptr, size, s) in live {
-            free(&p, ptr, size, &streams[s]);
-        }
-        check_pool(&p);
-        let stats = p.stats();
-        assert_eq!(
-            stats.free,
-            stats.reserved,
-            "{}: bytes lost: {stats:?}",
-            label(&device)
-        );
+        let stats = free_all_and_account(&p, live, &streams, &device);
         assert!(
             stats.cache_hits > 100 && stats.stream_waits + stats.idle_reuses > 0,
             "{}: the cache or the orderings went unused: {stats:?}",

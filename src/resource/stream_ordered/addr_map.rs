@@ -84,7 +84,8 @@ impl AddrMap {
     }
 
     /// Removes the entry at `position` (from [`position`](Self::position), with nothing
-    /// changed since), whose key is `key`.
+    /// changed since), whose key is `key`. (The block table looks a block up, checks that the
+    /// free names its exact size, and only then removes it.)
     #[inline]
     pub(crate) fn remove_position(&mut self, position: usize, key: u64) {
         debug_assert_eq!(self.entries[position].0, key);
@@ -114,19 +115,6 @@ impl AddrMap {
             }
             i = (i + 1) & mask;
         }
-    }
-
-    /// Removes `key` if `remove` accepts its value; returns the value removed. (The block table
-    /// removes a block only if the free names its exact size.)
-    #[inline]
-    pub(crate) fn remove_if(&mut self, key: u64, remove: impl FnOnce(u32) -> bool) -> Option<u32> {
-        let i = self.find(key)?;
-        let value = self.entries[i].1;
-        if !remove(value) {
-            return None;
-        }
-        self.remove_at(i);
-        Some(value)
     }
 
     /// Empties entry `i` and shifts back the entries of its probe run that would no longer be
@@ -199,7 +187,10 @@ mod tests {
                 }
                 2 => {
                     let keep_odd = r & (1 << 40) != 0;
-                    let got = map.remove_if(key, |v| !keep_odd || v % 2 == 0);
+                    let got = map.position(key).and_then(|(at, v)| {
+                        (!keep_odd || v % 2 == 0).then(|| map.remove_position(at, key))?;
+                        Some(v)
+                    });
                     let want = match model.get(&key) {
                         Some(&v) if !keep_odd || v % 2 == 0 => model.remove(&key),
                         _ => None,

@@ -514,13 +514,8 @@ impl<T: BlockTag> BlockTable<T> {
     /// once the free is known to be good (the engine registers the freeing stream only then).
     #[inline]
     pub(crate) fn free_untagged(&mut self, addr: u64, size: u64) -> Option<FreedBlock> {
-        let blocks = &self.blocks;
-        let i = (self.used).remove_if(addr, |i| {
-            let b = &blocks[i as usize];
-            b.size == size && b.state == State::Used
-        })?;
-        self.blocks[i as usize].state = State::Free;
-        Some(FreedBlock(self.coalesce_and_file(i)))
+        let used = self.used_slot(addr, size)?;
+        Some(self.free_used(used))
     }
 
     // ===== the small-block cache =====
@@ -571,9 +566,9 @@ impl<T: BlockTag> BlockTable<T> {
         self.tags[i as usize] = tag;
     }
 
-    /// Frees block `used` into the free blocks, coalesced: the free block it ended in, whose
-    /// tag [`join_tag`](Self::join_tag) completes (as [`free_untagged`](Self::free_untagged),
-    /// with the block already found).
+    /// Frees block `used` (in use, or cached) into the free blocks, coalesced: the free block it
+    /// ended in, whose tag [`join_tag`](Self::join_tag) completes (as
+    /// [`free_untagged`](Self::free_untagged), with the block already found).
     #[inline]
     pub(crate) fn free_used(&mut self, used: UsedBlock) -> FreedBlock {
         let UsedBlock(i, position) = used;
@@ -583,14 +578,14 @@ impl<T: BlockTag> BlockTable<T> {
         FreedBlock(self.coalesce_and_file(i))
     }
 
-    /// Cached block `i` (out of the cache's lists already) out of the map of blocks in use and
-    /// into the free blocks with its tag, coalesced.
+    /// Cached block `i` (out of the cache's lists already) into the free blocks with its tag,
+    /// coalesced.
     fn release_cached(&mut self, i: u32) {
-        let addr = self.blocks[i as usize].addr;
-        let removed = self.used.remove_if(addr, |_| true);
-        debug_assert_eq!(removed, Some(i));
-        self.blocks[i as usize].state = State::Free;
-        self.coalesce_and_file(i);
+        let found = self.used.position(self.blocks[i as usize].addr);
+        debug_assert_eq!(found.map(|f| f.1), Some(i), "a cached block not in the map");
+        if let Some((position, _)) = found {
+            self.free_used(UsedBlock(i, position));
+        }
     }
 
     /// The block of exactly `size` bytes freed last into the small-block cache among those

@@ -520,29 +520,18 @@ impl<S: EngineStream> StreamHeap<S> {
             return false;
         };
         let mut heap = shard.lock();
-        if heap.free.caches(size) {
-            // Checked first: a refused free registers no stream.
-            let Some(used) = heap.free.used_slot(addr, size) else {
-                return false;
-            };
-            let slot = heap.slot(stream);
-            let tag = heap.freed_on(slot);
-            if heap.free.may_cache(&used, owner(slot)) {
-                heap.free.cache(used, tag);
-            } else {
-                let freed = heap.free.free_used(used);
-                heap.free.join_tag(freed, &tag);
-            }
-            heap.in_use -= size;
-            return true;
-        }
         // Checked first: a refused free registers no stream.
-        let Some(freed) = heap.free.free_untagged(addr, size) else {
+        let Some(used) = heap.free.used_slot(addr, size) else {
             return false;
         };
         let slot = heap.slot(stream);
         let tag = heap.freed_on(slot);
-        heap.free.join_tag(freed, &tag);
+        if heap.free.may_cache(&used, owner(slot)) {
+            heap.free.cache(used, tag);
+        } else {
+            let freed = heap.free.free_used(used);
+            heap.free.join_tag(freed, &tag);
+        }
         heap.in_use -= size;
         true
     }

@@ -163,6 +163,33 @@ fn aligned_parts_go_out_as_holes_and_come_back_coalesced() {
     assert_eq!(free, vec![(base + 3 * U, 61 * U)]);
 }
 
+/// The random tests' hole step: every 50th step (`r % 8 == 6`) cuts the granule-aligned holes
+/// out of the free blocks; `r % 8 == 7` gives one back.
+fn cut_or_fill(t: &mut BlockTable<Bits>, step: u64, r: u64, holes: &mut Vec<(u64, u64, Bits)>) {
+    if r % 8 == 6 && step.is_multiple_of(50) {
+        holes.extend(t.take_aligned(32 * U));
+    } else if r % 8 == 7 && !holes.is_empty() {
+        let (addr, size, tag) = holes.swap_remove((r >> 8) as usize % holes.len());
+        assert!(t.give_range(addr, size, tag), "step {step}");
+    }
+}
+
+/// The random tests' checks after each step: the invariants, and every byte free, in use
+/// (`used`) or cut out (`holes`).
+fn check_step(
+    t: &BlockTable<Bits>,
+    step: u64,
+    used: &[(u64, u64)],
+    holes: &[(u64, u64, Bits)],
+    total: u64,
+) {
+    t.check().unwrap_or_else(|e| panic!("step {step}: {e}"));
+    let in_use: u64 = used.iter().map(|u| u.1).sum();
+    let hollow: u64 = holes.iter().map(|h| h.1).sum();
+    assert_eq!(t.free_bytes() + in_use + hollow, total, "step {step}");
+    assert_eq!(t.used_bytes(), in_use, "step {step}");
+}
+
 /// Random takes, frees (good and bad), holes cut and filled, against a model of what is in
 /// use; the invariants after every step.
 #[test]
@@ -198,18 +225,10 @@ fn random_operations_keep_every_invariant() {
                 assert!(t.free(addr, size, Bits(1 << (step % 64))), "step {step}");
                 assert!(!t.free(addr, size, Bits(0)), "step {step}: second free");
             }
-            6 if step % 50 == 0 => holes.extend(t.take_aligned(32 * U)),
-            7 if !holes.is_empty() => {
-                let (addr, size, tag) = holes.swap_remove((r >> 8) as usize % holes.len());
-                assert!(t.give_range(addr, size, tag), "step {step}");
-            }
+            6 | 7 => cut_or_fill(&mut t, step, r, &mut holes),
             _ => {}
         }
-        t.check().unwrap_or_else(|e| panic!("step {step}: {e}"));
-        let in_use: u64 = used.iter().map(|u| u.1).sum();
-        let hollow: u64 = holes.iter().map(|h| h.1).sum();
-        assert_eq!(t.free_bytes() + in_use + hollow, total, "step {step}");
-        assert_eq!(t.used_bytes(), in_use, "step {step}");
+        check_step(&t, step, &used, &holes, total);
     }
 }
 
@@ -420,18 +439,10 @@ fn random_operations_with_the_cache_keep_every_invariant() {
                 );
                 assert!(!t.free(addr, size, Bits(0)), "step {step}: second free");
             }
-            6 if step % 50 == 0 => holes.extend(t.take_aligned(32 * U)),
-            7 if !holes.is_empty() => {
-                let (addr, size, tag) = holes.swap_remove((r >> 8) as usize % holes.len());
-                assert!(t.give_range(addr, size, tag), "step {step}");
-            }
+            6 | 7 => cut_or_fill(&mut t, step, r, &mut holes),
             _ => {}
         }
-        t.check().unwrap_or_else(|e| panic!("step {step}: {e}"));
-        let in_use: u64 = used.iter().map(|u| u.1).sum();
-        let hollow: u64 = holes.iter().map(|h| h.1).sum();
-        assert_eq!(t.free_bytes() + in_use + hollow, total, "step {step}");
-        assert_eq!(t.used_bytes(), in_use, "step {step}");
+        check_step(&t, step, &used, &holes, total);
     }
     assert!(t.cache_hits() > 100, "the cache served {}", t.cache_hits());
 }
