@@ -1,5 +1,6 @@
 # Sourced by the one-call GPU scripts (units.sh, expandable_ab.sh, cap_ab.sh, events_4t.sh,
-# flaky.sh, final.sh, placement_ab.sh, initial_ab.sh).
+# flaky.sh, final.sh, placement_ab.sh, initial_ab.sh, claim_ab.sh, cache_ab.sh, fastpath_ab.sh,
+# contended_ab.sh).
 
 # results NAME: logs go to $R ($OUT/r), tarred into $OUT/NAME.tgz when the script exits (the
 # device returns at most 8 files); the GPU and the date first.

@@ -548,13 +548,14 @@ impl<S: EngineStream> StreamHeap<S> {
 
     /// [`take`](Self::take) once the look at the shards whose lock was free found nothing:
     /// every shard again, waiting for each lock, before the growth lock. A busy shard is
-    /// another thread at work in its own memory, held for a request's length; the growth lock
-    /// may be held through a growth, a driver call of about 100 µs for 20 MiB. Four threads
-    /// grown from 256 MiB on an H100 (run57): of 190 requests a run that took the growth lock,
-    /// about 100 found a fit in a shard that had been busy, each after waiting for another
-    /// thread's growth; with this look first, 89 took it, and `churn-4t` ran 9% faster
-    /// (`churn-xs-4t` 7%). Not on every miss: waiting for each busy shard on each of a run's
-    /// thousands of misses cost `churn-4t` half again its time (run23).
+    /// another thread at work in its own memory, its lock held for one request; the growth
+    /// lock may be held through a growth, a driver call of about 100 µs for 20 MiB. Four
+    /// threads grown from 256 MiB on an H100: 190 requests a run took the growth lock, and
+    /// about half of them found a fit once they had it, after waiting there behind another
+    /// request; with this look first, 89 took it (run57), and `churn-4t` and `churn-xs-4t`
+    /// ran 7 to 9% faster (run57, run59; `BENCHMARKS.md`). Not on every miss: waiting for each
+    /// busy shard on each of a run's thousands of misses cost `churn-4t` half again its time
+    /// (run23).
     #[cold]
     fn take_contended(&self, size: u64, stream: &S, upstream: &impl Grow<S>) -> Result<u64> {
         match self.take_any(size, stream, true, upstream)? {
