@@ -67,6 +67,7 @@ mod blocks;
 mod chunks;
 mod expandable;
 mod order;
+use order::Orders;
 #[cfg(all(test, not(streamalloc_loom)))]
 mod order_tests;
 pub(crate) mod planted;
@@ -777,12 +778,13 @@ impl<S: EngineStream> StreamHeap<S> {
             return Ok(Some(addr));
         }
         let slot = heap.slot(stream);
-        let orders = self.orders_for(&mut heap, slot, &tag);
+        let mut orders = Orders::new();
+        self.orders_for(&mut heap, slot, &tag, &mut orders);
         if orders.is_empty() {
             return Ok(Some(addr));
         }
         drop(heap);
-        match self.order(shard, stream, slot, orders) {
+        match self.order(shard, stream, slot, &mut orders) {
             Ok(()) => Ok(Some(addr)),
             Err(e) => {
                 // The block goes back as it was: nothing is lost, and its tag still asks for

@@ -31,11 +31,20 @@ pub(super) struct Order<S> {
 impl<S: EngineStream> StreamHeap<S> {
     /// The orderings the stream in `slot` needs before it may use a block tagged `tag`, each
     /// with the stream's epoch already bumped (under the lock the caller holds: a free tagged
-    /// after this is not covered by the event the ordering records). Empty if it needs none.
-    pub(super) fn orders_for(&self, heap: &mut Heap<S>, slot: u32, tag: &Waits) -> Orders<S> {
-        let mut orders = Orders::new();
+    /// after this is not covered by the event the ordering records), pushed onto `orders`
+    /// (none if it needs none). Into the caller's list, not returned: the list is about 100
+    /// to 170 bytes inline, and a return moved it with a `memcpy` on every request that
+    /// reused another stream's memory (3% of `churn-xs-1t`'s instructions with the pass into
+    /// [`order`](Self::order)).
+    pub(super) fn orders_for(
+        &self,
+        heap: &mut Heap<S>,
+        slot: u32,
+        tag: &Waits,
+        orders: &mut Orders<S>,
+    ) {
         let Some(me) = heap.entry(slot) else {
-            return orders;
+            return;
         };
         let mut needed: SmallVec<[u32; 4]> = SmallVec::new();
         if tag.every() {
@@ -79,11 +88,10 @@ impl<S: EngineStream> StreamHeap<S> {
         if quiet > 0 {
             self.idle_skips.fetch_add(quiet, Ordering::Relaxed);
         }
-        orders
     }
 
     /// Makes `orders` for `stream` (in `slot` of `shard`), outside the shard's lock, then notes
-    /// what the stream has waited on. With opportunistic reuse, a freeing stream that is idle
+    /// what the stream has waited on; `orders` is left empty. With opportunistic reuse, a freeing stream that is idle
     /// (all its work finished: `cuStreamQuery`, one driver call instead of a record and a
     /// wait) needs no ordering, and it is noted as finished up to the epoch bumped before the
     /// question, for every stream. On an error, the orderings made so far stand (harmless: a
@@ -93,7 +101,7 @@ impl<S: EngineStream> StreamHeap<S> {
         shard: &Shard<S>,
         stream: &S,
         slot: u32,
-        orders: Orders<S>,
+        orders: &mut Orders<S>,
     ) -> Result<()> {
         let _span =
             tracing::debug_span!("stream_wait", to = %stream.name(), streams = orders.len())
@@ -103,7 +111,7 @@ impl<S: EngineStream> StreamHeap<S> {
         // the newcomer.
         let mut made: SmallVec<[Made; 4]> = SmallVec::new();
         let mut result = Ok(());
-        for order in orders {
+        for order in orders.drain(..) {
             // Read before the question: work queued after it would not be covered by an idle
             // answer, so it must show as a change of the count.
             let activity = order.stream.activity();

@@ -154,9 +154,10 @@ impl<S: EngineStream> StreamHeap<S> {
         let Some(stream) = heap.entry(slot).map(|e| e.stream.clone()) else {
             return Ok(None);
         };
-        let orders = self.orders_for(&mut heap, slot, tag);
+        let mut orders = Orders::new();
+        self.orders_for(&mut heap, slot, tag, &mut orders);
         drop(heap);
-        self.order(shard, &stream, slot, orders)?;
+        self.order(shard, &stream, slot, &mut orders)?;
         Ok(Some(stream))
     }
 }
