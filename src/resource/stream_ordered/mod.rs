@@ -551,10 +551,10 @@ impl<S: EngineStream> StreamHeap<S> {
     /// every shard again, waiting for each lock, before the growth lock. A busy shard is
     /// another thread at work in its own memory, its lock held for one request; the growth
     /// lock may be held through a growth, a driver call of about 100 µs for 20 MiB. Four
-    /// threads grown from 256 MiB on an H100: 190 requests a run took the growth lock, and
+    /// threads grown from 256 MiB on an H100: 170 to 190 requests a run took the growth lock, and
     /// about half of them found a fit once they had it, after waiting there behind another
-    /// request; with this look first, 89 took it (run57), and `churn-4t` and `churn-xs-4t`
-    /// ran 7 to 9% faster (run57, run59; `BENCHMARKS.md`). Not on every miss: waiting for each
+    /// request; with this look first, 72 to 89 took it (run57, run66), and `churn-4t` and
+    /// `churn-xs-4t` ran 1 to 9% faster (`BENCHMARKS.md`). Not on every miss: waiting for each
     /// busy shard on each of a run's thousands of misses cost `churn-4t` half again its time
     /// (run23).
     #[cold]
