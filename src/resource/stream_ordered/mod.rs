@@ -67,7 +67,6 @@ mod blocks;
 mod chunks;
 mod expandable;
 mod order;
-use order::Orders;
 #[cfg(all(test, not(streamalloc_loom)))]
 mod order_tests;
 pub(crate) mod planted;
@@ -81,6 +80,7 @@ mod waits;
 pub(crate) use blocks::BlockTable as BlockTableForLab;
 use blocks::{BlockTable, NO_OWNER};
 use chunks::ChunkTable;
+use order::Orders;
 pub(crate) use view::ListBlocks;
 pub(crate) use waits::Waits;
 
@@ -551,8 +551,8 @@ impl<S: EngineStream> StreamHeap<S> {
     /// every shard again, waiting for each lock, before the growth lock. A busy shard is
     /// another thread at work in its own memory, its lock held for one request; the growth
     /// lock may be held through a growth, a driver call of about 100 µs for 20 MiB. Four
-    /// threads grown from 256 MiB on an H100: 170 to 190 requests a run took the growth lock, and
-    /// about half of them found a fit once they had it, after waiting there behind another
+    /// threads grown from 256 MiB on an H100: 170 to 190 requests a run took the growth lock,
+    /// and about half of them found a fit once they had it, after waiting there behind another
     /// request; with this look first, 72 to 89 took it (run57, run66), and `churn-4t` and
     /// `churn-xs-4t` ran 1 to 9% faster (`BENCHMARKS.md`). Not on every miss: waiting for each
     /// busy shard on each of a run's thousands of misses cost `churn-4t` half again its time

@@ -91,11 +91,11 @@ impl<S: EngineStream> StreamHeap<S> {
     }
 
     /// Makes `orders` for `stream` (in `slot` of `shard`), outside the shard's lock, then notes
-    /// what the stream has waited on; `orders` is left empty. With opportunistic reuse, a freeing stream that is idle
-    /// (all its work finished: `cuStreamQuery`, one driver call instead of a record and a
-    /// wait) needs no ordering, and it is noted as finished up to the epoch bumped before the
-    /// question, for every stream. On an error, the orderings made so far stand (harmless: a
-    /// wait more), and the caller puts its block back.
+    /// what the stream has waited on; `orders` is left empty. With opportunistic reuse, a
+    /// freeing stream that is idle (all its work finished: `cuStreamQuery`, one driver call
+    /// instead of a record and a wait) needs no ordering, and it is noted as finished up to the
+    /// epoch bumped before the question, for every stream. On an error, the orderings made so
+    /// far stand (harmless: a wait more), and the caller puts its block back.
     pub(super) fn order(
         &self,
         shard: &Shard<S>,
