@@ -125,17 +125,17 @@ const CACHE_CLASSES: usize = (CACHE_MAX / ALIGNMENT as u64) as usize;
 ///
 /// Only a free by the block's *owner* (whoever took it, as the caller names it: the engine
 /// names the stream, and only in the thread's own shard) is kept
-/// ([`may_cache`](BlockTable::may_cache)): a block handed off to another stream, or freed into another
-/// thread's shard, would wait for a request that may never look for it. A cached block keeps
-/// its tag (the stream it was freed on and its epoch then), and the table hands it back only
+/// ([`may_cache`](BlockTable::may_cache)): a block handed off to another stream, or freed into
+/// another thread's shard, would wait for a request that may never look for it. A cached block
+/// keeps its tag (the stream it was freed on and its epoch then), and the table hands it back only
 /// to a caller that accepts the tag ([`take_cached`](BlockTable::take_cached): the engine
 /// accepts a block freed on the requester's own stream, which stream order covers); when none
 /// of its size is accepted, the last freed goes to the free blocks, coalesced and tagged as
 /// any free, so the cache turns over. The cache holds at most `budget` bytes and
 /// [`CACHE_DEPTH`] blocks of a size; a free past either goes to the free blocks. Whatever would
 /// grow the pool, trim it or move memory empties the cache first
-/// ([`uncache_all`](BlockTable::uncache_all)), and so does a request that finds no fit among the free blocks,
-/// so a cached block never costs a growth or strands memory.
+/// ([`uncache_all`](BlockTable::uncache_all)), and so does a request that finds no fit among
+/// the free blocks, so a cached block never costs a growth or strands memory.
 #[derive(Default)]
 struct Cache {
     /// Per size class (`size / ALIGNMENT - 1`), the slots of the blocks it holds, last freed
