@@ -94,6 +94,23 @@ fn one_pib_is_out_of_memory_and_the_pool_stays_usable() {
     }
 }
 
+/// The random mixes' free: a live block, picked by `rng`, freed on the stream it was allocated
+/// on or on another ordered behind that one first. Its size.
+fn free_one_at_random(
+    p: &PoolResource<CudaResource>,
+    live: &mut Vec<(DevicePtr, usize, usize)>,
+    streams: &[Stream],
+    rng: &mut SplitMix64,
+) -> usize {
+    let (ptr, size, s) = live.swap_remove((rng.next() % live.len() as u64) as usize);
+    let t = (rng.next() % streams.len() as u64) as usize;
+    if t != s {
+        streams[t].wait(&streams[s].record().unwrap()).unwrap();
+    }
+    free(p, ptr, size, &streams[t]);
+    size
+}
+
 /// The random mixes' end: every block still live freed on the stream it was allocated on, the
 /// invariants, and every byte the pool holds free again: its statistics.
 fn free_all_and_account(
@@ -131,13 +148,7 @@ fn random_mixes_keep_the_invariants() {
                 let ptr = p.allocate(size, &streams[s]).unwrap();
                 live.push((ptr, size, s));
             } else {
-                let (ptr, size, s) = live.swap_remove((rng.next() % live.len() as u64) as usize);
-                // Free on the same stream, or on another after ordering it behind the first.
-                let t = (rng.next() % 3) as usize;
-                if t != s {
-                    streams[t].wait(&streams[s].record().unwrap()).unwrap();
-                }
-                free(&p, ptr, size, &streams[t]);
+                free_one_at_random(&p, &mut live, &streams, &mut rng);
             }
             if step % 250 == 0 {
                 check_pool(&p);
@@ -640,13 +651,7 @@ fn random_small_blocks_through_the_cache_keep_the_invariants_at_every_step() {
                 live.push((ptr, size, s));
                 live_bytes += size;
             } else {
-                let (ptr, size, s) = live.swap_remove((rng.next() % live.len() as u64) as usize);
-                let t = (rng.next() % 3) as usize;
-                if t != s {
-                    streams[t].wait(&streams[s].record().unwrap()).unwrap();
-                }
-                free(&p, ptr, size, &streams[t]);
-                live_bytes -= size;
+                live_bytes -= free_one_at_random(&p, &mut live, &streams, &mut rng);
             }
             p.check_invariants()
                 .unwrap_or_else(|e| panic!("{}: step {step}: {e}", label(&device)));
