@@ -271,6 +271,14 @@ fn main() {
         Duration::from_millis(2),
         n,
     );
+    // The default before completion words (issue 18): every poll a driver query.
+    let no_words = CudaOptions {
+        completion_words: false,
+        ..CudaOptions::default()
+    };
+    for kernel in [Duration::from_micros(200), Duration::from_millis(2)] {
+        wake_latency(&rt, "no words", no_words.clone(), kernel, n);
+    }
     wake_latency(
         &rt,
         "low_latency",

@@ -329,7 +329,65 @@ fn flag_probe(
             "one poll: cuEventQuery {query_ns:.0} ns ({pending} of {polls} pending), flag load {flag_ns:.1} ns (sum {seen})"
         );
         stream.synchronize_blocking().unwrap();
+        queue_costs(stream, raw, event, dptr);
     }
     // SAFETY: nothing queued writes the block any more (the stream is synchronized).
     let _ = unsafe { result::free_host(host as *mut c_void) };
+}
+
+/// What queuing each way of writing a completion word costs the host (issue 18's completion
+/// words: the write follows every record), beside the record itself: 4,000 calls in each of 5
+/// batches on an idle stream, synchronized every 1,000; the median batch. A way the driver
+/// refuses is reported and skipped.
+fn queue_costs(stream: &streamalloc::Stream, raw: sys::CUstream, event: sys::CUevent, dptr: u64) {
+    println!("\nqueuing cost on the host, ns per call (median of 5 batches of 4,000)");
+    let time = |name: &str, call: &mut dyn FnMut(u32) -> sys::CUresult| {
+        let mut batches = vec![];
+        for b in 0..5u32 {
+            let start = Instant::now();
+            for i in 0..4_000u32 {
+                let r = call(b * 4_000 + i);
+                if r != sys::CUresult::CUDA_SUCCESS {
+                    stream.synchronize_blocking().unwrap();
+                    return println!("  {name:<44} refused: {r:?}");
+                }
+                if i % 1_000 == 999 {
+                    stream.synchronize_blocking().unwrap();
+                }
+            }
+            batches.push(start.elapsed().as_nanos() as f64 / 4_000.0);
+        }
+        batches.sort_by(f64::total_cmp);
+        println!("  {name:<44} {:>8.0}", batches[2]);
+    };
+    unsafe extern "C" fn nothing(_: *mut c_void) {}
+    // SAFETY (each call below): live handles; `dptr` maps the caller's pinned block, which
+    // outlives every write (the stream is synchronized before it is freed).
+    time("cuEventRecord", &mut |_| unsafe {
+        sys::cuEventRecord(event, raw)
+    });
+    time("cuStreamWriteValue32_v2 (barrier)", &mut |v| unsafe {
+        sys::cuStreamWriteValue32_v2(raw, dptr, v, 0)
+    });
+    time("cuStreamWriteValue32_v2 (no barrier)", &mut |v| unsafe {
+        sys::cuStreamWriteValue32_v2(
+            raw,
+            dptr,
+            v,
+            sys::CUstreamWriteValue_flags::CU_STREAM_WRITE_VALUE_NO_MEMORY_BARRIER as u32,
+        )
+    });
+    time("cuMemsetD32Async (one word)", &mut |v| unsafe {
+        sys::cuMemsetD32Async(dptr, v, 1, raw)
+    });
+    time("fill_u32 kernel (one word, Stream::fill_u32)", &mut |v| {
+        // SAFETY: `dptr` is the caller's pinned word, mapped for the device.
+        match unsafe { stream.fill_u32(streamalloc::DevicePtr(dptr), v, 1) } {
+            Ok(()) => sys::CUresult::CUDA_SUCCESS,
+            Err(_) => sys::CUresult::CUDA_ERROR_UNKNOWN,
+        }
+    });
+    time("cuLaunchHostFunc (a no-op)", &mut |_| unsafe {
+        sys::cuLaunchHostFunc(raw, Some(nothing), std::ptr::null_mut())
+    });
 }

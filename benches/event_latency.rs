@@ -33,13 +33,17 @@
 //! streams (no history to predict from), then a second on the same streams.
 //!
 //! ```text
-//! cargo bench --bench event_latency -- [--strategies backoff,spin,predict,prewake]
+//! cargo bench --bench event_latency -- [--strategies backoff,spin,predict,prewake,words]
 //!     [--kernels-us 20,200,2000,20000] [--samples 5000] [--cell-secs 5] [--prewake-us 250]
-//!     [--no-cpu] [--no-baseline] [--observer event|flag]
+//!     [--no-cpu] [--no-baseline] [--observer event|flag] [--target prewake|words|...]
 //! ```
 //! Strategies: `backoff` (`CudaOptions::backoff()`, the reactor before issue 18), `spin`
-//! (`low_latency()`), `predict` (`WakeStrategy::Predict`, no pre-wake), `prewake` (predict and
-//! pre-wake: `CudaOptions::default()` unless `--prewake-us` changes the lead). Each cell takes
+//! (`low_latency()`, with completion words), `predict` (`WakeStrategy::Predict`, no pre-wake,
+//! no words), `prewake` (predict and pre-wake, no words: the default before completion words),
+//! `words` (`prewake` with `CudaOptions::completion_words`: events polled by reading a word the
+//! GPU writes, not with `cuEventQuery`; `CudaOptions::default()` unless `--prewake-us` changes
+//! the lead). `--target` names the strategy checked against issue 18's targets (`words`, the
+//! default options). Each cell takes
 //! `min(samples, cell-secs / kernel)` samples (at least 100) after a warm-up of a tenth as many
 //! (at most 100). Runs on the GPU if there is one, else on the simulated device (whose figures
 //! only check the plumbing).
@@ -313,14 +317,22 @@ fn strategy(name: &str, prewake: Duration) -> CudaOptions {
         "predict" => CudaOptions {
             reactor_strategy: WakeStrategy::Predict,
             reactor_prewake: None,
+            completion_words: false,
             ..CudaOptions::default()
         },
         "prewake" => CudaOptions {
             reactor_strategy: WakeStrategy::Predict,
             reactor_prewake: Some(prewake),
+            completion_words: false,
             ..CudaOptions::default()
         },
-        other => panic!("unknown strategy {other}: backoff, spin, predict or prewake"),
+        "words" => CudaOptions {
+            reactor_strategy: WakeStrategy::Predict,
+            reactor_prewake: Some(prewake),
+            completion_words: true,
+            ..CudaOptions::default()
+        },
+        other => panic!("unknown strategy {other}: backoff, spin, predict, prewake or words"),
     }
 }
 
@@ -356,7 +368,7 @@ fn main() {
             .unwrap_or(250),
     );
     let strategies: Vec<String> = arg("--strategies")
-        .unwrap_or_else(|| "backoff,spin,predict,prewake".into())
+        .unwrap_or_else(|| "backoff,spin,predict,prewake,words".into())
         .split(',')
         .map(str::to_owned)
         .collect();
@@ -365,6 +377,8 @@ fn main() {
         .split(',')
         .map(|k| k.parse().expect("--kernels-us: µs, comma-separated"))
         .collect();
+    // `--target words`: the strategy whose figures are checked against issue 18's targets.
+    let target = arg("--target").unwrap_or_else(|| "words".into());
     // `--observer flag`: the observer spins on a flag the GPU writes (no driver call).
     let use_flag = arg("--observer").as_deref() == Some("flag");
     diag::install();
@@ -409,6 +423,22 @@ fn main() {
         }
     }
 
+    println!("\nwhat a record costs the recording thread (20,000 records on an idle stream, events dropped)");
+    for name in &strategies {
+        let device = open(strategy(name, prewake));
+        let stream = device.create_stream().unwrap();
+        for _ in 0..1_000 {
+            drop(stream.record().unwrap());
+        }
+        let start = Instant::now();
+        for _ in 0..20_000 {
+            drop(stream.record().unwrap());
+        }
+        let per = start.elapsed() / 20_000;
+        stream.synchronize_blocking().unwrap();
+        println!("  {name:<9} {per:>9.1?} a record");
+    }
+
     println!("\nwake latency after the event completed (µs figures: median p99)");
     println!(
         "{:<9} {:>8} {:>7}  {:^19}  {:^19}  {:>9}  {:>8} {:>8}",
@@ -433,14 +463,14 @@ fn main() {
             let ((mut to_waker, mut to_task, seen), reactor_ms, workers_ms) =
                 cpu_while(&reactor, || latency(&rt, &device, kernel, n, use_flag));
             host_stalls.push((name.clone(), kernel, spinner.stop()));
-            if name == "predict" || name == "prewake" {
+            if name == "predict" || name == "prewake" || name == "words" {
                 diagnosed.push((name.clone(), kernel, diag::take(), seen));
             }
             // Per sample, before the two lists are sorted apart.
             let runtime = sorted(to_task.iter().zip(&to_waker).map(|(t, w)| t - w).collect());
             to_waker.sort();
             to_task.sort();
-            if name == "prewake" {
+            if *name == target {
                 targets.push(Target::latency(kernel, &to_waker, &to_task));
             }
             println!(
@@ -468,7 +498,7 @@ fn main() {
     }
 
     if flag("--no-cpu") {
-        Target::report(&targets, prewake);
+        Target::report(&targets, prewake, &target);
         return;
     }
     println!("\nreactor CPU use, ms of CPU per s of wall time (1,000 events pending on 10 streams behind 1 s kernels)");
@@ -518,11 +548,11 @@ fn main() {
             ms(rounds[1].0),
             ms(rounds[1].1)
         );
-        if name == "prewake" {
+        if *name == target {
             targets.push(Target::cpu(idle, rounds[0].0, rounds[1].0));
         }
     }
-    Target::report(&targets, prewake);
+    Target::report(&targets, prewake, &target);
 }
 
 /// One of issue 18's targets for the default strategy, measured.
@@ -565,11 +595,16 @@ impl Target {
 
     /// Prints each target and whether it was met (only with the default pre-wake, the
     /// issue's "default options").
-    fn report(targets: &[Target], prewake: Duration) {
+    fn report(targets: &[Target], prewake: Duration, target: &str) {
         if targets.is_empty() || prewake != Duration::from_micros(250) {
             return;
         }
-        println!("\nissue 18's targets, the default options (prewake):");
+        let default = if target == "words" {
+            ", the default options"
+        } else {
+            ""
+        };
+        println!("\nissue 18's targets, {target}{default}:");
         for t in targets {
             println!("  {} {}", if t.met { "met    " } else { "NOT MET" }, t.what);
         }

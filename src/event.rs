@@ -7,7 +7,7 @@ use std::task::{Context, Poll};
 
 use crate::completion::{run_callback, Callback, Completion, Registration};
 use crate::device::StreamId;
-use crate::device::{cuda, sim, Backend, Device};
+use crate::device::{cuda, cuda_words, sim, Backend, Device};
 use crate::error::Result;
 use crate::reactor::Watch;
 use crate::sync::Arc;
@@ -43,6 +43,11 @@ pub(crate) struct EventInner {
     seq: u64,
     raw: RawEvent,
     completion: Completion,
+    /// Its stream's completion word, written right after it (`CudaOptions::completion_words`).
+    word: Option<Arc<cuda_words::Word>>,
+    /// When the driver was last asked about it while its word had not moved (ns, see
+    /// [`Word::query_due`](cuda_words::Word::query_due)). Std's: a rate, not a synchronization.
+    last_query: std::sync::atomic::AtomicU64,
 }
 
 impl Drop for EventInner {
@@ -64,7 +69,17 @@ impl Watch for EventInner {
 
     fn query(&self) -> Option<Result<()>> {
         match (&self.raw, self.device.backend()) {
-            (RawEvent::Cuda(e), Backend::Cuda(d)) => d.query(*e),
+            (RawEvent::Cuda(e), Backend::Cuda(d)) => {
+                if let Some(word) = &self.word {
+                    if word.reached(self.seq) {
+                        return Some(Ok(()));
+                    }
+                    if !cuda_words::Word::query_due(&self.last_query) {
+                        return None;
+                    }
+                }
+                d.query(*e)
+            }
             (RawEvent::Sim(m), _) => m.try_result(),
             _ => Some(Err(crate::device::mismatch())),
         }
@@ -110,6 +125,7 @@ impl Event {
         (stream, stream_alive): (StreamId, std::sync::Arc<std::sync::atomic::AtomicBool>),
         seq: u64,
         raw: RawEvent,
+        word: Option<Arc<cuda_words::Word>>,
     ) -> Event {
         Event {
             inner: Arc::new(EventInner {
@@ -119,6 +135,8 @@ impl Event {
                 seq,
                 raw,
                 completion: Completion::new(),
+                word,
+                last_query: std::sync::atomic::AtomicU64::new(0),
             }),
             key: None,
         }

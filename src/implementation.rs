@@ -181,7 +181,11 @@
 //! then between sleeps that double up to `reactor_max_sleep`; with nothing pending it parks.
 //! The details are in `src/reactor.rs`. The events of one stream complete in order, so it checks only each
 //! stream's oldest event; an event's sequence number is taken under the same lock as its
-//! driver record so that the order cannot invert.
+//! driver record so that the order cannot invert. A poll is a load, not a driver call: with
+//! [`CudaOptions::completion_words`](crate::CudaOptions::completion_words) (the default) the
+//! GPU writes each event's sequence number into its stream's word of pinned memory right after
+//! the event, and the driver is asked only every 100 µs about an event whose word has not
+//! moved (a failed stream never writes it).
 //!
 //! # Waiting for memory
 //!

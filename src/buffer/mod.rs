@@ -213,7 +213,7 @@ impl DeviceBuffer {
         // still sees every use and orders the free after each.
         let uses = self.uses.lock().clone();
         for other in &uses {
-            self.stream.wait(&other.record()?)?;
+            self.stream.wait(&other.record_unwatched()?)?;
         }
         let this = std::mem::ManuallyDrop::new(self);
         // SAFETY: `this` is never dropped, so each field is moved out exactly once (the
@@ -283,7 +283,7 @@ impl DeviceBuffer {
     pub fn set_stream(&mut self, stream: &Stream) -> Result<()> {
         check_device(&self.resource, stream)?;
         if stream.id() != self.stream.id() {
-            stream.wait(&self.stream.record()?)?;
+            stream.wait(&self.stream.record_unwatched()?)?;
             let old = std::mem::replace(&mut self.stream, stream.clone());
             self.add_use(old);
         }
@@ -329,7 +329,7 @@ impl DeviceBuffer {
     fn use_on_any_device(&self, other: &Stream) -> Result<()> {
         if other.id() != self.stream.id() {
             self.add_use(other.clone());
-            other.wait(&self.stream.record()?)?;
+            other.wait(&self.stream.record_unwatched()?)?;
         }
         Ok(())
     }

@@ -1,7 +1,8 @@
 //! Real GPUs, through cudarc's driver API with dynamic loading. With its siblings, the only
 //! files that call the driver: here the context, the device, streams and events, raw memory and
 //! the reactor's doorbells; `cuda_pools.rs` the stream-ordered pools, `cuda_work.rs` copies,
-//! memsets and kernels, `cuda_peer.rs` several GPUs, `cuda_vmm.rs` virtual memory.
+//! memsets and kernels, `cuda_peer.rs` several GPUs, `cuda_vmm.rs` virtual memory,
+//! `cuda_words.rs` the completion words the GPU writes after each event.
 //!
 //! Every call first makes the device's primary context current on the calling thread (a cheap
 //! check when it already is). Kernels come from the PTX the crate carries

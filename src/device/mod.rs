@@ -8,6 +8,7 @@ pub(crate) mod cuda;
 mod cuda_peer;
 mod cuda_pools;
 mod cuda_vmm;
+pub(crate) mod cuda_words;
 mod cuda_work;
 mod cudarc_interop;
 mod ids;
@@ -70,6 +71,19 @@ pub struct CudaOptions {
     /// this (a worker parked longer wakes more slowly: 500 µs behind 20 ms kernels). `None`:
     /// tasks are woken when the event completes.
     pub reactor_prewake: Option<Duration>,
+    /// Completion words (on by default): each stream gets a word of pinned host memory that
+    /// the GPU writes right after every event recorded on it
+    /// ([`Stream::record`](crate::Stream::record); `cuStreamWriteValue32`, one more driver
+    /// call per record, about 1.3 µs on an H100 host), so that the reactor and the tasks
+    /// polling an event read a word instead of calling `cuEventQuery`. Calls to the driver
+    /// from several threads at once wait for each other; a load does not, and p99 wake-ups
+    /// behind 20 µs to 20 ms kernels fell from 13 to 63 µs to 2 to 32 µs over eleven rounds on
+    /// four H100 hosts (`BENCHMARKS.md`, issue 18). The driver is still asked every 100 µs about an event whose
+    /// word has not moved, which reports a failed stream. An event whose word was written reads
+    /// complete (`Ok`) even if another stream's work has failed since (the driver's query
+    /// would report that sticky error). Off: every poll is a driver query, and records cost
+    /// what the driver's record does.
+    pub completion_words: bool,
 }
 
 /// When a CUDA device's completion reactor polls the GPU while events are pending. Measured
@@ -99,6 +113,7 @@ impl Default for CudaOptions {
             reactor_spin: Duration::from_micros(500),
             reactor_max_sleep: Duration::from_millis(1),
             reactor_prewake: Some(Duration::from_micros(250)),
+            completion_words: true,
         }
     }
 }
@@ -116,12 +131,13 @@ impl CudaOptions {
         }
     }
 
-    /// The reactor as it was before predictions ([`WakeStrategy::Backoff`], no pre-wake): for
-    /// comparison.
+    /// The reactor as it was before predictions ([`WakeStrategy::Backoff`], no pre-wake, no
+    /// completion words): for comparison.
     pub fn backoff() -> Self {
         Self {
             reactor_strategy: WakeStrategy::Backoff,
             reactor_prewake: None,
+            completion_words: false,
             ..Self::default()
         }
     }
@@ -148,6 +164,8 @@ pub(crate) struct DeviceInner {
     pub(crate) streams_created: AtomicU64,
     /// Pinned blocks for the buffers' host copies.
     pub(crate) staging: staging::Staging,
+    /// On CUDA with `CudaOptions::completion_words`, the pages of its streams' words.
+    pub(crate) words: Option<std::sync::Arc<cuda_words::Words>>,
 }
 
 impl Drop for DeviceInner {
@@ -214,6 +232,9 @@ impl Device {
 
     /// A device handle, with its reactor, on an opened CUDA backend.
     fn open_cuda(backend: cuda::CudaDevice, options: CudaOptions) -> Device {
+        let words = options
+            .completion_words
+            .then(|| cuda_words::Words::new(backend.ctx.clone()));
         let ordinal = backend.ordinal;
         let id = NEXT_DEVICE_ID.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
         let reactor = Reactor::start(
@@ -227,7 +248,7 @@ impl Device {
             total_memory = backend.total_memory,
             "opened CUDA device"
         );
-        Self::from_parts(id, Backend::Cuda(backend), reactor)
+        Self::from_parts(id, Backend::Cuda(backend), reactor, words)
     }
 
     /// An in-process simulated device with the same semantics as a GPU (see [`SimConfig`]).
@@ -239,10 +260,15 @@ impl Device {
         let reactor = (config.execution != SimExecution::Inline)
             .then(|| Reactor::start(format!("sa-reactor-{id}"), sim::SimDoorbells));
         let backend = sim::SimDevice::new(config, reactor.as_ref().map(Reactor::bell));
-        Self::from_parts(id, Backend::Sim(backend), reactor)
+        Self::from_parts(id, Backend::Sim(backend), reactor, None)
     }
 
-    fn from_parts(id: u64, backend: Backend, reactor: impl Into<Option<Reactor>>) -> Device {
+    fn from_parts(
+        id: u64,
+        backend: Backend,
+        reactor: impl Into<Option<Reactor>>,
+        words: Option<std::sync::Arc<cuda_words::Words>>,
+    ) -> Device {
         let cell = crate::sync::plain::OnceLock::new();
         if let Some(reactor) = reactor.into() {
             let _ = cell.set(reactor);
@@ -254,6 +280,7 @@ impl Device {
                 reactor: cell,
                 streams_created: AtomicU64::new(0),
                 staging: staging::Staging::default(),
+                words,
             }),
         }
     }

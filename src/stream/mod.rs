@@ -5,7 +5,7 @@ use std::time::Duration;
 
 use crate::device::sim::{HostPtr, Op};
 pub use crate::device::StreamId;
-use crate::device::{cuda, mismatch, sim, Backend, Device, DevicePtr, FaultKind};
+use crate::device::{cuda, cuda_words, mismatch, sim, Backend, Device, DevicePtr, FaultKind};
 use crate::error::{Error, Result};
 use crate::event::{Event, RawEvent};
 use crate::sync::{Arc, AtomicBool, AtomicU64, Mutex, Ordering};
@@ -76,6 +76,9 @@ struct StreamInner {
     /// or a stream made by cudarc): work may reach the stream unseen, so `activity` says
     /// nothing.
     exposed: AtomicBool,
+    /// On CUDA with `CudaOptions::completion_words`, the word the GPU writes each event's
+    /// sequence number into right after the event (written under `seq`'s lock, in order).
+    word: Option<Arc<cuda_words::Word>>,
 }
 
 /// A stream's handle lent to queue one operation ([`Stream::queue_handle`]); the operation
@@ -176,7 +179,21 @@ impl Stream {
                 alive: std::sync::Arc::new(std::sync::atomic::AtomicBool::new(true)),
                 activity: AtomicU64::new(0),
                 exposed: AtomicBool::new(false),
+                word: Self::new_word(device),
             }),
+        }
+    }
+
+    /// A completion word for a new stream of `device`, if it has them on; without one (the
+    /// driver refused a page) its events are polled through the driver, as they are without
+    /// the option.
+    fn new_word(device: &Device) -> Option<Arc<cuda_words::Word>> {
+        match device.inner.words.as_ref()?.word() {
+            Ok(word) => Some(Arc::new(word)),
+            Err(e) => {
+                tracing::warn!(error = %e, "no completion word for a new stream");
+                None
+            }
         }
     }
 
@@ -267,13 +284,40 @@ impl Stream {
 
     /// Records an event at this point of the stream: it completes when the stream gets there.
     /// On CUDA, events come from a per-device free list, so recording does not create one.
+    ///
+    /// With completion words on (`CudaOptions::completion_words`, the default), the GPU also
+    /// writes the event's number into the stream's word right after it: about 1.3 µs more per
+    /// record on an H100 host, for wake-ups that need no driver call.
     pub fn record(&self) -> Result<Event> {
+        self.record_with(true)
+    }
+
+    /// An event that nothing will poll: one only for another stream to wait on
+    /// ([`wait`](Self::wait)) or for a blocking synchronization. No completion word is
+    /// written for it.
+    pub(crate) fn record_unwatched(&self) -> Result<Event> {
+        self.record_with(false)
+    }
+
+    fn record_with(&self, watched: bool) -> Result<Event> {
         let device = &self.inner.device;
         // Uncontended unless threads record on this stream at once, when the driver
         // serializes the records anyway.
         let mut next = self.inner.seq.lock();
+        let mut word = None;
         let raw = match (&*self.queue_handle(), device.backend()) {
-            (RawStream::Cuda(s), Backend::Cuda(d)) => RawEvent::Cuda(d.record(*s)?),
+            (RawStream::Cuda(s), Backend::Cuda(d)) => {
+                let event = d.record(*s)?;
+                if let Some(w) = self.inner.word.as_ref().filter(|_| watched) {
+                    // Without the write the event is polled through the driver: slower to
+                    // notice, never wrong.
+                    match w.write(*s, *next) {
+                        Ok(()) => word = Some(w.clone()),
+                        Err(e) => tracing::debug!(error = %e, "completion word not written"),
+                    }
+                }
+                RawEvent::Cuda(event)
+            }
             (RawStream::Sim(s), Backend::Sim(d)) => {
                 d.fault(FaultKind::Record)?;
                 RawEvent::Sim(d.record(s)?)
@@ -290,6 +334,7 @@ impl Stream {
             (self.inner.id, self.inner.alive.clone()),
             seq,
             raw,
+            word,
         ))
     }
 
@@ -343,7 +388,7 @@ impl Stream {
                 };
                 d.wait(*l, event)
             }
-            _ => self.record().and_then(|event| later.wait(&event)),
+            _ => self.record_unwatched().and_then(|event| later.wait(&event)),
         }
     }
 

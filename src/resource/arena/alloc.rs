@@ -54,7 +54,11 @@ impl<U: MemoryResource> ArenaResource<U> {
                 continue;
             }
             // The free was issued on `r.stream` before now, so this event comes after it.
-            if let Err(e) = r.stream.record().and_then(|e| arena.stream.wait(&e)) {
+            if let Err(e) = r
+                .stream
+                .record_unwatched()
+                .and_then(|e| arena.stream.wait(&e))
+            {
                 arena.state.lock().remote.extend(remote);
                 return Err(e);
             }
@@ -331,7 +335,7 @@ impl<U: MemoryResource> ArenaResource<U> {
             // Recorded under the donor's lock: every block in its list was freed before.
             if let Err(e) = donor
                 .stream
-                .record()
+                .record_unwatched()
                 .and_then(|event| recipient.stream.wait(&event))
             {
                 return Some(Err(e));

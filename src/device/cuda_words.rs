@@ -1,0 +1,265 @@
+//! Completion words (issue 18): a word of pinned, device-mapped host memory per stream, which
+//! the GPU writes with an event's sequence number right after the event
+//! (`cuStreamWriteValue32`), so that whether the event completed is a load on the host, not a
+//! driver call (`cuEventQuery`: ~130 to 230 ns, and calls from several threads at once wait
+//! for each other in the driver: the reactor's hot window, a pre-woken task and anyone else).
+//! `CudaOptions::completion_words` turns them on.
+//!
+//! A word only ever says "reached": a stream whose work failed never writes it, so an event
+//! whose word has not moved is still asked of the driver now and then
+//! ([`QUERY_EVERY`]), which reports the failure.
+//!
+//! Lifetime: the GPU may write a word after everything on the host that refers to it has gone
+//! (a stream dropped with work queued). A word is therefore never freed or handed to another
+//! stream until it holds the last value queued to it ([`Words::retire`]); pages go back to the
+//! driver only when every word of theirs is settled, else they are leaked (with a warning)
+//! rather than freed under a pending write.
+
+use std::ffi::c_void;
+use std::sync::atomic::{AtomicU32, AtomicU64, Ordering};
+use std::sync::{Arc, Mutex};
+use std::time::Instant;
+
+use cudarc::driver::sys;
+
+use super::cuda::{raw, Context, RawStream};
+use crate::error::Result;
+
+/// Bytes a page of words takes (one `cuMemHostAlloc`).
+const PAGE: usize = 4096;
+/// Bytes between two words: a cache line each, so that the GPU's write of one stream's word
+/// does not take the line of another's from a host thread polling it.
+const STRIDE: usize = 64;
+const PER_PAGE: usize = PAGE / STRIDE;
+/// A word's value before its stream's first event (sequence number 0) is reached.
+const UNREACHED: u32 = u32::MAX;
+/// How often an event whose word has not moved is still asked of the driver, in ns: the
+/// longest a failed stream's error waits to be seen by a poll.
+pub(crate) const QUERY_EVERY: u64 = 100_000;
+
+/// Whether `word` (the last sequence number the GPU wrote, truncated) has reached `seq`. Exact
+/// while fewer than 2^31 events of the stream lie between them, which a pending event's stream
+/// cannot queue.
+fn reached(word: u32, seq: u64) -> bool {
+    (word.wrapping_sub(seq as u32) as i32) >= 0
+}
+
+/// Nanoseconds since the first call, for [`Word::query_due`].
+fn now_ns() -> u64 {
+    static BASE: std::sync::OnceLock<Instant> = std::sync::OnceLock::new();
+    BASE.get_or_init(Instant::now).elapsed().as_nanos() as u64
+}
+
+/// A device's pages of completion words. CUDA only, in no loom model: std's mutex and `Arc`.
+pub(crate) struct Words {
+    ctx: crate::sync::Arc<Context>,
+    slab: Mutex<Slab>,
+}
+
+#[derive(Default)]
+struct Slab {
+    /// (host address, device address) of each page.
+    pages: Vec<(usize, sys::CUdeviceptr)>,
+    /// Words no stream holds, settled: free to hand out.
+    free: Vec<u32>,
+    /// Words of streams gone, with the last value queued to each: free once it holds that.
+    retired: Vec<(u32, u32)>,
+}
+
+impl Slab {
+    fn host(&self, slot: u32) -> &AtomicU32 {
+        let (page, at) = (slot as usize / PER_PAGE, slot as usize % PER_PAGE);
+        // SAFETY: the page is a live pinned allocation of PAGE bytes (pages are freed only when
+        // the slab goes), `at * STRIDE` lies inside it and is 4-aligned, and every access to the
+        // word from the host is atomic (the GPU's write is a plain 32-bit store to it).
+        unsafe { AtomicU32::from_ptr((self.pages[page].0 + at * STRIDE) as *mut u32) }
+    }
+
+    fn device(&self, slot: u32) -> sys::CUdeviceptr {
+        let (page, at) = (slot as usize / PER_PAGE, slot as usize % PER_PAGE);
+        self.pages[page].1 + (at * STRIDE) as u64
+    }
+
+    /// Moves the retired words that hold their last value to the free list.
+    fn settle(&mut self) {
+        let mut i = 0;
+        while i < self.retired.len() {
+            let (slot, last) = self.retired[i];
+            if self.host(slot).load(Ordering::Acquire) == last {
+                self.retired.swap_remove(i);
+                self.free.push(slot);
+            } else {
+                i += 1;
+            }
+        }
+    }
+}
+
+impl Words {
+    pub(crate) fn new(ctx: crate::sync::Arc<Context>) -> Arc<Words> {
+        Arc::new(Words {
+            ctx,
+            slab: Mutex::new(Slab::default()),
+        })
+    }
+
+    /// A word for a new stream, reading [`UNREACHED`].
+    pub(crate) fn word(self: &Arc<Self>) -> Result<Word> {
+        let mut slab = self.slab.lock().unwrap_or_else(|e| e.into_inner());
+        slab.settle();
+        let slot = match slab.free.pop() {
+            Some(slot) => slot,
+            None => {
+                let (host, device) = self.new_page()?;
+                let first = (slab.pages.len() * PER_PAGE) as u32;
+                slab.pages.push((host, device));
+                slab.free.extend((first + 1..first + PER_PAGE as u32).rev());
+                first
+            }
+        };
+        let host = slab.host(slot);
+        // No write is pending to it: fresh, or settled.
+        host.store(UNREACHED, Ordering::Release);
+        Ok(Word {
+            words: self.clone(),
+            slot,
+            host: host as *const AtomicU32 as usize,
+            device: slab.device(slot),
+            last: AtomicU32::new(UNREACHED),
+        })
+    }
+
+    fn new_page(&self) -> Result<(usize, sys::CUdeviceptr)> {
+        self.ctx.bind()?;
+        let mut host: *mut c_void = std::ptr::null_mut();
+        // SAFETY: writes one host pointer into `host`; valid flags.
+        raw("cuMemHostAlloc", unsafe {
+            sys::cuMemHostAlloc(
+                &mut host,
+                PAGE,
+                sys::CU_MEMHOSTALLOC_PORTABLE | sys::CU_MEMHOSTALLOC_DEVICEMAP,
+            )
+        })?;
+        let mut device: sys::CUdeviceptr = 0;
+        // SAFETY: `host` was just allocated with DEVICEMAP; writes one device address.
+        let mapped = raw("cuMemHostGetDevicePointer", unsafe {
+            sys::cuMemHostGetDevicePointer_v2(&mut device, host, 0)
+        });
+        if let Err(e) = mapped {
+            // SAFETY: ours, just allocated, unused.
+            let _ = unsafe { sys::cuMemFreeHost(host) };
+            return Err(e);
+        }
+        Ok((host as usize, device))
+    }
+
+    fn retire(&self, slot: u32, last: u32) {
+        let mut slab = self.slab.lock().unwrap_or_else(|e| e.into_inner());
+        slab.retired.push((slot, last));
+    }
+}
+
+impl Drop for Words {
+    fn drop(&mut self) {
+        let slab = self.slab.get_mut().unwrap_or_else(|e| e.into_inner());
+        slab.settle();
+        let mut pending = vec![false; slab.pages.len()];
+        for &(slot, _) in &slab.retired {
+            pending[slot as usize / PER_PAGE] = true;
+        }
+        if self.ctx.bind().is_err() {
+            return;
+        }
+        for (&(host, _), pending) in slab.pages.iter().zip(pending) {
+            if pending {
+                tracing::warn!("a page of completion words leaked: the GPU may still write it");
+                continue;
+            }
+            // SAFETY: every word of the page is settled (its last queued write landed) and no
+            // `Word` holds one (each holds an `Arc` of this), so nothing writes or reads it.
+            let _ = unsafe { sys::cuMemFreeHost(host as *mut c_void) };
+        }
+    }
+}
+
+/// One stream's completion word.
+pub(crate) struct Word {
+    words: Arc<Words>,
+    slot: u32,
+    /// The host's view of it (an `&AtomicU32` into a page that outlives `words`' last `Arc`).
+    host: usize,
+    device: sys::CUdeviceptr,
+    /// The last value queued to it.
+    last: AtomicU32,
+}
+
+// The host address points into a pinned page the slab keeps alive at least as long as this
+// `Word` (it holds an `Arc` of the slab), and is only read atomically.
+impl Word {
+    fn host(&self) -> &AtomicU32 {
+        // SAFETY: see above: a live, aligned word, accessed only atomically.
+        unsafe { &*(self.host as *const AtomicU32) }
+    }
+
+    /// Queues the GPU's write of `seq` to the word on `stream`, after everything queued there
+    /// so far. The caller holds the stream's record lock, so values are queued in order.
+    pub(crate) fn write(&self, stream: RawStream, seq: u64) -> Result<()> {
+        self.words.ctx.bind()?;
+        // SAFETY: `stream` is live (the caller's), and `device` maps a word of a pinned page
+        // that stays allocated until this write has landed (see `Words::retire`). Flags 0: the
+        // write is ordered after the stream's earlier work and its memory (a barrier).
+        raw("cuStreamWriteValue32", unsafe {
+            sys::cuStreamWriteValue32_v2(stream.0, self.device, seq as u32, 0)
+        })?;
+        self.last.store(seq as u32, Ordering::Relaxed);
+        Ok(())
+    }
+
+    /// Whether the GPU has passed event `seq` of the stream (a write queued after it landed).
+    #[inline]
+    pub(crate) fn reached(&self, seq: u64) -> bool {
+        reached(self.host().load(Ordering::Acquire), seq)
+    }
+
+    /// Whether an event whose word has not moved is due to be asked of the driver (at most
+    /// once per [`QUERY_EVERY`] for the event whose last query time is `last`).
+    pub(crate) fn query_due(last: &AtomicU64) -> bool {
+        let now = now_ns();
+        let then = last.load(Ordering::Relaxed);
+        now.saturating_sub(then) >= QUERY_EVERY
+            && last
+                .compare_exchange(then, now, Ordering::Relaxed, Ordering::Relaxed)
+                .is_ok()
+    }
+}
+
+impl Drop for Word {
+    fn drop(&mut self) {
+        self.words
+            .retire(self.slot, self.last.load(Ordering::Relaxed));
+    }
+}
+
+// SAFETY: `host` is an address into pinned memory the slab owns, accessed only atomically;
+// `device` is an address, never dereferenced on the host.
+unsafe impl Send for Word {}
+// SAFETY: as above.
+unsafe impl Sync for Word {}
+
+#[cfg(test)]
+mod tests {
+    use super::reached;
+
+    #[test]
+    fn reached_follows_sequence_numbers_across_the_wrap() {
+        assert!(!reached(u32::MAX, 0), "a fresh word has reached nothing");
+        assert!(reached(0, 0));
+        assert!(reached(5, 3));
+        assert!(!reached(3, 5));
+        let far = (1u64 << 32) + 7;
+        assert!(reached(7, far));
+        assert!(reached(8, far));
+        assert!(!reached(6, far));
+        assert!(reached(2, (1u64 << 32) - 2), "past the wrap");
+    }
+}
