@@ -26,6 +26,8 @@
 //!   allocation before the memory goes back upstream, and a stop leaves no stale entry.
 //! - [`deferred_free`]: the countdown that frees a buffer used on several streams once all their
 //!   events completed (`release_after_all`), on the crate's `Completion`s.
+//! - [`words`]: the completion words' bookkeeping (`WordSlots`): a stream's word goes to a new
+//!   stream only after the GPU's last write for the old one landed (the GPU a thread).
 //! - [`races`]: how host threads that see an event reached tell the simulated device's race
 //!   detector (`SimMarker::seen_by_host`: join, then mark seen), on a copy of the protocol.
 //!
@@ -51,6 +53,7 @@ mod races;
 mod reactor;
 mod relocation;
 mod waiters;
+mod words;
 
 use std::task::{Wake, Waker};
 

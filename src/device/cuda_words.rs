@@ -11,9 +11,9 @@
 //!
 //! Lifetime: the GPU may write a word after everything on the host that refers to it has gone
 //! (a stream dropped with work queued). A word is therefore never freed or handed to another
-//! stream until it holds the last value queued to it ([`Words::retire`]); pages go back to the
-//! driver only when every word of theirs is settled, else they are leaked (with a warning)
-//! rather than freed under a pending write.
+//! stream until it holds the last value queued to it (`word_slots.rs`, which has a loom
+//! model); pages go back to the driver only when every word of theirs is settled, else they
+//! are leaked (with a warning) rather than freed under a pending write.
 
 use std::ffi::c_void;
 use std::sync::atomic::{AtomicU32, AtomicU64, Ordering};
@@ -23,6 +23,7 @@ use std::time::Instant;
 use cudarc::driver::sys;
 
 use super::cuda::{raw, Context, RawStream};
+use super::word_slots::WordSlots;
 use crate::error::Result;
 
 /// Bytes a page of words takes (one `cuMemHostAlloc`).
@@ -60,39 +61,23 @@ pub(crate) struct Words {
 struct Slab {
     /// (host address, device address) of each page.
     pages: Vec<(usize, sys::CUdeviceptr)>,
-    /// Words no stream holds, settled: free to hand out.
-    free: Vec<u32>,
-    /// Words of streams gone, with the last value queued to each: free once it holds that.
-    retired: Vec<(u32, u32)>,
+    /// Which words are free, held or waiting for a last write.
+    slots: WordSlots,
 }
 
-impl Slab {
-    fn host(&self, slot: u32) -> &AtomicU32 {
-        let (page, at) = (slot as usize / PER_PAGE, slot as usize % PER_PAGE);
-        // SAFETY: the page is a live pinned allocation of PAGE bytes (pages are freed only when
-        // the slab goes), `at * STRIDE` lies inside it and is 4-aligned, and every access to the
-        // word from the host is atomic (the GPU's write is a plain 32-bit store to it).
-        unsafe { AtomicU32::from_ptr((self.pages[page].0 + at * STRIDE) as *mut u32) }
-    }
+/// The host's view of word `slot` of `pages`.
+fn word_at(pages: &[(usize, sys::CUdeviceptr)], slot: u32) -> &AtomicU32 {
+    let (page, at) = (slot as usize / PER_PAGE, slot as usize % PER_PAGE);
+    // SAFETY: the page is a live pinned allocation of PAGE bytes (pages are freed only when the
+    // slab goes), `at * STRIDE` lies inside it and is 4-aligned, and every access to the word
+    // from the host is atomic (the GPU's write is a plain 32-bit store to it).
+    unsafe { AtomicU32::from_ptr((pages[page].0 + at * STRIDE) as *mut u32) }
+}
 
-    fn device(&self, slot: u32) -> sys::CUdeviceptr {
-        let (page, at) = (slot as usize / PER_PAGE, slot as usize % PER_PAGE);
-        self.pages[page].1 + (at * STRIDE) as u64
-    }
-
-    /// Moves the retired words that hold their last value to the free list.
-    fn settle(&mut self) {
-        let mut i = 0;
-        while i < self.retired.len() {
-            let (slot, last) = self.retired[i];
-            if self.host(slot).load(Ordering::Acquire) == last {
-                self.retired.swap_remove(i);
-                self.free.push(slot);
-            } else {
-                i += 1;
-            }
-        }
-    }
+/// The device's address of word `slot` of `pages`.
+fn device_at(pages: &[(usize, sys::CUdeviceptr)], slot: u32) -> sys::CUdeviceptr {
+    let (page, at) = (slot as usize / PER_PAGE, slot as usize % PER_PAGE);
+    pages[page].1 + (at * STRIDE) as u64
 }
 
 impl Words {
@@ -106,25 +91,23 @@ impl Words {
     /// A word for a new stream, reading [`UNREACHED`].
     pub(crate) fn word(self: &Arc<Self>) -> Result<Word> {
         let mut slab = self.slab.lock().unwrap_or_else(|e| e.into_inner());
-        slab.settle();
-        let slot = match slab.free.pop() {
+        let Slab { pages, slots } = &mut *slab;
+        let read = |slot: u32| word_at(pages, slot).load(Ordering::Acquire);
+        let slot = match slots.take(read) {
             Some(slot) => slot,
             None => {
-                let (host, device) = self.new_page()?;
-                let first = (slab.pages.len() * PER_PAGE) as u32;
-                slab.pages.push((host, device));
-                slab.free.extend((first + 1..first + PER_PAGE as u32).rev());
-                first
+                pages.push(self.new_page()?);
+                slots.add(PER_PAGE as u32)
             }
         };
-        let host = slab.host(slot);
+        let host = word_at(pages, slot);
         // No write is pending to it: fresh, or settled.
         host.store(UNREACHED, Ordering::Release);
         Ok(Word {
             words: self.clone(),
             slot,
             host: host as *const AtomicU32 as usize,
-            device: slab.device(slot),
+            device: device_at(pages, slot),
             last: AtomicU32::new(UNREACHED),
         })
     }
@@ -155,22 +138,22 @@ impl Words {
 
     fn retire(&self, slot: u32, last: u32) {
         let mut slab = self.slab.lock().unwrap_or_else(|e| e.into_inner());
-        slab.retired.push((slot, last));
+        slab.slots.retire(slot, last);
     }
 }
 
 impl Drop for Words {
     fn drop(&mut self) {
-        let slab = self.slab.get_mut().unwrap_or_else(|e| e.into_inner());
-        slab.settle();
-        let mut pending = vec![false; slab.pages.len()];
-        for &(slot, _) in &slab.retired {
+        let Slab { pages, slots } = self.slab.get_mut().unwrap_or_else(|e| e.into_inner());
+        slots.settle(|slot| word_at(pages, slot).load(Ordering::Acquire));
+        let mut pending = vec![false; pages.len()];
+        for slot in slots.unsettled() {
             pending[slot as usize / PER_PAGE] = true;
         }
         if self.ctx.bind().is_err() {
             return;
         }
-        for (&(host, _), pending) in slab.pages.iter().zip(pending) {
+        for (&(host, _), pending) in pages.iter().zip(pending) {
             if pending {
                 tracing::warn!("a page of completion words leaked: the GPU may still write it");
                 continue;

@@ -17,6 +17,7 @@ mod peer;
 pub(crate) mod sim;
 pub(crate) mod staging;
 pub(crate) mod vmm;
+pub(crate) mod word_slots;
 
 use std::fmt;
 use std::time::Duration;
