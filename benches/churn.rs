@@ -1,7 +1,7 @@
 //! The `churn` workloads of `shared/bench/WORKLOADS.md`, exactly: splitmix64, the same decision
 //! sequence for every allocator, and its checksums (allocations and bytes allocated).
 //!
-//! `cargo bench --bench churn [-- --resource pool|expandable|cuda-async|arena|binning|cuda|all] [--run RUN[,RUN..]|workloads|all] [--repeat N] [--initial MIB[,MIB..]]`
+//! `cargo bench --bench churn [-- --resource pool|expandable|cuda-async|arena|binning|cuda|all] [--run RUN[,RUN..]|workloads|all] [--repeat N] [--initial MIB[,MIB..]] [--completion-words on|off]`
 //!
 //! Runs: `churn-1t`, `churn-4t`, `churn-xs-1t`, `churn-xs-4t` (`workloads`: these four), and
 //! `scaling` (1, 2, 4 and 8 threads); `all` is every one.
@@ -215,7 +215,18 @@ fn pool_extra(s: &PoolStats, o: &Outcome) -> String {
 }
 
 fn main() {
-    let device = Device::default_device().expect("a device");
+    let mut device = Device::default_device().expect("a device");
+    // `--completion-words off`: the GPU's events polled through the driver, as before issue 18's
+    // completion words (the arena's guards are recorded and queried on its paths).
+    if arg("--completion-words", "on") == "off" {
+        if let Some(ordinal) = device.ordinal() {
+            let options = streamalloc::CudaOptions {
+                completion_words: false,
+                ..streamalloc::CudaOptions::default()
+            };
+            device = Device::cuda_with(ordinal, options).expect("the same GPU again");
+        }
+    }
     let resource = arg("--resource", "all");
     let which = arg("--run", "all");
     let repeat: usize = arg("--repeat", "1").parse().unwrap_or(1);

@@ -2,8 +2,9 @@
 //! stream's word goes to a new stream only after the GPU's last write to it for the old one
 //! has landed.
 //!
-//! The GPU is a thread that stores the old stream's last queued value into its word, at any
-//! point; one host thread drops the old stream (retires its slot), another makes a new stream
+//! The GPU is a thread that stores the old stream's two queued values into its word, in
+//! order, at any point (two, so that a settle that took any landed write for the last one
+//! would be caught); one host thread drops the old stream (retires its slot), another makes a new stream
 //! (takes a slot, or makes one, and sets its word to "nothing reached", as `Words::word` does).
 //! What must hold in every interleaving: once all three are done, the new stream's word still
 //! says "nothing reached". A late write landing on it would make the new stream's first event
@@ -21,8 +22,9 @@ use crate::sync::{Arc, Mutex, Ordering};
 
 /// What `Words::word` writes into a word it hands out.
 const UNREACHED: u32 = u32::MAX;
-/// The old stream's last queued value (its first event, number 0).
-const LAST: u32 = 0;
+/// The old stream's queued values: its first and second watched events.
+const FIRST: u32 = 0;
+const LAST: u32 = 1;
 
 struct Device {
     slots: Mutex<WordSlots>,
@@ -47,11 +49,14 @@ fn old_stream_gone_while_its_write_is_pending(seen: &Shared<Seen>) {
         slots: Mutex::new(WordSlots::default()),
         words: [AtomicU32::new(UNREACHED), AtomicU32::new(UNREACHED)],
     });
-    // The old stream holds slot 0 and has queued the write of LAST to it.
+    // The old stream holds slot 0 and has queued the writes of FIRST and LAST to it.
     let old = device.word();
     assert_eq!(old, 0);
     let d = device.clone();
-    let gpu = thread::spawn(move || d.words[old as usize].store(LAST, Ordering::Release));
+    let gpu = thread::spawn(move || {
+        d.words[old as usize].store(FIRST, Ordering::Release);
+        d.words[old as usize].store(LAST, Ordering::Release);
+    });
     let d = device.clone();
     let drop_old = thread::spawn(move || d.slots.lock().retire(old, LAST));
     let d = device.clone();

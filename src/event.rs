@@ -43,8 +43,9 @@ pub(crate) struct EventInner {
     seq: u64,
     raw: RawEvent,
     completion: Completion,
-    /// Its stream's completion word, written right after it (`CudaOptions::completion_words`).
-    word: Option<Arc<cuda_words::Word>>,
+    /// Its stream's completion word and the value written into it right after the event
+    /// (`CudaOptions::completion_words`).
+    word: Option<(Arc<cuda_words::Word>, u32)>,
     /// When the driver was last asked about it while its word had not moved (ns, see
     /// [`Word::query_due`](cuda_words::Word::query_due)). Std's: a rate, not a synchronization.
     last_query: std::sync::atomic::AtomicU64,
@@ -70,8 +71,8 @@ impl Watch for EventInner {
     fn query(&self) -> Option<Result<()>> {
         match (&self.raw, self.device.backend()) {
             (RawEvent::Cuda(e), Backend::Cuda(d)) => {
-                if let Some(word) = &self.word {
-                    if word.reached(self.seq) {
+                if let Some((word, value)) = &self.word {
+                    if word.reached(*value) {
                         return Some(Ok(()));
                     }
                     if !cuda_words::Word::query_due(&self.last_query) {
@@ -82,6 +83,19 @@ impl Watch for EventInner {
             }
             (RawEvent::Sim(m), _) => m.try_result(),
             _ => Some(Err(crate::device::mismatch())),
+        }
+    }
+
+    fn query_fresh(&self) -> Option<Result<()>> {
+        match (&self.raw, self.device.backend(), &self.word) {
+            (RawEvent::Cuda(e), Backend::Cuda(d), Some((word, value))) => {
+                if word.reached(*value) {
+                    return Some(Ok(()));
+                }
+                cuda_words::Word::queried(&self.last_query);
+                d.query(*e)
+            }
+            _ => self.query(),
         }
     }
 
@@ -125,7 +139,7 @@ impl Event {
         (stream, stream_alive): (StreamId, std::sync::Arc<std::sync::atomic::AtomicBool>),
         seq: u64,
         raw: RawEvent,
-        word: Option<Arc<cuda_words::Word>>,
+        word: Option<(Arc<cuda_words::Word>, u32)>,
     ) -> Event {
         Event {
             inner: Arc::new(EventInner {

@@ -90,8 +90,16 @@ pub(crate) trait Watch: Send + Sync {
     fn stream_id(&self) -> u64;
     /// Its place in that stream's record order.
     fn seq(&self) -> u64;
-    /// Asks the device, without blocking: `None` while the stream has not reached it.
+    /// Asks the device, without blocking: `None` while the stream has not reached it. With a
+    /// completion word (CUDA), a load, and a driver query at most every 100 µs.
     fn query(&self) -> Option<Result<()>>;
+    /// [`query`](Self::query), asking the driver whenever a completion word has not moved: for
+    /// the first poll after a sleep (a doorbell rang, or the sleep ended). The word can lag the
+    /// event by work another thread queued between the two, and the doorbell rings on the
+    /// event: a rate-limited poll would consume the ring and sleep on (a review's finding).
+    fn query_fresh(&self) -> Option<Result<()>> {
+        self.query()
+    }
     /// Its shared completion state.
     fn completion(&self) -> &Completion;
     /// Whether the stream it was recorded on still exists. For one that is gone (forgotten, or
@@ -126,6 +134,10 @@ impl<T: Watch + ?Sized> Watch for Arc<T> {
 
     fn query(&self) -> Option<Result<()>> {
         (**self).query()
+    }
+
+    fn query_fresh(&self) -> Option<Result<()>> {
+        (**self).query_fresh()
     }
 
     fn completion(&self) -> &Completion {
@@ -310,6 +322,18 @@ struct StreamQueue {
     hurried: Option<u64>,
 }
 
+impl StreamQueue {
+    /// Stops hurrying the tasks of the event hurried, if any, and if it is still watched. Not
+    /// always the head: an event of a lower number registered later goes in front of it.
+    fn unhurry(&mut self) {
+        if let Some(seq) = self.hurried.take() {
+            if let Some(entry) = self.events.iter().find(|e| e.event.seq() == seq) {
+                entry.event.completion().hurry(false);
+            }
+        }
+    }
+}
+
 /// The most streams' histories the predicting reactor keeps before it forgets those of streams
 /// with nothing pending.
 const MAX_HISTORIES: usize = 1024;
@@ -347,6 +371,7 @@ fn run(shared: Arc<Shared>, mut doorbells: impl Doorbells) {
         history: HashMap::new(),
         oversleep: predict::Oversleep::default(),
         hot_since: None,
+        fresh: false,
         sleep: FIRST_SLEEP,
     };
     loop {
@@ -392,6 +417,9 @@ struct Loop<D> {
     oversleep: predict::Oversleep,
     hot_since: Option<Instant>,
     sleep: Duration,
+    /// The thread slept since its last poll: the next one asks the driver about every head
+    /// whose completion word has not moved ([`Watch::query_fresh`]).
+    fresh: bool,
 }
 
 /// What the predictions ask of this turn.
@@ -431,7 +459,7 @@ impl<D: Doorbells> Loop<D> {
         }
 
         let history = self.predict.then_some(&mut self.history);
-        let progressed = poll_heads(&mut self.queues, history);
+        let progressed = poll_heads(&mut self.queues, history, std::mem::take(&mut self.fresh));
         if self.history.len() > MAX_HISTORIES {
             // Streams dropped while their events were pending teach a history after their
             // `forget` (stream ids are never reused, so nothing would remove it): keep only
@@ -445,6 +473,7 @@ impl<D: Doorbells> Loop<D> {
             }
             self.hot_since = None;
             shared.bell.wait(None);
+            self.fresh = true;
             return Turn::Again;
         }
         if progressed || registered {
@@ -532,6 +561,7 @@ impl<D: Doorbells> Loop<D> {
             }
             (_, timeout) => shared.bell.wait(timeout),
         }
+        self.fresh = true;
         Turn::Again
     }
 
@@ -547,17 +577,24 @@ impl<D: Doorbells> Loop<D> {
         let mut hot = false;
         let mut unpredicted = false;
         for (stream, queue) in &mut self.queues {
-            let Some(head) = queue.events.front() else {
+            let Some(head_seq) = queue.events.front().map(|h| h.event.seq()) else {
                 continue;
             };
+            // A hurried event that is no longer the head (one of a lower number was registered
+            // after it) must not stay hurried until it completes: its task would poll itself
+            // all that time, a worker's whole CPU.
+            if queue.hurried.is_some_and(|seq| seq != head_seq) {
+                queue.unhurry();
+            }
             let Some(history) = self.history.get(stream) else {
                 // No history (a new stream, or one dropped since): no pre-wake either. A head
                 // hurried before its stream's history went must not stay hurried, or its task
                 // would poll itself until the GPU gets there.
-                if queue.hurried.take().is_some() {
-                    head.event.completion().hurry(false);
-                }
+                queue.unhurry();
                 unpredicted = true;
+                continue;
+            };
+            let Some(head) = queue.events.front() else {
                 continue;
             };
             let start = history.start(head.watched.unwrap_or(now));
@@ -590,6 +627,7 @@ impl<D: Doorbells> Loop<D> {
 fn poll_heads(
     queues: &mut BTreeMap<u64, StreamQueue>,
     mut history: Option<&mut HashMap<u64, predict::History>>,
+    fresh: bool,
 ) -> bool {
     let now = history.is_some().then(Instant::now);
     let mut progressed = false;
@@ -605,7 +643,12 @@ fn poll_heads(
             // the reactor, later still).
             let mut seen_here = false;
             if event.completion().result().is_none() {
-                match event.query() {
+                let answer = if fresh {
+                    event.query_fresh()
+                } else {
+                    event.query()
+                };
+                match answer {
                     Some(result) => {
                         seen_here = true;
                         event

@@ -170,3 +170,63 @@ fn an_event_never_reads_complete_before_the_work_in_front_of_it() {
         stream.synchronize_blocking().unwrap();
     }
 }
+
+/// A record on a stream being captured into a graph (cudarc code can capture a stream whose
+/// handle went out) queues no word write: captured, the write would land at every launch of
+/// the graph, on any stream, and complete the stream's pending events early. Here the graph
+/// is launched on another stream while an event of the captured stream waits behind a 300 ms
+/// kernel. Fails with the capture check removed from `Stream::record` (a review's finding).
+#[test]
+fn a_graph_captured_from_a_stream_does_not_complete_its_events() {
+    use cudarc::driver::sys;
+    let Some(device) = gpu("a_graph_captured_from_a_stream_does_not_complete_its_events") else {
+        return;
+    };
+    let stream = device.create_stream().unwrap();
+    let other = device.create_stream().unwrap();
+    let (raw, raw_other) = (stream.cuda_stream().unwrap(), other.cuda_stream().unwrap());
+    stream.spin(Duration::from_millis(300)).unwrap();
+    let queued = std::time::Instant::now();
+    let pending = stream.record().unwrap();
+    let ok = sys::CUresult::CUDA_SUCCESS;
+    // SAFETY: a live stream of the current context; relaxed mode, so that other threads' calls
+    // (the tests beside this one) are not refused while it captures.
+    let begun = unsafe {
+        sys::cuStreamBeginCapture_v2(
+            raw,
+            sys::CUstreamCaptureMode::CU_STREAM_CAPTURE_MODE_RELAXED,
+        )
+    };
+    assert_eq!(begun, ok);
+    let captured = stream.record();
+    let mut graph: sys::CUgraph = std::ptr::null_mut();
+    // SAFETY: ends the capture begun above, writing the graph.
+    assert_eq!(unsafe { sys::cuStreamEndCapture(raw, &mut graph) }, ok);
+    let captured = captured.expect("a record while capturing");
+    let mut exec: sys::CUgraphExec = std::ptr::null_mut();
+    // SAFETY: a graph just captured; writes one executable graph.
+    assert_eq!(
+        unsafe { sys::cuGraphInstantiateWithFlags(&mut exec, graph, 0) },
+        ok
+    );
+    for _ in 0..3 {
+        // SAFETY: a live executable graph, on a live stream.
+        assert_eq!(unsafe { sys::cuGraphLaunch(exec, raw_other) }, ok);
+    }
+    other.synchronize_blocking().unwrap();
+    let early = pending.is_complete();
+    if queued.elapsed() < Duration::from_millis(250) {
+        assert!(
+            !early,
+            "an event behind a running kernel read complete after a graph launch"
+        );
+    }
+    stream.synchronize_blocking().unwrap();
+    assert!(pending.is_complete());
+    drop(captured);
+    // SAFETY: both ours, launched and finished (`other` is synchronized).
+    unsafe {
+        sys::cuGraphExecDestroy(exec);
+        sys::cuGraphDestroy(graph);
+    }
+}

@@ -328,6 +328,18 @@ impl CudaDevice {
         })
     }
 
+    /// Whether `stream` is being captured into a graph (`cuStreamIsCapturing`): work queued on
+    /// it now is not run, only recorded into the graph.
+    pub(crate) fn capturing(&self, stream: RawStream) -> Result<bool> {
+        self.ctx.bind()?;
+        let mut status = sys::CUstreamCaptureStatus::CU_STREAM_CAPTURE_STATUS_NONE;
+        // SAFETY: a live stream; writes one status.
+        raw("cuStreamIsCapturing", unsafe {
+            sys::cuStreamIsCapturing(stream.0, &mut status)
+        })?;
+        Ok(status != sys::CUstreamCaptureStatus::CU_STREAM_CAPTURE_STATUS_NONE)
+    }
+
     /// Whether all work queued on `stream` so far has completed (`cuStreamQuery`).
     pub(crate) fn stream_idle(&self, stream: RawStream) -> Result<bool> {
         self.ctx.bind()?;

@@ -1,5 +1,5 @@
 //! Completion words (issue 18): a word of pinned, device-mapped host memory per stream, which
-//! the GPU writes with an event's sequence number right after the event
+//! the GPU writes with a count of the stream's watched events right after each of them
 //! (`cuStreamWriteValue32`), so that whether the event completed is a load on the host, not a
 //! driver call (`cuEventQuery`: ~130 to 230 ns, and calls from several threads at once wait
 //! for each other in the driver: the reactor's hot window, a pre-woken task and anyone else).
@@ -32,17 +32,19 @@ const PAGE: usize = 4096;
 /// does not take the line of another's from a host thread polling it.
 const STRIDE: usize = 64;
 const PER_PAGE: usize = PAGE / STRIDE;
-/// A word's value before its stream's first event (sequence number 0) is reached.
+/// A word's value before its stream's first watched event (value 0) is reached.
 const UNREACHED: u32 = u32::MAX;
 /// How often an event whose word has not moved is still asked of the driver, in ns: the
 /// longest a failed stream's error waits to be seen by a poll.
 pub(crate) const QUERY_EVERY: u64 = 100_000;
 
-/// Whether `word` (the last sequence number the GPU wrote, truncated) has reached `seq`. Exact
-/// while fewer than 2^31 events of the stream lie between them, which a pending event's stream
-/// cannot queue.
-fn reached(word: u32, seq: u64) -> bool {
-    (word.wrapping_sub(seq as u32) as i32) >= 0
+/// Whether `word` (the last value the GPU wrote) has reached `value` (an event's). Values count
+/// the stream's watched events only (each one's write), so this is exact while fewer than 2^31
+/// watched events lie between the last write that landed and the event asked about: pending
+/// work of one stream, never near that many. (Counting every record instead, 2^31 records
+/// only waited on by other streams, which write nothing, would wrap it: a review's finding.)
+fn reached(word: u32, value: u32) -> bool {
+    (word.wrapping_sub(value) as i32) >= 0
 }
 
 /// Nanoseconds since the first call, for [`Word::query_due`].
@@ -184,35 +186,44 @@ impl Word {
         unsafe { &*(self.host as *const AtomicU32) }
     }
 
-    /// Queues the GPU's write of `seq` to the word on `stream`, after everything queued there
-    /// so far. The caller holds the stream's record lock, so values are queued in order.
-    pub(crate) fn write(&self, stream: RawStream, seq: u64) -> Result<()> {
+    /// Queues on `stream`, after everything queued there so far, the GPU's write of the next
+    /// value to the word, and returns that value: the event just recorded is reached once the
+    /// word reaches it. The caller holds the stream's record lock, so values are queued in
+    /// order. Not while the stream is being captured into a graph (the caller checks): every
+    /// launch of the graph would write the value again, completing later events early.
+    pub(crate) fn write(&self, stream: RawStream) -> Result<u32> {
         self.words.ctx.bind()?;
+        let value = self.last.load(Ordering::Relaxed).wrapping_add(1);
         // SAFETY: `stream` is live (the caller's), and `device` maps a word of a pinned page
         // that stays allocated until this write has landed (see `Words::retire`). Flags 0: the
         // write is ordered after the stream's earlier work and its memory (a barrier).
         raw("cuStreamWriteValue32", unsafe {
-            sys::cuStreamWriteValue32_v2(stream.0, self.device, seq as u32, 0)
+            sys::cuStreamWriteValue32_v2(stream.0, self.device, value, 0)
         })?;
-        self.last.store(seq as u32, Ordering::Relaxed);
-        Ok(())
+        self.last.store(value, Ordering::Relaxed);
+        Ok(value)
     }
 
-    /// Whether the GPU has passed event `seq` of the stream (a write queued after it landed).
+    /// Whether the GPU has passed the event whose write queued `value`.
     #[inline]
-    pub(crate) fn reached(&self, seq: u64) -> bool {
-        reached(self.host().load(Ordering::Acquire), seq)
+    pub(crate) fn reached(&self, value: u32) -> bool {
+        reached(self.host().load(Ordering::Acquire), value)
     }
 
     /// Whether an event whose word has not moved is due to be asked of the driver (at most
-    /// once per [`QUERY_EVERY`] for the event whose last query time is `last`).
+    /// once per [`QUERY_EVERY`] for the event whose last query time is `last`, 0 if never).
     pub(crate) fn query_due(last: &AtomicU64) -> bool {
-        let now = now_ns();
+        let now = now_ns().max(1);
         let then = last.load(Ordering::Relaxed);
-        now.saturating_sub(then) >= QUERY_EVERY
+        (then == 0 || now.saturating_sub(then) >= QUERY_EVERY)
             && last
                 .compare_exchange(then, now, Ordering::Relaxed, Ordering::Relaxed)
                 .is_ok()
+    }
+
+    /// Notes a driver query made now, whatever the rate (see `query_due`).
+    pub(crate) fn queried(last: &AtomicU64) {
+        last.store(now_ns().max(1), Ordering::Relaxed);
     }
 }
 
@@ -223,26 +234,17 @@ impl Drop for Word {
     }
 }
 
-// SAFETY: `host` is an address into pinned memory the slab owns, accessed only atomically;
-// `device` is an address, never dereferenced on the host.
-unsafe impl Send for Word {}
-// SAFETY: as above.
-unsafe impl Sync for Word {}
-
 #[cfg(test)]
 mod tests {
     use super::reached;
 
     #[test]
-    fn reached_follows_sequence_numbers_across_the_wrap() {
+    fn reached_follows_the_values_across_the_wrap() {
         assert!(!reached(u32::MAX, 0), "a fresh word has reached nothing");
         assert!(reached(0, 0));
         assert!(reached(5, 3));
         assert!(!reached(3, 5));
-        let far = (1u64 << 32) + 7;
-        assert!(reached(7, far));
-        assert!(reached(8, far));
-        assert!(!reached(6, far));
-        assert!(reached(2, (1u64 << 32) - 2), "past the wrap");
+        assert!(reached(2, u32::MAX - 1), "past the wrap");
+        assert!(!reached(u32::MAX - 1, 2), "before the wrap");
     }
 }

@@ -206,7 +206,7 @@ fn completions_found_by_others_teach_no_service_time() {
         event: Box::new(by_task),
         watched: Some(t0 + ms(3)),
     });
-    assert!(poll_heads(&mut queues, Some(&mut histories)));
+    assert!(poll_heads(&mut queues, Some(&mut histories), false));
     let history = &histories[&1];
     assert_eq!(
         history.samples(),
@@ -231,11 +231,69 @@ fn completions_found_by_others_teach_no_service_time() {
         event: Box::new(own.clone()),
         watched: Some(stamp),
     });
-    assert!(poll_heads(&mut queues, Some(&mut histories)));
+    assert!(poll_heads(&mut queues, Some(&mut histories), false));
     assert_eq!(own.completion.result(), Some(Ok(())));
     assert_eq!(
         histories[&1].samples().len(),
         2,
         "the reactor's own find teaches"
     );
+}
+
+/// An event hurried as its stream's head, then passed by an event of a lower number registered
+/// after it (tasks register in whatever order they are first polled), stops being hurried: its
+/// task would otherwise poll itself until its event completes, a worker's whole CPU.
+#[test]
+fn a_hurried_event_that_is_no_longer_the_head_is_not_hurried() {
+    let ms = Duration::from_millis;
+    let now = Instant::now();
+    let t0 = now.checked_sub(ms(60)).expect("60 ms of uptime");
+    let event = |seq| {
+        Arc::new(Timed {
+            stream: 1,
+            seq,
+            done_at: now + Duration::from_secs(3600),
+            completion: Completion::new(),
+        })
+    };
+    let (later, earlier) = (event(5), event(0));
+    // One service time of 20 ms, the last completion 40 ms ago: a head registered 20 ms ago is
+    // predicted now, inside its pre-wake.
+    let mut history = History::default();
+    history.completed(t0, t0 + ms(20), false);
+    let mut state = super::Loop {
+        spin: Duration::ZERO,
+        max_sleep: Some(ms(1)),
+        predict: true,
+        prewake: Some(ms(1)),
+        doorbells: Predicting,
+        queues: BTreeMap::new(),
+        history: HashMap::from([(1, history)]),
+        oversleep: super::predict::Oversleep::default(),
+        hot_since: None,
+        fresh: false,
+        sleep: super::FIRST_SLEEP,
+    };
+    let registered = Some(now - ms(20));
+    let queue = state.queues.entry(1).or_default();
+    queue.events.push_back(Entry {
+        event: Box::new(later.clone()),
+        watched: registered,
+    });
+    state.plan();
+    assert!(
+        later.completion.hurried(),
+        "the head near its prediction is hurried"
+    );
+    let queue = state.queues.entry(1).or_default();
+    queue.events.push_front(Entry {
+        event: Box::new(earlier.clone()),
+        watched: registered,
+    });
+    state.plan();
+    assert!(
+        !later.completion.hurried(),
+        "an event no longer the head stayed hurried"
+    );
+    assert!(earlier.completion.hurried(), "the new head is hurried");
 }

@@ -292,9 +292,9 @@ impl Stream {
         self.record_with(true)
     }
 
-    /// An event that nothing will poll: one only for another stream to wait on
-    /// ([`wait`](Self::wait)) or for a blocking synchronization. No completion word is
-    /// written for it.
+    /// An event that neither the reactor nor an awaiting task will poll: one only for another
+    /// stream to wait on ([`wait`](Self::wait)), for a blocking synchronization, or queried
+    /// now and then (the arena's guards). No completion word is written for it.
     pub(crate) fn record_unwatched(&self) -> Result<Event> {
         self.record_with(false)
     }
@@ -308,11 +308,17 @@ impl Stream {
         let raw = match (&*self.queue_handle(), device.backend()) {
             (RawStream::Cuda(s), Backend::Cuda(d)) => {
                 let event = d.record(*s)?;
-                if let Some(w) = self.inner.word.as_ref().filter(|_| watched) {
+                // A stream whose handle went out may be captured into a graph (by cudarc
+                // code): a write captured there would land at each launch of the graph, so
+                // none is queued then (the crate's own streams are never captured).
+                let captured = || {
+                    self.inner.exposed.load(Ordering::Relaxed) && d.capturing(*s).unwrap_or(true)
+                };
+                if let Some(w) = self.inner.word.as_ref().filter(|_| watched && !captured()) {
                     // Without the write the event is polled through the driver: slower to
                     // notice, never wrong.
-                    match w.write(*s, *next) {
-                        Ok(()) => word = Some(w.clone()),
+                    match w.write(*s) {
+                        Ok(value) => word = Some((w.clone(), value)),
                         Err(e) => tracing::debug!(error = %e, "completion word not written"),
                     }
                 }
