@@ -183,7 +183,7 @@
 //! stream's oldest event; an event's sequence number is taken under the same lock as its
 //! driver record so that the order cannot invert. A poll is a load, not a driver call: with
 //! [`CudaOptions::completion_words`](crate::CudaOptions::completion_words) (the default) the
-//! GPU writes each event's sequence number into its stream's word of pinned memory right after
+//! GPU writes a count of the stream's watched events into its word of pinned memory right after
 //! the event, and the driver is asked only every 100 µs about an event whose word has not
 //! moved (a failed stream never writes it).
 //!

@@ -58,8 +58,8 @@
 //! - `Spin`: a hot loop while anything is pending.
 //!
 //! What a poll asks, on CUDA: with completion words (`CudaOptions::completion_words`, the
-//! default; `device/cuda_words.rs`) the GPU writes each event's sequence number into a word of
-//! pinned memory of its stream right after the event, and a poll of the reactor or of a
+//! default; `device/cuda_words.rs`) the GPU writes a count of its stream's watched events into
+//! a word of pinned memory of the stream right after each, and a poll of the reactor or of a
 //! hurried task is a load of that word; the driver is asked (`cuEventQuery`) only every 100 µs
 //! about an event whose word has not moved, which is how a failed stream's error is seen.
 //! Without words every poll is a driver query, and queries from several threads at once (the

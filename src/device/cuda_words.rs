@@ -53,7 +53,8 @@ fn now_ns() -> u64 {
     BASE.get_or_init(Instant::now).elapsed().as_nanos() as u64
 }
 
-/// A device's pages of completion words. CUDA only, in no loom model: std's mutex and `Arc`.
+/// A device's pages of completion words. CUDA only, so std's mutex and `Arc`: the loom model
+/// (`loom-tests/words.rs`) drives the bookkeeping behind the mutex, [`WordSlots`], alone.
 pub(crate) struct Words {
     ctx: crate::sync::Arc<Context>,
     slab: Mutex<Slab>,

@@ -76,8 +76,8 @@ struct StreamInner {
     /// or a stream made by cudarc): work may reach the stream unseen, so `activity` says
     /// nothing.
     exposed: AtomicBool,
-    /// On CUDA with `CudaOptions::completion_words`, the word the GPU writes each event's
-    /// sequence number into right after the event (written under `seq`'s lock, in order).
+    /// On CUDA with `CudaOptions::completion_words`, the word the GPU writes right after each
+    /// watched event: the count of those written so far (queued under `seq`'s lock, in order).
     word: Option<Arc<cuda_words::Word>>,
 }
 
