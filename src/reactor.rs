@@ -64,7 +64,7 @@
 //! about an event whose word has not moved, which is how a failed stream's error is seen.
 //! Without words every poll is a driver query, and queries from several threads at once (the
 //! reactor's hot window, a hurried task, anyone else's) wait for each other in the driver:
-//! on five H100 hosts the words took p99 wake-ups to the task from 13 to 63 µs down to 2 to
+//! on four H100 hosts the words took p99 wake-ups to the task from 13 to 63 µs down to 2 to
 //! 32 µs (`BENCHMARKS.md`, issue 18). The reactor keeps one flag for them: its first poll after
 //! a sleep asks the driver about heads whose word has not moved ([`Watch::query_fresh`]), since
 //! a word can lag its event (work another thread queued between the record and the write) and

@@ -79,13 +79,14 @@ pub struct CudaOptions {
     /// polling an event read a word instead of calling `cuEventQuery`. Calls to the driver
     /// from several threads at once wait for each other; a load does not, and p99 wake-ups
     /// behind 20 µs to 20 ms kernels fell from 13 to 63 µs to 2 to 32 µs over twelve rounds on
-    /// five H100 hosts (on the two noisiest of the session, 112 to 126 µs at 200 µs in three
-    /// rounds of four: `BENCHMARKS.md`, issue 18). Events recorded only for another stream to
-    /// wait on write no word (the crate's own). The driver is still asked every 100 µs about an event whose
-    /// word has not moved, which reports a failed stream. An event whose word was written reads
-    /// complete (`Ok`) even if another stream's work has failed since (the driver's query
-    /// would report that sticky error). Off: every poll is a driver query, and records cost
-    /// what the driver's record does.
+    /// four H100 hosts (on the two noisiest of the session, 112 to 126 µs at 200 µs in three
+    /// rounds of four: `BENCHMARKS.md`, issue 18). The crate's own events that nothing polls
+    /// (those only for another stream to wait on) write no word. The driver is still asked
+    /// every 100 µs about an event whose word has not moved, which reports a failed stream.
+    /// An event whose word was written reads complete (`Ok`) even if another stream's work
+    /// has failed since (the driver's query would report that sticky error). No word is
+    /// written while a stream is captured into a graph. Off: every poll is a driver query, and
+    /// records cost what the driver's record does.
     pub completion_words: bool,
 }
 
