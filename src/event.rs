@@ -69,34 +69,11 @@ impl Watch for EventInner {
     }
 
     fn query(&self) -> Option<Result<()>> {
-        match (&self.raw, self.device.backend()) {
-            (RawEvent::Cuda(e), Backend::Cuda(d)) => {
-                if let Some((word, value)) = &self.word {
-                    if word.reached(*value) {
-                        return Some(Ok(()));
-                    }
-                    if !cuda_words::Word::query_due(&self.last_query) {
-                        return None;
-                    }
-                }
-                d.query(*e)
-            }
-            (RawEvent::Sim(m), _) => m.try_result(),
-            _ => Some(Err(crate::device::mismatch())),
-        }
+        self.ask(false)
     }
 
     fn query_fresh(&self) -> Option<Result<()>> {
-        match (&self.raw, self.device.backend(), &self.word) {
-            (RawEvent::Cuda(e), Backend::Cuda(d), Some((word, value))) => {
-                if word.reached(*value) {
-                    return Some(Ok(()));
-                }
-                cuda_words::Word::queried(&self.last_query);
-                d.query(*e)
-            }
-            _ => self.query(),
-        }
+        self.ask(true)
     }
 
     fn completion(&self) -> &Completion {
@@ -116,6 +93,29 @@ impl Watch for EventInner {
 }
 
 impl EventInner {
+    /// [`Watch::query`], or with `fresh` [`Watch::query_fresh`]: the completion word if the
+    /// event has one and it was reached; else the driver, at most every 100 µs for an event
+    /// with a word unless `fresh`.
+    fn ask(&self, fresh: bool) -> Option<Result<()>> {
+        match (&self.raw, self.device.backend()) {
+            (RawEvent::Cuda(e), Backend::Cuda(d)) => {
+                if let Some((word, value)) = &self.word {
+                    if word.reached(*value) {
+                        return Some(Ok(()));
+                    }
+                    if fresh {
+                        cuda_words::Word::queried(&self.last_query);
+                    } else if !cuda_words::Word::query_due(&self.last_query) {
+                        return None;
+                    }
+                }
+                d.query(*e)
+            }
+            (RawEvent::Sim(m), _) => m.try_result(),
+            _ => Some(Err(crate::device::mismatch())),
+        }
+    }
+
     /// The result, asking the device if it is not known yet (and recording what it says).
     fn check(&self) -> Option<Result<()>> {
         if let Some(result) = self.completion.result() {

@@ -5,26 +5,21 @@
 //! machine without one, each test prints why it checked nothing (with
 //! `STREAMALLOC_REQUIRE_GPU=1` a missing GPU fails instead).
 
+mod common;
+
 use std::time::Duration;
 
+use common::{gpu_with, runtime};
 use streamalloc::{CudaOptions, Device};
 
-/// GPU 0 with completion words on, or `None` (printed) without a GPU.
+/// GPU 0 with completion words on, or `None` (said) without a GPU: the simulated device has
+/// no words.
 fn gpu(test: &str) -> Option<Device> {
     let options = CudaOptions {
         completion_words: true,
         ..CudaOptions::default()
     };
-    match Device::cuda_with(0, options) {
-        Ok(device) => Some(device),
-        Err(why) => {
-            if std::env::var("STREAMALLOC_REQUIRE_GPU").as_deref() == Ok("1") {
-                panic!("STREAMALLOC_REQUIRE_GPU=1 but no GPU could be opened: {why}");
-            }
-            println!("{test}: skipped, no GPU ({why}): the simulated device has no words");
-            None
-        }
-    }
+    gpu_with(test, options)
 }
 
 /// Events behind kernels read pending while their kernel runs and complete after, in order,
@@ -34,11 +29,7 @@ fn events_complete_when_the_gpu_passes_them() {
     let Some(device) = gpu("events_complete_when_the_gpu_passes_them") else {
         return;
     };
-    let rt = tokio::runtime::Builder::new_multi_thread()
-        .worker_threads(2)
-        .enable_all()
-        .build()
-        .unwrap();
+    let rt = runtime();
     let streams: Vec<_> = (0..3).map(|_| device.create_stream().unwrap()).collect();
     for round in 0..20 {
         let mut events = vec![];

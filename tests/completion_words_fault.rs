@@ -6,9 +6,12 @@
 //! Needs a GPU; without one it prints why it checked nothing (with `STREAMALLOC_REQUIRE_GPU=1`
 //! a missing GPU fails instead).
 
+mod common;
+
 use std::time::Duration;
 
-use streamalloc::{CudaOptions, Device, DevicePtr};
+use common::{gpu_with, runtime};
+use streamalloc::{CudaOptions, DevicePtr};
 
 #[test]
 fn an_event_behind_a_faulting_kernel_resolves_with_the_error() {
@@ -16,21 +19,13 @@ fn an_event_behind_a_faulting_kernel_resolves_with_the_error() {
         completion_words: true,
         ..CudaOptions::default()
     };
-    let device = match Device::cuda_with(0, options) {
-        Ok(device) => device,
-        Err(why) => {
-            if std::env::var("STREAMALLOC_REQUIRE_GPU").as_deref() == Ok("1") {
-                panic!("STREAMALLOC_REQUIRE_GPU=1 but no GPU could be opened: {why}");
-            }
-            println!("skipped, no GPU ({why})");
-            return;
-        }
+    let Some(device) = gpu_with(
+        "an_event_behind_a_faulting_kernel_resolves_with_the_error",
+        options,
+    ) else {
+        return;
     };
-    let rt = tokio::runtime::Builder::new_multi_thread()
-        .worker_threads(2)
-        .enable_all()
-        .build()
-        .unwrap();
+    let rt = runtime();
     let stream = device.create_stream().unwrap();
     // A first event, reached: the word works on this stream.
     stream.spin(Duration::from_millis(1)).unwrap();

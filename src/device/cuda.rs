@@ -85,6 +85,33 @@ impl Context {
         self.cudarc.cu_ctx()
     }
 
+    /// [`CudaDevice::malloc_host`] in this context.
+    pub(crate) fn malloc_host(&self, bytes: usize) -> Result<*mut u8> {
+        self.bind()?;
+        let mut ptr: *mut c_void = std::ptr::null_mut();
+        // SAFETY: writes one host pointer into `ptr`; the flags are valid cuMemHostAlloc flags.
+        raw("cuMemHostAlloc", unsafe {
+            sys::cuMemHostAlloc(
+                &mut ptr,
+                bytes,
+                sys::CU_MEMHOSTALLOC_PORTABLE | sys::CU_MEMHOSTALLOC_DEVICEMAP,
+            )
+        })?;
+        Ok(ptr as *mut u8)
+    }
+
+    /// [`CudaDevice::free_host`] in this context.
+    ///
+    /// # Safety
+    /// As there: `ptr` came from `malloc_host`, is freed once, and nothing uses it any more.
+    pub(crate) unsafe fn free_host(&self, ptr: *mut u8) -> Result<()> {
+        self.bind()?;
+        // SAFETY: the caller's contract.
+        raw("cuMemFreeHost", unsafe {
+            sys::cuMemFreeHost(ptr as *mut c_void)
+        })
+    }
+
     /// Makes this context current on the calling thread, if it is not already.
     pub(crate) fn bind(&self) -> Result<()> {
         let mut current = MaybeUninit::uninit();
@@ -405,28 +432,15 @@ impl CudaDevice {
     /// context can use, mapped into the device's address space (with unified addressing the
     /// device address is the host address).
     pub(crate) fn malloc_host(&self, bytes: usize) -> Result<*mut u8> {
-        self.ctx.bind()?;
-        let mut ptr: *mut c_void = std::ptr::null_mut();
-        // SAFETY: writes one host pointer into `ptr`; the flags are valid cuMemHostAlloc flags.
-        raw("cuMemHostAlloc", unsafe {
-            sys::cuMemHostAlloc(
-                &mut ptr,
-                bytes,
-                sys::CU_MEMHOSTALLOC_PORTABLE | sys::CU_MEMHOSTALLOC_DEVICEMAP,
-            )
-        })?;
-        Ok(ptr as *mut u8)
+        self.ctx.malloc_host(bytes)
     }
 
     /// # Safety
     /// `ptr` came from `malloc_host`, is freed once, and no queued work and no host code uses
     /// it any more.
     pub(crate) unsafe fn free_host(&self, ptr: *mut u8) -> Result<()> {
-        self.ctx.bind()?;
         // SAFETY: the caller's contract.
-        raw("cuMemFreeHost", unsafe {
-            sys::cuMemFreeHost(ptr as *mut c_void)
-        })
+        unsafe { self.ctx.free_host(ptr) }
     }
 }
 

@@ -116,24 +116,16 @@ impl Words {
     }
 
     fn new_page(&self) -> Result<(usize, sys::CUdeviceptr)> {
-        self.ctx.bind()?;
-        let mut host: *mut c_void = std::ptr::null_mut();
-        // SAFETY: writes one host pointer into `host`; valid flags.
-        raw("cuMemHostAlloc", unsafe {
-            sys::cuMemHostAlloc(
-                &mut host,
-                PAGE,
-                sys::CU_MEMHOSTALLOC_PORTABLE | sys::CU_MEMHOSTALLOC_DEVICEMAP,
-            )
-        })?;
+        let host = self.ctx.malloc_host(PAGE)?;
         let mut device: sys::CUdeviceptr = 0;
-        // SAFETY: `host` was just allocated with DEVICEMAP; writes one device address.
+        // SAFETY: `host` was just allocated with DEVICEMAP (the context is current: the
+        // allocation bound it); writes one device address.
         let mapped = raw("cuMemHostGetDevicePointer", unsafe {
-            sys::cuMemHostGetDevicePointer_v2(&mut device, host, 0)
+            sys::cuMemHostGetDevicePointer_v2(&mut device, host as *mut c_void, 0)
         });
         if let Err(e) = mapped {
             // SAFETY: ours, just allocated, unused.
-            let _ = unsafe { sys::cuMemFreeHost(host) };
+            let _ = unsafe { self.ctx.free_host(host) };
             return Err(e);
         }
         Ok((host as usize, device))
@@ -153,9 +145,6 @@ impl Drop for Words {
         for slot in slots.unsettled() {
             pending[slot as usize / PER_PAGE] = true;
         }
-        if self.ctx.bind().is_err() {
-            return;
-        }
         for (&(host, _), pending) in pages.iter().zip(pending) {
             if pending {
                 tracing::warn!("a page of completion words leaked: the GPU may still write it");
@@ -163,7 +152,9 @@ impl Drop for Words {
             }
             // SAFETY: every word of the page is settled (its last queued write landed) and no
             // `Word` holds one (each holds an `Arc` of this), so nothing writes or reads it.
-            let _ = unsafe { sys::cuMemFreeHost(host as *mut c_void) };
+            if let Err(e) = unsafe { self.ctx.free_host(host as *mut u8) } {
+                tracing::warn!(error = %e, "could not free a page of completion words");
+            }
         }
     }
 }

@@ -11,20 +11,36 @@ use std::time::Duration;
 use streamalloc::resource::arena::ArenaResource;
 use streamalloc::resource::cuda::CudaResource;
 use streamalloc::resource::pool::{PoolOptions, PoolResource};
-use streamalloc::{Device, DevicePtr, MemoryResource, SimConfig, Stream};
+use streamalloc::{CudaOptions, Device, DevicePtr, MemoryResource, SimConfig, Stream};
 
 /// The simulated device, plus CUDA device 0 when there is one.
 pub fn devices() -> Vec<Device> {
     let mut devices = vec![Device::simulated(SimConfig::default())];
     match Device::cuda(0) {
         Ok(gpu) => devices.push(gpu),
-        Err(why) => {
-            if std::env::var("STREAMALLOC_REQUIRE_GPU").as_deref() == Ok("1") {
-                panic!("STREAMALLOC_REQUIRE_GPU=1 but no GPU could be opened: {why}");
-            }
-        }
+        Err(why) => fail_if_a_gpu_is_required(&why),
     }
     devices
+}
+
+/// CUDA device 0 opened with `options`, for a test that needs a GPU; `None` without one, and
+/// the test (`test`) says it checked nothing.
+pub fn gpu_with(test: &str, options: CudaOptions) -> Option<Device> {
+    match Device::cuda_with(0, options) {
+        Ok(gpu) => Some(gpu),
+        Err(why) => {
+            fail_if_a_gpu_is_required(&why);
+            println!("{test}: skipped, no GPU ({why})");
+            None
+        }
+    }
+}
+
+/// With `STREAMALLOC_REQUIRE_GPU=1`, a GPU that could not be opened fails the test.
+fn fail_if_a_gpu_is_required(why: &streamalloc::Error) {
+    if std::env::var("STREAMALLOC_REQUIRE_GPU").as_deref() == Ok("1") {
+        panic!("STREAMALLOC_REQUIRE_GPU=1 but no GPU could be opened: {why}");
+    }
 }
 
 /// A label for assertion messages.
