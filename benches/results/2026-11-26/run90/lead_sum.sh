@@ -1,0 +1,2 @@
+d=$1; shift
+for n in "$@"; do echo "=== $n"; awk '/^== /{r=$3} /^words +[0-9]/ && $3 ~ /^[0-9]+$/ {printf "r%s %s %s | ", r, $2, $7} /^words .*lead/ {for(i=1;i<=NF;i++) if($i=="tail") t=t" "$(i+1); c++; if(c%4==0){print " tails" t; t=""}}' $d/$n.txt; grep -A8 "reactor CPU use" $d/$n.txt | grep -E "^words" ; grep -E "^words +20ms|^words +20µs|^words +200µs|^words +2ms" $d/$n.txt | awk '$3 ~ /^[0-9]+$/ {w[$2]=w[$2]" "$10} END {for (k in w) print "  workers ms/s", k, w[k]}'; done
