@@ -12,6 +12,8 @@ use std::time::{Duration, Instant};
 
 /// Gaps shorter than this are the loop's own noise, not stalls.
 const NOTED: Duration = Duration::from_micros(10);
+/// How late counts as late: issue 18's p99 bound.
+const LATE: Duration = Duration::from_micros(50);
 
 /// The spinner, running until [`stop`](Self::stop).
 pub struct Spinner {
@@ -62,15 +64,26 @@ impl Stalls {
     /// spinning thread would have been at least 50 µs late (inside a stall with 50 µs or more
     /// of it left).
     pub fn summary(&self) -> String {
-        let limit = Duration::from_micros(50);
-        let long: Vec<Duration> = self.gaps.iter().copied().filter(|g| *g >= limit).collect();
-        let late: Duration = long.iter().map(|g| *g - limit).sum();
-        let secs = self.wall.as_secs_f64().max(1e-9);
+        let long = self.gaps.iter().filter(|g| **g >= LATE).count();
         format!(
             "stalls >= 50µs {:.1}/s, longest {:.1?}, 50µs late at {:.3}% of instants",
-            long.len() as f64 / secs,
+            long as f64 / self.secs(),
             self.gaps.iter().max().copied().unwrap_or_default(),
-            late.as_secs_f64() / secs * 100.0
+            self.late_share()
         )
+    }
+
+    /// The share of instants (%) at which a spinning thread would have been at least 50 µs
+    /// late.
+    pub fn late_share(&self) -> f64 {
+        let late: Duration = (self.gaps.iter())
+            .filter(|g| **g >= LATE)
+            .map(|g| *g - LATE)
+            .sum();
+        late.as_secs_f64() / self.secs() * 100.0
+    }
+
+    fn secs(&self) -> f64 {
+        self.wall.as_secs_f64().max(1e-9)
     }
 }
