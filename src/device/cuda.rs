@@ -20,6 +20,8 @@ use crate::reactor::{Bell, Doorbells, Watch};
 use crate::sync::plain::OnceLock;
 use crate::sync::{Arc, Mutex};
 
+use super::cuda_opened::Opened;
+
 /// The PTX of `kernels/streamalloc.cu`, NUL-terminated for `cuModuleLoadData`.
 const PTX: &str = concat!(include_str!("../../kernels/streamalloc.ptx"), "\0");
 
@@ -65,7 +67,7 @@ pub(crate) struct Context {
 impl Context {
     /// The primary context of GPU `ordinal` (cudarc retains it). The caller checked that the
     /// driver is there (`CudaContext::new` panics without it).
-    fn open(ordinal: usize) -> Result<Self> {
+    pub(super) fn open(ordinal: usize) -> Result<Self> {
         let cudarc = cudarc::driver::CudaContext::new(ordinal)
             .map_err(|e| Error::driver("cuDevicePrimaryCtxRetain", e))?;
         Ok(Self { cudarc })
@@ -144,6 +146,7 @@ pub(crate) type RawEvent = Handle<sys::CUevent>;
 /// A driver memory pool (`cuMemPoolCreate`).
 pub(crate) type RawPool = Handle<sys::CUmemoryPool>;
 
+#[derive(Clone)]
 pub(super) struct Kernels {
     pub(super) module: sys::CUmodule,
     pub(super) fill_u32: sys::CUfunction,
@@ -156,7 +159,20 @@ pub(super) struct Kernels {
     pub(super) count_mismatches_u32: Result<sys::CUfunction>,
 }
 
+impl Kernels {
+    /// Unloads the module, in its context (the caller's current one). Its functions must not
+    /// be launched after.
+    pub(super) fn unload(&self) {
+        // SAFETY: the module was loaded by `load_kernels` and is unloaded once, by the one
+        // owner of these handles (`Opened`), when no device can launch its functions any more.
+        let _ = unsafe { result::module::unload(self.module) };
+    }
+}
+
 pub(crate) struct CudaDevice {
+    /// The context, the kernels and the stream this device shares with the others opened on
+    /// its GPU (`cuda_opened.rs`); `ctx` and `kernels` are copies of its handles.
+    _opened: std::sync::Arc<Opened>,
     pub(crate) ctx: Arc<Context>,
     pub(crate) ordinal: usize,
     pub(crate) name: String,
@@ -170,12 +186,6 @@ pub(crate) struct CudaDevice {
     events: Mutex<Vec<RawEvent>>,
     /// The driver pool behind `malloc_async`, made on first use.
     pub(super) pool: OnceLock<RawPool>,
-    /// A cudarc stream held for the device's life: cudarc synchronizes the whole context
-    /// (`cuCtxSynchronize`) whenever its count of live streams of a context goes up from zero
-    /// (with event tracking, its default), so without this a `create_stream` after every
-    /// stream was dropped would wait for all the work of the context, other libraries'
-    /// included (a review's finding). With it, that happens once, here.
-    _streams_alive: std::sync::Arc<cudarc::driver::CudaStream>,
 }
 
 // SAFETY: the module, function and pool handles are driver handles usable from any thread once
@@ -190,12 +200,17 @@ impl CudaDevice {
         if ordinal >= count {
             return Err(Error::InvalidDevice { ordinal, count });
         }
-        Self::on_context(Context::open(ordinal)?)
+        Self::with(Opened::of_gpu(ordinal)?)
     }
 
-    /// The device of a context: its primary one (`open`) or one a cudarc user made.
+    /// The device of a context a cudarc user made (its own kernels and first stream: see
+    /// `first_stream` for why those of `open` are shared).
     pub(crate) fn on_context(ctx: Context) -> Result<Self> {
-        let ctx = Arc::new(ctx);
+        Self::with(std::sync::Arc::new(Opened::new(ctx, false)?))
+    }
+
+    fn with(opened: std::sync::Arc<Opened>) -> Result<Self> {
+        let ctx = opened.ctx.clone();
         ctx.bind()?;
         let ordinal = ctx.cudarc().ordinal();
         let dev = ctx.cudarc().cu_device();
@@ -220,25 +235,54 @@ impl CudaDevice {
             )
         }
         .map_err(|e| Error::driver("cuDeviceGetAttribute", e))?;
-        let kernels = Self::load_kernels()?;
-        let streams_alive = (ctx.cudarc())
-            .new_stream()
-            .map_err(|e| Error::driver("cuStreamCreate", e))?;
         Ok(Self {
+            kernels: opened.kernels.clone(),
+            _opened: opened,
             ctx,
             ordinal,
             name,
             total_memory,
             multiprocessors: multiprocessors.max(1) as u32,
             clock_khz: clock_khz.max(0) as u64,
-            kernels,
             events: Mutex::new(Vec::new()),
             pool: OnceLock::new(),
-            _streams_alive: streams_alive,
         })
     }
 
-    fn load_kernels() -> Result<Kernels> {
+    /// The stream the devices of a context hold while any lives (`Opened`), so that cudarc
+    /// counts one stream of the context from the start (`create_stream`).
+    ///
+    /// cudarc synchronizes the whole context (`cuCtxSynchronize`) when a handle of it makes
+    /// its first stream, the switch to its multi-stream event tracking. `open` made a new
+    /// handle of the primary context for every device: each open waited for all the process's
+    /// work on that GPU, and on an H100 that `cuCtxSynchronize` crashed inside the driver (a
+    /// null dereference) twice in about 190 runs of the `base_resources` tests, whose threads
+    /// open devices while others work (tenth session). The devices of a GPU now share one
+    /// handle (`cuda_opened.rs`); and on a handle of our own (`own`), made just now, no cudarc
+    /// slice exists, so no use of one needs that synchronization: event tracking is off while
+    /// the stream is made, and no slice can be made in that window, since nothing else holds
+    /// the handle yet. A cudarc user's context keeps cudarc's rule.
+    pub(super) fn first_stream(
+        ctx: &Context,
+        own: bool,
+    ) -> Result<std::sync::Arc<cudarc::driver::CudaStream>> {
+        let cudarc = ctx.cudarc();
+        let skip = own && cudarc.is_event_tracking() && !cudarc.is_in_multi_stream_mode();
+        if skip {
+            // SAFETY: see above: tracking is off only for this call, on a handle no one else
+            // holds yet, on which no `CudaSlice` exists or can be made meanwhile.
+            unsafe { cudarc.disable_event_tracking() };
+        }
+        let stream = cudarc.new_stream();
+        if skip {
+            // SAFETY: turned back on before the handle is shared; slices made from now on are
+            // tracked, and none was made while it was off.
+            unsafe { cudarc.enable_event_tracking() };
+        }
+        stream.map_err(|e| Error::driver("cuStreamCreate", e))
+    }
+
+    pub(super) fn load_kernels() -> Result<Kernels> {
         // SAFETY: PTX is a NUL-terminated PTX image; the context is current.
         let module = unsafe { result::module::load_data(PTX.as_ptr() as *const c_void) }
             .map_err(|e| Error::driver("cuModuleLoadData", e))?;
@@ -282,8 +326,9 @@ impl CudaDevice {
     /// `Stream` holds cudarc's `Arc`, so that handing it to cudarc (`Stream::cudarc_stream`)
     /// is an `Arc` clone, and the driver's stream is destroyed (work already queued still
     /// runs, the driver's own rule) when the last holder on either side lets go. (cudarc
-    /// synchronizes the context when its count of live streams goes up from zero: the device
-    /// holds one stream for its life, so that happens once, at its creation.)
+    /// synchronizes the context when its count of live streams goes up from zero: the devices
+    /// of a GPU hold one stream while any lives, made by [`first_stream`](Self::first_stream),
+    /// so that never happens here.)
     pub(crate) fn create_stream(
         &self,
     ) -> Result<(RawStream, std::sync::Arc<cudarc::driver::CudaStream>)> {
@@ -457,8 +502,7 @@ impl Drop for CudaDevice {
             // SAFETY: every `Device` handle is gone, so nothing allocates from it any more.
             unsafe { self.destroy_pool(*pool) };
         }
-        // SAFETY: no function of the module can be launched once the device is gone.
-        let _ = unsafe { result::module::unload(self.kernels.module) };
+        // The kernels' module goes with the last device of the GPU (`Opened`).
     }
 }
 

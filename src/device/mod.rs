@@ -5,6 +5,7 @@
 //! thread (see `reactor.rs`).
 
 pub(crate) mod cuda;
+mod cuda_opened;
 mod cuda_peer;
 mod cuda_pools;
 mod cuda_vmm;
