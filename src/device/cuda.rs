@@ -2,11 +2,13 @@
 //! files that call the driver: here the context, the device, streams and events, raw memory and
 //! the reactor's doorbells; `cuda_pools.rs` the stream-ordered pools, `cuda_work.rs` copies,
 //! memsets and kernels, `cuda_peer.rs` several GPUs, `cuda_vmm.rs` virtual memory,
-//! `cuda_words.rs` the completion words the GPU writes after each event.
+//! `cuda_words.rs` the completion words the GPU writes after each event, `cuda/opened.rs` what
+//! the devices opened on one GPU share.
 //!
 //! Every call first makes the device's primary context current on the calling thread (a cheap
 //! check when it already is). Kernels come from the PTX the crate carries
-//! (`kernels/streamalloc.ptx`), loaded once per device, so no toolkit or NVRTC is needed.
+//! (`kernels/streamalloc.ptx`), loaded once per GPU while any of its devices lives (once per
+//! device on a cudarc user's context), so no toolkit or NVRTC is needed.
 
 use std::collections::HashMap;
 use std::ffi::{c_void, CStr};
@@ -20,7 +22,9 @@ use crate::reactor::{Bell, Doorbells, Watch};
 use crate::sync::plain::OnceLock;
 use crate::sync::{Arc, Mutex};
 
-use super::cuda_opened::Opened;
+mod opened;
+
+use opened::Opened;
 
 /// The PTX of `kernels/streamalloc.cu`, NUL-terminated for `cuModuleLoadData`.
 const PTX: &str = concat!(include_str!("../../kernels/streamalloc.ptx"), "\0");
@@ -171,7 +175,7 @@ impl Kernels {
 
 pub(crate) struct CudaDevice {
     /// The context, the kernels and the stream this device shares with the others opened on
-    /// its GPU (`cuda_opened.rs`); `ctx` and `kernels` are copies of its handles.
+    /// its GPU (`cuda/opened.rs`); `ctx` and `kernels` are copies of its handles.
     _opened: std::sync::Arc<Opened>,
     pub(crate) ctx: Arc<Context>,
     pub(crate) ordinal: usize,
@@ -258,7 +262,7 @@ impl CudaDevice {
     /// work on that GPU, and on an H100 that `cuCtxSynchronize` crashed inside the driver (a
     /// null dereference) twice in about 190 runs of the `base_resources` tests, whose threads
     /// open devices while others work (tenth session). The devices of a GPU now share one
-    /// handle (`cuda_opened.rs`); and on a handle of our own (`own`), made just now, no cudarc
+    /// handle (`cuda/opened.rs`); and on a handle of our own (`own`), made just now, no cudarc
     /// slice exists, so no use of one needs that synchronization: event tracking is off while
     /// the stream is made, and no slice can be made in that window, since nothing else holds
     /// the handle yet. A cudarc user's context keeps cudarc's rule.

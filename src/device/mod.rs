@@ -5,7 +5,6 @@
 //! thread (see `reactor.rs`).
 
 pub(crate) mod cuda;
-mod cuda_opened;
 mod cuda_peer;
 mod cuda_pools;
 mod cuda_vmm;
@@ -221,6 +220,11 @@ impl Device {
     /// thread (`cuCtxSetCurrent`) and leave it so, as cudarc does. Code on the same thread that
     /// uses the CUDA runtime API with another GPU, or pushes and pops contexts itself, sets its
     /// own again after calling into the crate.
+    ///
+    /// Every device opened on one GPU while another is alive shares its handle of the primary
+    /// context and the crate's kernels (each keeps its own reactor, options and streams): the
+    /// first open loads the kernels, which waits for work already queued in the context (by
+    /// other libraries), and later opens wait for nothing.
     ///
     /// Errors: [`Error::NoDriver`] if `libcuda` cannot be loaded, [`Error::InvalidDevice`] if
     /// there is no such ordinal (with how many devices there are), [`Error::Driver`] if a

@@ -13,7 +13,7 @@
 use std::collections::HashMap;
 use std::sync::{Mutex, OnceLock, Weak};
 
-use super::cuda::{Context, CudaDevice, Kernels};
+use super::{Context, CudaDevice, Kernels};
 use crate::error::Result;
 use crate::sync::Arc;
 
