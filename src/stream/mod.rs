@@ -286,8 +286,9 @@ impl Stream {
     /// On CUDA, events come from a per-device free list, so recording does not create one.
     ///
     /// With completion words on (`CudaOptions::completion_words`, the default), the GPU also
-    /// writes the event's number into the stream's word right after it: about 1.3 µs more per
-    /// record on an H100 host, for wake-ups that need no driver call.
+    /// writes the count of the stream's watched events so far into the stream's word right
+    /// after it: about 1.3 µs more per record on an H100 host, for wake-ups that need no driver
+    /// call.
     pub fn record(&self) -> Result<Event> {
         self.record_with(true)
     }
