@@ -150,7 +150,6 @@ pub(crate) type RawEvent = Handle<sys::CUevent>;
 /// A driver memory pool (`cuMemPoolCreate`).
 pub(crate) type RawPool = Handle<sys::CUmemoryPool>;
 
-#[derive(Clone)]
 pub(super) struct Kernels {
     pub(super) module: sys::CUmodule,
     pub(super) fill_u32: sys::CUfunction,
@@ -175,8 +174,8 @@ impl Kernels {
 
 pub(crate) struct CudaDevice {
     /// The context, the kernels and the stream this device shares with the others opened on
-    /// its GPU (`cuda/opened.rs`); `ctx` and `kernels` are copies of its handles.
-    _opened: std::sync::Arc<Opened>,
+    /// its GPU (`cuda/opened.rs`); `ctx` is a copy of its handle.
+    opened: std::sync::Arc<Opened>,
     pub(crate) ctx: Arc<Context>,
     pub(crate) ordinal: usize,
     pub(crate) name: String,
@@ -185,7 +184,6 @@ pub(crate) struct CudaDevice {
     /// The SM's highest clock rate, in kHz: the spin kernel's cycle count stands for at most
     /// the real time at this rate.
     pub(super) clock_khz: u64,
-    pub(super) kernels: Kernels,
     /// Idle events, reused by `record` (creating one costs ~330 ns, more than recording).
     events: Mutex<Vec<RawEvent>>,
     /// The driver pool behind `malloc_async`, made on first use.
@@ -240,8 +238,7 @@ impl CudaDevice {
         }
         .map_err(|e| Error::driver("cuDeviceGetAttribute", e))?;
         Ok(Self {
-            kernels: opened.kernels.clone(),
-            _opened: opened,
+            opened,
             ctx,
             ordinal,
             name,
@@ -284,6 +281,11 @@ impl CudaDevice {
             unsafe { cudarc.enable_event_tracking() };
         }
         stream.map_err(|e| Error::driver("cuStreamCreate", e))
+    }
+
+    /// The crate's kernels, loaded into the context.
+    pub(super) fn kernels(&self) -> &Kernels {
+        &self.opened.kernels
     }
 
     pub(super) fn load_kernels() -> Result<Kernels> {

@@ -157,7 +157,7 @@ impl CudaDevice {
         ];
         // SAFETY: the parameters match the kernel's signature (u32*, u32, u64) and the launch
         // copies them before returning; `dst` is the caller's contract.
-        unsafe { self.launch_over(self.kernels.fill_u32, count, &mut params, stream) }
+        unsafe { self.launch_over(self.kernels().fill_u32, count, &mut params, stream) }
     }
 
     /// # Safety
@@ -176,7 +176,7 @@ impl CudaDevice {
             &mut count64 as *mut u64 as *mut c_void,
         ];
         // SAFETY: as in `fill_u32`; the signature is (f32*, f32, u64).
-        unsafe { self.launch_over(self.kernels.scale_f32, count, &mut params, stream) }
+        unsafe { self.launch_over(self.kernels().scale_f32, count, &mut params, stream) }
     }
 
     /// # Safety
@@ -188,7 +188,7 @@ impl CudaDevice {
         count: usize,
         stream: RawStream,
     ) -> Result<()> {
-        let function = self.kernels.fill_pattern_u32.clone()?;
+        let function = self.kernels().fill_pattern_u32.clone()?;
         let (mut dst, mut seed, mut count64) = (dst, seed, count as u64);
         let mut params = [
             &mut dst as *mut u64 as *mut c_void,
@@ -210,7 +210,7 @@ impl CudaDevice {
         counter: u64,
         stream: RawStream,
     ) -> Result<()> {
-        let function = self.kernels.count_mismatches_u32.clone()?;
+        let function = self.kernels().count_mismatches_u32.clone()?;
         let (mut src, mut seed, mut count64, mut counter) = (src, seed, count as u64, counter);
         let mut params = [
             &mut src as *mut u64 as *mut c_void,
@@ -236,7 +236,7 @@ impl CudaDevice {
         // SAFETY: the kernel takes two u64 and touches no memory.
         check("cuLaunchKernel", unsafe {
             result::launch_kernel(
-                self.kernels.spin,
+                self.kernels().spin,
                 (1, 1, 1),
                 (1, 1, 1),
                 0,
