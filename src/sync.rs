@@ -194,6 +194,6 @@ pub(crate) use imp::*;
 pub(crate) mod plain {
     pub(crate) use std::sync::atomic::AtomicBool;
     pub(crate) use std::sync::atomic::AtomicU8 as DataByte;
-    pub(crate) use std::sync::{Arc, Mutex, MutexGuard};
+    pub(crate) use std::sync::{Arc, Mutex, MutexGuard, Weak};
     pub(crate) use std::sync::{OnceLock, RwLock, RwLockReadGuard, RwLockWriteGuard};
 }

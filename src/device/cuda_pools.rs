@@ -54,6 +54,21 @@ impl CudaDevice {
         Ok(pool)
     }
 
+    /// The device's default pool (`cuDeviceGetDefaultMemPool`): the one `cuMemAllocAsync`
+    /// and other libraries in the process use. Not ours to destroy.
+    pub(crate) fn default_pool(&self) -> Result<RawPool> {
+        self.ctx.bind()?;
+        let dev = result::device::get(self.ordinal as i32)
+            .map_err(|e| Error::driver("cuDeviceGet", e))?;
+        let mut pool: sys::CUmemoryPool = std::ptr::null_mut();
+        // SAFETY: `dev` is a valid device (the context is retained) and `pool` is a place for
+        // one handle, which the driver writes on success.
+        check("cuDeviceGetDefaultMemPool", unsafe {
+            sys::cuDeviceGetDefaultMemPool(&mut pool, dev).result()
+        })?;
+        Ok(Handle(pool))
+    }
+
     /// Reads a `cuuint64_t` attribute of a pool (`cuMemPoolGetAttribute`).
     fn pool_attribute(&self, pool: RawPool, attr: sys::CUmemPool_attribute) -> Result<u64> {
         self.ctx.bind()?;

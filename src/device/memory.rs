@@ -37,9 +37,22 @@ impl Device {
     /// synchronize the device) and meant for the layers above, which pool it.
     ///
     /// Errors: [`Error::InvalidSize`] for zero bytes, [`Error::OutOfMemory`] when the device
-    /// cannot provide them.
+    /// cannot provide them (more than the device's total memory is refused without a driver
+    /// call).
     pub fn malloc(&self, bytes: usize) -> Result<DevicePtr> {
         check_size(bytes)?;
+        // Refused here, not by the driver: a `cuMemAlloc` short of memory makes the driver
+        // release all that every stream-ordered pool of the process keeps before it tries
+        // again (release thresholds notwithstanding; driver 580, BENCHMARKS.md "A failed
+        // cuMemAlloc empties the driver's pools"), and a request larger than the device can
+        // never succeed: it would cost every `CudaAsyncResource` its cache for nothing.
+        if bytes > self.total_memory() {
+            return Err(Error::OutOfMemory {
+                requested: bytes,
+                available: self.free_memory().unwrap_or(0),
+                maximum: self.total_memory(),
+            });
+        }
         match &self.inner.backend {
             Backend::Cuda(d) => d.malloc(bytes),
             Backend::Sim(d) => d.fault(FaultKind::Allocate).and_then(|()| d.malloc(bytes)),
@@ -75,7 +88,9 @@ impl Device {
         check_size(bytes)?;
         match &self.inner.backend {
             Backend::Cuda(d) => d.malloc_managed(bytes),
-            Backend::Sim(d) => d.fault(FaultKind::Allocate).and_then(|()| d.malloc(bytes)),
+            Backend::Sim(d) => d
+                .fault(FaultKind::Allocate)
+                .and_then(|()| d.malloc_managed(bytes)),
         }
         .map(DevicePtr)
         .map_err(|e| self.oom(bytes, e))

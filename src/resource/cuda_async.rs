@@ -32,7 +32,9 @@ pub struct CudaAsyncOptions {
     /// reaches the driver's slow path; [`CudaAsyncResource::trim_to`] gives memory back.
     pub release_threshold: Option<usize>,
     /// Bytes to allocate and free once at construction, so the pool starts with that much
-    /// memory (RMM's `initial_pool_size`). Only stays if the release threshold allows it.
+    /// memory (RMM's `initial_pool_size`). Only stays if the release threshold allows it,
+    /// and until a `cuMemAlloc` in the process fails for lack of memory (see
+    /// [`CudaAsyncResource`]).
     /// `None` or zero: start empty.
     pub initial_pool_size: Option<usize>,
     /// The most this resource hands out at once, in bytes: the driver pool's
@@ -73,6 +75,16 @@ pub struct CudaAsyncOptions {
 /// - [`trim_to`](Self::trim_to), [`reserved_bytes`](Self::reserved_bytes) and
 ///   [`used_bytes`](Self::used_bytes) expose the pool's state (for a view, the shared pool's:
 ///   every user's memory, not only this resource's);
+/// - the memory the pool keeps is a cache, not a reservation: **a `cuMemAlloc` anywhere in
+///   the process that finds too little free memory makes the driver release all that every
+///   driver pool keeps** (whatever its release threshold) and try again (driver 580.159.04:
+///   after one failed request a pool primed with 32 MiB held none, 20 times of 20; a request
+///   of the free memory plus 256 MiB succeeded by taking all of a pool's kept 1 GiB;
+///   BENCHMARKS.md, "A failed cuMemAlloc empties the driver's pools"). So a `PoolResource`
+///   over [`CudaResource`](super::cuda::CudaResource) that grows to the device's limit takes
+///   this resource's cache, and `initial_pool_size` is memory to start with, not memory set
+///   aside. `Device::malloc` refuses a request larger than the device before the driver, so
+///   an impossible request costs nothing; the simulated device models the rest;
 /// - dropping a resource made by [`new`](Self::new) destroys its pool. Memory still allocated
 ///   from it is released by the driver once freed, so drop every buffer made from it first;
 ///   buffers hold a [`ResourceRef`](crate::ResourceRef), so as long as they are made through

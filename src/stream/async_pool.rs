@@ -8,7 +8,7 @@ use crate::device::memory::check_size;
 use crate::device::{cuda, mismatch, sim, Backend, Device, DevicePtr, FaultKind};
 use crate::error::{Error, Result};
 use crate::stream::{RawStream, Stream};
-use crate::sync::Arc;
+use crate::sync::plain::Arc as PlainArc;
 
 /// Settings of an [`AsyncPool`].
 #[derive(Debug, Clone, Copy)]
@@ -43,13 +43,14 @@ pub(crate) struct AsyncPool {
 static SIM_DEFAULT_POOLS: std::sync::Mutex<
     Vec<(
         std::sync::Weak<crate::device::DeviceInner>,
-        Arc<sim::memory::SimPool>,
+        PlainArc<sim::memory::SimPool>,
     )>,
 > = std::sync::Mutex::new(Vec::new());
 
 enum RawPool {
     Cuda(cuda::RawPool),
-    Sim(Arc<sim::memory::SimPool>),
+    // A plain `Arc`, as the simulated memory's own: loom never models the device's memory.
+    Sim(PlainArc<sim::memory::SimPool>),
 }
 
 impl fmt::Debug for AsyncPool {
@@ -84,11 +85,11 @@ impl AsyncPool {
             // rounded up to its own granularity and loose (it reuses a block freed on the same
             // stream before the GPU reaches the free, which the simulated pool cannot), so the
             // resource above enforces the maximum by counting, on both devices alike.
-            Backend::Sim(d) => RawPool::Sim(Arc::new(sim::memory::SimPool::new(
-                d.memory.clone(),
+            Backend::Sim(d) => RawPool::Sim(sim::memory::SimPool::create(
+                &d.memory,
                 settings.release_threshold,
                 usize::MAX,
-            ))),
+            )),
         };
         Ok(AsyncPool {
             device: device.clone(),
@@ -103,20 +104,7 @@ impl AsyncPool {
     /// pool per device made on first use (release threshold 0, no maximum, as the driver's).
     pub(crate) fn default_pool(device: &Device) -> Result<AsyncPool> {
         let raw = match device.backend() {
-            Backend::Cuda(d) => {
-                // Here rather than in cuda.rs, which holds every other driver call, only
-                // because this change was limited to this section; it belongs there.
-                d.ctx.bind()?;
-                let dev = cudarc::driver::result::device::get(d.ordinal as i32)
-                    .map_err(|e| Error::driver("cuDeviceGet", e))?;
-                let mut pool: cudarc::driver::sys::CUmemoryPool = std::ptr::null_mut();
-                // SAFETY: `dev` is a valid device (the context is retained) and `pool` is a
-                // place for one handle, which the driver writes on success.
-                unsafe { cudarc::driver::sys::cuDeviceGetDefaultMemPool(&mut pool, dev) }
-                    .result()
-                    .map_err(|e| Error::driver("cuDeviceGetDefaultMemPool", e))?;
-                RawPool::Cuda(cuda::Handle(pool))
-            }
+            Backend::Cuda(d) => RawPool::Cuda(d.default_pool()?),
             Backend::Sim(d) => RawPool::Sim(Self::sim_default_pool(device, d)),
         };
         Ok(AsyncPool {
@@ -128,21 +116,21 @@ impl AsyncPool {
     }
 
     #[cfg(not(streamalloc_loom))]
-    fn sim_default_pool(device: &Device, d: &sim::SimDevice) -> Arc<sim::memory::SimPool> {
+    fn sim_default_pool(device: &Device, d: &sim::SimDevice) -> PlainArc<sim::memory::SimPool> {
         let mut pools = SIM_DEFAULT_POOLS.lock().unwrap_or_else(|e| e.into_inner());
         pools.retain(|(owner, _)| owner.strong_count() > 0);
-        let me = Arc::downgrade(&device.inner);
+        let me = crate::sync::Arc::downgrade(&device.inner);
         if let Some((_, pool)) = pools.iter().find(|(owner, _)| owner.ptr_eq(&me)) {
             return pool.clone();
         }
-        let pool = Arc::new(sim::memory::SimPool::new(d.memory.clone(), 0, usize::MAX));
+        let pool = sim::memory::SimPool::create(&d.memory, 0, usize::MAX);
         pools.push((me, pool.clone()));
         pool
     }
 
     #[cfg(streamalloc_loom)]
-    fn sim_default_pool(_: &Device, d: &sim::SimDevice) -> Arc<sim::memory::SimPool> {
-        Arc::new(sim::memory::SimPool::new(d.memory.clone(), 0, usize::MAX))
+    fn sim_default_pool(_: &Device, d: &sim::SimDevice) -> PlainArc<sim::memory::SimPool> {
+        sim::memory::SimPool::create(&d.memory, 0, usize::MAX)
     }
 
     /// A view of an existing driver pool, which this handle uses and never destroys. CUDA
@@ -184,7 +172,7 @@ impl AsyncPool {
     pub(crate) fn same_pool(&self, other: &AsyncPool) -> bool {
         match (&self.raw, &other.raw) {
             (RawPool::Cuda(a), RawPool::Cuda(b)) => a.0 == b.0,
-            (RawPool::Sim(a), RawPool::Sim(b)) => Arc::ptr_eq(a, b),
+            (RawPool::Sim(a), RawPool::Sim(b)) => PlainArc::ptr_eq(a, b),
             _ => false,
         }
     }

@@ -188,3 +188,100 @@ fn cuda_async_a_maximum_off_the_alignment_refuses_for_good() {
         );
     }
 }
+
+/// A `cuMemAlloc` short of memory makes the driver release what every stream-ordered pool of
+/// the process keeps, whatever their release thresholds (BENCHMARKS.md, "A failed cuMemAlloc
+/// empties the driver's pools"). A request larger than the device can never succeed, so
+/// `Device::malloc` refuses it before the driver, and the pools keep their memory. (Before that
+/// check, the 1 PiB test of this binary emptied the primed pool of the test above now and then:
+/// "primed pool holds 0".)
+#[test]
+fn a_request_larger_than_the_device_leaves_the_driver_pools_alone() {
+    for device in devices() {
+        let what = label(&device);
+        let stream = device.create_stream().unwrap();
+        let primed = CudaAsyncResource::new(
+            &device,
+            CudaAsyncOptions {
+                initial_pool_size: Some(32 * MIB),
+                ..CudaAsyncOptions::default()
+            },
+        )
+        .unwrap();
+        let kept = primed.reserved_bytes().unwrap();
+        assert!(kept >= 32 * MIB, "{what}: primed pool holds {kept}");
+        let direct = CudaResource::new(&device);
+        for bytes in [PIB, device.total_memory() + 1] {
+            match direct.allocate(bytes, &stream) {
+                Err(Error::OutOfMemory {
+                    requested, maximum, ..
+                }) => {
+                    assert_eq!(requested, bytes, "{what}");
+                    assert_eq!(maximum, device.total_memory(), "{what}");
+                }
+                other => panic!("{what}: {bytes} bytes gave {other:?}"),
+            }
+            assert_eq!(
+                primed.reserved_bytes().unwrap(),
+                kept,
+                "{what}: the pool's kept memory after a request of {bytes} bytes"
+            );
+        }
+    }
+}
+
+/// The simulated device does what the driver does when a `cuMemAlloc` finds too little free
+/// memory (measured on an H100, driver 580.159.04: BENCHMARKS.md, "A failed cuMemAlloc empties
+/// the driver's pools"): every driver pool gives back all it keeps and the request is tried
+/// again, so a request that fits only with the pools' kept memory succeeds. Simulated only: on a
+/// GPU this test would take the whole card from the tests running beside it.
+#[test]
+fn a_device_allocation_short_of_memory_takes_what_the_driver_pools_keep() {
+    let device = Device::simulated(SimConfig {
+        total_memory: GIB,
+        ..SimConfig::default()
+    });
+    let stream = device.create_stream().unwrap();
+    let primed = CudaAsyncResource::new(
+        &device,
+        CudaAsyncOptions {
+            initial_pool_size: Some(512 * MIB),
+            ..CudaAsyncOptions::default()
+        },
+    )
+    .unwrap();
+    // The simulated pool reuses only a kept block of the same size: this one is new.
+    let held = primed.allocate(64 * MIB, &stream).unwrap();
+    assert_eq!(primed.reserved_bytes().unwrap(), 576 * MIB);
+    let free = device.free_memory().unwrap();
+    assert_eq!(free, GIB - 576 * MIB);
+
+    // Fits only with the 512 MiB the pool keeps: the pool gives back all it keeps, not what it
+    // lends (`held` stays), and the request succeeds.
+    let direct = CudaResource::new(&device);
+    let big = direct.allocate(free + 256 * MIB, &stream).unwrap();
+    assert_eq!(primed.reserved_bytes().unwrap(), 64 * MIB);
+    assert_eq!(primed.used_bytes().unwrap(), 64 * MIB);
+    write_and_check(MemoryKind::Device, held, 64 * MIB, &stream, 3);
+
+    // With nothing kept, short of memory is out of memory, with the numbers.
+    match direct.allocate(GIB - 64 * MIB, &stream) {
+        Err(Error::OutOfMemory {
+            requested,
+            available,
+            maximum,
+        }) => {
+            assert_eq!(requested, GIB - 64 * MIB);
+            assert_eq!(available, GIB - 64 * MIB - (free + 256 * MIB));
+            assert_eq!(maximum, GIB);
+        }
+        other => panic!("{other:?}"),
+    }
+    // SAFETY: both unused from here, their uses synchronized, each freed once.
+    unsafe {
+        direct.deallocate(big, free + 256 * MIB, &stream).unwrap();
+        primed.deallocate(held, 64 * MIB, &stream).unwrap();
+    }
+    stream.synchronize_blocking().unwrap();
+    assert_eq!(primed.used_bytes().unwrap(), 0);
+}

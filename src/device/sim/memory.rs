@@ -18,7 +18,7 @@ use super::granules::{Granules, ADDRESS_SPACE};
 use crate::error::{Error, Result};
 // Plain `Arc`s: loom never models the memory (`sync::plain`), and `block` clones one under the
 // table's std lock, where no loom operation may run.
-use crate::sync::plain::{Arc, DataByte, RwLock, RwLockReadGuard, RwLockWriteGuard};
+use crate::sync::plain::{Arc, DataByte, Mutex, RwLock, RwLockReadGuard, RwLockWriteGuard, Weak};
 
 /// Where the simulated address space starts: high, like a GPU's unified addresses.
 const BASE: u64 = 0x7f00_0000_0000;
@@ -57,6 +57,10 @@ struct State {
 pub(crate) struct SimMemory {
     total: usize,
     state: RwLock<State>,
+    /// The driver pools made on this memory ([`SimPool::create`]), so that a `cuMemAlloc`
+    /// short of memory can take what they keep, as the driver does
+    /// ([`release_pools`](Self::release_pools)).
+    pools: Mutex<Vec<Weak<SimPool>>>,
 }
 
 impl SimMemory {
@@ -73,7 +77,31 @@ impl SimMemory {
                 next: BASE + n * DEVICE_SPAN,
                 end: BASE + (n + 1) * DEVICE_SPAN,
             }),
+            pools: Mutex::new(Vec::new()),
         }
+    }
+
+    /// What the driver does when a `cuMemAlloc` finds too little free memory: every pool on
+    /// the device gives back all it keeps (not only what the request lacks), and the request
+    /// tries again (driver 580.159.04: a pool keeping 1 GiB kept none afterwards, and a
+    /// request of the free memory plus 256 MiB succeeded; BENCHMARKS.md, "A failed cuMemAlloc
+    /// empties the driver's pools"). Returns whether anything was given back.
+    pub(crate) fn release_pools(&self) -> bool {
+        // The pools are gathered under the registry's lock and trimmed after it: a pool's
+        // lock is taken before the memory's, never under the registry's.
+        let pools: Vec<Arc<SimPool>> = {
+            let mut pools = self.pools.lock().unwrap_or_else(|e| e.into_inner());
+            pools.retain(|p| p.strong_count() > 0);
+            pools.iter().filter_map(Weak::upgrade).collect()
+        };
+        let mut released = false;
+        for pool in pools {
+            let mut state = pool.state();
+            released |= state.kept_bytes > 0;
+            let used = state.used;
+            state.release_until(self, used);
+        }
+        released
     }
 
     /// (free, total) in bytes.
@@ -413,7 +441,21 @@ impl PoolState {
 }
 
 impl SimPool {
-    pub(crate) fn new(memory: Arc<SimMemory>, release_threshold: u64, maximum: usize) -> Self {
+    /// A pool on `memory`, known to it so that a device allocation short of memory can take
+    /// what the pool keeps ([`SimMemory::release_pools`]).
+    pub(crate) fn create(
+        memory: &Arc<SimMemory>,
+        release_threshold: u64,
+        maximum: usize,
+    ) -> Arc<Self> {
+        let pool = Arc::new(Self::new(memory.clone(), release_threshold, maximum));
+        let mut pools = memory.pools.lock().unwrap_or_else(|e| e.into_inner());
+        pools.retain(|p| p.strong_count() > 0);
+        pools.push(Arc::downgrade(&pool));
+        pool
+    }
+
+    fn new(memory: Arc<SimMemory>, release_threshold: u64, maximum: usize) -> Self {
         Self {
             memory,
             state: RwLock::new(PoolState {

@@ -168,9 +168,29 @@ impl SimDevice {
 
     // ===== device memory, as the race detector sees it =====
 
-    /// `cuMemAlloc`: memory any later work may use (its allocation point is the host's).
+    /// `cuMemAlloc`: memory any later work may use (its allocation point is the host's). Short
+    /// of memory, it takes what the device's driver pools keep and tries again, as the driver
+    /// does ([`SimMemory::release_pools`]).
     pub(crate) fn malloc(&self, bytes: usize) -> Result<u64> {
+        let ptr = match self.memory.alloc(bytes) {
+            Err(e) if e.is_out_of_memory() && self.memory.release_pools() => {
+                self.memory.alloc(bytes)?
+            }
+            other => other?,
+        };
+        self.track_allocation(ptr, bytes)
+    }
+
+    /// `cuMemAllocManaged`: as [`malloc`](Self::malloc), but short of memory it fails without
+    /// touching the driver pools. (Whether the driver takes pool memory for managed memory was
+    /// not measured: managed memory may oversubscribe the GPU, so it rarely fails there.)
+    pub(crate) fn malloc_managed(&self, bytes: usize) -> Result<u64> {
         let ptr = self.memory.alloc(bytes)?;
+        self.track_allocation(ptr, bytes)
+    }
+
+    /// Tells the race detector of a new allocation that any later work may use.
+    fn track_allocation(&self, ptr: u64, bytes: usize) -> Result<u64> {
         if let Some(races) = &self.races {
             let race = races.allocate(None, ptr, bytes, true, Reuse::Check);
             races.settle(race, false)?;

@@ -82,7 +82,7 @@ pub(crate) enum Op {
     Free(u64),
     /// `cuMemFreeAsync` of memory from a driver pool: the pool keeps the block from here on.
     PoolFree {
-        pool: Arc<SimPool>,
+        pool: PlainArc<SimPool>,
         ptr: u64,
     },
 }
