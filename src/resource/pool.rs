@@ -188,12 +188,23 @@ pub struct PoolStats {
 ///   at all ([`PoolOptions::opportunistic_reuse`]).
 /// - A request no free block fits grows the pool: it asks the upstream for a chunk (at least
 ///   the request and 1/[`PoolOptions::growth_divisor`] of what it holds, but no more than
-///   keeps it within [`PoolOptions::growth_cap`] times its use), halving the try on
+///   keeps it within [`PoolOptions::growth_cap`] times its use, and, over device memory, no
+///   more beyond the request than the device has free: see "Growth near the device's
+///   limit"), halving the try on
 ///   failure, never past `maximum`; at the maximum it first gives wholly free chunks back
 ///   upstream (in stream order) to make room for one large enough. Only when all of that
 ///   fails, [`Error::OutOfMemory`] with requested, available and maximum bytes.
 /// - [`trim`](Self::trim) lets go of streams the user has dropped and returns wholly free
 ///   chunks to the upstream.
+///
+/// **Growth near the device's limit.** A `cuMemAlloc` short of memory makes the driver release
+/// all that every stream-ordered driver pool of the process keeps (a
+/// [`CudaAsyncResource`](super::cuda_async::CudaAsyncResource)'s, the default pool that other
+/// libraries allocate from) before it succeeds or fails. So over device memory the pool asks
+/// for more than a request only out of the memory the device has free (less 64 MiB): its
+/// growth step never empties those caches for memory nobody has asked for, nor fails and is
+/// halved on the way. The request itself may still take them, as it would from the driver
+/// directly.
 ///
 /// Dropping the pool synchronizes the streams it knows and returns every chunk upstream (the
 /// buffers that hold it keep it alive until they are gone).
@@ -609,6 +620,15 @@ impl<U: MemoryResource> Grow for PoolResource<U> {
                 is_capped = true;
             }
         }
+        if attempt > min {
+            if let Some(free) = self.speculative_room() {
+                let fits = free.max(min);
+                if fits < attempt {
+                    tracing::debug!(step = attempt, fits, "growth limited to free memory");
+                    attempt = fits;
+                }
+            }
+        }
         let _span = tracing::debug_span!("grow", requested = min, reserved, attempt).entered();
         loop {
             let started = Instant::now();
@@ -636,6 +656,32 @@ impl<U: MemoryResource> Grow for PoolResource<U> {
         }
     }
 }
+
+impl<U: MemoryResource> PoolResource<U> {
+    /// How much of a growth beyond the request the device's free memory holds, when the
+    /// upstream hands out device memory: the free memory less [`FREE_MARGIN`], in multiples of
+    /// [`MIN_GROWTH`]. `None` for other upstreams, or when the device cannot say.
+    ///
+    /// Why a growth asks for more than its request only from free memory: a `cuMemAlloc`
+    /// short of memory makes the driver release all that every stream-ordered pool of the
+    /// process keeps (a `CudaAsyncResource`'s, other libraries' default pool) before it
+    /// succeeds or fails (`BENCHMARKS.md`, "A failed cuMemAlloc empties the driver's pools";
+    /// the simulated device does the same). A step past the free memory would take their
+    /// caches for memory nobody has asked for yet, or fail and be halved, each failure
+    /// emptying them again. The request alone may still take them: that memory is needed.
+    fn speculative_room(&self) -> Option<u64> {
+        if self.upstream.memory_kind() != super::MemoryKind::Device {
+            return None;
+        }
+        let free = self.device.free_memory().ok()? as u64;
+        Some(free.saturating_sub(FREE_MARGIN) / MIN_GROWTH * MIN_GROWTH)
+    }
+}
+
+/// What a growth beyond its request leaves of the device's free memory: the driver rounds
+/// allocations up to its own pages and keeps some memory for itself, so a request of all the
+/// free memory may fail.
+const FREE_MARGIN: u64 = 64 << 20;
 
 /// `bytes` rounded up to [`ALIGNMENT`], at most `room`: never an
 /// overflow, whatever a large cap or step asks for (a review found `growth_cap: Some(f64::MAX)`

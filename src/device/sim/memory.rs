@@ -81,11 +81,12 @@ impl SimMemory {
         }
     }
 
-    /// What the driver does when a `cuMemAlloc` finds too little free memory: every pool on
-    /// the device gives back all it keeps (not only what the request lacks), and the request
-    /// tries again (driver 580.159.04: a pool keeping 1 GiB kept none afterwards, and a
-    /// request of the free memory plus 256 MiB succeeded; BENCHMARKS.md, "A failed cuMemAlloc
-    /// empties the driver's pools"). Returns whether anything was given back.
+    /// What the driver does when a `cuMemAlloc` or a `cuMemCreate` finds too little free
+    /// memory: every pool on the device gives back all it keeps (not only what the request
+    /// lacks), and the request tries again (driver 580.159.04: a pool keeping 1 GiB kept none
+    /// afterwards, and a `cuMemAlloc` of the free memory plus 256 MiB succeeded; BENCHMARKS.md,
+    /// "A failed cuMemAlloc empties the driver's pools"). Returns whether anything was given
+    /// back.
     pub(crate) fn release_pools(&self) -> bool {
         // The pools are gathered under the registry's lock and trimmed after it: a pool's
         // lock is taken before the memory's, never under the registry's.
@@ -248,8 +249,18 @@ impl SimMemory {
         self.write().blocks.remove(&base);
     }
 
-    /// Counts `bytes` of physical memory as used, or `OutOfMemory` if the device has less.
+    /// Counts `bytes` of physical memory as used (`cuMemCreate`), or `OutOfMemory` if the
+    /// device has less even once the driver pools have given back what they keep (as the
+    /// driver does for a `cuMemCreate` short of memory: run99, see
+    /// [`release_pools`](Self::release_pools)).
     pub(crate) fn charge(&self, bytes: usize) -> Result<()> {
+        match self.try_charge(bytes) {
+            Err(e) if e.is_out_of_memory() && self.release_pools() => self.try_charge(bytes),
+            other => other,
+        }
+    }
+
+    fn try_charge(&self, bytes: usize) -> Result<()> {
         let mut state = self.write();
         let available = self.total - state.used;
         if bytes > available {

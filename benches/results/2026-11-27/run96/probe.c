@@ -35,6 +35,21 @@ int main(int argc, char **argv) {
   mode = argc > 1 ? argv[1] : "none"; double secs = argc > 2 ? atof(argv[2]) : 5;
   FILE *f = fopen("k.ptx","rb"); fseek(f,0,SEEK_END); long n=ftell(f); fseek(f,0,SEEK_SET); ptx=calloc(n+1,1); fread(ptx,1,n,f); fclose(f);
   CK(cuInit(0)); CK(cuDeviceGet(&dev,0)); CK(cuDevicePrimaryCtxRetain(&ctx, dev)); CK(cuCtxSetCurrent(ctx));
+  if (!strcmp(mode, "seq3")) { // does a cuMemCreate short of memory empty the pools too?
+    for (int k = 0; k < 2; k++) { int kept = 0; const char *err = "ok";
+      for (int i = 0; i < 10; i++) {
+        CUmemPoolProps pr; memset(&pr,0,sizeof pr); pr.allocType=CU_MEM_ALLOCATION_TYPE_PINNED; pr.location.type=CU_MEM_LOCATION_TYPE_DEVICE; pr.location.id=0;
+        CUmemoryPool pool; CK(cuMemPoolCreate(&pool,&pr)); cuuint64_t th_=~0ull; CK(cuMemPoolSetAttribute(pool, CU_MEMPOOL_ATTR_RELEASE_THRESHOLD, &th_));
+        CUstream s; CK(cuStreamCreate(&s, CU_STREAM_NON_BLOCKING)); CUdeviceptr p;
+        CK(cuMemAllocFromPoolAsync(&p, 32<<20, pool, s)); CK(cuMemFreeAsync(p, s)); CK(cuStreamSynchronize(s));
+        CUmemAllocationProp ap; memset(&ap,0,sizeof ap); ap.type=CU_MEM_ALLOCATION_TYPE_PINNED; ap.location.type=CU_MEM_LOCATION_TYPE_DEVICE; ap.location.id=0;
+        size_t gran; CK(cuMemGetAllocationGranularity(&gran, &ap, CU_MEM_ALLOC_GRANULARITY_MINIMUM));
+        size_t fr, tot; CK(cuMemGetInfo(&fr,&tot)); size_t want = k == 0 ? ((fr + (1ull<<30)) / gran + 1) * gran : gran;
+        CUmemGenericAllocationHandle h; CUresult r = cuMemCreate(&h, want, &ap, 0); if (r == CUDA_SUCCESS) CK(cuMemRelease(h)); else cuGetErrorName(r, &err);
+        cuuint64_t res=0; CK(cuMemPoolGetAttribute(pool, CU_MEMPOOL_ATTR_RESERVED_MEM_CURRENT, &res)); if (res >= (32u<<20)) kept++;
+        CK(cuStreamDestroy(s)); CK(cuMemPoolDestroy(pool)); }
+      printf("seq3: cuMemCreate(%s) -> %s; pool kept its 32 MiB in %d of 10\n", k == 0 ? "free+1GiB" : "one granule", err, kept); }
+    return 0; }
   if (!strcmp(mode, "seq2")) { // does a cuMemAlloc that fits only with the pools' kept memory succeed?
     for (int i = 0; i < 5; i++) {
       CUmemPoolProps pr; memset(&pr,0,sizeof pr); pr.allocType=CU_MEM_ALLOCATION_TYPE_PINNED; pr.location.type=CU_MEM_LOCATION_TYPE_DEVICE; pr.location.id=0;

@@ -1,0 +1,151 @@
+//! The pool beside the driver's stream-ordered pools, near the device's limit.
+//!
+//! A `cuMemAlloc` or `cuMemCreate` short of memory makes the driver release all that every
+//! driver pool of the process keeps before it succeeds or fails (BENCHMARKS.md, "A failed
+//! cuMemAlloc empties the driver's pools"; the simulated device does the same). A
+//! `PoolResource` over device memory grows beyond its request only out of the free memory, so
+//! its growth step does not empty a `CudaAsyncResource`'s cache; a request of its own may.
+//!
+//! Its own test binary: on a GPU it takes all of the card but a few GiB for a moment, which
+//! would fail the tests of another binary running beside it (each binary runs alone, its tests
+//! on threads).
+
+#[path = "common/mod.rs"]
+mod common;
+
+use common::{devices, label};
+use streamalloc::resource::cuda::CudaResource;
+use streamalloc::resource::cuda_async::{CudaAsyncOptions, CudaAsyncResource};
+use streamalloc::resource::pool::{PoolOptions, PoolResource};
+use streamalloc::{Device, ExpandableOptions, ExpandablePoolResource, MemoryResource, SimConfig};
+
+const MIB: usize = 1 << 20;
+const GIB: usize = 1 << 30;
+
+/// Each device with the unit its sizes are in: the GPU's from `devices()`, and a simulated
+/// device of 2 GiB (the default simulated device's 16 GiB would only take longer).
+fn devices_and_units() -> Vec<(Device, usize)> {
+    let mut all: Vec<(Device, usize)> = devices()
+        .into_iter()
+        .filter(|d| !d.is_simulated())
+        .map(|d| (d, GIB))
+        .collect();
+    let small = Device::simulated(SimConfig {
+        total_memory: 2 * GIB,
+        ..SimConfig::default()
+    });
+    all.push((small, 256 * MIB));
+    all
+}
+
+#[test]
+fn a_pool_growing_near_the_device_limit_leaves_the_driver_pools_alone() {
+    for (device, unit) in devices_and_units() {
+        let what = label(&device);
+        let stream = device.create_stream().unwrap();
+        let primed = CudaAsyncResource::new(
+            &device,
+            CudaAsyncOptions {
+                initial_pool_size: Some(unit / 4),
+                ..CudaAsyncOptions::default()
+            },
+        )
+        .unwrap();
+        let kept = primed.reserved_bytes().unwrap();
+        assert!(kept >= unit / 4, "{what}: primed pool holds {kept}");
+
+        // A pool that doubles at each growth, holding one chunk of two units.
+        let pool = PoolResource::new(
+            CudaResource::new(&device),
+            PoolOptions {
+                growth_divisor: 1,
+                growth_cap: None,
+                ..PoolOptions::default()
+            },
+        )
+        .unwrap();
+        let first = pool.allocate(2 * unit, &stream).unwrap();
+        assert_eq!(pool.stats().reserved, 2 * unit, "{what}");
+
+        // All of the device but one unit taken.
+        let direct = CudaResource::new(&device);
+        let filler_bytes = device.free_memory().unwrap() - unit;
+        let filler = direct.allocate(filler_bytes, &stream).unwrap();
+
+        // The next growth's step (two units) is past the free memory; the request (16 MiB)
+        // is not. The pool grows by what is free, and the driver pool keeps its memory.
+        let second = pool.allocate(16 * MIB, &stream).unwrap();
+        assert_eq!(
+            primed.reserved_bytes().unwrap(),
+            kept,
+            "{what}: the driver pool's kept memory after the pool grew"
+        );
+        let stats = pool.stats();
+        assert_eq!(stats.grows, 2, "{what}");
+        assert!(
+            stats.reserved > 2 * unit + 16 * MIB && stats.reserved < 3 * unit,
+            "{what}: the pool holds {} bytes",
+            stats.reserved
+        );
+
+        // SAFETY: nothing used them; each is freed once.
+        unsafe {
+            pool.deallocate(second, 16 * MIB, &stream).unwrap();
+            pool.deallocate(first, 2 * unit, &stream).unwrap();
+            direct.deallocate(filler, filler_bytes, &stream).unwrap();
+        }
+        stream.synchronize_blocking().unwrap();
+    }
+}
+
+/// The simulated device's `cuMemCreate` does what the driver's does short of memory (run99:
+/// the pools kept nothing afterwards): the driver pools give back what they keep and the
+/// request tries again, so an expandable pool's growth that fits only with that memory
+/// succeeds. Simulated only: the GPU's behaviour is the probe's.
+#[test]
+fn an_expandable_pool_short_of_memory_takes_what_the_driver_pools_keep() {
+    let device = Device::simulated(SimConfig {
+        total_memory: 2 * GIB,
+        ..SimConfig::default()
+    });
+    let stream = device.create_stream().unwrap();
+    let primed = CudaAsyncResource::new(
+        &device,
+        CudaAsyncOptions {
+            initial_pool_size: Some(512 * MIB),
+            ..CudaAsyncOptions::default()
+        },
+    )
+    .unwrap();
+    assert_eq!(primed.reserved_bytes().unwrap(), 512 * MIB);
+    let direct = CudaResource::new(&device);
+    let filler_bytes = device.free_memory().unwrap() - 256 * MIB;
+    let filler = direct.allocate(filler_bytes, &stream).unwrap();
+
+    let expandable = ExpandablePoolResource::new(&device, ExpandableOptions::default()).unwrap();
+    let big = expandable.allocate(512 * MIB, &stream).unwrap();
+    assert_eq!(primed.reserved_bytes().unwrap(), 0);
+    write_and_read_back(&stream, big, 512 * MIB);
+
+    // SAFETY: their uses are synchronized; each is freed once.
+    unsafe {
+        expandable.deallocate(big, 512 * MIB, &stream).unwrap();
+        direct.deallocate(filler, filler_bytes, &stream).unwrap();
+    }
+    stream.synchronize_blocking().unwrap();
+}
+
+/// Fills the first and last words of `bytes` at `ptr` and reads them back: the memory is mapped
+/// and usable.
+fn write_and_read_back(stream: &streamalloc::Stream, ptr: streamalloc::DevicePtr, bytes: usize) {
+    let words = bytes / 4;
+    // SAFETY: `ptr` holds `bytes` that nothing else uses.
+    unsafe { stream.fill_u32(ptr, 0x5EED, words) }.unwrap();
+    let mut last = 0u32;
+    let at = streamalloc::DevicePtr(ptr.0 + (bytes - 4) as u64);
+    // SAFETY: `at` is the last word of the block; `last` is the host's, read only after the
+    // synchronization below.
+    unsafe { stream.copy_dtoh(&mut last as *mut u32 as *mut u8, at, 4) }.unwrap();
+    stream.synchronize_blocking().unwrap();
+    assert_eq!(last, 0x5EED);
+}
