@@ -3,21 +3,28 @@
 //! A `cuMemAlloc` or `cuMemCreate` short of memory makes the driver release all that every
 //! driver pool of the process keeps before it succeeds or fails (BENCHMARKS.md, "A failed
 //! cuMemAlloc empties the driver's pools"; the simulated device does the same). A
-//! `PoolResource` over device memory grows beyond its request only out of the free memory, so
-//! its growth step does not empty a `CudaAsyncResource`'s cache; a request of its own may.
+//! `PoolResource` or `ArenaResource` over device memory grows beyond its request only out of the
+//! free memory, so its growth step does not empty a `CudaAsyncResource`'s cache; a request of
+//! its own may.
 //!
-//! Its own test binary: on a GPU it takes all of the card but a few GiB for a moment, which
-//! would fail the tests of another binary running beside it (each binary runs alone, its tests
-//! on threads).
+//! Its own test binary: on a GPU a test takes all of the card but a few GiB for a moment, which
+//! would fail the tests of another binary running beside it (each binary runs alone). Its two
+//! GPU tests take turns (`GPU`): tests of one binary run on threads at once.
 
 #[path = "common/mod.rs"]
 mod common;
 
+use std::sync::Mutex;
+
 use common::{devices, label};
+use streamalloc::resource::arena::{ArenaOptions, ArenaResource};
 use streamalloc::resource::cuda::CudaResource;
 use streamalloc::resource::cuda_async::{CudaAsyncOptions, CudaAsyncResource};
 use streamalloc::resource::pool::{PoolOptions, PoolResource};
 use streamalloc::{Device, ExpandableOptions, ExpandablePoolResource, MemoryResource, SimConfig};
+
+/// Taken by each test that fills the device: tests of one binary run at once, on threads.
+static GPU: Mutex<()> = Mutex::new(());
 
 const MIB: usize = 1 << 20;
 const GIB: usize = 1 << 30;
@@ -41,20 +48,7 @@ fn devices_and_units() -> Vec<(Device, usize)> {
 #[test]
 fn a_pool_growing_near_the_device_limit_leaves_the_driver_pools_alone() {
     for (device, unit) in devices_and_units() {
-        let what = label(&device);
-        let stream = device.create_stream().unwrap();
-        let primed = CudaAsyncResource::new(
-            &device,
-            CudaAsyncOptions {
-                initial_pool_size: Some(unit / 4),
-                ..CudaAsyncOptions::default()
-            },
-        )
-        .unwrap();
-        let kept = primed.reserved_bytes().unwrap();
-        assert!(kept >= unit / 4, "{what}: primed pool holds {kept}");
-
-        // A pool that doubles at each growth, holding one chunk of two units.
+        // Doubles at each growth.
         let pool = PoolResource::new(
             CudaResource::new(&device),
             PoolOptions {
@@ -64,38 +58,70 @@ fn a_pool_growing_near_the_device_limit_leaves_the_driver_pools_alone() {
             },
         )
         .unwrap();
-        let first = pool.allocate(2 * unit, &stream).unwrap();
-        assert_eq!(pool.stats().reserved, 2 * unit, "{what}");
-
-        // All of the device but one unit taken.
-        let direct = CudaResource::new(&device);
-        let filler_bytes = device.free_memory().unwrap() - unit;
-        let filler = direct.allocate(filler_bytes, &stream).unwrap();
-
-        // The next growth's step (two units) is past the free memory; the request (16 MiB)
-        // is not. The pool grows by what is free, and the driver pool keeps its memory.
-        let second = pool.allocate(16 * MIB, &stream).unwrap();
-        assert_eq!(
-            primed.reserved_bytes().unwrap(),
-            kept,
-            "{what}: the driver pool's kept memory after the pool grew"
-        );
-        let stats = pool.stats();
-        assert_eq!(stats.grows, 2, "{what}");
-        assert!(
-            stats.reserved > 2 * unit + 16 * MIB && stats.reserved < 3 * unit,
-            "{what}: the pool holds {} bytes",
-            stats.reserved
-        );
-
-        // SAFETY: nothing used them; each is freed once.
-        unsafe {
-            pool.deallocate(second, 16 * MIB, &stream).unwrap();
-            pool.deallocate(first, 2 * unit, &stream).unwrap();
-            direct.deallocate(filler, filler_bytes, &stream).unwrap();
-        }
-        stream.synchronize_blocking().unwrap();
+        grows_near_the_limit(&device, unit, "pool", &pool, &|| pool.stats().reserved);
     }
+}
+
+#[test]
+fn an_arena_growing_near_the_device_limit_leaves_the_driver_pools_alone() {
+    for (device, unit) in devices_and_units() {
+        // Doubles at each growth, as RMM's.
+        let arena =
+            ArenaResource::new(CudaResource::new(&device), ArenaOptions::default()).unwrap();
+        grows_near_the_limit(&device, unit, "arena", &arena, &|| arena.stats().reserved);
+    }
+}
+
+/// `resource` (empty, over `CudaResource`, doubling what it holds at each growth) takes two
+/// units, all of the device but one unit is taken, then `resource` is asked for 16 MiB: its
+/// growth step (two units) is past the free memory, the request is not. It must grow by what
+/// is free, and a `CudaAsyncResource` primed beforehand must keep its memory.
+fn grows_near_the_limit(
+    device: &Device,
+    unit: usize,
+    name: &str,
+    resource: &dyn MemoryResource,
+    reserved: &dyn Fn() -> usize,
+) {
+    let _turn = GPU.lock().unwrap_or_else(|e| e.into_inner());
+    let what = format!("{} {name}", label(device));
+    let stream = device.create_stream().unwrap();
+    let primed = CudaAsyncResource::new(
+        device,
+        CudaAsyncOptions {
+            initial_pool_size: Some(unit / 4),
+            ..CudaAsyncOptions::default()
+        },
+    )
+    .unwrap();
+    let kept = primed.reserved_bytes().unwrap();
+    assert!(kept >= unit / 4, "{what}: primed pool holds {kept}");
+
+    let first = resource.allocate(2 * unit, &stream).unwrap();
+    assert_eq!(reserved(), 2 * unit, "{what}");
+    let direct = CudaResource::new(device);
+    let filler_bytes = device.free_memory().unwrap() - unit;
+    let filler = direct.allocate(filler_bytes, &stream).unwrap();
+
+    let second = resource.allocate(16 * MIB, &stream).unwrap();
+    assert_eq!(
+        primed.reserved_bytes().unwrap(),
+        kept,
+        "{what}: the driver pool's kept memory after the growth"
+    );
+    let held = reserved();
+    assert!(
+        held > 2 * unit + 16 * MIB && held < 3 * unit,
+        "{what}: holds {held} bytes"
+    );
+
+    // SAFETY: nothing used them; each is freed once.
+    unsafe {
+        resource.deallocate(second, 16 * MIB, &stream).unwrap();
+        resource.deallocate(first, 2 * unit, &stream).unwrap();
+        direct.deallocate(filler, filler_bytes, &stream).unwrap();
+    }
+    stream.synchronize_blocking().unwrap();
 }
 
 /// The simulated device's `cuMemCreate` does what the driver's does short of memory (run99:

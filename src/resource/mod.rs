@@ -184,6 +184,7 @@ mod engine_lab;
 pub mod expandable;
 pub mod fixed_size;
 pub(crate) mod free_list;
+mod growth;
 pub mod pool;
 pub(crate) mod stream_ordered;
 pub(crate) mod tlsf;

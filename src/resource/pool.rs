@@ -7,6 +7,7 @@ use std::time::{Duration, Instant};
 // `snapshot()`, in its own file.
 mod snapshot;
 
+use super::growth::step_within_free;
 use super::stream_ordered::{Grow, StreamHeap};
 use super::waiters::{MemoryWaiters, WaitStats};
 use super::{aligned_size, check_stream, MemoryResource, ALIGNMENT};
@@ -620,14 +621,10 @@ impl<U: MemoryResource> Grow for PoolResource<U> {
                 is_capped = true;
             }
         }
-        if attempt > min {
-            if let Some(free) = self.speculative_room() {
-                let fits = free.max(min);
-                if fits < attempt {
-                    tracing::debug!(step = attempt, fits, "growth limited to free memory");
-                    attempt = fits;
-                }
-            }
+        let fits = step_within_free(&self.device, self.upstream.memory_kind(), min, attempt);
+        if fits < attempt {
+            tracing::debug!(step = attempt, fits, "growth held to the free memory");
+            attempt = fits;
         }
         let _span = tracing::debug_span!("grow", requested = min, reserved, attempt).entered();
         loop {
@@ -656,32 +653,6 @@ impl<U: MemoryResource> Grow for PoolResource<U> {
         }
     }
 }
-
-impl<U: MemoryResource> PoolResource<U> {
-    /// How much of a growth beyond the request the device's free memory holds, when the
-    /// upstream hands out device memory: the free memory less [`FREE_MARGIN`], in multiples of
-    /// [`MIN_GROWTH`]. `None` for other upstreams, or when the device cannot say.
-    ///
-    /// Why a growth asks for more than its request only from free memory: a `cuMemAlloc`
-    /// short of memory makes the driver release all that every stream-ordered pool of the
-    /// process keeps (a `CudaAsyncResource`'s, other libraries' default pool) before it
-    /// succeeds or fails (`BENCHMARKS.md`, "A failed cuMemAlloc empties the driver's pools";
-    /// the simulated device does the same). A step past the free memory would take their
-    /// caches for memory nobody has asked for yet, or fail and be halved, each failure
-    /// emptying them again. The request alone may still take them: that memory is needed.
-    fn speculative_room(&self) -> Option<u64> {
-        if self.upstream.memory_kind() != super::MemoryKind::Device {
-            return None;
-        }
-        let free = self.device.free_memory().ok()? as u64;
-        Some(free.saturating_sub(FREE_MARGIN) / MIN_GROWTH * MIN_GROWTH)
-    }
-}
-
-/// What a growth beyond its request leaves of the device's free memory: the driver rounds
-/// allocations up to its own pages and keeps some memory for itself, so a request of all the
-/// free memory may fail.
-const FREE_MARGIN: u64 = 64 << 20;
 
 /// `bytes` rounded up to [`ALIGNMENT`], at most `room`: never an
 /// overflow, whatever a large cap or step asks for (a review found `growth_cap: Some(f64::MAX)`

@@ -6,6 +6,7 @@ use super::global::{Guard, Guards, Large, Lent};
 use super::stream_arena::{cache, LocalFree, Remote, StreamArena};
 use super::ArenaResource;
 use crate::error::{Error, Result};
+use crate::resource::growth::step_within_free;
 use crate::resource::{MemoryResource, ALIGNMENT};
 use crate::stream::{Stream, StreamId};
 use crate::sync::{Arc, Ordering};
@@ -400,12 +401,14 @@ impl<U: MemoryResource> ArenaResource<U> {
         if min > room {
             return Err(self.out_of_memory(min));
         }
-        // Double what we hold (at least the request, at most the room left); halve on failure.
+        // Double what we hold (at least the request, at most the room left, and over device
+        // memory no more beyond the request than is free: see `growth`); halve on failure.
         let mut attempt = reserved
             .max(min)
             .min(room)
             .next_multiple_of(ALIGNMENT as u64)
             .min(room);
+        attempt = step_within_free(&self.device, self.upstream.memory_kind(), min, attempt);
         let _span = tracing::debug_span!("grow", requested = min, reserved, attempt).entered();
         loop {
             let now = self.reserved.fetch_add(attempt, Ordering::AcqRel) + attempt;

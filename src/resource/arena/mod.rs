@@ -80,7 +80,9 @@
 //! arenas of streams the user dropped and that hold nothing are forgotten) and try again; for a
 //! small request, **move** a partly used superblock from another stream; **grow** from the
 //! upstream (doubling what the arena holds, at least the request, halving the try on failure,
-//! never past `maximum`), giving wholly free chunks back first where the room needs it, and
+//! never past `maximum`; over device memory no more beyond the request than the device has
+//! free, as [`PoolResource`](crate::resource::pool::PoolResource) says under "Growth near the
+//! device's limit"), giving wholly free chunks back first where the room needs it, and
 //! try again; then [`Error::OutOfMemory`] with the numbers, after logging
 //! [`dump`](ArenaResource::dump) at `debug` level.
 //!
