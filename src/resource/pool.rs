@@ -442,6 +442,11 @@ impl<U: MemoryResource> PoolResource<U> {
     /// On an error (a failed synchronization or upstream free), every block taken out is put
     /// back where it was: nothing is lost, and the pool works as before.
     ///
+    /// Over [`CudaResource`](super::cuda::CudaResource), each chunk given back is a
+    /// `cuMemFree`, which waits for the whole device to be idle and meanwhile holds up every
+    /// thread's launches on that GPU (see `CudaResource`): trim between phases, not beside
+    /// latency-sensitive work.
+    ///
     /// # Cancel safety
     /// Not cancel-safe: chunks taken out of the free list before the future is dropped stay out
     /// (counted in `reserved`, never handed out) until the pool is dropped.

@@ -35,6 +35,10 @@ int main(int argc, char **argv) {
   mode = argc > 1 ? argv[1] : "none"; double secs = argc > 2 ? atof(argv[2]) : 5;
   FILE *f = fopen("k.ptx","rb"); fseek(f,0,SEEK_END); long n=ftell(f); fseek(f,0,SEEK_SET); ptx=calloc(n+1,1); fread(ptx,1,n,f); fclose(f);
   CK(cuInit(0)); CK(cuDeviceGet(&dev,0)); CK(cuDevicePrimaryCtxRetain(&ctx, dev)); CK(cuCtxSetCurrent(ctx));
+  if (!strcmp(mode, "info")) { // what one cuMemGetInfo costs
+    size_t fr, tot; for (int i = 0; i < 100; i++) CK(cuMemGetInfo(&fr,&tot));
+    double t = now(); for (int i = 0; i < 10000; i++) CK(cuMemGetInfo(&fr,&tot)); t = now() - t;
+    printf("info: cuMemGetInfo %.2f us a call (10,000 calls)\n", t / 10000 * 1e6); return 0; }
   if (!strcmp(mode, "seq3")) { // does a cuMemCreate short of memory empty the pools too?
     for (int k = 0; k < 2; k++) { int kept = 0; const char *err = "ok";
       for (int i = 0; i < 10; i++) {
