@@ -178,7 +178,8 @@
 //! [`CudaOptions::reactor_strategy`](crate::CudaOptions::reactor_strategy) says: by default
 //! around the completion it predicts from the stream's recent history (sleeping until just
 //! before it), else in a hot loop for `reactor_spin` after each completion or registration,
-//! then between sleeps that double up to `reactor_max_sleep`; with nothing pending it parks.
+//! then between sleeps that double up to `reactor_max_sleep`, after which (predicting) it
+//! leaves such an event to its doorbell; with nothing pending it parks.
 //! The details are in `src/reactor.rs`. The events of one stream complete in order, so it checks only each
 //! stream's oldest event; an event's sequence number is taken under the same lock as its
 //! driver record so that the order cannot invert. A poll is a load, not a driver call: with

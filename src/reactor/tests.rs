@@ -1,6 +1,7 @@
 //! The predicting loop on a fake device whose events complete at given instants: every event
-//! completes and wakes its task, whatever the predictions do. Correctness only: how early or
-//! late the loop wakes is for `benches/event_latency.rs` to measure.
+//! completes and wakes its task, whatever the predictions do; and a new stream's event is left
+//! to its doorbell once the backoff reaches its cap (counted in polls, which a slow machine only
+//! lowers). How early or late the loop wakes is for `benches/event_latency.rs` to measure.
 
 use std::sync::atomic::{AtomicUsize, Ordering::SeqCst};
 use std::task::{Wake, Waker};
@@ -296,4 +297,90 @@ fn a_hurried_event_that_is_no_longer_the_head_is_not_hurried() {
         "an event no longer the head stayed hurried"
     );
     assert!(earlier.completion.hurried(), "the new head is hurried");
+}
+
+/// An event that counts how often it is asked.
+struct Counted {
+    done_at: Instant,
+    completion: Completion,
+    polls: AtomicUsize,
+}
+
+impl Watch for Counted {
+    fn stream_id(&self) -> u64 {
+        7
+    }
+    fn seq(&self) -> u64 {
+        0
+    }
+    fn query(&self) -> Option<Result<()>> {
+        self.polls.fetch_add(1, SeqCst);
+        (Instant::now() >= self.done_at).then_some(Ok(()))
+    }
+    fn completion(&self) -> &Completion {
+        &self.completion
+    }
+}
+
+/// A predicting device whose doorbells ring at `at` (the one event's completion), from a
+/// thread of their own, as a host function behind the event does; no hot spin, so that the
+/// polls counted are the sleeps'.
+struct Ringing {
+    at: Instant,
+}
+
+impl Doorbells for Ringing {
+    fn spin(&self) -> Duration {
+        Duration::ZERO
+    }
+    fn max_sleep(&self) -> Option<Duration> {
+        Some(Duration::from_millis(1))
+    }
+    fn predict(&self) -> bool {
+        true
+    }
+    fn prewake(&self) -> Option<Duration> {
+        Some(Duration::from_micros(500))
+    }
+    fn arm(&mut self, _: &dyn Watch, bell: &Arc<Bell>) -> bool {
+        let (bell, at) = (bell.clone(), self.at);
+        std::thread::spawn(move || {
+            std::thread::sleep(at.saturating_duration_since(Instant::now()));
+            bell.ring();
+        });
+        true
+    }
+    fn forget(&mut self, _: u64) {}
+}
+
+/// A stream's first event (no prediction), pending 200 ms with its doorbell armed: the loop
+/// polls it while its sleeps double up to the cap (1 ms), then leaves it to the doorbell, which
+/// wakes it. Polling on at the cap would ask it about 200 times; the bound below is far above
+/// the dozen or so the backoff and the ring take, and a slow machine only polls less.
+#[test]
+fn a_new_streams_event_is_left_to_its_doorbell_once_the_backoff_reaches_the_cap() {
+    let done_at = Instant::now() + Duration::from_millis(200);
+    let reactor = Reactor::start("sa-reactor-test-ring".into(), Ringing { at: done_at });
+    let event = Arc::new(Counted {
+        done_at,
+        completion: Completion::new(),
+        polls: AtomicUsize::new(0),
+    });
+    let counter = std::sync::Arc::new(Counting(AtomicUsize::new(0)));
+    let mut key = None;
+    let registered = event
+        .completion
+        .register_waker(&mut key, &Waker::from(counter.clone()));
+    assert!(matches!(registered, Registration::Stored { first: true }));
+    reactor.watch(event.clone());
+    let give_up = Instant::now() + Duration::from_secs(20);
+    while event.completion.result().is_none() || counter.0.load(SeqCst) == 0 {
+        assert!(
+            Instant::now() < give_up,
+            "the event never completed and woke"
+        );
+        std::thread::sleep(Duration::from_micros(200));
+    }
+    let polls = event.polls.load(SeqCst);
+    assert!(polls < 60, "asked {polls} times in 200 ms");
 }
