@@ -33,7 +33,7 @@ pub struct CudaAsyncOptions {
     pub release_threshold: Option<usize>,
     /// Bytes to allocate and free once at construction, so the pool starts with that much
     /// memory (RMM's `initial_pool_size`). Only stays if the release threshold allows it,
-    /// and until a `cuMemAlloc` in the process fails for lack of memory (see
+    /// and until a `cuMemAlloc` in the process finds too little free memory (see
     /// [`CudaAsyncResource`]).
     /// `None` or zero: start empty.
     pub initial_pool_size: Option<usize>,
