@@ -21,9 +21,10 @@ use crate::stream::Stream;
 ///   `cuMemFree` waits for all the device's pending work before it frees, so it is safe for
 ///   memory still used by queued work, but **the calling thread may block** until the device is
 ///   idle, **and so may other threads**: while a `cuMemFree` waits, the driver holds up every
-///   other thread's kernel launches, event records, stream creations and page-locked
-///   allocations on that GPU until it is done (an H100, driver 580.159.04: 950 ms each behind
-///   a 1 s kernel on another stream; queries of events and streams did not wait;
+///   other thread's kernel launches, event records, copies, host functions (the completion
+///   reactor's doorbells among them), stream creations and page-locked allocations on that
+///   GPU until it is done (an H100, driver 580.159.04: 950 ms each behind a 1 s kernel on
+///   another stream; queries of events and streams, and stream waits, did not wait;
 ///   BENCHMARKS.md, "A waiting cuMemFree holds up the GPU's other threads"). (The simulated
 ///   device queues the free on the stream instead, which is as safe and does not block.) Put a
 ///   pool in front of it where frees must not block, and trim that pool where a pause of every
