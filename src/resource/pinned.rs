@@ -25,8 +25,13 @@
 //!   at most 25% of a block is slack, and blocks of nearby sizes share a class.
 //! - The cache keeps at most `max_cached_bytes` of ready blocks. A block that completes when
 //!   the cache is full is *retired*: it cannot be freed on the reactor thread (`cuMemFreeHost`
-//!   is slow and may wait for the device), so the next allocation miss (which is slow anyway),
-//!   [`PinnedHostResource::release`], or the drop of the resource frees it.
+//!   waits for the device to be idle), so the next allocation miss,
+//!   [`PinnedHostResource::release`], or the drop of the resource frees it. That free is the
+//!   costly part: a `cuMemFreeHost` waits for all the GPU's work, and while it waits the
+//!   driver holds up every other thread's launches and records on that GPU (an H100: 950 ms
+//!   behind a 1 s kernel on another stream, where the pinning itself, `cuMemHostAlloc`, took
+//!   0.05 ms; BENCHMARKS.md, "A waiting cuMemFree holds up the GPU's other threads"). Size
+//!   `max_cached_bytes` to the staging memory in flight so that blocks do not retire.
 
 use std::collections::VecDeque;
 use std::fmt;
@@ -65,7 +70,9 @@ fn size_class(bytes: usize) -> Option<usize> {
 pub struct PinnedHostOptions {
     /// The most freed memory the cache keeps ready for reuse, in bytes. Blocks freed beyond it
     /// are given back to the driver (on the next allocation miss, on
-    /// [`release`](PinnedHostResource::release), or when the resource is dropped).
+    /// [`release`](PinnedHostResource::release), or when the resource is dropped), and each
+    /// such `cuMemFreeHost` waits for the whole GPU to be idle (see the module's docs): size
+    /// it to the staging memory in flight.
     pub max_cached_bytes: usize,
 }
 
@@ -241,7 +248,8 @@ impl PinnedHostResource {
     }
 
     /// Frees every cached block, and every retired one, back to the driver
-    /// (`cuMemFreeHost`, which may wait for the device). Blocks in use or still pending stay.
+    /// (`cuMemFreeHost`, which waits for the device to be idle and meanwhile holds up other
+    /// threads' launches on it). Blocks in use or still pending stay.
     /// Returns the first error, after trying every block.
     pub fn release(&self) -> Result<()> {
         let blocks = {
