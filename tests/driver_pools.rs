@@ -100,7 +100,9 @@ fn grows_near_the_limit(
     let first = resource.allocate(2 * unit, &stream).unwrap();
     assert_eq!(reserved(), 2 * unit, "{what}");
     let direct = CudaResource::new(device);
-    let filler_bytes = device.free_memory().unwrap() - unit;
+    let filler_bytes = (device.free_memory().unwrap())
+        .checked_sub(unit)
+        .expect("less than one unit free: memory an earlier test held (a panic?)");
     let filler = direct.allocate(filler_bytes, &stream).unwrap();
 
     let second = resource.allocate(16 * MIB, &stream).unwrap();
