@@ -526,8 +526,9 @@ impl<D: Doorbells> Loop<D> {
         // 1,000 events pending, against 7 to 9 so (an H200, run107).
         let doorbells_only =
             self.predict && all_armed && self.max_sleep.is_some_and(|cap| self.sleep >= cap);
+        let backing_off = plans.unpredicted && !doorbells_only;
         let mut timeout = match self.max_sleep {
-            Some(cap) if plans.unpredicted && !doorbells_only => {
+            Some(cap) if backing_off => {
                 let sleep = self.sleep.min(cap);
                 self.sleep = (self.sleep * 2).min(cap);
                 Some(sleep)
@@ -539,11 +540,7 @@ impl<D: Doorbells> Loop<D> {
         };
         // For the trace: a backoff sleep, or the longest sleep allowed (`max_sleep` while a
         // doorbell is missing, else `LONG_SLEEP`).
-        let mut kind = if plans.unpredicted && !doorbells_only {
-            "backoff"
-        } else {
-            "cap"
-        };
+        let mut kind = if backing_off { "backoff" } else { "cap" };
         if let Some(next) = plans.next {
             // Towards `next` in two stages (`predict::sleep_toward`): a coarse sleep that ends
             // well before it, then steps that end at it once the usual lateness of a short

@@ -20,6 +20,20 @@ struct Timed {
     seq: u64,
     done_at: Instant,
     completion: Completion,
+    /// How often it was asked.
+    polls: AtomicUsize,
+}
+
+impl Timed {
+    fn new(stream: u64, seq: u64, done_at: Instant) -> Timed {
+        Timed {
+            stream,
+            seq,
+            done_at,
+            completion: Completion::new(),
+            polls: AtomicUsize::new(0),
+        }
+    }
 }
 
 impl Watch for Timed {
@@ -30,6 +44,7 @@ impl Watch for Timed {
         self.seq
     }
     fn query(&self) -> Option<Result<()>> {
+        self.polls.fetch_add(1, SeqCst);
         (Instant::now() >= self.done_at).then_some(Ok(()))
     }
     fn completion(&self) -> &Completion {
@@ -37,12 +52,23 @@ impl Watch for Timed {
     }
 }
 
-/// A CUDA-like device without doorbells, predicting, with a pre-wake.
-struct Predicting;
+/// A CUDA-like device, predicting, with a pre-wake: without doorbells, or with doorbells that
+/// ring at `ring_at` (the completion of the test's one event) from a thread of their own, as a
+/// host function behind the event does.
+struct Predicting {
+    spin: Duration,
+    ring_at: Option<Instant>,
+}
+
+/// [`Predicting`] without doorbells.
+const PREDICTING: Predicting = Predicting {
+    spin: Duration::from_micros(100),
+    ring_at: None,
+};
 
 impl Doorbells for Predicting {
     fn spin(&self) -> Duration {
-        Duration::from_micros(100)
+        self.spin
     }
     fn max_sleep(&self) -> Option<Duration> {
         Some(Duration::from_millis(1))
@@ -53,8 +79,16 @@ impl Doorbells for Predicting {
     fn prewake(&self) -> Option<Duration> {
         Some(Duration::from_micros(500))
     }
-    fn arm(&mut self, _: &dyn Watch, _: &Arc<Bell>) -> bool {
-        false
+    fn arm(&mut self, _: &dyn Watch, bell: &Arc<Bell>) -> bool {
+        let Some(at) = self.ring_at else {
+            return false;
+        };
+        let bell = bell.clone();
+        std::thread::spawn(move || {
+            std::thread::sleep(at.saturating_duration_since(Instant::now()));
+            bell.ring();
+        });
+        true
     }
     fn forget(&mut self, _: u64) {}
 }
@@ -85,31 +119,20 @@ fn wait_for(event: &Timed, counter: &Counting) {
 /// awaited one at a time, some queued ahead; then a stream dropped and its history forgotten.
 #[test]
 fn predicted_events_all_complete_and_wake() {
-    let reactor = Reactor::start("sa-reactor-test-predict".into(), Predicting);
+    let reactor = Reactor::start("sa-reactor-test-predict".into(), PREDICTING);
     let mut pre_woken = 0;
     for round in 0..12u64 {
         let now = Instant::now();
         let stage = if round % 2 == 0 { 1 } else { 4 };
         let events: Vec<Arc<Timed>> = vec![
-            Arc::new(Timed {
-                stream: 1,
-                seq: round,
-                done_at: now + Duration::from_millis(3),
-                completion: Completion::new(),
-            }),
-            Arc::new(Timed {
-                stream: 2,
-                seq: 2 * round,
-                done_at: now + Duration::from_millis(stage),
-                completion: Completion::new(),
-            }),
+            Arc::new(Timed::new(1, round, now + Duration::from_millis(3))),
+            Arc::new(Timed::new(2, 2 * round, now + Duration::from_millis(stage))),
             // Queued behind the previous one: it completes with it.
-            Arc::new(Timed {
-                stream: 2,
-                seq: 2 * round + 1,
-                done_at: now + Duration::from_millis(stage),
-                completion: Completion::new(),
-            }),
+            Arc::new(Timed::new(
+                2,
+                2 * round + 1,
+                now + Duration::from_millis(stage),
+            )),
         ];
         let counters: Vec<_> = events
             .iter()
@@ -139,18 +162,13 @@ fn predicted_events_all_complete_and_wake() {
 #[test]
 #[ignore = "prints timings; checks nothing"]
 fn lateness() {
-    let reactor = Reactor::start("sa-reactor-test-lateness".into(), Predicting);
+    let reactor = Reactor::start("sa-reactor-test-lateness".into(), PREDICTING);
     for stage_us in [200u64, 2000, 20000] {
         let mut late = vec![];
         let mut pre = 0;
         for round in 0..40u64 {
             let done_at = Instant::now() + Duration::from_micros(stage_us);
-            let event = Arc::new(Timed {
-                stream: 10 + stage_us,
-                seq: round,
-                done_at,
-                completion: Completion::new(),
-            });
+            let event = Arc::new(Timed::new(10 + stage_us, round, done_at));
             let counter = std::sync::Arc::new(Counting(AtomicUsize::new(0)));
             let mut key = None;
             let _ = event
@@ -189,12 +207,7 @@ fn completions_found_by_others_teach_no_service_time() {
 
     // Registered at 3 ms, reached by the GPU long ago, completed by a task; the reactor polls
     // 2 ms later.
-    let by_task = Arc::new(Timed {
-        stream: 1,
-        seq: 0,
-        done_at: t0,
-        completion: Completion::new(),
-    });
+    let by_task = Arc::new(Timed::new(1, 0, t0));
     assert!(by_task.completion.complete(Ok(())));
     let stamp = by_task
         .completion
@@ -222,12 +235,7 @@ fn completions_found_by_others_teach_no_service_time() {
 
     // Registered at the stamp, and found complete by the reactor's own poll: learnt (some 2 ms
     // and more, apart from the 3 ms already kept).
-    let own = Arc::new(Timed {
-        stream: 1,
-        seq: 1,
-        done_at: t0,
-        completion: Completion::new(),
-    });
+    let own = Arc::new(Timed::new(1, 1, t0));
     queues.entry(1).or_default().events.push_back(Entry {
         event: Box::new(own.clone()),
         watched: Some(stamp),
@@ -249,14 +257,7 @@ fn a_hurried_event_that_is_no_longer_the_head_is_not_hurried() {
     let ms = Duration::from_millis;
     let now = Instant::now();
     let t0 = now.checked_sub(ms(60)).expect("60 ms of uptime");
-    let event = |seq| {
-        Arc::new(Timed {
-            stream: 1,
-            seq,
-            done_at: now + Duration::from_secs(3600),
-            completion: Completion::new(),
-        })
-    };
+    let event = |seq| Arc::new(Timed::new(1, seq, now + Duration::from_secs(3600)));
     let (later, earlier) = (event(5), event(0));
     // One service time of 20 ms, the last completion 40 ms ago: a head registered 20 ms ago is
     // predicted now, inside its pre-wake.
@@ -267,7 +268,7 @@ fn a_hurried_event_that_is_no_longer_the_head_is_not_hurried() {
         max_sleep: Some(ms(1)),
         predict: true,
         prewake: Some(ms(1)),
-        doorbells: Predicting,
+        doorbells: PREDICTING,
         queues: BTreeMap::new(),
         history: HashMap::from([(1, history)]),
         oversleep: super::predict::Oversleep::default(),
@@ -299,60 +300,6 @@ fn a_hurried_event_that_is_no_longer_the_head_is_not_hurried() {
     assert!(earlier.completion.hurried(), "the new head is hurried");
 }
 
-/// An event that counts how often it is asked.
-struct Counted {
-    done_at: Instant,
-    completion: Completion,
-    polls: AtomicUsize,
-}
-
-impl Watch for Counted {
-    fn stream_id(&self) -> u64 {
-        7
-    }
-    fn seq(&self) -> u64 {
-        0
-    }
-    fn query(&self) -> Option<Result<()>> {
-        self.polls.fetch_add(1, SeqCst);
-        (Instant::now() >= self.done_at).then_some(Ok(()))
-    }
-    fn completion(&self) -> &Completion {
-        &self.completion
-    }
-}
-
-/// A predicting device whose doorbells ring at `at` (the one event's completion), from a
-/// thread of their own, as a host function behind the event does; no hot spin, so that the
-/// polls counted are the sleeps'.
-struct Ringing {
-    at: Instant,
-}
-
-impl Doorbells for Ringing {
-    fn spin(&self) -> Duration {
-        Duration::ZERO
-    }
-    fn max_sleep(&self) -> Option<Duration> {
-        Some(Duration::from_millis(1))
-    }
-    fn predict(&self) -> bool {
-        true
-    }
-    fn prewake(&self) -> Option<Duration> {
-        Some(Duration::from_micros(500))
-    }
-    fn arm(&mut self, _: &dyn Watch, bell: &Arc<Bell>) -> bool {
-        let (bell, at) = (bell.clone(), self.at);
-        std::thread::spawn(move || {
-            std::thread::sleep(at.saturating_duration_since(Instant::now()));
-            bell.ring();
-        });
-        true
-    }
-    fn forget(&mut self, _: u64) {}
-}
-
 /// A stream's first event (no prediction), pending 200 ms with its doorbell armed: the loop
 /// polls it while its sleeps double up to the cap (1 ms), then leaves it to the doorbell, which
 /// wakes it. Polling on at the cap would ask it about 200 times; the bound below is far above
@@ -360,12 +307,13 @@ impl Doorbells for Ringing {
 #[test]
 fn a_new_streams_event_is_left_to_its_doorbell_once_the_backoff_reaches_the_cap() {
     let done_at = Instant::now() + Duration::from_millis(200);
-    let reactor = Reactor::start("sa-reactor-test-ring".into(), Ringing { at: done_at });
-    let event = Arc::new(Counted {
-        done_at,
-        completion: Completion::new(),
-        polls: AtomicUsize::new(0),
-    });
+    // No hot spin, so that the polls counted are the sleeps'.
+    let doorbells = Predicting {
+        spin: Duration::ZERO,
+        ring_at: Some(done_at),
+    };
+    let reactor = Reactor::start("sa-reactor-test-ring".into(), doorbells);
+    let event = Arc::new(Timed::new(7, 0, done_at));
     let counter = std::sync::Arc::new(Counting(AtomicUsize::new(0)));
     let mut key = None;
     let registered = event
@@ -373,14 +321,7 @@ fn a_new_streams_event_is_left_to_its_doorbell_once_the_backoff_reaches_the_cap(
         .register_waker(&mut key, &Waker::from(counter.clone()));
     assert!(matches!(registered, Registration::Stored { first: true }));
     reactor.watch(event.clone());
-    let give_up = Instant::now() + Duration::from_secs(20);
-    while event.completion.result().is_none() || counter.0.load(SeqCst) == 0 {
-        assert!(
-            Instant::now() < give_up,
-            "the event never completed and woke"
-        );
-        std::thread::sleep(Duration::from_micros(200));
-    }
+    wait_for(&event, &counter);
     let polls = event.polls.load(SeqCst);
     assert!(polls < 60, "asked {polls} times in 200 ms");
 }
