@@ -16,10 +16,9 @@ mod common;
 
 use std::sync::Mutex;
 
-use common::{devices, label};
+use common::{devices, label, primed_async_pool};
 use streamalloc::resource::arena::{ArenaOptions, ArenaResource};
 use streamalloc::resource::cuda::CudaResource;
-use streamalloc::resource::cuda_async::{CudaAsyncOptions, CudaAsyncResource};
 use streamalloc::resource::pool::{PoolOptions, PoolResource};
 use streamalloc::{Device, ExpandableOptions, ExpandablePoolResource, MemoryResource, SimConfig};
 
@@ -86,14 +85,7 @@ fn grows_near_the_limit(
     let _turn = GPU.lock().unwrap_or_else(|e| e.into_inner());
     let what = format!("{} {name}", label(device));
     let stream = device.create_stream().unwrap();
-    let primed = CudaAsyncResource::new(
-        device,
-        CudaAsyncOptions {
-            initial_pool_size: Some(unit / 4),
-            ..CudaAsyncOptions::default()
-        },
-    )
-    .unwrap();
+    let primed = primed_async_pool(device, unit / 4);
     let kept = primed.reserved_bytes().unwrap();
     assert!(kept >= unit / 4, "{what}: primed pool holds {kept}");
 
@@ -137,14 +129,7 @@ fn an_expandable_pool_short_of_memory_takes_what_the_driver_pools_keep() {
         ..SimConfig::default()
     });
     let stream = device.create_stream().unwrap();
-    let primed = CudaAsyncResource::new(
-        &device,
-        CudaAsyncOptions {
-            initial_pool_size: Some(512 * MIB),
-            ..CudaAsyncOptions::default()
-        },
-    )
-    .unwrap();
+    let primed = primed_async_pool(&device, 512 * MIB);
     assert_eq!(primed.reserved_bytes().unwrap(), 512 * MIB);
     let direct = CudaResource::new(&device);
     let filler_bytes = device.free_memory().unwrap() - 256 * MIB;

@@ -57,14 +57,7 @@ fn cuda_async_initial_size_threshold_and_maximum() {
         let stream = device.create_stream().unwrap();
 
         // Primed with 32 MiB: reserved before anything is allocated, and reused.
-        let primed = CudaAsyncResource::new(
-            &device,
-            CudaAsyncOptions {
-                initial_pool_size: Some(32 * MIB),
-                ..CudaAsyncOptions::default()
-            },
-        )
-        .unwrap();
+        let primed = primed_async_pool(&device, 32 * MIB);
         let reserved = primed.reserved_bytes().unwrap();
         assert!(reserved >= 32 * MIB, "{what}: primed pool holds {reserved}");
         assert_eq!(primed.used_bytes().unwrap(), 0, "{what}");
@@ -200,14 +193,7 @@ fn a_request_larger_than_the_device_leaves_the_driver_pools_alone() {
     for device in devices() {
         let what = label(&device);
         let stream = device.create_stream().unwrap();
-        let primed = CudaAsyncResource::new(
-            &device,
-            CudaAsyncOptions {
-                initial_pool_size: Some(32 * MIB),
-                ..CudaAsyncOptions::default()
-            },
-        )
-        .unwrap();
+        let primed = primed_async_pool(&device, 32 * MIB);
         let kept = primed.reserved_bytes().unwrap();
         assert!(kept >= 32 * MIB, "{what}: primed pool holds {kept}");
         let direct = CudaResource::new(&device);
@@ -242,14 +228,7 @@ fn a_device_allocation_short_of_memory_takes_what_the_driver_pools_keep() {
         ..SimConfig::default()
     });
     let stream = device.create_stream().unwrap();
-    let primed = CudaAsyncResource::new(
-        &device,
-        CudaAsyncOptions {
-            initial_pool_size: Some(512 * MIB),
-            ..CudaAsyncOptions::default()
-        },
-    )
-    .unwrap();
+    let primed = primed_async_pool(&device, 512 * MIB);
     // The simulated pool reuses only a kept block of the same size: this one is new.
     let held = primed.allocate(64 * MIB, &stream).unwrap();
     assert_eq!(primed.reserved_bytes().unwrap(), 576 * MIB);

@@ -10,6 +10,7 @@ use std::time::Duration;
 
 use streamalloc::resource::arena::ArenaResource;
 use streamalloc::resource::cuda::CudaResource;
+use streamalloc::resource::cuda_async::{CudaAsyncOptions, CudaAsyncResource};
 use streamalloc::resource::pool::{PoolOptions, PoolResource};
 use streamalloc::{CudaOptions, Device, DevicePtr, MemoryResource, SimConfig, Stream};
 
@@ -181,4 +182,17 @@ pub fn assert_arena_all_back(arena: &ArenaResource<CudaResource>, what: &str) {
         "{what}: bytes not back: {stats:?}\n{}",
         arena.dump()
     );
+}
+
+/// A `CudaAsyncResource` on a new driver pool that `new` primed with `bytes` (allocated and
+/// freed once, so the pool keeps them).
+pub fn primed_async_pool(device: &Device, bytes: usize) -> CudaAsyncResource {
+    CudaAsyncResource::new(
+        device,
+        CudaAsyncOptions {
+            initial_pool_size: Some(bytes),
+            ..CudaAsyncOptions::default()
+        },
+    )
+    .unwrap()
 }
