@@ -247,6 +247,7 @@ impl<T: Pod> DeviceVec<T> {
             self.stream(),
             self.element_ptr(index),
             bytemuck::bytes_of_mut(&mut value),
+            self.stream(),
         )
         .await?;
         Ok(value)
@@ -368,7 +369,9 @@ impl<T: Pod> DeviceVec<T> {
     /// A `stream` other than the vector's own is recorded as a use of its memory (as
     /// [`record_stream`](Self::record_stream) would, though this takes `&self`): the vector's
     /// free waits for the copy queued there, whether this future completes, fails or is
-    /// dropped.
+    /// dropped. And the vector's own stream is ordered after that copy (GPU-side, once it is
+    /// queued): a write there after this future is dropped, such as
+    /// [`copy_from_host`](Self::copy_from_host), cannot overtake the read.
     ///
     /// # Cancel safety
     /// Cancel-safe: a dropped future's staging block is reused only once its copy has run, and
@@ -376,7 +379,13 @@ impl<T: Pod> DeviceVec<T> {
     pub async fn to_host(&self, stream: &Stream) -> Result<Vec<T>> {
         self.buf.use_on(stream)?;
         let mut out = vec![T::zeroed(); self.len];
-        copy_out(stream, self.as_ptr(), bytemuck::cast_slice_mut(&mut out)).await?;
+        copy_out(
+            stream,
+            self.as_ptr(),
+            bytemuck::cast_slice_mut(&mut out),
+            self.stream(),
+        )
+        .await?;
         Ok(out)
     }
 

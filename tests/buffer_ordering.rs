@@ -11,7 +11,9 @@ use std::time::Duration;
 use common::{eventually, runtime};
 use streamalloc::resource::cuda::CudaResource;
 use streamalloc::resource::pool::{PoolOptions, PoolResource};
-use streamalloc::{Device, DeviceBuffer, DeviceVec, Error, FaultKind, Faults, SimConfig};
+use streamalloc::{
+    Device, DeviceBuffer, DeviceVec, Error, FaultKind, Faults, RaceDetection, SimConfig,
+};
 
 const MIB: usize = 1 << 20;
 
@@ -298,4 +300,41 @@ fn a_copy_onto_a_busy_stream_holds_the_source_free() {
     assert!(rt.block_on(w.to_host(&b)).unwrap().iter().all(|&x| x == 6));
     assert!(rt.block_on(c.to_host()).unwrap().iter().all(|&x| x == 4));
     common::assert_all_back_within(&src_pool, Duration::from_secs(10), "the source pool");
+}
+
+/// The other direction: a read queued on another stream by a method that takes `&self` must
+/// come before the writes queued on the memory's own stream once the borrow ends. A review
+/// found `DeviceVec::to_host(&b)`, dropped before its copy ran, and then the safe
+/// `copy_from_host` on the vector's stream, writing the memory while `b`'s read was unordered
+/// with it; and the same after `set_stream` to a third stream (ordered after the old stream
+/// only). The race detector, recording, sees every unordered pair.
+#[test]
+fn a_dropped_read_on_another_stream_comes_before_later_writes() {
+    for move_first in [false, true] {
+        let device = Device::simulated(SimConfig {
+            race_detection: RaceDetection::Record,
+            ..SimConfig::default()
+        });
+        let p = pool(&device);
+        let (a, b, c) = (
+            device.create_stream().unwrap(),
+            device.create_stream().unwrap(),
+            device.create_stream().unwrap(),
+        );
+        let mut v = DeviceVec::from_host(&p, &[1u32; 1024], &a).unwrap();
+        b.spin(Duration::from_millis(200)).unwrap();
+        poll_once_and_drop(v.to_host(&b));
+        if move_first {
+            v.set_stream(&c).unwrap();
+        }
+        v.copy_from_host(&[2u32; 1024]).unwrap();
+        for s in [&a, &b, &c] {
+            s.synchronize_blocking().unwrap();
+        }
+        let races = device.take_races();
+        assert!(
+            races.is_empty(),
+            "set_stream first: {move_first}: {races:#?}"
+        );
+    }
 }

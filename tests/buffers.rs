@@ -340,3 +340,32 @@ fn set_stream_orders_the_new_stream_after_the_old() {
         );
     }
 }
+
+/// A clone onto another stream reads the source before the writes queued on the source's own
+/// stream after it: `try_clone_to` returns with its copy still queued behind a busy stream,
+/// and the source's `memset` must wait for that copy. A review found the clone holding the
+/// later bytes (the source's stream was not ordered after the read).
+#[test]
+fn a_clone_onto_another_stream_is_not_overtaken_by_later_writes() {
+    let rt = runtime();
+    for device in devices() {
+        let p = pool(&device, 0, 64 * MIB);
+        let (a, b) = (
+            device.create_stream().unwrap(),
+            device.create_stream().unwrap(),
+        );
+        let mut buf = DeviceBuffer::new(&p, MIB, &a).unwrap();
+        buf.memset(1).unwrap();
+        b.spin(Duration::from_millis(200)).unwrap();
+        let copy = buf.try_clone_to(&p, &b).unwrap();
+        buf.memset(2).unwrap();
+        let got = rt.block_on(copy.to_host()).unwrap();
+        assert!(
+            got.iter().all(|&x| x == 1),
+            "{}: the clone holds {}",
+            label(&device),
+            got[0]
+        );
+        assert!(rt.block_on(buf.to_host()).unwrap().iter().all(|&x| x == 2));
+    }
+}

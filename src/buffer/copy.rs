@@ -40,7 +40,7 @@ impl DeviceBuffer {
     /// copy into it has run.
     pub async fn to_host(&self) -> Result<Vec<u8>> {
         let mut out = vec![0u8; self.len];
-        copy_out(&self.stream, self.ptr, &mut out).await?;
+        copy_out(&self.stream, self.ptr, &mut out, &self.stream).await?;
         Ok(out)
     }
 }
@@ -78,11 +78,23 @@ pub(crate) fn copy_in(stream: &Stream, dst: DevicePtr, data: &[u8]) -> Result<()
 /// Copies `out.len()` bytes from `src` to `out` through a staging block, after the work queued
 /// on `stream`.
 ///
+/// `owner` is the stream the memory at `src` is used on (its buffer's). When the copy runs on
+/// another stream, `owner` is ordered after it (GPU-side) before the future first waits: the
+/// caller's borrow of the buffer ends when the future completes or is dropped, and a write
+/// queued on `owner` after that (a `&mut` method, or the user's own kernel) must not overtake
+/// the read still queued on `stream`. If that ordering cannot be queued (a driver error), the
+/// error is returned and the read may still be queued: later writes are then unordered with it.
+///
 /// The staging block goes back to the device's cache only once nothing queued can still write
 /// it: at once if no copy was attempted, after the copy's event if it was recorded, else behind
 /// a later event of `stream` (or never, if none can be recorded): whether the future
 /// completes, fails or is dropped.
-pub(crate) async fn copy_out(stream: &Stream, src: DevicePtr, out: &mut [u8]) -> Result<()> {
+pub(crate) async fn copy_out(
+    stream: &Stream,
+    src: DevicePtr,
+    out: &mut [u8],
+    owner: &Stream,
+) -> Result<()> {
     if out.is_empty() {
         return Ok(());
     }
@@ -125,6 +137,9 @@ pub(crate) async fn copy_out(stream: &Stream, src: DevicePtr, out: &mut [u8]) ->
     unsafe { stream.copy_dtoh(block_ptr(&guard), src, out.len()) }?;
     let event = stream.record()?;
     guard.event = Some(event.clone());
+    if owner.id() != stream.id() {
+        owner.wait(&event)?;
+    }
     event.await?;
     // SAFETY: the copy into the block has completed (the event after it did).
     unsafe { std::ptr::copy_nonoverlapping(block_ptr(&guard), out.as_mut_ptr(), out.len()) };

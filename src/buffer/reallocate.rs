@@ -131,7 +131,9 @@ impl DeviceBuffer {
     /// A copy of the contents in new memory from `resource`, for use on `stream` (RMM's
     /// `device_buffer(other, stream, mr)`): the copy is queued on `stream` after the work
     /// queued on this buffer's stream so far (GPU-side; the host does not wait), and `stream`
-    /// is recorded as a use of this buffer, so its free waits for the copy.
+    /// is recorded as a use of this buffer, so its free waits for the copy. This buffer's
+    /// stream is then ordered after the copy (GPU-side too), so that work queued there later,
+    /// a [`memset`](Self::memset) or a kernel writing the buffer, does not overtake the read.
     ///
     /// `resource` and `stream` may be of another device than this buffer's (another GPU, or
     /// another simulated device): the copy between devices is queued on `stream` as above
@@ -172,6 +174,9 @@ impl DeviceBuffer {
             // and recorded as a use of it, so this buffer is freed only after the copy; the
             // copy is freed in order on `stream`.
             unsafe { stream.copy_peer(copy.ptr, self.ptr, here, self.len) }?;
+            // The caller may write this buffer on its stream as soon as this returns (its
+            // borrow ends here): that write must not overtake the read queued on `stream`.
+            stream.order_before(&self.stream)?;
         }
         Ok(copy)
     }
