@@ -582,3 +582,103 @@ fn streams_retired_by_trim_go_even_if_another_thread_cached_them() {
         });
     }
 }
+
+/// A later review: a pool at its maximum refused a request with a free block of exactly its
+/// size, because that block was ninth in its size class behind eight smaller ones and no
+/// larger class held a block (the size index looked at eight). The request is served, with
+/// that block, and an awaited request the same.
+#[test]
+fn a_fit_ninth_in_its_size_class_is_found_at_the_maximum() {
+    let rt = common::runtime();
+    for device in devices() {
+        let pool = pool(&device, 4 * MIB, 4 * MIB);
+        let s = device.create_stream().unwrap();
+        let unit = 256;
+        let want = 1055 * unit; // above the small-block cache's sizes
+        let filler = 1024 * unit; // the same size class, smaller
+        let target = pool.allocate(want, &s).unwrap();
+        // Blocks of one unit between the others keep them apart when freed.
+        let mut apart = vec![pool.allocate(unit, &s).unwrap()];
+        let mut fillers = Vec::new();
+        for _ in 0..8 {
+            fillers.push(pool.allocate(filler, &s).unwrap());
+            apart.push(pool.allocate(unit, &s).unwrap());
+        }
+        let rest = 4 * MIB - want - 8 * filler - 9 * unit;
+        let tail = pool.allocate(rest, &s).unwrap();
+        assert_eq!(
+            pool.stats().free,
+            0,
+            "{}: {:?}",
+            label(&device),
+            pool.stats()
+        );
+        // The fit first, then the eight: the fit ends up last in its class.
+        free(&pool, target, want, &s);
+        for &f in &fillers {
+            free(&pool, f, filler, &s);
+        }
+        let p = pool
+            .allocate(want, &s)
+            .unwrap_or_else(|e| panic!("{}: {e}", label(&device)));
+        assert_eq!(p, target, "{}", label(&device));
+        free(&pool, p, want, &s);
+        let p = rt
+            .block_on(async {
+                use streamalloc::AllocateAsync;
+                tokio::time::timeout(Duration::from_secs(10), pool.allocate_async(want, &s)).await
+            })
+            .expect("an awaited request that fits waited")
+            .unwrap();
+        free(&pool, p, want, &s);
+        for a in apart {
+            free(&pool, a, unit, &s);
+        }
+        free(&pool, tail, rest, &s);
+        check_pool(&pool);
+        assert_eq!(pool.stats().in_use, 0, "{}", label(&device));
+        s.synchronize_blocking().unwrap();
+    }
+}
+
+/// A later review: a cross-stream reuse whose ordering fails hands nothing out, and the pool's
+/// peak in use (exact on one thread) must not count the block it never handed out.
+#[test]
+fn a_failed_ordering_does_not_raise_the_peak_in_use() {
+    let faults = Faults::new();
+    let device = Device::simulated(SimConfig {
+        faults: faults.clone(),
+        ..SimConfig::default()
+    });
+    let pool = PoolResource::new(
+        streamalloc::resource::cuda::CudaResource::new(&device),
+        PoolOptions {
+            initial: 2 * MIB,
+            maximum: Some(2 * MIB),
+            opportunistic_reuse: false,
+            ..PoolOptions::default()
+        },
+    )
+    .unwrap();
+    let (a, b) = (
+        device.create_stream().unwrap(),
+        device.create_stream().unwrap(),
+    );
+    let y = pool.allocate(MIB, &a).unwrap();
+    free(&pool, y, MIB, &a);
+    // The same memory again on `a`; the other half is tagged `a` too.
+    let x = pool.allocate(MIB, &a).unwrap();
+    assert_eq!((x, pool.stats().peak_in_use), (y, MIB));
+    faults.fail_next(FaultKind::Record);
+    assert!(pool.allocate(MIB, &b).is_err(), "the ordering was to fail");
+    let stats = pool.stats();
+    assert_eq!((stats.in_use, stats.peak_in_use), (MIB, MIB), "{stats:?}");
+    // The block went back: `b` takes it once the ordering can be made.
+    let z = pool.allocate(MIB, &b).unwrap();
+    assert_eq!(pool.stats().peak_in_use, 2 * MIB);
+    free(&pool, x, MIB, &a);
+    free(&pool, z, MIB, &b);
+    check_pool(&pool);
+    a.synchronize_blocking().unwrap();
+    b.synchronize_blocking().unwrap();
+}

@@ -8,7 +8,8 @@
 //! class for the smallest that fits (exact fits are common: the same sizes come back), then
 //! takes the first block of the smallest class whose every block fits. That is a fit within
 //! 1/32 (3%) of the best, in constant time, where an exact best fit in a size-ordered tree costs
-//! two tree updates per operation.
+//! two tree updates per operation. Only when no larger class holds a block does it walk the rest
+//! of its own class: no block that fits is ever missed.
 
 use crate::resource::ALIGNMENT;
 
@@ -157,7 +158,11 @@ impl SizeIndex {
     }
 
     /// A block of at least `size` bytes: the closest among the first few of its own class,
-    /// else the head of the smallest class that surely fits.
+    /// else the head of the smallest class that surely fits, else (no larger class holds a
+    /// block) the first that fits further down its own class. `None` only when no block fits:
+    /// a request is never refused, nor the pool grown, while a free block could serve it (a
+    /// review found one refused at the maximum with a block of exactly its size ninth in its
+    /// class).
     #[inline]
     pub(crate) fn find<B: Indexed>(&self, blocks: &[B], size: u64) -> Option<u32> {
         let units = size >> UNIT_LOG;
@@ -182,8 +187,32 @@ impl SizeIndex {
                 return best;
             }
         }
-        let class = self.first_class_from(class_at_least(units)?)?;
-        Some(self.heads[class])
+        match class_at_least(units).and_then(|c| self.first_class_from(c)) {
+            Some(class) => Some(self.heads[class]),
+            None => self.first_fit_past_scan(blocks, own, size),
+        }
+    }
+
+    /// The first block of `class` past the [`SCAN`] [`find`](Self::find) looked at that holds
+    /// `size` bytes: the cold end of a search that found no larger class.
+    #[cold]
+    fn first_fit_past_scan<B: Indexed>(
+        &self,
+        blocks: &[B],
+        class: usize,
+        size: u64,
+    ) -> Option<u32> {
+        let mut i = *self.heads.get(class)?;
+        let mut looked = 0;
+        while i != NIL {
+            let b = &blocks[i as usize];
+            if looked >= SCAN && b.size() >= size {
+                return Some(i);
+            }
+            looked += 1;
+            i = b.links().next;
+        }
+        None
     }
 
     /// A block of at least `size` bytes at the lowest address (`addr`) among the fitting
@@ -223,7 +252,8 @@ impl SizeIndex {
             classes += usize::from(fits);
             class = c + 1;
         }
-        best.map(|(_, i)| i)
+        // None seen: a fitting block may still lie past the look at its class.
+        best.map(|(_, i)| i).or_else(|| self.find(blocks, size))
     }
 
     /// A block of exactly `size` bytes that `accept` takes, looked for through the whole list
@@ -397,6 +427,40 @@ mod tests {
         // Only the large block fits.
         assert_eq!(index.find_low(&blocks, 13 * unit, |b| b.addr), Some(3));
         assert_eq!(index.check(&blocks, |_, _| Ok(())), Ok(4));
+    }
+
+    /// A block that fits, ninth in its class behind eight that do not, with no larger class:
+    /// both searches find it.
+    #[test]
+    fn a_fit_past_the_scan_of_its_class_is_found_when_nothing_larger_is_free() {
+        let unit = 1u64 << UNIT_LOG;
+        // 1,024 to 1,055 units are one class. Linked first, the fit ends up last in its list.
+        let mut sizes = vec![1055u64];
+        sizes.extend([1024; SCAN]);
+        let mut blocks: Vec<TestBlock> = (0..sizes.len())
+            .map(|i| TestBlock {
+                addr: i as u64 * 2000 * unit,
+                size: sizes[i] * unit,
+                links: Links::default(),
+            })
+            .collect();
+        let mut index = SizeIndex::default();
+        for i in 0..blocks.len() as u32 {
+            index.link(&mut blocks, i);
+        }
+        assert_eq!(index.find(&blocks, 1055 * unit), Some(0));
+        assert_eq!(index.find_low(&blocks, 1055 * unit, |b| b.addr), Some(0));
+        assert_eq!(index.find(&blocks, 1056 * unit), None);
+        assert_eq!(index.find_low(&blocks, 1056 * unit, |b| b.addr), None);
+        // With a larger class free, its head is taken, as before (constant time).
+        blocks.push(TestBlock {
+            addr: 1 << 40,
+            size: 4000 * unit,
+            links: Links::default(),
+        });
+        index.link(&mut blocks, SCAN as u32 + 1);
+        assert_eq!(index.find(&blocks, 1055 * unit), Some(SCAN as u32 + 1));
+        assert_eq!(index.check(&blocks, |_, _| Ok(())), Ok(SCAN + 2));
     }
 
     #[test]

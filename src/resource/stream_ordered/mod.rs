@@ -773,7 +773,9 @@ impl<S: EngineStream> StreamHeap<S> {
         let Some((addr, tag)) = taken else {
             return Ok(None);
         };
+        let peak_before = heap.peak_in_use;
         heap.count_out(size);
+        let counted_to = heap.in_use;
         if tag.is_empty() || heap.only(&tag, stream.uid()) {
             return Ok(Some(addr));
         }
@@ -790,6 +792,12 @@ impl<S: EngineStream> StreamHeap<S> {
                 // The block goes back as it was: nothing is lost, and its tag still asks for
                 // the orderings that failed.
                 let mut heap = shard.lock();
+                // Nor is the peak raised by a block never handed out. Lowered only if nothing
+                // has raised it since: exact on one thread, still an upper bound on several
+                // (the other threads' counts in between included this block).
+                if heap.peak_in_use == counted_to && counted_to > peak_before {
+                    heap.peak_in_use = peak_before.max(heap.in_use - size);
+                }
                 heap.in_use -= size;
                 let given = heap.free.free(addr, size, tag);
                 debug_assert!(
