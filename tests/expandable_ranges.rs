@@ -469,3 +469,29 @@ fn faults_while_claiming_lose_nothing() {
     counts_agree(&device, &p);
     trim_gives_everything_back(&device, &p);
 }
+
+/// A simulated device the size of an H100 (80 GiB) makes an expandable pool with its default
+/// options: a reservation of the device's size in each of its shards' ranges, whatever the
+/// host's memory. A review found it refused on a 23 GiB host (the simulated reservation was
+/// one host allocation of its whole size, which the kernel's overcommit policy refuses), and a
+/// 16 GiB simulated device quietly making one range instead of eight.
+#[test]
+fn a_reservation_larger_than_the_host_costs_it_nothing() {
+    let total = 80usize << 30;
+    let h100 = Device::simulated(SimConfig {
+        total_memory: total,
+        ..SimConfig::default()
+    });
+    let pool = ExpandablePoolResource::new(&h100, ExpandableOptions::default())
+        .expect("an expandable pool on a simulated 80 GiB device");
+    let (_, reserved) = pool.reservation();
+    assert_eq!(
+        reserved,
+        8 * total,
+        "a range of the device's size for each of 8 shards"
+    );
+    let s = h100.create_stream().unwrap();
+    let p = pool.allocate(MIB, &s).unwrap();
+    free(&pool, p, MIB, &s);
+    s.synchronize_blocking().unwrap();
+}

@@ -15,6 +15,7 @@ use std::sync::atomic::Ordering::Relaxed;
 use rustc_hash::FxHashMap;
 
 use super::granules::{Granules, ADDRESS_SPACE};
+use super::host_bytes::HostBytes;
 use crate::error::{Error, Result};
 // Plain `Arc`s: loom never models the memory (`sync::plain`), and `block` clones one under the
 // table's std lock, where no loom operation may run.
@@ -33,7 +34,7 @@ const GUARD: u64 = 64 << 10;
 
 pub(crate) struct Block {
     base: u64,
-    bytes: Box<[DataByte]>,
+    bytes: HostBytes,
     /// A reserved virtual range (`sim/vmm.rs`): only its mapped granules may be accessed.
     mapping: Option<Arc<Granules>>,
 }
@@ -141,7 +142,7 @@ impl SimMemory {
                 maximum: self.total,
             });
         }
-        let storage = zeroed_bytes(rounded).ok_or(Error::OutOfMemory {
+        let storage = HostBytes::zeroed(rounded).ok_or(Error::OutOfMemory {
             requested: bytes,
             available,
             maximum: self.total,
@@ -216,9 +217,11 @@ impl SimMemory {
 
 impl SimMemory {
     /// Reserves `size` bytes of address space starting at a multiple of `align` (0 or 1: any
-    /// address), backed by lazily zeroed host memory that costs nothing until
-    /// touched; only the granules `mapping` marks as mapped may be accessed. Counts nothing
-    /// against the device's memory (mapping does, through `charge`).
+    /// address), backed by lazily zeroed host memory that costs nothing until touched, however
+    /// large ([`HostBytes::reserved`]); only the granules `mapping` marks as mapped may be
+    /// accessed. Counts nothing against the device's memory (mapping does, through `charge`).
+    /// `OutOfMemory` with the room left in this device's address range if `size` does not
+    /// fit there, and with nothing available if the host refuses the range.
     pub(crate) fn reserve(&self, size: usize, align: u64, mapping: Arc<Granules>) -> Result<u64> {
         let oom = |available| Error::OutOfMemory {
             requested: size,
@@ -232,7 +235,7 @@ impl SimMemory {
         if size as u64 > left {
             return Err(oom(left as usize));
         }
-        let storage = zeroed_bytes(size).ok_or(oom(left as usize))?;
+        let storage = HostBytes::reserved(size).ok_or(oom(0))?;
         let base = start;
         state.next = start + size as u64 + GUARD;
         let block = Block {
@@ -580,19 +583,4 @@ impl SimPool {
         state.destroyed = true;
         state.release_until(&self.memory, 0);
     }
-}
-
-/// `len` zeroed atomic bytes, or `None` if the host cannot provide them. Large sizes come from
-/// `alloc_zeroed`, so untouched pages cost nothing.
-fn zeroed_bytes(len: usize) -> Option<Box<[DataByte]>> {
-    let layout = Layout::array::<DataByte>(len).ok()?;
-    // SAFETY: `layout` has a non-zero size (callers pass len >= ALIGN).
-    let ptr = unsafe { std::alloc::alloc_zeroed(layout) } as *mut DataByte;
-    if ptr.is_null() {
-        return None;
-    }
-    // SAFETY: `ptr` is a fresh allocation of `len` zeroed bytes with the layout of
-    // `[DataByte; len]` (an atomic byte has the size, alignment and validity of a `u8`, and zero
-    // is a valid value), allocated by the global allocator as `Box` expects.
-    Some(unsafe { Box::from_raw(std::ptr::slice_from_raw_parts_mut(ptr, len)) })
 }

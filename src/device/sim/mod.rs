@@ -9,6 +9,7 @@ pub(crate) mod detector;
 pub(crate) mod faults;
 pub(crate) mod granules;
 mod hooks;
+mod host_bytes;
 mod kernels;
 mod marker;
 pub(crate) mod memory;

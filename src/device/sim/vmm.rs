@@ -8,11 +8,11 @@
 //! Mapping a granule counts [`GRANULE`] bytes against the device's memory (so
 //! `Device::free_memory` falls), unmapping gives them back (so it rises).
 //!
-//! The host bytes of an unmapped granule stay allocated until the reservation goes (the
-//! simulated device has no way to give pages back without a dependency on `libc`); what a test
-//! sees is the device's memory counters, which follow the mappings exactly. Because the bytes
-//! stay, an access racing with an unmap (a bug of the caller: it unmapped memory still in use)
-//! is never undefined behaviour here: it either runs before the unmap or fails with the address.
+//! The host bytes of a reservation cost nothing until touched (`HostBytes::reserved`), and
+//! those of an unmapped granule stay until the reservation goes; what a test sees is the
+//! device's memory counters, which follow the mappings exactly. Because the bytes stay, an
+//! access racing with an unmap (a bug of the caller: it unmapped memory still in use) is never
+//! undefined behaviour here: it either runs before the unmap or fails with the address.
 //!
 //! [`Error::InvalidAddress`]: crate::Error::InvalidAddress
 
