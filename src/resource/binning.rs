@@ -53,7 +53,10 @@ enum Fallback {
 ///
 /// `allocate(bytes)` picks the smallest bin whose size is at least `bytes`; `deallocate(ptr,
 /// bytes)` picks by the same rule, so memory goes back to the resource it came from (the
-/// `bytes` given back must be those asked for, as for every resource).
+/// `bytes` given back must be those asked for, as for every resource). A free whose size routes
+/// it to a given bin or the fallback but whose range lies in a fixed-size bin's memory is
+/// refused with [`Error::UnknownPointer`], nothing freed: the upstream (which a given bin may
+/// be) handed that memory to the bin and would take the bin's whole chunk back.
 ///
 /// ```
 /// use streamalloc::resource::binning::BinningResource;
@@ -291,16 +294,22 @@ unsafe impl<U: MemoryResource> MemoryResource for BinningResource<U> {
             };
         }
         self.device.check_same(stream.device())?;
-        // A size past every bin goes to the fallback, which may be the upstream the fixed-size
-        // bins take their chunks from: a wrong size there could give a bin's chunk back while
-        // its blocks are handed out. The bins check frees of their own sizes themselves.
-        let in_a_bin = || {
+        // A size that routes to the fallback or to a given bin goes to a resource that may be
+        // the upstream the fixed-size bins take their chunks from (a given bin may be that very
+        // pool): a wrong size there could give a bin's chunk back while its blocks are handed
+        // out. Only a fixed-size bin hands out memory of its chunks, so such a free is always
+        // wrong. A fixed-size bin checks the frees routed to it itself.
+        let to_a_fixed_bin = matches!(
+            self.bin_for(bytes).map(|i| &self.bins[i].resource),
+            Some(BinResource::Fixed(_))
+        );
+        let in_a_fixed_bin = || {
             (self.bins.iter()).any(|b| match &b.resource {
                 BinResource::Fixed(f) => f.overlaps(ptr.0, bytes as u64),
                 BinResource::Given(_) => false,
             })
         };
-        if self.bin_for(bytes).is_none() && in_a_bin() {
+        if !to_a_fixed_bin && in_a_fixed_bin() {
             return Err(Error::UnknownPointer { ptr: ptr.0, bytes });
         }
         // SAFETY: the caller's contract; the same size picks the resource `allocate` used.

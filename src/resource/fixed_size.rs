@@ -98,7 +98,8 @@ impl<U: MemoryResource> Grow for FixedSizeResource<U> {
 impl<U: MemoryResource> FixedSizeResource<U> {
     /// Whether `[addr, addr + len)` overlaps one of its chunks: memory it holds, which a free
     /// through another resource over the same upstream must not give back (the binning
-    /// resource's fallback; a review found a wrong-size free handing a bin's chunk out twice).
+    /// resource's fallback and given bins; reviews found wrong-size frees handing a bin's chunk
+    /// out twice).
     pub(crate) fn overlaps(&self, addr: u64, len: u64) -> bool {
         let end = addr.saturating_add(len);
         (self.chunks.lock().iter())

@@ -209,6 +209,57 @@ fn binning_refuses_a_wrong_size_free_of_a_bins_chunk() {
     }
 }
 
+/// A free with a wrong size that routes to a bin given to `add_bin`, the very pool the
+/// fixed-size bins take their chunks from, naming a fixed bin's block: only the binning
+/// resource can refuse it. A review found it accepted: the pool took back the bin's whole
+/// chunk while three of its blocks were handed out.
+#[test]
+fn binning_refuses_a_wrong_size_free_routed_to_a_given_bin() {
+    for device in devices() {
+        let p = Arc::new(common::pool(&device, MIB, 64 * MIB));
+        // A fixed bin of 256-byte blocks, 4 to a chunk of 1024 bytes from the pool, and the
+        // pool itself serving 257..=1024 bytes.
+        let b = BinningResource::builder(p.clone())
+            .add_bin(256, None)
+            .add_bin(1024, p.clone() as ResourceRef)
+            .blocks_per_chunk(4)
+            .build()
+            .unwrap();
+        let s = device.create_stream().unwrap();
+        let blocks: Vec<_> = (0..4).map(|_| b.allocate(200, &s).unwrap()).collect();
+        let first = *blocks.iter().min().unwrap();
+        let before = p.stats();
+        // SAFETY: a deliberately wrong free (1000 bytes routes to the given bin), which the
+        // resource must refuse untouched.
+        let wrong = unsafe { b.deallocate(first, 1000, &s) };
+        assert_eq!(
+            wrong,
+            Err(Error::UnknownPointer {
+                ptr: first.0,
+                bytes: 1000
+            }),
+            "{}",
+            label(&device)
+        );
+        assert_eq!(p.stats(), before, "{}: the pool changed", label(&device));
+        p.check_invariants().unwrap();
+        // The chunk is still the bin's: what the given bin hands out lies outside it.
+        let other = b.allocate(1000, &s).unwrap();
+        assert!(
+            other.0 >= first.0 + 1024 || other.0 + 1000 <= first.0,
+            "{}: a bin's chunk handed out again while its blocks are in use",
+            label(&device)
+        );
+        free(&b, other, 1000, &s);
+        for ptr in blocks {
+            free(&b, ptr, 200, &s);
+        }
+        drop(b);
+        assert_eq!(p.stats().in_use, 0, "{}: not all came back", label(&device));
+        p.check_invariants().unwrap();
+    }
+}
+
 #[test]
 fn binning_bad_arguments_are_errors() {
     let device = &devices()[0];
