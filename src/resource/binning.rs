@@ -58,6 +58,9 @@ enum Fallback {
 /// refused with [`Error::UnknownPointer`], nothing freed: the upstream (which a given bin may
 /// be) handed that memory to the bin and would take the bin's whole chunk back.
 ///
+/// It reports its upstream's [`memory_kind`](MemoryResource::memory_kind); bins and a fallback
+/// given must hand out the same kind ([`build`](BinningBuilder::build) refuses others).
+///
 /// ```
 /// use streamalloc::resource::binning::BinningResource;
 /// use streamalloc::resource::cuda::CudaResource;
@@ -145,13 +148,16 @@ impl<U: MemoryResource> BinningBuilder<U> {
     /// A bin for requests of at most `size` bytes (and more than the next smaller bin's), served
     /// by `resource`, or, with `None`, by a [`FixedSizeResource`] of `size` bytes (rounded up to
     /// 256) over the upstream. A later bin of the same size replaces an earlier one. An error at
-    /// [`build`](Self::build) for a zero size or a resource of another device.
+    /// [`build`](Self::build) for a zero size, or a resource of another device or of another
+    /// [`MemoryKind`] than the upstream.
     pub fn add_bin(mut self, size: usize, resource: impl Into<Option<ResourceRef>>) -> Self {
         self.bins.push((size, resource.into()));
         self
     }
 
-    /// Serve requests larger than every bin from `resource` instead of the upstream.
+    /// Serve requests larger than every bin from `resource` instead of the upstream. An error at
+    /// [`build`](Self::build) for a resource of another device or of another [`MemoryKind`]
+    /// than the upstream.
     pub fn fallback(mut self, resource: ResourceRef) -> Self {
         self.fallback = Some(resource);
         self
@@ -167,15 +173,25 @@ impl<U: MemoryResource> BinningBuilder<U> {
 
     /// The resource. Errors: the first bad argument given to the builder; a fixed-size bin that
     /// cannot be made ([`FixedSizeResource::new`]'s errors); a resource of another device
-    /// ([`Error::WrongDevice`]).
+    /// ([`Error::WrongDevice`]); a bin or fallback given that hands out another
+    /// [`MemoryKind`] than the upstream ([`Error::InvalidArgument`]: the binning resource
+    /// reports the upstream's kind for everything it hands out).
     pub fn build(self) -> Result<BinningResource<U>> {
         if let Some(e) = self.error {
             return Err(e);
         }
         let device = self.upstream.device().clone();
+        // The binning resource reports the upstream's kind for all it hands out (the unsafe
+        // contract of `memory_kind`), so every resource given must hand out that kind.
+        let kind = self.upstream.memory_kind();
         let upstream = StdArc::new(self.upstream);
         if let Some(fallback) = &self.fallback {
             device.check_same(fallback.device())?;
+            if fallback.memory_kind() != kind {
+                return Err(Error::InvalidArgument {
+                    what: "the fallback hands out another kind of memory than the upstream",
+                });
+            }
         }
         let mut bins: Vec<Bin<U>> = Vec::with_capacity(self.bins.len());
         for (size, given) in self.bins {
@@ -188,6 +204,12 @@ impl<U: MemoryResource> BinningBuilder<U> {
             let bin = match given {
                 Some(resource) => {
                     device.check_same(resource.device())?;
+                    if resource.memory_kind() != kind {
+                        return Err(Error::InvalidArgument {
+                            what: "a bin given to add_bin hands out another kind of memory than \
+                                   the upstream",
+                        });
+                    }
                     Bin {
                         size,
                         resource: BinResource::Given(resource),

@@ -2,6 +2,8 @@
 //! upstream, bad arguments.
 
 use super::*;
+use streamalloc::resource::managed::ManagedResource;
+use streamalloc::resource::pinned::PinnedHostResource;
 
 /// Counts what goes through it: a tiny stand-in for a tracking adaptor.
 #[derive(Debug)]
@@ -257,6 +259,55 @@ fn binning_refuses_a_wrong_size_free_routed_to_a_given_bin() {
         drop(b);
         assert_eq!(p.stats().in_use, 0, "{}: not all came back", label(&device));
         p.check_invariants().unwrap();
+    }
+}
+
+/// The binning resource reports its upstream's memory kind for everything it hands out, so a
+/// bin or fallback given must hand out that kind. A review found a pinned-host binning
+/// resource built with a device-memory bin: it said host-accessible and handed out device
+/// memory, which the unsafe `MemoryResource` contract forbids.
+#[test]
+fn binning_refuses_given_bins_and_fallbacks_of_another_memory_kind() {
+    for device in devices() {
+        let device_memory: ResourceRef = Arc::new(CudaResource::new(&device));
+        let pinned: ResourceRef = Arc::new(PinnedHostResource::new(&device));
+        let managed: ResourceRef = Arc::new(ManagedResource::new(&device));
+        let pinned_up = || BinningResource::builder(PinnedHostResource::new(&device));
+        let device_up = || BinningResource::builder(CudaResource::new(&device));
+        for built in [
+            pinned_up()
+                .add_bin(KIB, device_memory.clone())
+                .build()
+                .err(),
+            pinned_up().fallback(device_memory.clone()).build().err(),
+            device_up().add_bin(KIB, pinned.clone()).build().err(),
+            device_up()
+                .add_bin(KIB, None)
+                .fallback(managed.clone())
+                .build()
+                .err(),
+        ] {
+            assert!(
+                matches!(built, Some(Error::InvalidArgument { .. })),
+                "{}: a resource of another memory kind was taken ({built:?})",
+                label(&device)
+            );
+        }
+        // Resources of the upstream's kind are taken, and the kind reported is theirs.
+        let b = pinned_up()
+            .add_bin(KIB, pinned.clone())
+            .fallback(pinned.clone())
+            .build()
+            .unwrap();
+        assert_eq!(b.memory_kind(), MemoryKind::PinnedHost);
+        let s = device.create_stream().unwrap();
+        for bytes in [100, 4 * KIB] {
+            let ptr = b.allocate(bytes, &s).unwrap();
+            free(&b, ptr, bytes, &s);
+        }
+        // The resources refused are as they were.
+        let ptr = device_memory.allocate(KIB, &s).unwrap();
+        free(&*device_memory, ptr, KIB, &s);
     }
 }
 
