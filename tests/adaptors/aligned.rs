@@ -1,4 +1,5 @@
-//! `AlignedAdaptor`: aligned results, frees of the right upstream pointer, the threshold.
+//! `AlignedAdaptor`: aligned results, frees of the right upstream pointer, the threshold, wrong
+//! frees refused.
 
 use super::*;
 
@@ -112,5 +113,89 @@ fn aligned_threshold_and_bad_alignments() {
             aligned.allocate(usize::MAX - 10, &s),
             Err(Error::InvalidSize { .. })
         ));
+    }
+}
+
+/// A free of an aligned allocation with a size below the threshold, one that would pass
+/// straight through, is refused from the table before the upstream sees it. A review found it
+/// passed upstream: `CudaResource` ignores the size and freed the memory, the table kept a
+/// stale entry, and the right free afterwards failed.
+#[test]
+fn aligned_refuses_a_wrong_size_free_below_the_threshold() {
+    for device in devices() {
+        // Statistics sees every call that reaches the upstream; `CudaResource` under it ignores
+        // sizes, as `cuMemFree` does, so only the adaptor can refuse.
+        let aligned = AlignedAdaptor::with_threshold(
+            StatisticsAdaptor::new(CudaResource::new(&device)),
+            512,
+            KIB,
+        )
+        .unwrap();
+        let s = device.create_stream().unwrap();
+        let ptr = aligned.allocate(2000, &s).unwrap();
+        let before = aligned.upstream().counters();
+        for wrong in [100, 0] {
+            assert_eq!(
+                bad_free(&aligned, ptr, wrong, &s),
+                Error::UnknownPointer {
+                    ptr: ptr.0,
+                    bytes: wrong
+                },
+                "{}",
+                label(&device)
+            );
+        }
+        s.synchronize_blocking().unwrap();
+        assert_eq!(
+            aligned.upstream().counters(),
+            before,
+            "{}: a refused free reached the upstream",
+            label(&device)
+        );
+        // Still allocated: the whole range is usable (the simulated device checks every access).
+        // SAFETY: 2000 live bytes at `ptr`, used on `s` only.
+        unsafe { s.fill_u32(ptr, 0x5A5A_5A5A, 500) }.unwrap();
+        assert_eq!(read_u32(&s, ptr.offset(1996), 1), [0x5A5A_5A5A]);
+        // The right free goes through, and everything is back.
+        free(&aligned, ptr, 2000, &s);
+        assert_eq!(aligned.upstream().counters().bytes.value, 0);
+        assert_eq!(aligned.upstream().counters().allocations.value, 0);
+        assert_eq!(
+            bad_free(&aligned, ptr, 2000, &s),
+            Error::UnknownPointer {
+                ptr: ptr.0,
+                bytes: 2000
+            },
+            "{}: still in the table after its free",
+            label(&device)
+        );
+    }
+}
+
+/// When the upstream refuses the free of an aligned allocation, the error names the pointer
+/// and size the caller gave, not the padded upstream allocation behind them.
+#[test]
+fn aligned_reports_the_callers_numbers_when_the_upstream_refuses_a_free() {
+    for device in devices() {
+        let aligned =
+            AlignedAdaptor::new(TrackingAdaptor::new(CudaResource::new(&device)), 4096).unwrap();
+        let s = device.create_stream().unwrap();
+        let ptr = aligned.allocate(2000, &s).unwrap();
+        let [(up, size)] = aligned.upstream().outstanding()[..] else {
+            panic!("{}: not one upstream allocation", label(&device));
+        };
+        // Freed behind the adaptor's back, so that Tracking refuses the adaptor's free.
+        // SAFETY: the upstream's own allocation with its size, never used, freed once (the
+        // adaptor's free below is refused by Tracking before it reaches the device).
+        unsafe { aligned.upstream().deallocate(up, size, &s) }.unwrap();
+        assert_eq!(
+            bad_free(&aligned, ptr, 2000, &s),
+            Error::UnknownPointer {
+                ptr: ptr.0,
+                bytes: 2000
+            },
+            "{}",
+            label(&device)
+        );
     }
 }

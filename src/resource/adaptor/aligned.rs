@@ -30,12 +30,15 @@ struct Origin {
 ///   it got.
 /// - Allocations below `threshold`, zero-byte ones, and every allocation when `alignment` is
 ///   256 or less, pass straight through (no over-allocation, nothing remembered).
-/// - A `deallocate` of an aligned-size allocation it does not remember (or with another size)
-///   returns [`Error::UnknownPointer`] without calling the upstream.
+/// - A `deallocate` looks the pointer up in the table before anything else: an aligned
+///   allocation freed with another size than it was allocated with (one below the threshold
+///   included), or a pointer it does not remember with a size that would be aligned, returns
+///   [`Error::UnknownPointer`] with the caller's pointer and size, without calling the upstream.
 ///
-/// The table is a hash map under one mutex, taken after the upstream call returns, never
-/// across it. The upstream's errors pass through; a size whose over-allocation overflows is
-/// [`Error::InvalidSize`].
+/// The table is a hash map under one mutex, never held across an upstream call. The upstream's
+/// errors pass through, except that its [`Error::UnknownPointer`] for an aligned allocation
+/// names the caller's pointer and size, not the padded ones it was given; a size whose
+/// over-allocation overflows is [`Error::InvalidSize`].
 pub struct AlignedAdaptor<U: MemoryResource> {
     upstream: U,
     /// A power of two, at least 256.
@@ -158,19 +161,26 @@ unsafe impl<U: MemoryResource> MemoryResource for AlignedAdaptor<U> {
     }
 
     unsafe fn deallocate(&self, ptr: DevicePtr, bytes: usize, stream: &Stream) -> Result<()> {
-        if self.passes_through(bytes) {
-            // SAFETY: the caller's contract, passed on: an allocation of this size was the
-            // upstream's own.
-            return unsafe { self.upstream.deallocate(ptr, bytes, stream) };
-        }
-        let origin = {
+        // The table first, whatever the size: an aligned allocation freed with a size that
+        // would pass through must not reach the upstream with the aligned pointer (an upstream
+        // that ignores sizes, as `cuMemFree` does, would free it and leave the entry stale).
+        // With no alignment above 256 nothing is ever in the table.
+        let origin = if self.alignment == ALIGNMENT {
+            None
+        } else {
             let mut origins = self.origins.lock();
             match origins.get(&ptr.0) {
                 Some(o) if o.bytes == bytes => origins.remove(&ptr.0),
-                _ => None,
+                Some(_) => return Err(Error::UnknownPointer { ptr: ptr.0, bytes }),
+                None => None,
             }
         };
         let Some(origin) = origin else {
+            if self.passes_through(bytes) {
+                // SAFETY: the caller's contract, passed on: an allocation of this size that we
+                // do not remember was the upstream's own.
+                return unsafe { self.upstream.deallocate(ptr, bytes, stream) };
+            }
             return Err(Error::UnknownPointer { ptr: ptr.0, bytes });
         };
         // SAFETY: `origin` is what the upstream handed out for this allocation, given back
@@ -184,7 +194,11 @@ unsafe impl<U: MemoryResource> MemoryResource for AlignedAdaptor<U> {
             // Not freed: still outstanding.
             self.origins.lock().insert(ptr.0, origin);
         }
-        result
+        // The upstream's refusal names its own pointer and padded size; the caller gave theirs.
+        result.map_err(|e| match e {
+            Error::UnknownPointer { .. } => Error::UnknownPointer { ptr: ptr.0, bytes },
+            e => e,
+        })
     }
 
     fn memory_waiters(&self) -> Option<&MemoryWaiters> {
