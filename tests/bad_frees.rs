@@ -4,15 +4,21 @@
 //! and then reported `two lists share memory`: it would have handed the same memory out twice.
 //! Each bad free must be refused with `UnknownPointer`, change nothing, and leave the resource
 //! serving good frees (on the same stream and on another one) and its invariants intact.
+//!
+//! Also the frees of the device itself (`cuMemFree`, `cuMemFreeAsync`) on the simulated device,
+//! which queues them on a stream: a second free of a pointer whose first free has not run yet
+//! must be refused at the call, as the driver refuses it, not fail later on the stream.
 
 mod common;
 
-use common::{check_arena, devices, free, label, pool};
+use std::time::Duration;
+
+use common::{check_arena, devices, free, label, pool, read_u32};
 use streamalloc::resource::arena::{ArenaOptions, ArenaResource};
 use streamalloc::resource::binning::BinningResource;
 use streamalloc::resource::cuda::CudaResource;
 use streamalloc::resource::fixed_size::FixedSizeResource;
-use streamalloc::{Device, DevicePtr, Error, MemoryResource, Stream};
+use streamalloc::{Device, DevicePtr, Error, MemoryResource, SimConfig, Stream};
 
 const KIB: usize = 1 << 10;
 const MIB: usize = 1 << 20;
@@ -167,4 +173,69 @@ fn the_arena_refuses_frees_of_memory_it_did_not_hand_out() {
         .unwrap();
         bad_frees_are_refused(&arena, &device, (4 * KIB, MIB), &|_| check_arena(&arena));
     }
+}
+
+// ===== the device's own frees, queued on a stream =====
+//
+// Simulated only: on a GPU the second free is the driver's to refuse (with its own error), and a
+// deliberate double free is not something to do to a real driver pool.
+
+/// Keeps `stream` busy long enough that the frees queued behind this are still queued when the
+/// test issues the next one.
+fn keep_busy(stream: &Stream) {
+    stream.spin(Duration::from_millis(200)).unwrap();
+}
+
+/// `stream` is not poisoned: new work queued on it runs (`ptr` is filled and read back) and its
+/// synchronize succeeds.
+fn still_usable(stream: &Stream, ptr: DevicePtr, what: &str) {
+    // SAFETY: `ptr` is a live allocation of at least 1 KiB, used only on `stream`.
+    unsafe { stream.fill_u32(ptr, 7, 256) }.unwrap();
+    assert!(
+        read_u32(stream, ptr, 256).iter().all(|&w| w == 7),
+        "{what}: the stream skipped the fill"
+    );
+    stream
+        .synchronize_blocking()
+        .unwrap_or_else(|e| panic!("{what}: the stream is poisoned: {e}"));
+}
+
+#[test]
+fn cuda_resource_refuses_a_second_free_queued_before_the_first_ran_and_the_stream_goes_on() {
+    let device = Device::simulated(SimConfig::default());
+    let stream = device.create_stream().unwrap();
+    let mr = CudaResource::new(&device);
+    let free_before = device.free_memory().unwrap();
+    let ptr = mr.allocate(4 * KIB, &stream).unwrap();
+    keep_busy(&stream);
+    free(&mr, ptr, 4 * KIB, &stream);
+    refused(&mr, ptr, 4 * KIB, &stream, "the first free still queued");
+    let other = mr.allocate(4 * KIB, &stream).unwrap();
+    still_usable(&stream, other, "after the refused free");
+    // The first free ran, once: a third free is refused too, and the memory is back.
+    refused(&mr, ptr, 4 * KIB, &stream, "a free after the first ran");
+    free(&mr, other, 4 * KIB, &stream);
+    stream.synchronize_blocking().unwrap();
+    assert_eq!(device.free_memory().unwrap(), free_before);
+}
+
+#[test]
+fn free_async_refuses_a_second_free_queued_before_the_first_ran_and_the_stream_goes_on() {
+    let device = Device::simulated(SimConfig::default());
+    let stream = device.create_stream().unwrap();
+    let ptr = device.malloc_async(4 * KIB, &stream).unwrap();
+    keep_busy(&stream);
+    // SAFETY: allocated above, unused, freed once here.
+    unsafe { device.free_async(ptr, &stream) }.unwrap();
+    // SAFETY: a deliberate double free: refused without touching anything.
+    let second = unsafe { device.free_async(ptr, &stream) };
+    assert!(
+        matches!(second, Err(Error::UnknownPointer { .. })),
+        "a double free_async, the first still queued: {second:?}"
+    );
+    let other = device.malloc_async(4 * KIB, &stream).unwrap();
+    still_usable(&stream, other, "after the refused free_async");
+    // SAFETY: allocated above, its last use ordered before this point of `stream`.
+    unsafe { device.free_async(other, &stream) }.unwrap();
+    stream.synchronize_blocking().unwrap();
 }

@@ -5,7 +5,7 @@
 
 use crate::device::memory::check_size;
 use crate::device::{mismatch, sim, Backend, Device, DevicePtr, FaultKind};
-use crate::error::{Error, Result};
+use crate::error::Result;
 use crate::stream::{RawStream, Stream};
 
 impl Device {
@@ -16,7 +16,7 @@ impl Device {
     /// queued there does not fault.
     ///
     /// `Err(UnknownPointer)` on the simulated device for a pointer that is not a live
-    /// allocation (the driver reports its own error on CUDA).
+    /// allocation, or whose free is queued already (the driver reports its own error on CUDA).
     ///
     /// # Safety
     /// `ptr` came from `malloc` or `malloc_managed` on this device and is freed once; all work
@@ -36,12 +36,11 @@ impl Device {
             }
             (Backend::Sim(d), crate::stream::RawStream::Sim(s)) => {
                 d.fault(FaultKind::Free)?;
-                if !d.memory.is_allocation(ptr.0) {
-                    return Err(Error::UnknownPointer {
-                        ptr: ptr.0,
-                        bytes: 0,
-                    });
-                }
+                // Marked as being freed now, so that a second free queued before the stream
+                // reaches this one is refused here (`begin_free`). A free has no footprint for
+                // the race detector to reject, so `push` always queues it, and the stream
+                // always ends the mark.
+                d.memory.begin_free(ptr.0)?;
                 s.push(sim::Op::Free(ptr.0))
             }
             _ => Err(mismatch()),
@@ -68,6 +67,9 @@ impl Device {
     /// Frees memory from [`malloc_async`](Self::malloc_async) in stream order: it becomes
     /// reusable when `stream` reaches this point. Never blocks.
     ///
+    /// `Err(UnknownPointer)` on the simulated device for a pointer that is not a live
+    /// allocation, or whose free is queued already (the driver reports its own error on CUDA).
+    ///
     /// # Safety
     /// `ptr` came from `malloc_async` on this device and is freed once; all work that uses it
     /// is ordered before this point of `stream`.
@@ -78,6 +80,8 @@ impl Device {
             (Backend::Cuda(d), RawStream::Cuda(s)) => unsafe { d.free_async(ptr.0, *s) },
             (Backend::Sim(d), RawStream::Sim(s)) => {
                 d.fault(FaultKind::Free)?;
+                // As in `free_after`: marked now, so that a second free is refused here.
+                d.memory.begin_free(ptr.0)?;
                 s.push(sim::Op::Free(ptr.0))
             }
             _ => Err(mismatch()),

@@ -12,7 +12,7 @@ use std::alloc::Layout;
 use std::collections::BTreeMap;
 use std::sync::atomic::Ordering::Relaxed;
 
-use rustc_hash::FxHashMap;
+use rustc_hash::{FxHashMap, FxHashSet};
 
 use super::granules::{Granules, ADDRESS_SPACE};
 use super::host_bytes::HostBytes;
@@ -49,6 +49,10 @@ impl Block {
 
 struct State {
     blocks: BTreeMap<u64, Arc<Block>>,
+    /// Allocations whose free is queued on a stream ([`SimMemory::begin_free`]) and has not
+    /// run yet: still live (work queued before the free may use them), but not to be freed
+    /// again.
+    freeing: FxHashSet<u64>,
     used: usize,
     next: u64,
     /// The end of this device's address range (`DEVICE_SPAN` after its start).
@@ -74,6 +78,7 @@ impl SimMemory {
             total,
             state: RwLock::new(State {
                 blocks: BTreeMap::new(),
+                freeing: FxHashSet::default(),
                 used: 0,
                 next: BASE + n * DEVICE_SPAN,
                 end: BASE + (n + 1) * DEVICE_SPAN,
@@ -161,13 +166,46 @@ impl SimMemory {
         Ok(base)
     }
 
-    /// Whether `ptr` is the start of a live allocation (what `free` accepts).
+    /// Whether `ptr` is the start of a live allocation whose free is not queued already (what
+    /// `free` and `begin_free` accept).
     pub(crate) fn is_allocation(&self, ptr: u64) -> bool {
-        self.read().blocks.contains_key(&ptr)
+        let state = self.read();
+        state.blocks.contains_key(&ptr) && !state.freeing.contains(&ptr)
     }
 
+    /// Frees `ptr` now (`cuMemFree` of an idle device). `InvalidAddress` for anything but a
+    /// live allocation whose free is not queued already.
     pub(crate) fn free(&self, ptr: u64) -> Result<()> {
         let mut state = self.write();
+        if state.freeing.contains(&ptr) {
+            return Err(Error::InvalidAddress { ptr, bytes: 0 });
+        }
+        Self::remove(&mut state, ptr)
+    }
+
+    /// A free of `ptr` is being queued on a stream (`Op::Free`, which [`end_free`] completes
+    /// when the stream reaches it). The allocation is marked now, not when the stream gets
+    /// there, so that a second free of it is refused at once, as the driver refuses it, instead
+    /// of being accepted and failing on the stream, which would poison the stream.
+    /// `UnknownPointer` for anything but a live allocation whose free is not queued already.
+    ///
+    /// [`end_free`]: Self::end_free
+    pub(crate) fn begin_free(&self, ptr: u64) -> Result<()> {
+        let mut state = self.write();
+        if !state.blocks.contains_key(&ptr) || !state.freeing.insert(ptr) {
+            return Err(Error::UnknownPointer { ptr, bytes: 0 });
+        }
+        Ok(())
+    }
+
+    /// The stream reached the free of `ptr` that [`begin_free`](Self::begin_free) marked.
+    pub(crate) fn end_free(&self, ptr: u64) -> Result<()> {
+        let mut state = self.write();
+        state.freeing.remove(&ptr);
+        Self::remove(&mut state, ptr)
+    }
+
+    fn remove(state: &mut State, ptr: u64) -> Result<()> {
         match state.blocks.remove(&ptr) {
             Some(block) => {
                 state.used -= block.bytes.len();

@@ -288,7 +288,7 @@ impl Executor {
                 Ok(())
             }
             // Frees take effect even on a poisoned stream, so no memory is lost to a fault.
-            Op::Free(ptr) => self.memory.free(ptr),
+            Op::Free(ptr) => self.memory.end_free(ptr),
             Op::PoolFree { pool, ptr } => pool.free(ptr),
             _ if self.error.is_some() => return,
             op => super::kernels::run(&self.memory, op),
