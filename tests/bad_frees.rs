@@ -17,6 +17,7 @@ use common::{check_arena, devices, free, label, pool, read_u32};
 use streamalloc::resource::arena::{ArenaOptions, ArenaResource};
 use streamalloc::resource::binning::BinningResource;
 use streamalloc::resource::cuda::CudaResource;
+use streamalloc::resource::cuda_async::{CudaAsyncOptions, CudaAsyncResource};
 use streamalloc::resource::fixed_size::FixedSizeResource;
 use streamalloc::{Device, DevicePtr, Error, MemoryResource, SimConfig, Stream};
 
@@ -238,4 +239,38 @@ fn free_async_refuses_a_second_free_queued_before_the_first_ran_and_the_stream_g
     // SAFETY: allocated above, its last use ordered before this point of `stream`.
     unsafe { device.free_async(other, &stream) }.unwrap();
     stream.synchronize_blocking().unwrap();
+}
+
+#[test]
+fn cuda_async_resource_refuses_a_second_free_queued_before_the_first_ran_and_keeps_its_maximum() {
+    let device = Device::simulated(SimConfig::default());
+    let stream = device.create_stream().unwrap();
+    let mr = CudaAsyncResource::new(
+        &device,
+        CudaAsyncOptions {
+            maximum_pool_size: Some(4 * KIB),
+            ..Default::default()
+        },
+    )
+    .unwrap();
+    let a = mr.allocate(KIB, &stream).unwrap();
+    let b = mr.allocate(KIB, &stream).unwrap();
+    keep_busy(&stream);
+    free(&mr, a, KIB, &stream);
+    refused(&mr, a, KIB, &stream, "the first free still queued");
+    // The refused free counted nothing back: `b` is still counted, so the maximum holds.
+    assert_eq!(mr.allocated_bytes(), KIB);
+    let over = mr.allocate(4 * KIB, &stream);
+    assert!(
+        matches!(over, Err(Error::OutOfMemory { .. })),
+        "4 KiB with 1 KiB live under a 4 KiB maximum: {over:?}"
+    );
+    let c = mr.allocate(3 * KIB, &stream).unwrap();
+    still_usable(&stream, c, "after the refused free");
+    refused(&mr, a, KIB, &stream, "a free after the first ran");
+    free(&mr, b, KIB, &stream);
+    free(&mr, c, 3 * KIB, &stream);
+    stream.synchronize_blocking().unwrap();
+    assert_eq!(mr.allocated_bytes(), 0);
+    assert_eq!(mr.used_bytes().unwrap(), 0);
 }

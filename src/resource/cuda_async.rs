@@ -342,7 +342,9 @@ unsafe impl MemoryResource for CudaAsyncResource {
                     Error::UnknownPointer { ptr, .. } => Error::UnknownPointer { ptr, bytes },
                     other => other,
                 })?;
-                // Counted when issued (see the type's documentation). `bytes` was accepted by
+                // Counted when issued (see the type's documentation), and only once the pool
+                // took the free: a refused one (a double free among them) leaves the count
+                // alone, or the maximum would stop holding. `bytes` was accepted by
                 // `allocate`, so rounding it cannot overflow.
                 self.unreserve(aligned_size(bytes).unwrap_or(bytes));
                 Ok(())

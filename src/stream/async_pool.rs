@@ -253,12 +253,11 @@ impl AsyncPool {
             },
             (RawPool::Sim(p), Backend::Sim(d), RawStream::Sim(s)) => {
                 d.fault(FaultKind::Free)?;
-                if !p.owns(ptr.0) {
-                    return Err(Error::UnknownPointer {
-                        ptr: ptr.0,
-                        bytes: 0,
-                    });
-                }
+                // Out of the live table now, so that a second free queued before the stream
+                // reaches this one is refused here (`begin_free`). A free has no footprint for
+                // the race detector to reject, so `push` always queues it, and the stream
+                // always completes it.
+                p.begin_free(ptr.0)?;
                 s.push(sim::Op::PoolFree {
                     pool: p.clone(),
                     ptr: ptr.0,

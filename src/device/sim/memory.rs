@@ -437,7 +437,9 @@ impl Drop for SimHostMemory {
 /// A driver memory pool of the simulated device, as `cuMemPoolCreate` makes one.
 ///
 /// Allocations come from the device's memory at once. A free is queued on its stream
-/// (`Op::PoolFree`) and takes effect when the stream reaches it: the block is then *kept* by the
+/// (`Op::PoolFree`; the block leaves the live table then, so a second free is refused at once,
+/// as the driver refuses it) and takes effect when the stream reaches it: the block is then
+/// *kept* by the
 /// pool (still allocated in device memory, so it counts against the device's free memory, as a
 /// driver pool's reserved memory does) and reused for a later allocation of the same rounded
 /// size, on any stream: its freeing stream has already run every use of it. Kept blocks go back
@@ -455,6 +457,9 @@ pub(crate) struct SimPool {
 struct PoolState {
     /// Live allocations: address to rounded size.
     live: FxHashMap<u64, usize>,
+    /// Allocations whose free is queued on a stream ([`SimPool::begin_free`]) and has not
+    /// run yet: address to rounded size. Still counted in `used`.
+    freeing: FxHashMap<u64, usize>,
     /// Freed blocks whose free the stream has reached, by rounded size.
     kept: BTreeMap<usize, Vec<u64>>,
     used: usize,
@@ -512,6 +517,7 @@ impl SimPool {
             memory,
             state: RwLock::new(PoolState {
                 live: FxHashMap::default(),
+                freeing: FxHashMap::default(),
                 kept: BTreeMap::new(),
                 used: 0,
                 kept_bytes: 0,
@@ -587,16 +593,28 @@ impl SimPool {
         Ok(ptr)
     }
 
-    /// Whether `ptr` is a live allocation of this pool.
-    pub(crate) fn owns(&self, ptr: u64) -> bool {
-        self.state().live.contains_key(&ptr)
-    }
-
-    /// The stream reached the free of `ptr`.
-    pub(crate) fn free(&self, ptr: u64) -> Result<()> {
+    /// A free of `ptr` is being queued on a stream (`Op::PoolFree`, which [`free`] completes
+    /// when the stream reaches it). The block leaves the live table now, not when the stream
+    /// gets there, so that a second free of it is refused at once, as the driver refuses it,
+    /// instead of being accepted and failing on the stream, which would poison the stream.
+    /// `UnknownPointer` for anything but a live allocation of this pool.
+    ///
+    /// [`free`]: Self::free
+    pub(crate) fn begin_free(&self, ptr: u64) -> Result<()> {
         let mut state = self.state();
         let size = state
             .live
+            .remove(&ptr)
+            .ok_or(Error::UnknownPointer { ptr, bytes: 0 })?;
+        state.freeing.insert(ptr, size);
+        Ok(())
+    }
+
+    /// The stream reached the free of `ptr` that [`begin_free`](Self::begin_free) queued.
+    pub(crate) fn free(&self, ptr: u64) -> Result<()> {
+        let mut state = self.state();
+        let size = state
+            .freeing
             .remove(&ptr)
             .ok_or(Error::InvalidAddress { ptr, bytes: 0 })?;
         state.used -= size;
