@@ -559,6 +559,39 @@ fn simulated_device_reports_a_use_after_free_through_the_event() {
     );
 }
 
+/// A simulated device hands out addresses of its own 16 TiB range only, however much it has
+/// allocated in all (no two simulated devices share an address, so a pointer used on the wrong
+/// device is an `InvalidAddress`): once the range has been swept, it reuses freed addresses, never
+/// a live block's. 2100 allocations of 8 GiB, each freed at once, pass the end of the range (the
+/// host memory behind them is never touched, so they cost nothing).
+#[test]
+fn a_simulated_device_keeps_to_its_address_range_after_16_tib_of_allocations() {
+    let device = Device::simulated(SimConfig::default());
+    // Live throughout, at the start of the device's range: [first, first + 2^44) is the range.
+    let first = Mem::new(&device, 4096);
+    let limit = first.ptr.as_raw() + (1u64 << 44);
+    const CHUNK: usize = 8 << 30;
+    let mut last = first.ptr.as_raw();
+    let mut wrapped = false;
+    for i in 0..2100 {
+        let p = device.malloc(CHUNK).unwrap().as_raw();
+        assert!(
+            p >= first.ptr.as_raw() + 4096 && p + CHUNK as u64 <= limit,
+            "allocation {i} is at {p:#x}, outside the device's range [{:#x}, {limit:#x}) or on \
+             its live first block",
+            first.ptr.as_raw()
+        );
+        wrapped |= p < last;
+        last = p;
+        // SAFETY: allocated above, never used.
+        unsafe { device.free(DevicePtr(p)) }.unwrap();
+    }
+    assert!(
+        wrapped,
+        "2100 allocations of 8 GiB never came back to the range's start"
+    );
+}
+
 #[test]
 fn simulated_delays_keep_stream_order() {
     let device = Device::simulated(SimConfig {

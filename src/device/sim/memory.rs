@@ -1,9 +1,11 @@
 //! The simulated device's memory: host memory at addresses that look like device addresses.
 //!
-//! Every allocation gets a fresh address range (never reused, with a guard gap after it), so a
-//! use after free or an overrun is an [`Error::InvalidAddress`], not a silent read of someone
-//! else's bytes. Bytes are atomics: work on two streams that races on one buffer is a data race
-//! in the user's program, as on a GPU, but never undefined behaviour in ours.
+//! Every allocation gets a fresh address range with a guard gap after it, so a use after free
+//! or an overrun is an [`Error::InvalidAddress`], not a silent read of someone else's bytes:
+//! addresses are handed out in one sweep up the device's range (16 TiB), which comes round to
+//! freed ranges only once it has reached the range's end. Bytes are atomics: work on two
+//! streams that races on one buffer is a data race in the user's program, as on a GPU, but
+//! never undefined behaviour in ours.
 //!
 //! Also here: the simulated device's page-locked host memory ([`SimHostMemory`], plain host
 //! memory with a table so frees can be checked) and its driver memory pools ([`SimPool`]).
@@ -54,9 +56,48 @@ struct State {
     /// again.
     freeing: FxHashSet<u64>,
     used: usize,
+    /// Where the sweep of addresses goes on from ([`State::place`]).
     next: u64,
-    /// The end of this device's address range (`DEVICE_SPAN` after its start).
+    /// This device's address range: `DEVICE_SPAN` bytes from `start`.
+    start: u64,
     end: u64,
+}
+
+impl State {
+    /// Where `size` bytes at a multiple of `align`, with a guard gap after them, fit in this
+    /// device's range: the first room from where the sweep is, else (the sweep has reached the
+    /// range's end) the first from the range's start, among freed addresses. `None` if live
+    /// blocks leave no room. Never past the range's end, which is the next device's start.
+    fn place(&self, size: u64, align: u64) -> Option<u64> {
+        self.room(self.next, size, align)
+            .or_else(|| self.room(self.start, size, align))
+    }
+
+    /// The first room for `size` bytes at a multiple of `align` from `from` on, clear of every
+    /// live block and its guard gap, with a guard gap of its own before the range's end.
+    fn room(&self, from: u64, size: u64, align: u64) -> Option<u64> {
+        let clear = |block: &Block| block.base + block.bytes.len() as u64 + GUARD;
+        let mut at = from;
+        loop {
+            at = at.checked_next_multiple_of(align)?;
+            // The live block that starts before `at` may reach it, with its guard gap.
+            if let Some((_, block)) = self.blocks.range(..at).next_back() {
+                if clear(block) > at {
+                    at = clear(block);
+                    continue;
+                }
+            }
+            let end = at.checked_add(size)?.checked_add(GUARD)?;
+            if end > self.end {
+                return None;
+            }
+            // Each step passes a live block, so this ends.
+            match self.blocks.range(at..end).next() {
+                Some((_, block)) => at = clear(block),
+                None => return Some(at),
+            }
+        }
+    }
 }
 
 pub(crate) struct SimMemory {
@@ -74,14 +115,16 @@ impl SimMemory {
         // reuse of addresses far beyond what any test makes.
         static DEVICES: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(0);
         let n = DEVICES.fetch_add(1, Relaxed) % ((u64::MAX - BASE) / DEVICE_SPAN);
+        let start = BASE + n * DEVICE_SPAN;
         Self {
             total,
             state: RwLock::new(State {
                 blocks: BTreeMap::new(),
                 freeing: FxHashSet::default(),
                 used: 0,
-                next: BASE + n * DEVICE_SPAN,
-                end: BASE + (n + 1) * DEVICE_SPAN,
+                next: start,
+                start,
+                end: start + DEVICE_SPAN,
             }),
             pools: Mutex::new(Vec::new()),
         }
@@ -147,13 +190,17 @@ impl SimMemory {
                 maximum: self.total,
             });
         }
-        let storage = HostBytes::zeroed(rounded).ok_or(Error::OutOfMemory {
+        let oom = Error::OutOfMemory {
             requested: bytes,
             available,
             maximum: self.total,
-        })?;
-        let base = state.next;
-        state.next += rounded as u64 + GUARD;
+        };
+        // Within this device's address range, like every allocation of it. No room there (live
+        // blocks and their guard gaps fill it) is out of memory too: the room comes back as
+        // memory is freed.
+        let base = state.place(rounded as u64, ALIGN).ok_or(oom.clone())?;
+        let storage = HostBytes::zeroed(rounded).ok_or(oom)?;
+        state.next = base + rounded as u64 + GUARD;
         state.used += rounded;
         state.blocks.insert(
             base,
@@ -268,14 +315,10 @@ impl SimMemory {
         };
         let mut state = self.write();
         // Within this device's address range (16 TiB), like every allocation of it.
-        let start = state.next.next_multiple_of(align.max(1));
-        let left = state.end.saturating_sub(start);
-        if size as u64 > left {
-            return Err(oom(left as usize));
-        }
+        let left = state.end.saturating_sub(state.next) as usize;
+        let base = state.place(size as u64, align.max(1)).ok_or(oom(left))?;
         let storage = HostBytes::reserved(size).ok_or(oom(0))?;
-        let base = start;
-        state.next = start + size as u64 + GUARD;
+        state.next = base + size as u64 + GUARD;
         let block = Block {
             base,
             bytes: storage,
@@ -638,5 +681,39 @@ impl SimPool {
         let mut state = self.state();
         state.destroyed = true;
         state.release_until(&self.memory, 0);
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// A range with room for three blocks of 512 bytes and their guard gaps: a fourth is out of
+    /// memory (never an address past the range's end, which is the next device's), and room
+    /// freed between live blocks is handed out again once it fits, guard gap included.
+    #[test]
+    fn a_full_address_range_is_out_of_memory_and_freed_room_is_reused() {
+        let memory = SimMemory::new(1 << 30);
+        let start = {
+            let mut state = memory.write();
+            state.end = state.start + 3 * (ALIGN + GUARD);
+            state.start
+        };
+        let step = ALIGN + GUARD;
+        let blocks: Vec<u64> = (0..3)
+            .map(|_| memory.alloc(ALIGN as usize).unwrap())
+            .collect();
+        assert_eq!(blocks, [start, start + step, start + 2 * step]);
+        let full = memory.alloc(1);
+        assert!(
+            matches!(full, Err(Error::OutOfMemory { requested: 1, .. })),
+            "{full:?}"
+        );
+        memory.free(blocks[1]).unwrap();
+        // Its guard gap would reach the next block.
+        let large = memory.alloc(2 * ALIGN as usize);
+        assert!(matches!(large, Err(Error::OutOfMemory { .. })), "{large:?}");
+        assert_eq!(memory.alloc(ALIGN as usize).unwrap(), blocks[1]);
+        assert!(matches!(memory.alloc(1), Err(Error::OutOfMemory { .. })));
     }
 }
