@@ -622,3 +622,110 @@ fn the_mapping_unit_is_what_grows_and_trims() {
         check(&default);
     }
 }
+
+/// A trim takes out of the lists only what it gives back. Here the lowest free granule was
+/// freed half on each of two busy streams (taking it out for unmapping orders one stream after
+/// the other) and the highest on one stream only: a trim that gives nothing back makes no
+/// stream wait, and one that gives back a granule takes the highest and makes no stream wait
+/// for the granule it keeps, which still serves without growth. (A trim once took every free
+/// granule out of every list, ordering each, and put back what it kept: in between, a request
+/// on another thread found no free memory, grew needlessly, or was refused at the maximum.)
+#[test]
+fn a_trim_makes_no_stream_wait_for_memory_it_keeps() {
+    let _serial = serial();
+    for device in devices() {
+        let p = expandable(&device, ExpandableOptions::default());
+        let g = p.granule();
+        let s1 = device.create_stream().unwrap();
+        let s2 = device.create_stream().unwrap();
+        // Granule 0: two halves; granule 1: live; granule 2: whole.
+        let lo = p.allocate(g / 2, &s1).unwrap();
+        let hi = p.allocate(g / 2, &s2).unwrap();
+        let live = p.allocate(g, &s1).unwrap();
+        let top = p.allocate(g, &s1).unwrap();
+        assert_eq!(
+            (hi.0 - lo.0, live.0 - lo.0, top.0 - lo.0),
+            (g as u64 / 2, g as u64, 2 * g as u64),
+            "{}",
+            label(&device)
+        );
+        s1.spin(Duration::from_millis(300)).unwrap();
+        s2.spin(Duration::from_millis(300)).unwrap();
+        free(&p, lo, g / 2, &s1);
+        free(&p, hi, g / 2, &s2);
+        free(&p, top, g, &s1);
+        let before = p.stats();
+        assert_eq!(before.reserved, 3 * g);
+        assert_eq!(p.trim_to_blocking(usize::MAX).unwrap(), 0);
+        assert_eq!(p.trim_to_blocking(3 * g).unwrap(), 0);
+        let kept = p.stats();
+        assert_eq!(
+            (
+                kept.stream_waits,
+                kept.reserved,
+                kept.free,
+                kept.free_blocks
+            ),
+            (before.stream_waits, 3 * g, 2 * g, 2),
+            "{}: a trim that gave nothing back",
+            label(&device)
+        );
+        assert_eq!(p.trim_to_blocking(2 * g).unwrap(), g, "{}", label(&device));
+        let trimmed = p.stats();
+        assert_eq!(
+            (trimmed.stream_waits, trimmed.reserved, trimmed.free),
+            (before.stream_waits, 2 * g, g),
+            "{}: a trim that gave back the top granule",
+            label(&device)
+        );
+        let again = p.allocate(g, &s1).unwrap();
+        assert_eq!(again, lo, "{}", label(&device));
+        assert_eq!(p.stats().grows, before.grows);
+        free(&p, again, g, &s1);
+        free(&p, live, g, &s1);
+        check(&p);
+    }
+}
+
+/// Requests on one thread, at the maximum, while another thread trims with nothing to give
+/// back: every request is served from the free memory, which a trim must never hide.
+#[test]
+fn a_trim_that_keeps_everything_never_refuses_requests() {
+    let _serial = serial();
+    let d = Device::simulated(SimConfig::default());
+    let p = expandable(
+        &d,
+        ExpandableOptions {
+            maximum: Some(8 * MIB),
+            map_unit: Some(8 * MIB),
+            ..ExpandableOptions::default()
+        },
+    );
+    assert_eq!(p.granule(), 8 * MIB);
+    let done = std::sync::atomic::AtomicBool::new(false);
+    let started = std::sync::Barrier::new(2);
+    let refused = std::thread::scope(|scope| {
+        let requests = scope.spawn(|| {
+            let s = d.create_stream().unwrap();
+            started.wait();
+            let refused = (0..50_000).find_map(|i| match p.allocate(4 * MIB, &s) {
+                Ok(ptr) => {
+                    free(&p, ptr, 4 * MIB, &s);
+                    None
+                }
+                Err(e) => Some(format!("request {i} refused: {e}")),
+            });
+            done.store(true, std::sync::atomic::Ordering::Relaxed);
+            refused
+        });
+        scope.spawn(|| {
+            started.wait();
+            while !done.load(std::sync::atomic::Ordering::Relaxed) {
+                assert_eq!(p.trim_to_blocking(usize::MAX).unwrap(), 0);
+            }
+        });
+        requests.join().unwrap()
+    });
+    assert_eq!(refused, None, "{:?}", p.stats());
+    check(&p);
+}

@@ -11,9 +11,10 @@
 //! unmaps them once the caller has waited for their streams
 //! ([`unmap_ranges`](Expander::unmap_ranges)), or puts them back.
 //!
-//! Lock order: the table, then a list (growth reads the requester's list, and takes idle free
-//! granules out of the lists, while it holds the table); nothing takes the table while it
-//! holds a list's lock.
+//! Lock order: the engine's growth lock (`slow`: growth and claims run under it, and a trim
+//! takes its ranges out of the lists under it), then the table, then a list (growth reads the requester's
+//! list, and takes idle free granules out of the lists, while it holds the table); nothing
+//! takes the table while it holds a list's lock, nor the growth lock while it holds either.
 
 use super::super::stream_ordered::{
     planted, EngineStats, EngineStream, Grow, ListBlocks, StreamHeap,
@@ -645,11 +646,20 @@ impl<S: EngineStream, B: Backing> Expander<S, B> {
         (frontier + count <= region.end).then_some((frontier, count))
     }
 
-    /// Takes every fully free granule out of the lists for unmapping, as long as more than
-    /// `keep` bytes would stay mapped (the unclaimed pieces first, then the highest addresses
-    /// of the lists); the rest goes back at once. The caller waits for each range's stream
-    /// (all its work), then calls [`unmap_ranges`](Self::unmap_ranges), or
+    /// Takes fully free granules out of the lists for unmapping, as many as it takes for at
+    /// most `keep` bytes to stay mapped (the unclaimed pieces first, then the highest
+    /// addresses of the lists); nothing else leaves the lists. The caller waits for each
+    /// range's stream (all its work), then calls [`unmap_ranges`](Self::unmap_ranges), or
     /// [`put_back`](Self::put_back) if it cannot.
+    ///
+    /// The lists' part under the engine's growth lock (`slow`): a request that misses while
+    /// ranges are out of the lists here (being ordered, or going back after a failed
+    /// ordering) waits for it before its last look and its growth, and finds the lists as
+    /// this leaves them, instead of growing, or failing at the maximum, for want of memory
+    /// that stays. Only this part: the caller waits for the streams after it, with no lock
+    /// held (the GPU is never waited for inside a lock), and what it waits for is what it
+    /// unmaps. (The unclaimed pieces need no such lock: they are taken under the table's,
+    /// which claims hold while they look.)
     pub(crate) fn take_free(&self, keep: u64) -> Vec<Taken<S>> {
         let g = self.granule();
         let mut out = Vec::new();
@@ -658,6 +668,10 @@ impl<S: EngineStream, B: Backing> Expander<S, B> {
         // under the table's lock, which claims' moves hold while they unmap and map.
         let mut table = self.table.lock();
         let mut excess = self.reserved().saturating_sub(keep);
+        if excess == 0 {
+            // Nothing to give back: nothing leaves the lists, and no stream waits.
+            return out;
+        }
         let mut pieces = std::mem::take(&mut table.unclaimed);
         pieces.sort_unstable_by_key(|p| std::cmp::Reverse(p.0));
         for (first, count) in pieces {
@@ -673,26 +687,10 @@ impl<S: EngineStream, B: Backing> Expander<S, B> {
         }
         self.note_unclaimed(&table);
         drop(table);
-        let mut taken = self.heap.take_aligned(g);
-        taken.sort_unstable_by_key(|t| std::cmp::Reverse(t.0));
-        let mut back = Vec::new();
-        for (addr, size, stream) in taken {
-            if excess == 0 {
-                back.push((addr, size, stream));
-            } else if size <= excess {
-                excess -= size;
-                out.push((addr, size, stream));
-            } else {
-                // Release the top of the range, keep its bottom.
-                let part = excess.div_ceil(g) * g;
-                excess = 0;
-                if part < size {
-                    back.push((addr, size - part, stream.clone()));
-                }
-                out.push((addr + size - part, part, stream));
-            }
+        if excess > 0 {
+            let _growth = self.heap.growth_lock();
+            out.extend(self.heap.take_aligned(g, excess));
         }
-        self.put_back(back);
         out
     }
 
