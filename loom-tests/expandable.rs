@@ -20,6 +20,11 @@
 //! range; a user's request claims both (moving the other range's) while a trim runs. Its
 //! planted bug (`planted_claim_relocks`): the claim lets go of the table's lock between picking
 //! a piece and using it, and uses one the trim unmapped meanwhile.
+//!
+//! `frees_during_an_automatic_release`: the release threshold's trigger (`ReleaseTrigger`):
+//! two frees of half a granule each while a release runs and ends. Exactly one of the three
+//! queues the next release: none would leave the granule mapped above the threshold, two
+//! would run two at once.
 
 use std::collections::{HashMap, HashSet};
 
@@ -27,7 +32,7 @@ use loom::thread;
 
 use super::{check_paths, must_fail, Seen, Shared};
 use crate::error::Result;
-use crate::resource::expandable::core::{Backing, Expander};
+use crate::resource::expandable::core::{Backing, Expander, ReleaseTrigger};
 use crate::resource::stream_ordered::EngineStream;
 use crate::sync::Arc;
 
@@ -40,6 +45,8 @@ const TRIMMED: &str = "trimmed a granule";
 const GREW: &str = "grew";
 const MOVED: &str = "claimed a piece of the other range (moved)";
 const REFUSED: &str = "refused (the trim held the piece)";
+const FREE_QUEUED: &str = "a free queued the next release";
+const END_QUEUED: &str = "the release's end queued the next";
 
 /// What the fake device has been asked to do.
 #[derive(Default)]
@@ -318,4 +325,50 @@ fn planted_claim_relocks() {
             .store(true, std::sync::atomic::Ordering::Relaxed);
         check_paths(Some(2), &[], claim_vs_trim);
     });
+}
+
+/// A release is running (queued by a free of a granule) when two frees of half a granule each
+/// come, and it ends meanwhile: whichever interleaving, exactly one of them queues the next
+/// release, and it starts from a count of 0.
+fn frees_vs_the_release_ending(seen: &Shared<Seen>) {
+    let trigger = Arc::new(ReleaseTrigger::new(GRANULE));
+    assert!(trigger.freed(GRANULE, || true), "the first release");
+    let frees: Vec<_> = (0..2)
+        .map(|_| {
+            let trigger = trigger.clone();
+            thread::spawn(move || trigger.freed(GRANULE / 2, || true))
+        })
+        .collect();
+    let again = trigger.ended(|| true);
+    let freed: Vec<bool> = frees.into_iter().map(|t| t.join().unwrap()).collect();
+    let queued = freed.iter().filter(|&&q| q).count() + usize::from(again);
+    assert_eq!(
+        queued, 1,
+        "releases queued for a granule freed while one ran (by the frees {freed:?}, by the end {again})"
+    );
+    seen.note(FREE_QUEUED, !again);
+    seen.note(END_QUEUED, again);
+    // The one queued runs and ends with nothing freed meanwhile: none is pending, and a
+    // granule freed after it queues the next.
+    assert!(
+        !trigger.ended(|| true),
+        "a release queued with nothing freed"
+    );
+    assert!(
+        !trigger.freed(GRANULE / 2, || true),
+        "queued for half a granule"
+    );
+    assert!(
+        trigger.freed(GRANULE / 2, || true),
+        "a granule freed, nothing queued"
+    );
+}
+
+#[test]
+fn frees_during_an_automatic_release() {
+    check_paths(
+        Some(2),
+        &[FREE_QUEUED, END_QUEUED],
+        frees_vs_the_release_ending,
+    );
 }

@@ -729,3 +729,44 @@ fn a_trim_that_keeps_everything_never_refuses_requests() {
     assert_eq!(refused, None, "{:?}", p.stats());
     check(&p);
 }
+
+/// With a release threshold, memory freed while an automatic release runs (here its job waits
+/// for a busy stream, with the first granule taken) goes back too: those frees find a release
+/// running and queue none, so the release looks again when it ends. (It once ended without
+/// looking, and the second granule stayed mapped above the threshold until some later free.)
+#[test]
+fn memory_freed_during_an_automatic_release_goes_back_too() {
+    let _serial = serial();
+    for device in devices() {
+        let p = expandable(
+            &device,
+            ExpandableOptions {
+                release_threshold: Some(0),
+                ..ExpandableOptions::default()
+            },
+        );
+        let g = p.granule();
+        let s1 = device.create_stream().unwrap();
+        let s2 = device.create_stream().unwrap();
+        let a = p.allocate(g, &s1).unwrap();
+        let b = p.allocate(g, &s2).unwrap();
+        assert_eq!(p.stats().reserved, 2 * g);
+        s1.spin(Duration::from_millis(500)).unwrap();
+        free(&p, a, g, &s1);
+        // The release has taken a's granule out of the lists: it waits for s1's spin.
+        assert!(
+            eventually(Duration::from_secs(5), || p.stats().free == 0),
+            "{}: the release did not start: {:?}",
+            label(&device),
+            p.stats()
+        );
+        free(&p, b, g, &s2);
+        assert!(
+            eventually(Duration::from_secs(5), || p.stats().reserved == 0),
+            "{}: freed during the release, still mapped above the threshold: {:?}",
+            label(&device),
+            p.stats()
+        );
+        check(&p);
+    }
+}

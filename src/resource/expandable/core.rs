@@ -186,6 +186,88 @@ pub(crate) type SnapshotParts = (Vec<(u64, u64)>, Vec<ListBlocks>, Vec<(u64, u64
 /// it)`, `None` for fresh memory.
 pub(crate) type Taken<S> = (u64, u64, Option<S>);
 
+/// When the release threshold's automatic release runs: the bytes freed since the last one
+/// began, and whether one is queued or running ([`PENDING`](Self::PENDING)), in one word. A
+/// free that finds a release pending queues none; the release, when it ends, looks at what was
+/// freed meanwhile and goes again if it must ([`ended`](Self::ended)). In one word so that the
+/// two never miss each other: a free's count lands before the end's look (which then sees it)
+/// or after it (and then finds no release pending, and queues one itself).
+pub(crate) struct ReleaseTrigger {
+    state: AtomicU64,
+    /// The bytes that must have been freed since the last release began for another.
+    granule: u64,
+}
+
+impl ReleaseTrigger {
+    /// The bit of a release queued or running; the bits below count bytes.
+    const PENDING: u64 = 1 << 63;
+
+    pub(crate) fn new(granule: u64) -> Self {
+        Self {
+            state: AtomicU64::new(0),
+            granule,
+        }
+    }
+
+    /// Counts `bytes` freed. Whether the caller must queue a release now: none is pending, a
+    /// granule's worth was freed since the last began, and `above` says that more than the
+    /// threshold is mapped. From then on one is pending, its count from 0, until it
+    /// [`ended`](Self::ended).
+    pub(crate) fn freed(&self, bytes: u64, above: impl Fn() -> bool) -> bool {
+        // Saturating below the bit: a pool that never maps more than its threshold counts
+        // every free, and the count must never reach the bit.
+        let add = |state: u64| {
+            let count = (state & !Self::PENDING).saturating_add(bytes);
+            (state & Self::PENDING) | count.min(!Self::PENDING)
+        };
+        let was = self
+            .state
+            .fetch_update(Ordering::AcqRel, Ordering::Acquire, |state| {
+                Some(add(state))
+            });
+        let mut now = add(was.unwrap_or_else(|state| state));
+        loop {
+            if now & Self::PENDING != 0 || now < self.granule || !above() {
+                return false;
+            }
+            match (self.state).compare_exchange(
+                now,
+                Self::PENDING,
+                Ordering::AcqRel,
+                Ordering::Acquire,
+            ) {
+                Ok(_) => return true,
+                Err(state) => now = state,
+            }
+        }
+    }
+
+    /// The pending release has ended. Whether the caller must queue another at once: a
+    /// granule's worth was freed while it ran (those frees found it pending and queued
+    /// nothing), and `above` says that more than the threshold is still mapped. Otherwise none
+    /// is pending from now on, and the next free looks.
+    pub(crate) fn ended(&self, above: impl Fn() -> bool) -> bool {
+        let mut now = self.state.load(Ordering::Acquire);
+        loop {
+            debug_assert!(
+                now & Self::PENDING != 0,
+                "a release ended that was not pending"
+            );
+            let again = now & !Self::PENDING >= self.granule && above();
+            let next = if again {
+                Self::PENDING
+            } else {
+                now & !Self::PENDING
+            };
+            // A free since the load changed the word: look again, its bytes counted.
+            match (self.state).compare_exchange(now, next, Ordering::AcqRel, Ordering::Acquire) {
+                Ok(_) => return again,
+                Err(state) => now = state,
+            }
+        }
+    }
+}
+
 /// An expandable pool's lists, address range and mapping table.
 pub(crate) struct Expander<S: EngineStream, B: Backing> {
     pub(crate) heap: StreamHeap<S>,

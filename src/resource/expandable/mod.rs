@@ -9,7 +9,7 @@ use std::fmt;
 // `core.rs`, is).
 use std::sync::{Arc as StdArc, Weak};
 
-use self::core::{Expander, Taken};
+use self::core::{Expander, ReleaseTrigger, Taken};
 use super::pool::PoolStats;
 use super::waiters::{MemoryWaiters, WaitStats};
 use super::{aligned_size, check_stream, MemoryResource};
@@ -17,7 +17,6 @@ use crate::device::vmm::{self, Reservation};
 use crate::device::{Device, DevicePtr};
 use crate::error::{Error, Result};
 use crate::stream::Stream;
-use crate::sync::{AtomicBool, AtomicU64, Ordering};
 
 /// Sizes and policies of an [`ExpandablePoolResource`].
 ///
@@ -149,10 +148,9 @@ struct Inner {
     waiters: MemoryWaiters,
     /// The release threshold in bytes (`u64::MAX`: none).
     threshold: u64,
-    /// Bytes freed since the last automatic release (counted only with a threshold).
-    freed_since: AtomicU64,
-    /// An automatic release is queued or running.
-    release_pending: AtomicBool,
+    /// Bytes freed since the last automatic release began, and whether one is queued or
+    /// running (counted only with a threshold).
+    release: ReleaseTrigger,
     /// For the automatic release job to find the pool, if it still exists.
     me: Weak<Inner>,
 }
@@ -220,13 +218,13 @@ impl ExpandablePoolResource {
         (core.heap).set_cache(cache as u64);
         core.map_initial(options.initial as u64)?;
         let threshold = options.release_threshold.map_or(u64::MAX, |t| t as u64);
+        let release = ReleaseTrigger::new(core.granule());
         let inner = StdArc::new_cyclic(|me| Inner {
             device: device.clone(),
             core,
             waiters: MemoryWaiters::new(),
             threshold,
-            freed_since: AtomicU64::new(0),
-            release_pending: AtomicBool::new(false),
+            release,
             me: me.clone(),
         });
         Ok(Self { inner })
@@ -443,20 +441,24 @@ impl Inner {
     }
 
     /// After a free: with a release threshold, once more than it is mapped and a granule's
-    /// worth was freed since the last try, queue a trim toward it on the device's
-    /// blocking-work thread (it waits for streams; a free never does).
+    /// worth was freed since the last release began, queue a trim toward it on the device's
+    /// blocking-work thread (it waits for streams; a free never does). A free while one is
+    /// queued or running queues none: that one looks again when it ends.
     fn maybe_release(&self, freed: u64) {
         if self.threshold == u64::MAX {
             return;
         }
-        let since = self.freed_since.fetch_add(freed, Ordering::Relaxed) + freed;
-        if since < self.core.granule()
-            || self.core.reserved() <= self.threshold
-            || self.release_pending.swap(true, Ordering::AcqRel)
-        {
-            return;
+        if (self.release).freed(freed, || self.core.reserved() > self.threshold) {
+            self.queue_release();
         }
-        self.freed_since.store(0, Ordering::Relaxed);
+    }
+
+    /// Queues the automatic release; once it has trimmed, it queues itself again if a
+    /// granule's worth was freed meanwhile and more than the threshold is still mapped (its
+    /// job had already taken its ranges: memory freed since would stay mapped until the next
+    /// free, which may never come). Each time again follows a granule's worth of frees, so it
+    /// stops once frees do; queued, not looped, so that other blocking work runs in between.
+    fn queue_release(&self) {
         let (me, threshold) = (self.me.clone(), self.threshold);
         self.device.reactor().offload(
             "expandable pool release",
@@ -465,7 +467,9 @@ impl Inner {
                 if let Err(e) = pool.trim_to_blocking(threshold) {
                     tracing::warn!(error = %e, "the expandable pool's release failed");
                 }
-                pool.release_pending.store(false, Ordering::Release);
+                if (pool.release).ended(|| pool.core.reserved() > threshold) {
+                    pool.queue_release();
+                }
             }),
         );
     }
