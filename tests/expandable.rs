@@ -770,3 +770,53 @@ fn memory_freed_during_an_automatic_release_goes_back_too() {
         check(&p);
     }
 }
+
+/// At the maximum, a growth moves wholly free, idle granules of its own range too, not only of
+/// the other ranges: here one thread's four granules, the second and fourth free (not
+/// adjacent), and a request for two is served by unmapping the second and mapping its room
+/// next to the fourth. The live granules are untouched.
+#[test]
+fn free_granules_of_the_own_range_move_at_the_maximum() {
+    let _serial = serial();
+    for device in devices() {
+        let g = expandable(&device, ExpandableOptions::default()).granule();
+        let p = expandable(
+            &device,
+            ExpandableOptions {
+                maximum: Some(4 * g),
+                ..ExpandableOptions::default()
+            },
+        );
+        let s = device.create_stream().unwrap();
+        let units: Vec<_> = (0..4).map(|_| p.allocate(g, &s).unwrap()).collect();
+        // SAFETY: `units[0]` and `units[2]` are live, used on `s`.
+        unsafe {
+            s.fill_u32(units[0], 0xAAAA_0000, g / 4).unwrap();
+            s.fill_u32(units[2], 0xAAAA_0002, g / 4).unwrap();
+        }
+        free(&p, units[1], g, &s);
+        free(&p, units[3], g, &s);
+        s.synchronize_blocking().unwrap();
+        let both = p.allocate(2 * g, &s).unwrap_or_else(|e| {
+            panic!(
+                "{}: 2 granules refused with 2 wholly free idle granules mapped: {e}; {:?}",
+                label(&device),
+                p.stats()
+            )
+        });
+        assert_eq!(both, units[3], "{}: extends the fourth", label(&device));
+        assert_eq!(p.relocations(), 1);
+        assert_eq!(p.stats().reserved, 4 * g);
+        assert!(read_u32(&s, units[0], g / 4)
+            .iter()
+            .all(|&w| w == 0xAAAA_0000));
+        assert!(read_u32(&s, units[2], g / 4)
+            .iter()
+            .all(|&w| w == 0xAAAA_0002));
+        for (ptr, bytes) in [(units[0], g), (units[2], g), (both, 2 * g)] {
+            free(&p, ptr, bytes, &s);
+        }
+        assert_eq!(p.trim_blocking().unwrap(), 4 * g, "{}", label(&device));
+        check(&p);
+    }
+}

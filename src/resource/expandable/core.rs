@@ -5,8 +5,8 @@
 //! ([`Backing`]) and a table of which granules are mapped. The range is cut into regions, one
 //! per shard of the engine, each one chunk of it, so free blocks coalesce across every growth
 //! in a region. It grows the engine ([`Grow`]) by mapping granules where the memory coalesces
-//! with the requester's free blocks (at the maximum, first unmapping wholly free granules of
-//! other regions whose last users have finished: [`make_room`](Expander::make_room)), and it takes
+//! with the requester's free blocks (at the maximum, first unmapping wholly free granules
+//! elsewhere whose last users have finished: [`make_room`](Expander::make_room)), and it takes
 //! fully free granules out of the lists for unmapping ([`take_free`](Expander::take_free)),
 //! unmaps them once the caller has waited for their streams
 //! ([`unmap_ranges`](Expander::unmap_ranges)), or puts them back.
@@ -284,8 +284,8 @@ pub(crate) struct Expander<S: EngineStream, B: Backing> {
     /// running: the resource waits for them off the caller's thread and wakes its memory
     /// waiters ([`take_busy`](Self::take_busy)).
     busy: Mutex<Vec<S>>,
-    /// Growths at the maximum that unmapped idle free granules of other regions to map in
-    /// their own ([`make_room`](Self::make_room)).
+    /// Growths at the maximum that unmapped idle free granules elsewhere to map where they
+    /// grow ([`make_room`](Self::make_room)).
     relocations: AtomicU64,
     /// The most that may be mapped at once, in bytes (a multiple of the granule).
     maximum: u64,
@@ -393,7 +393,7 @@ impl<S: EngineStream, B: Backing> Expander<S, B> {
         std::mem::take(&mut *self.busy.lock())
     }
 
-    /// Growths that first moved free memory from other regions (see `make_room`).
+    /// Growths that first moved free memory (see `make_room`).
     pub(crate) fn relocations(&self) -> u64 {
         self.relocations.load(Ordering::Relaxed)
     }
@@ -849,20 +849,26 @@ impl<S: EngineStream, B: Backing> Expander<S, B> {
         (released, result, back)
     }
 
-    /// Room under the maximum for a growth in region `keep` that lacks `bytes` of it: unmaps
-    /// at least `bytes` of wholly free granules of the other regions whose last users have
-    /// finished (free memory in one region cannot coalesce with another's, so without this
-    /// a pool at its maximum would refuse a request its free memory could serve once moved).
-    /// Unmaps nothing unless it finds enough. Returns whether there is room now, what the
-    /// caller must put back after letting go of the table's lock, and the streams whose
-    /// memory was left because they were busy.
+    /// Room under the maximum for a growth that maps `run` (granules of region `keep`) and
+    /// lacks `bytes` of it: unmaps at least `bytes` of wholly free granules whose last users
+    /// have finished, of the other regions and of `keep` outside the run and the free blocks
+    /// on either side of it, which the request counts on (free memory does not coalesce
+    /// across a region, nor across a live block, so without this a pool at its maximum would
+    /// refuse a request its free memory could serve once moved). Unmaps nothing unless it
+    /// finds enough. Returns whether there is room now, what the caller must put back after
+    /// letting go of the table's lock, and the streams whose memory was left because they
+    /// were busy.
     fn make_room(
         &self,
         table: &mut Table,
         keep: usize,
+        run: std::ops::Range<usize>,
         bytes: u64,
     ) -> (bool, Vec<Taken<S>>, Vec<S>) {
-        let (ranges, busy) = self.heap.take_idle_aligned(self.granule(), keep, bytes);
+        let (start, end) = (self.addr(run.start), self.addr(run.end));
+        let (left, right) = self.heap.free_around(keep, start, end);
+        let kept = start - left..end + right;
+        let (ranges, busy) = (self.heap).take_idle_aligned(self.granule(), keep, kept, bytes);
         let ranges: Vec<Taken<S>> = ranges
             .into_iter()
             .map(|(addr, size)| (addr, size, None))
@@ -907,7 +913,7 @@ impl<S: EngineStream, B: Backing> Grow<S> for Expander<S, B> {
         let (mut back, mut unused) = (Vec::new(), Vec::new());
         if over > 0 {
             let region = table.region_of(first);
-            let (room, rest, busy) = self.make_room(&mut table, region, over);
+            let (room, rest, busy) = self.make_room(&mut table, region, first..first + count, over);
             back = rest;
             if !room {
                 drop(table);

@@ -119,10 +119,11 @@ pub const DEFAULT_MAP_GRANULES: usize = 4;
 ///   growths map into its own shard's range first, so any free block coalesces with its free
 ///   neighbours in that range, whenever they were mapped; a growth maps only what the request
 ///   needs beyond the free block it extends. Free memory in different ranges does not
-///   coalesce, so at the maximum a growth first *moves* memory: it unmaps wholly free granules
-///   of the other ranges (those whose last users' work has finished: the stream is asked,
-///   the host never waits) and maps that room in its own ([`relocations`](Self::relocations)
-///   counts these). Memory freed on a stream still busy is not moved: a request that needs it
+///   coalesce (nor across a live block), so at the maximum a growth first *moves* memory: it
+///   unmaps wholly free granules of the other ranges, and of its own away from the block it
+///   extends (those whose last users' work has finished: the stream is asked, the host never
+///   waits), and maps that room where it extends ([`relocations`](Self::relocations) counts
+///   these). Memory freed on a stream still busy is not moved: a request that needs it
 ///   fails (or, with `allocate_async`, waits for the next free or trim) until that work is
 ///   done. A pool of separate chunks never merges across them, so it holds more than it uses
 ///   after a change of sizes.
@@ -273,10 +274,10 @@ impl ExpandablePoolResource {
         }
     }
 
-    /// How many growths at the maximum first moved free memory between the pool's address
-    /// ranges: unmapped wholly free granules of other shards' ranges, whose last users had
-    /// finished, to map that room where the request coalesces (free memory in different
-    /// ranges never coalesces).
+    /// How many growths at the maximum first moved free memory: unmapped wholly free granules
+    /// of other shards' ranges, or of the request's own away from where it grows, whose last
+    /// users had finished, to map that room where the request coalesces (free memory in
+    /// different ranges never coalesces, nor across a live block).
     pub fn relocations(&self) -> u64 {
         self.inner.core.relocations()
     }

@@ -88,17 +88,20 @@ impl<S: EngineStream> StreamHeap<S> {
 
 impl<S: EngineStream> StreamHeap<S> {
     /// Takes up to `want` bytes (rounded up to granules, the highest addresses first) of
-    /// `granule`-aligned free memory out of every shard but `keep_shard`, where the work of
-    /// every stream that freed it has finished: fresh memory, memory whose streams are noted
-    /// done past its frees, or whose streams say they are idle (asked outside the lock). The
-    /// expandable pool unmaps it at once and maps its room where a refused request can use
-    /// it. The rest goes back as it was; a range the caller cannot unmap goes back with
-    /// [`give_fresh_blocks`](Self::give_fresh_blocks) (its work has finished). Also returns
-    /// the streams that said they were busy (once each), whose memory was left.
+    /// `granule`-aligned free memory out of the shards (in `keep_shard`, only ranges that
+    /// `keep` does not overlap: the room being made for, and the free blocks it extends),
+    /// where the work of every stream that freed it has finished: fresh memory, memory whose
+    /// streams are noted done past its frees, or whose streams say they are idle (asked
+    /// outside the lock). The expandable pool unmaps it at once and maps its room where a
+    /// refused request can use it. The rest goes back as it was; a range the caller cannot
+    /// unmap goes back with [`give_fresh_blocks`](Self::give_fresh_blocks) (its work has
+    /// finished). Also returns the streams that said they were busy (once each), whose memory
+    /// was left.
     pub(crate) fn take_idle_aligned(
         &self,
         granule: u64,
         keep_shard: usize,
+        keep: std::ops::Range<u64>,
         want: u64,
     ) -> (Vec<(u64, u64)>, Vec<S>) {
         let mut out = Vec::new();
@@ -109,21 +112,23 @@ impl<S: EngineStream> StreamHeap<S> {
             if left == 0 {
                 break;
             }
-            if k == keep_shard {
-                continue;
-            }
             // Under the lock: the aligned free ranges, and the handles of the streams whose
             // work each one waits for (none where every stream is noted done past its free).
+            // What `keep` overlaps goes back at once: it never leaves the list.
             let mut taken: Vec<(u64, u64, Waits, Vec<S>)> = {
                 let mut heap = shard.lock();
                 let ranges = heap.free.take_aligned(granule);
-                ranges
-                    .into_iter()
-                    .map(|(addr, size, tag)| {
-                        let streams = heap.unfinished(&tag);
-                        (addr, size, tag, streams)
-                    })
-                    .collect()
+                let mut taken = Vec::with_capacity(ranges.len());
+                for (addr, size, tag) in ranges {
+                    if k == keep_shard && addr < keep.end && keep.start < addr + size {
+                        let given = heap.free.give_range(addr, size, tag);
+                        debug_assert!(given, "a range taken out could not go back");
+                        continue;
+                    }
+                    let streams = heap.unfinished(&tag);
+                    taken.push((addr, size, tag, streams));
+                }
+                taken
             };
             taken.sort_unstable_by_key(|t| std::cmp::Reverse(t.0));
             let mut back = Vec::new();
