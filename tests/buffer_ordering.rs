@@ -3,12 +3,10 @@
 
 mod common;
 
-use std::future::Future;
 use std::sync::Arc;
-use std::task::Context;
 use std::time::Duration;
 
-use common::{eventually, runtime};
+use common::{eventually, poll_once_and_drop, runtime};
 use streamalloc::resource::cuda::CudaResource;
 use streamalloc::resource::pool::{PoolOptions, PoolResource};
 use streamalloc::{
@@ -29,13 +27,6 @@ fn sim() -> (Device, Faults) {
 /// A pool that starts empty, so that each allocation grows a chunk that `trim` can give back.
 fn pool(device: &Device) -> Arc<PoolResource<CudaResource>> {
     Arc::new(common::pool(device, 0, 64 * MIB))
-}
-
-/// Polls `fut` once, then drops it.
-fn poll_once_and_drop<F: Future>(fut: F) {
-    let mut fut = std::pin::pin!(fut);
-    let waker = futures::task::noop_waker();
-    let _ = fut.as_mut().poll(&mut Context::from_waker(&waker));
 }
 
 /// Issue 19, finding 1: `DeviceVec::to_host(&self, b)` queues a copy on `b`; the vector's free

@@ -820,3 +820,41 @@ fn free_granules_of_the_own_range_move_at_the_maximum() {
         check(&p);
     }
 }
+
+/// A later review: a trim dropped while it waits for a stream left the granules it had taken
+/// out of the lists mapped and out of them, never handed out again until the pool was
+/// dropped. They go back, free and usable, and a later trim unmaps them.
+#[test]
+fn a_trim_dropped_while_it_waits_puts_its_granules_back() {
+    let _serial = serial();
+    for device in devices() {
+        let p = expandable(
+            &device,
+            ExpandableOptions {
+                maximum: Some(64 * MIB),
+                ..ExpandableOptions::default()
+            },
+        );
+        let g = p.granule();
+        let s = device.create_stream().unwrap();
+        let a = p.allocate(g, &s).unwrap();
+        s.spin(Duration::from_millis(300)).unwrap();
+        free(&p, a, g, &s); // the granule waits for `s`, busy
+        let before = p.stats();
+        common::poll_once_and_drop(p.trim());
+        let after = p.stats();
+        assert_eq!(
+            (after.free, after.reserved),
+            (before.free, before.reserved),
+            "{}: {after:?}",
+            label(&device)
+        );
+        let b = p.allocate(g, &s).unwrap();
+        assert_eq!(b, a, "{}: served from the granule put back", label(&device));
+        free(&p, b, g, &s);
+        check(&p);
+        s.synchronize_blocking().unwrap();
+        p.trim_blocking().unwrap();
+        assert_eq!(p.stats().reserved, 0, "{}", label(&device));
+    }
+}

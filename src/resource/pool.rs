@@ -448,8 +448,9 @@ impl<U: MemoryResource> PoolResource<U> {
     /// latency-sensitive work.
     ///
     /// # Cancel safety
-    /// Not cancel-safe: chunks taken out of the free list before the future is dropped stay out
-    /// (counted in `reserved`, never handed out) until the pool is dropped.
+    /// Cancel-safe: dropped while it waits for a stream, it puts the chunks it took out back
+    /// where they were, free and usable (a review found them out of the lists, never handed out
+    /// again, until the pool was dropped).
     pub async fn trim(&self) -> Result<usize> {
         // Every idle stream is waited for, whatever fails: one `?` here would skip the others.
         let mut first_error = None;
@@ -464,16 +465,17 @@ impl<U: MemoryResource> PoolResource<U> {
         if let Some(e) = first_error {
             return Err(e);
         }
-        let taken = self.take_whole_chunks();
-        for (_, _, stream) in &taken {
+        // Put back if this future is dropped while it waits, or a wait fails.
+        let taken = TakenForTrim {
+            pool: self,
+            chunks: self.take_whole_chunks(),
+        };
+        for (_, _, stream) in &taken.chunks {
             if let Some(stream) = stream {
-                if let Err(e) = stream.synchronize().await {
-                    self.put_back(&taken);
-                    return Err(e);
-                }
+                stream.synchronize().await?;
             }
         }
-        self.release_chunks(taken)
+        self.release_chunks(taken.release())
     }
 
     /// [`trim`](Self::trim) for synchronous code: blocks the calling thread while it waits.
@@ -490,16 +492,16 @@ impl<U: MemoryResource> PoolResource<U> {
         if let Some(e) = first_error {
             return Err(e);
         }
-        let taken = self.take_whole_chunks();
-        for (_, _, stream) in &taken {
+        let taken = TakenForTrim {
+            pool: self,
+            chunks: self.take_whole_chunks(),
+        };
+        for (_, _, stream) in &taken.chunks {
             if let Some(stream) = stream {
-                if let Err(e) = stream.synchronize_blocking() {
-                    self.put_back(&taken);
-                    return Err(e);
-                }
+                stream.synchronize_blocking()?;
             }
         }
-        self.release_chunks(taken)
+        self.release_chunks(taken.release())
     }
 
     /// Whole chunks taken out for release go back, as freed on the stream they must wait for.
@@ -746,5 +748,26 @@ impl<U: MemoryResource> Drop for PoolResource<U> {
                 tracing::warn!(error = %e, base, size, "could not return a pool chunk upstream");
             }
         }
+    }
+}
+
+/// Whole chunks a trim took out of the free list, put back ([`PoolResource::put_back`]) if the
+/// trim ends before it gives them upstream: a failed wait for one of their streams, or the
+/// trim's future dropped while it waits. [`release`](Self::release) hands them on instead.
+struct TakenForTrim<'a, U: MemoryResource> {
+    pool: &'a PoolResource<U>,
+    chunks: Vec<(u64, u64, Option<Stream>)>,
+}
+
+impl<U: MemoryResource> TakenForTrim<'_, U> {
+    /// The chunks, to give upstream: no longer put back on drop.
+    fn release(mut self) -> Vec<(u64, u64, Option<Stream>)> {
+        std::mem::take(&mut self.chunks)
+    }
+}
+
+impl<U: MemoryResource> Drop for TakenForTrim<'_, U> {
+    fn drop(&mut self) {
+        self.pool.put_back(&self.chunks);
     }
 }

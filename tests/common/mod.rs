@@ -61,6 +61,15 @@ pub fn eventually(timeout: Duration, mut cond: impl FnMut() -> bool) -> bool {
     cond()
 }
 
+/// Polls `fut` once, then drops it: a future cancelled where it first waits.
+pub fn poll_once_and_drop<F: std::future::Future>(fut: F) {
+    let mut fut = std::pin::pin!(fut);
+    let waker = futures::task::noop_waker();
+    let _ = fut
+        .as_mut()
+        .poll(&mut std::task::Context::from_waker(&waker));
+}
+
 pub fn runtime() -> tokio::runtime::Runtime {
     tokio::runtime::Builder::new_multi_thread()
         .worker_threads(4)

@@ -313,8 +313,9 @@ impl ExpandablePoolResource {
     /// it was: nothing is lost, and the pool works as before.
     ///
     /// # Cancel safety
-    /// Not cancel-safe: granules taken out before the future is dropped stay mapped and out of
-    /// the lists (counted in `reserved`, never handed out) until the pool is dropped.
+    /// Cancel-safe: dropped while it waits for a stream, it puts the granules it took out back
+    /// where they were, free and usable (a review found them mapped and out of the lists, never
+    /// handed out again, until the pool was dropped).
     pub async fn trim(&self) -> Result<usize> {
         self.inner.trim_to(0).await
     }
@@ -364,14 +365,15 @@ impl Inner {
         if let Some(e) = first_error {
             return Err(e);
         }
-        let taken = self.core.take_free(keep);
-        for stream in Self::streams_of(&taken) {
-            if let Err(e) = stream.synchronize().await {
-                self.core.put_back(taken);
-                return Err(e);
-            }
+        // Put back if this future is dropped while it waits, or a wait fails.
+        let taken = TakenForTrim {
+            inner: self,
+            ranges: self.core.take_free(keep),
+        };
+        for stream in Self::streams_of(&taken.ranges) {
+            stream.synchronize().await?;
         }
-        self.unmap(taken)
+        self.unmap(taken.unmap())
     }
 
     fn trim_to_blocking(&self, keep: u64) -> Result<usize> {
@@ -387,14 +389,14 @@ impl Inner {
         if let Some(e) = first_error {
             return Err(e);
         }
-        let taken = self.core.take_free(keep);
-        for stream in Self::streams_of(&taken) {
-            if let Err(e) = stream.synchronize_blocking() {
-                self.core.put_back(taken);
-                return Err(e);
-            }
+        let taken = TakenForTrim {
+            inner: self,
+            ranges: self.core.take_free(keep),
+        };
+        for stream in Self::streams_of(&taken.ranges) {
+            stream.synchronize_blocking()?;
         }
-        self.unmap(taken)
+        self.unmap(taken.unmap())
     }
 
     /// Unmaps ranges whose streams were synchronized after they were taken.
@@ -547,6 +549,31 @@ impl Drop for Inner {
         // reservation (dropped after this) unmaps everything.
         for stream in self.core.heap.streams() {
             let _ = stream.synchronize_blocking();
+        }
+    }
+}
+
+/// Ranges a trim took out of the lists ([`Expander::take_free`]), put back (and the memory
+/// waiters told: a request may have been refused while they were out) if the trim ends before
+/// it unmaps them: a failed wait for one of their streams, or the trim's future dropped while
+/// it waits. [`unmap`](Self::unmap) hands them on instead.
+struct TakenForTrim<'a> {
+    inner: &'a Inner,
+    ranges: Vec<Taken<Stream>>,
+}
+
+impl TakenForTrim<'_> {
+    /// The ranges, to unmap: no longer put back on drop.
+    fn unmap(mut self) -> Vec<Taken<Stream>> {
+        std::mem::take(&mut self.ranges)
+    }
+}
+
+impl Drop for TakenForTrim<'_> {
+    fn drop(&mut self) {
+        if !self.ranges.is_empty() {
+            self.inner.core.put_back(std::mem::take(&mut self.ranges));
+            self.inner.waiters.notify();
         }
     }
 }
