@@ -442,6 +442,12 @@ impl<U: MemoryResource> PoolResource<U> {
     /// On an error (a failed synchronization or upstream free), every block taken out is put
     /// back where it was: nothing is lost, and the pool works as before.
     ///
+    /// While it waits for those streams, the chunks it took are out of the free list: a
+    /// request on another thread that only they could serve then grows the pool, or at the
+    /// maximum is refused (as if the trim had finished first; it never waits for the GPU).
+    /// [`allocate_async`](crate::AllocateAsync::allocate_async) waits instead, and is woken
+    /// when the trim ends.
+    ///
     /// Over [`CudaResource`](super::cuda::CudaResource), each chunk given back is a
     /// `cuMemFree`, which waits for the whole device to be idle and meanwhile holds up every
     /// thread's launches on that GPU (see `CudaResource`): trim between phases, not beside

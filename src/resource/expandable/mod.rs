@@ -312,6 +312,12 @@ impl ExpandablePoolResource {
     /// On an error (a failed synchronization or unmap), what was not unmapped goes back where
     /// it was: nothing is lost, and the pool works as before.
     ///
+    /// It takes out of the lists only what it will unmap, but while it waits for those
+    /// granules' streams, a request on another thread that only they could serve maps more,
+    /// or at the maximum is refused (as if the trim had finished first; a request never waits
+    /// for the GPU). [`allocate_async`](crate::AllocateAsync::allocate_async) waits instead,
+    /// and is woken when the trim ends.
+    ///
     /// # Cancel safety
     /// Cancel-safe: dropped while it waits for a stream, it puts the granules it took out back
     /// where they were, free and usable (a review found them mapped and out of the lists, never
