@@ -305,10 +305,25 @@ impl CudaDevice {
                 other => other,
             })
         };
+        let required = (|| {
+            Ok((
+                get(c"streamalloc_fill_u32")?,
+                get(c"streamalloc_scale_f32")?,
+                get(c"streamalloc_spin")?,
+            ))
+        })();
+        let (fill_u32, scale_f32, spin) = match required {
+            Ok(functions) => functions,
+            Err(e) => {
+                // SAFETY: loaded just above, and no function of it was handed out.
+                let _ = unsafe { result::module::unload(module) };
+                return Err(e);
+            }
+        };
         Ok(Kernels {
-            fill_u32: get(c"streamalloc_fill_u32")?,
-            scale_f32: get(c"streamalloc_scale_f32")?,
-            spin: get(c"streamalloc_spin")?,
+            fill_u32,
+            scale_f32,
+            spin,
             fill_pattern_u32: optional(
                 c"streamalloc_fill_pattern_u32",
                 "cuModuleGetFunction(streamalloc_fill_pattern_u32)",
@@ -628,6 +643,8 @@ impl Doorbells for CudaDoorbells {
 
     fn forget(&mut self, stream: u64) {
         if let Some(watcher) = self.watchers.remove(&stream) {
+            // In the device's context, as `arm` made it (a peer's may be current here).
+            let _ = self.ctx.bind();
             // SAFETY: ours; a pending doorbell on it still runs (destroy defers to completion).
             let _ = unsafe { result::stream::destroy(watcher.0) };
         }
@@ -636,6 +653,7 @@ impl Doorbells for CudaDoorbells {
 
 impl Drop for CudaDoorbells {
     fn drop(&mut self) {
+        let _ = self.ctx.bind();
         for (_, watcher) in self.watchers.drain() {
             // SAFETY: ours; queued doorbells still run.
             let _ = unsafe { result::stream::destroy(watcher.0) };

@@ -186,13 +186,18 @@ impl Word {
     pub(crate) fn write(&self, stream: RawStream) -> Result<u32> {
         self.words.ctx.bind()?;
         let value = self.last.load(Ordering::Relaxed).wrapping_add(1);
+        // Used up whether or not the call succeeds: the driver may return an error of earlier
+        // asynchronous work with this write queued all the same, and the next event given
+        // this value would then read complete when this write lands, before its own work (a
+        // review's finding). A write that really was not queued costs this word's slot: it
+        // never settles, and its page is kept when the device goes (with a warning).
+        self.last.store(value, Ordering::Relaxed);
         // SAFETY: `stream` is live (the caller's), and `device` maps a word of a pinned page
         // that stays allocated until this write has landed (see `Words::retire`). Flags 0: the
         // write is ordered after the stream's earlier work and its memory (a barrier).
         raw("cuStreamWriteValue32", unsafe {
             sys::cuStreamWriteValue32_v2(stream.0, self.device, value, 0)
         })?;
-        self.last.store(value, Ordering::Relaxed);
         Ok(value)
     }
 
