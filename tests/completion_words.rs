@@ -9,8 +9,13 @@ mod common;
 
 use std::time::Duration;
 
-use common::{gpu_with, runtime};
+use common::{gpu_with, runtime, take_turns};
 use streamalloc::{CudaOptions, Device};
+
+// The tests take turns (`take_turns`): each times events against kernels it queued, and a
+// test's device going away (its pages of words freed with `cuMemFreeHost`, which waits for the
+// device to be idle) held up another's launches until its 300 ms kernel was done, which then
+// read complete "early" (1 of 8 in run119).
 
 /// GPU 0 with completion words on, or `None` (said) without a GPU: the simulated device has
 /// no words.
@@ -26,6 +31,7 @@ fn gpu(test: &str) -> Option<Device> {
 /// awaited and queried, on several streams.
 #[test]
 fn events_complete_when_the_gpu_passes_them() {
+    let _turn = take_turns();
     let Some(device) = gpu("events_complete_when_the_gpu_passes_them") else {
         return;
     };
@@ -67,6 +73,7 @@ fn events_complete_when_the_gpu_passes_them() {
 /// one's did). Fails with `Words::word` taking retired words without waiting (checked once).
 #[test]
 fn a_dropped_streams_late_write_does_not_complete_a_new_streams_event() {
+    let _turn = take_turns();
     let Some(device) = gpu("a_dropped_streams_late_write_does_not_complete_a_new_streams_event")
     else {
         return;
@@ -107,6 +114,7 @@ fn a_dropped_streams_late_write_does_not_complete_a_new_streams_event() {
 /// before it would hand out memory still in use.
 #[test]
 fn an_event_never_reads_complete_before_the_work_in_front_of_it() {
+    let _turn = take_turns();
     use cudarc::driver::sys;
     let Some(device) = gpu("an_event_never_reads_complete_before_the_work_in_front_of_it") else {
         return;
@@ -169,6 +177,7 @@ fn an_event_never_reads_complete_before_the_work_in_front_of_it() {
 /// kernel. Fails with the capture check removed from `Stream::record` (a review's finding).
 #[test]
 fn a_graph_captured_from_a_stream_does_not_complete_its_events() {
+    let _turn = take_turns();
     use cudarc::driver::sys;
     let Some(device) = gpu("a_graph_captured_from_a_stream_does_not_complete_its_events") else {
         return;

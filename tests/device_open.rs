@@ -14,20 +14,20 @@
 mod common;
 
 use std::sync::atomic::{AtomicBool, Ordering};
-use std::sync::{Arc, Mutex};
+use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-/// The two tests take turns. The second one's `cuMemFree`s wait for the device to be idle, and
-/// while one waits, the driver holds up other threads' launches, records and stream creations
-/// on that GPU (run103: 950 ms of a 1 s kernel). Beside it the first test's `record` returned
-/// only once its 3 s kernel was done, and the event read complete (16 of 40 runs in run101).
-static TURNS: Mutex<()> = Mutex::new(());
+// The two tests take turns (`common::take_turns`). The second one's `cuMemFree`s wait for the
+// device to be idle, and while one waits, the driver holds up other threads' launches, records
+// and stream creations on that GPU (run103: 950 ms of a 1 s kernel). Beside it the first
+// test's `record` returned only once its 3 s kernel was done, and the event read complete (16
+// of 40 runs in run101).
 
 use streamalloc::{CudaOptions, CudaResource, Device, MemoryResource};
 
 #[test]
 fn opening_a_device_does_not_wait_for_other_work_on_the_gpu() {
-    let _turn = TURNS.lock().unwrap_or_else(|e| e.into_inner());
+    let _turn = common::take_turns();
     let Some(first) = common::gpu_with("device_open", CudaOptions::default()) else {
         return;
     };
@@ -52,7 +52,7 @@ fn opening_a_device_does_not_wait_for_other_work_on_the_gpu() {
 
 #[test]
 fn devices_opened_and_dropped_on_many_threads_at_once() {
-    let _turn = TURNS.lock().unwrap_or_else(|e| e.into_inner());
+    let _turn = common::take_turns();
     let Some(held) = common::gpu_with("device_open", CudaOptions::default()) else {
         return;
     };

@@ -14,16 +14,13 @@
 #[path = "common/mod.rs"]
 mod common;
 
-use std::sync::Mutex;
-
 use common::{devices, label, primed_async_pool};
 use streamalloc::resource::arena::{ArenaOptions, ArenaResource};
 use streamalloc::resource::cuda::CudaResource;
 use streamalloc::resource::pool::{PoolOptions, PoolResource};
 use streamalloc::{Device, ExpandableOptions, ExpandablePoolResource, MemoryResource, SimConfig};
 
-/// Taken by each test that fills the device: tests of one binary run at once, on threads.
-static GPU: Mutex<()> = Mutex::new(());
+// Each test that fills the device takes turns (`common::take_turns`).
 
 const MIB: usize = 1 << 20;
 const GIB: usize = 1 << 30;
@@ -82,7 +79,7 @@ fn grows_near_the_limit(
     resource: &dyn MemoryResource,
     reserved: &dyn Fn() -> usize,
 ) {
-    let _turn = GPU.lock().unwrap_or_else(|e| e.into_inner());
+    let _turn = common::take_turns();
     let what = format!("{} {name}", label(device));
     let stream = device.create_stream().unwrap();
     let primed = primed_async_pool(device, unit / 4);

@@ -7,7 +7,7 @@ mod common;
 
 use std::time::Duration;
 
-use common::{devices, eventually, free, label, read_u32};
+use common::{devices, eventually, free, label, read_u32, take_turns};
 use streamalloc::resource::cuda::CudaResource;
 use streamalloc::{
     Device, DevicePtr, Error, ExpandableOptions, ExpandablePlacement, ExpandablePoolResource,
@@ -16,14 +16,10 @@ use streamalloc::{
 
 const MIB: usize = 1 << 20;
 
-/// Held by every test here: some read the device's free memory before and after a trim, and
-/// another test mapping memory meanwhile (the same process, on the GPU) would hide the rise
-/// (run34: "free memory rose by 0 for 12582912 unmapped" while a test mapped 256 MiB).
-static SERIAL: std::sync::Mutex<()> = std::sync::Mutex::new(());
-
-fn serial() -> std::sync::MutexGuard<'static, ()> {
-    SERIAL.lock().unwrap_or_else(|e| e.into_inner())
-}
+// Every test here takes turns (`take_turns`): some read the device's free memory before and
+// after a trim, and another test mapping memory meanwhile (the same process, on the GPU) would
+// hide the rise (run34: "free memory rose by 0 for 12582912 unmapped" while a test mapped
+// 256 MiB).
 
 fn expandable(device: &Device, options: ExpandableOptions) -> ExpandablePoolResource {
     ExpandablePoolResource::new(device, options).unwrap()
@@ -39,7 +35,7 @@ fn check(p: &ExpandablePoolResource) {
 /// of separate chunks could not (blocks never merge across chunks).
 #[test]
 fn growths_coalesce_without_seams() {
-    let _serial = serial();
+    let _turn = take_turns();
     for device in devices() {
         let p = expandable(&device, ExpandableOptions::default());
         let g = p.granule();
@@ -74,7 +70,7 @@ fn growths_coalesce_without_seams() {
 /// the exact one; both leave the lists consistent.
 #[test]
 fn placement_low_address_or_closest_fit() {
-    let _serial = serial();
+    let _turn = take_turns();
     for device in devices() {
         for placement in [
             ExpandablePlacement::LowAddress,
@@ -120,7 +116,7 @@ fn placement_low_address_or_closest_fit() {
 /// a whole reservation), and after everything is freed a trim gives all of it back.
 #[test]
 fn threads_grow_in_their_own_ranges_and_all_comes_back() {
-    let _serial = serial();
+    let _turn = take_turns();
     for device in devices() {
         let reserve = 64 * MIB;
         let p = expandable(
@@ -184,7 +180,7 @@ fn threads_grow_in_their_own_ranges_and_all_comes_back() {
 /// smaller one stays in one range.
 #[test]
 fn the_initial_size_is_spread_over_the_shards() {
-    let _serial = serial();
+    let _turn = take_turns();
     for device in devices() {
         // 262 MiB: shares of unequal granule counts, exactly the initial size in all.
         for (initial, spread) in [(256 * MIB, true), (262 * MIB + 1, true), (16 * MIB, false)] {
@@ -213,7 +209,7 @@ fn the_initial_size_is_spread_over_the_shards() {
 /// maps the holes again when it grows.
 #[test]
 fn trim_unmaps_free_granules_and_keeps_live_ones() {
-    let _serial = serial();
+    let _turn = take_turns();
     for device in devices() {
         let p = expandable(&device, ExpandableOptions::default());
         let g = p.granule();
@@ -271,7 +267,7 @@ fn trim_unmaps_free_granules_and_keeps_live_ones() {
 /// this test fails.)
 #[test]
 fn trim_waits_for_the_stream_that_last_used_a_granule() {
-    let _serial = serial();
+    let _turn = take_turns();
     for device in devices() {
         let p = expandable(&device, ExpandableOptions::default());
         let g = p.granule();
@@ -317,7 +313,7 @@ fn trim_waits_for_the_stream_that_last_used_a_granule() {
 /// first unmapped address.
 #[test]
 fn an_access_to_unmapped_memory_names_the_address() {
-    let _serial = serial();
+    let _turn = take_turns();
     // The race detector would panic at the memset (a use after free of the trimmed block):
     // here it only records it, so that the device's own check is what this test sees.
     let device = Device::simulated(SimConfig {
@@ -358,7 +354,7 @@ fn an_access_to_unmapped_memory_names_the_address() {
 /// memory): a typed error, nothing stays mapped, nothing leaks, and the pool still works.
 #[test]
 fn mapping_failures_midway_lose_nothing() {
-    let _serial = serial();
+    let _turn = take_turns();
     let faults = Faults::new();
     let device = Device::simulated(SimConfig {
         faults: faults.clone(),
@@ -409,7 +405,7 @@ fn mapping_failures_midway_lose_nothing() {
 /// the device stays usable.
 #[test]
 fn bad_input_is_a_typed_error() {
-    let _serial = serial();
+    let _turn = take_turns();
     for device in devices() {
         let too_large = ExpandablePoolResource::new(
             &device,
@@ -492,7 +488,7 @@ fn bad_input_is_a_typed_error() {
 /// blocking-work thread), down to the threshold.
 #[test]
 fn the_release_threshold_gives_memory_back_on_its_own() {
-    let _serial = serial();
+    let _turn = take_turns();
     for device in devices() {
         let p = expandable(
             &device,
@@ -521,7 +517,7 @@ fn the_release_threshold_gives_memory_back_on_its_own() {
 /// `trim` as a future, and `trim_to` keeping some memory mapped (the highest addresses go).
 #[test]
 fn trim_to_keeps_the_lowest_granules() {
-    let _serial = serial();
+    let _turn = take_turns();
     let rt = common::runtime();
     for device in devices() {
         let p = expandable(&device, ExpandableOptions::default());
@@ -549,7 +545,7 @@ fn trim_to_keeps_the_lowest_granules() {
 /// back whole once all of it is free, not before.
 #[test]
 fn the_mapping_unit_is_what_grows_and_trims() {
-    let _serial = serial();
+    let _turn = take_turns();
     for device in devices() {
         let exact = expandable(
             &device,
@@ -632,7 +628,7 @@ fn the_mapping_unit_is_what_grows_and_trims() {
 /// on another thread found no free memory, grew needlessly, or was refused at the maximum.)
 #[test]
 fn a_trim_makes_no_stream_wait_for_memory_it_keeps() {
-    let _serial = serial();
+    let _turn = take_turns();
     for device in devices() {
         let p = expandable(&device, ExpandableOptions::default());
         let g = p.granule();
@@ -691,7 +687,7 @@ fn a_trim_makes_no_stream_wait_for_memory_it_keeps() {
 /// back: every request is served from the free memory, which a trim must never hide.
 #[test]
 fn a_trim_that_keeps_everything_never_refuses_requests() {
-    let _serial = serial();
+    let _turn = take_turns();
     let d = Device::simulated(SimConfig::default());
     let p = expandable(
         &d,
@@ -736,7 +732,7 @@ fn a_trim_that_keeps_everything_never_refuses_requests() {
 /// looking, and the second granule stayed mapped above the threshold until some later free.)
 #[test]
 fn memory_freed_during_an_automatic_release_goes_back_too() {
-    let _serial = serial();
+    let _turn = take_turns();
     for device in devices() {
         let p = expandable(
             &device,
@@ -777,7 +773,7 @@ fn memory_freed_during_an_automatic_release_goes_back_too() {
 /// next to the fourth. The live granules are untouched.
 #[test]
 fn free_granules_of_the_own_range_move_at_the_maximum() {
-    let _serial = serial();
+    let _turn = take_turns();
     for device in devices() {
         let g = expandable(&device, ExpandableOptions::default()).granule();
         let p = expandable(
@@ -818,43 +814,5 @@ fn free_granules_of_the_own_range_move_at_the_maximum() {
         }
         assert_eq!(p.trim_blocking().unwrap(), 4 * g, "{}", label(&device));
         check(&p);
-    }
-}
-
-/// A later review: a trim dropped while it waits for a stream left the granules it had taken
-/// out of the lists mapped and out of them, never handed out again until the pool was
-/// dropped. They go back, free and usable, and a later trim unmaps them.
-#[test]
-fn a_trim_dropped_while_it_waits_puts_its_granules_back() {
-    let _serial = serial();
-    for device in devices() {
-        let p = expandable(
-            &device,
-            ExpandableOptions {
-                maximum: Some(64 * MIB),
-                ..ExpandableOptions::default()
-            },
-        );
-        let g = p.granule();
-        let s = device.create_stream().unwrap();
-        let a = p.allocate(g, &s).unwrap();
-        s.spin(Duration::from_millis(300)).unwrap();
-        free(&p, a, g, &s); // the granule waits for `s`, busy
-        let before = p.stats();
-        common::poll_once_and_drop(p.trim());
-        let after = p.stats();
-        assert_eq!(
-            (after.free, after.reserved),
-            (before.free, before.reserved),
-            "{}: {after:?}",
-            label(&device)
-        );
-        let b = p.allocate(g, &s).unwrap();
-        assert_eq!(b, a, "{}: served from the granule put back", label(&device));
-        free(&p, b, g, &s);
-        check(&p);
-        s.synchronize_blocking().unwrap();
-        p.trim_blocking().unwrap();
-        assert_eq!(p.stats().reserved, 0, "{}", label(&device));
     }
 }

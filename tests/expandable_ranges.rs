@@ -7,7 +7,7 @@ mod common;
 
 use std::time::{Duration, Instant};
 
-use common::{devices, free, label, read_u32};
+use common::{devices, free, label, read_u32, take_turns};
 use streamalloc::resource::snapshot::BlockState;
 use streamalloc::{
     AllocateAsync, Device, DevicePtr, Error, ExpandableOptions, ExpandablePoolResource, FaultKind,
@@ -16,12 +16,7 @@ use streamalloc::{
 
 const MIB: usize = 1 << 20;
 
-/// One test at a time: they fill the device's memory up to their maximum.
-static SERIAL: std::sync::Mutex<()> = std::sync::Mutex::new(());
-
-fn serial() -> std::sync::MutexGuard<'static, ()> {
-    SERIAL.lock().unwrap_or_else(|e| e.into_inner())
-}
+// One test at a time (`take_turns`): they fill the device's memory up to their maximum.
 
 /// A pool whose reservation per shard, maximum and initial size are all `size`: the initial
 /// memory is mapped in pieces over the shards' ranges (from 32 MiB a shard), which belong to
@@ -108,7 +103,7 @@ fn trim_gives_everything_back(device: &Device, p: &ExpandablePoolResource) {
 /// ranges, moving them into its own).
 #[test]
 fn fresh_memory_in_other_ranges_serves_a_request_at_the_maximum() {
-    let _serial = serial();
+    let _turn = take_turns();
     for device in devices() {
         let size = 256 * MIB;
         let p = full_pool(&device, size);
@@ -136,7 +131,7 @@ fn fresh_memory_in_other_ranges_serves_a_request_at_the_maximum() {
 /// a request of half the maximum from another thread is served.
 #[test]
 fn memory_threads_freed_in_their_ranges_serves_a_request_at_the_maximum() {
-    let _serial = serial();
+    let _turn = take_turns();
     for device in devices() {
         let size = 64 * MIB;
         let p = ExpandablePoolResource::new(
@@ -179,7 +174,7 @@ fn memory_threads_freed_in_their_ranges_serves_a_request_at_the_maximum() {
 /// free finished on mapped memory, with its data intact.
 #[test]
 fn memory_freed_on_a_busy_stream_is_not_moved() {
-    let _serial = serial();
+    let _turn = take_turns();
     for device in devices() {
         let size = 256 * MIB;
         let p = full_pool(&device, size);
@@ -260,7 +255,7 @@ fn memory_freed_on_a_busy_stream_is_not_moved() {
 /// unmapped (given back to the device), and the pool stays usable.
 #[test]
 fn faults_while_moving_lose_nothing() {
-    let _serial = serial();
+    let _turn = take_turns();
     let (faults, device) = faulty_device();
     let size = 256 * MIB;
     let p = full_pool(&device, size);
@@ -316,7 +311,7 @@ fn faults_while_moving_lose_nothing() {
 /// waits for the stream off the caller's thread and wakes its waiters).
 #[test]
 fn an_awaited_request_is_served_once_the_busy_stream_finishes() {
-    let _serial = serial();
+    let _turn = take_turns();
     let rt = common::runtime();
     for device in devices() {
         let size = 256 * MIB;
@@ -356,7 +351,7 @@ fn an_awaited_request_is_served_once_the_busy_stream_finishes() {
 /// maximum).
 #[test]
 fn one_thread_claims_every_piece_into_its_own_range() {
-    let _serial = serial();
+    let _turn = take_turns();
     for device in devices() {
         let size = 256 * MIB;
         let p = full_pool(&device, size);
@@ -408,7 +403,7 @@ fn one_thread_claims_every_piece_into_its_own_range() {
 /// piece takes the others where they lie, each given to its own range's shard.
 #[test]
 fn large_pieces_stay_in_their_ranges() {
-    let _serial = serial();
+    let _turn = take_turns();
     for device in devices() {
         let size = 768 * MIB;
         let p = full_pool(&device, size);
@@ -445,7 +440,7 @@ fn large_pieces_stay_in_their_ranges() {
 /// could not unmap mapped, as free memory of their own range.)
 #[test]
 fn faults_while_claiming_lose_nothing() {
-    let _serial = serial();
+    let _turn = take_turns();
     let (faults, device) = faulty_device();
     let size = 256 * MIB;
     let p = full_pool(&device, size);

@@ -682,39 +682,3 @@ fn a_failed_ordering_does_not_raise_the_peak_in_use() {
     a.synchronize_blocking().unwrap();
     b.synchronize_blocking().unwrap();
 }
-
-/// A later review: a trim dropped while it waits for a stream (a timeout around `trim()`, a
-/// task cancelled) left the chunks it had taken out of the free list out of it, never handed
-/// out again until the pool was dropped. They go back, free and usable.
-#[test]
-fn a_trim_dropped_while_it_waits_puts_its_chunks_back() {
-    for device in devices() {
-        let pool = pool(&device, 0, 64 * MIB);
-        let s = device.create_stream().unwrap();
-        let p = pool.allocate(4 * MIB, &s).unwrap();
-        s.spin(Duration::from_millis(300)).unwrap();
-        free(&pool, p, 4 * MIB, &s); // the chunk waits for `s`, busy
-        let before = pool.stats();
-        common::poll_once_and_drop(pool.trim());
-        let after = pool.stats();
-        assert_eq!(
-            (after.free, after.reserved),
-            (before.free, before.reserved),
-            "{}: {after:?}",
-            label(&device)
-        );
-        // Served from the chunk, in stream order on `s`: no growth.
-        let q = pool.allocate(4 * MIB, &s).unwrap();
-        assert_eq!(
-            (q, pool.stats().grows),
-            (p, before.grows),
-            "{}",
-            label(&device)
-        );
-        free(&pool, q, 4 * MIB, &s);
-        check_pool(&pool);
-        s.synchronize_blocking().unwrap();
-        pool.trim_blocking().unwrap();
-        assert_eq!(pool.stats().reserved, 0, "{}", label(&device));
-    }
-}

@@ -61,6 +61,17 @@ pub fn eventually(timeout: Duration, mut cond: impl FnMut() -> bool) -> bool {
     cond()
 }
 
+/// One test of this binary at a time, among those that call it (the tests of one binary run
+/// at once, on threads; each binary has its own copy of this lock). For tests that fill the
+/// device, and for tests that time the GPU: while another test's `cuMemFree` or
+/// `cuMemFreeHost` waits for the device to be idle, the driver holds up this thread's launches
+/// and records (BENCHMARKS.md, "A waiting cuMemFree holds up the GPU's other threads"), and a
+/// stream meant to be busy is done by the time they return.
+pub fn take_turns() -> std::sync::MutexGuard<'static, ()> {
+    static TURNS: std::sync::Mutex<()> = std::sync::Mutex::new(());
+    TURNS.lock().unwrap_or_else(|e| e.into_inner())
+}
+
 /// Polls `fut` once, then drops it: a future cancelled where it first waits.
 pub fn poll_once_and_drop<F: std::future::Future>(fut: F) {
     let mut fut = std::pin::pin!(fut);
