@@ -59,9 +59,10 @@ fn read_json(reader: impl Read) -> Result<Input, String> {
     }
 }
 
-/// A recorded history as a trace: times relative to its first event.
+/// A recorded history as a trace: times relative to its earliest event (not always the first:
+/// the adaptor reads its clock before it takes its lock).
 pub(crate) fn trace_of_history(history: &History) -> Trace {
-    let t0 = history.events.first().map_or(0, |e| e.time_us);
+    let t0 = history.events.iter().map(|e| e.time_us).min().unwrap_or(0);
     let mut trace = Trace {
         dropped: history.dropped,
         ..Trace::default()
@@ -145,8 +146,9 @@ pub(crate) fn read_csv(reader: impl Read, progress: &ProgressBar) -> Result<Trac
     let mut trace = Trace::default();
     let mut streams: HashMap<String, u32> = HashMap::new();
     let mut record = csv::StringRecord::new();
-    // Times of day, unwrapped past midnight.
-    let (mut first, mut last, mut days) = (None::<u64>, 0u64, 0u64);
+    // Times of day, unwrapped past midnight; made relative to the earliest at the end (lines
+    // are not always in time order: threads stamp a line before they take the log's lock).
+    let (mut earliest, mut last, mut days) = (u64::MAX, 0u64, 0u64);
     let mut times_ok = c_time.is_some();
     loop {
         match csv.read_record(&mut record) {
@@ -202,9 +204,9 @@ pub(crate) fn read_csv(reader: impl Read, progress: &ProgressBar) -> Result<Trac
                         days += 1;
                     }
                     last = t;
-                    let abs = days * 86_400_000_000 + t;
-                    let start = *first.get_or_insert(abs);
-                    t_us = Some(abs.saturating_sub(start));
+                    let abs = days.saturating_mul(86_400_000_000).saturating_add(t);
+                    earliest = earliest.min(abs);
+                    t_us = Some(abs);
                 }
                 None => times_ok = false,
             }
@@ -218,10 +220,8 @@ pub(crate) fn read_csv(reader: impl Read, progress: &ProgressBar) -> Result<Trac
             backtrace: None,
         });
     }
-    if !times_ok {
-        for e in &mut trace.events {
-            e.t_us = None;
-        }
+    for e in &mut trace.events {
+        e.t_us = e.t_us.filter(|_| times_ok).map(|t| t - earliest);
     }
     progress.finish_and_clear();
     Ok(trace)

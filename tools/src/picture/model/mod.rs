@@ -29,7 +29,8 @@ pub(crate) enum Act {
 /// One event of a trace.
 #[derive(Debug, Clone, Copy)]
 pub(crate) struct Ev {
-    /// Microseconds since the trace's first event, if the trace has times.
+    /// Microseconds since the trace's earliest event, if the trace has times (not necessarily
+    /// in order: a history reads its clock before its lock, a log is written by many threads).
     pub(crate) t_us: Option<u64>,
     pub(crate) act: Act,
     pub(crate) ptr: u64,

@@ -27,13 +27,25 @@ pub(crate) fn from_trace(
             i as f64
         }
     };
+    // The timeline spans the earliest to the latest event: times need not be in order (a
+    // history reads its clock before its lock, and an RMM log is written by several threads),
+    // and an event later than the last one fell past the end (a review's finding).
     let (x0, x1) = if n == 0 {
         (0.0, 1.0)
     } else {
-        (x_of(0), x_of(n - 1).max(x_of(0) + 1e-9))
+        let (lo, hi) = (0..n)
+            .map(x_of)
+            .fold((f64::INFINITY, f64::NEG_INFINITY), |(lo, hi), x| {
+                (lo.min(x), hi.max(x))
+            });
+        (lo, hi.max(lo + 1e-9))
     };
     let buckets = n.clamp(1, BUCKETS);
-    let bucket_of = |x: f64| (((x - x0) / (x1 - x0)) * (buckets - 1) as f64).round() as usize;
+    let bucket_of = |x: f64| {
+        let b = (((x - x0) / (x1 - x0)) * (buckets - 1) as f64).round();
+        // Clamped: in range by construction, but a bucket is an index.
+        (b.max(0.0) as usize).min(buckets - 1)
+    };
 
     // Streams by first appearance; the picture orders them by peak later.
     let streams = trace.streams.len().max(1);
