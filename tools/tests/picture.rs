@@ -325,3 +325,53 @@ fn a_history_out_of_time_order_is_drawn() {
     assert_eq!(data["frees"], 1000);
     assert_eq!(data["peak_in_use"], 256);
 }
+
+/// Runs the picture tool on `input`, which it must refuse: exit code 1 (not a panic's 101),
+/// within 30 s, no page written. Returns what it wrote to stderr.
+fn refused(input: &Path, html: &Path) -> String {
+    let mut cmd = Command::new(picture_bin());
+    cmd.arg(input).arg("-o").arg(html);
+    let out = common::run_with_limit(cmd, std::time::Duration::from_secs(30))
+        .unwrap_or_else(|| panic!("{}: still running after 30 s", input.display()));
+    let stderr = String::from_utf8_lossy(&out.stderr).into_owned();
+    assert_eq!(out.status.code(), Some(1), "{stderr}");
+    assert!(!stderr.contains("panicked"), "{stderr}");
+    assert!(!html.exists(), "a page was written");
+    stderr
+}
+
+/// A snapshot from a file whose blocks do not tile their chunks (a chunk of 256 bytes holding
+/// a block of 10^12 bytes made the address map loop, a rectangle per row of the block) is
+/// refused, naming the block.
+#[test]
+fn a_snapshot_whose_blocks_do_not_tile_their_chunks_is_refused() {
+    let dir = Scratch::new("bad-snapshot");
+    let chunk = |blocks: &str| {
+        format!(
+            r#"{{"resource":"pool","taken_at_us":0,"reserved":256,"chunks":[{{"base":0,"size":256,"kind":"upstream","blocks":[{blocks}]}}]}}"#
+        )
+    };
+    let cases = [
+        (
+            chunk(r#"{"addr":0,"size":1000000000000,"state":"in_use"}"#),
+            "the chunk at 0x0 of 256 bytes: its block 0 (at 0x0, of 1000000000000 bytes) runs past the chunk's end (0x100)",
+        ),
+        (
+            chunk(r#"{"addr":0,"size":128,"state":"in_use"},{"addr":192,"size":64,"state":"free"}"#),
+            "the chunk at 0x0 of 256 bytes: its block 1 (at 0xc0, of 64 bytes) does not start where the one before it ends (0x80)",
+        ),
+        (
+            chunk(r#"{"addr":0,"size":128,"state":"in_use"}"#),
+            "the chunk at 0x0 of 256 bytes: its blocks end at 0x80, short of the chunk's end (0x100)",
+        ),
+    ];
+    for (text, expected) in cases {
+        let (snap, html) = (dir.path("snapshot.json"), dir.path("snapshot.html"));
+        std::fs::write(&snap, text).unwrap();
+        let stderr = refused(&snap, &html);
+        assert!(
+            stderr.contains(expected),
+            "expected `{expected}` in: {stderr}"
+        );
+    }
+}

@@ -53,10 +53,55 @@ fn read_json(reader: impl Read) -> Result<Input, String> {
     } else if value.get("chunks").is_some() {
         let snapshot: Snapshot =
             serde_json::from_value(value).map_err(|e| format!("not a snapshot: {e}"))?;
+        check_snapshot(&snapshot).map_err(|e| format!("a malformed snapshot: {e}"))?;
         Ok(Input::Snapshot(Box::new(snapshot)))
     } else {
         Err("JSON with neither `events` (a history) nor `chunks` (a snapshot)".into())
     }
+}
+
+/// Checks what the picture relies on in a snapshot read from a file: every chunk's blocks tile
+/// it exactly, in address order, with no empty block, and no chunk passes the end of the
+/// address space (as a resource's snapshot always does). A block larger than its chunk made
+/// the address map draw a rectangle per row of the block, without end (a review's finding).
+/// `Err` names the first chunk or block that does not. (The library's `Snapshot::check` does
+/// the same with unchecked sums: a file's numbers may overflow them.)
+fn check_snapshot(snapshot: &Snapshot) -> Result<(), String> {
+    for chunk in &snapshot.chunks {
+        let name = format!("the chunk at {:#x} of {} bytes", chunk.base, chunk.size);
+        let end = chunk
+            .base
+            .checked_add(chunk.size)
+            .ok_or_else(|| format!("{name} passes the end of the address space"))?;
+        let mut at = chunk.base;
+        for (i, block) in chunk.blocks.iter().enumerate() {
+            let what = format!(
+                "{name}: its block {i} (at {:#x}, of {} bytes)",
+                block.addr, block.size
+            );
+            if block.addr != at {
+                return Err(format!(
+                    "{what} does not start where the one before it ends ({at:#x}): blocks must tile their chunk"
+                ));
+            }
+            if block.size == 0 {
+                return Err(format!("{what} is empty"));
+            }
+            if block.size > end - at {
+                return Err(format!("{what} runs past the chunk's end ({end:#x})"));
+            }
+            at += block.size;
+        }
+        if at != end {
+            return Err(format!(
+                "{name}: its blocks end at {at:#x}, short of the chunk's end ({end:#x}): blocks must tile their chunk"
+            ));
+        }
+    }
+    for (i, part) in snapshot.parts.iter().enumerate() {
+        check_snapshot(part).map_err(|e| format!("part {i} ({}): {e}", part.resource))?;
+    }
+    Ok(())
 }
 
 /// A recorded history as a trace: times relative to its earliest event (not always the first:

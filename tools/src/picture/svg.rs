@@ -333,9 +333,11 @@ pub(crate) fn address_map(p: &Picture) -> (String, usize) {
             } else {
                 format!("{:#x}: {} {state}{who}", b.addr, fmt_bytes(size))
             };
-            // Split over rows.
-            let mut at = offset.saturating_add(b.addr.saturating_sub(region.base));
-            let mut left = size;
+            // Split over rows; clamped to its region, so that the rows drawn are the region's
+            // (a file's snapshot is checked on reading: its blocks tile their chunks).
+            let start = b.addr.saturating_sub(region.base).min(region.size);
+            let mut at = offset.saturating_add(start);
+            let mut left = size.min(region.size - start);
             while left > 0 {
                 let row = at / per_row;
                 let into = at % per_row;
