@@ -375,3 +375,76 @@ fn a_snapshot_whose_blocks_do_not_tile_their_chunks_is_refused() {
         );
     }
 }
+
+/// Sizes and addresses from a file that pass `u64::MAX` (in the bytes in use, or at an
+/// allocation's end, or in a snapshot's chunks) are refused with the line, event or chunk
+/// named; they panicked in a debug build and gave wrapped numbers in a release build. The
+/// replay's `--picture` refuses such a log before replaying it.
+#[test]
+fn sizes_and_addresses_that_overflow_are_refused() {
+    let dir = Scratch::new("overflow");
+    let header = "Thread,Time,Action,Pointer,Size,Stream\n";
+    let cases = [
+        (
+            "log.csv",
+            format!(
+                "{header}1,00:00:00.0,allocate,0x1000,18446744073709551615,0\n\
+                 1,00:00:00.1,allocate,0x2000,16,0\n"
+            ),
+            "line 2: an allocation of 18446744073709551615 bytes at 0x1000 passes the end of the address space",
+        ),
+        (
+            "log.csv",
+            format!("{header}1,00:00:00.0,allocate,0xffffffffffffff00,512,0\n"),
+            "line 2: an allocation of 512 bytes at 0xffffffffffffff00 passes the end of the address space",
+        ),
+        (
+            // Each inside the address space, overlapping: 2^64 bytes in use.
+            "log.csv",
+            format!(
+                "{header}1,00:00:00.0,allocate,0x100,9223372036854775808,0\n\
+                 1,00:00:00.1,allocate,0x200,9223372036854775808,0\n"
+            ),
+            "line 3: an allocation of 9223372036854775808 bytes while 9223372036854775808 are in use",
+        ),
+        (
+            "history.json",
+            r#"{"capacity":4,"dropped":0,"events":[
+                {"thread":1,"time_us":1,"action":"allocate","ptr":256,"size":9223372036854775808,"stream":1},
+                {"thread":1,"time_us":2,"action":"allocate","ptr":512,"size":9223372036854775808,"stream":1}]}"#
+                .to_owned(),
+            "event 2 of the history: an allocation of 9223372036854775808 bytes while 9223372036854775808 are in use",
+        ),
+        (
+            "snapshot.json",
+            r#"{"resource":"pool","taken_at_us":0,"reserved":0,"chunks":[
+                {"base":0,"size":9223372036854775808,"kind":"upstream","blocks":[{"addr":0,"size":9223372036854775808,"state":"in_use"}]},
+                {"base":0,"size":9223372036854775808,"kind":"upstream","blocks":[{"addr":0,"size":9223372036854775808,"state":"in_use"}]}]}"#
+                .to_owned(),
+            "the chunk at 0x0 of 9223372036854775808 bytes: with it, the chunks' sizes add up past u64::MAX",
+        ),
+    ];
+    for (name, text, expected) in &cases {
+        let (input, html) = (dir.path(name), dir.path("overflow.html"));
+        std::fs::write(&input, text).unwrap();
+        let stderr = refused(&input, &html);
+        assert!(
+            stderr.contains(expected),
+            "expected `{expected}` in: {stderr}"
+        );
+    }
+
+    let log = dir.path("log.csv");
+    std::fs::write(&log, &cases[2].1).unwrap();
+    let html = dir.path("replay.html");
+    let mut cmd = Command::new(replay_bin());
+    cmd.arg(&log)
+        .args(["--device", "sim", "--picture"])
+        .arg(&html);
+    let out = common::run_with_limit(cmd, std::time::Duration::from_secs(30))
+        .expect("replay --picture: still running after 30 s");
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert_eq!(out.status.code(), Some(1), "{stderr}");
+    assert!(stderr.contains(cases[2].2), "{stderr}");
+    assert!(!html.exists(), "a page was written");
+}

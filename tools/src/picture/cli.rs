@@ -16,7 +16,9 @@
 //! has no timeline: it is one moment.
 //!
 //! Prints the output's path and the peak. Exit codes: 0 done; 1 the input cannot be read or
-//! the output written; 2 bad arguments.
+//! is refused (a snapshot whose blocks do not tile its chunks, sizes or addresses past
+//! `u64::MAX`: the message names the line, event or block), or the output cannot be written;
+//! 2 bad arguments.
 
 use std::path::PathBuf;
 use std::process::ExitCode;

@@ -65,6 +65,7 @@ pub(crate) fn render_file(
                 None,
                 &computing,
             )
+            .map_err(|e| format!("{}: {e}", input.display()))?
         }
         read::Input::Snapshot(snapshot) => model::from_snapshot(
             &snapshot,

@@ -49,7 +49,7 @@ fn read_json(reader: impl Read) -> Result<Input, String> {
     if value.get("events").is_some() {
         let history: History =
             serde_json::from_value(value).map_err(|e| format!("not a history: {e}"))?;
-        Ok(Input::Trace(trace_of_history(&history)))
+        Ok(Input::Trace(trace_of_history(&history)?))
     } else if value.get("chunks").is_some() {
         let snapshot: Snapshot =
             serde_json::from_value(value).map_err(|e| format!("not a snapshot: {e}"))?;
@@ -65,14 +65,24 @@ fn read_json(reader: impl Read) -> Result<Input, String> {
 /// address space (as a resource's snapshot always does). A block larger than its chunk made
 /// the address map draw a rectangle per row of the block, without end (a review's finding).
 /// `Err` names the first chunk or block that does not. (The library's `Snapshot::check` does
-/// the same with unchecked sums: a file's numbers may overflow them.)
+/// the same with unchecked sums: a file's numbers may overflow them.) The chunks' sizes, over
+/// the snapshot and its parts, must add up to at most `u64::MAX`, so that no sum of blocks
+/// can overflow.
 fn check_snapshot(snapshot: &Snapshot) -> Result<(), String> {
+    check_chunks(snapshot, &mut 0)
+}
+
+/// [`check_snapshot`], adding the chunks' sizes to `total`.
+fn check_chunks(snapshot: &Snapshot, total: &mut u64) -> Result<(), String> {
     for chunk in &snapshot.chunks {
         let name = format!("the chunk at {:#x} of {} bytes", chunk.base, chunk.size);
         let end = chunk
             .base
             .checked_add(chunk.size)
             .ok_or_else(|| format!("{name} passes the end of the address space"))?;
+        *total = total
+            .checked_add(chunk.size)
+            .ok_or_else(|| format!("{name}: with it, the chunks' sizes add up past u64::MAX"))?;
         let mut at = chunk.base;
         for (i, block) in chunk.blocks.iter().enumerate() {
             let what = format!(
@@ -99,21 +109,42 @@ fn check_snapshot(snapshot: &Snapshot) -> Result<(), String> {
         }
     }
     for (i, part) in snapshot.parts.iter().enumerate() {
-        check_snapshot(part).map_err(|e| format!("part {i} ({}): {e}", part.resource))?;
+        check_chunks(part, total).map_err(|e| format!("part {i} ({}): {e}", part.resource))?;
+    }
+    Ok(())
+}
+
+/// Checks an allocation read from a file: it ends inside the address space. `Err` says so,
+/// after `place`.
+fn check_end(act: Act, ptr: u64, size: u64, place: impl FnOnce() -> String) -> Result<(), String> {
+    if act == Act::Alloc && ptr.checked_add(size).is_none() {
+        return Err(format!(
+            "{}: an allocation of {size} bytes at {ptr:#x} passes the end of the address space",
+            place()
+        ));
     }
     Ok(())
 }
 
 /// A recorded history as a trace: times relative to its earliest event (not always the first:
-/// the adaptor reads its clock before it takes its lock).
-pub(crate) fn trace_of_history(history: &History) -> Trace {
+/// the adaptor reads its clock before it takes its lock). `Err` names an allocation past the
+/// end of the address space.
+pub(crate) fn trace_of_history(history: &History) -> Result<Trace, String> {
     let t0 = history.events.iter().map(|e| e.time_us).min().unwrap_or(0);
     let mut trace = Trace {
         dropped: history.dropped,
         ..Trace::default()
     };
     let mut streams: HashMap<u64, u32> = HashMap::new();
-    for e in &history.events {
+    for (i, e) in history.events.iter().enumerate() {
+        let act = match e.action {
+            Action::Allocate => Act::Alloc,
+            Action::Free => Act::Free,
+            Action::AllocateFailure => Act::Fail,
+        };
+        check_end(act, e.ptr, e.size, || {
+            format!("event {} of the history", i + 1)
+        })?;
         let next = streams.len() as u32;
         let stream = *streams.entry(e.stream).or_insert_with(|| {
             trace.streams.push(e.stream.to_string());
@@ -125,18 +156,14 @@ pub(crate) fn trace_of_history(history: &History) -> Trace {
         });
         trace.events.push(Ev {
             t_us: Some(e.time_us.saturating_sub(t0)),
-            act: match e.action {
-                Action::Allocate => Act::Alloc,
-                Action::Free => Act::Free,
-                Action::AllocateFailure => Act::Fail,
-            },
+            act,
             ptr: e.ptr,
             size: e.size,
             stream,
             backtrace,
         });
     }
-    trace
+    Ok(trace)
 }
 
 /// `HH:MM:SS.ffffff` (any number of fraction digits) as microseconds of the day.
@@ -231,6 +258,7 @@ pub(crate) fn read_csv(reader: impl Read, progress: &ProgressBar) -> Result<Trac
         } else {
             act
         };
+        check_end(act, ptr, size, || format!("line {line}"))?;
         let name = c_stream.and_then(|c| record.get(c)).unwrap_or("0");
         let next = streams.len() as u32;
         let stream = *streams.entry(name.to_owned()).or_insert_with(|| {
@@ -264,6 +292,7 @@ pub(crate) fn read_csv(reader: impl Read, progress: &ProgressBar) -> Result<Trac
             stream,
             backtrace: None,
         });
+        trace.lines.push(line);
     }
     for e in &mut trace.events {
         e.t_us = e.t_us.filter(|_| times_ok).map(|t| t - earliest);

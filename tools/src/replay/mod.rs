@@ -166,10 +166,20 @@ pub(crate) fn main() -> ExitCode {
         },
         None => None,
     };
-    let watch = trace.as_ref().map(|trace| Watch {
+    let snapshot_at = match trace.as_ref().map(picture::model::peak_index).transpose() {
+        Ok(at) => at.flatten().map(|i| i as u64),
+        Err(e) => {
+            eprintln!(
+                "streamalloc-replay: cannot draw {}: {e}",
+                args.log.display()
+            );
+            return ExitCode::from(1);
+        }
+    };
+    let watch = trace.as_ref().map(|_| Watch {
         reserved_now: built.counted().map(|c| &c.current),
         reserved: (0..log.events).map(|_| AtomicU64::new(0)).collect(),
-        snapshot_at: picture::model::peak_index(trace).map(|i| i as u64),
+        snapshot_at,
         snapshot: Mutex::new(None),
         allocs: &log.allocs,
     });

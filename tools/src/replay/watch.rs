@@ -103,6 +103,6 @@ pub(super) fn write_picture(
         title,
         snapshot.as_ref().map(|s| (s, ids.as_slice())),
         &computing,
-    );
+    )?;
     picture::write_page(&drawn, &log_path.display().to_string(), path)
 }

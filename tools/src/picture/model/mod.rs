@@ -52,6 +52,19 @@ pub(crate) struct Trace {
     pub(crate) reserved: Option<Vec<u64>>,
     /// Events the source dropped before the first one kept (a history's ring).
     pub(crate) dropped: u64,
+    /// The line of each event in its log (empty for a history): where an error points.
+    pub(crate) lines: Vec<u64>,
+}
+
+impl Trace {
+    /// Where event `i` is in its source, for an error: `line N` of a log, `event N` (from 1)
+    /// of a history.
+    pub(crate) fn place(&self, i: usize) -> String {
+        match self.lines.get(i) {
+            Some(line) => format!("line {line}"),
+            None => format!("event {} of the history", i + 1),
+        }
+    }
 }
 
 /// What a block of the address map is.
@@ -164,7 +177,7 @@ pub(super) fn rank_streams(infos: Vec<StreamInfo>) -> (Vec<usize>, Vec<StreamInf
             }
             let other = out.last_mut().expect("pushed above");
             other.peak = other.peak.max(infos[s].peak);
-            other.at_peak += infos[s].at_peak;
+            other.at_peak = other.at_peak.saturating_add(infos[s].at_peak);
             order[s] = MAX_STREAMS - 1;
         } else {
             order[s] = out.len();
@@ -204,7 +217,7 @@ mod tests {
             streams: vec!["7".into(), "9".into()],
             ..Trace::default()
         };
-        let p = from_trace(&trace, "t".into(), None, &ProgressBar::hidden());
+        let p = from_trace(&trace, "t".into(), None, &ProgressBar::hidden()).unwrap();
         assert_eq!(p.peak_in_use, 400);
         assert_eq!(p.peak_event, Some(1));
         assert!((p.peak_x - 10e-6).abs() < 1e-12);

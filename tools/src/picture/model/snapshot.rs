@@ -56,15 +56,20 @@ pub(super) fn regions_of_snapshot(
 }
 
 /// The picture of a snapshot: no timeline, its chunks as the address space, its in-use blocks
-/// as the largest allocations.
+/// as the largest allocations. Sums saturate: a snapshot read from a file is checked first (its
+/// blocks tile its chunks, whose sizes add up to at most `u64::MAX`), so they do not.
 pub(crate) fn from_snapshot(snapshot: &Snapshot, title: String) -> Picture {
     // Streams by the bytes they have in use, then those with only free blocks.
     let mut bytes: HashMap<u64, u64> = HashMap::new();
+    let mut in_use = 0u64;
     for b in snapshot.blocks() {
+        if b.state == BlockState::InUse {
+            in_use = in_use.saturating_add(b.size);
+        }
         if let Some(s) = b.stream {
             let e = bytes.entry(s).or_default();
             if b.state == BlockState::InUse {
-                *e += b.size;
+                *e = e.saturating_add(b.size);
             }
         }
     }
@@ -102,7 +107,6 @@ pub(crate) fn from_snapshot(snapshot: &Snapshot, title: String) -> Picture {
         .collect();
     largest.sort_unstable_by(|a, b| b.size.cmp(&a.size).then(a.addr.cmp(&b.addr)));
     largest.truncate(LARGEST);
-    let in_use = snapshot.bytes(BlockState::InUse);
     let mut notes = snapshot.notes.clone();
     if !snapshot.live_blocks_tracked {
         notes.push("largest allocations: without live tracking, an in-use block may be several adjacent allocations".into());

@@ -12,12 +12,15 @@ use super::*;
 /// The picture of a trace. `at_peak`: a snapshot taken at the peak (a replay's), drawn as the
 /// address map instead of the log's live allocations, with the stream id (in the snapshot)
 /// of each of the trace's streams.
+///
+/// `Err` names the event after which the bytes in use pass `u64::MAX` (sizes from a file: no
+/// real trace has them). The sums of streams' bytes are parts of that total, so cannot pass it.
 pub(crate) fn from_trace(
     trace: &Trace,
     title: String,
     at_peak: Option<(&Snapshot, &[u64])>,
     progress: &ProgressBar,
-) -> Picture {
+) -> Result<Picture, String> {
     let n = trace.events.len();
     let seconds = trace.events.iter().all(|e| e.t_us.is_some()) && n > 0;
     let x_of = |i: usize| -> f64 {
@@ -82,7 +85,8 @@ pub(crate) fn from_trace(
                     in_use -= old;
                     per[s as usize] -= old;
                 }
-                in_use += e.size;
+                in_use = add_in_use(trace, i, in_use, e.size)?;
+                // At most `in_use`, which did not overflow.
                 per[e.stream as usize] += e.size;
                 let s = e.stream as usize;
                 stream_peak[s] = stream_peak[s].max(per[s]);
@@ -270,20 +274,31 @@ pub(crate) fn from_trace(
         ));
     }
     progress.finish_and_clear();
-    picture
+    Ok(picture)
+}
+
+/// `in_use + size` after event `i`, or an error that names it.
+fn add_in_use(trace: &Trace, i: usize, in_use: u64, size: u64) -> Result<u64, String> {
+    in_use.checked_add(size).ok_or_else(|| {
+        format!(
+            "{}: an allocation of {size} bytes while {in_use} are in use: more than u64::MAX bytes in use at once, which no real trace has",
+            trace.place(i)
+        )
+    })
 }
 
 /// The index of the event after which the most is in use (the first such), if anything is.
-pub(crate) fn peak_index(trace: &Trace) -> Option<usize> {
+/// `Err` as [`from_trace`]'s.
+pub(crate) fn peak_index(trace: &Trace) -> Result<Option<usize>, String> {
     let mut live: HashMap<u64, u64> = HashMap::new();
     let (mut in_use, mut peak) = (0u64, None::<(u64, usize)>);
     for (i, e) in trace.events.iter().enumerate() {
         match e.act {
             Act::Alloc => {
-                in_use += e.size;
                 if let Some(old) = live.insert(e.ptr, e.size) {
                     in_use -= old;
                 }
+                in_use = add_in_use(trace, i, in_use, e.size)?;
             }
             Act::Free => in_use -= live.remove(&e.ptr).unwrap_or(0),
             Act::Fail | Act::Nop => {}
@@ -292,20 +307,22 @@ pub(crate) fn peak_index(trace: &Trace) -> Option<usize> {
             peak = Some((in_use, i));
         }
     }
-    peak.map(|p| p.1)
+    Ok(peak.map(|p| p.1))
 }
 
-/// Live allocations (sorted by address here) clustered into regions, with unknown gaps.
+/// Live allocations (sorted by address here) clustered into regions, with unknown gaps. Ends
+/// saturate at `u64::MAX` (the readers refuse an allocation past the end of the address space).
 fn regions_of_live(live: &[LiveAlloc]) -> Vec<Region> {
     let mut sorted: Vec<&LiveAlloc> = live.iter().collect();
     sorted.sort_unstable_by_key(|a| a.addr);
     let mut regions: Vec<Region> = Vec::new();
+    let end_of = |r: &Region| r.base.saturating_add(r.size);
     for a in sorted {
         let start_new = match regions.last() {
             None => true,
-            Some(r) => a.addr > r.base + r.size + REGION_GAP || a.addr < r.base + r.size,
+            Some(r) => a.addr > end_of(r).saturating_add(REGION_GAP) || a.addr < end_of(r),
         };
-        if start_new && regions.last().is_none_or(|r| a.addr >= r.base + r.size) {
+        if start_new && regions.last().is_none_or(|r| a.addr >= end_of(r)) {
             regions.push(Region {
                 base: a.addr,
                 size: 0,
@@ -313,7 +330,7 @@ fn regions_of_live(live: &[LiveAlloc]) -> Vec<Region> {
             });
         }
         let r = regions.last_mut().expect("pushed above");
-        let end = r.base + r.size;
+        let end = end_of(r);
         if a.addr > end {
             r.blocks.push(MapBlock {
                 addr: end,
@@ -331,7 +348,7 @@ fn regions_of_live(live: &[LiveAlloc]) -> Vec<Region> {
             state: MapState::InUse,
             stream: a.stream,
         });
-        r.size = a.addr + a.size - r.base;
+        r.size = a.addr.saturating_add(a.size) - r.base;
     }
     regions
 }
