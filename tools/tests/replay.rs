@@ -420,3 +420,65 @@ fn a_log_written_by_the_logging_adaptor_replays() {
         assert_eq!(number(&text, "leaked"), 0, "{text}");
     }
 }
+
+/// A size flag that the resource rounds up to 256 bytes, within 255 of `u64::MAX`, or one of
+/// 2^64 (which was accepted, rounded to `u64::MAX`): a usage error (exit 2) naming the flag,
+/// not an overflow. The largest size taken runs.
+#[test]
+fn size_flags_past_the_largest_size_are_usage_errors() {
+    let log = data("rmm_small.csv");
+    let too_large = "is too large: this size is rounded up to a multiple of 256 bytes, and the largest is 18446744073709551360 bytes";
+    let out_of_range = "is out of range (the largest size is 18446744073709551615 bytes)";
+    let cases: [(&[&str], &str, &str); 6] = [
+        (
+            &["--initial", "18446744073709551615"],
+            "--initial",
+            too_large,
+        ),
+        (
+            &["--maximum", "18446744073709551615"],
+            "--maximum",
+            too_large,
+        ),
+        (
+            &["-r", "arena", "--arena-size", "18446744073709551615"],
+            "--arena-size",
+            too_large,
+        ),
+        (
+            &["-r", "arena", "--superblock-size", "18446744073709551600"],
+            "--superblock-size",
+            too_large,
+        ),
+        (
+            &["--maximum", "18446744073709551616"],
+            "--maximum",
+            out_of_range,
+        ),
+        (&["--initial", "16777216TiB"], "--initial", out_of_range),
+    ];
+    for (flags, flag, expected) in cases {
+        let mut args = vec!["--device", "sim"];
+        args.extend_from_slice(flags);
+        let out = run(&log, &args);
+        let err = stderr(&out);
+        assert_eq!(out.status.code(), Some(2), "{flags:?}: {err}");
+        assert!(
+            err.contains(flag) && err.contains(expected),
+            "{flags:?}: expected `{flag}` and `{expected}` in: {err}"
+        );
+    }
+    // The largest: a maximum the device never reaches replays; an initial size the device
+    // cannot give is the resource's error (exit 1).
+    let out = run(
+        &log,
+        &["--device", "sim", "--maximum", "18446744073709551360"],
+    );
+    check_small_log(&out, "pool");
+    let out = run(
+        &log,
+        &["--device", "sim", "--initial", "18446744073709551360"],
+    );
+    assert_eq!(out.status.code(), Some(1), "{}", stderr(&out));
+    assert!(stderr(&out).contains("cannot make the pool resource"));
+}

@@ -58,20 +58,20 @@ pub(super) struct Args {
     pub(super) resource: ResourceKind,
 
     /// Bytes the pool, arena or cuda-async pool takes at start [default: 0].
-    #[arg(long, value_parser = parse_size)]
+    #[arg(long, value_parser = parse_rounded_size)]
     pub(super) initial: Option<u64>,
 
     /// The most the pool, arena or cuda-async pool may hold [default: the device's memory].
-    #[arg(long, value_parser = parse_size)]
+    #[arg(long, value_parser = parse_rounded_size)]
     pub(super) maximum: Option<u64>,
 
     /// Arena: RMM's `arena_size`, a fixed arena (initial = maximum = this, unless `--maximum`
     /// is given).
-    #[arg(long, value_parser = parse_size)]
+    #[arg(long, value_parser = parse_rounded_size)]
     pub(super) arena_size: Option<u64>,
 
     /// Arena: the superblock size, also the largest request a stream arena serves.
-    #[arg(long, value_parser = parse_size, default_value = "1MiB")]
+    #[arg(long, value_parser = parse_rounded_size, default_value = "1MiB")]
     pub(super) superblock_size: u64,
 
     /// Binning: the smallest bin is 2^this bytes.
@@ -114,9 +114,31 @@ pub(super) struct Args {
     pub(super) sim_memory: Option<u64>,
 }
 
-/// `4096`, `64KiB`, `1.5 GiB`, `2G` (binary), `2GB` (decimal).
+/// The largest size [`parse_rounded_size`] takes: `u64::MAX` rounded down to 256 bytes.
+pub(super) const MAX_ROUNDED: u64 = u64::MAX - 255;
+
+/// A size that the resource rounds up to a multiple of 256 bytes (`--initial`, `--maximum`,
+/// `--arena-size`, `--superblock-size`): [`parse_size`], at most [`MAX_ROUNDED`] (beyond, the
+/// rounding overflowed: a review's finding).
+pub(super) fn parse_rounded_size(text: &str) -> Result<u64, String> {
+    let bytes = parse_size(text)?;
+    if bytes > MAX_ROUNDED || usize::try_from(bytes).is_err() {
+        return Err(format!(
+            "`{}` is too large: this size is rounded up to a multiple of 256 bytes, and the largest is {} bytes",
+            text.trim(),
+            MAX_ROUNDED.min(usize::MAX as u64 & !255)
+        ));
+    }
+    Ok(bytes)
+}
+
+/// `4096`, `64KiB`, `1.5 GiB`, `2G` (binary), `2GB` (decimal). A whole number of bytes is read
+/// exactly; one with a unit or a fraction is rounded to a byte, and must be below 2^64.
 pub(super) fn parse_size(text: &str) -> Result<u64, String> {
     let text = text.trim();
+    if let Ok(bytes) = text.parse::<u64>() {
+        return Ok(bytes);
+    }
     let split = text
         .find(|c: char| !(c.is_ascii_digit() || c == '.'))
         .unwrap_or(text.len());
@@ -140,11 +162,18 @@ pub(super) fn parse_size(text: &str) -> Result<u64, String> {
             ))
         }
     };
-    let bytes = value * multiplier;
-    if !bytes.is_finite() || bytes < 0.0 || bytes > u64::MAX as f64 {
-        return Err(format!("`{text}` is out of range"));
+    // 2^64 (`u64::MAX as f64` rounds up to it): below it, a rounded value fits in a u64; at it,
+    // `as` saturated to u64::MAX, accepting sizes past the largest (a review's finding).
+    // NaN and the infinities are not in the range either.
+    const LIMIT: f64 = 18_446_744_073_709_551_616.0;
+    let bytes = (value * multiplier).round();
+    if !(0.0..LIMIT).contains(&bytes) {
+        return Err(format!(
+            "`{text}` is out of range (the largest size is {} bytes)",
+            u64::MAX
+        ));
     }
-    Ok(bytes.round() as u64)
+    Ok(bytes as u64)
 }
 
 /// `1.50 MiB`.

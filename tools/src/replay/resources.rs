@@ -106,8 +106,16 @@ impl Built {
     }
 }
 
-pub(super) fn round256(bytes: u64) -> usize {
-    bytes.next_multiple_of(256) as usize
+/// `bytes` rounded up to a multiple of 256, as a `usize`. The sizes are parsed within range
+/// ([`parse_rounded_size`](super::args::parse_rounded_size)); an error all the same, not an
+/// overflow (a review's finding).
+pub(super) fn round256(bytes: u64) -> streamalloc::Result<usize> {
+    bytes
+        .checked_next_multiple_of(256)
+        .and_then(|b| usize::try_from(b).ok())
+        .ok_or(streamalloc::Error::InvalidArgument {
+            what: "a size rounded up to a multiple of 256 bytes passes the largest size",
+        })
 }
 
 pub(super) fn build(args: &Args, device: &Device) -> streamalloc::Result<(Built, String)> {
@@ -115,8 +123,8 @@ pub(super) fn build(args: &Args, device: &Device) -> streamalloc::Result<(Built,
     let total = device.total_memory() as u64;
     let pool = || {
         let options = PoolOptions {
-            initial: round256(args.initial.unwrap_or(0)),
-            maximum: args.maximum.map(round256),
+            initial: round256(args.initial.unwrap_or(0))?,
+            maximum: args.maximum.map(round256).transpose()?,
             ..PoolOptions::default()
         };
         let text = format!(
@@ -132,12 +140,12 @@ pub(super) fn build(args: &Args, device: &Device) -> streamalloc::Result<(Built,
             (Built::Pool(p), format!("pool ({text})"))
         }
         ResourceKind::Arena => {
-            let initial = round256(args.arena_size.or(args.initial).unwrap_or(0));
-            let maximum = args.maximum.or(args.arena_size).map(round256);
+            let initial = round256(args.arena_size.or(args.initial).unwrap_or(0))?;
+            let maximum = args.maximum.or(args.arena_size).map(round256).transpose()?;
             let options = ArenaOptions {
                 initial,
                 maximum,
-                superblock_size: round256(args.superblock_size.max(1)),
+                superblock_size: round256(args.superblock_size.max(1))?,
             };
             let text = format!(
                 "arena (initial {}, maximum {}, superblocks of {})",
