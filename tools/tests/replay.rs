@@ -482,3 +482,61 @@ fn size_flags_past_the_largest_size_are_usage_errors() {
     assert_eq!(out.status.code(), Some(1), "{}", stderr(&out));
     assert!(stderr(&out).contains("cannot make the pool resource"));
 }
+
+/// The replay starts one thread per thread of the log: a log with more than `--max-threads`
+/// is refused before anything runs (exit 1), naming the limit.
+#[test]
+fn a_log_with_more_threads_than_the_limit_is_refused() {
+    let log = data("rmm_small.csv");
+    let out = run(&log, &["--device", "sim", "--max-threads", "2"]);
+    assert_eq!(out.status.code(), Some(1), "{}", stderr(&out));
+    assert!(
+        stderr(&out).contains(
+            "the log has 3 threads, and the replay starts one per thread of the log: at most 2 (--max-threads)"
+        ),
+        "{}",
+        stderr(&out)
+    );
+    assert!(stdout(&out).is_empty(), "replayed anyway: {}", stdout(&out));
+    check_small_log(
+        &run(&log, &["--device", "sim", "--max-threads", "3"]),
+        "pool",
+    );
+    let out = run(&log, &["--device", "sim", "--max-threads", "0"]);
+    assert_eq!(out.status.code(), Some(2), "{}", stderr(&out));
+}
+
+/// A log with more threads than the system lets the replay start: the failed start is an error
+/// (exit 1), and the threads already started, which waited at a barrier for all of them, are
+/// sent home instead of waiting for ever. Made certain by stacks of 64 MiB (`RUST_MIN_STACK`)
+/// for 200 threads (12.5 GiB) in a 4 GB address space (`ulimit -v`); the tool is killed after
+/// 30 s, so a hang fails the test instead of hanging it.
+#[cfg(target_os = "linux")]
+#[test]
+fn a_replay_whose_threads_cannot_all_start_fails_cleanly() {
+    let mut text = String::from("Thread,Time,Action,Pointer,Size,Stream\n");
+    for i in 0..200u64 {
+        text.push_str(&format!(
+            "{i},10:00:00.000000,allocate,{:#x},256,0\n",
+            0x7f00_0000_0000u64 + i * 0x1000
+        ));
+    }
+    let log = temp("many-threads.csv");
+    std::fs::write(&log, text).unwrap();
+    let mut cmd = Command::new("sh");
+    cmd.arg("-c")
+        .arg(r#"ulimit -v 4000000 && exec "$0" "$1" --device sim"#)
+        .arg(bin())
+        .arg(&*log)
+        .env("RUST_MIN_STACK", (64u64 << 20).to_string());
+    let out = common::run_with_limit(cmd, std::time::Duration::from_secs(30))
+        .expect("a replay whose threads cannot all start: still running after 30 s (a hang)");
+    let err = stderr(&out);
+    assert_eq!(out.status.code(), Some(1), "{err}");
+    assert!(
+        err.contains("cannot start replay thread ")
+            && err.contains(" of 200 (one per thread of the log): "),
+        "{err}"
+    );
+    assert!(!err.contains("panicked"), "{err}");
+}

@@ -94,6 +94,12 @@ pub(super) struct Args {
     #[arg(long, value_enum, default_value_t = Order::Log)]
     pub(super) order: Order,
 
+    /// The most threads the replay starts: it starts one per thread of the log, and refuses a
+    /// log with more (exit 1) before replaying. A replay thread the system cannot start (its
+    /// limit on threads or memory) also stops the tool with exit 1.
+    #[arg(long, default_value_t = 4096, value_parser = clap::value_parser!(u32).range(1..))]
+    pub(super) max_threads: u32,
+
     /// Skip frees of pointers no earlier line allocated, instead of stopping.
     #[arg(long)]
     pub(super) ignore_unmatched: bool,

@@ -16,7 +16,10 @@
 //! is decimal bytes. `Thread` and `Stream` are identifiers, compared as text: RMM writes
 //! numbers and stream handles, this crate's adaptor stream ids. Each distinct thread of the log
 //! is replayed by a thread of ours, each distinct stream by a stream of ours (RMM's default
-//! stream, `0x0`, is a stream like any other here).
+//! stream, `0x0`, is a stream like any other here). A log with more threads than
+//! `--max-threads` (4096 by default) is refused before anything runs (exit 1); so is a replay
+//! whose threads the system cannot all start (its limit on threads or memory): the threads
+//! started are sent home and the tool exits 1.
 //!
 //! A line that cannot be replayed stops the tool before anything runs, with its line number and
 //! what is wrong, and exit code 2: a wrong number of fields, an unknown action, a bad number, an
@@ -63,7 +66,8 @@
 //! and its free blocks by stream).
 //!
 //! Exit codes: 0 done; 1 an error (the file cannot be read, the device or resource cannot be
-//! made, a free was refused by the resource); 2 a malformed log or bad arguments.
+//! made, the log has more threads than `--max-threads` or a replay thread cannot be started, a
+//! free was refused by the resource); 2 a malformed log or bad arguments.
 
 //!
 //! # The code
@@ -112,6 +116,15 @@ pub(crate) fn main() -> ExitCode {
             return ExitCode::from(1);
         }
     };
+    if log.threads.len() > args.max_threads as usize {
+        eprintln!(
+            "streamalloc-replay: {}: the log has {} threads, and the replay starts one per thread of the log: at most {} (--max-threads)",
+            args.log.display(),
+            log.threads.len(),
+            args.max_threads
+        );
+        return ExitCode::from(1);
+    }
     let device = match open_device(&args) {
         Ok(device) => device,
         Err(e) => {
@@ -183,7 +196,13 @@ pub(crate) fn main() -> ExitCode {
         snapshot: Mutex::new(None),
         allocs: &log.allocs,
     });
-    let (outcome, watch) = replay(&log, built.resource(), &streams, args.order, watch);
+    let (outcome, watch) = match replay(&log, built.resource(), &streams, args.order, watch) {
+        Ok(replayed) => replayed,
+        Err(e) => {
+            eprintln!("streamalloc-replay: {e}");
+            return ExitCode::from(1);
+        }
+    };
     for stream in &streams {
         let _ = stream.synchronize_blocking();
     }

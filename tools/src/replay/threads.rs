@@ -3,7 +3,7 @@
 
 use std::collections::HashMap;
 use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
-use std::sync::{Barrier, Mutex, OnceLock};
+use std::sync::{Condvar, Mutex, OnceLock};
 use std::thread::Thread;
 use std::time::{Duration, Instant};
 
@@ -106,10 +106,13 @@ impl Shared<'_> {
         }
     }
 
-    /// One replay thread: its events, in order.
-    pub(super) fn thread(&self, me: usize, events: &[Ev], start: &Barrier) {
+    /// One replay thread: its events, in order, once every replay thread has started (none
+    /// if the start is called off).
+    pub(super) fn thread(&self, me: usize, events: &[Ev], start: &Start) {
         let _ = self.handles[me].set(std::thread::current());
-        start.wait();
+        if !start.arrive_and_wait() {
+            return;
+        }
         let mut done = 0u64;
         for ev in events {
             let stream = &self.streams[ev.stream as usize];
@@ -134,6 +137,56 @@ impl Shared<'_> {
     }
 }
 
+/// The start of the replay: each replay thread arrives and waits until the spawning thread
+/// opens it (every thread started, the clock started) or calls it off (a thread could not be
+/// started). A `Barrier` sized for all of them left the started ones waiting for ever when a
+/// spawn failed (a review's finding).
+pub(super) struct Start {
+    /// Threads arrived, and the verdict: `None` while waiting, `Some(go)` once decided.
+    state: Mutex<(usize, Option<bool>)>,
+    changed: Condvar,
+}
+
+impl Start {
+    fn new() -> Self {
+        Self {
+            state: Mutex::new((0, None)),
+            changed: Condvar::new(),
+        }
+    }
+
+    fn lock(&self) -> std::sync::MutexGuard<'_, (usize, Option<bool>)> {
+        self.state.lock().unwrap_or_else(|e| e.into_inner())
+    }
+
+    /// A replay thread: counts itself, then waits for the verdict. `true`: go.
+    fn arrive_and_wait(&self) -> bool {
+        let mut state = self.lock();
+        state.0 += 1;
+        self.changed.notify_all();
+        loop {
+            if let Some(go) = state.1 {
+                return go;
+            }
+            state = self.changed.wait(state).unwrap_or_else(|e| e.into_inner());
+        }
+    }
+
+    /// The spawning thread: waits until `n` threads have arrived.
+    fn wait_for(&self, n: usize) {
+        let mut state = self.lock();
+        while state.0 < n {
+            state = self.changed.wait(state).unwrap_or_else(|e| e.into_inner());
+        }
+    }
+
+    /// The verdict: `true` starts the replay, `false` sends the threads home.
+    fn decide(&self, go: bool) {
+        self.lock().1 = Some(go);
+        self.changed.notify_all();
+    }
+}
+
 pub(super) struct Outcome {
     pub(super) wall: Duration,
     pub(super) peak_live: u64,
@@ -146,13 +199,16 @@ pub(super) struct Outcome {
     pub(super) leaked_bytes: u64,
 }
 
+/// Replays `log`: one thread per thread of the log. `Err` if one cannot be started (the
+/// system's limit on threads or memory): the threads started return without replaying, and
+/// nothing was allocated.
 pub(super) fn replay<'a>(
     log: &'a Log,
     mr: &'a dyn MemoryResource,
     streams: &'a [Stream],
     order: Order,
     watch: Option<Watch<'a>>,
-) -> (Outcome, Option<Watch<'a>>) {
+) -> Result<(Outcome, Option<Watch<'a>>), String> {
     let progress = bar(
         log.events,
         100_000,
@@ -184,27 +240,42 @@ pub(super) fn replay<'a>(
         progress,
         watch,
     };
-    let start = Barrier::new(log.threads.len() + 1);
+    let start = Start::new();
+    let n = log.threads.len();
     let wall = std::thread::scope(|scope| {
         for (me, events) in log.threads.iter().enumerate() {
             let (shared, start) = (&shared, &start);
-            std::thread::Builder::new()
+            let spawned = std::thread::Builder::new()
                 .name(format!("replay-{me}"))
-                .spawn_scoped(scope, move || shared.thread(me, events, start))
-                .expect("spawn a replay thread");
+                .spawn_scoped(scope, move || shared.thread(me, events, start));
+            if let Err(e) = spawned {
+                // Those started go home; the scope waits for them.
+                start.decide(false);
+                return Err(format!(
+                    "cannot start replay thread {} of {n} (one per thread of the log): {e}",
+                    me + 1
+                ));
+            }
         }
-        start.wait();
+        start.wait_for(n);
         let clock = Instant::now();
-        // Every thread has registered its handle before the barrier: wake the first event's
+        start.decide(true);
+        // Every thread has registered its handle before it arrived: wake the first event's
         // owner in case it parked already.
         for handle in &shared.handles {
             if let Some(h) = handle.get() {
                 h.unpark();
             }
         }
-        Clock(clock)
+        Ok(Clock(clock))
     });
-    let wall = wall.0.elapsed();
+    let wall = match wall {
+        Ok(clock) => clock.0.elapsed(),
+        Err(e) => {
+            shared.progress.finish_and_clear();
+            return Err(e);
+        }
+    };
     shared.progress.finish_and_clear();
     // Free what the log never freed.
     let (mut leaked, mut leaked_bytes) = (0, 0);
@@ -239,7 +310,7 @@ pub(super) fn replay<'a>(
         leaked,
         leaked_bytes,
     };
-    (outcome, shared.watch)
+    Ok((outcome, shared.watch))
 }
 
 /// The instant the replay started (returned out of the thread scope, which ends when every
