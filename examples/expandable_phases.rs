@@ -13,23 +13,36 @@
 //! of issue 11: the expandable pool's rise is at least 90% of what was freed. Runs on the GPU
 //! if there is one, else on the simulated device (16 GiB).
 
+use std::process::ExitCode;
 use std::time::Instant;
 
+use clap::Parser;
 use streamalloc::resource::cuda::CudaResource;
 use streamalloc::resource::pool::{PoolOptions, PoolResource, PoolStats};
 use streamalloc::{
-    Device, DevicePtr, ExpandableOptions, ExpandablePoolResource, MemoryResource, Stream,
+    Device, DevicePtr, Error, ExpandableOptions, ExpandablePoolResource, MemoryResource, Result,
+    Stream,
 };
 
 const MIB: usize = 1 << 20;
 const GIB: usize = 1 << 30;
 
-fn arg(name: &str, default: &str) -> String {
-    let args: Vec<String> = std::env::args().collect();
-    args.iter()
-        .position(|a| a == name)
-        .and_then(|i| args.get(i + 1).cloned())
-        .unwrap_or_else(|| default.to_owned())
+/// Grow to `--live-gib` live, free all but `--keep-gib`, trim; exits 0 when issue 11's target
+/// is met, 1 when it is not or something failed, 2 on bad flags.
+#[derive(Parser)]
+struct Args {
+    /// GiB live at the peak (at least 1).
+    #[arg(long, default_value_t = 8, value_parser = clap::value_parser!(u32).range(1..=4096))]
+    live_gib: u32,
+    /// GiB kept live through the trim (less than --live-gib).
+    #[arg(long, default_value_t = 1)]
+    keep_gib: u32,
+    /// The seed of the sizes and of which buffers are freed.
+    #[arg(long, default_value_t = 1)]
+    seed: u64,
+    /// The expandable pool's mapping unit in MiB (default: 4 granules).
+    #[arg(long)]
+    map_unit: Option<usize>,
 }
 
 /// splitmix64.
@@ -66,8 +79,8 @@ fn phases<R: MemoryResource>(
     streams: &[Stream],
     (live, keep, seed): (usize, usize, u64),
     stats: impl Fn(&R) -> PoolStats,
-    trim: impl Fn(&R) -> usize,
-) -> Figures {
+    trim: impl Fn(&R) -> Result<usize>,
+) -> Result<Figures> {
     let mut rng = Rng(seed);
     let mut buffers: Vec<(DevicePtr, usize, usize)> = Vec::new();
     let mut total = 0;
@@ -77,17 +90,24 @@ fn phases<R: MemoryResource>(
             .min(live - total)
             .max(256);
         let s = buffers.len() % streams.len();
-        let ptr = r
-            .allocate(bytes, &streams[s])
-            .expect("growing to the live size");
-        // Touch it, so the memory is really the device's (a memset of its first 4 KiB).
-        // SAFETY: a live allocation of at least 256 bytes, used on its stream.
-        unsafe { streams[s].memset_d8(ptr, 1, bytes.min(4096)) }.unwrap();
+        let ptr = match r.allocate(bytes, &streams[s]) {
+            Ok(ptr) => ptr,
+            Err(e) => {
+                free_all(r, streams, buffers);
+                return Err(e);
+            }
+        };
         buffers.push((ptr, bytes, s));
         total += bytes;
+        // Touch it, so the memory is really the device's (a memset of its first 4 KiB).
+        // SAFETY: a live allocation of at least 256 bytes, used on its stream.
+        if let Err(e) = unsafe { streams[s].memset_d8(ptr, 1, bytes.min(4096)) } {
+            free_all(r, streams, buffers);
+            return Err(e);
+        }
     }
     for s in streams {
-        s.synchronize_blocking().unwrap();
+        s.synchronize_blocking()?;
     }
     let grow_ms = start.elapsed().as_secs_f64() * 1e3;
     let live_peak = total;
@@ -96,16 +116,16 @@ fn phases<R: MemoryResource>(
         let i = rng.next() as usize % buffers.len();
         let (ptr, bytes, s) = buffers.swap_remove(i);
         // SAFETY: allocated above, last used on its stream `s`, freed once.
-        unsafe { r.deallocate(ptr, bytes, &streams[s]) }.unwrap();
+        unsafe { r.deallocate(ptr, bytes, &streams[s]) }?;
         total -= bytes;
         freed += bytes;
     }
     let mapped_before = stats(r).reserved;
-    let free_before = device.free_memory().unwrap();
+    let free_before = device.free_memory()?;
     let start = Instant::now();
-    let released = trim(r);
+    let released = trim(r)?;
     let trim_ms = start.elapsed().as_secs_f64() * 1e3;
-    let free_after = device.free_memory().unwrap();
+    let free_after = device.free_memory()?;
     let figures = Figures {
         live_peak,
         freed,
@@ -117,11 +137,18 @@ fn phases<R: MemoryResource>(
         grow_ms,
         trim_ms,
     };
+    free_all(r, streams, buffers);
+    Ok(figures)
+}
+
+/// Frees what `phases` still holds (on an error too: nothing is left allocated).
+fn free_all<R: MemoryResource>(r: &R, streams: &[Stream], buffers: Vec<(DevicePtr, usize, usize)>) {
     for (ptr, bytes, s) in buffers {
-        // SAFETY: as above.
-        unsafe { r.deallocate(ptr, bytes, &streams[s]) }.unwrap();
+        // SAFETY: allocated by `phases`, last used on its stream `s`, freed once.
+        if let Err(e) = unsafe { r.deallocate(ptr, bytes, &streams[s]) } {
+            eprintln!("could not free {bytes} bytes at {ptr:?}: {e}");
+        }
     }
-    figures
 }
 
 fn print(name: &str, f: &Figures) {
@@ -143,28 +170,56 @@ fn print(name: &str, f: &Figures) {
     );
 }
 
-fn main() {
-    let device = Device::default_device().expect("a device");
-    let live = arg("--live-gib", "8").parse::<usize>().expect("--live-gib") * GIB;
-    let keep = arg("--keep-gib", "1").parse::<usize>().expect("--keep-gib") * GIB;
-    let seed: u64 = arg("--seed", "1").parse().expect("--seed");
+fn main() -> ExitCode {
+    let args = Args::parse();
+    if args.keep_gib >= args.live_gib {
+        eprintln!(
+            "--keep-gib ({}) must be less than --live-gib ({}): nothing would be freed",
+            args.keep_gib, args.live_gib
+        );
+        return ExitCode::from(2);
+    }
+    match run(&args) {
+        Ok(true) => ExitCode::SUCCESS,
+        Ok(false) => ExitCode::FAILURE,
+        Err(e) => {
+            eprintln!("expandable_phases: {e}");
+            ExitCode::FAILURE
+        }
+    }
+}
+
+/// Both pools' phases; whether the expandable pool met the target.
+fn run(args: &Args) -> Result<bool> {
+    let device = Device::default_device()?;
+    let (live, keep, seed) = (
+        args.live_gib as usize * GIB,
+        args.keep_gib as usize * GIB,
+        args.seed,
+    );
+    if live > device.total_memory() {
+        return Err(Error::OutOfMemory {
+            requested: live,
+            available: device.total_memory(),
+            maximum: device.total_memory(),
+        });
+    }
     println!(
         "device: {device}; grow to {} GiB live, keep {} GiB, trim",
         live / GIB,
         keep / GIB
     );
-    let streams: Vec<Stream> = (0..4).map(|_| device.create_stream().unwrap()).collect();
+    let streams = (0..4)
+        .map(|_| device.create_stream())
+        .collect::<Result<Vec<Stream>>>()?;
 
-    // `--map-unit MIB`: the expandable pool's mapping unit (default: 4 granules).
-    let map_unit = arg("--map-unit", "default").parse::<usize>().ok();
     let expandable = ExpandablePoolResource::new(
         &device,
         ExpandableOptions {
-            map_unit: map_unit.map(|mib| mib * MIB),
+            map_unit: args.map_unit.map(|mib| mib * MIB),
             ..ExpandableOptions::default()
         },
-    )
-    .unwrap();
+    )?;
     println!(
         "expandable: granule {} MiB, {} GiB of addresses reserved",
         expandable.granule() / MIB,
@@ -176,10 +231,10 @@ fn main() {
         &streams,
         (live, keep, seed),
         |r| r.stats(),
-        |r| r.trim_blocking().unwrap(),
-    );
+        |r| r.trim_blocking(),
+    )?;
     print("expandable", &f);
-    let ok = f.free_rise as f64 >= 0.9 * f.freed as f64;
+    let ok = f.freed > 0 && f.free_rise as f64 >= 0.9 * f.freed as f64;
     drop(expandable);
 
     // The chunked pool, grown from 256 MiB as WORKLOADS.md's growth runs (growth divisor 8).
@@ -190,19 +245,19 @@ fn main() {
             maximum: Some(live + GIB),
             ..PoolOptions::default()
         },
-    )
-    .unwrap();
+    )?;
     let f = phases(
         &device,
         &pool,
         &streams,
         (live, keep, seed),
         |r| r.stats(),
-        |r| r.trim_blocking().unwrap(),
-    );
+        |r| r.trim_blocking(),
+    )?;
     print("pool", &f);
     println!(
         "target (issue 11): the expandable pool's rise >= 90% of freed: {}",
         if ok { "met" } else { "NOT met" }
     );
+    Ok(ok)
 }
