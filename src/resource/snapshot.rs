@@ -186,12 +186,12 @@ impl Snapshot {
         own.chain(parts)
     }
 
-    /// Bytes in blocks of `state`, over this snapshot and its parts.
+    /// Bytes in blocks of `state`, over this snapshot and its parts (`u64::MAX` at most: a
+    /// snapshot read from a file may hold any numbers).
     pub fn bytes(&self, state: BlockState) -> u64 {
         self.blocks()
             .filter(|b| b.state == state)
-            .map(|b| b.size)
-            .sum()
+            .fold(0, |sum, b| sum.saturating_add(b.size))
     }
 
     /// How many blocks are in `state`, over this snapshot and its parts.
@@ -199,10 +199,21 @@ impl Snapshot {
         self.blocks().filter(|b| b.state == state).count()
     }
 
-    /// Checks that every chunk's blocks tile it exactly, in order, with no zero-sized block.
-    /// `Err` names the first chunk that does not.
+    /// Checks that every chunk's blocks tile it exactly, in order, with no zero-sized block,
+    /// and that no chunk runs past the end of the address space. `Err` names the first chunk
+    /// that does not.
     pub fn check(&self) -> Result<(), String> {
         for chunk in &self.chunks {
+            let past_the_end = || {
+                format!(
+                    "chunk {:#x}+{}: runs past the end of the address space",
+                    chunk.base, chunk.size
+                )
+            };
+            let end = chunk
+                .base
+                .checked_add(chunk.size)
+                .ok_or_else(past_the_end)?;
             let mut at = chunk.base;
             for block in &chunk.blocks {
                 if block.addr != at || block.size == 0 {
@@ -211,9 +222,9 @@ impl Snapshot {
                         chunk.base, chunk.size, block.addr, block.size
                     ));
                 }
-                at += block.size;
+                at = at.checked_add(block.size).ok_or_else(past_the_end)?;
             }
-            if at != chunk.base + chunk.size {
+            if at != end {
                 return Err(format!(
                     "chunk {:#x}+{}: blocks end at {at:#x}",
                     chunk.base, chunk.size
@@ -239,18 +250,26 @@ impl Snapshot {
                     blocks.push(block);
                     continue;
                 }
-                let end = block.addr + block.size;
+                // (Checked: a snapshot read from a file may hold any numbers. A block that
+                // runs past the end of the address space is left as it is.)
+                let Some(end) = block.addr.checked_add(block.size) else {
+                    blocks.push(block);
+                    continue;
+                };
                 let first = live.partition_point(|l| l.addr < block.addr);
                 let mut at = block.addr;
                 for known in live[first..].iter().take_while(|l| l.addr < end) {
-                    if known.addr + known.size > end {
+                    let Some(known_end) = known.addr.checked_add(known.size) else {
+                        break;
+                    };
+                    if known_end > end {
                         break;
                     }
                     if known.addr > at {
                         blocks.push(Block::new(at, known.addr - at, BlockState::InUse, None));
                     }
                     blocks.push(known.clone());
-                    at = known.addr + known.size;
+                    at = known_end;
                 }
                 if at < end {
                     blocks.push(Block::new(at, end - at, BlockState::InUse, None));
@@ -382,5 +401,41 @@ mod tests {
             snapshot.chunks[0].blocks.iter().map(|b| b.stream).collect();
         assert_eq!(streams, vec![None, Some(5), None, Some(7), None]);
         assert!(snapshot.live_blocks_tracked);
+    }
+
+    /// A snapshot read from a file may hold any numbers: sums and ends that overflow are an
+    /// `Err` from `check`, a saturated `bytes` and a block left alone by `merge_live`, never a
+    /// panic (a review found the picture tool's reading of one panic here).
+    #[test]
+    fn numbers_that_overflow_are_no_panic() {
+        let mut snapshot = Snapshot::new("from a file");
+        snapshot.chunks = vec![Chunk {
+            base: 0x1000,
+            size: 0x200,
+            kind: ChunkKind::Upstream,
+            blocks: vec![
+                Block::new(0x1000, 0x100, BlockState::InUse, None),
+                Block::new(0x1100, u64::MAX, BlockState::InUse, None),
+            ],
+        }];
+        let err = snapshot.check().unwrap_err();
+        assert!(err.contains("past the end of the address space"), "{err}");
+        assert_eq!(snapshot.bytes(BlockState::InUse), u64::MAX);
+        let mut live = vec![
+            Block::new(0x1000, u64::MAX, BlockState::InUse, Some(1)),
+            Block::new(0x1100, 0x10, BlockState::InUse, Some(2)),
+        ];
+        snapshot.merge_live(&mut live);
+        let blocks = &snapshot.chunks[0].blocks;
+        assert_eq!(blocks.len(), 2, "{blocks:?}");
+        assert_eq!(blocks[1].size, u64::MAX, "left as it was");
+        let mut far = Snapshot::new("from a file");
+        far.chunks = vec![Chunk {
+            base: u64::MAX - 0xff,
+            size: 0x200,
+            kind: ChunkKind::Upstream,
+            blocks: Vec::new(),
+        }];
+        assert!(far.check().is_err());
     }
 }
