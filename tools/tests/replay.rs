@@ -540,3 +540,25 @@ fn a_replay_whose_threads_cannot_all_start_fails_cleanly() {
     );
     assert!(!err.contains("panicked"), "{err}");
 }
+
+/// An `allocate failure` retried with success counts in the peak in use while it is held: the
+/// resource was asked to hold it and grew for it. Before, 1 GiB retried beside 1 MiB live read
+/// 99.9% fragmentation on every resource, `cuda` (no pooling) included.
+#[test]
+fn a_retried_failure_counts_in_the_peak_in_use() {
+    let header = "Thread,Time,Action,Pointer,Size,Stream\n";
+    let mib = 1u64 << 20;
+    let text = format!(
+        "{header}1,10:00:00.000001,allocate,0x7f0000000000,{mib},0x0\n\
+         1,10:00:00.000002,allocate failure,0x0,{},0x0\n\
+         1,10:00:00.000003,free,0x7f0000000000,{mib},0x0\n",
+        64 * mib
+    );
+    let path = temp("retried-failure.csv");
+    std::fs::write(&path, text).unwrap();
+    let out = run(&path, &["--device", "sim", "--resource", "cuda"]);
+    let text = stdout(&out);
+    assert!(out.status.success(), "{text}{}", stderr(&out));
+    assert_eq!(number(&text, "peak in use"), 65, "{text}");
+    assert!(field(&text, "fragmentation").starts_with("0.0%"), "{text}");
+}

@@ -46,14 +46,16 @@
 //! from the log's.
 //!
 //! An `allocate failure` line is tried again (RMM's replay skips them): if it succeeds here the
-//! memory is freed at once, so the replay keeps the log's memory use. A replayed `allocate` that
+//! memory is freed at once, so the replay keeps the log's memory use (it counts in the peak in
+//! use for that instant: the resource held it, and may have grown for it). A replayed `allocate` that
 //! fails here is counted, and its `free` is skipped. Allocations the log never frees are freed
 //! at the end and reported.
 //!
 //! # What it prints
 //!
 //! Wall time of the replay (threads started and waiting at a barrier before the clock starts);
-//! peak in use (the most bytes live at once, as the log's sizes add up); peak reserved (the most
+//! peak in use (the most bytes live at once, as the log's sizes add up, a retried failure that
+//! succeeded included); peak reserved (the most
 //! bytes the resource held from the device, counted by a wrapper around its upstream; for
 //! `cuda-async`, the driver pool's reserve at the end); failed allocations; and fragmentation,
 //! defined as `1 - peak in use / peak reserved`: the share of the memory taken from the device

@@ -92,10 +92,21 @@ impl Shared<'_> {
             }
             Op::Fail { size } => match self.mr.allocate(size as usize, stream) {
                 Ok(ptr) => {
+                    // In use while held, if only for an instant: the resource was asked to
+                    // hold it, and may have grown for it (fragmentation read 99.9% for every
+                    // resource, `cuda` included, when a 1 GiB retry beside 1 MiB live was not
+                    // counted).
+                    let live = self.live.fetch_add(size, Ordering::Relaxed) + size;
+                    self.peak_live.fetch_max(live, Ordering::Relaxed);
                     // SAFETY: just allocated with `size` bytes, unused, freed once.
-                    if let Err(e) = unsafe { self.mr.deallocate(ptr, size as usize, stream) } {
-                        self.free_errors.fetch_add(1, Ordering::Relaxed);
-                        self.error(format!("free of {:#x} ({size} bytes) failed: {e}", ptr.0));
+                    match unsafe { self.mr.deallocate(ptr, size as usize, stream) } {
+                        Ok(()) => {
+                            self.live.fetch_sub(size, Ordering::Relaxed);
+                        }
+                        Err(e) => {
+                            self.free_errors.fetch_add(1, Ordering::Relaxed);
+                            self.error(format!("free of {:#x} ({size} bytes) failed: {e}", ptr.0));
+                        }
                     }
                 }
                 Err(_) => {
