@@ -199,39 +199,47 @@ impl Snapshot {
         self.blocks().filter(|b| b.state == state).count()
     }
 
-    /// Checks that every chunk's blocks tile it exactly, in order, with no zero-sized block,
-    /// and that no chunk runs past the end of the address space. `Err` names the first chunk
-    /// that does not.
+    /// Checks that every chunk's blocks tile it exactly, in address order, with no empty
+    /// block, and that no chunk passes the end of the address space (as a resource's snapshot
+    /// always does; one read from a file may hold any numbers, and nothing here overflows on
+    /// them). `Err` names the first chunk or block that does not, and the part it is in.
     pub fn check(&self) -> Result<(), String> {
         for chunk in &self.chunks {
-            let past_the_end = || {
-                format!(
-                    "chunk {:#x}+{}: runs past the end of the address space",
-                    chunk.base, chunk.size
-                )
-            };
+            let name = format!("the chunk at {:#x} of {} bytes", chunk.base, chunk.size);
             let end = chunk
                 .base
                 .checked_add(chunk.size)
-                .ok_or_else(past_the_end)?;
+                .ok_or_else(|| format!("{name} passes the end of the address space"))?;
             let mut at = chunk.base;
-            for block in &chunk.blocks {
-                if block.addr != at || block.size == 0 {
+            for (i, block) in chunk.blocks.iter().enumerate() {
+                let what = format!(
+                    "{name}: its block {i} (at {:#x}, of {} bytes)",
+                    block.addr, block.size
+                );
+                if block.addr != at {
                     return Err(format!(
-                        "chunk {:#x}+{}: block {:#x}+{} where {at:#x} was expected",
-                        chunk.base, chunk.size, block.addr, block.size
+                        "{what} does not start where the one before it ends ({at:#x}): blocks must tile their chunk"
                     ));
                 }
-                at = at.checked_add(block.size).ok_or_else(past_the_end)?;
+                if block.size == 0 {
+                    return Err(format!("{what} is empty"));
+                }
+                if block.size > end - at {
+                    return Err(format!("{what} runs past the chunk's end ({end:#x})"));
+                }
+                at += block.size;
             }
             if at != end {
                 return Err(format!(
-                    "chunk {:#x}+{}: blocks end at {at:#x}",
-                    chunk.base, chunk.size
+                    "{name}: its blocks end at {at:#x}, short of the chunk's end ({end:#x}): blocks must tile their chunk"
                 ));
             }
         }
-        self.parts.iter().try_for_each(Snapshot::check)
+        for (i, part) in self.parts.iter().enumerate() {
+            part.check()
+                .map_err(|e| format!("part {i} ({}): {e}", part.resource))?;
+        }
+        Ok(())
     }
 
     /// Splits the in-use blocks (of this snapshot and its parts) into the known allocations
@@ -419,7 +427,7 @@ mod tests {
             ],
         }];
         let err = snapshot.check().unwrap_err();
-        assert!(err.contains("past the end of the address space"), "{err}");
+        assert!(err.contains("runs past the chunk's end"), "{err}");
         assert_eq!(snapshot.bytes(BlockState::InUse), u64::MAX);
         let mut live = vec![
             Block::new(0x1000, u64::MAX, BlockState::InUse, Some(1)),
@@ -436,6 +444,7 @@ mod tests {
             kind: ChunkKind::Upstream,
             blocks: Vec::new(),
         }];
-        assert!(far.check().is_err());
+        let err = far.check().unwrap_err();
+        assert!(err.contains("passes the end of the address space"), "{err}");
     }
 }

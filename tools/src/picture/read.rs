@@ -60,56 +60,29 @@ fn read_json(reader: impl Read) -> Result<Input, String> {
     }
 }
 
-/// Checks what the picture relies on in a snapshot read from a file: every chunk's blocks tile
-/// it exactly, in address order, with no empty block, and no chunk passes the end of the
-/// address space (as a resource's snapshot always does). A block larger than its chunk made
-/// the address map draw a rectangle per row of the block, without end (a review's finding).
-/// `Err` names the first chunk or block that does not. (The library's `Snapshot::check` does
-/// the same with unchecked sums: a file's numbers may overflow them.) The chunks' sizes, over
-/// the snapshot and its parts, must add up to at most `u64::MAX`, so that no sum of blocks
-/// can overflow.
+/// Checks what the picture relies on in a snapshot read from a file: that its blocks tile its
+/// chunks ([`Snapshot::check`]: a block larger than its chunk made the address map draw a
+/// rectangle per row of the block, without end, a review's finding), and that the chunks'
+/// sizes, over the snapshot and its parts, add up to at most `u64::MAX`, so that no sum of
+/// blocks can overflow. `Err` names the first chunk or block that does not.
 fn check_snapshot(snapshot: &Snapshot) -> Result<(), String> {
-    check_chunks(snapshot, &mut 0)
+    snapshot.check()?;
+    add_chunk_sizes(snapshot, &mut 0)
 }
 
-/// [`check_snapshot`], adding the chunks' sizes to `total`.
-fn check_chunks(snapshot: &Snapshot, total: &mut u64) -> Result<(), String> {
+/// Adds the chunks' sizes of `snapshot` and its parts to `total`; `Err` at the chunk that
+/// takes it past `u64::MAX`.
+fn add_chunk_sizes(snapshot: &Snapshot, total: &mut u64) -> Result<(), String> {
     for chunk in &snapshot.chunks {
-        let name = format!("the chunk at {:#x} of {} bytes", chunk.base, chunk.size);
-        let end = chunk
-            .base
-            .checked_add(chunk.size)
-            .ok_or_else(|| format!("{name} passes the end of the address space"))?;
-        *total = total
-            .checked_add(chunk.size)
-            .ok_or_else(|| format!("{name}: with it, the chunks' sizes add up past u64::MAX"))?;
-        let mut at = chunk.base;
-        for (i, block) in chunk.blocks.iter().enumerate() {
-            let what = format!(
-                "{name}: its block {i} (at {:#x}, of {} bytes)",
-                block.addr, block.size
-            );
-            if block.addr != at {
-                return Err(format!(
-                    "{what} does not start where the one before it ends ({at:#x}): blocks must tile their chunk"
-                ));
-            }
-            if block.size == 0 {
-                return Err(format!("{what} is empty"));
-            }
-            if block.size > end - at {
-                return Err(format!("{what} runs past the chunk's end ({end:#x})"));
-            }
-            at += block.size;
-        }
-        if at != end {
-            return Err(format!(
-                "{name}: its blocks end at {at:#x}, short of the chunk's end ({end:#x}): blocks must tile their chunk"
-            ));
-        }
+        *total = total.checked_add(chunk.size).ok_or_else(|| {
+            format!(
+                "the chunk at {:#x} of {} bytes: with it, the chunks' sizes add up past u64::MAX",
+                chunk.base, chunk.size
+            )
+        })?;
     }
     for (i, part) in snapshot.parts.iter().enumerate() {
-        check_chunks(part, total).map_err(|e| format!("part {i} ({}): {e}", part.resource))?;
+        add_chunk_sizes(part, total).map_err(|e| format!("part {i} ({}): {e}", part.resource))?;
     }
     Ok(())
 }

@@ -61,11 +61,8 @@ pub(super) fn regions_of_snapshot(
 pub(crate) fn from_snapshot(snapshot: &Snapshot, title: String) -> Picture {
     // Streams by the bytes they have in use, then those with only free blocks.
     let mut bytes: HashMap<u64, u64> = HashMap::new();
-    let mut in_use = 0u64;
+    let in_use = snapshot.bytes(BlockState::InUse);
     for b in snapshot.blocks() {
-        if b.state == BlockState::InUse {
-            in_use = in_use.saturating_add(b.size);
-        }
         if let Some(s) = b.stream {
             let e = bytes.entry(s).or_default();
             if b.state == BlockState::InUse {
