@@ -18,8 +18,8 @@
 //! - [`expandable`]: the expandable pool's bookkeeping (`Expander`: growth by mapping, trim that
 //!   takes free granules out, waits for their streams and unmaps them) on a fake stream and a
 //!   fake address range: nothing handed out or used on an unmapped granule, nothing unmapped
-//!   under a held block or pending work; and the claims of the initial size's pieces against a
-//!   trim.
+//!   under a held block or pending work; the claims of the initial size's pieces against a
+//!   trim; and a request at the maximum taking back what a trim holds.
 //! - [`relocation`]: the expandable pool's move of free memory between its address ranges at
 //!   its maximum: nothing unmapped under work still queued on the stream that freed it.
 //! - [`history`]: the history recorder's live table (`HistoryAdaptor`): a free forgets its

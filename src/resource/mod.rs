@@ -185,6 +185,7 @@ pub mod expandable;
 pub mod fixed_size;
 pub(crate) mod free_list;
 mod growth;
+pub(crate) mod held_for_trim;
 pub mod pool;
 pub(crate) mod stream_ordered;
 pub(crate) mod tlsf;

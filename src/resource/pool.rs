@@ -8,6 +8,7 @@ use std::time::{Duration, Instant};
 mod snapshot;
 
 use super::growth::step_within_free;
+use super::held_for_trim::{HeldForTrim, Ticket};
 use super::stream_ordered::{Grow, StreamHeap};
 use super::waiters::{MemoryWaiters, WaitStats};
 use super::{aligned_size, check_stream, MemoryResource, ALIGNMENT};
@@ -233,6 +234,9 @@ pub struct PoolResource<U: MemoryResource> {
     use_floor: AtomicU64,
     /// Tasks waiting in `allocate_async` for memory to come back.
     waiters: MemoryWaiters,
+    /// Whole chunks that trims took out of the lists and hold while they wait for the streams
+    /// that freed them: a request at the maximum takes them back ([`Grow::recall_trimmed`]).
+    held_for_trim: HeldForTrim<(u64, u64, Option<Stream>)>,
     /// A stream of the pool's own, for the initial chunk and for returning chunks at drop.
     own: Stream,
 }
@@ -292,6 +296,7 @@ impl<U: MemoryResource> PoolResource<U> {
                 .map(|cap| if cap.is_finite() { cap.max(1.0) } else { 1.0 }),
             use_floor: AtomicU64::new(0),
             waiters: MemoryWaiters::new(),
+            held_for_trim: HeldForTrim::new(),
         };
         if options.initial > 0 {
             // One chunk per shard when each would hold at least `SPLIT_MIN`, into the engine's
@@ -443,10 +448,10 @@ impl<U: MemoryResource> PoolResource<U> {
     /// back where it was: nothing is lost, and the pool works as before.
     ///
     /// While it waits for those streams, the chunks it took are out of the free list: a
-    /// request on another thread that only they could serve then grows the pool, or at the
-    /// maximum is refused (as if the trim had finished first; it never waits for the GPU).
-    /// [`allocate_async`](crate::AllocateAsync::allocate_async) waits instead, and is woken
-    /// when the trim ends.
+    /// request on another thread that only they could serve takes them all back into the list
+    /// before it would grow the pool (or fail at the maximum), and is served from them after
+    /// the streams that freed them (GPU-side, as any reuse); the trim then gives back only what
+    /// is still its own, and returns those bytes. A request never waits for the GPU.
     ///
     /// Over [`CudaResource`](super::cuda::CudaResource), each chunk given back is a
     /// `cuMemFree`, which waits for the whole device to be idle and meanwhile holds up every
@@ -472,16 +477,11 @@ impl<U: MemoryResource> PoolResource<U> {
             return Err(e);
         }
         // Put back if this future is dropped while it waits, or a wait fails.
-        let taken = TakenForTrim {
-            pool: self,
-            chunks: self.take_whole_chunks(),
-        };
-        for (_, _, stream) in &taken.chunks {
-            if let Some(stream) = stream {
-                stream.synchronize().await?;
-            }
+        let (taken, streams) = TakenForTrim::take(self);
+        for stream in &streams {
+            stream.synchronize().await?;
         }
-        self.release_chunks(taken.release())
+        taken.give_back()
     }
 
     /// [`trim`](Self::trim) for synchronous code: blocks the calling thread while it waits.
@@ -498,16 +498,11 @@ impl<U: MemoryResource> PoolResource<U> {
         if let Some(e) = first_error {
             return Err(e);
         }
-        let taken = TakenForTrim {
-            pool: self,
-            chunks: self.take_whole_chunks(),
-        };
-        for (_, _, stream) in &taken.chunks {
-            if let Some(stream) = stream {
-                stream.synchronize_blocking()?;
-            }
+        let (taken, streams) = TakenForTrim::take(self);
+        for stream in &streams {
+            stream.synchronize_blocking()?;
         }
-        self.release_chunks(taken.release())
+        taken.give_back()
     }
 
     /// Whole chunks taken out for release go back, as freed on the stream they must wait for.
@@ -575,6 +570,16 @@ impl<U: MemoryResource> PoolResource<U> {
 }
 
 impl<U: MemoryResource> Grow for PoolResource<U> {
+    fn recall_trimmed(&self) -> bool {
+        let recalled = self.held_for_trim.recall();
+        if !recalled.items.is_empty() {
+            let chunks = recalled.items.len();
+            let _span = tracing::debug_span!("recall_from_trim", chunks).entered();
+            self.put_back(&recalled.items);
+        }
+        !recalled.items.is_empty() || recalled.waited
+    }
+
     fn grow(&self, min: u64, stream: &Stream) -> Result<(u64, u64)> {
         let mut reserved = self.reserved.load(Ordering::Relaxed);
         if min > self.maximum.saturating_sub(reserved) {
@@ -757,23 +762,46 @@ impl<U: MemoryResource> Drop for PoolResource<U> {
     }
 }
 
-/// Whole chunks a trim took out of the free list, put back ([`PoolResource::put_back`]) if the
-/// trim ends before it gives them upstream: a failed wait for one of their streams, or the
-/// trim's future dropped while it waits. [`release`](Self::release) hands them on instead.
+/// Whole chunks a trim took out of the free list (held in the pool's `held_for_trim`), put
+/// back ([`PoolResource::put_back`]) if the trim ends before it gives them upstream: a failed
+/// wait for one of their streams, or the trim's future dropped while it waits.
+/// [`give_back`](Self::give_back) gives upstream those a request at the maximum has not taken
+/// back.
 struct TakenForTrim<'a, U: MemoryResource> {
     pool: &'a PoolResource<U>,
-    chunks: Vec<(u64, u64, Option<Stream>)>,
+    /// `None` once given back (nothing then to put back on drop).
+    ticket: Option<Ticket>,
 }
 
-impl<U: MemoryResource> TakenForTrim<'_, U> {
-    /// The chunks, to give upstream: no longer put back on drop.
-    fn release(mut self) -> Vec<(u64, u64, Option<Stream>)> {
-        std::mem::take(&mut self.chunks)
+impl<'a, U: MemoryResource> TakenForTrim<'a, U> {
+    /// Takes every wholly free chunk out of the lists for a trim, and the streams to wait for
+    /// before the chunks go upstream.
+    fn take(pool: &'a PoolResource<U>) -> (Self, Vec<Stream>) {
+        let (ticket, chunks) = pool.held_for_trim.hold(|| pool.take_whole_chunks());
+        let streams = chunks.into_iter().filter_map(|(_, _, s)| s).collect();
+        let taken = TakenForTrim {
+            pool,
+            ticket: Some(ticket),
+        };
+        (taken, streams)
+    }
+
+    /// Gives upstream the chunks still the trim's (no longer put back on drop): the bytes
+    /// given back.
+    fn give_back(mut self) -> Result<usize> {
+        let Some(ticket) = self.ticket.take() else {
+            return Ok(0);
+        };
+        let pool = self.pool;
+        (pool.held_for_trim).give_back(ticket, |chunks| pool.release_chunks(chunks))
     }
 }
 
 impl<U: MemoryResource> Drop for TakenForTrim<'_, U> {
     fn drop(&mut self) {
-        self.pool.put_back(&self.chunks);
+        if let Some(ticket) = self.ticket.take() {
+            self.pool
+                .put_back(&self.pool.held_for_trim.take_back(ticket));
+        }
     }
 }

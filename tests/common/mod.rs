@@ -81,6 +81,12 @@ pub fn poll_once_and_drop<F: std::future::Future>(fut: F) {
         .poll(&mut std::task::Context::from_waker(&waker));
 }
 
+/// Polls `fut` once (and keeps it, to poll again later).
+pub fn poll_once<F: std::future::Future>(fut: std::pin::Pin<&mut F>) -> std::task::Poll<F::Output> {
+    let waker = futures::task::noop_waker();
+    fut.poll(&mut std::task::Context::from_waker(&waker))
+}
+
 pub fn runtime() -> tokio::runtime::Runtime {
     tokio::runtime::Builder::new_multi_thread()
         .worker_threads(4)

@@ -129,9 +129,9 @@ fn churn_on(pool: &Expander<LabStream, LabBacking>, streams: usize, hand_off: bo
     let every: u64 = lab_env("LAB_TRIM_EVERY").unwrap_or(0);
     for op in 0..1_000_000u64 {
         if every > 0 && op % every == 0 {
-            let taken = pool.take_free(0);
+            let (ticket, _) = pool.hold_free(0);
             // SAFETY: a lab backing maps nothing; nothing runs.
-            let _ = unsafe { pool.unmap_ranges(taken) };
+            let _ = pool.give_back_held(ticket, |taken| unsafe { pool.unmap_ranges(taken) });
         }
         match churn.next(live.len()) {
             Op::Allocate { size, stream } => {

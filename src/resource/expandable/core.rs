@@ -7,19 +7,20 @@
 //! in a region. It grows the engine ([`Grow`]) by mapping granules where the memory coalesces
 //! with the requester's free blocks (at the maximum, first unmapping wholly free granules
 //! elsewhere whose last users have finished: [`make_room`](Expander::make_room)), and it takes
-//! fully free granules out of the lists for unmapping ([`take_free`](Expander::take_free)),
+//! fully free granules out of the lists for unmapping ([`hold_free`](Expander::hold_free)),
 //! unmaps them once the caller has waited for their streams
 //! ([`unmap_ranges`](Expander::unmap_ranges)), or puts them back.
 //!
 //! Lock order: the engine's growth lock (`slow`: growth and claims run under it, and a trim
-//! takes its ranges out of the lists under it), then the table, then a list (growth reads the requester's
-//! list, and takes idle free granules out of the lists, while it holds the table); nothing
-//! takes the table while it holds a list's lock, nor the growth lock while it holds either.
+//! takes its ranges out of the lists under it), then the list of what trims hold
+//! (`held_for_trim.rs`: a trim takes into it, a request at the maximum recalls from it), then
+//! the table, then a list (growth reads the requester's list, and takes idle free granules out
+//! of the lists, while it holds the table); nothing takes the table while it holds a list's
+//! lock, nor the growth lock while it holds either.
 
-use super::super::stream_ordered::{
-    planted, EngineStats, EngineStream, Grow, ListBlocks, StreamHeap,
-};
+use super::super::stream_ordered::{EngineStats, EngineStream, Grow, ListBlocks, StreamHeap};
 use crate::error::{Error, Result};
+use crate::resource::held_for_trim::{HeldForTrim, Ticket};
 use crate::sync::{AtomicU64, Mutex, Ordering};
 
 /// A reserved address range that granules of physical memory can be mapped into.
@@ -300,6 +301,10 @@ pub(crate) struct Expander<S: EngineStream, B: Backing> {
     unclaimed_bytes: std::sync::atomic::AtomicU64,
     /// Pieces claimed from another region (moved: unmapped there, mapped in the claimer's).
     moves: AtomicU64,
+    /// Ranges that trims took out of the lists ([`hold_free`](Self::hold_free)) and hold while
+    /// they wait for their streams: a request at the maximum takes them back
+    /// ([`Grow::recall_trimmed`]).
+    held_for_trim: HeldForTrim<Taken<S>>,
 }
 
 impl<S: EngineStream, B: Backing> Expander<S, B> {
@@ -348,6 +353,7 @@ impl<S: EngineStream, B: Backing> Expander<S, B> {
             split_min: SPLIT_MIN,
             unclaimed_bytes: std::sync::atomic::AtomicU64::new(0),
             moves: AtomicU64::new(0),
+            held_for_trim: HeldForTrim::new(),
         }
     }
 
@@ -568,17 +574,7 @@ impl<S: EngineStream, B: Backing> Expander<S, B> {
             self.note_unclaimed(&table);
             return false;
         };
-        let (first, count) = if planted::claim_relocks() {
-            // The planted bug: the piece picked, the lock let go and taken again, and the
-            // piece used without looking whether a trim took it meanwhile.
-            let piece = table.unclaimed[at];
-            drop(table);
-            table = self.table.lock();
-            table.unclaimed.retain(|&p| p != piece);
-            piece
-        } else {
-            table.unclaimed.swap_remove(at)
-        };
+        let (first, count) = table.unclaimed.swap_remove(at);
         let g = self.granule();
         if table.region_of(first) == home {
             self.note_unclaimed(&table);
@@ -728,21 +724,52 @@ impl<S: EngineStream, B: Backing> Expander<S, B> {
         (frontier + count <= region.end).then_some((frontier, count))
     }
 
-    /// Takes fully free granules out of the lists for unmapping, as many as it takes for at
-    /// most `keep` bytes to stay mapped (the unclaimed pieces first, then the highest
-    /// addresses of the lists); nothing else leaves the lists. The caller waits for each
-    /// range's stream (all its work), then calls [`unmap_ranges`](Self::unmap_ranges), or
-    /// [`put_back`](Self::put_back) if it cannot.
+    /// Takes fully free granules out of the lists for a trim, as many as it takes for at most
+    /// `keep` bytes to stay mapped (the unclaimed pieces first, then the highest addresses of
+    /// the lists); nothing else leaves the lists. What it takes is held for the trim: a request
+    /// at the maximum may take it back ([`Grow::recall_trimmed`]). Returns the trim's ticket and
+    /// a copy of what it took: the caller waits for each range's stream (all its work), then
+    /// unmaps what is still its own ([`give_back_held`](Self::give_back_held) with
+    /// [`unmap_ranges`](Self::unmap_ranges)), or puts that back
+    /// ([`take_back_held`](Self::take_back_held), [`put_back`](Self::put_back)) if it cannot.
     ///
-    /// The lists' part under the engine's growth lock (`slow`): a request that misses while
-    /// ranges are out of the lists here (being ordered, or going back after a failed
-    /// ordering) waits for it before its last look and its growth, and finds the lists as
-    /// this leaves them, instead of growing, or failing at the maximum, for want of memory
-    /// that stays. Only this part: the caller waits for the streams after it, with no lock
-    /// held (the GPU is never waited for inside a lock), and what it waits for is what it
-    /// unmaps. (The unclaimed pieces need no such lock: they are taken under the table's,
-    /// which claims hold while they look.)
-    pub(crate) fn take_free(&self, keep: u64) -> Vec<Taken<S>> {
+    /// Under the engine's growth lock (`slow`): a request that misses while ranges are out of
+    /// the lists here (being ordered, or going back after a failed ordering) waits for it
+    /// before its last look and its growth, and finds the lists as this leaves them, or what
+    /// it took held, instead of growing, or failing at the maximum, for want of memory that
+    /// stays. Only this part: the caller waits for the streams after it, with no lock held
+    /// (the GPU is never waited for inside a lock).
+    pub(crate) fn hold_free(&self, keep: u64) -> (Ticket, Vec<Taken<S>>) {
+        // Lock order: the growth lock, then the held list's (a recall holds the growth lock).
+        let _growth = self.heap.growth_lock();
+        self.held_for_trim.hold(|| self.take_free(keep))
+    }
+
+    /// How many requests took back what trims held ([`Grow::recall_trimmed`]).
+    #[cfg(all(streamalloc_loom, test))]
+    pub(crate) fn trim_recalls(&self) -> usize {
+        self.held_for_trim.recalls()
+    }
+
+    /// Runs `unmap` on what the trim of `ticket` ([`hold_free`](Self::hold_free)) still holds,
+    /// once its streams were waited for, before a request at the maximum may look again (see
+    /// `held_for_trim.rs`).
+    pub(crate) fn give_back_held<R>(
+        &self,
+        ticket: Ticket,
+        unmap: impl FnOnce(Vec<Taken<S>>) -> R,
+    ) -> R {
+        self.held_for_trim.give_back(ticket, unmap)
+    }
+
+    /// What the trim of `ticket` still holds, no longer held: to [`put_back`](Self::put_back)
+    /// (the trim ended early).
+    pub(crate) fn take_back_held(&self, ticket: Ticket) -> Vec<Taken<S>> {
+        self.held_for_trim.take_back(ticket)
+    }
+
+    /// [`hold_free`](Self::hold_free)'s taking, with the growth lock held.
+    fn take_free(&self, keep: u64) -> Vec<Taken<S>> {
         let g = self.granule();
         let mut out = Vec::new();
         // Unclaimed pieces first (fresh, needing no wait), the highest first, each from its
@@ -770,13 +797,12 @@ impl<S: EngineStream, B: Backing> Expander<S, B> {
         self.note_unclaimed(&table);
         drop(table);
         if excess > 0 {
-            let _growth = self.heap.growth_lock();
             out.extend(self.heap.take_aligned(g, excess));
         }
         out
     }
 
-    /// Ranges taken by [`take_free`](Self::take_free) go back where they were, free.
+    /// Ranges taken by [`hold_free`](Self::hold_free) go back where they were, free.
     pub(crate) fn put_back(&self, ranges: Vec<Taken<S>>) {
         for (addr, size, stream) in ranges {
             match stream {
@@ -786,13 +812,13 @@ impl<S: EngineStream, B: Backing> Expander<S, B> {
         }
     }
 
-    /// Unmaps the granules of ranges taken by [`take_free`](Self::take_free). Returns the
+    /// Unmaps the granules of ranges taken by [`hold_free`](Self::hold_free). Returns the
     /// bytes unmapped and the first error; a range whose unmapping failed goes back to its
     /// list from the granule that failed on, so nothing is lost.
     ///
     /// # Safety
     /// The work of every range's stream, up to the moment its range was taken, has finished
-    /// (the caller synchronized the stream after `take_free`); fresh ranges were never used.
+    /// (the caller synchronized the stream after `hold_free`); fresh ranges were never used.
     pub(crate) unsafe fn unmap_ranges(&self, ranges: Vec<Taken<S>>) -> (u64, Result<()>) {
         let (released, result, back) = {
             let mut table = self.table.lock();
@@ -897,6 +923,17 @@ impl<S: EngineStream, B: Backing> Grow<S> for Expander<S, B> {
 
     fn claim(&self, min: u64, _stream: &S) -> bool {
         self.claim_piece(min)
+    }
+
+    fn recall_trimmed(&self) -> bool {
+        let recalled = self.held_for_trim.recall();
+        let found = !recalled.items.is_empty();
+        if found {
+            let ranges = recalled.items.len();
+            let _span = tracing::debug_span!("recall_from_trim", ranges).entered();
+            self.put_back(recalled.items);
+        }
+        found || recalled.waited
     }
 
     /// Maps granules for a request of `min` bytes where they coalesce with the requester's

@@ -10,6 +10,7 @@ use std::fmt;
 use std::sync::{Arc as StdArc, Weak};
 
 use self::core::{Expander, ReleaseTrigger, Taken};
+use super::held_for_trim::Ticket;
 use super::pool::PoolStats;
 use super::waiters::{MemoryWaiters, WaitStats};
 use super::{aligned_size, check_stream, MemoryResource};
@@ -312,11 +313,13 @@ impl ExpandablePoolResource {
     /// On an error (a failed synchronization or unmap), what was not unmapped goes back where
     /// it was: nothing is lost, and the pool works as before.
     ///
-    /// It takes out of the lists only what it will unmap, but while it waits for those
-    /// granules' streams, a request on another thread that only they could serve maps more,
-    /// or at the maximum is refused (as if the trim had finished first; a request never waits
-    /// for the GPU). [`allocate_async`](crate::AllocateAsync::allocate_async) waits instead,
-    /// and is woken when the trim ends.
+    /// It takes out of the lists only what it will unmap. While it waits for those granules'
+    /// streams, a request on another thread that only they could serve takes them all back
+    /// into the lists before it would map more (or fail at the maximum), and is served from
+    /// them after the streams that freed them (GPU-side, as any reuse); the trim then unmaps
+    /// only what is still its own, and returns those bytes. A request never waits for the
+    /// GPU; one that comes while the trim unmaps waits for the unmapping (driver calls), then
+    /// finds the room.
     ///
     /// # Cancel safety
     /// Cancel-safe: dropped while it waits for a stream, it puts the granules it took out back
@@ -372,14 +375,11 @@ impl Inner {
             return Err(e);
         }
         // Put back if this future is dropped while it waits, or a wait fails.
-        let taken = TakenForTrim {
-            inner: self,
-            ranges: self.core.take_free(keep),
-        };
-        for stream in Self::streams_of(&taken.ranges) {
+        let (taken, streams) = TakenForTrim::take(self, keep);
+        for stream in streams {
             stream.synchronize().await?;
         }
-        self.unmap(taken.unmap())
+        taken.unmap()
     }
 
     fn trim_to_blocking(&self, keep: u64) -> Result<usize> {
@@ -395,21 +395,18 @@ impl Inner {
         if let Some(e) = first_error {
             return Err(e);
         }
-        let taken = TakenForTrim {
-            inner: self,
-            ranges: self.core.take_free(keep),
-        };
-        for stream in Self::streams_of(&taken.ranges) {
+        let (taken, streams) = TakenForTrim::take(self, keep);
+        for stream in streams {
             stream.synchronize_blocking()?;
         }
-        self.unmap(taken.unmap())
+        taken.unmap()
     }
 
     /// Unmaps ranges whose streams were synchronized after they were taken.
     fn unmap(&self, taken: Vec<Taken<Stream>>) -> Result<usize> {
         let _span = tracing::debug_span!("trim", ranges = taken.len()).entered();
         // SAFETY: every range was taken out of the lists before its stream was synchronized
-        // (by the callers, after `take_free`), so the work that last used it has finished;
+        // (by the callers, after `hold_free`), so the work that last used it has finished;
         // fresh ranges were never used.
         let (released, result) = unsafe { self.core.unmap_ranges(taken) };
         tracing::debug!(released, "unmapped");
@@ -559,26 +556,48 @@ impl Drop for Inner {
     }
 }
 
-/// Ranges a trim took out of the lists ([`Expander::take_free`]), put back (and the memory
+/// Ranges a trim took out of the lists ([`Expander::hold_free`]), put back (and the memory
 /// waiters told: a request may have been refused while they were out) if the trim ends before
 /// it unmaps them: a failed wait for one of their streams, or the trim's future dropped while
-/// it waits. [`unmap`](Self::unmap) hands them on instead.
+/// it waits. [`unmap`](Self::unmap) unmaps those a request at the maximum has not taken
+/// back.
 struct TakenForTrim<'a> {
     inner: &'a Inner,
-    ranges: Vec<Taken<Stream>>,
+    /// `None` once unmapped (nothing then to put back on drop).
+    ticket: Option<Ticket>,
 }
 
-impl TakenForTrim<'_> {
-    /// The ranges, to unmap: no longer put back on drop.
-    fn unmap(mut self) -> Vec<Taken<Stream>> {
-        std::mem::take(&mut self.ranges)
+impl<'a> TakenForTrim<'a> {
+    /// Takes free granules out of the lists for a trim down to `keep` bytes mapped, and the
+    /// streams to wait for before they are unmapped.
+    fn take(inner: &'a Inner, keep: u64) -> (Self, Vec<Stream>) {
+        let (ticket, ranges) = inner.core.hold_free(keep);
+        let streams = Inner::streams_of(&ranges);
+        let taken = TakenForTrim {
+            inner,
+            ticket: Some(ticket),
+        };
+        (taken, streams)
+    }
+
+    /// Unmaps the ranges still the trim's (no longer put back on drop): the bytes unmapped.
+    fn unmap(mut self) -> Result<usize> {
+        let Some(ticket) = self.ticket.take() else {
+            return Ok(0);
+        };
+        let inner = self.inner;
+        (inner.core).give_back_held(ticket, |ranges| inner.unmap(ranges))
     }
 }
 
 impl Drop for TakenForTrim<'_> {
     fn drop(&mut self) {
-        if !self.ranges.is_empty() {
-            self.inner.core.put_back(std::mem::take(&mut self.ranges));
+        let Some(ticket) = self.ticket.take() else {
+            return;
+        };
+        let ranges = self.inner.core.take_back_held(ticket);
+        if !ranges.is_empty() {
+            self.inner.core.put_back(ranges);
             self.inner.waiters.notify();
         }
     }

@@ -30,7 +30,7 @@ impl<S: EngineStream> StreamHeap<S> {
 
     /// The growth lock (`slow`), which every request holds through its last look at the
     /// lists and its growth: the expandable pool's trim holds it while it takes ranges out
-    /// of the lists (see `Expander::take_free`).
+    /// of the lists (see `Expander::hold_free`).
     pub(crate) fn growth_lock(&self) -> MutexGuard<'_, ()> {
         self.slow.lock()
     }

@@ -146,6 +146,15 @@ pub(crate) trait Grow<S = Stream> {
     fn claim(&self, _min: u64, _stream: &S) -> bool {
         false
     }
+
+    /// Puts the memory that trims hold while they wait for the GPU back in the free lists, as
+    /// if they had not taken it (`resource/held_for_trim.rs`): whether the request should look
+    /// again (there was some, or it waited for a trim giving memory back). Called with the
+    /// engine's `slow` lock held, before a growth: the trims give back only what is still
+    /// theirs when their waits end.
+    fn recall_trimmed(&self) -> bool {
+        false
+    }
 }
 
 /// A stream the engine knows.
@@ -883,6 +892,13 @@ impl<S: EngineStream> StreamHeap<S> {
         // The small-block caches hold free memory that no search sees: back to the free
         // blocks, coalesced, before the pool grows for want of it.
         if self.uncache_everywhere() {
+            if let Some(addr) = self.take_any(size, stream, true, upstream)? {
+                return Ok(addr);
+            }
+        }
+        // Memory that trims hold while they wait for the GPU: back in the lists, and looked
+        // at, before the pool grows (or fails at the maximum) for want of it.
+        if upstream.recall_trimmed() {
             if let Some(addr) = self.take_any(size, stream, true, upstream)? {
                 return Ok(addr);
             }

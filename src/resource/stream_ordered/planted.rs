@@ -55,15 +55,15 @@ pub(crate) static RELOCATED_BUSY: AtomicBool = AtomicBool::new(false);
 #[cfg(streamalloc_loom)]
 pub(crate) static ONTO_FIRST_ONLY: AtomicBool = AtomicBool::new(false);
 
-/// The expandable pool's claim picks an unclaimed piece, lets go of the table's lock and
-/// takes it again, and uses the piece without looking whether a trim took it meanwhile.
-#[cfg(streamalloc_loom)]
-pub(crate) static CLAIM_RELOCKS: AtomicBool = AtomicBool::new(false);
-
 /// The small-block cache hands a block back to any stream, not only the one that freed it:
 /// another stream reuses it with no ordering after its last use.
 #[cfg(streamalloc_loom)]
 pub(crate) static CACHE_ANY_STREAM: AtomicBool = AtomicBool::new(false);
+
+/// A trim gives back everything it took, though a request at the maximum recalled some of it
+/// into the lists and was handed it (`resource/held_for_trim.rs`).
+#[cfg(streamalloc_loom)]
+pub(crate) static TRIM_IGNORES_RECALL: AtomicBool = AtomicBool::new(false);
 
 macro_rules! switch {
     ($name:ident, $flag:ident) => {
@@ -94,15 +94,8 @@ switch!(reserve_moves_ignored, RESERVE_MOVES_IGNORED);
 switch!(onto_first_only, ONTO_FIRST_ONLY);
 switch!(cache_any_stream, CACHE_ANY_STREAM);
 
-/// [`CLAIM_RELOCKS`] (for `resource/expandable/core.rs`, outside this module).
+/// [`TRIM_IGNORES_RECALL`] (for `resource/held_for_trim.rs`, outside this module).
 #[cfg(streamalloc_loom)]
-pub(crate) fn claim_relocks() -> bool {
-    CLAIM_RELOCKS.load(Ordering::Relaxed)
-}
-
-/// Off outside the loom models.
-#[cfg(not(streamalloc_loom))]
-#[inline(always)]
-pub(crate) const fn claim_relocks() -> bool {
-    false
+pub(crate) fn trim_ignores_recall() -> bool {
+    TRIM_IGNORES_RECALL.load(Ordering::Relaxed)
 }
