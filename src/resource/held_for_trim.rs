@@ -4,15 +4,26 @@
 //! That wait can be long (a stream running a kernel), and the memory still counts against the
 //! resource's maximum until the trim gives it back. A request that only that memory could serve
 //! was refused meanwhile, at the maximum, though the trim would have freed the memory moments
-//! later. So what a trim holds is listed here: such a request takes it all back into the free
-//! lists ([`recall`](HeldForTrim::recall)), from where it is served as any free memory is (after
-//! the streams that freed it, by the engine's orderings), and the trim gives back only what it
-//! still holds when its wait ends ([`give_back`](HeldForTrim::give_back)).
+//! later. So what a trim holds is listed here, and a request whose growth failed takes it all
+//! back into the free lists ([`recall`](HeldForTrim::recall)), from where it is served as any
+//! free memory is (after the streams that freed it, by the engine's orderings), then looks and
+//! grows once more. A request that can grow never recalls: the trim keeps what it took. The
+//! trim gives back only what is still its own when its wait ends
+//! ([`release`](HeldForTrim::release), then [`given_back`](HeldForTrim::given_back)).
 //!
-//! Both ends run under this list's lock: [`hold`](HeldForTrim::hold) takes the memory out of
-//! the lists, and `give_back` hands it upstream (unmaps it), so a recall finds the memory still
-//! in the lists, here, or given back (room under the maximum), never in between. Loom model:
-//! `loom-tests/expandable.rs`, `request_at_the_maximum_vs_trim`.
+//! A request reads the [`epoch`](HeldForTrim::epoch) before its last look; a recall that finds
+//! nothing held but a newer epoch (a trim put its memory back, or finished giving it back, in
+//! between) tells it to look and grow once more.
+//!
+//! [`hold`](HeldForTrim::hold) takes the memory out of the lists under this list's lock, and a
+//! trim that ends early puts it back under it ([`put_back`](HeldForTrim::put_back)), so a
+//! recall finds such memory in the lists or here, never in between. The give-back itself
+//! (`cuMemFree`, which waits for the whole device to be idle; the unmapping) runs with no lock
+//! held, so that no request waits for it: a request at the maximum that comes meanwhile is
+//! refused as if the trim had finished first (an awaitable request waits, and the give-back's
+//! end wakes it). Loom models: `loom-tests/expandable.rs`,
+//! `a_request_at_the_maximum_recalls_what_a_trim_holds` and
+//! `a_request_at_the_maximum_vs_a_cancelled_trim`.
 
 use crate::sync::Mutex;
 
@@ -24,8 +35,12 @@ pub(crate) struct HeldForTrim<T> {
 struct Held<T> {
     next_ticket: u64,
     items: Vec<(u64, T)>,
-    /// Recalls that found something (for the loom model).
-    recalls: usize,
+    /// Bumped by every [`put_back`](HeldForTrim::put_back) (memory back in the lists) and
+    /// every [`given_back`](HeldForTrim::given_back) (room back under the maximum).
+    epoch: u64,
+    /// Recalls that found something, and releases (for the loom models).
+    #[cfg(streamalloc_loom)]
+    counts: (usize, usize),
     /// Everything ever held, under its ticket (for the planted bug of the loom model).
     #[cfg(streamalloc_loom)]
     ever: Vec<(u64, T)>,
@@ -35,15 +50,6 @@ struct Held<T> {
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub(crate) struct Ticket(u64);
 
-/// What a [`recall`](HeldForTrim::recall) found.
-pub(crate) struct Recalled<T> {
-    /// What the trims held, no longer theirs.
-    pub(crate) items: Vec<T>,
-    /// Whether the recall waited for a trim at work (taking, or giving back): the room under
-    /// the maximum may have changed, and the request should look again.
-    pub(crate) waited: bool,
-}
-
 impl<T: Clone> HeldForTrim<T> {
     /// Nothing held.
     pub(crate) fn new() -> Self {
@@ -51,7 +57,9 @@ impl<T: Clone> HeldForTrim<T> {
             inner: Mutex::new(Held {
                 next_ticket: 0,
                 items: Vec::new(),
-                recalls: 0,
+                epoch: 0,
+                #[cfg(streamalloc_loom)]
+                counts: (0, 0),
                 #[cfg(streamalloc_loom)]
                 ever: Vec::new(),
             }),
@@ -74,19 +82,37 @@ impl<T: Clone> HeldForTrim<T> {
         (ticket, taken)
     }
 
-    /// Takes out what the trim of `ticket` still holds (a request may have recalled some or all
-    /// of it) and runs `give` on it (the release upstream, the unmapping) before it lets go of
-    /// the list: a request at the maximum that comes meanwhile waits, then finds the room.
-    pub(crate) fn give_back<R>(&self, ticket: Ticket, give: impl FnOnce(Vec<T>) -> R) -> R {
+    /// What the trim of `ticket` still holds (a request may have recalled some or all of it),
+    /// no longer held: to give back, with no lock held.
+    pub(crate) fn release(&self, ticket: Ticket) -> Vec<T> {
         let mut held = self.inner.lock();
-        let mine = Self::take_mine(&mut held, ticket);
-        give(mine)
+        #[cfg(streamalloc_loom)]
+        {
+            held.counts.1 += 1;
+        }
+        Self::take_mine(&mut held, ticket)
     }
 
-    /// Takes out what the trim of `ticket` still holds, to put back in the lists (the trim
-    /// ended before it gave its memory back).
-    pub(crate) fn take_back(&self, ticket: Ticket) -> Vec<T> {
-        Self::take_mine(&mut self.inner.lock(), ticket)
+    /// Runs `put_back` on what the trim of `ticket` still holds (the trim ended before it gave
+    /// its memory back), under this list's lock: a recall then finds it here or in the lists.
+    pub(crate) fn put_back(&self, ticket: Ticket, put_back: impl FnOnce(Vec<T>)) {
+        let mut held = self.inner.lock();
+        let mine = Self::take_mine(&mut held, ticket);
+        put_back(mine);
+        held.epoch += 1;
+    }
+
+    /// Notes that a trim's give-back of what [`release`](Self::release) handed it has ended:
+    /// the room under the maximum is back.
+    pub(crate) fn given_back(&self) {
+        self.inner.lock().epoch += 1;
+    }
+
+    /// How many times trims have put memory back in the lists or given it back: a request reads
+    /// it before its last look, and a recall that finds nothing held but a new epoch tells it
+    /// to look (and grow) again.
+    pub(crate) fn epoch(&self) -> u64 {
+        self.inner.lock().epoch
     }
 
     fn take_mine(held: &mut Held<T>, ticket: Ticket) -> Vec<T> {
@@ -106,26 +132,25 @@ impl<T: Clone> HeldForTrim<T> {
         mine.into_iter().map(|(_, item)| item).collect()
     }
 
-    /// Everything every trim holds, no longer held: for a request at the maximum to put back
-    /// in the lists and take from.
-    pub(crate) fn recall(&self) -> Recalled<T> {
-        let (mut held, waited) = match self.inner.try_lock() {
-            Some(held) => (held, false),
-            None => (self.inner.lock(), true),
-        };
+    /// Everything every trim holds, no longer held, for a request whose growth failed to put
+    /// back in the lists and take from; and whether the epoch moved past `seen` (memory came
+    /// back to the lists, or room under the maximum, since the request looked).
+    pub(crate) fn recall(&self, seen: u64) -> (Vec<T>, bool) {
+        let mut held = self.inner.lock();
         let items: Vec<T> = std::mem::take(&mut held.items)
             .into_iter()
             .map(|(_, item)| item)
             .collect();
+        #[cfg(streamalloc_loom)]
         if !items.is_empty() {
-            held.recalls += 1;
+            held.counts.0 += 1;
         }
-        Recalled { items, waited }
+        (items, held.epoch != seen)
     }
 
-    /// How many recalls found something.
+    /// How many recalls found something, and how many releases there were.
     #[cfg(all(streamalloc_loom, test))]
-    pub(crate) fn recalls(&self) -> usize {
-        self.inner.lock().recalls
+    pub(crate) fn counts(&self) -> (usize, usize) {
+        self.inner.lock().counts
     }
 }

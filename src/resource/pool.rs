@@ -447,11 +447,14 @@ impl<U: MemoryResource> PoolResource<U> {
     /// On an error (a failed synchronization or upstream free), every block taken out is put
     /// back where it was: nothing is lost, and the pool works as before.
     ///
-    /// While it waits for those streams, the chunks it took are out of the free list: a
-    /// request on another thread that only they could serve takes them all back into the list
-    /// before it would grow the pool (or fail at the maximum), and is served from them after
-    /// the streams that freed them (GPU-side, as any reuse); the trim then gives back only what
-    /// is still its own, and returns those bytes. A request never waits for the GPU.
+    /// While it waits for those streams, the chunks it took are out of the free list. A request
+    /// on another thread that finds no fit grows the pool as usual; at the maximum, it takes
+    /// every chunk the trims hold back into the list instead of failing, and is served from
+    /// them after the streams that freed them (GPU-side, as any reuse). The trim then gives
+    /// back only what is still its own, and returns those bytes. While the trim gives its
+    /// chunks upstream, a request at the maximum is refused as if the trim had finished first
+    /// ([`allocate_async`](crate::AllocateAsync::allocate_async) waits instead, and is woken
+    /// when the trim ends): a request never waits for the GPU.
     ///
     /// Over [`CudaResource`](super::cuda::CudaResource), each chunk given back is a
     /// `cuMemFree`, which waits for the whole device to be idle and meanwhile holds up every
@@ -570,14 +573,19 @@ impl<U: MemoryResource> PoolResource<U> {
 }
 
 impl<U: MemoryResource> Grow for PoolResource<U> {
-    fn recall_trimmed(&self) -> bool {
-        let recalled = self.held_for_trim.recall();
-        if !recalled.items.is_empty() {
-            let chunks = recalled.items.len();
-            let _span = tracing::debug_span!("recall_from_trim", chunks).entered();
-            self.put_back(&recalled.items);
+    fn trim_epoch(&self) -> u64 {
+        self.held_for_trim.epoch()
+    }
+
+    fn recall_trimmed(&self, epoch: u64) -> bool {
+        let (recalled, moved) = self.held_for_trim.recall(epoch);
+        if recalled.is_empty() {
+            // A trim may have put memory back, or given it back, since the request looked.
+            return moved;
         }
-        !recalled.items.is_empty() || recalled.waited
+        let _span = tracing::debug_span!("recall_from_trim", chunks = recalled.len()).entered();
+        self.put_back(&recalled);
+        true
     }
 
     fn grow(&self, min: u64, stream: &Stream) -> Result<(u64, u64)> {
@@ -787,21 +795,23 @@ impl<'a, U: MemoryResource> TakenForTrim<'a, U> {
     }
 
     /// Gives upstream the chunks still the trim's (no longer put back on drop): the bytes
-    /// given back.
+    /// given back. With no lock held: over `CudaResource` each is a `cuMemFree`, which waits
+    /// for the whole device to be idle, and no request waits for it.
     fn give_back(mut self) -> Result<usize> {
         let Some(ticket) = self.ticket.take() else {
             return Ok(0);
         };
-        let pool = self.pool;
-        (pool.held_for_trim).give_back(ticket, |chunks| pool.release_chunks(chunks))
+        let given = (self.pool).release_chunks(self.pool.held_for_trim.release(ticket));
+        self.pool.held_for_trim.given_back();
+        given
     }
 }
 
 impl<U: MemoryResource> Drop for TakenForTrim<'_, U> {
     fn drop(&mut self) {
         if let Some(ticket) = self.ticket.take() {
-            self.pool
-                .put_back(&self.pool.held_for_trim.take_back(ticket));
+            let pool = self.pool;
+            (pool.held_for_trim).put_back(ticket, |chunks| pool.put_back(&chunks));
         }
     }
 }

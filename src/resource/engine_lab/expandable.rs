@@ -131,7 +131,7 @@ fn churn_on(pool: &Expander<LabStream, LabBacking>, streams: usize, hand_off: bo
         if every > 0 && op % every == 0 {
             let (ticket, _) = pool.hold_free(0);
             // SAFETY: a lab backing maps nothing; nothing runs.
-            let _ = pool.give_back_held(ticket, |taken| unsafe { pool.unmap_ranges(taken) });
+            let _ = unsafe { pool.unmap_ranges(pool.release_held(ticket)) };
         }
         match churn.next(live.len()) {
             Op::Allocate { size, stream } => {

@@ -729,9 +729,9 @@ impl<S: EngineStream, B: Backing> Expander<S, B> {
     /// the lists); nothing else leaves the lists. What it takes is held for the trim: a request
     /// at the maximum may take it back ([`Grow::recall_trimmed`]). Returns the trim's ticket and
     /// a copy of what it took: the caller waits for each range's stream (all its work), then
-    /// unmaps what is still its own ([`give_back_held`](Self::give_back_held) with
+    /// unmaps what is still its own ([`release_held`](Self::release_held),
     /// [`unmap_ranges`](Self::unmap_ranges)), or puts that back
-    /// ([`take_back_held`](Self::take_back_held), [`put_back`](Self::put_back)) if it cannot.
+    /// ([`put_back_held`](Self::put_back_held)) if it cannot.
     ///
     /// Under the engine's growth lock (`slow`): a request that misses while ranges are out of
     /// the lists here (being ordered, or going back after a failed ordering) waits for it
@@ -745,27 +745,35 @@ impl<S: EngineStream, B: Backing> Expander<S, B> {
         self.held_for_trim.hold(|| self.take_free(keep))
     }
 
-    /// How many requests took back what trims held ([`Grow::recall_trimmed`]).
+    /// How many requests took back what trims held ([`Grow::recall_trimmed`]), and how many
+    /// trims released what they held to unmap it.
     #[cfg(all(streamalloc_loom, test))]
-    pub(crate) fn trim_recalls(&self) -> usize {
-        self.held_for_trim.recalls()
+    pub(crate) fn trim_counts(&self) -> (usize, usize) {
+        self.held_for_trim.counts()
     }
 
-    /// Runs `unmap` on what the trim of `ticket` ([`hold_free`](Self::hold_free)) still holds,
-    /// once its streams were waited for, before a request at the maximum may look again (see
-    /// `held_for_trim.rs`).
-    pub(crate) fn give_back_held<R>(
-        &self,
-        ticket: Ticket,
-        unmap: impl FnOnce(Vec<Taken<S>>) -> R,
-    ) -> R {
-        self.held_for_trim.give_back(ticket, unmap)
+    /// What the trim of `ticket` ([`hold_free`](Self::hold_free)) still holds, no longer held:
+    /// to unmap once its streams were waited for ([`unmap_ranges`](Self::unmap_ranges)), then
+    /// to say so ([`unmapped_held`](Self::unmapped_held)).
+    pub(crate) fn release_held(&self, ticket: Ticket) -> Vec<Taken<S>> {
+        self.held_for_trim.release(ticket)
     }
 
-    /// What the trim of `ticket` still holds, no longer held: to [`put_back`](Self::put_back)
-    /// (the trim ended early).
-    pub(crate) fn take_back_held(&self, ticket: Ticket) -> Vec<Taken<S>> {
-        self.held_for_trim.take_back(ticket)
+    /// Notes that a trim has unmapped what [`release_held`](Self::release_held) handed it: a
+    /// request refused meanwhile at the maximum looks again.
+    pub(crate) fn unmapped_held(&self) {
+        self.held_for_trim.given_back();
+    }
+
+    /// Puts back in the lists what the trim of `ticket` still holds (the trim ended early):
+    /// whether there was any.
+    pub(crate) fn put_back_held(&self, ticket: Ticket) -> bool {
+        let mut any = false;
+        self.held_for_trim.put_back(ticket, |ranges| {
+            any = !ranges.is_empty();
+            self.put_back(ranges);
+        });
+        any
     }
 
     /// [`hold_free`](Self::hold_free)'s taking, with the growth lock held.
@@ -925,15 +933,19 @@ impl<S: EngineStream, B: Backing> Grow<S> for Expander<S, B> {
         self.claim_piece(min)
     }
 
-    fn recall_trimmed(&self) -> bool {
-        let recalled = self.held_for_trim.recall();
-        let found = !recalled.items.is_empty();
-        if found {
-            let ranges = recalled.items.len();
-            let _span = tracing::debug_span!("recall_from_trim", ranges).entered();
-            self.put_back(recalled.items);
+    fn trim_epoch(&self) -> u64 {
+        self.held_for_trim.epoch()
+    }
+
+    fn recall_trimmed(&self, epoch: u64) -> bool {
+        let (recalled, moved) = self.held_for_trim.recall(epoch);
+        if recalled.is_empty() {
+            // A trim may have put memory back, or unmapped it, since the request looked.
+            return moved;
         }
-        found || recalled.waited
+        let _span = tracing::debug_span!("recall_from_trim", ranges = recalled.len()).entered();
+        self.put_back(recalled);
+        true
     }
 
     /// Maps granules for a request of `min` bytes where they coalesce with the requester's

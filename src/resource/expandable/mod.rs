@@ -314,12 +314,13 @@ impl ExpandablePoolResource {
     /// it was: nothing is lost, and the pool works as before.
     ///
     /// It takes out of the lists only what it will unmap. While it waits for those granules'
-    /// streams, a request on another thread that only they could serve takes them all back
-    /// into the lists before it would map more (or fail at the maximum), and is served from
-    /// them after the streams that freed them (GPU-side, as any reuse); the trim then unmaps
-    /// only what is still its own, and returns those bytes. A request never waits for the
-    /// GPU; one that comes while the trim unmaps waits for the unmapping (driver calls), then
-    /// finds the room.
+    /// streams, a request on another thread that finds no fit maps more as usual; at the
+    /// maximum, it takes every range the trims hold back into the lists instead of failing,
+    /// and is served from them after the streams that freed them (GPU-side, as any reuse).
+    /// The trim then unmaps only what is still its own, and returns those bytes. While the
+    /// trim unmaps, a request at the maximum is refused as if the trim had finished first
+    /// ([`allocate_async`](crate::AllocateAsync::allocate_async) waits instead, and is woken
+    /// when the trim ends): a request never waits for the GPU.
     ///
     /// # Cancel safety
     /// Cancel-safe: dropped while it waits for a stream, it puts the granules it took out back
@@ -581,12 +582,14 @@ impl<'a> TakenForTrim<'a> {
     }
 
     /// Unmaps the ranges still the trim's (no longer put back on drop): the bytes unmapped.
+    /// With no lock held: no request waits for the driver's unmapping.
     fn unmap(mut self) -> Result<usize> {
         let Some(ticket) = self.ticket.take() else {
             return Ok(0);
         };
-        let inner = self.inner;
-        (inner.core).give_back_held(ticket, |ranges| inner.unmap(ranges))
+        let unmapped = self.inner.unmap(self.inner.core.release_held(ticket));
+        self.inner.core.unmapped_held();
+        unmapped
     }
 }
 
@@ -595,9 +598,7 @@ impl Drop for TakenForTrim<'_> {
         let Some(ticket) = self.ticket.take() else {
             return;
         };
-        let ranges = self.inner.core.take_back_held(ticket);
-        if !ranges.is_empty() {
-            self.inner.core.put_back(ranges);
+        if self.inner.core.put_back_held(ticket) {
             self.inner.waiters.notify();
         }
     }

@@ -147,12 +147,20 @@ pub(crate) trait Grow<S = Stream> {
         false
     }
 
+    /// The epoch of the memory that trims hold (`resource/held_for_trim.rs`), read before a
+    /// request's last look: [`recall_trimmed`](Self::recall_trimmed) compares it.
+    fn trim_epoch(&self) -> u64 {
+        0
+    }
+
     /// Puts the memory that trims hold while they wait for the GPU back in the free lists, as
-    /// if they had not taken it (`resource/held_for_trim.rs`): whether the request should look
-    /// again (there was some, or it waited for a trim giving memory back). Called with the
-    /// engine's `slow` lock held, before a growth: the trims give back only what is still
-    /// theirs when their waits end.
-    fn recall_trimmed(&self) -> bool {
+    /// if they had not taken it (`resource/held_for_trim.rs`), for a request whose
+    /// [`grow`](Self::grow) failed: whether the request should look and grow once more
+    /// (there was some; or, since the request read `epoch` from
+    /// [`trim_epoch`](Self::trim_epoch), a trim that ended early put memory back, or a trim
+    /// finished giving memory back). Called with the engine's `slow` lock held; the trims give
+    /// back only what is still theirs when their waits end.
+    fn recall_trimmed(&self, _epoch: u64) -> bool {
         false
     }
 }
@@ -856,6 +864,8 @@ impl<S: EngineStream> StreamHeap<S> {
     #[cold]
     fn take_slow(&self, size: u64, stream: &S, upstream: &impl Grow<S>) -> Result<u64> {
         let _slow = self.slow.lock();
+        // Before the last look: a trim that puts memory back after it is seen by the recall.
+        let trim_epoch = upstream.trim_epoch();
         // Pieces of the upstream's that belong to no shard yet go to this thread's home shard,
         // one at a time, until the request fits there or none is left. This ends: each claim
         // takes at least one piece, nothing adds pieces after construction (a trim only takes
@@ -896,15 +906,21 @@ impl<S: EngineStream> StreamHeap<S> {
                 return Ok(addr);
             }
         }
-        // Memory that trims hold while they wait for the GPU: back in the lists, and looked
-        // at, before the pool grows (or fails at the maximum) for want of it.
-        if upstream.recall_trimmed() {
-            if let Some(addr) = self.take_any(size, stream, true, upstream)? {
-                return Ok(addr);
-            }
-        }
         let home = self.home();
-        let mut grown = upstream.grow(size, stream)?;
+        let mut grown = match upstream.grow(size, stream) {
+            Ok(grown) => grown,
+            // Out of memory (at the maximum), perhaps while a trim waits for the GPU with free
+            // memory out of the lists: that memory back in the lists, then one more look and
+            // growth (which at the maximum gives whole free chunks back first). A request that
+            // can grow leaves the trims what they hold; other errors are the request's.
+            Err(Error::OutOfMemory { .. }) if upstream.recall_trimmed(trim_epoch) => {
+                if let Some(addr) = self.take_any(size, stream, true, upstream)? {
+                    return Ok(addr);
+                }
+                upstream.grow(size, stream)?
+            }
+            Err(e) => return Err(e),
+        };
         // An upstream that extends free memory (the expandable pool maps only what the request
         // lacks beyond the free block at its end) can come back to find that block taken
         // meanwhile (requests served from the free list do not take `slow`): then it grows

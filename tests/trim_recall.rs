@@ -1,0 +1,329 @@
+//! Requests that come while a trim waits for the GPU with free memory out of the lists
+//! (`src/resource/held_for_trim.rs`), on every available device: at the maximum they take that
+//! memory back and are served, below it they grow and leave the trim its memory, and none
+//! waits for the trim's give-back (the upstream's free, the unmapping).
+//!
+//! The tests take turns (`take_turns`), as `trim_cancel.rs`'s: each needs its stream still busy
+//! while the trim waits.
+
+mod common;
+
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::{Condvar, Mutex};
+use std::time::{Duration, Instant};
+
+use common::{check_pool, devices, free, label, poll_once, pool, take_turns};
+use streamalloc::resource::cuda::CudaResource;
+use streamalloc::resource::pool::{PoolOptions, PoolResource};
+use streamalloc::{
+    Device, DevicePtr, ExpandableOptions, ExpandablePoolResource, MemoryResource, Result, Stream,
+};
+
+const MIB: usize = 1 << 20;
+
+/// A request at the maximum while the pool's trim waits for the stream that freed the pool's
+/// only chunk: served from that chunk (ordered after the stream, as any reuse), not refused;
+/// the trim then gives back nothing. Before, the request failed with out of memory: the chunk
+/// was out of the lists and still counted against the maximum, though the trim would have
+/// freed it moments later.
+#[test]
+fn a_request_at_the_maximum_takes_what_the_pools_trim_holds() {
+    let _turn = take_turns();
+    for device in devices() {
+        let p = pool(&device, 0, 4 * MIB);
+        let (s1, s2) = (
+            device.create_stream().unwrap(),
+            device.create_stream().unwrap(),
+        );
+        let x = p.allocate(4 * MIB, &s1).unwrap();
+        s1.spin(Duration::from_millis(300)).unwrap();
+        free(&p, x, 4 * MIB, &s1); // the chunk waits for `s1`, busy
+        let mut trim = std::pin::pin!(p.trim());
+        assert!(poll_once(trim.as_mut()).is_pending(), "{}", label(&device));
+        assert_eq!(
+            p.stats().free,
+            0,
+            "{}: the trim holds the chunk",
+            label(&device)
+        );
+        let before = p.stats();
+        let y = p
+            .allocate(4 * MIB, &s2)
+            .unwrap_or_else(|e| panic!("{}: {e}", label(&device)));
+        let after = p.stats();
+        assert_eq!(y, x, "{}: the chunk the trim held", label(&device));
+        assert_eq!(
+            (after.grows, after.reserved),
+            (before.grows, 4 * MIB),
+            "{}",
+            label(&device)
+        );
+        assert!(
+            after.stream_waits + after.idle_reuses > before.stream_waits + before.idle_reuses,
+            "{}: reused after `s1` without an ordering: {after:?}",
+            label(&device)
+        );
+        assert_eq!(
+            futures::executor::block_on(trim).unwrap(),
+            0,
+            "{}: nothing left to give back",
+            label(&device)
+        );
+        free(&p, y, 4 * MIB, &s2);
+        check_pool(&p);
+        s2.synchronize_blocking().unwrap();
+        assert_eq!(p.trim_blocking().unwrap(), 4 * MIB, "{}", label(&device));
+    }
+}
+
+/// The same for the expandable pool's trim, which holds granules until their stream is done
+/// before it unmaps them.
+#[test]
+fn a_request_at_the_maximum_takes_what_the_expandable_pools_trim_holds() {
+    let _turn = take_turns();
+    for device in devices() {
+        let p = ExpandablePoolResource::new(
+            &device,
+            ExpandableOptions {
+                maximum: Some(8 * MIB),
+                ..ExpandableOptions::default()
+            },
+        )
+        .unwrap();
+        let (s1, s2) = (
+            device.create_stream().unwrap(),
+            device.create_stream().unwrap(),
+        );
+        let x = p.allocate(8 * MIB, &s1).unwrap();
+        s1.spin(Duration::from_millis(300)).unwrap();
+        free(&p, x, 8 * MIB, &s1); // the granules wait for `s1`, busy
+        let mut trim = std::pin::pin!(p.trim());
+        assert!(poll_once(trim.as_mut()).is_pending(), "{}", label(&device));
+        assert_eq!(
+            p.stats().free,
+            0,
+            "{}: the trim holds the granules",
+            label(&device)
+        );
+        let y = p
+            .allocate(8 * MIB, &s2)
+            .unwrap_or_else(|e| panic!("{}: {e}", label(&device)));
+        assert_eq!(y, x, "{}: the granules the trim held", label(&device));
+        assert_eq!(p.stats().reserved, 8 * MIB, "{}", label(&device));
+        assert_eq!(
+            futures::executor::block_on(trim).unwrap(),
+            0,
+            "{}: nothing left to unmap",
+            label(&device)
+        );
+        free(&p, y, 8 * MIB, &s2);
+        p.check_invariants().unwrap();
+        s2.synchronize_blocking().unwrap();
+        assert_eq!(p.trim_blocking().unwrap(), 8 * MIB, "{}", label(&device));
+    }
+}
+
+/// Below the maximum a request grows as usual and leaves the trim what it holds: the trim holds
+/// a 4 MiB chunk (its stream busy); a 16 MiB request, which that chunk cannot serve, grows; the
+/// trim gives the chunk back. A review found the request taking the chunk back anyway (a recall
+/// before every growth), the trim giving back nothing and the pool holding both.
+#[test]
+fn a_request_the_pools_trim_cannot_serve_leaves_it_its_chunk() {
+    let _turn = take_turns();
+    for device in devices() {
+        let p = pool(&device, 0, 64 * MIB);
+        let (s1, s2) = (
+            device.create_stream().unwrap(),
+            device.create_stream().unwrap(),
+        );
+        let x = p.allocate(4 * MIB, &s1).unwrap();
+        let chunk = p.stats().reserved;
+        s1.spin(Duration::from_millis(300)).unwrap();
+        free(&p, x, 4 * MIB, &s1); // the chunk waits for `s1`, busy
+        let mut trim = std::pin::pin!(p.trim());
+        assert!(poll_once(trim.as_mut()).is_pending(), "{}", label(&device));
+        assert_eq!(
+            p.stats().free,
+            0,
+            "{}: the trim holds the chunk",
+            label(&device)
+        );
+        // Larger than anything the trim holds: it can only be served by a growth.
+        let y = p.allocate(16 * MIB, &s2).unwrap();
+        let trimmed = futures::executor::block_on(trim).unwrap();
+        let after = p.stats();
+        assert_eq!(
+            trimmed,
+            chunk,
+            "{}: the trim gave back {trimmed} of the {chunk} bytes it held, though the request \
+             it lost them to was served by a growth; the pool still holds them free: {after:?}",
+            label(&device)
+        );
+        free(&p, y, 16 * MIB, &s2);
+        check_pool(&p);
+        s2.synchronize_blocking().unwrap();
+        p.trim_blocking().unwrap();
+    }
+}
+
+/// The same for the expandable pool: granules a, b, c mapped and used; b freed on a busy
+/// stream (c stays live, so b is no frontier for a growth to extend). The trim holds b; a
+/// request of two granules, which b cannot serve, maps two more at the frontier; the trim
+/// unmaps b.
+#[test]
+fn a_request_the_expandable_trim_cannot_serve_leaves_it_its_granule() {
+    let _turn = take_turns();
+    for device in devices() {
+        let p = ExpandablePoolResource::new(
+            &device,
+            ExpandableOptions {
+                maximum: Some(64 * MIB),
+                ..ExpandableOptions::default()
+            },
+        )
+        .unwrap();
+        let g = p.granule();
+        let (s1, s2) = (
+            device.create_stream().unwrap(),
+            device.create_stream().unwrap(),
+        );
+        let a = p.allocate(g, &s1).unwrap();
+        let b = p.allocate(g, &s1).unwrap();
+        let c = p.allocate(g, &s1).unwrap();
+        s1.spin(Duration::from_millis(300)).unwrap();
+        free(&p, b, g, &s1); // b's granule waits for `s1`, busy
+        let mut trim = std::pin::pin!(p.trim());
+        assert!(poll_once(trim.as_mut()).is_pending(), "{}", label(&device));
+        assert_eq!(p.stats().free, 0, "{}: the trim holds b", label(&device));
+        let d = p.allocate(2 * g, &s2).unwrap();
+        assert_ne!(d, b, "{}", label(&device));
+        let unmapped = futures::executor::block_on(trim).unwrap();
+        let after = p.stats();
+        assert_eq!(
+            unmapped,
+            g,
+            "{}: the trim unmapped {unmapped} bytes of the granule it held, though the request \
+             it lost it to was served elsewhere; it stays mapped, free: {after:?}",
+            label(&device)
+        );
+        for (ptr, size, s) in [(a, g, &s1), (c, g, &s1), (d, 2 * g, &s2)] {
+            free(&p, ptr, size, s);
+        }
+        p.check_invariants().unwrap();
+        s1.synchronize_blocking().unwrap();
+        s2.synchronize_blocking().unwrap();
+        p.trim_blocking().unwrap();
+    }
+}
+
+/// `CudaResource` whose `deallocate` can be made to block until opened, as `cuMemFree` does on a
+/// GPU while any stream of the device still has work (the simulated device does not block).
+#[derive(Debug)]
+struct SlowFree {
+    inner: CudaResource,
+    closed: AtomicBool,
+    entered: AtomicBool,
+    gate: Mutex<bool>,
+    opened: Condvar,
+}
+
+impl SlowFree {
+    fn new(device: &Device) -> Self {
+        Self {
+            inner: CudaResource::new(device),
+            closed: AtomicBool::new(false),
+            entered: AtomicBool::new(false),
+            gate: Mutex::new(false),
+            opened: Condvar::new(),
+        }
+    }
+
+    fn open(&self) {
+        *self.gate.lock().unwrap() = true;
+        self.opened.notify_all();
+    }
+}
+
+// SAFETY: passes every call on to `CudaResource`, only later.
+unsafe impl MemoryResource for SlowFree {
+    fn device(&self) -> &Device {
+        self.inner.device()
+    }
+
+    fn allocate(&self, bytes: usize, stream: &Stream) -> Result<DevicePtr> {
+        self.inner.allocate(bytes, stream)
+    }
+
+    unsafe fn deallocate(&self, ptr: DevicePtr, bytes: usize, stream: &Stream) -> Result<()> {
+        if self.closed.load(Ordering::SeqCst) {
+            self.entered.store(true, Ordering::SeqCst);
+            let mut open = self.gate.lock().unwrap();
+            while !*open {
+                open = self.opened.wait(open).unwrap();
+            }
+        }
+        // SAFETY: the caller's contract, passed on.
+        unsafe { self.inner.deallocate(ptr, bytes, stream) }
+    }
+}
+
+/// While the pool's trim is inside its upstream's free, a request on another stream that misses
+/// the lists (well below the maximum: a plain growth) does not wait for that free to end. A
+/// review found it waiting (the trim gave back under the held list's lock, which the request's
+/// recall took while it held the growth lock); over `CudaResource` that free is a `cuMemFree`,
+/// which waits for the whole device to be idle.
+#[test]
+fn a_request_does_not_wait_for_the_pools_trim_to_free_upstream() {
+    let _turn = take_turns();
+    for device in devices() {
+        let p = PoolResource::new(
+            SlowFree::new(&device),
+            PoolOptions {
+                maximum: Some(64 * MIB),
+                ..PoolOptions::default()
+            },
+        )
+        .unwrap();
+        let (s1, s2) = (
+            device.create_stream().unwrap(),
+            device.create_stream().unwrap(),
+        );
+        let x = p.allocate(4 * MIB, &s1).unwrap();
+        free(&p, x, 4 * MIB, &s1);
+        s1.synchronize_blocking().unwrap(); // the trim need not wait for the GPU
+        p.upstream().closed.store(true, Ordering::SeqCst);
+        let waited = std::thread::scope(|scope| {
+            let trim = scope.spawn(|| p.trim_blocking());
+            assert!(
+                common::eventually(Duration::from_secs(10), || p
+                    .upstream()
+                    .entered
+                    .load(Ordering::SeqCst)),
+                "{}: the trim never freed upstream",
+                label(&device)
+            );
+            let (tx, rx) = std::sync::mpsc::channel();
+            let (p, s2) = (&p, &s2);
+            let request = scope.spawn(move || {
+                let started = Instant::now();
+                let y = p.allocate(8 * MIB, s2);
+                tx.send(()).unwrap();
+                (y, started.elapsed())
+            });
+            let served_in_time = rx.recv_timeout(Duration::from_secs(2)).is_ok();
+            p.upstream().open();
+            let (y, took) = request.join().unwrap();
+            trim.join().unwrap().unwrap();
+            free(p, y.unwrap(), 8 * MIB, s2);
+            (served_in_time, took)
+        });
+        assert!(
+            waited.0,
+            "{}: a request below the maximum waited {:?} for the trim's upstream free (the \
+             engine's growth lock held, waiting for the held list's lock)",
+            label(&device),
+            waited.1
+        );
+        check_pool(&p);
+    }
+}
