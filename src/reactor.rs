@@ -530,7 +530,10 @@ impl<D: Doorbells> Loop<D> {
         let mut timeout = match self.max_sleep {
             Some(cap) if backing_off => {
                 let sleep = self.sleep.min(cap);
-                self.sleep = (self.sleep * 2).min(cap);
+                // Saturating: a cap of `Duration::MAX` (a user's "no cap") lets the doubling
+                // pass `Duration::MAX / 2`, and a product that panicked would do so on every
+                // turn (the loop catches it, logs it and retries a millisecond later).
+                self.sleep = self.sleep.saturating_mul(2).min(cap);
                 Some(sleep)
             }
             Some(cap) if !all_armed => Some(cap),

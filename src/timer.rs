@@ -7,10 +7,30 @@ use std::sync::{Condvar, Mutex, OnceLock};
 use std::task::Waker;
 use std::time::Instant;
 
+/// The deadlines. Every live deadline has one entry in `heap` and its waker in `wakers`; a
+/// cancelled one (its `Deadline` dropped) has only its heap entry, which the timer thread
+/// discards when it reaches the top and [`compact`](State::compact) once such entries
+/// outnumber the live ones.
 struct State {
     heap: BinaryHeap<Reverse<(Instant, u64)>>,
     wakers: HashMap<u64, Waker>,
     next_id: u64,
+}
+
+impl State {
+    /// Rebuilds the heap without its cancelled entries once they outnumber the live ones. A
+    /// cancelled entry would otherwise stay until it fell due (an hour for an hour's timeout
+    /// served at once: a server waiting for memory thousands of times a second kept millions).
+    /// A compaction costs the heap's length, less than twice the entries cancelled since the
+    /// last one: a constant per drop, amortised.
+    fn compact(&mut self) {
+        let live = self.wakers.len();
+        if self.heap.len().saturating_sub(live) > live {
+            let wakers = &self.wakers;
+            self.heap
+                .retain(|&Reverse((_, id))| wakers.contains_key(&id));
+        }
+    }
 }
 
 struct Timer {
@@ -43,7 +63,10 @@ fn run(timer: &'static Timer) {
         let now = Instant::now();
         let mut due = Vec::new();
         while let Some(&Reverse((at, id))) = state.heap.peek() {
-            if at > now {
+            // A cancelled entry on top goes now, not when it falls due: the thread then sleeps
+            // towards the first live deadline, and wakes for no cancelled one it has not
+            // already started to wait for.
+            if at > now && state.wakers.contains_key(&id) {
                 break;
             }
             state.heap.pop();
@@ -111,13 +134,14 @@ impl Deadline {
 
 impl Drop for Deadline {
     fn drop(&mut self) {
-        // The heap entry stays until it falls due; without its waker it wakes nobody.
-        timer()
-            .state
-            .lock()
-            .unwrap_or_else(|e| e.into_inner())
-            .wakers
-            .remove(&self.id);
+        // The heap entry stays for now (removing it from a binary heap costs its length);
+        // without its waker it wakes nobody, and it goes when it reaches the top or with the
+        // next compaction. No need to wake the timer thread: at worst it wakes once at this
+        // entry's instant, as it would have.
+        let mut state = timer().state.lock().unwrap_or_else(|e| e.into_inner());
+        if state.wakers.remove(&self.id).is_some() {
+            state.compact();
+        }
     }
 }
 
@@ -128,7 +152,7 @@ mod tests {
     use std::task::{Wake, Waker};
     use std::time::{Duration, Instant};
 
-    use super::Deadline;
+    use super::{timer, Deadline};
 
     struct Panics;
     impl Wake for Panics {
@@ -164,5 +188,36 @@ mod tests {
             "the deadline after a panic never fired"
         );
         drop((panics, later));
+    }
+
+    /// How many entries the timer's heap holds, live and cancelled.
+    fn heap_len() -> usize {
+        timer()
+            .state
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .heap
+            .len()
+    }
+
+    /// A request that waits for memory with a long timeout and is served early drops its
+    /// deadline; the deadline's heap entry used to stay until the timeout's instant. A server
+    /// under memory backpressure (say 1,000 waits a second with
+    /// `Allocate::timeout(Duration::from_secs(3600))`) kept 3.6 million dead entries, growing
+    /// memory, and the timer thread woke once for each when it fell due. Here 100,000 cancelled
+    /// deadlines must leave fewer than 1,000 entries (other tests' deadlines may be live).
+    #[test]
+    fn cancelled_deadlines_do_not_pile_up_in_the_heap() {
+        let waker = Waker::from(Arc::new(Flag(AtomicBool::new(false))));
+        let at = Instant::now() + Duration::from_secs(3600);
+        let before = heap_len();
+        for _ in 0..100_000 {
+            drop(Deadline::new(at, &waker));
+        }
+        let left = heap_len().saturating_sub(before);
+        assert!(
+            left < 1_000,
+            "100,000 cancelled deadlines left {left} entries in the timer's heap"
+        );
     }
 }

@@ -66,9 +66,12 @@ pub(super) struct History {
 pub(super) enum Plan {
     /// No prediction: a stream without history, or past every window.
     None,
-    /// Inside a hot window: poll in a hot loop. `until` ends the window; `completion` is the
-    /// candidate in it.
-    Hot { completion: Instant, until: Instant },
+    /// Inside a hot window: poll in a hot loop. `until` ends the window (`None`: never, past
+    /// what an `Instant` can hold); `completion` is the candidate in it.
+    Hot {
+        completion: Instant,
+        until: Option<Instant>,
+    },
     /// Before the next window: sleep until `wake` (the window's start); `completion` is its
     /// candidate.
     Ahead { completion: Instant, wake: Instant },
@@ -90,7 +93,10 @@ impl History {
     /// outlier (a new length of work, a preempted thread) from widening the windows, and the
     /// reactor's hot polling with them, for the next hundred completions.
     pub(super) fn margin(&self) -> Duration {
-        (self.spread * 2 + MIN_MARGIN).min(MAX_MARGIN)
+        self.spread
+            .saturating_mul(2)
+            .saturating_add(MIN_MARGIN)
+            .min(MAX_MARGIN)
     }
 
     /// How far a completion at `done` of a head whose work could start at `start` falls from
@@ -114,12 +120,16 @@ impl History {
     pub(super) fn plan(&self, start: Instant, now: Instant, margin: Duration) -> Plan {
         let mut best = Plan::None;
         for &sample in &self.samples[..self.len] {
-            let completion = start + sample;
-            let (from, until) = (
-                completion - margin.min(completion - start),
-                completion + margin,
-            );
-            if now >= until {
+            // A candidate past what an `Instant` can hold never comes: it has no window, and a
+            // head with no other candidate is unpredicted (polled as the backoff does), which
+            // is right for an event we cannot place in time.
+            let Some(completion) = start.checked_add(sample) else {
+                continue;
+            };
+            let from = completion - margin.min(completion - start);
+            // A window whose end an `Instant` cannot hold never closes.
+            let until = completion.checked_add(margin);
+            if until.is_some_and(|until| now >= until) {
                 continue;
             }
             let plan = if now >= from {
@@ -160,18 +170,29 @@ impl History {
         let (mut want, mut change): (bool, Option<Instant>) = (false, None);
         for &sample in &self.samples[..self.len] {
             let lead = scaled_lead(lead, sample);
-            let completion = start + sample;
+            // A candidate past what an `Instant` can hold never comes, so it is never near
+            // enough to hurry for (as in `plan`, where it has no window).
+            let Some(completion) = start.checked_add(sample) else {
+                continue;
+            };
             let from = completion - lead.min(completion - start);
-            let until = completion + margin + lead;
+            // The hurry's end, `None` when an `Instant` cannot hold it (a lead near
+            // `Duration::MAX`, "always hurry"): then it never ends by time, which is what such
+            // a lead asks for; the head's completion, or another head taking its place, still
+            // ends it (`Loop::plan`). Saturating to some far instant instead would only
+            // schedule a change that never comes.
+            let until = completion.checked_add(margin.saturating_add(lead));
             let at = if now < from {
-                from
-            } else if now < until {
+                Some(from)
+            } else if until.is_none_or(|until| now < until) {
                 want = true;
                 until
             } else {
                 continue;
             };
-            change = Some(change.map_or(at, |c| c.min(at)));
+            if let Some(at) = at {
+                change = Some(change.map_or(at, |c| c.min(at)));
+            }
         }
         (want, change)
     }
@@ -190,7 +211,8 @@ impl History {
             if let Some(error) = nearest {
                 let error = error.min(MAX_ERROR);
                 self.spread = if error > self.spread {
-                    self.spread + ((error - self.spread) / 4).min(MAX_RISE)
+                    self.spread
+                        .saturating_add(((error - self.spread) / 4).min(MAX_RISE))
                 } else {
                     self.spread - (self.spread - error) / 32
                 };
@@ -257,7 +279,7 @@ impl Oversleep {
             &mut self.long
         };
         *estimate = if late > *estimate {
-            *estimate + (late - *estimate) / 4
+            estimate.saturating_add((late - *estimate) / 4)
         } else {
             *estimate - (*estimate - late) / 16
         };
@@ -308,7 +330,9 @@ pub(super) fn lower_timer_slack() {
 /// to 29.4, while 500 µs behind 2 ms kernels cost more than it saved (p99 75 µs against 46:
 /// tasks hurried too early). 1/40 gives 500 µs at 20 ms and keeps 250 at 2 ms.
 pub(super) fn scaled_lead(lead: Duration, sample: Duration) -> Duration {
-    lead.max(sample / 40).min(lead * 4)
+    // Saturating: a lead near `Duration::MAX` ("always hurry") would overflow the product and
+    // panic the reactor's loop on every turn.
+    lead.max(sample / 40).min(lead.saturating_mul(4))
 }
 
 #[cfg(all(test, not(streamalloc_loom)))]
@@ -409,6 +433,22 @@ mod tests {
         let end = start + us(2040) + m + lead;
         assert_eq!(h.hurry(start, first_end, lead, m), (true, Some(end)));
         assert_eq!(h.hurry(start, end, lead, m), (false, None));
+    }
+
+    /// A lead of `Duration::MAX` (`reactor_prewake`'s "always hurry") hurries from the moment
+    /// the work could start and never stops by time; it used to overflow (`lead * 4`, then the
+    /// hurry's end as an `Instant`) and panic the reactor's loop on every turn.
+    #[test]
+    fn a_lead_of_duration_max_hurries_from_the_start_and_never_stops_by_time() {
+        let t0 = Instant::now();
+        let mut h = History::default();
+        h.completed(t0, t0 + us(2000), false);
+        let start = h.start(t0 + us(2100));
+        let m = h.margin();
+        assert_eq!(scaled_lead(Duration::MAX, us(2000)), Duration::MAX);
+        assert_eq!(h.hurry(start, start, Duration::MAX, m), (true, None));
+        let later = start + Duration::from_secs(3600);
+        assert_eq!(h.hurry(start, later, Duration::MAX, m), (true, None));
     }
 
     #[test]

@@ -1,7 +1,8 @@
 //! The predicting loop on a fake device whose events complete at given instants: every event
 //! completes and wakes its task, whatever the predictions do; and a new stream's event is left
 //! to its doorbell once the backoff reaches its cap (counted in polls, which a slow machine only
-//! lowers). How early or late the loop wakes is for `benches/event_latency.rs` to measure.
+//! lowers). The loop outlives the longest durations a user may set (`Duration::MAX`) without
+//! panicking. How early or late the loop wakes is for `benches/event_latency.rs` to measure.
 
 use std::sync::atomic::{AtomicUsize, Ordering::SeqCst};
 use std::task::{Wake, Waker};
@@ -324,4 +325,139 @@ fn a_new_streams_event_is_left_to_its_doorbell_once_the_backoff_reaches_the_cap(
     wait_for(&event, &counter);
     let polls = event.polls.load(SeqCst);
     assert!(polls < 60, "asked {polls} times in 200 ms");
+}
+
+/// A device's doorbells with the durations a user may set through `CudaOptions`
+/// (`reactor_max_sleep`, `reactor_prewake`); `arm` succeeds without ringing (a CUDA doorbell
+/// rings only when its event completes, which these tests do by hand).
+struct Configured {
+    predict: bool,
+    spin: Duration,
+    max_sleep: Duration,
+    prewake: Option<Duration>,
+}
+
+impl Doorbells for Configured {
+    fn spin(&self) -> Duration {
+        self.spin
+    }
+    fn max_sleep(&self) -> Option<Duration> {
+        Some(self.max_sleep)
+    }
+    fn predict(&self) -> bool {
+        self.predict
+    }
+    fn prewake(&self) -> Option<Duration> {
+        self.prewake
+    }
+    fn arm(&mut self, _: &dyn Watch, _: &Arc<Bell>) -> bool {
+        true
+    }
+    fn forget(&mut self, _: u64) {}
+}
+
+/// Counts the panics raised on the thread called `thread` (the reactor's loop catches them,
+/// so only a hook sees them), then hands each to the hook that was there before.
+fn count_panics_on(thread: &'static str) -> std::sync::Arc<AtomicUsize> {
+    let count = std::sync::Arc::new(AtomicUsize::new(0));
+    let theirs = count.clone();
+    let previous = std::panic::take_hook();
+    std::panic::set_hook(Box::new(move |info| {
+        if std::thread::current().name() == Some(thread) {
+            theirs.fetch_add(1, SeqCst);
+        }
+        previous(info);
+    }));
+    count
+}
+
+/// Registers `event` with a fresh waker and hands it to `reactor`.
+fn watch_with_waker(reactor: &Reactor, event: &Arc<Timed>) -> std::sync::Arc<Counting> {
+    let counter = std::sync::Arc::new(Counting(AtomicUsize::new(0)));
+    let mut key = None;
+    let registered = event
+        .completion
+        .register_waker(&mut key, &Waker::from(counter.clone()));
+    assert!(matches!(registered, Registration::Stored { first: true }));
+    reactor.watch(event.clone());
+    counter
+}
+
+/// `CudaOptions { reactor_prewake: Some(Duration::MAX), .. }` ("always hurry"): once a stream
+/// had a history, every turn of the predicting loop overflowed a `Duration` (`lead * 4` in
+/// `scaled_lead`, then `completion + margin + lead` on an `Instant`) and panicked. The loop
+/// caught it, so a user saw no crash but an error in the log about a thousand times a second
+/// while the stream had an event pending, and tasks woken only by the loop's 1 ms retry.
+#[test]
+fn a_prewake_of_duration_max_does_not_panic_the_reactor() {
+    const NAME: &str = "sa-reactor-test-prewake-max";
+    let panics = count_panics_on(NAME);
+    let reactor = Reactor::start(
+        NAME.into(),
+        Configured {
+            predict: true,
+            spin: Duration::from_micros(100),
+            max_sleep: Duration::from_millis(1),
+            prewake: Some(Duration::MAX),
+        },
+    );
+    // Two events of one stream: the first teaches a service time, the second is planned with it.
+    let first = Arc::new(Timed::new(11, 0, Instant::now() + Duration::from_millis(2)));
+    let counter = watch_with_waker(&reactor, &first);
+    wait_for(&first, &counter);
+    let second = Arc::new(Timed::new(
+        11,
+        1,
+        Instant::now() + Duration::from_millis(20),
+    ));
+    let counter = watch_with_waker(&reactor, &second);
+    wait_for(&second, &counter);
+    drop(reactor);
+    let panics = panics.load(SeqCst);
+    assert_eq!(
+        panics, 0,
+        "the reactor's loop panicked {panics} times with reactor_prewake = Some(Duration::MAX)"
+    );
+}
+
+/// `CudaOptions { reactor_max_sleep: Duration::MAX, .. }` ("no cap, rely on the doorbells"):
+/// each backoff sleep doubled the next one with `(self.sleep * 2).min(cap)`, which overflowed
+/// once it passed `Duration::MAX / 2`. A ring of the bell that brings no completion and no
+/// registration (here `forget_stream`: a stream dropped) ends a sleep, so some 80 streams
+/// dropped while one event was pending got there; from then on a user saw an error in the log
+/// on every turn of the loop (the panic caught, then a 1 ms wait) until the event completed.
+#[test]
+fn a_max_sleep_of_duration_max_does_not_panic_the_reactor() {
+    const NAME: &str = "sa-reactor-test-max-sleep-max";
+    let panics = count_panics_on(NAME);
+    let reactor = Reactor::start(
+        NAME.into(),
+        Configured {
+            predict: false,
+            spin: Duration::ZERO,
+            max_sleep: Duration::MAX,
+            prewake: None,
+        },
+    );
+    let done_at = Instant::now() + Duration::from_millis(800);
+    let event = Arc::new(Timed::new(21, 0, done_at));
+    let counter = watch_with_waker(&reactor, &event);
+    // Streams of this device dropped while the event is pending: each ring ends a backoff sleep.
+    for stream in 0..300u64 {
+        reactor.forget_stream(1_000 + stream);
+        std::thread::sleep(Duration::from_millis(1));
+        if Instant::now() >= done_at {
+            break;
+        }
+    }
+    std::thread::sleep(done_at.saturating_duration_since(Instant::now()));
+    // The event's doorbell.
+    reactor.forget_stream(999);
+    wait_for(&event, &counter);
+    drop(reactor);
+    let panics = panics.load(SeqCst);
+    assert_eq!(
+        panics, 0,
+        "the reactor's loop panicked {panics} times with reactor_max_sleep = Duration::MAX"
+    );
 }
