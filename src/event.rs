@@ -19,8 +19,10 @@ use crate::sync::Arc;
 /// the device's completion reactor watches it: no thread per future, no thread parked. Polling
 /// from another task or thread moves the wakeup there.
 ///
-/// The waker is called on the device's completion reactor thread: it must not block, and a
-/// panic in it is caught and logged (see the crate docs, "The completion reactor thread").
+/// The waker is called on whichever thread sees the event complete: mostly the device's
+/// completion reactor thread, sometimes a thread that polls, queries or synchronizes another
+/// handle of the same event just then. It must not block, and a panic in it is caught and
+/// logged (see the crate docs, "The completion reactor thread").
 ///
 /// # Cancel safety
 /// Cancel-safe: dropping a waiting `Event` removes its waker; nothing on the GPU changes.

@@ -233,7 +233,11 @@ impl Device {
     ///
     /// Errors: [`Error::NoDriver`] if `libcuda` cannot be loaded, [`Error::InvalidDevice`] if
     /// there is no such ordinal (with how many devices there are), [`Error::Driver`] if a
-    /// driver call fails. Never panics.
+    /// driver call fails; a missing driver or GPU is an error, not a panic.
+    ///
+    /// # Panics
+    /// Only if the operating system cannot start the device's completion reactor thread, as
+    /// [`std::thread::spawn`] does.
     pub fn cuda(ordinal: usize) -> Result<Device> {
         Self::cuda_with(ordinal, CudaOptions::default())
     }
