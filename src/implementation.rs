@@ -257,9 +257,13 @@
 //! ## Caveats
 //!
 //! - cudarc synchronizes a context (the host waits for it) when the *first* stream of the
-//!   context is made through it, if the context tracks events (cudarc's default). For a device
-//!   of ours that is at its first `create_stream`; for a shared context with work already
-//!   running, the first stream either side makes waits for that work once.
+//!   context is made through it, if the context tracks events (cudarc's default). A device of
+//!   ours opened with [`Device::cuda`](crate::Device::cuda) never does: it makes its first
+//!   stream when it opens, on a handle no one else holds yet, with the tracking off for that
+//!   one call. A device made from a cudarc user's context
+//!   ([`Device::from_cudarc`](crate::Device::from_cudarc)) keeps cudarc's rule: if that
+//!   context has made no stream yet, `from_cudarc` makes the first and waits, once, for the
+//!   work already running in it.
 //! - A cudarc stream adopted twice gives two `Stream`s (two ids) on one driver stream. That is
 //!   correct, only slower: the pool treats memory freed on one as another stream's and orders
 //!   its reuse with an event.

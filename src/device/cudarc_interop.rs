@@ -19,6 +19,10 @@ impl Device {
     /// [`Device::cuda`]. See [the design notes](crate::implementation#cudarc) for ownership, ordering
     /// and caveats.
     ///
+    /// If the context has made no stream yet and tracks events (cudarc's default), this makes
+    /// its first stream, and cudarc then synchronizes the context: the host waits, once, for
+    /// the work already running in it.
+    ///
     /// Errors: [`Error::Driver`] if a driver call fails (loading the crate's kernels in the
     /// context, reading the device's properties).
     ///
