@@ -274,3 +274,50 @@ fn cuda_async_resource_refuses_a_second_free_queued_before_the_first_ran_and_kee
     assert_eq!(mr.allocated_bytes(), 0);
     assert_eq!(mr.used_bytes().unwrap(), 0);
 }
+
+/// `Device::free` and `free_async` of the base of a reserved virtual range (an expandable
+/// pool's, whose first block is handed out there): the driver refuses `cuMemFree` of a VMM
+/// range, and so must the simulated device. A review found it taking the reservation out of
+/// its table and its whole size out of the memory in use: 17.7 GB free on a 16 GiB device
+/// (release), an overflow panic (debug).
+#[test]
+fn the_simulated_device_refuses_to_free_a_reservation() {
+    use streamalloc::{ExpandableOptions, ExpandablePoolResource};
+    let device = Device::simulated(SimConfig::default());
+    let total = device.total_memory();
+    let pool = ExpandablePoolResource::new(
+        &device,
+        ExpandableOptions {
+            reserve: Some(64 * MIB),
+            ..ExpandableOptions::default()
+        },
+    )
+    .unwrap();
+    let stream = device.create_stream().unwrap();
+    let p = pool.allocate(4 * KIB, &stream).unwrap();
+    let (base, _) = pool.reservation();
+    let free_before = device.free_memory().unwrap();
+    // SAFETY: deliberately wrong input: not a pointer from `malloc`; it must be refused.
+    let now = unsafe { device.free(base) };
+    assert!(
+        matches!(now, Err(Error::InvalidAddress { .. })),
+        "free of a reservation's base: {now:?}"
+    );
+    // SAFETY: as above.
+    let queued = unsafe { device.free_async(base, &stream) };
+    assert!(
+        matches!(queued, Err(Error::UnknownPointer { .. })),
+        "free_async of a reservation's base: {queued:?}"
+    );
+    stream.synchronize_blocking().unwrap();
+    let free_after = device.free_memory().unwrap();
+    assert!(
+        free_after == free_before && free_after <= total,
+        "free memory {free_before} before, {free_after} after, of {total}"
+    );
+    // The pool's memory is still there and usable.
+    free(&pool, p, 4 * KIB, &stream);
+    let q = pool.allocate(4 * KIB, &stream).unwrap();
+    free(&pool, q, 4 * KIB, &stream);
+    pool.check_invariants().unwrap();
+}

@@ -64,6 +64,14 @@ struct State {
 }
 
 impl State {
+    /// Whether `ptr` is the start of a live allocation (`cuMemAlloc`'s, not a reserved
+    /// virtual range: the driver refuses `cuMemFree` of one, and freeing it here took the
+    /// whole reservation out of the table and its size out of the memory in use, which a
+    /// review found going past the device's total).
+    fn is_allocated(&self, ptr: u64) -> bool {
+        self.blocks.get(&ptr).is_some_and(|b| b.mapping.is_none())
+    }
+
     /// Where `size` bytes at a multiple of `align`, with a guard gap after them, fit in this
     /// device's range: the first room from where the sweep is, else (the sweep has reached the
     /// range's end) the first from the range's start, among freed addresses. `None` if live
@@ -217,14 +225,14 @@ impl SimMemory {
     /// `free` and `begin_free` accept).
     pub(crate) fn is_allocation(&self, ptr: u64) -> bool {
         let state = self.read();
-        state.blocks.contains_key(&ptr) && !state.freeing.contains(&ptr)
+        state.is_allocated(ptr) && !state.freeing.contains(&ptr)
     }
 
     /// Frees `ptr` now (`cuMemFree` of an idle device). `InvalidAddress` for anything but a
     /// live allocation whose free is not queued already.
     pub(crate) fn free(&self, ptr: u64) -> Result<()> {
         let mut state = self.write();
-        if state.freeing.contains(&ptr) {
+        if state.freeing.contains(&ptr) || !state.is_allocated(ptr) {
             return Err(Error::InvalidAddress { ptr, bytes: 0 });
         }
         Self::remove(&mut state, ptr)
@@ -239,7 +247,7 @@ impl SimMemory {
     /// [`end_free`]: Self::end_free
     pub(crate) fn begin_free(&self, ptr: u64) -> Result<()> {
         let mut state = self.write();
-        if !state.blocks.contains_key(&ptr) || !state.freeing.insert(ptr) {
+        if !state.is_allocated(ptr) || !state.freeing.insert(ptr) {
             return Err(Error::UnknownPointer { ptr, bytes: 0 });
         }
         Ok(())
@@ -253,13 +261,13 @@ impl SimMemory {
     }
 
     fn remove(state: &mut State, ptr: u64) -> Result<()> {
-        match state.blocks.remove(&ptr) {
-            Some(block) => {
-                state.used -= block.bytes.len();
-                Ok(())
-            }
-            None => Err(Error::InvalidAddress { ptr, bytes: 0 }),
+        if !state.is_allocated(ptr) {
+            return Err(Error::InvalidAddress { ptr, bytes: 0 });
         }
+        if let Some(block) = state.blocks.remove(&ptr) {
+            state.used -= block.bytes.len();
+        }
+        Ok(())
     }
 
     /// The live block that holds all of `[ptr, ptr + len)`.
