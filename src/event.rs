@@ -118,7 +118,9 @@ impl EventInner {
         }
     }
 
-    /// The result, asking the device if it is not known yet (and recording what it says).
+    /// The result, asking the device if it is not known yet (and recording what it says). For
+    /// the crate's own checks (`on_complete`); what the user's code observes goes through
+    /// [`observe`](Self::observe).
     fn check(&self) -> Option<Result<()>> {
         if let Some(result) = self.completion.result() {
             return Some(result);
@@ -126,6 +128,28 @@ impl EventInner {
         let result = self.query()?;
         self.completion.complete_for(result.clone(), self.id());
         Some(result)
+    }
+
+    /// [`check`](Self::check), for the user's code (a query): a result is the user seeing the
+    /// event complete.
+    fn observe(&self) -> Option<Result<()>> {
+        let result = self.check();
+        if result.is_some() {
+            self.seen_by_user();
+        }
+        result
+    }
+
+    /// The user's code has seen the event complete (it awaited, queried or synchronized it):
+    /// the simulated device's race detector orders everything queued from now on after it.
+    /// The crate's own looks (the reactor's polls, `on_complete` for a staging block or a
+    /// deferred free) do not come here: the user's code did not depend on them, and a review
+    /// found them hiding the user's unordered cross-stream reads. Call only once complete.
+    #[inline]
+    fn seen_by_user(&self) {
+        if let RawEvent::Sim(m) = &self.raw {
+            m.seen_by_host();
+        }
     }
 
     /// `(stream id, sequence number)`, for logs.
@@ -180,18 +204,20 @@ impl Event {
 
     /// Whether the GPU has reached the event (successfully or not). Never blocks.
     pub fn is_complete(&self) -> bool {
-        self.inner.check().is_some()
+        self.inner.observe().is_some()
     }
 
     /// The result if the GPU has reached the event, `None` if not yet. Never blocks.
     pub fn query(&self) -> Option<Result<()>> {
-        self.inner.check()
+        self.inner.observe()
     }
 
     /// Blocks the calling thread until the GPU reaches the event. For synchronous code; in
     /// async code, `.await` the event.
     pub fn synchronize_blocking(&self) -> Result<()> {
         if let Some(result) = self.inner.completion.result() {
+            // Completed by another thread's look (perhaps the crate's): this is the user's.
+            self.inner.seen_by_user();
             return result;
         }
         let result = match (&self.inner.raw, self.inner.device.backend()) {
@@ -256,9 +282,11 @@ impl fmt::Debug for Event {
 impl Future for Event {
     type Output = Result<()>;
 
+    /// Ready is the awaiting code seeing the event complete (the race detector's host clock;
+    /// the reactor's poll that woke it is not).
     fn poll(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<Result<()>> {
         let this = self.get_mut();
-        if let Some(result) = this.inner.check() {
+        if let Some(result) = this.inner.observe() {
             return Poll::Ready(result);
         }
         match this
@@ -266,7 +294,10 @@ impl Future for Event {
             .completion
             .register_waker(&mut this.key, cx.waker())
         {
-            Registration::Done(result) => Poll::Ready(result),
+            Registration::Done(result) => {
+                this.inner.seen_by_user();
+                Poll::Ready(result)
+            }
             Registration::Stored { first } => {
                 if first {
                     this.inner.device.reactor().watch(this.inner.clone());

@@ -250,13 +250,14 @@ impl Stream {
     /// Whether a stream whose [`activity`](Self::activity) has not changed since it was seen
     /// idle may be taken as still idle: always on CUDA, with no driver call. The simulated
     /// device asks its queue (empty, since nothing was queued), which also tells its race
-    /// detector that the host has seen everything on the stream finish, as an idle answer
-    /// does: the detector counts allocations and frees noted on the stream as points of it.
+    /// detector that the crate has seen everything on the stream finish, as the pool's idle
+    /// probe does ([`probe_idle`](Self::probe_idle)): the detector counts allocations and frees
+    /// noted on the stream as points of it.
     #[inline]
     pub(crate) fn confirm_quiet(&self) -> bool {
         match &self.inner.raw {
             RawStream::Cuda(_) => true,
-            RawStream::Sim(s) => s.idle(),
+            RawStream::Sim(s) => s.probe_idle(),
         }
     }
 

@@ -1,10 +1,11 @@
 //! The race detector's hooks that take a stream: a resource's allocation and free of a block
-//! on a stream ([`Device::note_allocation`], [`Device::note_free`]) and a user's declared
-//! access ([`Stream::declare_access`]). The rest (reading the races found, the simulated
+//! on a stream ([`Device::note_allocation`], [`Device::note_free`]), a user's declared access
+//! ([`Stream::declare_access`]) and the crate's own idle probe of a stream
+//! ([`Stream::probe_idle`]). The rest (reading the races found, the simulated
 //! device's side) is `device/sim/hooks.rs`.
 
 use crate::device::sim::{MemoryAccess, SimDevice, SimStream};
-use crate::device::{Backend, Device, DevicePtr};
+use crate::device::{mismatch, Backend, Device, DevicePtr, FaultKind};
 use crate::error::Result;
 use crate::stream::{RawStream, Stream};
 
@@ -101,5 +102,22 @@ impl Stream {
         let reject = races.rejects();
         let race = races.access(idx, op, &[(ptr.0, bytes, access)], reject);
         races.settle(race, reject)
+    }
+
+    /// [`is_idle`](Self::is_idle), asked by the crate for its own use: a pool's question
+    /// before it reuses a block freed on this stream with no ordering (`idle_reuses`). On the
+    /// simulated device an idle answer vouches for that reuse only: unlike the user's
+    /// `is_idle`, it orders none of the user's later work after the stream's (the user's code
+    /// did not look; a review found a pool's probe hiding a user's unordered read of unrelated
+    /// memory). An injected `Query` fault fails it as it fails `is_idle`.
+    pub(crate) fn probe_idle(&self) -> Result<bool> {
+        match (&self.inner.raw, self.inner.device.backend()) {
+            (RawStream::Cuda(s), Backend::Cuda(d)) => d.stream_idle(*s),
+            (RawStream::Sim(s), Backend::Sim(d)) => {
+                d.fault(FaultKind::Query)?;
+                Ok(s.probe_idle())
+            }
+            _ => Err(mismatch()),
+        }
     }
 }

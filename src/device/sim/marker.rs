@@ -20,8 +20,10 @@ pub(crate) struct SimMarker {
     /// The race detector, and the recording stream's clock (set when the record is queued).
     pub(super) races: Option<PlainArc<Detector>>,
     pub(super) clock: OnceLock<PlainArc<Clock>>,
-    /// The host has seen the marker reached (and joined its clock).
+    /// The user's code has seen the marker reached (and the host clock joined its clock).
     seen: PlainBool,
+    /// The crate has seen the marker reached (and the detector's crate clock joined its clock).
+    checked: PlainBool,
 }
 
 impl SimMarker {
@@ -34,19 +36,42 @@ impl SimMarker {
             races,
             clock: OnceLock::new(),
             seen: PlainBool::new(false),
+            checked: PlainBool::new(false),
         }
     }
 
-    /// The host has seen the stream reach the marker: everything it queues from now on is
-    /// ordered after what the marker's stream had done, on every stream.
-    fn seen_by_host(&self) {
-        if let (Some(races), Some(clock)) = (&self.races, self.clock.get()) {
-            // Set only once joined: a second observer that finds it clear joins again (a join
-            // is idempotent) rather than return before the first observer's join is done.
-            if !self.seen.load(std::sync::atomic::Ordering::Acquire) {
+    /// The host has seen the stream reach the marker, in the user's code (it awaited, queried
+    /// or synchronized the event; the crate's own looks are
+    /// [`checked_by_crate`](Self::checked_by_crate)): the host clock joins the marker's, so
+    /// everything queued from now on is ordered after what the marker's stream had done, on
+    /// every stream. Only once the marker is reached.
+    pub(crate) fn seen_by_host(&self) {
+        Self::join_once(&self.seen, || {
+            if let (Some(races), Some(clock)) = (&self.races, self.clock.get()) {
                 races.host_join(clock);
-                self.seen.store(true, std::sync::atomic::Ordering::Release);
             }
+        });
+    }
+
+    /// The crate's own check saw the marker reached (the reactor's poll, `on_complete`): what
+    /// the crate does on it is vouched for (a deferred free, a staging block's return), and
+    /// none of the user's work is ordered by it (see the detector's module docs).
+    fn checked_by_crate(&self) {
+        Self::join_once(&self.checked, || {
+            if let (Some(races), Some(clock)) = (&self.races, self.clock.get()) {
+                races.crate_join(clock);
+            }
+        });
+    }
+
+    /// Runs `join` unless `flag` says it already ran.
+    fn join_once(flag: &PlainBool, join: impl FnOnce()) {
+        // Set only once joined: a second observer that finds it clear joins again (a join is
+        // idempotent) rather than return before the first observer's join is done (the loom
+        // model `loom-tests/races.rs`).
+        if !flag.load(std::sync::atomic::Ordering::Acquire) {
+            join();
+            flag.store(true, std::sync::atomic::Ordering::Release);
         }
     }
 
@@ -74,17 +99,21 @@ impl SimMarker {
         }
     }
 
-    /// What the stream reached the marker with, if it has: asked by the host (the reactor, a
-    /// query), so a result also tells the race detector the host has seen it.
+    /// What the stream reached the marker with, if it has: asked by the crate (the reactor,
+    /// `on_complete`, and the user's queries, which then also call
+    /// [`seen_by_host`](Self::seen_by_host)), so a result tells the race detector the crate
+    /// has seen it.
     pub(crate) fn try_result(&self) -> Option<Result<()>> {
         let result = self.reached();
         if result.is_some() {
-            self.seen_by_host();
+            self.checked_by_crate();
         }
         result
     }
 
-    /// Blocks the calling thread until the stream reaches the marker.
+    /// Blocks the calling thread until the stream reaches the marker (`synchronize_blocking`,
+    /// the user's or one of the crate's public calls that waits before it returns: the host
+    /// has waited, so it counts as seen by the user).
     pub(crate) fn wait(&self) -> Result<()> {
         let result = self.wait_reached();
         self.seen_by_host();

@@ -210,7 +210,8 @@ impl SimDevice {
     }
 
     /// `cuMemAllocFromPoolAsync`: a driver pool reuses a block only once its free has run,
-    /// which orders the new owner after the old one's free.
+    /// which orders this block's new owner after the old one's free (and nothing else of the
+    /// allocating stream: the reuse follows from when the free ran, not from stream order).
     pub(crate) fn pool_alloc(
         &self,
         pool: &SimPool,
@@ -219,13 +220,14 @@ impl SimDevice {
     ) -> Result<u64> {
         let ptr = pool.alloc(bytes)?;
         if let Some((races, idx)) = stream.races() {
-            let race = races.allocate(Some(idx), ptr, bytes, true, Reuse::Joined);
+            let race = races.allocate(Some(idx), ptr, bytes, true, Reuse::Device);
             races.settle(race, false)?;
         }
         Ok(ptr)
     }
 
-    /// `cuMemFree`: every use must be ordered before what the host has seen complete.
+    /// `cuMemFree`: every use must be ordered before what the host has seen complete (or the
+    /// crate has: see the detector's module docs).
     pub(crate) fn free_now(&self, ptr: u64) -> Result<()> {
         if let Some(races) = &self.races {
             if self.memory.is_allocation(ptr) {

@@ -156,10 +156,25 @@ impl SimStream {
         races.settle(race, reject)
     }
 
-    /// Whether every operation queued so far has run (`cuStreamQuery`). An idle answer is the
-    /// host seeing the stream's work complete: the race detector orders everything queued
-    /// after it behind that work, as it does for an event the host saw complete.
+    /// Whether every operation queued so far has run (`cuStreamQuery`), asked by the user's
+    /// code ([`Stream::is_idle`](crate::Stream::is_idle)). An idle answer is the host seeing
+    /// the stream's work complete: the race detector orders everything queued after it behind
+    /// that work, as it does for an event the user's code saw complete.
     pub(crate) fn idle(&self) -> bool {
+        self.idle_seen_by(true)
+    }
+
+    /// As [`idle`](Self::idle), asked by the crate for its own use (a pool's probe before it
+    /// reuses a block freed on the stream without an ordering): an idle answer vouches for
+    /// what the crate does on it (the reuse), and orders none of the user's work, which did
+    /// not look (see the detector's module docs).
+    pub(crate) fn probe_idle(&self) -> bool {
+        self.idle_seen_by(false)
+    }
+
+    /// Whether the stream is idle; if so, the race detector hears that the user's code
+    /// (`user`) or the crate saw its work complete.
+    fn idle_seen_by(&self, user: bool) -> bool {
         let queue = self.queue.lock();
         // An inline stream runs each operation as it is queued: it is always idle.
         let idle = queue.inline.is_some() || (queue.ops.is_empty() && !queue.running);
@@ -167,7 +182,7 @@ impl SimStream {
             if let Some((races, idx)) = &self.races {
                 // Under the queue's lock (the detector's lock comes after it): no operation of
                 // this stream can be queued in between and be taken as seen.
-                races.host_join_stream(*idx);
+                races.join_stream(*idx, user);
             }
         }
         idle

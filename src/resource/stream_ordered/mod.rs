@@ -116,7 +116,7 @@ pub(crate) trait EngineStream: Clone {
     /// Called when the stream is taken as still idle because its activity has not changed
     /// since it was seen idle: whether that may stand. On CUDA it always does (the count is
     /// the proof, and no driver call is made); the simulated device looks at its queue, which
-    /// tells its race detector that the host has seen the stream's work finish, as an idle
+    /// tells its race detector that the crate has seen the stream's work finish, as an idle
     /// answer does (the detector counts the pool's notes of allocations and frees as points of
     /// the stream).
     fn confirm_quiet(&self) -> bool {

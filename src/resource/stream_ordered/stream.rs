@@ -36,7 +36,9 @@ impl EngineStream for Stream {
     }
 
     fn is_idle(&self) -> bool {
-        Stream::is_idle(self).unwrap_or_else(|e| {
+        // The crate's probe, not the user's `is_idle`: on the simulated device, an idle answer
+        // then vouches for the pool's reuse without ordering the user's other work.
+        Stream::probe_idle(self).unwrap_or_else(|e| {
             tracing::debug!(error = %e, stream = %self.id(), "a stream query failed: taken as busy");
             false
         })

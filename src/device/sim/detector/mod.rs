@@ -2,9 +2,23 @@
 //!
 //! Everything is decided when work is *queued*, on the thread that queues it: stream order is
 //! fixed by the order of the queue, so a vector clock per stream, advanced under the queue's
-//! lock, is exact. The only run-time input is what the host has seen complete (an event it
-//! awaited, queried or synchronized on): the host clock, joined into every stream at its next
-//! operation, which is sound because that work really is queued after the completion.
+//! lock, is exact. The only run-time input is what the host has seen complete, and it comes in
+//! two kinds, kept apart so that the verdict depends on stream order and on what the user's
+//! code did, never on when the crate happened to look:
+//!
+//! - The host clock: what the *user's* code observed complete (an event it awaited to
+//!   completion, queried or synchronized on, a stream's synchronize or idle answer, and the
+//!   crate's public calls that wait before they return). Joined into every stream at its next
+//!   operation: whatever the user queues after the observation really comes after the work.
+//! - The crate's clock: what the crate's *own* checks saw complete (an event asked by the
+//!   completion reactor or by `on_complete` for a staging block or a deferred free, a pool's
+//!   idle probe of a stream). Nothing the user queues is ordered by it (a review found a
+//!   user's upload on one stream and unordered read on another unreported once the staging
+//!   block's callback had asked the upload's event). It only vouches for what the crate does
+//!   on that knowledge with memory it holds: a block handed out again without an ordering (a
+//!   pool's reuse after an idle answer, checked against the block's free), a block going back
+//!   (a deferred free runs once its events are complete; a chunk goes back once its blocks'
+//!   frees ran) and unmapped granules.
 //!
 //! Memory is a map of disjoint segments, split at block boundaries. Each segment holds a stack
 //! of lives, innermost last: the raw allocation, then the blocks that suballocating resources
@@ -62,12 +76,12 @@ struct Use {
     write: bool,
 }
 
-#[derive(Clone, Debug)]
+#[derive(Clone, Copy, Debug)]
 struct Freed {
     point: Point,
-    /// The freeing stream's whole clock, for a driver pool's free (whose reuse is ordered by
-    /// the device itself, so the next allocation joins it instead of being checked).
-    clock: Option<PlainArc<Clock>>,
+    /// A driver pool's free: the device reuses the block only once the free has run
+    /// ([`Reuse::Device`]), and the freed block is the pool's, not forgotten with old frees.
+    pooled: bool,
 }
 
 #[derive(Clone, Debug)]
@@ -94,8 +108,12 @@ struct StreamState {
 
 struct State {
     streams: Vec<StreamState>,
+    /// What the user's code has seen complete: joined into every stream at its next operation.
     host: Clock,
     host_version: u64,
+    /// What the crate's own checks have seen complete (see the module docs): never joined into
+    /// a stream, only consulted where the crate acts on it (a reuse, a free, an unmap).
+    seen_by_crate: Clock,
     segs: BTreeMap<u64, Seg>,
     raw_frees: VecDeque<(u64, u64)>,
     races: Vec<Race>,
@@ -104,11 +122,14 @@ struct State {
 /// How an allocation point relates to the block's previous free.
 #[derive(Clone, Copy, PartialEq, Eq)]
 pub(crate) enum Reuse {
-    /// Check it: a reuse not ordered after the previous free is a race.
+    /// Check it: a reuse not ordered after the previous free (nor after a free the crate has
+    /// seen run, the pools' reuse of an idle stream's block) is a race.
     Check,
-    /// The device orders it (a driver pool reuses a block only once its free has run): join
-    /// the free's clock into the allocating stream.
-    Joined,
+    /// The device vouches for it: a driver pool reuses a block only once its free has run.
+    /// That orders this block's reuse after its free, and nothing else: the allocating stream
+    /// is not ordered after the freeing one (it once joined the freeing stream's whole clock,
+    /// which hid the allocating stream's races on unrelated memory).
+    Device,
 }
 
 /// The race detector of one simulated device.
@@ -129,6 +150,7 @@ impl Detector {
                 }],
                 host: vec![0],
                 host_version: 0,
+                seen_by_crate: vec![0],
                 segs: BTreeMap::new(),
                 raw_frees: VecDeque::new(),
                 races: Vec::new(),
@@ -181,7 +203,8 @@ impl Detector {
         std::mem::take(&mut self.lock().races)
     }
 
-    /// The host saw an event complete whose stream's clock was `clock` when it was recorded.
+    /// The user's code saw an event complete whose stream's clock was `clock` when it was
+    /// recorded: everything queued from now on, on every stream, is ordered after it.
     pub(crate) fn host_join(&self, clock: &[u32]) {
         let mut st = self.lock();
         if join(&mut st.host, clock) {
@@ -189,14 +212,30 @@ impl Detector {
         }
     }
 
-    /// The host saw stream `idx` idle (everything queued on it so far has run): the host clock
-    /// joins the stream's clock. Called under the stream's queue lock, so that nothing is
-    /// queued on it in between.
-    pub(crate) fn host_join_stream(&self, idx: u32) {
+    /// The crate's own check saw an event complete whose stream's clock was `clock`: no stream
+    /// is ordered after it, only what the crate does on that knowledge (see the module docs).
+    pub(crate) fn crate_join(&self, clock: &[u32]) {
+        join(&mut self.lock().seen_by_crate, clock);
+    }
+
+    /// Stream `idx` was seen idle (everything queued on it so far has run): by the user's code
+    /// (`user`, `Stream::is_idle`: the host clock joins the stream's clock) or by the crate's
+    /// own probe (a pool's question before a reuse: the crate's clock does). Called under the
+    /// stream's queue lock, so that nothing is queued on it in between.
+    pub(crate) fn join_stream(&self, idx: u32, user: bool) {
         let mut st = self.lock();
-        let clock = st.streams[idx as usize].clock.clone();
-        if join(&mut st.host, &clock) {
-            st.host_version += 1;
+        let State {
+            streams,
+            host,
+            host_version,
+            seen_by_crate,
+            ..
+        } = &mut *st;
+        let clock = &streams[idx as usize].clock;
+        if !user {
+            join(seen_by_crate, clock);
+        } else if join(host, clock) {
+            *host_version += 1;
         }
     }
 
@@ -306,18 +345,17 @@ impl Detector {
         for key in keys {
             let top = st.segs[&key].stack.last().cloned();
             if let Some(top) = top.filter(|t| t.freed.is_some()) {
-                let freed = top.freed.as_ref().expect("filtered");
-                match (reuse, idx, &freed.clock) {
-                    (Reuse::Joined, Some(idx), Some(c)) => {
-                        join(&mut st.streams[idx as usize].clock, c);
-                    }
-                    (Reuse::Joined, _, _) => {}
-                    (Reuse::Check, _, _) => {
-                        let clock = &st.streams[at.stream as usize].clock;
-                        if found.is_none() && at.stream != HOST && !freed.point.before(clock) {
-                            found = Some((freed.point, top.clone()));
-                        }
-                    }
+                let freed = top.freed.expect("filtered");
+                // A reuse the crate made because it saw the free run (a pool's idle answer) is
+                // ordered for this block only: checked against the crate's clock, which no
+                // stream joins.
+                if reuse == Reuse::Check
+                    && found.is_none()
+                    && at.stream != HOST
+                    && !freed.point.before(&st.streams[at.stream as usize].clock)
+                    && !freed.point.before(&st.seen_by_crate)
+                {
+                    found = Some((freed.point, top.clone()));
                 }
                 let seg = st.segs.get_mut(&key).expect("listed above");
                 let popped = seg.stack.pop().expect("the top, just read");
@@ -354,16 +392,18 @@ impl Detector {
     }
 
     /// The block `[ptr, ptr + bytes)` freed on stream `idx` (or by the host): every use must be
-    /// ordered before this point. `bytes` is `None` for a raw free by address (the block's
-    /// length is the device's to know). `clock_kept` keeps the freeing clock for a driver
-    /// pool's reuse ([`Reuse::Joined`]).
+    /// ordered before this point, or seen complete by the crate (a deferred free runs once the
+    /// events recorded after the uses on other streams are complete; a pool gives a chunk back
+    /// once its blocks' frees ran). `bytes` is `None` for a raw free by address (the block's
+    /// length is the device's to know). `pooled`: a driver pool's free, reused by the device
+    /// ([`Reuse::Device`]).
     pub(crate) fn free(
         &self,
         idx: Option<u32>,
         ptr: u64,
         bytes: Option<usize>,
         raw: bool,
-        clock_kept: bool,
+        pooled: bool,
     ) -> Option<Race> {
         let mut st = self.lock();
         let (at, clock) = match idx {
@@ -394,11 +434,15 @@ impl Detector {
         }
         st.split(block.0);
         st.split(block.1);
-        let kept = clock_kept.then(|| PlainArc::new(clock.clone()));
         let mut found: Option<(Point, Life)> = None;
         let keys: Vec<u64> = st.segs.range(block.0..block.1).map(|(&k, _)| k).collect();
+        let State {
+            segs,
+            seen_by_crate,
+            ..
+        } = &mut *st;
         for key in keys {
-            let seg = st.segs.get_mut(&key).expect("listed above");
+            let seg = segs.get_mut(&key).expect("listed above");
             let Some(i) = seg
                 .stack
                 .iter()
@@ -409,7 +453,7 @@ impl Detector {
             let mut uses = Vec::new();
             for life in &seg.stack[i..] {
                 for u in &life.uses {
-                    if found.is_none() && !u.at.before(&clock) {
+                    if found.is_none() && !u.at.before(&clock) && !u.at.before(seen_by_crate) {
                         found = Some((u.at, seg.stack[i].clone()));
                     }
                     uses.push(*u);
@@ -421,10 +465,7 @@ impl Detector {
                 block,
                 raw,
                 alloc,
-                freed: Some(Freed {
-                    point: at,
-                    clock: kept.clone(),
-                }),
+                freed: Some(Freed { point: at, pooled }),
                 uses,
             });
         }
@@ -434,7 +475,7 @@ impl Detector {
         let race = found.map(|(earlier, mut life)| {
             life.freed = Some(Freed {
                 point: at,
-                clock: None,
+                pooled: false,
             });
             Race {
                 kind: RaceKind::FreedWhileInUse,
@@ -451,7 +492,9 @@ impl Detector {
 
 impl Detector {
     /// The host unmapped `[start, end)` (granules of a reservation going back): as for a host
-    /// free, every use of memory there must be ordered before what the host has seen finish.
+    /// free, every use of memory there must be ordered before what the host has seen finish,
+    /// the user's code or the crate (an expandable pool unmaps free granules of streams it
+    /// found idle).
     /// A review found unmapping invisible here, so an expandable pool's trim was checked only
     /// by the timing of an access to an unmapped granule.
     pub(crate) fn unmapped(&self, start: u64, end: u64) -> Option<Race> {
@@ -461,7 +504,8 @@ impl Detector {
             epoch: 0,
             op: "unmap",
         };
-        let clock = st.host.clone();
+        let mut clock = st.host.clone();
+        join(&mut clock, &st.seen_by_crate);
         let mut found: Option<(Point, Life)> = None;
         for key in st.overlapping(start, end) {
             for life in &st.segs[&key].stack {

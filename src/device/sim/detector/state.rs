@@ -112,13 +112,12 @@ impl State {
         (top.raw && top.block.0 == ptr && top.freed.is_some()).then_some(top.block)
     }
 
-    /// Whether the freed raw block at `ptr` is kept by a driver's pool (its free noted the
-    /// clock for the pool's reuse).
+    /// Whether the freed raw block at `ptr` is kept by a driver's pool (a pool's free).
     fn kept_by_a_pool(&self, ptr: u64) -> bool {
         (self.segs.get(&ptr))
             .and_then(|seg| seg.stack.last())
             .and_then(|top| top.freed.as_ref())
-            .is_some_and(|freed| freed.clock.is_some())
+            .is_some_and(|freed| freed.pooled)
     }
 
     /// After a raw free: one segment for the whole block (the pieces inside it are gone), and
@@ -145,9 +144,9 @@ impl State {
         self.raw_frees.push_back(block);
         while self.raw_frees.len() > KEPT_RAW_FREES {
             if let Some(old) = self.raw_frees.pop_front() {
-                // Not a block the driver's pool keeps to hand out again (its free noted the
-                // clock for that reuse): its address is still live memory, and a stale use of
-                // it must still be caught (a review found it forgotten after 4,096 frees).
+                // Not a block the driver's pool keeps to hand out again (a pool's free): its
+                // address is still live memory, and a stale use of it must still be caught (a
+                // review found it forgotten after 4,096 frees).
                 if self.freed_raw_block(old.0) == Some(old) && !self.kept_by_a_pool(old.0) {
                     self.remove(old);
                 }
