@@ -175,9 +175,10 @@ fn reuse_with_wait_is_clean() {
 
 /// The block is used and freed on `a`; `b` reuses it once `a` has gone idle with no event the
 /// host saw: the pool's question (`cuStreamQuery`) is all that orders `b`'s use after `a`'s,
-/// and the detector must take the idle answer as that order (the host saw `a`'s work finish).
-/// If `a` is still busy when asked, the reuse waits instead: clean either way, and the
-/// counts say which path it took.
+/// and the detector must take the idle answer as that order for this block (the crate saw
+/// `a`'s work finish; since the thirteenth session it orders nothing else of `b`'s:
+/// `races_host_clock.rs`). If `a` is still busy when asked, the reuse waits instead: clean
+/// either way, and the counts say which path it took.
 #[test]
 fn reuse_of_an_idle_streams_memory_is_clean() {
     // Until the reuse took the idle path (the pool asked `a` and it was idle): a host slow

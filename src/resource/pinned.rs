@@ -308,7 +308,7 @@ impl PinnedHostResource {
                 }
             };
             // Outside the lock: completing the event here runs its callback on this thread.
-            if event.query().is_none() {
+            if event.query_for_crate().is_none() {
                 break;
             }
             let mut cache = self.shared.lock();

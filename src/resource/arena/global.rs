@@ -67,7 +67,7 @@ impl Guards {
     /// Makes `stream` wait for every guard of another stream that is not complete yet.
     pub(super) fn order(&self, stream: &Stream) -> Result<()> {
         for g in &self.0 {
-            if g.stream != stream.id() && !g.event.is_complete() {
+            if g.stream != stream.id() && g.event.query_for_crate().is_none() {
                 stream.wait(&g.event)?;
             }
         }
@@ -79,7 +79,7 @@ impl Guards {
         let streams: Vec<String> = self
             .0
             .iter()
-            .filter(|g| !g.event.is_complete())
+            .filter(|g| g.event.query_for_crate().is_none())
             .map(|g| g.stream.to_string())
             .collect();
         if streams.is_empty() {
