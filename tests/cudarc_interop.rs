@@ -182,3 +182,32 @@ fn the_simulated_device_has_no_cudarc_handles() {
         }
     }
 }
+
+/// Two contexts of one GPU (ours, the primary; a cudarc user's non-primary one): the crate says
+/// each can access the other's memory (`can_access_peer`, and `enable_peer_access` does
+/// nothing), and it is so: a kernel queued in the non-primary context writes a buffer
+/// allocated in the primary one, ordered after its zeroing, and the values arrive. A review
+/// doubted it (allocations belong to their context); run on an H100, driver 580.159.04
+/// (thirteenth session).
+#[test]
+fn two_contexts_of_one_gpu_reach_each_others_memory() {
+    for gpu in gpus("two_contexts_of_one_gpu_reach_each_others_memory") {
+        let ordinal = gpu.ordinal().unwrap();
+        let other = Device::from_cudarc(CudaContext::new_non_primary(ordinal, 0).unwrap()).unwrap();
+        assert!(gpu.can_access_peer(&other).unwrap(), "{}", label(&gpu));
+        other.enable_peer_access(&gpu).unwrap();
+        let memory = Arc::new(streamalloc::CudaResource::new(&gpu));
+        let (sa, sb) = (gpu.create_stream().unwrap(), other.create_stream().unwrap());
+        let mut v = DeviceVec::<u32>::zeroed(&memory, 1024, &sa).unwrap();
+        sb.wait(&sa.record().unwrap()).unwrap();
+        v.record_stream(&sb).unwrap();
+        // SAFETY: `other` can access `gpu`'s memory (checked above); `sb` is ordered after the
+        // zeroing, and `v`'s free waits for `sb` (`record_stream`).
+        unsafe { sb.fill_u32(v.as_ptr(), 5, 1024) }.unwrap();
+        sb.synchronize_blocking()
+            .unwrap_or_else(|e| panic!("{}: the other context's kernel: {e}", label(&gpu)));
+        sa.wait(&sb.record().unwrap()).unwrap();
+        let host = runtime().block_on(v.to_host(&sa)).unwrap();
+        assert!(host.iter().all(|&x| x == 5), "{}", label(&gpu));
+    }
+}
