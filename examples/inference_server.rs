@@ -171,6 +171,9 @@ fn input_value(seed: u32, i: usize) -> f32 {
     ((seed as usize + i) % 1024) as f32
 }
 
+/// The largest input element ([`input_value`]).
+const MAX_INPUT: f32 = 1023.0;
+
 /// Device bytes a request of `elements` floats holds: input and output, each rounded up to the
 /// pool's alignment. `None` on overflow.
 fn device_bytes(elements: usize) -> Option<usize> {
@@ -319,8 +322,14 @@ impl App {
                 "batch ({b}) and len ({l}) must be positive and their product must fit in usize"
             )));
         };
-        if !req.scale.is_finite() {
-            return Err(ApiError::bad_request("scale must be finite".to_owned()));
+        // Every output is an input (at most 1023) times the scale: a scale whose product
+        // overflows `f32` would answer an infinite checksum, which JSON writes as `null`.
+        if !(req.scale * MAX_INPUT).is_finite() {
+            return Err(ApiError::bad_request(format!(
+                "scale must be finite, and at most {:e} in magnitude (every input times the \
+                 scale must be a finite f32)",
+                f32::MAX / MAX_INPUT
+            )));
         }
         // Refused at once, never left to wait: a request the pool can never hold.
         let maximum = self.raw.maximum();

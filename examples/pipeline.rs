@@ -164,7 +164,8 @@ fn parse_args() -> Result<usize, BoxError> {
     // two buffers: refuse what would not fit rather than wrap.
     let fits = u32::try_from(floats).is_ok()
         && (floats * size_of::<f32>())
-            .checked_mul(2 * POOL_BATCHES)
+            .checked_next_multiple_of(256)
+            .and_then(|buffer| buffer.checked_mul(2 * POOL_BATCHES))
             .and_then(|pool| pool.checked_mul(batches))
             .is_some();
     if !fits {
@@ -257,7 +258,10 @@ fn lane(device: Device) -> Result<Lane, BoxError> {
     // One pool for the device's batches. Its memory is taken from the device up front, in one
     // chunk (initial = maximum): a pool that grows chunk by chunk cannot serve a request larger
     // than its largest chunk, however much is free in the others.
-    let batch_bytes = 2 * floats() * size_of::<f32>();
+    // Each buffer takes its size rounded up to the pool's 256-byte alignment (`--floats 65`
+    // asked the pool for 520 bytes a batch, not a multiple of 256, and the run failed with the
+    // pool's error about its initial size).
+    let batch_bytes = 2 * (floats() * size_of::<f32>()).next_multiple_of(256);
     let pool_bytes = POOL_BATCHES * batch_bytes;
     let options = PoolOptions {
         initial: pool_bytes,
