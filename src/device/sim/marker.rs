@@ -1,7 +1,7 @@
 //! A recorded event of the simulated device ([`SimMarker`]): completed by the stream's worker
 //! when it reaches it, waited on by the host and by other streams' workers.
 
-use super::detector::{Clock, Detector};
+use super::detector::{Detector, Snapshot};
 use crate::error::Result;
 use crate::reactor::Bell;
 use crate::sync::plain::{Arc as PlainArc, AtomicBool as PlainBool, OnceLock};
@@ -19,7 +19,7 @@ pub(crate) struct SimMarker {
     bell: Option<Arc<Bell>>,
     /// The race detector, and the recording stream's clock (set when the record is queued).
     pub(super) races: Option<PlainArc<Detector>>,
-    pub(super) clock: OnceLock<PlainArc<Clock>>,
+    pub(super) clock: OnceLock<PlainArc<Snapshot>>,
     /// The user's code has seen the marker reached (and the host clock joined its clock).
     seen: PlainBool,
     /// The crate has seen the marker reached (and the detector's crate clock joined its clock).
@@ -59,7 +59,7 @@ impl SimMarker {
     fn checked_by_crate(&self) {
         Self::join_once(&self.checked, || {
             if let (Some(races), Some(clock)) = (&self.races, self.clock.get()) {
-                races.crate_join(clock);
+                races.crate_join(&clock.local);
             }
         });
     }

@@ -141,11 +141,18 @@ pub(crate) struct SimDevice {
 
 impl SimDevice {
     pub(crate) fn new(config: SimConfig, bell: Option<Arc<Bell>>) -> Self {
+        let memory = PlainArc::new(SimMemory::new(config.total_memory));
+        let races = (config.race_detection != RaceDetection::Off)
+            .then(|| PlainArc::new(Detector::new(config.race_detection)));
+        if let Some(races) = &races {
+            // Other devices' streams find it to check their peer copies' reads of this memory
+            // and to forward what the host has seen (see the detector's module docs).
+            detector::register(&memory, races);
+        }
         Self {
-            memory: PlainArc::new(SimMemory::new(config.total_memory)),
+            memory,
             host: SimHostMemory::new(),
-            races: (config.race_detection != RaceDetection::Off)
-                .then(|| PlainArc::new(Detector::new(config.race_detection))),
+            races,
             config,
             bell,
         }

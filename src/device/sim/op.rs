@@ -105,8 +105,8 @@ impl Op {
             Op::DtoD { dst, src, bytes } => {
                 Some(("copy_dtod", [(src, bytes, Read), (dst, bytes, Write)], 2))
             }
-            // The source is another device's memory, which this device's detector does not
-            // know (each device has its own).
+            // The source is another device's memory: its read is checked by that device's
+            // detector (`SimStream::push`), the write here.
             Op::CopyPeer { dst, bytes, .. } => one("copy_peer", dst, bytes, Write),
             Op::FillU32 { dst, count, .. } => one("fill_u32", dst, words(count), Write),
             Op::ScaleF32 { dst, count, .. } => one("scale_f32", dst, words(count), Write),

@@ -111,21 +111,30 @@ impl SimStream {
         let footprint = op.footprint();
         let reject = races.rejects() && footprint.is_some();
         let mut queue = self.queue.lock();
+        // A peer copy also reads the other device's memory: checked there first (see the
+        // detector's module docs), so that a refused copy leaves no use here.
+        let peer = match &op {
+            Op::CopyPeer {
+                from, src, bytes, ..
+            } => super::detector::of_memory(from).and_then(|source| {
+                let (clock, at) = races.knowledge_of(idx, &source, "copy_peer");
+                let race = source.foreign_read(*src, *bytes, &clock, at)?;
+                races.note_race(race)
+            }),
+            _ => None,
+        };
         let race = match (&op, footprint) {
-            (_, Some((name, ranges, n))) => races.access(idx, name, &ranges[..n], reject),
+            (_, Some(_)) if peer.is_some() && reject => peer,
+            (_, Some((name, ranges, n))) => races.access(idx, name, &ranges[..n], reject).or(peer),
             (Op::Record(marker), _) => {
                 let _ = marker.clock.set(races.record(idx));
                 None
             }
             (Op::Wait(marker), _) => {
-                // An event of another simulated device carries another detector's clock (other
-                // streams, other indices): its order is not this device's to know.
-                let same = marker
-                    .races
-                    .as_ref()
-                    .is_some_and(|d| PlainArc::ptr_eq(d, races));
-                match marker.clock.get().filter(|_| same) {
-                    Some(clock) => races.wait(idx, clock),
+                // An event of another simulated device with detection on carries its
+                // detector's clock and what it knew of other devices: joined part by part.
+                match marker.clock.get() {
+                    Some(snap) => races.wait(idx, snap),
                     None => races.plain_op(idx),
                 }
                 None

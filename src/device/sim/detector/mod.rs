@@ -29,18 +29,105 @@
 //!
 //! The state is behind a plain (never loom) mutex, taken after a stream's queue lock and never
 //! holding anything else: loom explores the protocol around it, not its bookkeeping.
+//!
+//! Each simulated device keeps its own detector (its own mode, its own races: tests run in
+//! parallel in one process and must never see each other's), and devices meet in two ways:
+//!
+//! - A wait on another device's event. A stream's clock has a local part (this detector's
+//!   streams) and a foreign part: for each other detector (by its process-wide id), what this
+//!   stream is ordered after there. An event's snapshot carries both, so a chain A (device 0)
+//!   -> C (device 1) -> B (device 0) brings A's component back into B's local clock, however
+//!   many devices it passed through. A review found such a chain reported as a race, since a
+//!   foreign event was once taken as a plain operation. The host clock is likewise forwarded:
+//!   the user's code seeing an event complete orders later work on every device it knew of.
+//! - A copy that reads another device's memory (`copy_peer`). Its source read is checked in
+//!   the source device's detector, against what the copying stream knows of that device's
+//!   streams (joined with that device's host clock), and the race, if any, is the copying
+//!   device's: it is kept in *its* races and settled by *its* mode, as the race of any other
+//!   operation queued on its stream. The read is not added to the source device's shadow
+//!   (which has no index for a foreign stream), so a later write or free of the source not
+//!   ordered after the copy goes unreported: a missed race, never a false one.
+//!
+//! Detectors find each other through a process-wide registry (by id, and by their device's
+//! memory), which holds them weakly.
 
 use std::collections::{BTreeMap, VecDeque};
+use std::sync::atomic::{AtomicU64, Ordering::Relaxed};
 
-use super::races::{MemoryAccess, Race, RaceDetection, RaceKind};
+use super::memory::SimMemory;
+use super::races::{MemoryAccess, Race, RaceDetection, RaceKind, RaceSite};
 use crate::device::DevicePtr;
 use crate::device::StreamId;
-use crate::sync::plain::{Arc as PlainArc, Mutex as PlainMutex, MutexGuard as PlainGuard};
+use crate::sync::plain::{Arc as PlainArc, Mutex as PlainMutex, MutexGuard as PlainGuard, Weak};
 
 mod state;
 
 /// A vector clock: component `i` is how many operations of dense stream `i` are ordered before.
 pub(crate) type Clock = Vec<u32>;
+
+/// What a stream (or an event) is ordered after on other devices: a clock per other detector,
+/// by its id. Short: one entry per device a chain of waits came through.
+pub(crate) type Foreign = Vec<(u64, Clock)>;
+
+/// What an event carries: the recording stream's clock, local to the detector `id`, and what
+/// it knew of other devices.
+#[derive(Debug)]
+pub(crate) struct Snapshot {
+    id: u64,
+    pub(crate) local: Clock,
+    foreign: Foreign,
+}
+
+/// The live detectors of the process: id, the device's memory (to find the detector of a peer
+/// copy's source) and the detector, held weakly so that a device's end ends its detector.
+type Registry = Vec<(u64, Weak<SimMemory>, Weak<Detector>)>;
+
+static REGISTRY: PlainMutex<Registry> = PlainMutex::new(Vec::new());
+
+fn registry() -> PlainGuard<'static, Registry> {
+    REGISTRY.lock().unwrap_or_else(|e| e.into_inner())
+}
+
+/// Makes `detector` (of the device whose memory is `memory`) findable by other devices'.
+pub(crate) fn register(memory: &PlainArc<SimMemory>, detector: &PlainArc<Detector>) {
+    let mut reg = registry();
+    reg.retain(|(_, _, d)| d.strong_count() > 0);
+    reg.push((
+        detector.id,
+        PlainArc::downgrade(memory),
+        PlainArc::downgrade(detector),
+    ));
+}
+
+/// The detector of the device whose memory is `memory`, if detection is on there. (A listed
+/// `Weak` keeps its allocation, so no later memory can take a listed one's address.)
+pub(crate) fn of_memory(memory: &PlainArc<SimMemory>) -> Option<PlainArc<Detector>> {
+    let reg = registry();
+    reg.iter()
+        .find(|(_, m, _)| std::ptr::eq(m.as_ptr(), PlainArc::as_ptr(memory)))
+        .and_then(|(_, _, d)| d.upgrade())
+}
+
+/// The detector whose id is `id`, if it still lives.
+fn by_id(id: u64) -> Option<PlainArc<Detector>> {
+    let reg = registry();
+    reg.iter()
+        .find(|(i, _, _)| *i == id)
+        .and_then(|(_, _, d)| d.upgrade())
+}
+
+/// Joins `from`, a clock of detector `id`, into a stream of detector `self_id` (its clock
+/// `local` and its foreign part `into`): into the local clock if it is that stream's own
+/// detector, else into that detector's entry.
+fn join_foreign(local: &mut Clock, into: &mut Foreign, self_id: u64, id: u64, from: &[u32]) {
+    if id == self_id {
+        join(local, from);
+    } else if let Some((_, c)) = into.iter_mut().find(|(i, _)| *i == id) {
+        join(c, from);
+    } else {
+        into.push((id, from.to_vec()));
+    }
+}
 
 /// Index 0 is the host: it has no operations of its own, so its component stays 0.
 const HOST: u32 = 0;
@@ -102,6 +189,8 @@ struct Seg {
 struct StreamState {
     id: Option<StreamId>,
     clock: Clock,
+    /// What the stream is ordered after on other devices (see the module docs).
+    foreign: Foreign,
     /// The host clock's version last joined.
     host_seen: u64,
 }
@@ -134,18 +223,23 @@ pub(crate) enum Reuse {
 
 /// The race detector of one simulated device.
 pub(crate) struct Detector {
+    /// Unique in the process: how events and other devices' streams name this detector.
+    id: u64,
     mode: RaceDetection,
     state: PlainMutex<State>,
 }
 
 impl Detector {
     pub(crate) fn new(mode: RaceDetection) -> Self {
+        static IDS: AtomicU64 = AtomicU64::new(1);
         Self {
+            id: IDS.fetch_add(1, Relaxed),
             mode,
             state: PlainMutex::new(State {
                 streams: vec![StreamState {
                     id: None,
                     clock: vec![0],
+                    foreign: Vec::new(),
                     host_seen: 0,
                 }],
                 host: vec![0],
@@ -188,6 +282,7 @@ impl Detector {
         st.streams.push(StreamState {
             id: Some(id),
             clock: vec![0; idx as usize + 1],
+            foreign: Vec::new(),
             host_seen: 0,
         });
         idx
@@ -203,9 +298,21 @@ impl Detector {
         std::mem::take(&mut self.lock().races)
     }
 
-    /// The user's code saw an event complete whose stream's clock was `clock` when it was
-    /// recorded: everything queued from now on, on every stream, is ordered after it.
-    pub(crate) fn host_join(&self, clock: &[u32]) {
+    /// The user's code saw an event complete whose snapshot is `snap`: everything queued from
+    /// now on, on every stream, is ordered after it, on this device and on those the event's
+    /// stream was ordered after (their detectors' host clocks join their parts).
+    pub(crate) fn host_join(&self, snap: &Snapshot) {
+        self.host_join_local(&snap.local);
+        for (id, clock) in &snap.foreign {
+            // One detector's lock at a time: this one's was released above.
+            if let Some(other) = by_id(*id) {
+                other.host_join_local(clock);
+            }
+        }
+    }
+
+    /// The host clock joins `clock` (of this detector's streams).
+    fn host_join_local(&self, clock: &[u32]) {
         let mut st = self.lock();
         if join(&mut st.host, clock) {
             st.host_version += 1;
@@ -265,17 +372,85 @@ impl Detector {
     }
 
     /// A record: the snapshot of the stream's clock that the event carries.
-    pub(crate) fn record(&self, idx: u32) -> PlainArc<Clock> {
+    pub(crate) fn record(&self, idx: u32) -> PlainArc<Snapshot> {
         let mut st = self.lock();
         Self::tick(&mut st, idx);
-        PlainArc::new(st.streams[idx as usize].clock.clone())
+        let s = &st.streams[idx as usize];
+        PlainArc::new(Snapshot {
+            id: self.id,
+            local: s.clock.clone(),
+            foreign: s.foreign.clone(),
+        })
     }
 
-    /// A wait for an event whose snapshot is `clock`.
-    pub(crate) fn wait(&self, idx: u32, clock: &[u32]) {
+    /// A wait for an event whose snapshot is `snap`, of this device or another: each part of
+    /// it joins the stream's clock for its detector (see the module docs).
+    pub(crate) fn wait(&self, idx: u32, snap: &Snapshot) {
         let mut st = self.lock();
         Self::tick(&mut st, idx);
-        join(&mut st.streams[idx as usize].clock, clock);
+        let s = &mut st.streams[idx as usize];
+        join_foreign(&mut s.clock, &mut s.foreign, self.id, snap.id, &snap.local);
+        for (id, clock) in &snap.foreign {
+            join_foreign(&mut s.clock, &mut s.foreign, self.id, *id, clock);
+        }
+    }
+
+    /// What stream `idx` is ordered after on the device of detector `other` (its clock there),
+    /// and the site its next operation will have: for a check of a read of that device's
+    /// memory ([`foreign_read`](Self::foreign_read)).
+    pub(crate) fn knowledge_of(
+        &self,
+        idx: u32,
+        other: &Detector,
+        op: &'static str,
+    ) -> (Clock, RaceSite) {
+        let st = self.lock();
+        let s = &st.streams[idx as usize];
+        let clock = match other.id == self.id {
+            true => s.clock.clone(),
+            false => (s.foreign.iter())
+                .find(|(i, _)| *i == other.id)
+                .map(|(_, c)| c.clone())
+                .unwrap_or_default(),
+        };
+        let site = RaceSite {
+            stream: s.id,
+            op,
+            position: u64::from(s.clock[idx as usize]) + 1,
+        };
+        (clock, site)
+    }
+
+    /// Another device's operation (at `at`, ordered after `clock` of this device's streams)
+    /// reads `[ptr, ptr + bytes)` of this device's memory: the race, if it is not ordered
+    /// after the memory's allocation and writes. Kept by neither detector: the caller keeps it
+    /// in the reading device's ([`note_race`](Self::note_race)). The read leaves no use here
+    /// (see the module docs).
+    pub(crate) fn foreign_read(
+        &self,
+        ptr: u64,
+        bytes: usize,
+        clock: &[u32],
+        at: RaceSite,
+    ) -> Option<Race> {
+        let st = self.lock();
+        // What the host has seen complete here orders every later operation, on any device.
+        let mut clock = clock.to_vec();
+        join(&mut clock, &st.host);
+        // No stream of this detector: never taken for the same stream as a use here.
+        let point = Point {
+            stream: u32::MAX,
+            epoch: 1,
+            op: at.op,
+        };
+        let mut race = st.check_use(ptr, bytes, point, MemoryAccess::Read, &clock)?;
+        race.at = at;
+        Some(race)
+    }
+
+    /// Keeps and logs a race found on this device's stream by another detector.
+    pub(crate) fn note_race(&self, race: Race) -> Option<Race> {
+        self.lock().note(Some(race))
     }
 
     /// Work on stream `idx` (or the host) that touches `ranges`. With `reject` (the `Error`
