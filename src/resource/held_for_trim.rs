@@ -132,20 +132,29 @@ impl<T: Clone> HeldForTrim<T> {
         mine.into_iter().map(|(_, item)| item).collect()
     }
 
-    /// Everything every trim holds, no longer held, for a request whose growth failed to put
-    /// back in the lists and take from; and whether the epoch moved past `seen` (memory came
-    /// back to the lists, or room under the maximum, since the request looked).
-    pub(crate) fn recall(&self, seen: u64) -> (Vec<T>, bool) {
-        let mut held = self.inner.lock();
-        let items: Vec<T> = std::mem::take(&mut held.items)
-            .into_iter()
-            .map(|(_, item)| item)
-            .collect();
-        #[cfg(streamalloc_loom)]
-        if !items.is_empty() {
-            held.counts.0 += 1;
+    /// For a request whose growth failed: everything every trim holds, no longer held, handed
+    /// to `put_back` (into the lists, with no lock of this list held). Whether the request
+    /// should look again: there was some, or the epoch moved past `seen` (memory came back to
+    /// the lists, or room under the maximum, since the request looked).
+    pub(crate) fn recall(&self, seen: u64, put_back: impl FnOnce(Vec<T>)) -> bool {
+        let (items, moved) = {
+            let mut held = self.inner.lock();
+            let items: Vec<T> = std::mem::take(&mut held.items)
+                .into_iter()
+                .map(|(_, item)| item)
+                .collect();
+            #[cfg(streamalloc_loom)]
+            if !items.is_empty() {
+                held.counts.0 += 1;
+            }
+            (items, held.epoch != seen)
+        };
+        if items.is_empty() {
+            return moved;
         }
-        (items, held.epoch != seen)
+        let _span = tracing::debug_span!("recall_from_trim", items = items.len()).entered();
+        put_back(items);
+        true
     }
 
     /// How many recalls found something, and how many releases there were.

@@ -578,14 +578,7 @@ impl<U: MemoryResource> Grow for PoolResource<U> {
     }
 
     fn recall_trimmed(&self, epoch: u64) -> bool {
-        let (recalled, moved) = self.held_for_trim.recall(epoch);
-        if recalled.is_empty() {
-            // A trim may have put memory back, or given it back, since the request looked.
-            return moved;
-        }
-        let _span = tracing::debug_span!("recall_from_trim", chunks = recalled.len()).entered();
-        self.put_back(&recalled);
-        true
+        (self.held_for_trim).recall(epoch, |chunks| self.put_back(&chunks))
     }
 
     fn grow(&self, min: u64, stream: &Stream) -> Result<(u64, u64)> {

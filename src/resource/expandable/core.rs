@@ -938,14 +938,7 @@ impl<S: EngineStream, B: Backing> Grow<S> for Expander<S, B> {
     }
 
     fn recall_trimmed(&self, epoch: u64) -> bool {
-        let (recalled, moved) = self.held_for_trim.recall(epoch);
-        if recalled.is_empty() {
-            // A trim may have put memory back, or unmapped it, since the request looked.
-            return moved;
-        }
-        let _span = tracing::debug_span!("recall_from_trim", ranges = recalled.len()).entered();
-        self.put_back(recalled);
-        true
+        (self.held_for_trim).recall(epoch, |ranges| self.put_back(ranges))
     }
 
     /// Maps granules for a request of `min` bytes where they coalesce with the requester's
