@@ -562,3 +562,65 @@ fn a_retried_failure_counts_in_the_peak_in_use() {
     assert_eq!(number(&text, "peak in use"), 65, "{text}");
     assert!(field(&text, "fragmentation").starts_with("0.0%"), "{text}");
 }
+
+/// A simulated device whose memory is not a multiple of 256 bytes (`--sim-memory 1000`): the
+/// pool, arena and binning resources default their maximum to the device's memory, which
+/// they refused ("the pool's maximum size must be a multiple of 256 bytes", a flag the user
+/// never gave). The default is the device's memory rounded down to 256 bytes: the replay runs
+/// and counts what does not fit as failed allocations. An arena whose superblock cannot fit
+/// is a clear error (exit 1) naming the superblock, not the maximum.
+#[test]
+fn a_small_simulated_device_replays_with_failures() {
+    let log = data("rmm_small.csv");
+    for resource in ["pool", "binning", "cuda"] {
+        let out = run(
+            &log,
+            &["--device", "sim", "--sim-memory", "1000", "-r", resource],
+        );
+        let text = stdout(&out);
+        assert!(
+            out.status.success(),
+            "{resource}: exit {:?}\n{text}\n{}",
+            out.status,
+            stderr(&out)
+        );
+        if resource != "cuda" {
+            assert!(
+                field(&text, "resource").contains("maximum 768 B"),
+                "{resource}: {text}"
+            );
+        }
+        // Only the 512-byte allocation fits (the 1024-byte one does not).
+        assert!(
+            number(&text, "failed allocations") >= 5,
+            "{resource}: {text}"
+        );
+        assert!(number(&text, "peak reserved") <= 768, "{resource}: {text}");
+    }
+    // The arena: 768 bytes fit superblocks of 256 bytes, not the default 1 MiB.
+    let out = run(
+        &log,
+        &[
+            "--device",
+            "sim",
+            "--sim-memory",
+            "1000",
+            "-r",
+            "arena",
+            "--superblock-size",
+            "256",
+        ],
+    );
+    assert!(out.status.success(), "{}", stderr(&out));
+    assert!(field(&stdout(&out), "resource").contains("maximum 768 B"));
+    let out = run(
+        &log,
+        &["--device", "sim", "--sim-memory", "1000", "-r", "arena"],
+    );
+    assert_eq!(out.status.code(), Some(1), "{}", stderr(&out));
+    assert!(
+        stderr(&out).contains("superblock size is above its maximum"),
+        "{}",
+        stderr(&out)
+    );
+}

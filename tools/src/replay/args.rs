@@ -61,7 +61,8 @@ pub(super) struct Args {
     #[arg(long, value_parser = parse_rounded_size)]
     pub(super) initial: Option<u64>,
 
-    /// The most the pool, arena or cuda-async pool may hold [default: the device's memory].
+    /// The most the pool, arena or cuda-async pool may hold [default: the device's memory;
+    /// for the pool and the arena, rounded down to a multiple of 256 bytes].
     #[arg(long, value_parser = parse_rounded_size)]
     pub(super) maximum: Option<u64>,
 

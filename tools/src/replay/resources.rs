@@ -121,16 +121,23 @@ pub(super) fn round256(bytes: u64) -> streamalloc::Result<usize> {
 pub(super) fn build(args: &Args, device: &Device) -> streamalloc::Result<(Built, String)> {
     let cuda = || Counted::new(CudaResource::new(device));
     let total = device.total_memory() as u64;
+    // The default maximum of the pool and the arena: the device's memory, rounded down to the
+    // 256 bytes they hand out in. Left to them (`None`), a device whose memory is not a
+    // multiple of 256 (`--sim-memory 1000`) made them refuse a maximum the user never gave
+    // ("the pool's maximum size must be a multiple of 256 bytes", a review's finding).
+    let device_maximum = device.total_memory() / 256 * 256;
     let pool = || {
+        let initial = round256(args.initial.unwrap_or(0))?;
+        let maximum = (args.maximum.map(round256).transpose()?).unwrap_or(device_maximum);
         let options = PoolOptions {
-            initial: round256(args.initial.unwrap_or(0))?,
-            maximum: args.maximum.map(round256).transpose()?,
+            initial,
+            maximum: Some(maximum),
             ..PoolOptions::default()
         };
         let text = format!(
             "initial {}, maximum {}",
-            fmt_bytes(options.initial as u64),
-            fmt_bytes(options.maximum.map_or(total, |m| m as u64))
+            fmt_bytes(initial as u64),
+            fmt_bytes(maximum as u64)
         );
         PoolResource::new(cuda(), options).map(|p| (p, text))
     };
@@ -141,16 +148,21 @@ pub(super) fn build(args: &Args, device: &Device) -> streamalloc::Result<(Built,
         }
         ResourceKind::Arena => {
             let initial = round256(args.arena_size.or(args.initial).unwrap_or(0))?;
-            let maximum = args.maximum.or(args.arena_size).map(round256).transpose()?;
+            let maximum = args
+                .maximum
+                .or(args.arena_size)
+                .map(round256)
+                .transpose()?
+                .unwrap_or(device_maximum);
             let options = ArenaOptions {
                 initial,
-                maximum,
+                maximum: Some(maximum),
                 superblock_size: round256(args.superblock_size.max(1))?,
             };
             let text = format!(
                 "arena (initial {}, maximum {}, superblocks of {})",
                 fmt_bytes(initial as u64),
-                fmt_bytes(maximum.map_or(total, |m| m as u64)),
+                fmt_bytes(maximum as u64),
                 fmt_bytes(options.superblock_size as u64)
             );
             (Built::Arena(ArenaResource::new(cuda(), options)?), text)
