@@ -254,10 +254,8 @@ impl PinnedHostResource {
     pub fn release(&self) -> Result<()> {
         let blocks = {
             let mut cache = self.shared.lock();
-            let mut blocks: Vec<u64> = cache.ready.drain().flat_map(|(_, b)| b).collect();
-            blocks.extend(cache.retired.drain(..).map(|(ptr, _)| ptr));
-            cache.ready_bytes = 0;
-            cache.ready_blocks = 0;
+            let mut blocks = drain_ready(&mut cache);
+            blocks.append(&mut cache.retired);
             blocks
         };
         let _span = tracing::debug_span!("pinned release", blocks = blocks.len()).entered();
@@ -277,18 +275,27 @@ impl PinnedHostResource {
         }
     }
 
-    /// Frees `blocks` (no longer in any list, GPU work done); the first error, after all.
-    fn free_all(&self, blocks: impl IntoIterator<Item = u64>) -> Result<()> {
+    /// Frees `blocks` (address and size class; no longer in any list, GPU work done); the
+    /// first error, after all. A block the driver does not free is retired again, so that the
+    /// next miss, `release` or the drop tries again: still the resource's, not lost (a
+    /// review's finding: it had left every list, and stayed pinned, counted nowhere).
+    fn free_all(&self, blocks: impl IntoIterator<Item = (u64, usize)>) -> Result<()> {
         let mut first = Ok(());
-        for ptr in blocks {
+        let mut kept = Vec::new();
+        for (ptr, class) in blocks {
             // SAFETY: every caller passes blocks that came from `malloc_host` of this device,
-            // that it has just removed from the cache's lists (so they are freed once), and
-            // whose GPU work is done and which no host code uses (they were given back).
+            // that it has just removed from the cache's lists (so they are freed once: one
+            // whose free fails goes back to a list only after the attempt), and whose GPU work
+            // is done and which no host code uses (they were given back).
             let freed = unsafe { self.device.free_host(ptr as *mut u8) };
             if let Err(e) = freed {
-                tracing::warn!(ptr, error = %e, "could not free pinned host memory");
+                tracing::warn!(ptr, error = %e, "could not free pinned host memory; kept");
                 first = first.and(Err(e));
+                kept.push((ptr, class));
             }
+        }
+        if !kept.is_empty() {
+            self.shared.lock().retired.append(&mut kept);
         }
         first
     }
@@ -338,7 +345,7 @@ impl PinnedHostResource {
             (reuse, retired)
         };
         // Errors were logged; failing to free an old block must not fail this allocation.
-        let _ = self.free_all(free.into_iter().map(|(ptr, _)| ptr));
+        let _ = self.free_all(free);
         if let Some(ptr) = reuse {
             return Ok(DevicePtr(ptr));
         }
@@ -367,6 +374,17 @@ impl PinnedHostResource {
         cache.host_allocations += 1;
         Ok(DevicePtr(ptr as u64))
     }
+}
+
+/// Takes every ready block out of `cache`: (address, size class).
+fn drain_ready(cache: &mut Cache) -> Vec<(u64, usize)> {
+    cache.ready_bytes = 0;
+    cache.ready_blocks = 0;
+    cache
+        .ready
+        .drain()
+        .flat_map(|(class, blocks)| blocks.into_iter().map(move |ptr| (ptr, class)))
+        .collect()
 }
 
 /// An out-of-memory error for the caller's byte count (not the size class asked of the
@@ -476,20 +494,30 @@ impl Drop for PinnedHostResource {
     fn drop(&mut self) {
         let (done, pending, live) = {
             let mut cache = self.shared.lock();
-            let mut done: Vec<u64> = cache.ready.drain().flat_map(|(_, b)| b).collect();
-            done.extend(cache.retired.drain(..).map(|(ptr, _)| ptr));
-            let pending: Vec<Pending> = cache.pending.drain().flat_map(|(_, q)| q).collect();
-            cache.ready_bytes = 0;
-            cache.ready_blocks = 0;
+            let mut done = drain_ready(&mut cache);
+            done.append(&mut cache.retired);
+            let pending: Vec<(Pending, usize)> = cache
+                .pending
+                .drain()
+                .flat_map(|(class, q)| q.into_iter().map(move |p| (p, class)))
+                .collect();
             cache.pending_blocks = 0;
             (done, pending, cache.live.len())
         };
         let _ = self.free_all(done);
-        for block in pending {
+        for (block, class) in pending {
             // The GPU may still use it: wait (blocking) before the memory goes back. A failed
             // stream still ran everything before its fault; the memory is free to go.
             let _ = block.event.synchronize_blocking();
-            let _ = self.free_all([block.ptr]);
+            let _ = self.free_all([(block.ptr, class)]);
+        }
+        // Blocks the driver would not free went back to `retired`: nothing will try again.
+        let unfreed = self.shared.lock().retired.len();
+        if unfreed > 0 {
+            tracing::warn!(
+                blocks = unfreed,
+                "PinnedHostResource dropped with blocks the driver would not free; they are leaked"
+            );
         }
         if live > 0 {
             tracing::warn!(

@@ -221,3 +221,40 @@ fn pinned_drop_waits_for_pending_blocks() {
         stream.synchronize_blocking().unwrap();
     }
 }
+
+/// A cached block whose `cuMemFreeHost` fails in `release` (a simulated fault) is kept, not
+/// forgotten: it stays the resource's, as a retired block, and a later `release` frees it.
+/// Before, the block had left the cache's lists and was lost: pinned until the process ends,
+/// counted nowhere.
+#[test]
+fn pinned_release_keeps_a_block_whose_free_fails() {
+    let faults = streamalloc::Faults::new();
+    let device = Device::simulated(SimConfig {
+        faults: faults.clone(),
+        ..SimConfig::default()
+    });
+    let stream = device.create_stream().unwrap();
+    let r = PinnedHostResource::new(&device);
+    let ptr = r.allocate(4 * KIB, &stream).unwrap();
+    // SAFETY: unused, freed once.
+    unsafe { r.deallocate(ptr, 4 * KIB, &stream) }.unwrap();
+    stream.synchronize_blocking().unwrap();
+    assert!(
+        eventually(Duration::from_secs(2), || r.stats().cached_blocks == 1),
+        "{:?}",
+        r.stats()
+    );
+    faults.fail_next(streamalloc::FaultKind::HostFree);
+    assert!(r.release().is_err());
+    assert_eq!(faults.injected(streamalloc::FaultKind::HostFree), 1);
+    let s = r.stats();
+    assert_eq!(
+        s.cached_blocks + s.retired_blocks,
+        1,
+        "the block whose free failed was lost: {s:?}"
+    );
+    // Tried again, and freed this time: nothing is left.
+    r.release().unwrap();
+    let s = r.stats();
+    assert_eq!((s.cached_blocks, s.retired_blocks), (0, 0), "{s:?}");
+}
