@@ -624,3 +624,22 @@ fn a_small_simulated_device_replays_with_failures() {
         stderr(&out)
     );
 }
+
+/// A `--device` that is none of `auto`, `sim`, `cuda`, `cuda:N` is a bad argument: a usage
+/// error (exit 2, as the tool documents for bad arguments) before the log is read, not exit 1
+/// as if a device had failed to open.
+#[test]
+fn an_unknown_device_is_a_usage_error() {
+    let log = data("rmm_small.csv");
+    for device in ["gpu", "cuda:x", "cuda:", "sim:0"] {
+        let out = run(&log, &["--device", device]);
+        assert_eq!(out.status.code(), Some(2), "{device}: {}", stderr(&out));
+        assert!(
+            stderr(&out).contains("--device") && stderr(&out).contains("cuda:N"),
+            "{device}: {}",
+            stderr(&out)
+        );
+        assert!(stdout(&out).is_empty(), "{device}: {}", stdout(&out));
+    }
+    check_small_log(&run(&log, &["--device", "simulated"]), "pool");
+}

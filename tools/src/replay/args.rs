@@ -107,7 +107,7 @@ pub(super) struct Args {
 
     /// The device: `auto` (a GPU if there is one, else the simulated device; the
     /// STREAMALLOC_DEVICE variable can choose), `sim`, `cuda` or `cuda:N`.
-    #[arg(long, default_value = "auto")]
+    #[arg(long, default_value = "auto", value_parser = parse_device)]
     pub(super) device: String,
 
     /// Also write the picture of the replay to this HTML file (as `streamalloc-picture` draws
@@ -119,6 +119,23 @@ pub(super) struct Args {
     /// The simulated device's memory [default: 16GiB].
     #[arg(long, value_parser = parse_size)]
     pub(super) sim_memory: Option<u64>,
+}
+
+/// `--device`: `auto`, `sim` (or `simulated`), `cuda` or `cuda:N`, checked while the command
+/// line is parsed, so that another value is a usage error (exit 2, before the log is read)
+/// rather than a device that failed to open (exit 1; a review's finding).
+pub(super) fn parse_device(text: &str) -> Result<String, String> {
+    let known = matches!(text, "auto" | "sim" | "simulated" | "cuda")
+        || text
+            .strip_prefix("cuda:")
+            .is_some_and(|n| n.parse::<usize>().is_ok());
+    if known {
+        Ok(text.to_owned())
+    } else {
+        Err(format!(
+            "`{text}` is not a device: auto, sim, cuda or cuda:N (N a GPU's ordinal)"
+        ))
+    }
 }
 
 /// The largest size [`parse_rounded_size`] takes: `u64::MAX` rounded down to 256 bytes.
