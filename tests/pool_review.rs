@@ -682,3 +682,27 @@ fn a_failed_ordering_does_not_raise_the_peak_in_use() {
     a.synchronize_blocking().unwrap();
     b.synchronize_blocking().unwrap();
 }
+
+/// A pool and an arena made with no maximum on a device whose memory is not a multiple of 256
+/// bytes (a simulated device can be made with any size): the default maximum is the device's
+/// memory rounded down, not an `InvalidSize` error blaming a maximum the user never gave
+/// (found through `streamalloc-replay --sim-memory 1000`).
+#[test]
+fn a_device_of_odd_size_gives_a_default_maximum() {
+    use streamalloc::resource::arena::{ArenaOptions, ArenaResource};
+    use streamalloc::resource::cuda::CudaResource;
+    let device = Device::simulated(SimConfig {
+        total_memory: 64 * MIB + 1000,
+        ..SimConfig::default()
+    });
+    let pool = PoolResource::new(CudaResource::new(&device), PoolOptions::default())
+        .expect("a pool with the default maximum");
+    let s = device.create_stream().unwrap();
+    let p = pool.allocate(4096, &s).unwrap();
+    free(&pool, p, 4096, &s);
+    drop(pool);
+    let arena = ArenaResource::new(CudaResource::new(&device), ArenaOptions::default())
+        .expect("an arena with the default maximum");
+    let p = arena.allocate(4096, &s).unwrap();
+    free(&arena, p, 4096, &s);
+}

@@ -133,8 +133,14 @@ impl<U: MemoryResource> BinningBuilder<U> {
     /// [`build`](Self::build) if `min_log2 > max_log2` or `max_log2` does not fit a `usize`.
     pub fn bins_pow2(mut self, min_log2: u32, max_log2: u32) -> Self {
         if min_log2 > max_log2 || max_log2 >= usize::BITS {
+            // The number that breaks the rule: a too-large exponent, else the minimum above it.
+            let bad = if max_log2 >= usize::BITS {
+                max_log2
+            } else {
+                min_log2
+            };
             self.error.get_or_insert(Error::InvalidSize {
-                size: max_log2 as usize,
+                size: bad as usize,
                 reason: "bin exponents must satisfy min_log2 <= max_log2 < usize::BITS",
             });
             return self;

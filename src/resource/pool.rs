@@ -257,7 +257,10 @@ impl<U: MemoryResource> PoolResource<U> {
     /// `initial`.
     pub fn new(upstream: U, options: PoolOptions) -> Result<Self> {
         let device = upstream.device().clone();
-        let maximum = options.maximum.unwrap_or(device.total_memory());
+        // The default is the device's memory, rounded down to the alignment: a device (a
+        // simulated one, made with any size) need not hold a multiple of 256 bytes, and a
+        // maximum the user never gave must not be refused.
+        let maximum = (options.maximum).unwrap_or(device.total_memory() / ALIGNMENT * ALIGNMENT);
         for (size, what) in [(options.initial, "initial"), (maximum, "maximum")] {
             if !size.is_multiple_of(ALIGNMENT) {
                 return Err(Error::InvalidSize {

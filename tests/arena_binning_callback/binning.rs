@@ -356,3 +356,20 @@ fn binning_bad_arguments_are_errors() {
         Err(Error::WrongDevice { .. })
     ));
 }
+
+/// Bin exponents out of order: the error names the exponent that breaks the rule (the minimum
+/// above the maximum), not the maximum (a review found `bins_pow2(70, 22)` reported 22).
+#[test]
+fn binning_bad_exponents_name_the_bad_one() {
+    let device = Device::simulated(SimConfig::default());
+    for (min, max, bad) in [(70, 22, 70), (8, 64, 64), (8, 200, 200)] {
+        let err = BinningResource::builder(CudaResource::new(&device))
+            .bins_pow2(min, max)
+            .build()
+            .unwrap_err();
+        assert!(
+            matches!(err, Error::InvalidSize { size, .. } if size == bad),
+            "bins_pow2({min}, {max}): {err:?}"
+        );
+    }
+}

@@ -282,7 +282,10 @@ impl<U: MemoryResource> ArenaResource<U> {
     /// cannot provide `initial`.
     pub fn new(upstream: U, options: ArenaOptions) -> Result<Self> {
         let device = upstream.device().clone();
-        let maximum = options.maximum.unwrap_or(device.total_memory());
+        // The default is the device's memory, rounded down to the alignment: a device (a
+        // simulated one, made with any size) need not hold a multiple of 256 bytes, and a
+        // maximum the user never gave must not be refused.
+        let maximum = (options.maximum).unwrap_or(device.total_memory() / ALIGNMENT * ALIGNMENT);
         let checks: [(usize, bool, &'static str); 3] = [
             (
                 options.initial,

@@ -121,10 +121,9 @@ pub(super) fn round256(bytes: u64) -> streamalloc::Result<usize> {
 pub(super) fn build(args: &Args, device: &Device) -> streamalloc::Result<(Built, String)> {
     let cuda = || Counted::new(CudaResource::new(device));
     let total = device.total_memory() as u64;
-    // The default maximum of the pool and the arena: the device's memory, rounded down to the
-    // 256 bytes they hand out in. Left to them (`None`), a device whose memory is not a
-    // multiple of 256 (`--sim-memory 1000`) made them refuse a maximum the user never gave
-    // ("the pool's maximum size must be a multiple of 256 bytes", a review's finding).
+    // The default maximum of the pool and the arena, as they take it themselves: the device's
+    // memory, rounded down to the 256 bytes they hand out in (`--sim-memory 1000` gives 768).
+    // Named here so that the line printed says what the resource got.
     let device_maximum = device.total_memory() / 256 * 256;
     let pool = || {
         let initial = round256(args.initial.unwrap_or(0))?;
