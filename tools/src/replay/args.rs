@@ -116,7 +116,7 @@ pub(super) struct Args {
     #[arg(long)]
     pub(super) picture: Option<PathBuf>,
 
-    /// The simulated device's memory [default: 16GiB].
+    /// The simulated device's memory [default: 16GiB]; ignored (with a note) on a GPU.
     #[arg(long, value_parser = parse_size)]
     pub(super) sim_memory: Option<u64>,
 }

@@ -210,19 +210,32 @@ pub(super) fn open_device(args: &Args) -> streamalloc::Result<Device> {
         }
         Device::simulated(config)
     };
+    // `--sim-memory` sizes only a simulated device: say so when a GPU is used instead, rather
+    // than replay on 80 GB in silence what the user meant for a small device.
+    let gpu = |device: Device| {
+        if args.sim_memory.is_some() {
+            eprintln!(
+                "note: --sim-memory ignored: replaying on {} (use --device sim for a simulated device)",
+                device.name()
+            );
+        }
+        device
+    };
     match args.device.as_str() {
         "auto" => {
             let device = Device::default_device()?;
-            Ok(if device.is_simulated() && args.sim_memory.is_some() {
+            Ok(if !device.is_simulated() {
+                gpu(device)
+            } else if args.sim_memory.is_some() {
                 sim(args.sim_memory)
             } else {
                 device
             })
         }
         "sim" | "simulated" => Ok(sim(args.sim_memory)),
-        "cuda" => Device::cuda(0),
+        "cuda" => Device::cuda(0).map(gpu),
         other => match other.strip_prefix("cuda:").map(str::parse::<usize>) {
-            Some(Ok(ordinal)) => Device::cuda(ordinal),
+            Some(Ok(ordinal)) => Device::cuda(ordinal).map(gpu),
             _ => Err(streamalloc::Error::InvalidArgument {
                 what: "--device must be auto, sim, cuda or cuda:N",
             }),
