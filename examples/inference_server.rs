@@ -356,9 +356,10 @@ impl App {
             .await?;
             let output = set.pop().expect("two buffers");
             let input = set.pop().expect("two buffers");
+            // Whole f32s by construction; `Error::from` drops a refused buffer (freeing it).
             (
-                DeviceVec::<f32>::from_buffer(input)?,
-                DeviceVec::<f32>::from_buffer(output)?,
+                DeviceVec::<f32>::from_buffer(input).map_err(Error::from)?,
+                DeviceVec::<f32>::from_buffer(output).map_err(Error::from)?,
             )
         };
         let alloc_wait = started.elapsed();

@@ -148,7 +148,7 @@ pub use crate::resource::{
 };
 pub use crate::stream::{Stream, StreamId};
 pub use crate::stream_pool::StreamPool;
-pub use crate::vec::{DeviceScalar, DeviceVec};
+pub use crate::vec::{DeviceScalar, DeviceVec, FromBufferError};
 pub use bytemuck::Pod;
 /// The cudarc this crate is built on: use it (`streamalloc::cudarc`) for
 /// [`Device::from_cudarc`], [`Stream::cudarc_stream`] and kernel launches on our buffers, so

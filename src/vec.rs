@@ -89,13 +89,35 @@ impl<T: Pod> DeviceVec<T> {
         }
     }
 
-    /// Views a buffer as elements; `Err(InvalidSize)` unless its length is a multiple of the
-    /// element size.
-    pub fn from_buffer(buf: DeviceBuffer) -> Result<Self> {
+    /// Views a buffer as elements.
+    ///
+    /// Unless the buffer's length is a multiple of the element size, the error
+    /// ([`Error::InvalidSize`], through [`FromBufferError::error`]) hands the buffer back
+    /// unchanged ([`FromBufferError::into_buffer`]): a refused buffer is neither freed nor lost.
+    /// `?` into the crate's [`Error`] drops (frees) it, as dropping it would.
+    ///
+    /// ```
+    /// # use std::sync::Arc;
+    /// # use streamalloc::{CudaResource, Device, DeviceBuffer, DeviceVec, Error, PoolOptions, PoolResource, SimConfig};
+    /// # let device = Device::simulated(SimConfig::default());
+    /// # let pool = Arc::new(PoolResource::new(CudaResource::new(&device), PoolOptions::default())?);
+    /// # let stream = device.create_stream()?;
+    /// let buf = DeviceBuffer::new(&pool, 10, &stream)?;
+    /// let err = DeviceVec::<u32>::from_buffer(buf).unwrap_err(); // 10 bytes: not whole u32s
+    /// assert!(matches!(err.error(), Error::InvalidSize { size: 10, .. }));
+    /// let buf = err.into_buffer(); // the same buffer, still ours
+    /// let v = DeviceVec::<u16>::from_buffer(buf)?; // 5 u16s
+    /// assert_eq!(v.len(), 5);
+    /// # Ok::<(), streamalloc::Error>(())
+    /// ```
+    pub fn from_buffer(buf: DeviceBuffer) -> Result<Self, FromBufferError> {
         if !buf.len().is_multiple_of(size_of::<T>().max(1)) {
-            return Err(Error::InvalidSize {
-                size: buf.len(),
-                reason: "the buffer's length is not a multiple of the element size",
+            return Err(FromBufferError {
+                error: Error::InvalidSize {
+                    size: buf.len(),
+                    reason: "the buffer's length is not a multiple of the element size",
+                },
+                buffer: Box::new(buf),
             });
         }
         let len = buf.len() / size_of::<T>().max(1);
@@ -470,6 +492,58 @@ impl<T: Pod> DeviceVec<T> {
         // SAFETY: the caller's contract, for these `bytes`.
         let buf = unsafe { DeviceBuffer::copy_from_device_ptr(resource, src, bytes, stream) }?;
         Ok(Self::from_buffer_unchecked(buf, len))
+    }
+}
+
+/// The error of [`DeviceVec::from_buffer`]: why the buffer was refused, and the buffer itself,
+/// handed back unchanged (as `std`'s `IntoInnerError` hands back its writer), so that a refusal
+/// loses no memory. Converts into [`Error`] (dropping the buffer, which frees it in stream
+/// order as any drop does) for `?`.
+pub struct FromBufferError {
+    error: Error,
+    /// Boxed to keep the `Result` small (the refusal is the rare path).
+    buffer: Box<DeviceBuffer>,
+}
+
+impl FromBufferError {
+    /// Why the buffer was refused ([`Error::InvalidSize`], with its length).
+    pub fn error(&self) -> &Error {
+        &self.error
+    }
+
+    /// The refused buffer, as it was given.
+    pub fn into_buffer(self) -> DeviceBuffer {
+        *self.buffer
+    }
+
+    /// Both: the error and the buffer.
+    pub fn into_parts(self) -> (Error, DeviceBuffer) {
+        (self.error, *self.buffer)
+    }
+}
+
+impl fmt::Debug for FromBufferError {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("FromBufferError")
+            .field("error", &self.error)
+            .field("buffer", &self.buffer)
+            .finish()
+    }
+}
+
+impl fmt::Display for FromBufferError {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        // The error's own message (as `std`'s `IntoInnerError`), so `source` stays empty.
+        fmt::Display::fmt(&self.error, f)
+    }
+}
+
+impl std::error::Error for FromBufferError {}
+
+impl From<FromBufferError> for Error {
+    /// The error alone; the buffer is dropped (freed in stream order).
+    fn from(e: FromBufferError) -> Self {
+        e.error
     }
 }
 

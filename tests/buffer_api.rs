@@ -383,3 +383,60 @@ fn element_futures_are_send() {
     send(&v.first());
     send(&v.last());
 }
+
+/// A buffer whose length is not a multiple of the element size is refused by
+/// `DeviceVec::from_buffer`, and handed back to the caller: nothing is freed or lost, and the
+/// buffer still holds its contents.
+#[test]
+fn from_buffer_refused_hands_the_buffer_back() {
+    let rt = runtime();
+    for device in devices() {
+        let l = label(&device);
+        let p = pool(&device, 64 * MIB);
+        let s = device.create_stream().unwrap();
+        let mut buf = DeviceBuffer::new(&p, 10, &s).unwrap();
+        buf.copy_from_host(&[1, 2, 3, 4, 5, 6, 7, 8, 9, 10])
+            .unwrap();
+        let (ptr, held) = (buf.as_ptr(), used(&p));
+        assert!(held > 0, "{l}");
+
+        let err = DeviceVec::<u32>::from_buffer(buf).unwrap_err();
+        assert_eq!(
+            *err.error(),
+            Error::InvalidSize {
+                size: 10,
+                reason: "the buffer's length is not a multiple of the element size"
+            },
+            "{l}"
+        );
+        assert!(err.to_string().contains("10"), "{l}: {err}");
+        let _: &dyn std::error::Error = &err;
+        s.synchronize_blocking().unwrap();
+        std::thread::sleep(Duration::from_millis(20));
+        assert_eq!(used(&p), held, "{l}: the refused buffer was freed");
+
+        let buf = err.into_buffer();
+        assert_eq!((buf.as_ptr(), buf.len()), (ptr, 10), "{l}");
+        let v = DeviceVec::<u16>::from_buffer(buf).unwrap();
+        assert_eq!(
+            rt.block_on(v.to_host(&s)).unwrap(),
+            [0x0201, 0x0403, 0x0605, 0x0807, 0x0a09],
+            "{l}"
+        );
+
+        // Through `?` into the crate's error: the buffer is dropped, and freed.
+        let b = DeviceBuffer::new(&p, 3, &s).unwrap();
+        let as_error: Error = DeviceVec::<u16>::from_buffer(b).unwrap_err().into();
+        assert!(
+            matches!(as_error, Error::InvalidSize { size: 3, .. }),
+            "{l}"
+        );
+        let (e, b) = DeviceVec::<u64>::from_buffer(DeviceBuffer::new(&p, 12, &s).unwrap())
+            .unwrap_err()
+            .into_parts();
+        assert!(matches!(e, Error::InvalidSize { size: 12, .. }), "{l}");
+        drop((v, b));
+        s.synchronize_blocking().unwrap();
+        common::assert_all_back_within(&p, Duration::from_secs(5), &l);
+    }
+}
