@@ -329,3 +329,51 @@ fn a_dropped_read_on_another_stream_comes_before_later_writes() {
         );
     }
 }
+
+/// `record_stream` promises that the buffer's free waits for the work queued on the recorded
+/// stream up to the drop. A reallocation (`resize` past the capacity, `reserve`,
+/// `shrink_to_fit`) moves the buffer to new memory; the recorded streams must come along, or
+/// a kernel on the recorded stream that uses the buffer after the resize (ordered after its
+/// stream, as for any use) is not waited for: the memory is handed out again on the buffer's
+/// stream at the drop while that kernel still runs.
+#[test]
+fn recorded_streams_survive_a_reallocation() {
+    for how in ["resize", "reserve", "shrink_to_fit"] {
+        let device = Device::simulated(SimConfig {
+            race_detection: RaceDetection::Record,
+            ..SimConfig::default()
+        });
+        let p = pool(&device);
+        let (a, b) = (
+            device.create_stream().unwrap(),
+            device.create_stream().unwrap(),
+        );
+        let mut buf = DeviceBuffer::new(&p, 4096, &a).unwrap();
+        buf.memset(1).unwrap();
+        buf.record_stream(&b).unwrap();
+        match how {
+            "resize" => buf.resize(8192).unwrap(),
+            "reserve" => buf.reserve(8192).unwrap(),
+            _ => {
+                buf.resize(1024).unwrap();
+                buf.shrink_to_fit().unwrap();
+            }
+        }
+        // A use on `b` of the (new) memory, ordered after `a` as the caller must.
+        b.wait(&a.record().unwrap()).unwrap();
+        b.spin(Duration::from_millis(200)).unwrap();
+        // SAFETY: `buf.len()` live bytes, used on `b` after `a`'s work; `b` is recorded as a
+        // use of the buffer, so its free waits for this fill.
+        unsafe { b.memset_d8(buf.as_ptr(), 2, buf.len()) }.unwrap();
+        drop(buf);
+        // The same stream gets freed memory back at once: it must not be `b`'s.
+        let mut next = DeviceBuffer::new(&p, 8192, &a).unwrap();
+        next.memset(3).unwrap();
+        for s in [&a, &b] {
+            s.synchronize_blocking().unwrap();
+        }
+        let races = device.take_races();
+        assert!(races.is_empty(), "after {how}: {races:#?}");
+        drop(next);
+    }
+}

@@ -291,7 +291,9 @@ impl DeviceBuffer {
     }
 
     /// Marks a use on `other`: the free waits for the work queued on `other` up to the drop,
-    /// as PyTorch's `record_stream`. Cheap: the event is recorded only at drop.
+    /// as PyTorch's `record_stream`. Cheap: the event is recorded only at drop. The mark stays
+    /// through a move to new memory ([`resize`](Self::resize) past the capacity,
+    /// [`reserve`](Self::reserve), [`shrink_to_fit`](Self::shrink_to_fit)).
     ///
     /// `other` may be a stream of another GPU (a kernel there reading this memory through
     /// peer access, see [`Device::enable_peer_access`](crate::Device::enable_peer_access)) or

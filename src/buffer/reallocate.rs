@@ -6,6 +6,7 @@ use crate::device::DevicePtr;
 use crate::error::{Error, Result};
 use crate::resource::AsResourceRef;
 use crate::stream::Stream;
+use crate::sync::Mutex;
 
 use super::{check_device, DeviceBuffer};
 
@@ -101,8 +102,8 @@ impl DeviceBuffer {
 
     /// Moves the contents to a new allocation of `capacity` bytes from the same resource on
     /// the buffer's stream, keeping the first `min(len, capacity)` bytes (copied in stream
-    /// order); the old memory is freed as a drop frees it (after every recorded use). On error
-    /// nothing changed.
+    /// order); the old memory is freed as a drop frees it (after every recorded use), and the
+    /// recorded uses stay recorded for the new memory. On error nothing changed.
     fn reallocate(&mut self, capacity: usize) -> Result<()> {
         let ptr = self.resource.allocate(capacity, &self.stream)?;
         let keep = self.len.min(capacity);
@@ -118,6 +119,11 @@ impl DeviceBuffer {
         }
         let mut new = Self::from_parts(ptr, capacity, self.resource.clone(), &self.stream);
         new.len = keep;
+        // The streams recorded as uses stay recorded: `record_stream` promises that the
+        // buffer's free waits for them up to its drop, and the caller may go on using the
+        // buffer there (now the new memory) without recording them again. The old memory
+        // keeps them too, for the work queued there so far.
+        new.uses = Mutex::new(self.uses.lock().clone());
         drop(std::mem::replace(self, new));
         Ok(())
     }
