@@ -97,6 +97,12 @@ pub enum Error {
         /// The vector's length.
         len: usize,
     },
+    /// The host could not allocate memory the crate needed on it (the `Vec` a copy to the host
+    /// fills, for a device buffer larger than what the host can give).
+    HostOutOfMemory {
+        /// Bytes requested on the host.
+        requested: usize,
+    },
     /// A wait ran past its deadline.
     Timeout {
         /// How long it waited.
@@ -137,7 +143,7 @@ impl Error {
     /// True for every flavour of "not enough memory", the driver's included.
     pub fn is_out_of_memory(&self) -> bool {
         match self {
-            Error::OutOfMemory { .. } => true,
+            Error::OutOfMemory { .. } | Error::HostOutOfMemory { .. } => true,
             Error::Driver { code, .. } => *code == 2, // CUDA_ERROR_OUT_OF_MEMORY
             _ => false,
         }
@@ -193,6 +199,10 @@ impl fmt::Display for Error {
             Error::IndexOutOfBounds { index, len } => write!(
                 f,
                 "index {index} out of bounds: the vector has {len} element(s)"
+            ),
+            Error::HostOutOfMemory { requested } => write!(
+                f,
+                "out of host memory: {requested} bytes could not be allocated on the host"
             ),
             Error::Timeout { waited } => write!(f, "timed out after waiting {waited:?}"),
             Error::StreamRace(race) => write!(f, "{race}"),

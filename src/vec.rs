@@ -400,7 +400,7 @@ impl<T: Pod> DeviceVec<T> {
     /// the vector's memory is freed only after it.
     pub async fn to_host(&self, stream: &Stream) -> Result<Vec<T>> {
         self.buf.use_on(stream)?;
-        let mut out = vec![T::zeroed(); self.len];
+        let mut out = crate::buffer::copy::host_vec(self.len)?;
         copy_out(
             stream,
             self.as_ptr(),

@@ -39,10 +39,23 @@ impl DeviceBuffer {
     /// Cancel-safe: the staging block of a dropped future returns to the cache only once the
     /// copy into it has run.
     pub async fn to_host(&self) -> Result<Vec<u8>> {
-        let mut out = vec![0u8; self.len];
+        let mut out = host_vec(self.len)?;
         copy_out(&self.stream, self.ptr, &mut out, &self.stream).await?;
         Ok(out)
     }
+}
+
+/// `len` zeroed elements on the host, or `Err(HostOutOfMemory)` where `vec!` would abort the
+/// process (a device buffer can be larger than what the host can give).
+pub(crate) fn host_vec<T: bytemuck::Zeroable + Clone>(len: usize) -> Result<Vec<T>> {
+    let mut out = Vec::new();
+    if out.try_reserve_exact(len).is_err() {
+        return Err(Error::HostOutOfMemory {
+            requested: len.saturating_mul(size_of::<T>()),
+        });
+    }
+    out.resize(len, T::zeroed());
+    Ok(out)
 }
 
 /// Stages `data` and queues its copy to `dst` on `stream`. Never blocks on the GPU.
@@ -144,4 +157,25 @@ pub(crate) async fn copy_out(
     // SAFETY: the copy into the block has completed (the event after it did).
     unsafe { std::ptr::copy_nonoverlapping(block_ptr(&guard), out.as_mut_ptr(), out.len()) };
     Ok(())
+}
+
+#[cfg(all(test, not(streamalloc_loom)))]
+mod tests {
+    use super::*;
+
+    /// More than the host can give is an error, not an abort (`vec!` aborts the process).
+    #[test]
+    fn a_host_vec_too_large_is_an_error() {
+        assert!(matches!(
+            host_vec::<u8>(usize::MAX),
+            Err(Error::HostOutOfMemory {
+                requested: usize::MAX
+            })
+        ));
+        assert!(matches!(
+            host_vec::<u64>(usize::MAX / 4),
+            Err(Error::HostOutOfMemory { .. })
+        ));
+        assert_eq!(host_vec::<u32>(3).unwrap(), vec![0, 0, 0]);
+    }
 }

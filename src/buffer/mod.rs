@@ -15,7 +15,7 @@ use crate::resource::{AllocateAsync, AsResourceRef, ResourceRef};
 use crate::stream::Stream;
 use crate::sync::Mutex;
 
-mod copy;
+pub(crate) mod copy;
 mod free;
 mod kernel_args;
 mod reallocate;
