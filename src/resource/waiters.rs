@@ -67,12 +67,14 @@ pub struct MemoryWaiters {
     wait_ns: AtomicU64,
     max_wait_ns: AtomicU64,
     timeouts: AtomicU64,
-    /// A maximum that an out-of-memory error which made a request wait reported (0: none yet;
-    /// a queue shared by layers, an adaptor's over its upstream's, holds the last one's): a
-    /// newcomer that finds others waiting queues behind them without a try, and one larger
-    /// than this fails at once instead. Each layer's maximum bounds what any request can get
-    /// through it, so whichever a thread reads is a true bound. Std's: a single word, read
-    /// and written whole.
+    /// The smallest maximum known for the requests that wait here (0: none yet): those that
+    /// out-of-memory errors which made a request wait reported, and the one a resource noted
+    /// itself (the limiting adaptor, its limit). A newcomer that finds others waiting queues
+    /// behind them without a try, and one larger than this fails at once instead. A queue
+    /// shared by layers (an adaptor's over its upstream's) hears of several: each bounds what
+    /// any request waiting here can get, so the smallest is the tightest true bound. (A review
+    /// found the last one kept: a wait the upstream caused put the upstream's larger maximum
+    /// in place of a limit, and a request above the limit queued.) Std's: a single word.
     maximum: std::sync::atomic::AtomicUsize,
 }
 
@@ -122,10 +124,16 @@ impl MemoryWaiters {
         }
     }
 
-    /// Notes the resource's maximum from an out-of-memory error that made a request wait.
+    /// Notes a maximum of the requests that wait here: from an out-of-memory error that made a
+    /// request wait, or a resource's own (see the field). Keeps the smallest; 0 says nothing.
     pub(crate) fn note_maximum(&self, maximum: usize) {
-        self.maximum
-            .store(maximum, std::sync::atomic::Ordering::Relaxed);
+        if maximum == 0 {
+            return;
+        }
+        let relaxed = std::sync::atomic::Ordering::Relaxed;
+        let _ = (self.maximum).fetch_update(relaxed, relaxed, |known| {
+            (known == 0 || maximum < known).then_some(maximum)
+        });
     }
 
     /// The resource's maximum, if a request has waited here before.

@@ -270,3 +270,49 @@ fn a_rollback_wakes_a_set_refused_because_of_it() {
         assert!(matches!(poll_once(h.as_mut(), &mut cx), Poll::Ready(true)));
     }
 }
+
+/// A request above the limit fails at once, also when it comes behind a task that waits
+/// because the upstream ran out (here the device, whose maximum is larger than the limit). A
+/// review found it queued behind that task: the queue knew the maximum only from the error
+/// that made the first task wait, the device's, and a newcomer is compared with that without
+/// a try.
+#[test]
+fn limiting_a_request_above_the_limit_fails_at_once_behind_a_waiter() {
+    use std::task::Poll;
+    let device = streamalloc::Device::simulated(streamalloc::SimConfig {
+        total_memory: 16 * MIB,
+        ..Default::default()
+    });
+    let s = device.create_stream().unwrap();
+    // Someone else holds most of the device.
+    let others = CudaResource::new(&device);
+    let held = others.allocate(14 * MIB, &s).unwrap();
+    let lim = LimitingAdaptor::new(CudaResource::new(&device), 4 * MIB);
+    // Within the limit, but the device is full: it waits.
+    let mut head = Box::pin(lim.allocate_async(3 * MIB, &s));
+    assert!(common::poll_once(head.as_mut()).is_pending());
+    assert_eq!(lim.wait_stats().waiting, 1);
+    // Above the limit: it never fits, and says so at once.
+    let mut never = std::pin::pin!(lim.allocate_async(8 * MIB, &s));
+    match common::poll_once(never.as_mut()) {
+        Poll::Ready(Err(Error::OutOfMemory {
+            requested, maximum, ..
+        })) => assert_eq!((requested, maximum), (8 * MIB, 4 * MIB)),
+        other => panic!("a request above the limit, behind a waiter: {other:?}"),
+    }
+    assert_eq!(lim.wait_stats().waiting, 1);
+    // Within the limit, it queues behind the head (first come, first served).
+    let mut fits = std::pin::pin!(lim.allocate_async(MIB, &s));
+    assert!(common::poll_once(fits.as_mut()).is_pending());
+    free(&others, held, 14 * MIB, &s);
+    s.synchronize_blocking().unwrap();
+    // A free through the adaptor would wake the head; here memory came back behind its back
+    // (see the type's documentation), so the test lets the head try again by hand.
+    drop(head);
+    let ptr = match common::poll_once(fits.as_mut()) {
+        Poll::Ready(Ok(ptr)) => ptr,
+        other => panic!("the request behind the cancelled head was not served: {other:?}"),
+    };
+    free(&lim, ptr, MIB, &s);
+    assert_eq!(lim.used(), 0);
+}

@@ -135,10 +135,15 @@ impl<U: MemoryResource> fmt::Debug for LimitingAdaptor<U> {
 impl<U: MemoryResource> LimitingAdaptor<U> {
     /// Lets at most `limit` bytes (counted in 256-byte units) be outstanding through it.
     pub fn new(upstream: U, limit: usize) -> Self {
+        let waiters = MemoryWaiters::new();
+        // No request above the limit can ever be served: one that comes while others wait
+        // (and so queues without a try) fails at once, whatever the errors that made them
+        // wait said of the upstream's maximum.
+        waiters.note_maximum(limit);
         Self {
             upstream,
             limit: Limit::new(limit),
-            waiters: MemoryWaiters::new(),
+            waiters,
         }
     }
 
