@@ -27,7 +27,10 @@ use crate::sync::{AtomicUsize, Ordering};
 ///   [`allocate_async`](crate::AllocateAsync::allocate_async) on it waits for memory freed
 ///   through it instead of failing, and a request above the limit fails at once. (A wait caused
 ///   by the *upstream* running out is woken only by frees through this adaptor too: put the
-///   limit over a pool that nobody else uses.)
+///   limit over a pool that nobody else uses. That includes another `LimitingAdaptor` below
+///   this one: a request the lower limit refused because of a reservation that then failed
+///   upstream is woken by the next free through this adaptor, not by that rollback; with
+///   nothing outstanding through it, only its deadline ends the wait.)
 ///
 /// `used` is one atomic, reserved by compare-and-swap before the upstream call: threads cannot
 /// pass the limit together, and no lock is taken.
