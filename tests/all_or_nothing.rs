@@ -173,6 +173,51 @@ fn sets_are_served_first_come_first_served() {
     }
 }
 
+/// Through an aligned adaptor each request takes its padded size of the pool: a set whose
+/// padded sizes add up to more than the pool's maximum can never fit, and fails at once
+/// (an adaptors' review found it waiting, for ever without a deadline: the set was summed
+/// unpadded, 4 MiB against the pool's 8). Under a limit, the limit's own count decides.
+#[test]
+fn a_set_through_an_aligned_adaptor_counts_its_padding() {
+    use streamalloc::resource::adaptor::AlignedAdaptor;
+    let rt = runtime();
+    for device in devices() {
+        let aligned = AlignedAdaptor::new(pool(&device, 8 * MIB), 4 * MIB).unwrap();
+        let s = device.create_stream().unwrap();
+        // Each 2 MiB request asks the pool for 8 MiB - 256: one fits, two never do.
+        let one = rt
+            .block_on(aligned.allocate_all_async([(2 * MIB, &s)]))
+            .unwrap();
+        let mut set = std::pin::pin!(aligned.allocate_all_async([(2 * MIB, &s), (2 * MIB, &s)]));
+        match common::poll_once(set.as_mut()) {
+            Poll::Ready(Err(Error::OutOfMemory {
+                requested, maximum, ..
+            })) => {
+                assert_eq!(requested, 2 * (8 * MIB - 256), "{}", label(&device));
+                assert_eq!(maximum, 8 * MIB);
+            }
+            Poll::Ready(other) => panic!("{}: {other:?}", label(&device)),
+            Poll::Pending => panic!("{}: the set waits, though it can never fit", label(&device)),
+        }
+        for ptr in one {
+            // SAFETY: allocated above through `aligned` with 2 MiB on `s`, never used.
+            unsafe { aligned.deallocate(ptr, 2 * MIB, &s) }.unwrap();
+        }
+        // A limit above an aligned adaptor counts the unpadded sizes: 4 MiB fits a 6 MiB
+        // limit, so the set waits for memory (here it is served: the pool below is larger).
+        let wide = AlignedAdaptor::new(pool(&device, 32 * MIB), 4 * MIB).unwrap();
+        let limited = LimitingAdaptor::new(wide, 6 * MIB);
+        assert_eq!(limited.footprint(2 * MIB).unwrap(), 2 * MIB);
+        let set = rt
+            .block_on(limited.allocate_all_async([(2 * MIB, &s), (2 * MIB, &s)]))
+            .unwrap();
+        for ptr in set {
+            // SAFETY: as above, through `limited`.
+            unsafe { limited.deallocate(ptr, 2 * MIB, &s) }.unwrap();
+        }
+    }
+}
+
 /// A set that can never fit fails at once, without waiting: one request above the maximum,
 /// sizes that add up to more than the maximum (each fits alone), sizes whose sum overflows.
 /// An empty set is served at once. Nothing is held afterwards.

@@ -7,7 +7,7 @@ use std::task::{Context, Poll};
 use std::time::{Duration, Instant};
 
 use super::wait::{Attempt, Wait};
-use super::{aligned_size, MemoryResource};
+use super::MemoryResource;
 use crate::device::DevicePtr;
 use crate::error::{Error, Result};
 use crate::stream::Stream;
@@ -33,7 +33,8 @@ struct Set<'a, R: MemoryResource + ?Sized> {
     requests: Vec<(usize, &'a Stream)>,
     /// Indices into `requests`, largest first: the order each try allocates in.
     order: Vec<usize>,
-    /// The sum of the sizes, each rounded up to the alignment; `None` if it overflows.
+    /// The sum of the requests' [`footprint`](MemoryResource::footprint)s (their sizes rounded
+    /// up to the alignment, unless an adaptor asks more); `None` if it overflows.
     total: Option<usize>,
 }
 
@@ -52,8 +53,10 @@ impl<R: MemoryResource + ?Sized> fmt::Debug for AllocateAll<'_, R> {
 
 impl<'a, R: MemoryResource + ?Sized> AllocateAll<'a, R> {
     pub(crate) fn new(resource: &'a R, requests: Vec<(usize, &'a Stream)>) -> Self {
+        // What each request takes of the resource, as its layers count it (an aligned
+        // adaptor's padding included): a set whose sum is above a maximum can never fit.
         let total = requests.iter().try_fold(0usize, |sum, &(bytes, _)| {
-            sum.checked_add(aligned_size(bytes).ok()?)
+            sum.checked_add(resource.footprint(bytes).ok()?)
         });
         let mut order: Vec<usize> = (0..requests.len()).collect();
         // Stable: equal sizes keep the caller's order.
@@ -87,8 +90,8 @@ impl<'a, R: MemoryResource + ?Sized> AllocateAll<'a, R> {
 fn overflow() -> Error {
     Error::InvalidSize {
         size: usize::MAX,
-        reason: "the sizes of the set, each rounded up to the 256-byte alignment, add up to \
-                 more than usize::MAX",
+        reason: "the sizes of the set, each rounded up to the 256-byte alignment (and padded \
+                 as the resource's adaptors ask), add up to more than usize::MAX",
     }
 }
 

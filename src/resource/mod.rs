@@ -92,6 +92,18 @@ pub unsafe trait MemoryResource: Send + Sync + fmt::Debug {
     fn memory_snapshot(&self) -> Option<snapshot::Snapshot> {
         None
     }
+
+    /// How much of the resource's capacity an allocation of `bytes` takes, as far as it can
+    /// tell without allocating, and never more than what a layer that can refuse the request
+    /// counts for it. An all-or-nothing set
+    /// ([`allocate_all_async`](AllocateAsync::allocate_all_async)) sums these to tell a set
+    /// that can never fit (more than a maximum) from one that must wait. Default: `bytes`
+    /// rounded up to [`ALIGNMENT`]; an adaptor that asks more of its upstream
+    /// ([`AlignedAdaptor`](adaptor::AlignedAdaptor)) says so, and one that forwards passes its
+    /// upstream's on. `Err(InvalidSize)` where that overflows.
+    fn footprint(&self, bytes: usize) -> Result<usize> {
+        aligned_size(bytes)
+    }
 }
 
 /// A type-erased, shareable resource: what buffers hold to keep their resource alive.
@@ -142,6 +154,10 @@ unsafe impl<R: MemoryResource + ?Sized> MemoryResource for StdArc<R> {
 
     fn memory_snapshot(&self) -> Option<snapshot::Snapshot> {
         (**self).memory_snapshot()
+    }
+
+    fn footprint(&self, bytes: usize) -> Result<usize> {
+        (**self).footprint(bytes)
     }
 }
 

@@ -204,6 +204,16 @@ unsafe impl<U: MemoryResource> MemoryResource for AlignedAdaptor<U> {
     fn memory_waiters(&self) -> Option<&MemoryWaiters> {
         self.upstream.memory_waiters()
     }
+
+    /// What the upstream is asked for: for an aligned allocation, `bytes` padded for the
+    /// alignment (a set of them can never fit a pool that holds their unpadded sizes).
+    fn footprint(&self, bytes: usize) -> Result<usize> {
+        if self.passes_through(bytes) {
+            self.upstream.footprint(bytes)
+        } else {
+            self.upstream.footprint(self.upstream_size(bytes)?)
+        }
+    }
     fn memory_snapshot(&self) -> Option<crate::resource::snapshot::Snapshot> {
         self.upstream.memory_snapshot()
     }

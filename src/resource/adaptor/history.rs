@@ -487,6 +487,10 @@ unsafe impl<U: MemoryResource> MemoryResource for HistoryAdaptor<U> {
         self.upstream.memory_waiters()
     }
 
+    fn footprint(&self, bytes: usize) -> Result<usize> {
+        self.upstream.footprint(bytes)
+    }
+
     /// The upstream's snapshot; while recording with live tracking, its in-use blocks are
     /// split into the allocations made through this adaptor, each with its size asked for,
     /// stream, time and backtrace.

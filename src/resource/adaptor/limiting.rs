@@ -260,6 +260,14 @@ unsafe impl<U: MemoryResource> MemoryResource for LimitingAdaptor<U> {
     fn memory_waiters(&self) -> Option<&MemoryWaiters> {
         Some(&self.waiters)
     }
+
+    /// The limit's own count (`bytes` rounded up to 256), not the upstream's: a set is
+    /// refused at once only if it can never fit the layer that refuses it, and under the
+    /// limit a request counts no more than this, whatever an aligned adaptor below asks of the
+    /// pool beneath it.
+    fn footprint(&self, bytes: usize) -> Result<usize> {
+        aligned_size(bytes)
+    }
     fn memory_snapshot(&self) -> Option<crate::resource::snapshot::Snapshot> {
         self.upstream.memory_snapshot()
     }

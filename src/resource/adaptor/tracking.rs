@@ -234,6 +234,10 @@ unsafe impl<U: MemoryResource> MemoryResource for TrackingAdaptor<U> {
     fn memory_waiters(&self) -> Option<&MemoryWaiters> {
         self.upstream.memory_waiters()
     }
+
+    fn footprint(&self, bytes: usize) -> Result<usize> {
+        self.upstream.footprint(bytes)
+    }
     fn memory_snapshot(&self) -> Option<crate::resource::snapshot::Snapshot> {
         self.upstream.memory_snapshot()
     }
