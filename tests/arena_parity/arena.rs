@@ -299,6 +299,60 @@ fn a_cancelled_trim_loses_nothing() {
     }
 }
 
+/// A `trim` that ends before it gives its chunks back (dropped while it waits for the GPU)
+/// wakes the requests refused while it held them: an `allocate_async` of the whole maximum,
+/// refused because the trim had the only chunk out of the arena, is served once the chunk is
+/// back. (A review found it never woken: the chunk went back with no notification, and with
+/// no free to come the request waited forever.)
+#[test]
+fn a_cancelled_trim_wakes_the_requests_it_kept_waiting() {
+    use std::future::Future;
+    use std::sync::atomic::{AtomicBool, Ordering};
+    use std::sync::Arc;
+    use std::task::{Context, Poll, Wake, Waker};
+
+    struct Flag(AtomicBool);
+    impl Wake for Flag {
+        fn wake(self: Arc<Self>) {
+            self.0.store(true, Ordering::SeqCst);
+        }
+    }
+
+    for device in devices() {
+        let what = label(&device);
+        let mr = arena(&device, 0, 8 * MIB);
+        let a = device.create_stream().unwrap();
+        let x = mr.allocate(8 * MIB, &a).unwrap();
+        a.spin(Duration::from_millis(300)).unwrap();
+        free(&mr, x, 8 * MIB, &a);
+        let flag = Arc::new(Flag(AtomicBool::new(false)));
+        let waker = Waker::from(flag.clone());
+        let mut cx = Context::from_waker(&waker);
+        let mut trim = Box::pin(mr.trim());
+        if trim.as_mut().poll(&mut cx).is_ready() {
+            println!("{what}: the kernel ended before the trim waited; nothing shown");
+            continue;
+        }
+        let mut all = Box::pin(mr.allocate_async(8 * MIB, &a));
+        assert!(
+            all.as_mut().poll(&mut cx).is_pending(),
+            "{what}: served while the trim held the chunk"
+        );
+        flag.0.store(false, Ordering::SeqCst);
+        drop(trim);
+        assert!(
+            flag.0.load(Ordering::SeqCst),
+            "{what}: the request refused during the trim was not woken when the chunk came back"
+        );
+        let ptr = match all.as_mut().poll(&mut cx) {
+            Poll::Ready(ptr) => ptr.unwrap(),
+            Poll::Pending => panic!("{what}: not served once woken\n{}", mr.dump()),
+        };
+        free(&mr, ptr, 8 * MIB, &a);
+        check_arena(&mr);
+        a.synchronize_blocking().unwrap();
+    }
+}
 /// Four threads on four streams under a tight maximum, small and large blocks, half of them
 /// freed on the next thread's stream (remote frees, adopted and forwarded while superblocks
 /// move), with defragmentations and trims in between: nothing is lost or overlaps, and every

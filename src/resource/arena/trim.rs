@@ -10,8 +10,8 @@ use crate::resource::MemoryResource;
 use crate::sync::Ordering;
 
 /// Chunks taken out of the global arena for a trim. Dropped before they went upstream (the
-/// trim future was dropped, or a wait failed), they go back to the global arena as they were:
-/// what makes [`ArenaResource::trim`] cancel-safe.
+/// trim future was dropped, or a wait failed), they go back to the global arena as they were,
+/// and the memory waiters are told: what makes [`ArenaResource::trim`] cancel-safe.
 struct Taken<'a, U: MemoryResource> {
     arena: &'a ArenaResource<U>,
     chunks: Vec<WholeChunk>,
@@ -22,10 +22,16 @@ impl<U: MemoryResource> Drop for Taken<'_, U> {
         if self.chunks.is_empty() {
             return;
         }
-        let mut global = self.arena.global.lock();
-        for chunk in self.chunks.drain(..) {
-            global.restore_chunk(chunk);
+        {
+            let mut global = self.arena.global.lock();
+            for chunk in self.chunks.drain(..) {
+                global.restore_chunk(chunk);
+            }
         }
+        // While the chunks were out they still counted against the maximum: a request at the
+        // maximum was refused, and its `allocate_async` waits for memory to come back. This is
+        // it coming back, and no free may follow to wake it (a review found it waiting forever).
+        self.arena.waiters.notify();
     }
 }
 
@@ -44,7 +50,8 @@ impl<U: MemoryResource> ArenaResource<U> {
     ///
     /// # Cancel safety
     /// Cancel-safe: dropped while it waits, it puts the chunks it took back where they were,
-    /// free and usable; the chunks already given back stay given back.
+    /// free and usable, and wakes the waiters of `allocate_async` (a request at the maximum was
+    /// refused while the chunks were out); the chunks already given back stay given back.
     pub async fn trim(&self) -> Result<usize> {
         let mut taken = self.take_for_trim();
         tracing::debug!(
@@ -88,7 +95,9 @@ impl<U: MemoryResource> ArenaResource<U> {
     fn finish_trim(&self, chunks: Vec<WholeChunk>) -> Result<usize> {
         let (released, error) = self.return_chunks(chunks);
         tracing::debug!(released, "trimmed");
-        if released > 0 {
+        // Room under the maximum came back, or a chunk the upstream refused came back to the
+        // global arena (see `Taken`'s drop): either may serve a request refused meanwhile.
+        if released > 0 || error.is_some() {
             self.waiters.notify();
         }
         match error {
