@@ -77,6 +77,39 @@ fn an_arena_grown_in_chunks_serves_its_whole_maximum() {
     }
 }
 
+/// An arena whose maximum is not a whole number of superblocks past what it holds serves
+/// small requests from the room left under it: grown from nothing to 1 MiB (one superblock) of
+/// a 1.5 MiB maximum, a request of 256 KiB is served from the last 512 KiB. (A review found it
+/// refused, `OutOfMemory` with 512 KiB available: a small request grew by a whole superblock
+/// or not at all, so no small request could ever use that room.) The same with the initial
+/// size 1 MiB.
+#[test]
+fn small_requests_use_the_room_under_the_maximum_less_than_a_superblock() {
+    for device in devices() {
+        for initial in [0, MIB] {
+            let what = format!("{}, initial {initial}", label(&device));
+            let mr = arena(&device, initial, 3 * MIB / 2);
+            let a = device.create_stream().unwrap();
+            let x = mr.allocate(MIB, &a).unwrap();
+            let y = mr
+                .allocate(256 * KIB, &a)
+                .unwrap_or_else(|e| panic!("{what}: {e}\n{}", mr.dump()));
+            let z = mr.allocate(256 * KIB, &a).unwrap();
+            match mr.allocate(256, &a) {
+                Err(Error::OutOfMemory { available, .. }) => assert_eq!(available, 0, "{what}"),
+                other => panic!("{what}: {other:?}"),
+            }
+            assert_eq!(mr.stats().reserved, 3 * MIB / 2, "{what}");
+            check_arena(&mr);
+            for (ptr, bytes) in [(x, MIB), (y, 256 * KIB), (z, 256 * KIB)] {
+                free(&mr, ptr, bytes, &a);
+            }
+            check_arena(&mr);
+            a.synchronize_blocking().unwrap();
+        }
+    }
+}
+
 /// Finding 3, awaited: `allocate_async(8 MiB)` on the same arena waited forever. Now it is
 /// served at its first poll.
 #[test]

@@ -184,9 +184,9 @@ impl<U: MemoryResource> ArenaResource<U> {
 
     /// Tries `attempt`; then, one request at a time (`slow`), tries again, defragments and
     /// tries again; then, for a small request (`arena` given), moves a partly used superblock
-    /// of another stream to `arena`; then grows by at least `grow_min` (giving wholly free
-    /// chunks back upstream first where that is what makes room) and tries again; then out of
-    /// memory.
+    /// of another stream to `arena`; then grows by at least `grow_min` (or the room left under
+    /// the maximum, if less and it holds `size`; giving wholly free chunks back upstream first
+    /// where that is what makes room) and tries again; then out of memory.
     ///
     /// Defragmenting, growing and giving chunks back move memory out of one place before it
     /// reaches another; a request that looked in between found nothing, and at the maximum
@@ -220,7 +220,7 @@ impl<U: MemoryResource> ArenaResource<U> {
         // Another thread may take the new chunk before we do: grow again then. Each growth
         // raises `reserved`, so this ends at the maximum at the latest.
         loop {
-            match self.grow(grow_min, stream) {
+            match self.grow(grow_min, size, stream) {
                 Ok(()) => {
                     if let Some(result) = attempt() {
                         return result;
@@ -378,12 +378,19 @@ impl<U: MemoryResource> ArenaResource<U> {
         })
     }
 
-    /// Takes a new chunk of at least `min` bytes from the upstream, on `stream`. If that fails
-    /// for want of memory (the room under the maximum, or the upstream's), and giving the
-    /// wholly free chunks back would make room, it gives them back (in stream order, without
-    /// waiting) and tries once more: free memory spread over chunks too small for the request
-    /// would otherwise keep it failing forever, everything free or not.
-    fn grow(&self, min: u64, stream: &Stream) -> Result<()> {
+    /// Takes a new chunk of at least `min` bytes from the upstream, on `stream`, for a request
+    /// of `need` bytes (at most `min`): where less than `min` is left under the maximum, what
+    /// is left, if that holds `need`. If that fails for want of memory (the room under the
+    /// maximum, or the upstream's), and giving the wholly free chunks back would make room, it
+    /// gives them back (in stream order, without waiting) and tries once more: free memory
+    /// spread over chunks too small for the request would otherwise keep it failing forever,
+    /// everything free or not.
+    fn grow(&self, min: u64, need: u64, stream: &Stream) -> Result<()> {
+        // A small request grows by a superblock; with less than that left under the maximum,
+        // no small request could ever use the room, and each would fail with it "available"
+        // (a review's finding). A smaller superblock serves it instead.
+        let room = (self.maximum).saturating_sub(self.reserved.load(Ordering::Relaxed));
+        let min = min.min(room).max(need);
         match self.grow_from_upstream(min, stream) {
             Err(e) if e.is_out_of_memory() => {
                 if self.give_back_whole_chunks(min) == 0 {
