@@ -183,8 +183,9 @@ pub struct ArenaStats {
     pub peak_reserved: usize,
     /// Upstream chunks held.
     pub chunks: usize,
-    /// Bytes handed out (rounded up to 256 bytes; a block freed on another stream counts until
-    /// its owner adopts it).
+    /// Bytes handed out (rounded up to 256 bytes). A block freed on another stream than its
+    /// owner's counts as given back at once, though its owner adopts it into its free list
+    /// only later (`remote_frees_pending` counts those).
     pub in_use: usize,
     /// Free bytes in the global arena.
     pub global_free: usize,
