@@ -13,6 +13,7 @@ use std::sync::{Condvar, Mutex};
 use std::time::{Duration, Instant};
 
 use common::{check_pool, devices, free, label, poll_once, pool, take_turns};
+use streamalloc::resource::arena::{ArenaOptions, ArenaResource};
 use streamalloc::resource::cuda::CudaResource;
 use streamalloc::resource::pool::{PoolOptions, PoolResource};
 use streamalloc::{
@@ -120,6 +121,69 @@ fn a_request_at_the_maximum_takes_what_the_expandable_pools_trim_holds() {
         p.check_invariants().unwrap();
         s2.synchronize_blocking().unwrap();
         assert_eq!(p.trim_blocking().unwrap(), 8 * MIB, "{}", label(&device));
+    }
+}
+
+/// The same for the arena's trim, which holds whole free chunks until the streams that last
+/// used them are done: a large request (served by the global arena) and a small one (a
+/// superblock for its stream's arena), each at the maximum, each served from the chunk the
+/// trim holds. Before, both failed with out of memory (an arena review's finding; the pool and
+/// the expandable pool had the recall already).
+#[test]
+fn a_request_at_the_maximum_takes_what_the_arenas_trim_holds() {
+    let _turn = take_turns();
+    for device in devices() {
+        for (bytes, what) in [(4 * MIB, "large"), (MIB / 2, "small")] {
+            let maximum = if bytes > MIB { 4 * MIB } else { MIB };
+            let arena = ArenaResource::new(
+                CudaResource::new(&device),
+                ArenaOptions {
+                    maximum: Some(maximum),
+                    ..ArenaOptions::default()
+                },
+            )
+            .unwrap();
+            let (s1, s2) = (
+                device.create_stream().unwrap(),
+                device.create_stream().unwrap(),
+            );
+            let x = arena.allocate(bytes, &s1).unwrap();
+            // SAFETY: `bytes` of `x`, allocated for `s1`, written on `s1`.
+            unsafe { s1.memset_d8(x, 1, bytes) }.unwrap();
+            s1.spin(Duration::from_millis(300)).unwrap();
+            free(&arena, x, bytes, &s1); // the chunk waits for `s1`, busy
+            let mut trim = std::pin::pin!(arena.trim());
+            assert!(poll_once(trim.as_mut()).is_pending(), "{}", label(&device));
+            assert_eq!(
+                arena.stats().global_free,
+                0,
+                "{what}: the trim holds the chunk"
+            );
+            let y = arena
+                .allocate(bytes, &s2)
+                .unwrap_or_else(|e| panic!("{} {what}: {e}", label(&device)));
+            assert_eq!(y, x, "{} {what}: the chunk the trim held", label(&device));
+            // Ordered after `s1`'s write (the simulated device's race detector would report
+            // this write otherwise), and after it on the GPU: the bytes read back are ours.
+            // SAFETY: `bytes` of `y`, allocated for `s2`, written on `s2`.
+            unsafe { s2.memset_d8(y, 2, bytes) }.unwrap();
+            let back = common::read_u32(&s2, y, 1024);
+            assert!(
+                back.iter().all(|&w| w == 0x0202_0202),
+                "{} {what}",
+                label(&device)
+            );
+            assert_eq!(arena.stats().reserved, maximum, "{what}");
+            assert_eq!(
+                futures::executor::block_on(trim).unwrap(),
+                0,
+                "{} {what}: nothing left to give back",
+                label(&device)
+            );
+            free(&arena, y, bytes, &s2);
+            s2.synchronize_blocking().unwrap();
+            assert_eq!(arena.trim_blocking().unwrap(), maximum, "{what}");
+        }
     }
 }
 

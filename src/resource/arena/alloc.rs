@@ -186,7 +186,8 @@ impl<U: MemoryResource> ArenaResource<U> {
     /// tries again; then, for a small request (`arena` given), moves a partly used superblock
     /// of another stream to `arena`; then grows by at least `grow_min` (or the room left under
     /// the maximum, if less and it holds `size`; giving wholly free chunks back upstream first
-    /// where that is what makes room) and tries again; then out of memory.
+    /// where that is what makes room) and tries again; at the maximum, takes back what trims
+    /// hold (`resource/held_for_trim.rs`) and tries and grows once more; then out of memory.
     ///
     /// Defragmenting, growing and giving chunks back move memory out of one place before it
     /// reaches another; a request that looked in between found nothing, and at the maximum
@@ -205,6 +206,9 @@ impl<U: MemoryResource> ArenaResource<U> {
             return result;
         }
         let _slow = self.slow.lock();
+        // Before the last looks: a trim that puts its chunks back after this is seen by the
+        // recall below.
+        let trim_epoch = self.held_for_trim.epoch();
         if let Some(result) = attempt() {
             return result;
         }
@@ -219,6 +223,7 @@ impl<U: MemoryResource> ArenaResource<U> {
         }
         // Another thread may take the new chunk before we do: grow again then. Each growth
         // raises `reserved`, so this ends at the maximum at the latest.
+        let mut recalled = false;
         loop {
             match self.grow(grow_min, size, stream) {
                 Ok(()) => {
@@ -227,6 +232,16 @@ impl<U: MemoryResource> ArenaResource<U> {
                     }
                 }
                 Err(e) if !e.is_out_of_memory() => return Err(e),
+                // At the maximum, perhaps while a trim waits for the GPU with whole free chunks
+                // out of the global arena: those back, one more look, and growth again (which
+                // gives whole free chunks back upstream first where that makes room). A request
+                // that can grow leaves the trims what they hold.
+                Err(_) if !recalled && self.recall_trimmed(trim_epoch) => {
+                    recalled = true;
+                    if let Some(result) = attempt() {
+                        return result;
+                    }
+                }
                 Err(_) => break,
             }
         }

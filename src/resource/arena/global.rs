@@ -110,6 +110,7 @@ pub(super) struct Large {
 }
 
 /// A wholly free upstream chunk taken out of the global arena, on its way back upstream.
+#[derive(Clone)]
 pub(super) struct WholeChunk {
     pub(super) base: u64,
     pub(super) size: u64,

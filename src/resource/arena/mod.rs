@@ -123,8 +123,9 @@ use std::fmt;
 
 use rustc_hash::FxHashMap;
 
-use self::global::{Global, Guards};
+use self::global::{Global, Guards, WholeChunk};
 use self::stream_arena::{cache, StreamArena};
+use super::held_for_trim::HeldForTrim;
 use super::waiters::MemoryWaiters;
 use super::{aligned_size, check_stream, MemoryKind, MemoryResource, ALIGNMENT};
 use crate::device::{Device, DevicePtr};
@@ -262,6 +263,10 @@ pub struct ArenaResource<U: MemoryResource> {
     next_ticket: AtomicU64,
     /// Tasks waiting in `allocate_async` for memory to come back.
     waiters: MemoryWaiters,
+    /// Whole chunks that trims took out of the global arena and hold while they wait for the
+    /// streams that last used them: a request at the maximum takes them back
+    /// (`resource/held_for_trim.rs`), as the pool's does.
+    held_for_trim: HeldForTrim<WholeChunk>,
     /// A stream of the arena's own, for the initial chunk and for returning chunks upstream.
     own: Stream,
 }
@@ -342,6 +347,7 @@ impl<U: MemoryResource> ArenaResource<U> {
             chunks_released: AtomicU64::new(0),
             next_ticket: AtomicU64::new(0),
             waiters: MemoryWaiters::new(),
+            held_for_trim: HeldForTrim::new(),
         };
         if options.initial > 0 {
             let size = options.initial as u64;

@@ -6,32 +6,41 @@ use super::global::WholeChunk;
 use super::ArenaResource;
 use crate::device::DevicePtr;
 use crate::error::{Error, Result};
+use crate::resource::held_for_trim::Ticket;
 use crate::resource::MemoryResource;
 use crate::sync::Ordering;
 
-/// Chunks taken out of the global arena for a trim. Dropped before they went upstream (the
-/// trim future was dropped, or a wait failed), they go back to the global arena as they were,
-/// and the memory waiters are told: what makes [`ArenaResource::trim`] cancel-safe.
+/// Chunks taken out of the global arena for a trim, held in the arena's `held_for_trim` list
+/// under the trim's ticket while it waits (a request at the maximum may take them back
+/// meanwhile: `ArenaResource::recall_trimmed`). Dropped before they went upstream (the trim
+/// future was dropped, or a wait failed), those still the trim's go back to the global arena
+/// as they were, and the memory waiters are told: what makes [`ArenaResource::trim`]
+/// cancel-safe.
 struct Taken<'a, U: MemoryResource> {
     arena: &'a ArenaResource<U>,
-    chunks: Vec<WholeChunk>,
+    /// `None` once the chunks went on their way upstream.
+    ticket: Option<Ticket>,
 }
 
 impl<U: MemoryResource> Drop for Taken<'_, U> {
     fn drop(&mut self) {
-        if self.chunks.is_empty() {
+        let Some(ticket) = self.ticket.take() else {
             return;
-        }
-        {
+        };
+        let mut restored = false;
+        self.arena.held_for_trim.put_back(ticket, |chunks| {
+            restored = !chunks.is_empty();
             let mut global = self.arena.global.lock();
-            for chunk in self.chunks.drain(..) {
+            for chunk in chunks {
                 global.restore_chunk(chunk);
             }
-        }
+        });
         // While the chunks were out they still counted against the maximum: a request at the
         // maximum was refused, and its `allocate_async` waits for memory to come back. This is
         // it coming back, and no free may follow to wake it (a review found it waiting forever).
-        self.arena.waiters.notify();
+        if restored {
+            self.arena.waiters.notify();
+        }
     }
 }
 
@@ -43,7 +52,9 @@ impl<U: MemoryResource> ArenaResource<U> {
     /// that guard each chunk, the last work of every stream that used it, then frees it
     /// upstream on the arena's own stream. Chunks with a live block stay. Waiters in
     /// [`allocate_async`](crate::AllocateAsync::allocate_async) are woken when bytes went
-    /// back: the room under the maximum grew.
+    /// back: the room under the maximum grew. While it waits, a request at the maximum that
+    /// only those chunks could serve takes them back (ordered after their last users, as any
+    /// reuse is), as the pool's does; the trim then gives back only what is still its own.
     ///
     /// Errors: a failed wait, or the upstream's error for a chunk it refused (that chunk stays,
     /// usable as before; the others still go). Nothing is lost either way.
@@ -53,47 +64,57 @@ impl<U: MemoryResource> ArenaResource<U> {
     /// free and usable, and wakes the waiters of `allocate_async` (a request at the maximum was
     /// refused while the chunks were out); the chunks already given back stay given back.
     pub async fn trim(&self) -> Result<usize> {
-        let mut taken = self.take_for_trim();
+        let (taken, chunks) = self.take_for_trim();
         tracing::debug!(
-            chunks = taken.chunks.len(),
+            chunks = chunks.len(),
             "trim: waiting for the chunks' guards"
         );
-        for chunk in &taken.chunks {
+        for chunk in &chunks {
             for guard in &chunk.guards.0 {
                 guard.event.clone().await?;
             }
         }
-        let chunks = std::mem::take(&mut taken.chunks);
-        self.finish_trim(chunks)
+        self.finish_trim(taken)
     }
 
     /// [`trim`](Self::trim) for synchronous code: blocks the calling thread while it waits for
     /// the GPU.
     pub fn trim_blocking(&self) -> Result<usize> {
-        let mut taken = self.take_for_trim();
-        let _span = tracing::debug_span!("trim", chunks = taken.chunks.len()).entered();
-        for chunk in &taken.chunks {
+        let (taken, chunks) = self.take_for_trim();
+        let _span = tracing::debug_span!("trim", chunks = chunks.len()).entered();
+        for chunk in &chunks {
             for guard in &chunk.guards.0 {
                 guard.event.synchronize_blocking()?;
             }
         }
-        let chunks = std::mem::take(&mut taken.chunks);
-        self.finish_trim(chunks)
+        self.finish_trim(taken)
     }
 
-    fn take_for_trim(&self) -> Taken<'_, U> {
+    /// Takes the wholly free chunks out of the global arena for a trim, held under its ticket,
+    /// and a copy of them (to wait for their guards).
+    fn take_for_trim(&self) -> (Taken<'_, U>, Vec<WholeChunk>) {
         // Under `slow`: a request does not look while superblocks move to the global arena.
         let _slow = self.slow.lock();
         self.defragment_quietly();
-        let chunks = self.global.lock().take_whole_chunks();
-        Taken {
+        let (ticket, chunks) = (self.held_for_trim).hold(|| self.global.lock().take_whole_chunks());
+        let taken = Taken {
             arena: self,
-            chunks,
-        }
+            ticket: Some(ticket),
+        };
+        (taken, chunks)
     }
 
-    fn finish_trim(&self, chunks: Vec<WholeChunk>) -> Result<usize> {
+    /// Gives upstream the chunks still the trim's once its waits are over (a request at the
+    /// maximum may have taken some back meanwhile). With no lock held: over `CudaResource`
+    /// each is a `cuMemFree`, which waits for the whole device to be idle, and no request
+    /// waits for it.
+    fn finish_trim(&self, mut taken: Taken<'_, U>) -> Result<usize> {
+        let Some(ticket) = taken.ticket.take() else {
+            return Ok(0);
+        };
+        let chunks = self.held_for_trim.release(ticket);
         let (released, error) = self.return_chunks(chunks);
+        self.held_for_trim.given_back();
         tracing::debug!(released, "trimmed");
         // Room under the maximum came back, or a chunk the upstream refused came back to the
         // global arena (see `Taken`'s drop): either may serve a request refused meanwhile.
@@ -139,5 +160,21 @@ impl<U: MemoryResource> ArenaResource<U> {
             }
         }
         (released, first_error)
+    }
+}
+
+impl<U: MemoryResource> ArenaResource<U> {
+    /// For a request whose growth failed for want of memory (at the maximum): the chunks that
+    /// trims hold while they wait for the GPU, back in the global arena with their guards (so
+    /// that their reuse is ordered after their last users, as any reuse of a free region is);
+    /// whether the request should look and grow once more (there were some, or since it read
+    /// `epoch` a trim put its chunks back or finished giving them back). Called under `slow`.
+    pub(super) fn recall_trimmed(&self, epoch: u64) -> bool {
+        (self.held_for_trim).recall(epoch, |chunks| {
+            let mut global = self.global.lock();
+            for chunk in chunks {
+                global.restore_chunk(chunk);
+            }
+        })
     }
 }
