@@ -6,6 +6,10 @@
 //!   stream for memory that stream freed. Either the request waits for the stream on the GPU,
 //!   or the host had seen its work finish; and a stream that is not idle is never forgotten (a
 //!   free on it after the host's wait would lose its ordering).
+//! - [`put_back_vs_forget`]: memory going back upstream is ordered onto a stream the user
+//!   dropped, its release fails and it goes back into the lists tagged with that stream, while
+//!   `trim` lets go of the stream: the engine queued a wait on it after the host's wait, so
+//!   `forget` must find it busy and keep it.
 //! - [`regrow_at_max`]: the pool at its maximum gives whole free chunks back upstream and grows
 //!   a larger one (the give-back-and-regrow path of `PoolResource::grow`, mirrored here on
 //!   [`AtMax`]), while the stream that freed the chunk reuses its own memory. The chunk must go
@@ -284,6 +288,67 @@ fn a_release_racing_a_forget_waits_for_every_live_stream() {
     check_paths(Some(3), &[RELEASED_ON_1], release_vs_forget);
 }
 
+/// [`release_vs_forget`], with the release failing: the chunk goes back into the lists tagged
+/// with the stream it was ordered onto (the pool's `put_back`, after a failed upstream free or
+/// a trim ended early), and a third stream then takes it. When that stream is 0, it was made
+/// to wait for stream 1 after the `trim` thread's host wait for it: the `trim` thread must not
+/// forget it (clearing the tag) until that wait is over too (a review's finding: the chunk was
+/// handed out, or given back upstream, with stream 1's work still running).
+fn put_back_vs_forget(seen: &Shared<Seen>) {
+    let s = streams(3);
+    let (s0, s1, taker) = (s[0].clone(), s[1].clone(), s[2].clone());
+    drop(s);
+    let gpu = s1.inner.gpu.clone();
+    let lists = Arc::new(Lists::new());
+    lists.add_chunk(BASE, 2 * BLOCK);
+    lists.give_fresh(BASE, 2 * BLOCK);
+    let a = lists.take(BLOCK, &s0, &NoRoom).unwrap();
+    book(&gpu).took("setup", s0.index(), a);
+    let b = lists.take(BLOCK, &s1, &NoRoom).unwrap();
+    book(&gpu).took("setup", s1.index(), b);
+    for (stream, block) in [(&s0, a), (&s1, b)] {
+        book(&gpu).queue(stream.index());
+        book(&gpu).freeing(stream.index(), block);
+        assert!(lists.give(block, BLOCK, stream));
+    }
+    drop(s0);
+    let trim = {
+        let lists = lists.clone();
+        thread::spawn(move || {
+            for stream in lists.idle_streams() {
+                book(&stream.inner.gpu).synchronize(stream.index());
+                lists.forget(stream);
+            }
+        })
+    };
+    let released = lists.take_whole_chunks(&[(BASE, 2 * BLOCK)]);
+    assert_eq!(released.len(), 1, "the whole chunk was not taken out");
+    for (base, size, on) in released {
+        seen.note(
+            ONTO_THE_DROPPED_STREAM,
+            on.as_ref().is_some_and(|s| s.index() == 0),
+        );
+        match on {
+            Some(on) => lists.give_blocks_to(&[(base, size)], &on),
+            None => lists.give_fresh_blocks(&[(base, size)]),
+        }
+    }
+    trim.join().unwrap();
+    for _ in 0..2 {
+        let x = lists.take(BLOCK, &taker, &NoRoom).unwrap();
+        book(&gpu).took("taker", taker.index(), x);
+    }
+    lists.check().expect("free-list invariants");
+}
+
+const ONTO_THE_DROPPED_STREAM: &str = "ordered onto the dropped stream, put back";
+
+/// Bound 3: 2 threads.
+#[test]
+fn a_release_put_back_waits_for_the_stream_it_was_ordered_onto() {
+    check_paths(Some(3), &[ONTO_THE_DROPPED_STREAM], put_back_vs_forget);
+}
+
 // ---------------------------------------------------------------------------------------------
 // Planted bugs, switched on in src for one model each (in a child process: see `must_fail`).
 // ---------------------------------------------------------------------------------------------
@@ -335,6 +400,22 @@ fn planted_release_onto_the_first_stream_only() {
         || {
             planted::ONTO_FIRST_ONLY.store(true, Relaxed);
             check_paths(Some(3), &[], release_vs_forget);
+        },
+    );
+}
+
+/// Bug: `forget` lets go of a stream without asking whether it is still idle: the wait for
+/// stream 1 that a release queued on it after the `trim` thread's host wait is taken as seen.
+#[test]
+#[ignore = "planted bug: must fail"]
+fn planted_forget_ignores_later_work() {
+    must_fail(
+        module_path!(),
+        "planted_forget_ignores_later_work",
+        "which is ordered after only",
+        || {
+            planted::FORGET_IGNORES_LATER_WORK.store(true, Relaxed);
+            check_paths(Some(3), &[], put_back_vs_forget);
         },
     );
 }

@@ -22,7 +22,8 @@
 //!
 //! A stream asked whether it is idle (the engine's opportunistic reuse) answers as the model
 //! sets [`Gpu::idle`]: busy (the default, so the engine orders), or idle, which is the host
-//! seeing everything queued on it so far finish. Streams count what is queued on them
+//! seeing everything queued on it so far finish. A stream whose work (and what it was ordered
+//! after) the host has seen finish answers idle whatever the setting. Streams count what is queued on them
 //! (`FakeInner::activity`), so a stream seen idle with nothing queued since is taken as still idle
 //! without a question (*quiet*); the host then has seen nothing more, so the check at each
 //! hand-out catches a stream wrongly taken as quiet.
@@ -131,9 +132,21 @@ impl Gpu {
         self.clocks[s][s] += 1;
     }
 
-    /// The host waits for everything queued on `d` so far.
+    /// The host waits for everything queued on `d` so far, and so for everything `d` was
+    /// ordered after (its clock).
     pub(super) fn synchronize(&mut self, d: usize) {
-        self.synced[d] = self.clocks[d][d];
+        for (synced, &seen) in self.synced.iter_mut().zip(&self.clocks[d]) {
+            *synced = (*synced).max(seen);
+        }
+    }
+
+    /// Whether the host has seen everything queued on `d` finish, and everything `d` was
+    /// ordered after: `d` is idle, whatever [`idle`](Self::idle) says.
+    fn drained(&self, d: usize) -> bool {
+        self.clocks[d]
+            .iter()
+            .zip(&self.synced)
+            .all(|(&c, &s)| c <= s)
     }
 
     /// `addr` is freed on stream `s`: after every operation queued on `s` so far.
@@ -234,10 +247,11 @@ impl EngineStream for FakeStream {
         self.inner.uses.load(SeqCst);
         let mut gpu = book(&self.inner.gpu);
         gpu.queries += 1;
-        if gpu.idle {
+        let idle = gpu.idle || gpu.drained(self.index());
+        if idle {
             gpu.synchronize(self.index());
         }
-        gpu.idle
+        idle
     }
 
     fn activity(&self) -> Option<u64> {

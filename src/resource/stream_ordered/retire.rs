@@ -47,6 +47,18 @@ impl<S: EngineStream> StreamHeap<S> {
     /// more, and the engine's handles go. Nothing happens if anyone but the engine and the
     /// caller still holds the stream (a free on it could still come, and its tag would name a
     /// forgotten stream).
+    ///
+    /// The stream is also asked whether it is still idle, in each shard under that shard's
+    /// lock, and stays in a shard where it is not: the engine itself may have queued work on
+    /// it after the caller's wait. Memory taken out for release is ordered onto one stream its
+    /// tag names ([`onto_one`](Self::onto_one): that stream waits for the others' events), and
+    /// goes back into the lists tagged with that stream if the release fails or the trim ends
+    /// early; forgetting the stream then cleared the tag, and the memory went to any stream, or
+    /// back upstream, while the other streams' work still ran (a review found the release at
+    /// the maximum's failed free doing it; `tests/engine_review.rs`). Every tag in a shard that
+    /// names the stream was made after the work it waits for was queued, so an idle answer
+    /// under the shard's lock covers them all. A stream left is named again by the next
+    /// [`idle_streams`](Self::idle_streams).
     pub(crate) fn forget(&self, stream: S) {
         let (count, handle) = self.holders(stream.uid());
         drop(handle);
@@ -56,6 +68,11 @@ impl<S: EngineStream> StreamHeap<S> {
         let mut gone = Vec::new();
         for shard in self.shards.iter() {
             let mut heap = shard.lock();
+            if !heap.slots.contains_key(&stream.uid())
+                || !(stream.is_idle() || planted::forget_ignores_later_work())
+            {
+                continue;
+            }
             let Some(slot) = heap.slots.remove(&stream.uid()) else {
                 continue;
             };

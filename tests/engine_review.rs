@@ -1,0 +1,84 @@
+//! A review of the stream-ordered engine (`src/resource/stream_ordered/`) and the pool over it:
+//! each test here failed before the fix its comment names. Simulated device only: the race
+//! detector is the simulated device's, and the faults are injected there.
+
+mod common;
+
+use std::time::Duration;
+
+use common::{free, poll_once};
+use streamalloc::resource::cuda::CudaResource;
+use streamalloc::resource::pool::{PoolOptions, PoolResource};
+use streamalloc::{Device, FaultKind, Faults, MemoryResource, RaceDetection, SimConfig};
+
+const MIB: usize = 1 << 20;
+
+fn device() -> (Device, Faults) {
+    let faults = Faults::new();
+    let device = Device::simulated(SimConfig {
+        race_detection: RaceDetection::Record,
+        faults: faults.clone(),
+        ..SimConfig::default()
+    });
+    (device, faults)
+}
+
+/// A trim forgets a stream the user dropped once it has synchronized it. But the engine can
+/// queue work on such a stream after that synchronization: memory taken out for release is
+/// ordered onto one stream its tag names (the others' events waited on by it), and a release
+/// that fails puts the memory back as freed on that stream. Forgetting the stream then cleared
+/// the tag, and the memory went back upstream (or to another stream) with no ordering after
+/// the other streams' work, which was still running.
+#[test]
+fn a_stream_ordered_onto_after_its_trim_synchronized_it_is_not_forgotten() {
+    let (device, faults) = device();
+    let pool = PoolResource::new(
+        CudaResource::new(&device),
+        PoolOptions {
+            initial: 0,
+            maximum: Some(4 * MIB),
+            small_block_cache: 0,
+            ..PoolOptions::default()
+        },
+    )
+    .unwrap();
+    let d = device.create_stream().unwrap();
+    let e = device.create_stream().unwrap();
+    let s = device.create_stream().unwrap();
+    // One chunk of 2 MiB: half freed on `d` (unused), half used and freed on `e`, whose work
+    // (a long spin, then a write into it) is still running when the pool gives the chunk back.
+    let x = pool.allocate(MIB, &d).unwrap();
+    let y = pool.allocate(MIB, &e).unwrap();
+    assert_eq!(pool.stats().chunks, 1, "{:?}", pool.stats());
+    e.spin(Duration::from_millis(1500)).unwrap();
+    // SAFETY: `y` is 1 MiB handed out on `e`, freed below on `e` after this write.
+    unsafe { e.memset_d8(y, 7, MIB) }.unwrap();
+    d.spin(Duration::from_millis(100)).unwrap();
+    free(&pool, x, MIB, &d);
+    free(&pool, y, MIB, &e);
+    // The user is done with `d`: a trim waits for it, then forgets it.
+    drop(d);
+    let mut trim = std::pin::pin!(pool.trim());
+    assert!(
+        poll_once(trim.as_mut()).is_pending(),
+        "the trim waits for `d`"
+    );
+    // Meanwhile a request at the maximum gives the wholly free chunk back to grow one large
+    // enough: the chunk is ordered onto `d` (which now waits for `e`'s write), and its release
+    // fails, so it goes back as freed on `d`.
+    faults.fail_next(FaultKind::Free);
+    assert!(pool.allocate(3 * MIB, &s).is_err());
+    assert_eq!(faults.injected(FaultKind::Free), 1);
+    assert_eq!(pool.stats().free, 2 * MIB, "{:?}", pool.stats());
+    // The trim's wait for `d` (recorded before `d` was made to wait for `e`) ends; what it gives
+    // back must still wait for `e`'s write.
+    let released = common::runtime().block_on(trim).unwrap();
+    assert_eq!(released, 2 * MIB);
+    // Without the fix the chunk went back upstream before `e`'s write: the simulated device
+    // reports the write to freed memory when `e` reaches it.
+    let after = e.synchronize_blocking();
+    let races = device.take_races();
+    assert!(races.is_empty(), "{races:#?}");
+    after.unwrap();
+    s.synchronize_blocking().unwrap();
+}
