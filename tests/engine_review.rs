@@ -82,3 +82,41 @@ fn a_stream_ordered_onto_after_its_trim_synchronized_it_is_not_forgotten() {
     after.unwrap();
     s.synchronize_blocking().unwrap();
 }
+
+/// The peak in use is summed over the pool's shards (each counts its own under its lock). A
+/// pool at its maximum gives a chunk of one thread's shard back and grows one in another's, so
+/// the shards' peaks can add up to more than the pool ever held: here 5 MiB in use at the peak
+/// of a pool whose maximum is 4 MiB.
+#[test]
+fn the_peak_in_use_never_passes_what_the_pool_held() {
+    let (device, _) = device();
+    let pool = std::sync::Arc::new(
+        PoolResource::new(
+            CudaResource::new(&device),
+            PoolOptions {
+                initial: 0,
+                maximum: Some(4 * MIB),
+                ..PoolOptions::default()
+            },
+        )
+        .unwrap(),
+    );
+    // Each request on a thread of its own: threads start in different shards.
+    for bytes in [2 * MIB, 3 * MIB] {
+        let (pool, device) = (pool.clone(), device.clone());
+        std::thread::spawn(move || {
+            let s = device.create_stream().unwrap();
+            let p = pool.allocate(bytes, &s).unwrap();
+            free(&*pool, p, bytes, &s);
+            s.synchronize_blocking().unwrap();
+        })
+        .join()
+        .unwrap();
+    }
+    let stats = pool.stats();
+    assert!(
+        stats.peak_in_use <= stats.peak_reserved && stats.peak_reserved <= 4 * MIB,
+        "{stats:?}"
+    );
+    assert!(stats.peak_in_use >= 3 * MIB, "{stats:?}");
+}
