@@ -9,7 +9,9 @@ use std::time::Duration;
 use common::{free, poll_once};
 use streamalloc::resource::cuda::CudaResource;
 use streamalloc::resource::pool::{PoolOptions, PoolResource};
-use streamalloc::{Device, FaultKind, Faults, MemoryResource, RaceDetection, SimConfig};
+use streamalloc::{
+    Device, FaultKind, Faults, MemoryResource, RaceDetection, SimConfig, SimExecution,
+};
 
 const MIB: usize = 1 << 20;
 
@@ -119,4 +121,48 @@ fn the_peak_in_use_never_passes_what_the_pool_held() {
         "{stats:?}"
     );
     assert!(stats.peak_in_use >= 3 * MIB, "{stats:?}");
+}
+
+/// Below its maximum the pool grows from an upstream that can run out first (a device shared
+/// with other users, a smaller upstream). Its wholly free chunks then went nowhere: a request
+/// larger than each of them failed (and an `allocate_async` waited for a free that might never
+/// come) with enough memory free in the pool, where at the maximum the same chunks go back
+/// upstream to grow one large enough. The device runs each operation as it is queued: the
+/// chunks' frees, which the simulated device queues on their streams, have run when the pool
+/// tries again, as CUDA's `cuMemFree` (which `CudaResource` calls after synchronizing the
+/// stream) has returned the memory when it returns.
+#[test]
+fn a_request_the_upstream_refuses_gets_the_pools_free_chunks() {
+    let device = Device::simulated(SimConfig {
+        total_memory: 8 * MIB,
+        execution: SimExecution::Inline,
+        ..SimConfig::default()
+    });
+    let pool = PoolResource::new(
+        CudaResource::new(&device),
+        PoolOptions {
+            initial: 0,
+            maximum: None,
+            ..PoolOptions::default()
+        },
+    )
+    .unwrap();
+    let s = device.create_stream().unwrap();
+    // Two chunks of 2 MiB, both free.
+    let x = pool.allocate(2 * MIB, &s).unwrap();
+    let y = pool.allocate(2 * MIB, &s).unwrap();
+    assert_eq!(pool.stats().chunks, 2, "{:?}", pool.stats());
+    free(&pool, x, 2 * MIB, &s);
+    free(&pool, y, 2 * MIB, &s);
+    // Another user of the device takes the rest of its memory.
+    let other = CudaResource::new(&device);
+    let theirs = other.allocate(4 * MIB, &s).unwrap();
+    // 3 MiB: no free block holds it, and the device has no room to grow, but the pool holds
+    // 4 MiB free in whole chunks.
+    let p = pool
+        .allocate(3 * MIB, &s)
+        .unwrap_or_else(|e| panic!("{e}: {:?}", pool.stats()));
+    free(&pool, p, 3 * MIB, &s);
+    common::check_pool(&pool);
+    free(&other, theirs, 4 * MIB, &s);
 }

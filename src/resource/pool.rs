@@ -195,8 +195,9 @@ pub struct PoolStats {
 ///   more beyond the request than the device has free: see "Growth near the device's
 ///   limit"), halving the try on
 ///   failure, never past `maximum`; at the maximum it first gives wholly free chunks back
-///   upstream (in stream order) to make room for one large enough. Only when all of that
-///   fails, [`Error::OutOfMemory`] with requested, available and maximum bytes.
+///   upstream (in stream order) to make room for one large enough, and so it does when the
+///   upstream runs out below the maximum. Only when all of that fails,
+///   [`Error::OutOfMemory`] with requested, available and maximum bytes.
 /// - [`trim`](Self::trim) lets go of streams the user has dropped and returns wholly free
 ///   chunks to the upstream.
 ///
@@ -657,6 +658,7 @@ impl<U: MemoryResource> Grow for PoolResource<U> {
             attempt = fits;
         }
         let _span = tracing::debug_span!("grow", requested = min, reserved, attempt).entered();
+        let mut gave_back = false;
         loop {
             let started = Instant::now();
             let grown = self.grow_exactly(attempt, stream);
@@ -673,6 +675,29 @@ impl<U: MemoryResource> Grow for PoolResource<U> {
                 }
                 Err(e) if attempt / 2 >= min && e.is_out_of_memory() => {
                     attempt = (attempt / 2).next_multiple_of(ALIGNMENT as u64);
+                }
+                // The upstream ran out below our maximum (a device shared with other users, a
+                // smaller upstream): our wholly free chunks go back, as at the maximum, and the
+                // request is tried once more. Free memory spread over chunks too small for it
+                // would otherwise fail it, and keep an `allocate_async` waiting for a free that
+                // may never come, with that memory free in the pool (a review's finding).
+                Err(e) if e.is_out_of_memory() && !gave_back => {
+                    gave_back = true;
+                    let whole = self.take_whole_chunks();
+                    if whole.is_empty() {
+                        tracing::debug!("upstream out of memory");
+                        return Err(self.upstream_out_of_memory(min, &e));
+                    }
+                    let _span = tracing::debug_span!(
+                        "release_for_upstream",
+                        requested = min,
+                        chunks = whole.len()
+                    )
+                    .entered();
+                    if let Err(e) = self.release_chunks(whole) {
+                        tracing::warn!(error = %e, "could not release free chunks to grow");
+                    }
+                    attempt = min;
                 }
                 Err(e) if e.is_out_of_memory() => {
                     tracing::debug!("upstream out of memory");
