@@ -12,6 +12,9 @@
 //! - [`free_lists`]: the pool's shared free list (`StreamHeap`) on fake streams that record the
 //!   ordering edges: no block handed out twice or lost, every reuse on another stream ordered
 //!   behind its free (the epoch protocol).
+//! - [`chunk_table`]: the engine's table of chunks to shards, read by every free with no lock
+//!   while growth and trims change it in place (a sequence lock): a chunk present throughout is
+//!   always found.
 //! - [`frees_and_regrowth`]: the same engine letting go of dropped streams (`forget` racing a
 //!   take, a stream in use never forgotten) and its give-back-and-regrow path at the pool's
 //!   maximum.
@@ -43,6 +46,7 @@
 //!
 //! See `loom-tests/README.md` for the command, timings and what each test catches.
 
+mod chunk_table;
 mod completion;
 mod deferred_free;
 mod expandable;

@@ -79,6 +79,9 @@ mod waits;
 #[cfg(test)]
 pub(crate) use blocks::BlockTable as BlockTableForLab;
 use blocks::{BlockTable, NO_OWNER};
+/// The chunk table, for its loom model (`loom-tests/chunk_table.rs`).
+#[cfg(streamalloc_loom)]
+pub(crate) use chunks::ChunkTable as ChunkTableForLoom;
 use chunks::ChunkTable;
 use order::Orders;
 pub(crate) use view::ListBlocks;

@@ -60,6 +60,11 @@ pub(crate) static ONTO_FIRST_ONLY: AtomicBool = AtomicBool::new(false);
 #[cfg(streamalloc_loom)]
 pub(crate) static CACHE_ANY_STREAM: AtomicBool = AtomicBool::new(false);
 
+/// The chunk table's readers keep an answer read while a change was under way (no second look
+/// at the sequence number).
+#[cfg(streamalloc_loom)]
+pub(crate) static TORN_CHUNK_READS: AtomicBool = AtomicBool::new(false);
+
 /// `forget` lets go of a stream without asking whether it is still idle: work the engine queued
 /// on it after the caller's wait (an ordering onto it, for memory going back) is taken as seen.
 #[cfg(streamalloc_loom)]
@@ -99,6 +104,7 @@ switch!(reserve_moves_ignored, RESERVE_MOVES_IGNORED);
 switch!(onto_first_only, ONTO_FIRST_ONLY);
 switch!(cache_any_stream, CACHE_ANY_STREAM);
 switch!(forget_ignores_later_work, FORGET_IGNORES_LATER_WORK);
+switch!(torn_chunk_reads, TORN_CHUNK_READS);
 
 /// [`TRIM_IGNORES_RECALL`] (for `resource/held_for_trim.rs`, outside this module).
 #[cfg(streamalloc_loom)]
