@@ -136,6 +136,13 @@ fn work(shared: Arc<Shared>) {
         let (what, job) = {
             let mut state = shared.state.lock();
             loop {
+                #[cfg(streamalloc_loom)]
+                if planted::SHUTDOWN_BEFORE_DRAIN.load(std::sync::atomic::Ordering::Relaxed)
+                    && state.shutdown
+                {
+                    state.started = false;
+                    return;
+                }
                 if let Some(next) = state.jobs.pop_front() {
                     break next;
                 }
@@ -159,4 +166,13 @@ fn run_job(what: &'static str, job: Job) {
             "a panic in blocking work handed off the completion reactor was caught"
         );
     }
+}
+
+/// A bug the loom model plants (`loom-tests/reactor/offload.rs`), constant off otherwise.
+#[cfg(streamalloc_loom)]
+pub(crate) mod planted {
+    /// The thread looks at `shutdown` before it drains its queue: jobs queued before the owner
+    /// was dropped are dropped without running (a deferred `cuMemFree` lost).
+    pub(crate) static SHUTDOWN_BEFORE_DRAIN: std::sync::atomic::AtomicBool =
+        std::sync::atomic::AtomicBool::new(false);
 }
