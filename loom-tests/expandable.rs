@@ -499,3 +499,21 @@ fn frees_during_an_automatic_release() {
         frees_vs_the_release_ending,
     );
 }
+
+/// Bug: the end of a release only clears its pending bit (`RELEASE_END_ONLY_CLEARS`, the
+/// protocol before a review's finding): the frees that found it pending queued nothing, and
+/// nobody queues the next release for them.
+#[test]
+#[ignore = "planted bug: must fail"]
+fn planted_release_end_only_clears() {
+    must_fail(
+        module_path!(),
+        "planted_release_end_only_clears",
+        "releases queued for a granule freed while one ran",
+        || {
+            crate::resource::stream_ordered::planted::RELEASE_END_ONLY_CLEARS
+                .store(true, std::sync::atomic::Ordering::Relaxed);
+            check_paths(Some(2), &[], frees_vs_the_release_ending);
+        },
+    );
+}

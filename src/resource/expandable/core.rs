@@ -248,6 +248,12 @@ impl ReleaseTrigger {
     /// nothing), and `above` says that more than the threshold is still mapped. Otherwise none
     /// is pending from now on, and the next free looks.
     pub(crate) fn ended(&self, above: impl Fn() -> bool) -> bool {
+        #[cfg(streamalloc_loom)]
+        if crate::resource::stream_ordered::planted::release_end_only_clears() {
+            // The planted bug: the bytes freed meanwhile are never looked at.
+            self.state.fetch_and(!Self::PENDING, Ordering::AcqRel);
+            return false;
+        }
         let mut now = self.state.load(Ordering::Acquire);
         loop {
             debug_assert!(

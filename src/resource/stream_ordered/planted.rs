@@ -75,6 +75,12 @@ pub(crate) static FORGET_IGNORES_LATER_WORK: AtomicBool = AtomicBool::new(false)
 #[cfg(streamalloc_loom)]
 pub(crate) static TRIM_IGNORES_RECALL: AtomicBool = AtomicBool::new(false);
 
+/// The end of an automatic release only clears its pending bit (the release threshold's
+/// protocol before a review): what was freed while it ran queues no release
+/// (`resource/expandable/core.rs`, `ReleaseTrigger::ended`).
+#[cfg(streamalloc_loom)]
+pub(crate) static RELEASE_END_ONLY_CLEARS: AtomicBool = AtomicBool::new(false);
+
 macro_rules! switch {
     ($name:ident, $flag:ident) => {
         #[cfg(streamalloc_loom)]
@@ -110,4 +116,10 @@ switch!(torn_chunk_reads, TORN_CHUNK_READS);
 #[cfg(streamalloc_loom)]
 pub(crate) fn trim_ignores_recall() -> bool {
     TRIM_IGNORES_RECALL.load(Ordering::Relaxed)
+}
+
+/// [`RELEASE_END_ONLY_CLEARS`] (for `resource/expandable/core.rs`, outside this module).
+#[cfg(streamalloc_loom)]
+pub(crate) fn release_end_only_clears() -> bool {
+    RELEASE_END_ONLY_CLEARS.load(Ordering::Relaxed)
 }
