@@ -1,6 +1,9 @@
 //! The loom models of streamalloc's concurrency cores. Compiled into the crate under
 //! `cfg(all(test, streamalloc_loom))` (see `src/lib.rs`), so they drive the real internals.
 //!
+//! - [`arena`]: the arena's remote frees (a block freed on another stream than its stream
+//!   arena's), on the crate's `ArenaResource` over the simulated device run inline, its race
+//!   detector in the `Panic` mode: adopted only in stream order; found across a superblock move.
 //! - [`completion`]: the wakeup protocol of `Completion` (wakers, deregistration, callbacks,
 //!   concurrent completes, the reactor's pre-wake `hurry`), on the crate's own `Completion`.
 //! - [`reactor`]: the registration path of an event future into a running reactor thread, with a
@@ -46,6 +49,7 @@
 //!
 //! See `loom-tests/README.md` for the command, timings and what each test catches.
 
+mod arena;
 mod chunk_table;
 mod completion;
 mod deferred_free;

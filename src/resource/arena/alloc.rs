@@ -54,6 +54,10 @@ impl<U: MemoryResource> ArenaResource<U> {
             if id == arena.stream.id() || ordered.contains(&id) {
                 continue;
             }
+            #[cfg(streamalloc_loom)]
+            if super::planted::ADOPT_UNORDERED.load(std::sync::atomic::Ordering::Relaxed) {
+                continue;
+            }
             // The free was issued on `r.stream` before now, so this event comes after it.
             if let Err(e) = r
                 .stream

@@ -136,6 +136,8 @@ use crate::sync::{Arc, AtomicU64, Mutex, Ordering};
 mod alloc;
 mod dump;
 mod global;
+#[cfg(streamalloc_loom)]
+pub(crate) mod planted;
 mod snapshot;
 mod stream_arena;
 mod trim;
