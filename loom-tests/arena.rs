@@ -121,3 +121,97 @@ fn planted_adopt_unordered() {
         },
     );
 }
+
+const MOVED: &str = "a's superblock moved to c, the free racing the move";
+const RETURNED: &str = "the free came first: a's superblock adopted it and went back whole";
+
+/// Two superblocks of two blocks, the arena at its maximum: stream a's arena holds one with its
+/// block `p` live and the other block free, stream d's holds the other, full. A request on
+/// stream c finds nothing free in the global arena; meanwhile a thread frees `p` on stream b, a
+/// remote free whose owner it looks up under the global arena's lock. If the free came first,
+/// c's defragmentation adopts it into a's arena, whose superblock, wholly free, goes back to
+/// the global arena and serves c; if not, c moves a's superblock (with `p`, live) into its own
+/// arena to take its free block, and the free, racing the move, must find `p` there. The free
+/// must succeed either way and `p` must come back: at the end every byte is free.
+fn remote_free_vs_superblock_move(seen: &Shared<Seen>) {
+    let device = Device::simulated(SimConfig {
+        race_detection: RaceDetection::Panic,
+        ..SimConfig::default()
+    });
+    let arena = Arc::new(
+        ArenaResource::new(
+            CudaResource::new(&device),
+            ArenaOptions {
+                initial: 4 * BLOCK,
+                maximum: Some(4 * BLOCK),
+                superblock_size: 2 * BLOCK,
+            },
+        )
+        .unwrap(),
+    );
+    let [a, b, c, d] = [(); 4].map(|()| device.create_stream().unwrap());
+    let p = arena.allocate(BLOCK, &a).unwrap();
+    let full = arena.allocate(2 * BLOCK, &d).unwrap();
+    a.declare_access(p, BLOCK, MemoryAccess::Write, "a_writes_p")
+        .unwrap();
+    let written = a.record().unwrap();
+
+    let freer = {
+        let (arena, b) = (arena.clone(), b.clone());
+        thread::spawn(move || {
+            b.wait(&written).unwrap();
+            b.declare_access(p, BLOCK, MemoryAccess::Write, "b_writes_p")
+                .unwrap();
+            // SAFETY: `p` came from the arena with these bytes, is freed once, and b's use of
+            // it is queued before this point of b.
+            unsafe { arena.deallocate(p, BLOCK, &b) }
+                .unwrap_or_else(|e| panic!("a good free was refused: {e}"));
+        })
+    };
+
+    let moves_before = arena.stats().superblock_moves;
+    let x = arena.allocate(BLOCK, &c).unwrap();
+    let moved = arena.stats().superblock_moves > moves_before;
+    c.declare_access(x, BLOCK, MemoryAccess::Write, "c_writes_x")
+        .unwrap();
+    freer.join().unwrap();
+    seen.note(MOVED, moved);
+    seen.note(RETURNED, !moved);
+
+    b.synchronize_blocking().unwrap();
+    // SAFETY: each block came from the arena with these bytes, is freed once, and its uses are
+    // queued on its stream before this.
+    unsafe {
+        arena.deallocate(x, BLOCK, &c).unwrap();
+        arena.deallocate(full, 2 * BLOCK, &d).unwrap();
+    }
+    arena.defragment();
+    arena.check_invariants().unwrap();
+    let stats = arena.stats();
+    assert_eq!(stats.in_use, 0, "{stats:?}");
+    assert_eq!(stats.global_free, 4 * BLOCK, "bytes lost: {stats:?}");
+    assert_eq!(device.races(), Vec::new());
+}
+
+#[test]
+fn a_remote_free_finds_its_block_across_a_superblock_move() {
+    check_paths(Some(2), &[MOVED, RETURNED], remote_free_vs_superblock_move);
+}
+
+/// Bug: the remote free lets go of the global arena's lock before it takes the owner's
+/// (`arena::planted::GLOBAL_RELEASED_EARLY`): a move in between takes `p` away, and the free,
+/// looking in a's arena, refuses it.
+#[test]
+#[ignore = "planted bug: must fail"]
+fn planted_global_released_before_the_owner_is_locked() {
+    must_fail(
+        module_path!(),
+        "planted_global_released_before_the_owner_is_locked",
+        "a good free was refused",
+        || {
+            crate::resource::arena::planted::GLOBAL_RELEASED_EARLY
+                .store(true, std::sync::atomic::Ordering::Relaxed);
+            check_paths(Some(2), &[], remote_free_vs_superblock_move);
+        },
+    );
+}

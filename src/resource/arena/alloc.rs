@@ -542,6 +542,8 @@ impl<U: MemoryResource> ArenaResource<U> {
         // cannot come in between.
         let global = self.global.lock();
         let owner = global.owner_of(addr, size).ok_or(unknown.clone())?;
+        #[cfg(streamalloc_loom)]
+        let global = super::planted::global_released_early(global);
         let mut state = owner.state.lock();
         drop(global);
         if state.find(addr, size).is_none() {

@@ -1,8 +1,18 @@
 //! Bugs the loom model of the arena plants (`loom-tests/arena.rs`), one at a time, to see them
 //! caught. Only under the loom cfg.
 
-use std::sync::atomic::AtomicBool;
+use std::sync::atomic::{AtomicBool, Ordering};
 
 /// A stream arena adopts the blocks freed on other streams without ordering its stream after
 /// theirs (no event, no wait): a block freed on T is reused on S while T's work may still use it.
 pub(crate) static ADOPT_UNORDERED: AtomicBool = AtomicBool::new(false);
+
+/// A free of a block of another stream's arena lets go of the global arena's lock before it
+/// takes the owner's: a superblock move in between takes the block to another arena, and the
+/// free, looking in the old owner, refuses a good pointer (the block stays live for ever).
+pub(crate) static GLOBAL_RELEASED_EARLY: AtomicBool = AtomicBool::new(false);
+
+/// `global`, or nothing if [`GLOBAL_RELEASED_EARLY`] lets go of it at once.
+pub(crate) fn global_released_early<T>(global: T) -> Option<T> {
+    (!GLOBAL_RELEASED_EARLY.load(Ordering::Relaxed)).then_some(global)
+}
