@@ -4,6 +4,8 @@
 //! - [`arena`]: the arena's remote frees (a block freed on another stream than its stream
 //!   arena's), on the crate's `ArenaResource` over the simulated device run inline, its race
 //!   detector in the `Panic` mode: adopted only in stream order; found across a superblock move.
+//! - [`cuda_async`]: `CudaAsyncResource`'s count of what it handed out, which holds its
+//!   maximum: racing requests at the maximum, exactly one served.
 //! - [`completion`]: the wakeup protocol of `Completion` (wakers, deregistration, callbacks,
 //!   concurrent completes, the reactor's pre-wake `hurry`), on the crate's own `Completion`.
 //! - [`reactor`]: the registration path of an event future into a running reactor thread, with a
@@ -52,6 +54,7 @@
 mod arena;
 mod chunk_table;
 mod completion;
+mod cuda_async;
 mod deferred_free;
 mod expandable;
 mod free_lists;

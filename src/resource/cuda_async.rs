@@ -258,6 +258,20 @@ impl CudaAsyncResource {
             self.allocated.fetch_add(size, Ordering::AcqRel);
             return Ok(());
         };
+        #[cfg(streamalloc_loom)]
+        if planted::CHECK_THEN_ADD.load(std::sync::atomic::Ordering::Relaxed) {
+            // The planted bug: the check and the count are two steps.
+            let allocated = self.allocated.load(Ordering::Acquire);
+            if allocated.saturating_add(size) > maximum {
+                return Err(Error::OutOfMemory {
+                    requested: size,
+                    available: maximum.saturating_sub(allocated),
+                    maximum,
+                });
+            }
+            self.allocated.fetch_add(size, Ordering::AcqRel);
+            return Ok(());
+        }
         self.allocated
             .fetch_update(Ordering::AcqRel, Ordering::Acquire, |allocated| {
                 allocated
@@ -351,4 +365,13 @@ unsafe impl MemoryResource for CudaAsyncResource {
             }
         }
     }
+}
+
+/// A bug the loom model plants (`loom-tests/cuda_async.rs`), constant off otherwise.
+#[cfg(streamalloc_loom)]
+pub(crate) mod planted {
+    /// The maximum is checked with a load and the bytes counted with a separate add: two
+    /// threads can both pass the check.
+    pub(crate) static CHECK_THEN_ADD: std::sync::atomic::AtomicBool =
+        std::sync::atomic::AtomicBool::new(false);
 }

@@ -1,0 +1,96 @@
+//! `CudaAsyncResource`'s count of the bytes it has handed out (src/resource/cuda_async.rs),
+//! which is what holds its maximum exactly (the driver rounds a pool's `maxSize` up): a request
+//! reserves its rounded size by compare-and-swap before the driver is asked, and gives it back
+//! if the driver refuses.
+//!
+//! The crate's resource on the simulated device (run inline under the loom cfg): the count is
+//! a loom atomic, the simulated pool plain memory.
+
+use loom::thread;
+
+use super::{check_paths, must_fail, Seen, Shared};
+use crate::resource::cuda_async::{CudaAsyncOptions, CudaAsyncResource};
+use crate::sync::Arc;
+use crate::{Device, MemoryResource, RaceDetection, SimConfig};
+
+const BLOCK: usize = 256;
+
+const FIRST: &str = "the spawned thread's request served";
+const SECOND: &str = "the model thread's request served";
+
+/// A maximum of one block; two threads ask for one each, on their own streams: exactly one is
+/// served, the other is out of memory with the maximum in its error, and the count is the
+/// block's; once it is freed the count is 0 and a block can be had again.
+fn two_requests_at_the_maximum(seen: &Shared<Seen>) {
+    let device = Device::simulated(SimConfig {
+        race_detection: RaceDetection::Panic,
+        ..SimConfig::default()
+    });
+    let resource = Arc::new(
+        CudaAsyncResource::new(
+            &device,
+            CudaAsyncOptions {
+                maximum_pool_size: Some(BLOCK),
+                ..CudaAsyncOptions::default()
+            },
+        )
+        .unwrap(),
+    );
+    let (a, b) = (
+        device.create_stream().unwrap(),
+        device.create_stream().unwrap(),
+    );
+    let other = {
+        let (resource, b) = (resource.clone(), b.clone());
+        thread::spawn(move || resource.allocate(BLOCK, &b).ok())
+    };
+    let mine = resource.allocate(BLOCK, &a);
+    let theirs = other.join().unwrap();
+    let (ptr, stream) = match (mine, theirs) {
+        (Ok(ptr), None) => (ptr, &a),
+        (Err(e), Some(ptr)) => {
+            assert!(
+                matches!(e, crate::Error::OutOfMemory { maximum: BLOCK, .. }),
+                "{e}"
+            );
+            (ptr, &b)
+        }
+        (mine, theirs) => panic!(
+            "a maximum of one block served {} requests (mine {mine:?}, theirs {theirs:?})",
+            usize::from(mine.is_ok()) + usize::from(theirs.is_some())
+        ),
+    };
+    seen.note(FIRST, stream.id() == b.id());
+    seen.note(SECOND, stream.id() == a.id());
+    assert_eq!(resource.allocated_bytes(), BLOCK, "the count");
+    // SAFETY: allocated above with these bytes on `stream`, unused, freed once.
+    unsafe { resource.deallocate(ptr, BLOCK, stream) }.unwrap();
+    assert_eq!(resource.allocated_bytes(), 0, "the count after the free");
+    let again = resource.allocate(BLOCK, &a).unwrap();
+    // SAFETY: as above.
+    unsafe { resource.deallocate(again, BLOCK, &a) }.unwrap();
+    a.synchronize_blocking().unwrap();
+    b.synchronize_blocking().unwrap();
+}
+
+#[test]
+fn cuda_async_maximum_holds_for_racing_requests() {
+    check_paths(Some(2), &[FIRST, SECOND], two_requests_at_the_maximum);
+}
+
+/// Bug: the maximum is checked with a load and the bytes counted with a separate add
+/// (`cuda_async::planted::CHECK_THEN_ADD`): both requests pass the check.
+#[test]
+#[ignore = "planted bug: must fail"]
+fn planted_check_then_add() {
+    must_fail(
+        module_path!(),
+        "planted_check_then_add",
+        "a maximum of one block served 2 requests",
+        || {
+            crate::resource::cuda_async::planted::CHECK_THEN_ADD
+                .store(true, std::sync::atomic::Ordering::Relaxed);
+            check_paths(Some(2), &[], two_requests_at_the_maximum);
+        },
+    );
+}
