@@ -1,6 +1,8 @@
 //! The loom models of streamalloc's concurrency cores. Compiled into the crate under
 //! `cfg(all(test, streamalloc_loom))` (see `src/lib.rs`), so they drive the real internals.
 //!
+//! - [`adaptor_tables`]: the tracking and aligned adaptors forget an allocation before its
+//!   memory goes back upstream, on the crate's adaptors over a pool of one block.
 //! - [`arena`]: the arena's remote frees (a block freed on another stream than its stream
 //!   arena's), on the crate's `ArenaResource` over the simulated device run inline, its race
 //!   detector in the `Panic` mode: adopted only in stream order; found across a superblock move.
@@ -51,6 +53,7 @@
 //!
 //! See `loom-tests/README.md` for the command, timings and what each test catches.
 
+mod adaptor_tables;
 mod arena;
 mod chunk_table;
 mod completion;

@@ -45,4 +45,7 @@ pub use self::limiting::LimitingAdaptor;
 pub use self::logging::{LoggingAdaptor, LOG_FILE_ENV};
 pub use self::prefetch::PrefetchAdaptor;
 pub use self::statistics::{Counter, Counters, StatisticsAdaptor};
+/// The planted bug of the loom model (`loom-tests/adaptor_tables.rs`).
+#[cfg(all(test, streamalloc_loom))]
+pub(crate) use self::tracking::planted as tracking_planted;
 pub use self::tracking::TrackingAdaptor;

@@ -195,6 +195,21 @@ unsafe impl<U: MemoryResource> MemoryResource for TrackingAdaptor<U> {
             // SAFETY: the caller's contract, passed on (a zero-byte allocation's null pointer).
             return unsafe { self.upstream.deallocate(ptr, bytes, stream) };
         }
+        #[cfg(streamalloc_loom)]
+        if planted::FORGET_AFTER_UPSTREAM.load(std::sync::atomic::Ordering::Relaxed) {
+            // The planted bug: the memory goes back upstream before its entry is forgotten.
+            let known = (self.table.lock().entries.get(&ptr.0)).is_some_and(|e| e.bytes == bytes);
+            if !known {
+                return Err(Error::UnknownPointer { ptr: ptr.0, bytes });
+            }
+            // SAFETY: as below.
+            unsafe { self.upstream.deallocate(ptr, bytes, stream) }?;
+            let mut table = self.table.lock();
+            if let Some(entry) = table.entries.remove(&ptr.0) {
+                table.bytes -= entry.bytes;
+            }
+            return Ok(());
+        }
         let entry = {
             let mut table = self.table.lock();
             match table.entries.get(&ptr.0) {
@@ -241,4 +256,13 @@ unsafe impl<U: MemoryResource> MemoryResource for TrackingAdaptor<U> {
     fn memory_snapshot(&self) -> Option<crate::resource::snapshot::Snapshot> {
         self.upstream.memory_snapshot()
     }
+}
+
+/// A bug the loom model plants (`loom-tests/adaptor_tables.rs`), constant off otherwise.
+#[cfg(streamalloc_loom)]
+pub(crate) mod planted {
+    /// `deallocate` gives the memory back upstream before it forgets the entry: another thread
+    /// can get the same address meanwhile, and its entry is the one forgotten.
+    pub(crate) static FORGET_AFTER_UPSTREAM: std::sync::atomic::AtomicBool =
+        std::sync::atomic::AtomicBool::new(false);
 }

@@ -1,0 +1,97 @@
+//! The tables of the adaptors that remember what they handed out: `TrackingAdaptor`'s live
+//! allocations (src/resource/adaptor/tracking.rs). A free must forget its allocation before the
+//! memory goes back upstream: once it is there another thread may get the same address and
+//! record it, and a late forget erases that thread's entry (the history recorder's protocol,
+//! `history.rs`, here on the adaptor itself).
+//!
+//! The crate's adaptor over a `PoolResource` of one block on the simulated device run inline
+//! (its race detector in the `Panic` mode): a second request gets the same address once the
+//! first is freed, or is out of memory.
+
+use loom::thread;
+
+use super::{check_paths, must_fail, Seen, Shared};
+use crate::resource::adaptor::TrackingAdaptor;
+use crate::resource::cuda::CudaResource;
+use crate::resource::pool::{PoolOptions, PoolResource};
+use crate::sync::Arc;
+use crate::{Device, MemoryResource, RaceDetection, SimConfig, Stream};
+
+const BLOCK: usize = 256;
+
+const REUSED: &str = "the freed address handed out again";
+const REFUSED: &str = "out of memory before the free";
+
+/// A pool of `bytes` (its initial size and its maximum) on a new simulated device, and a
+/// stream of that device.
+fn pool(bytes: usize) -> (PoolResource<CudaResource>, Stream) {
+    let device = Device::simulated(SimConfig {
+        race_detection: RaceDetection::Panic,
+        ..SimConfig::default()
+    });
+    let pool = PoolResource::new(
+        CudaResource::new(&device),
+        PoolOptions {
+            initial: bytes,
+            maximum: Some(bytes),
+            ..PoolOptions::default()
+        },
+    )
+    .unwrap();
+    let stream = device.create_stream().unwrap();
+    (pool, stream)
+}
+
+/// A thread frees the one block while the model's thread asks for one (on the same stream:
+/// reuse needs no ordering). The table holds the new allocation iff it was served, and its
+/// free is accepted.
+fn tracking_free_vs_reuse(seen: &Shared<Seen>) {
+    let (upstream, s) = pool(BLOCK);
+    let tracking = Arc::new(TrackingAdaptor::new(upstream));
+    let p = tracking.allocate(BLOCK, &s).unwrap();
+    let freer = {
+        let (tracking, s) = (tracking.clone(), s.clone());
+        // SAFETY: allocated above with these bytes, unused, freed once.
+        thread::spawn(move || unsafe { tracking.deallocate(p, BLOCK, &s) }.unwrap())
+    };
+    let q = tracking.allocate(BLOCK, &s).ok();
+    freer.join().unwrap();
+    seen.note(REUSED, q.is_some());
+    seen.note(REFUSED, q.is_none());
+    let expected: Vec<(crate::DevicePtr, usize)> = q.iter().map(|&q| (q, BLOCK)).collect();
+    assert_eq!(
+        tracking.outstanding(),
+        expected,
+        "the table lost (or kept) an allocation"
+    );
+    assert_eq!(tracking.allocated_bytes(), BLOCK * expected.len());
+    if let Some(q) = q {
+        // SAFETY: allocated above with these bytes, unused, freed once.
+        unsafe { tracking.deallocate(q, BLOCK, &s) }
+            .unwrap_or_else(|e| panic!("a good free was refused: {e}"));
+    }
+    assert_eq!(tracking.outstanding_count(), 0);
+    s.synchronize_blocking().unwrap();
+}
+
+#[test]
+fn tracking_free_forgets_before_the_memory_goes_back() {
+    check_paths(Some(2), &[REUSED, REFUSED], tracking_free_vs_reuse);
+}
+
+/// Bug: the tracking adaptor gives the memory back upstream before it forgets the entry
+/// (`tracking_planted::FORGET_AFTER_UPSTREAM`): the other thread's new entry is the one erased.
+#[test]
+#[ignore = "planted bug: must fail"]
+fn planted_tracking_forgets_after_upstream() {
+    must_fail(
+        module_path!(),
+        "planted_tracking_forgets_after_upstream",
+        "the table lost (or kept) an allocation",
+        || {
+            crate::resource::adaptor::tracking_planted::FORGET_AFTER_UPSTREAM
+                .store(true, std::sync::atomic::Ordering::Relaxed);
+            check_paths(Some(2), &[], tracking_free_vs_reuse);
+        },
+    );
+}
