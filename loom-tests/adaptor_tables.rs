@@ -1,5 +1,6 @@
 //! The tables of the adaptors that remember what they handed out: `TrackingAdaptor`'s live
-//! allocations (src/resource/adaptor/tracking.rs). A free must forget its allocation before the
+//! allocations (src/resource/adaptor/tracking.rs) and `AlignedAdaptor`'s origins
+//! (src/resource/adaptor/aligned.rs). A free must forget its allocation before the
 //! memory goes back upstream: once it is there another thread may get the same address and
 //! record it, and a late forget erases that thread's entry (the history recorder's protocol,
 //! `history.rs`, here on the adaptor itself).
@@ -11,7 +12,7 @@
 use loom::thread;
 
 use super::{check_paths, must_fail, Seen, Shared};
-use crate::resource::adaptor::TrackingAdaptor;
+use crate::resource::adaptor::{AlignedAdaptor, TrackingAdaptor};
 use crate::resource::cuda::CudaResource;
 use crate::resource::pool::{PoolOptions, PoolResource};
 use crate::sync::Arc;
@@ -92,6 +93,61 @@ fn planted_tracking_forgets_after_upstream() {
             crate::resource::adaptor::tracking_planted::FORGET_AFTER_UPSTREAM
                 .store(true, std::sync::atomic::Ordering::Relaxed);
             check_paths(Some(2), &[], tracking_free_vs_reuse);
+        },
+    );
+}
+
+/// The alignment of the aligned adaptor: each of its allocations of a block takes a block and
+/// the slack to slide it up to this from the upstream.
+const ALIGN: usize = 2 * BLOCK;
+
+/// The same for the aligned adaptor: the upstream holds one aligned allocation's padded size.
+/// The new allocation's origin must be in the table: its free is accepted (a lost origin makes
+/// it an unknown pointer) and gives the memory back (the pool can serve the next one).
+fn aligned_free_vs_reuse(seen: &Shared<Seen>) {
+    let (upstream, s) = pool(ALIGN + ALIGN - BLOCK);
+    let aligned = Arc::new(AlignedAdaptor::new(upstream, ALIGN).unwrap());
+    let p = aligned.allocate(BLOCK, &s).unwrap();
+    let freer = {
+        let (aligned, s) = (aligned.clone(), s.clone());
+        // SAFETY: allocated above with these bytes, unused, freed once.
+        thread::spawn(move || unsafe { aligned.deallocate(p, BLOCK, &s) }.unwrap())
+    };
+    let q = aligned.allocate(BLOCK, &s).ok();
+    freer.join().unwrap();
+    seen.note(REUSED, q.is_some());
+    seen.note(REFUSED, q.is_none());
+    if let Some(q) = q {
+        assert!(q.0.is_multiple_of(ALIGN as u64), "{q:?}");
+        // SAFETY: allocated above with these bytes, unused, freed once.
+        unsafe { aligned.deallocate(q, BLOCK, &s) }
+            .unwrap_or_else(|e| panic!("a good free was refused: {e}"));
+    }
+    let last = aligned.allocate(BLOCK, &s).unwrap();
+    // SAFETY: as above.
+    unsafe { aligned.deallocate(last, BLOCK, &s) }.unwrap();
+    s.synchronize_blocking().unwrap();
+}
+
+#[test]
+fn aligned_free_forgets_before_the_memory_goes_back() {
+    check_paths(Some(2), &[REUSED, REFUSED], aligned_free_vs_reuse);
+}
+
+/// Bug: the aligned adaptor gives the memory back upstream before it forgets the origin
+/// (`aligned_planted::FORGET_AFTER_UPSTREAM`): the other thread's origin is the one erased, and
+/// its free is refused.
+#[test]
+#[ignore = "planted bug: must fail"]
+fn planted_aligned_forgets_after_upstream() {
+    must_fail(
+        module_path!(),
+        "planted_aligned_forgets_after_upstream",
+        "a good free was refused",
+        || {
+            crate::resource::adaptor::aligned_planted::FORGET_AFTER_UPSTREAM
+                .store(true, std::sync::atomic::Ordering::Relaxed);
+            check_paths(Some(2), &[], aligned_free_vs_reuse);
         },
     );
 }

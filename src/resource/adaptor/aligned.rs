@@ -165,6 +165,21 @@ unsafe impl<U: MemoryResource> MemoryResource for AlignedAdaptor<U> {
         // would pass through must not reach the upstream with the aligned pointer (an upstream
         // that ignores sizes, as `cuMemFree` does, would free it and leave the entry stale).
         // With no alignment above 256 nothing is ever in the table.
+        #[cfg(streamalloc_loom)]
+        if planted::FORGET_AFTER_UPSTREAM.load(std::sync::atomic::Ordering::Relaxed) {
+            // The planted bug: the memory goes back upstream before its origin is forgotten.
+            let origin = match self.origins.lock().get(&ptr.0) {
+                Some(o) if o.bytes == bytes => (o.ptr, o.size),
+                _ => return Err(Error::UnknownPointer { ptr: ptr.0, bytes }),
+            };
+            // SAFETY: as below.
+            unsafe {
+                self.upstream
+                    .deallocate(DevicePtr(origin.0), origin.1, stream)
+            }?;
+            self.origins.lock().remove(&ptr.0);
+            return Ok(());
+        }
         let origin = if self.alignment == ALIGNMENT {
             None
         } else {
@@ -217,4 +232,13 @@ unsafe impl<U: MemoryResource> MemoryResource for AlignedAdaptor<U> {
     fn memory_snapshot(&self) -> Option<crate::resource::snapshot::Snapshot> {
         self.upstream.memory_snapshot()
     }
+}
+
+/// A bug the loom model plants (`loom-tests/adaptor_tables.rs`), constant off otherwise.
+#[cfg(streamalloc_loom)]
+pub(crate) mod planted {
+    /// `deallocate` gives the memory back upstream before it forgets the origin: another thread
+    /// can get the same address meanwhile, and its origin is the one forgotten.
+    pub(crate) static FORGET_AFTER_UPSTREAM: std::sync::atomic::AtomicBool =
+        std::sync::atomic::AtomicBool::new(false);
 }

@@ -32,6 +32,9 @@ mod prefetch;
 mod statistics;
 mod tracking;
 
+/// The planted bug of the loom model (`loom-tests/adaptor_tables.rs`).
+#[cfg(all(test, streamalloc_loom))]
+pub(crate) use self::aligned::planted as aligned_planted;
 pub use self::aligned::AlignedAdaptor;
 pub use self::failure_callback::FailureCallbackAdaptor;
 /// For the loom model (`loom-tests/history.rs`), which drives the recorder.
