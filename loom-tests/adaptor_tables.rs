@@ -1,6 +1,8 @@
 //! The tables of the adaptors that remember what they handed out: `TrackingAdaptor`'s live
-//! allocations (src/resource/adaptor/tracking.rs) and `AlignedAdaptor`'s origins
-//! (src/resource/adaptor/aligned.rs). A free must forget its allocation before the
+//! allocations (src/resource/adaptor/tracking.rs), `AlignedAdaptor`'s origins
+//! (src/resource/adaptor/aligned.rs) and `HistoryAdaptor`'s live table
+//! (src/resource/adaptor/history.rs: `history.rs` models its recorder with the adaptor's order
+//! written in the model; this runs the adaptor's own `deallocate`). A free must forget its allocation before the
 //! memory goes back upstream: once it is there another thread may get the same address and
 //! record it, and a late forget erases that thread's entry (the history recorder's protocol,
 //! `history.rs`, here on the adaptor itself).
@@ -12,7 +14,7 @@
 use loom::thread;
 
 use super::{check_paths, must_fail, Seen, Shared};
-use crate::resource::adaptor::{AlignedAdaptor, TrackingAdaptor};
+use crate::resource::adaptor::{AlignedAdaptor, HistoryAdaptor, HistoryOptions, TrackingAdaptor};
 use crate::resource::cuda::CudaResource;
 use crate::resource::pool::{PoolOptions, PoolResource};
 use crate::sync::Arc;
@@ -148,6 +150,63 @@ fn planted_aligned_forgets_after_upstream() {
             crate::resource::adaptor::aligned_planted::FORGET_AFTER_UPSTREAM
                 .store(true, std::sync::atomic::Ordering::Relaxed);
             check_paths(Some(2), &[], aligned_free_vs_reuse);
+        },
+    );
+}
+
+/// The same for the history adaptor, recording with live tracking: the live table holds the
+/// new allocation iff it was served.
+fn history_free_vs_reuse(seen: &Shared<Seen>) {
+    let (upstream, s) = pool(BLOCK);
+    let history = Arc::new(HistoryAdaptor::new(
+        upstream,
+        HistoryOptions {
+            capacity: 8,
+            ..HistoryOptions::default()
+        },
+    ));
+    history.start();
+    let p = history.allocate(BLOCK, &s).unwrap();
+    let freer = {
+        let (history, s) = (history.clone(), s.clone());
+        // SAFETY: allocated above with these bytes, unused, freed once.
+        thread::spawn(move || unsafe { history.deallocate(p, BLOCK, &s) }.unwrap())
+    };
+    let q = history.allocate(BLOCK, &s).ok();
+    freer.join().unwrap();
+    seen.note(REUSED, q.is_some());
+    seen.note(REFUSED, q.is_none());
+    assert_eq!(
+        history.live_allocations(),
+        usize::from(q.is_some()),
+        "the table lost (or kept) an allocation"
+    );
+    if let Some(q) = q {
+        // SAFETY: allocated above with these bytes, unused, freed once.
+        unsafe { history.deallocate(q, BLOCK, &s) }.unwrap();
+    }
+    assert_eq!(history.live_allocations(), 0);
+    s.synchronize_blocking().unwrap();
+}
+
+#[test]
+fn history_free_forgets_before_the_memory_goes_back() {
+    check_paths(Some(2), &[REUSED, REFUSED], history_free_vs_reuse);
+}
+
+/// Bug: the history adaptor gives the memory back upstream before the recorder forgets it
+/// (`history_planted::FORGET_AFTER_UPSTREAM`): the other thread's live entry is erased.
+#[test]
+#[ignore = "planted bug: must fail"]
+fn planted_history_forgets_after_upstream() {
+    must_fail(
+        module_path!(),
+        "planted_history_forgets_after_upstream",
+        "the table lost (or kept) an allocation",
+        || {
+            crate::resource::adaptor::history_planted::FORGET_AFTER_UPSTREAM
+                .store(true, std::sync::atomic::Ordering::Relaxed);
+            check_paths(Some(2), &[], history_free_vs_reuse);
         },
     );
 }

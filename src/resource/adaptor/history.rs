@@ -468,6 +468,17 @@ unsafe impl<U: MemoryResource> MemoryResource for HistoryAdaptor<U> {
     }
 
     unsafe fn deallocate(&self, ptr: DevicePtr, bytes: usize, stream: &Stream) -> Result<()> {
+        #[cfg(streamalloc_loom)]
+        if planted::FORGET_AFTER_UPSTREAM.load(std::sync::atomic::Ordering::Relaxed) {
+            // The planted bug: the memory goes back upstream before its entry is forgotten.
+            // SAFETY: as below.
+            unsafe { self.upstream.deallocate(ptr, bytes, stream) }?;
+            if self.recorder.is_on() && bytes != 0 {
+                self.recorder
+                    .freeing(ptr.0, bytes as u64, stream.id().get());
+            }
+            return Ok(());
+        }
         // Only while on: when off, the live table is empty.
         let forgotten = if self.recorder.is_on() && bytes != 0 {
             self.recorder
@@ -507,4 +518,14 @@ unsafe impl<U: MemoryResource> MemoryResource for HistoryAdaptor<U> {
         }
         Some(snapshot)
     }
+}
+
+/// A bug the loom model plants (`loom-tests/adaptor_tables.rs`), constant off otherwise.
+#[cfg(streamalloc_loom)]
+pub(crate) mod planted {
+    /// `deallocate` gives the memory back upstream before the recorder forgets the live
+    /// allocation: another thread can get the same address meanwhile, and its entry is the one
+    /// forgotten.
+    pub(crate) static FORGET_AFTER_UPSTREAM: std::sync::atomic::AtomicBool =
+        std::sync::atomic::AtomicBool::new(false);
 }

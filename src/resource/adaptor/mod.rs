@@ -37,6 +37,9 @@ mod tracking;
 pub(crate) use self::aligned::planted as aligned_planted;
 pub use self::aligned::AlignedAdaptor;
 pub use self::failure_callback::FailureCallbackAdaptor;
+/// The planted bug of the loom model (`loom-tests/adaptor_tables.rs`).
+#[cfg(all(test, streamalloc_loom))]
+pub(crate) use self::history::planted as history_planted;
 /// For the loom model (`loom-tests/history.rs`), which drives the recorder.
 #[cfg(all(test, streamalloc_loom))]
 pub(crate) use self::history::Recorder;
