@@ -162,3 +162,23 @@ fn planted_limiting_rollback_always_notifies() {
         },
     );
 }
+
+/// Bug in the adaptor's own count (`Limit`, not the model's copy of the rollback): a refusal
+/// leaves no mark (`limiting_planted::REFUSAL_NOT_MARKED`), so the rollback that caused it
+/// wakes nobody, and the refused waiter sleeps with the memory free.
+#[test]
+#[ignore = "planted bug: must fail"]
+fn planted_limit_refusal_not_marked() {
+    must_fail(
+        module_path!(),
+        "planted_limit_refusal_not_marked",
+        "deadlock",
+        || {
+            crate::resource::adaptor::limiting_planted::REFUSAL_NOT_MARKED
+                .store(true, std::sync::atomic::Ordering::Relaxed);
+            check_paths(None, &[], |_| {
+                limit_rollback_wakes_the_refused(Rollback::IfRefused)
+            })
+        },
+    );
+}

@@ -86,6 +86,13 @@ impl Limit {
                 Some(total) => total | (state & REFUSED),
                 None => state | REFUSED,
             };
+            #[cfg(streamalloc_loom)]
+            if fits.is_none()
+                && planted::REFUSAL_NOT_MARKED.load(std::sync::atomic::Ordering::Relaxed)
+            {
+                // The planted bug: a refusal leaves no mark for the rollback to see.
+                return Err(used);
+            }
             match self
                 .state
                 .compare_exchange_weak(state, next, Ordering::AcqRel, Ordering::Acquire)
@@ -271,4 +278,13 @@ unsafe impl<U: MemoryResource> MemoryResource for LimitingAdaptor<U> {
     fn memory_snapshot(&self) -> Option<crate::resource::snapshot::Snapshot> {
         self.upstream.memory_snapshot()
     }
+}
+
+/// A bug the loom models plant (`loom-tests/waiters/limiting.rs`), constant off otherwise.
+#[cfg(streamalloc_loom)]
+pub(crate) mod planted {
+    /// `Limit::reserve` refuses without marking the refusal: a rollback that made a waiter's
+    /// retry fail does not know it, and wakes nobody.
+    pub(crate) static REFUSAL_NOT_MARKED: std::sync::atomic::AtomicBool =
+        std::sync::atomic::AtomicBool::new(false);
 }

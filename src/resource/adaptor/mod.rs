@@ -44,6 +44,9 @@ pub(crate) use self::history::planted as history_planted;
 #[cfg(all(test, streamalloc_loom))]
 pub(crate) use self::history::Recorder;
 pub use self::history::{Action, History, HistoryAdaptor, HistoryEvent, HistoryOptions};
+/// The planted bug of the loom models (`loom-tests/waiters/limiting.rs`).
+#[cfg(all(test, streamalloc_loom))]
+pub(crate) use self::limiting::planted as limiting_planted;
 /// For the loom models (`loom-tests/waiters.rs`), which drive the adaptor's byte count.
 #[cfg(all(test, streamalloc_loom))]
 pub(crate) use self::limiting::Limit;
