@@ -740,7 +740,18 @@ unsafe impl<U: MemoryResource> MemoryResource for PoolResource<U> {
         if size > self.maximum {
             return Err(self.out_of_memory(size));
         }
-        let ptr = DevicePtr(self.heap.take(size, stream, self)?);
+        let ptr = match self.heap.take(size, stream, self) {
+            Ok(addr) => DevicePtr(addr),
+            Err(e) => {
+                // A failed ordering (a driver error) puts the block it found back: a task whose
+                // try missed it meanwhile is told, as a free would tell it (an engine review's
+                // finding: it slept until the next free).
+                if !e.is_out_of_memory() {
+                    self.waiters.notify();
+                }
+                return Err(e);
+            }
+        };
         // The race detector of the simulated device checks blocks, not chunks (a no-op on CUDA).
         self.device.note_allocation(ptr, size as usize, stream);
         Ok(ptr)

@@ -504,6 +504,11 @@ unsafe impl MemoryResource for ExpandablePoolResource {
             Ok(addr) => DevicePtr(addr),
             Err(e) => {
                 inner.settle_busy();
+                // A failed ordering puts the block it found back: tell the waiters, as a free
+                // would (see the pool's `allocate`).
+                if !e.is_out_of_memory() {
+                    inner.waiters.notify();
+                }
                 return Err(e);
             }
         };
