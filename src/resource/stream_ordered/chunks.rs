@@ -60,17 +60,23 @@ impl Array {
     /// indexes out of bounds, whatever a concurrent change makes it read.
     fn lookup(&self, addr: u64, size: u64) -> Option<u32> {
         let (mut low, mut high) = (0, self.len.load(Ordering::Relaxed).min(self.entries.len()));
-        // The first entry starting above `addr`.
+        // The first entry starting above `addr` (only the starts are read on the way).
         while low < high {
             let mid = low + (high - low) / 2;
-            if self.get(mid)?.0 <= addr {
+            // SAFETY: `mid < high <= entries.len()` (`high` starts at most there and only
+            // falls).
+            let start = unsafe { self.entries.get_unchecked(mid) }
+                .start
+                .load(Ordering::Relaxed);
+            if start <= addr {
                 low = mid + 1;
             } else {
                 high = mid;
             }
         }
-        let (_, end, shard) = self.get(low.checked_sub(1)?)?;
-        (addr.checked_add(size)? <= end).then_some(shard)
+        let entry = self.entries.get(low.checked_sub(1)?)?;
+        let end = entry.end.load(Ordering::Relaxed);
+        (addr.checked_add(size)? <= end).then(|| entry.shard.load(Ordering::Relaxed) as u32)
     }
 }
 
