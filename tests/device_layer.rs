@@ -398,6 +398,27 @@ fn synchronize_async_and_blocking() {
     }
 }
 
+/// `synchronize()` waits for the work queued before the call, as its doc says, not also for
+/// work queued between the call and the future's first poll (a review found the event recorded
+/// at the first poll: a future made before more work was queued waited for that work too).
+#[test]
+fn synchronize_covers_the_work_queued_before_the_call() {
+    let rt = runtime();
+    for device in devices() {
+        let stream = device.create_stream().unwrap();
+        let done = stream.synchronize();
+        // Queued after the call, before the first poll: not the future's to wait for.
+        stream.spin(Duration::from_secs(3)).unwrap();
+        let waited =
+            rt.block_on(async { tokio::time::timeout(Duration::from_secs(1), done).await });
+        assert!(
+            matches!(waited, Ok(Ok(()))),
+            "{}: synchronize() made before a 3 s spin was queued waited for the spin ({waited:?})",
+            label(&device)
+        );
+    }
+}
+
 #[test]
 fn malloc_async_round_trip() {
     let rt = runtime();

@@ -1,6 +1,7 @@
 //! `Stream`: an ordered queue of GPU work, with an id that is never reused.
 
 use std::fmt;
+use std::future::Future;
 use std::time::Duration;
 
 use crate::device::sim::{HostPtr, Op};
@@ -424,12 +425,18 @@ impl Stream {
         }
     }
 
-    /// Waits, as a future, until all work queued so far has run. No thread is parked.
+    /// Waits, as a future, until all work queued before this call has run. No thread is
+    /// parked. The point waited for is taken here, not at the first poll: work queued between
+    /// this call and the `.await` is not waited for. A failed record is the future's result.
     ///
     /// # Cancel safety
-    /// Cancel-safe: dropping the future stops waiting and changes nothing on the stream.
-    pub async fn synchronize(&self) -> Result<()> {
-        self.record()?.await
+    /// Cancel-safe: dropping the future stops waiting; the event recorded by the call stays on
+    /// the stream, where it orders nothing.
+    pub fn synchronize(&self) -> impl Future<Output = Result<()>> + Send + 'static {
+        // Recorded now, not in an `async` body (which would run only at the first poll, and
+        // then cover work queued after the call: a review's finding).
+        let event = self.record();
+        async move { event?.await }
     }
 
     /// Blocks the calling thread until all work queued so far has run. For synchronous code;
