@@ -282,9 +282,11 @@ impl Executor {
             self.rng ^= self.rng << 13;
             self.rng ^= self.rng >> 7;
             self.rng ^= self.rng << 17;
-            pause += self
-                .jitter
-                .mul_f64((self.rng >> 11) as f64 / (1u64 << 53) as f64);
+            // Saturating: a delay and jitter near `Duration::MAX` (absurd, but a user's
+            // setting) would otherwise panic here and lose the operation (a review's note).
+            pause = pause.saturating_add(
+                (self.jitter).mul_f64((self.rng >> 11) as f64 / (1u64 << 53) as f64),
+            );
         }
         if !pause.is_zero() {
             std::thread::sleep(pause);
