@@ -408,8 +408,14 @@ impl<U: MemoryResource> ArenaResource<U> {
         // A small request grows by a superblock; with less than that left under the maximum,
         // no small request could ever use the room, and each would fail with it "available"
         // (a review's finding). A smaller superblock serves it instead.
+        // Where even the request does not fit the room, the whole `min` is asked for: giving
+        // wholly free chunks back below then makes room for a full superblock, as before.
         let room = (self.maximum).saturating_sub(self.reserved.load(Ordering::Relaxed));
-        let min = min.min(room).max(need);
+        let min = if (need..min).contains(&room) {
+            room
+        } else {
+            min
+        };
         match self.grow_from_upstream(min, stream) {
             Err(e) if e.is_out_of_memory() => {
                 if self.give_back_whole_chunks(min) == 0 {
