@@ -534,6 +534,25 @@ impl<U: MemoryResource> PoolResource<U> {
         }
     }
 
+    /// For a growth that found no room (at the maximum, or the upstream out of memory, as
+    /// `cause` says): every wholly free chunk back upstream, in stream order, without waiting,
+    /// so that the growth can try again with that room; whether there was any. Free memory
+    /// spread over chunks too small for a request would otherwise keep it failing (and an
+    /// `allocate_async` waiting), everything free or not.
+    fn release_whole_chunks(&self, requested: u64, cause: &'static str) -> bool {
+        let whole = self.take_whole_chunks();
+        if whole.is_empty() {
+            return false;
+        }
+        let _span =
+            tracing::debug_span!("release_for_growth", requested, cause, chunks = whole.len())
+                .entered();
+        if let Err(e) = self.release_chunks(whole) {
+            tracing::warn!(error = %e, "could not release free chunks to grow");
+        }
+        true
+    }
+
     fn take_whole_chunks(&self) -> Vec<(u64, u64, Option<Stream>)> {
         let chunks: Vec<(u64, u64)> = self.chunks.lock().iter().map(|(&b, &s)| (b, s)).collect();
         self.heap.take_whole_chunks(&chunks)
@@ -596,22 +615,9 @@ impl<U: MemoryResource> Grow for PoolResource<U> {
     fn grow(&self, min: u64, stream: &Stream) -> Result<(u64, u64)> {
         let mut reserved = self.reserved.load(Ordering::Relaxed);
         if min > self.maximum.saturating_sub(reserved) {
-            // At the maximum. Blocks never merge across chunks, so free memory spread over
-            // chunks too small for this request would keep it failing (and an
-            // `allocate_async` waiting) forever, everything free or not: give the chunks the
-            // lists hold whole back upstream, in stream order on the streams they were freed
-            // on, and grow one large enough instead.
-            let whole = self.take_whole_chunks();
-            if !whole.is_empty() {
-                let _span = tracing::debug_span!(
-                    "release_for_growth",
-                    requested = min,
-                    chunks = whole.len()
-                )
-                .entered();
-                if let Err(e) = self.release_chunks(whole) {
-                    tracing::warn!(error = %e, "could not release free chunks to grow");
-                }
+            // At the maximum: blocks never merge across chunks, so the wholly free ones go
+            // back, to grow one large enough instead.
+            if self.release_whole_chunks(min, "maximum") {
                 reserved = self.reserved.load(Ordering::Relaxed);
             }
         }
@@ -678,24 +684,12 @@ impl<U: MemoryResource> Grow for PoolResource<U> {
                 }
                 // The upstream ran out below our maximum (a device shared with other users, a
                 // smaller upstream): our wholly free chunks go back, as at the maximum, and the
-                // request is tried once more. Free memory spread over chunks too small for it
-                // would otherwise fail it, and keep an `allocate_async` waiting for a free that
-                // may never come, with that memory free in the pool (a review's finding).
+                // request is tried once more (a review's finding).
                 Err(e) if e.is_out_of_memory() && !gave_back => {
                     gave_back = true;
-                    let whole = self.take_whole_chunks();
-                    if whole.is_empty() {
+                    if !self.release_whole_chunks(min, "upstream") {
                         tracing::debug!("upstream out of memory");
                         return Err(self.upstream_out_of_memory(min, &e));
-                    }
-                    let _span = tracing::debug_span!(
-                        "release_for_upstream",
-                        requested = min,
-                        chunks = whole.len()
-                    )
-                    .entered();
-                    if let Err(e) = self.release_chunks(whole) {
-                        tracing::warn!(error = %e, "could not release free chunks to grow");
                     }
                     attempt = min;
                 }
