@@ -30,10 +30,7 @@ impl<U: MemoryResource> Drop for Taken<'_, U> {
         let mut restored = false;
         self.arena.held_for_trim.put_back(ticket, |chunks| {
             restored = !chunks.is_empty();
-            let mut global = self.arena.global.lock();
-            for chunk in chunks {
-                global.restore_chunk(chunk);
-            }
+            self.arena.restore_chunks(chunks);
         });
         // While the chunks were out they still counted against the maximum: a request at the
         // maximum was refused, and its `allocate_async` waits for memory to come back. This is
@@ -170,11 +167,14 @@ impl<U: MemoryResource> ArenaResource<U> {
     /// whether the request should look and grow once more (there were some, or since it read
     /// `epoch` a trim put its chunks back or finished giving them back). Called under `slow`.
     pub(super) fn recall_trimmed(&self, epoch: u64) -> bool {
-        (self.held_for_trim).recall(epoch, |chunks| {
-            let mut global = self.global.lock();
-            for chunk in chunks {
-                global.restore_chunk(chunk);
-            }
-        })
+        (self.held_for_trim).recall(epoch, |chunks| self.restore_chunks(chunks))
+    }
+
+    /// Chunks a trim held back in the global arena as they were, free, with their guards.
+    fn restore_chunks(&self, chunks: Vec<WholeChunk>) {
+        let mut global = self.global.lock();
+        for chunk in chunks {
+            global.restore_chunk(chunk);
+        }
     }
 }
