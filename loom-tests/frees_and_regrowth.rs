@@ -231,15 +231,21 @@ fn give_back_and_regrow_at_the_maximum() {
     check_paths(Some(3), &[REGREW, OUT_OF_MEMORY], regrow_at_max);
 }
 
-/// A whole chunk freed on two streams, 0 (dropped by its user, idle) and 1 (its user still
-/// holds it, and its work is queued), goes back upstream (`take_whole_chunks`, as the pool at
-/// its maximum or `trim` does) while a `trim` thread lets go of stream 0. The chunk is taken
-/// out of its shard before it is ordered onto one of its streams, so the forget can fall in
-/// between: the release must still come after stream 1's work (a review's finding: only the
-/// tag's first stream was looked at, and that one forgotten, the chunk went back as fresh).
-fn release_vs_forget(seen: &Shared<Seen>) {
+/// The set-up of [`release_vs_forget`] and [`put_back_vs_forget`]: a chunk of two blocks,
+/// one freed on stream 0 (then dropped by its user: idle, its work queued before) and one on
+/// stream 1 (held, its work queued), and a `trim` thread that waits for every idle stream on
+/// the host and forgets it. Returns stream 1 (its user's handle: the caller holds it to the
+/// end), stream 2 (for the caller's own use), the fake GPU's book, the lists and the `trim`
+/// thread.
+fn chunk_freed_on_two_streams_then_a_trim() -> (
+    FakeStream,
+    FakeStream,
+    Book,
+    Arc<Lists>,
+    thread::JoinHandle<()>,
+) {
     let s = streams(3);
-    let (s0, s1, own) = (s[0].clone(), s[1].clone(), s[2].clone());
+    let (s0, s1, third) = (s[0].clone(), s[1].clone(), s[2].clone());
     drop(s);
     let gpu = s1.inner.gpu.clone();
     let lists = Arc::new(Lists::new());
@@ -264,6 +270,17 @@ fn release_vs_forget(seen: &Shared<Seen>) {
             }
         })
     };
+    (s1, third, gpu, lists, trim)
+}
+
+/// A whole chunk freed on two streams, 0 (dropped by its user, idle) and 1 (its user still
+/// holds it, and its work is queued), goes back upstream (`take_whole_chunks`, as the pool at
+/// its maximum or `trim` does) while a `trim` thread lets go of stream 0. The chunk is taken
+/// out of its shard before it is ordered onto one of its streams, so the forget can fall in
+/// between: the release must still come after stream 1's work (a review's finding: only the
+/// tag's first stream was looked at, and that one forgotten, the chunk went back as fresh).
+fn release_vs_forget(seen: &Shared<Seen>) {
+    let (_s1, own, gpu, lists, trim) = chunk_freed_on_two_streams_then_a_trim();
     let released = lists.take_whole_chunks(&[(BASE, 2 * BLOCK)]);
     trim.join().unwrap();
     assert_eq!(released.len(), 1, "the whole chunk was not taken out");
@@ -295,32 +312,7 @@ fn a_release_racing_a_forget_waits_for_every_live_stream() {
 /// forget it (clearing the tag) until that wait is over too (a review's finding: the chunk was
 /// handed out, or given back upstream, with stream 1's work still running).
 fn put_back_vs_forget(seen: &Shared<Seen>) {
-    let s = streams(3);
-    let (s0, s1, taker) = (s[0].clone(), s[1].clone(), s[2].clone());
-    drop(s);
-    let gpu = s1.inner.gpu.clone();
-    let lists = Arc::new(Lists::new());
-    lists.add_chunk(BASE, 2 * BLOCK);
-    lists.give_fresh(BASE, 2 * BLOCK);
-    let a = lists.take(BLOCK, &s0, &NoRoom).unwrap();
-    book(&gpu).took("setup", s0.index(), a);
-    let b = lists.take(BLOCK, &s1, &NoRoom).unwrap();
-    book(&gpu).took("setup", s1.index(), b);
-    for (stream, block) in [(&s0, a), (&s1, b)] {
-        book(&gpu).queue(stream.index());
-        book(&gpu).freeing(stream.index(), block);
-        assert!(lists.give(block, BLOCK, stream));
-    }
-    drop(s0);
-    let trim = {
-        let lists = lists.clone();
-        thread::spawn(move || {
-            for stream in lists.idle_streams() {
-                book(&stream.inner.gpu).synchronize(stream.index());
-                lists.forget(stream);
-            }
-        })
-    };
+    let (_s1, taker, gpu, lists, trim) = chunk_freed_on_two_streams_then_a_trim();
     let released = lists.take_whole_chunks(&[(BASE, 2 * BLOCK)]);
     assert_eq!(released.len(), 1, "the whole chunk was not taken out");
     for (base, size, on) in released {
