@@ -1,40 +1,18 @@
 //! The `churn` workloads of `shared/bench/WORKLOADS.md`, exactly: splitmix64, the same decision
-//! sequence for every allocator, and its checksums (allocations and bytes allocated).
+//! sequence for every allocator, and its checksums (allocations and bytes allocated), over each
+//! resource: the pool, the expandable pool, the driver's pool, the arena, binning and raw
+//! `cuMemAlloc`.
 //!
-//! `cargo bench --bench churn [-- --resource pool|expandable|cuda-async|arena|binning|cuda|all] [--run RUN[,RUN..]|workloads|all] [--repeat N] [--initial MIB[,MIB..]] [--completion-words on|off]`
-//!
-//! Runs: `churn-1t`, `churn-4t`, `churn-xs-1t`, `churn-xs-4t` (`workloads`: these four), and
-//! `scaling` (1, 2, 4 and 8 threads); `all` is every one.
-//!
-//! `--growth-divisor N` sets the pools' `PoolOptions::growth_divisor` (default 8);
-//! `--reuse-slack X` sets `PoolOptions::reuse_slack` (default 0); `--opportunistic off` turns
-//! `PoolOptions::opportunistic_reuse` off (every cross-stream reuse waits on the GPU);
-//! `--growth-cap X|none` sets `PoolOptions::growth_cap` (default 1.3); `--small-block-cache KIB`
-//! sets `PoolOptions::small_block_cache` (default 4096; 0 turns it off) and, only when given,
-//! `ExpandableOptions::small_block_cache` (default none);
-//! `--superblock MIB` sets the arena's `ArenaOptions::superblock_size` (default 1 MiB, RMM's);
-//! `--map-unit MIB` sets the expandable pool's `ExpandableOptions::map_unit` (default: 4
-//! granules, 8 MiB on an H100 or H200); `--placement low|closest` its
-//! `ExpandableOptions::placement` (default `low`, `ExpandablePlacement::LowAddress`).
-//!
-//! `--initial` lists the sizes (MiB) the pool and the arena start with, each run once per size:
-//! `2048` (the timed loop measures suballocation), `256` (WORKLOADS.md's growth from small), or
-//! both (the default, `2048,256`); the maximum is 8 GiB.
-//!
-//! Resources: the pool (`PoolResource` over `CudaResource`), the driver's pool
-//! (`CudaAsyncResource`), the arena, binning (fixed-size bins 2^18..2^22 over a pool, as the RMM
-//! reference), and raw `cuMemAlloc` (`CudaResource`, sampled on 20,000 operations as
-//! WORKLOADS.md did, so without checksums). The pool and the arena start with 2 GiB reserved and
-//! may grow to 8 GiB, so the timed loop measures suballocation, not the driver. Reports wall time (start to the last stream
-//! synchronized), ns per operation (wall / total ops), the checksums, and for the pool its peak
-//! reserved bytes against the peak live bytes (summed over threads, an upper bound, as
-//! WORKLOADS.md states RMM's). Runs on the GPU if there is one, else on the simulated device.
+//! `cargo bench --bench churn -- --help` lists the flags (resources, runs, start sizes and pool
+//! options), their values and their defaults; an unknown flag or a bad value is an error.
+//! Runs on the GPU if there is one, else on the simulated device.
 
 use std::sync::Barrier;
 use std::time::{Duration, Instant};
 
 mod common;
 
+use clap::{Parser, ValueEnum};
 use common::SplitMix64;
 use streamalloc::resource::arena::{ArenaOptions, ArenaResource};
 use streamalloc::resource::binning::BinningResource;
@@ -190,11 +168,140 @@ const RUNS: [Run; 4] = [
     },
 ];
 
-fn arg(name: &str, default: &str) -> String {
-    std::env::args()
-        .skip_while(|a| a != name)
-        .nth(1)
-        .unwrap_or_else(|| default.to_owned())
+/// The `churn` workloads of WORKLOADS.md over each resource, with their checksums.
+///
+/// Runs: `churn-1t`, `churn-4t`, `churn-xs-1t`, `churn-xs-4t` (`workloads`: these four), and
+/// `scaling` (1, 2, 4 and 8 threads); `all` is every one.
+///
+/// Resources: the pool (`PoolResource` over `CudaResource`), the expandable pool
+/// (`ExpandablePoolResource`), the driver's pool (`CudaAsyncResource`), the arena, binning
+/// (fixed-size bins 2^18..2^22 over a pool, as the RMM reference), and raw `cuMemAlloc`
+/// (`CudaResource`, sampled on 20,000 operations as WORKLOADS.md did, so without checksums). The
+/// pool, the expandable pool and the arena start with `--initial` reserved and may grow to 8 GiB.
+///
+/// Reports wall time (start to the last stream synchronized), ns per operation (wall / total
+/// ops), the checksums, and for the pool its peak reserved bytes against the peak live bytes
+/// (summed over threads, an upper bound, as WORKLOADS.md states RMM's). Runs on the GPU if there
+/// is one, else on the simulated device.
+#[derive(Parser)]
+#[command(name = "churn", bin_name = "churn")]
+struct Args {
+    /// The resource to run (`all`: every one).
+    #[arg(long, value_enum, value_name = "RESOURCE", default_value_t = Resource::All)]
+    resource: Resource,
+    /// The runs, comma-separated (`workloads`: the four churn runs; `all`: every one).
+    #[arg(
+        long,
+        value_enum,
+        value_name = "RUN[,RUN..]",
+        value_delimiter = ',',
+        default_value = "all"
+    )]
+    run: Vec<RunName>,
+    /// How many times each run repeats.
+    #[arg(long, value_name = "N", default_value_t = 1)]
+    repeat: usize,
+    /// The sizes (MiB, comma-separated) the pool, the expandable pool and the arena start with,
+    /// each run once per size: `2048` (the timed loop measures suballocation), `256`
+    /// (WORKLOADS.md's growth from small), or both; the maximum is 8 GiB.
+    #[arg(
+        long,
+        value_name = "MIB[,MIB..]",
+        value_delimiter = ',',
+        default_value = "2048,256"
+    )]
+    initial: Vec<usize>,
+    /// `off`: the GPU's events polled through the driver, as before issue 18's completion words
+    /// (the arena's guards are recorded and queried on its paths).
+    #[arg(long, value_enum, value_name = "on|off", default_value_t = OnOff::On)]
+    completion_words: OnOff,
+    /// The pools' `PoolOptions::growth_divisor`.
+    #[arg(long, value_name = "N", default_value_t = 8)]
+    growth_divisor: u32,
+    /// The pools' `PoolOptions::reuse_slack`.
+    #[arg(long, value_name = "X", default_value_t = 0.0)]
+    reuse_slack: f64,
+    /// `off` turns `PoolOptions::opportunistic_reuse` off (every cross-stream reuse waits on the
+    /// GPU).
+    #[arg(long, value_enum, value_name = "on|off", default_value_t = OnOff::On)]
+    opportunistic: OnOff,
+    /// The pools' `PoolOptions::growth_cap` (`none`: no cap).
+    #[arg(long, value_name = "X|none", value_parser = growth_cap, default_value = "1.3")]
+    growth_cap: GrowthCap,
+    /// Sets `PoolOptions::small_block_cache` (default 4096; 0 turns it off) and, only when
+    /// given, `ExpandableOptions::small_block_cache` (default none).
+    #[arg(long, value_name = "KIB")]
+    small_block_cache: Option<usize>,
+    /// The arena's `ArenaOptions::superblock_size` [default: 1 MiB, RMM's].
+    #[arg(long, value_name = "MIB")]
+    superblock: Option<usize>,
+    /// The expandable pool's `ExpandableOptions::map_unit` [default: 4 granules, 8 MiB on an
+    /// H100 or H200].
+    #[arg(long, value_name = "MIB")]
+    map_unit: Option<usize>,
+    /// The expandable pool's `ExpandableOptions::placement` (`low`:
+    /// `ExpandablePlacement::LowAddress`, `closest`: `ClosestFit`).
+    #[arg(long, value_enum, value_name = "low|closest", default_value_t = Placement::Low)]
+    placement: Placement,
+    /// Passed by `cargo bench` to a bench without the test harness; ignored.
+    #[arg(long = "bench", hide = true)]
+    _bench: bool,
+}
+
+#[derive(Clone, Copy, PartialEq, Eq, ValueEnum)]
+enum Resource {
+    Pool,
+    Expandable,
+    CudaAsync,
+    Arena,
+    Binning,
+    Cuda,
+    All,
+}
+
+#[derive(Clone, Copy, PartialEq, Eq, ValueEnum)]
+enum RunName {
+    #[value(name = "churn-1t")]
+    Churn1t,
+    #[value(name = "churn-4t")]
+    Churn4t,
+    #[value(name = "churn-xs-1t")]
+    ChurnXs1t,
+    #[value(name = "churn-xs-4t")]
+    ChurnXs4t,
+    /// The four above.
+    Workloads,
+    /// Plain churn on 1, 2, 4 and 8 threads.
+    Scaling,
+    /// Every run.
+    All,
+}
+
+#[derive(Clone, Copy, PartialEq, Eq, ValueEnum)]
+enum OnOff {
+    On,
+    Off,
+}
+
+#[derive(Clone, Copy, PartialEq, Eq, ValueEnum)]
+enum Placement {
+    /// `ExpandablePlacement::LowAddress`.
+    Low,
+    /// `ExpandablePlacement::ClosestFit`.
+    Closest,
+}
+
+/// `PoolOptions::growth_cap`: a factor, or none.
+#[derive(Clone, Copy)]
+struct GrowthCap(Option<f64>);
+
+fn growth_cap(s: &str) -> Result<GrowthCap, String> {
+    if s == "none" {
+        return Ok(GrowthCap(None));
+    }
+    s.parse::<f64>()
+        .map(|x| GrowthCap(Some(x)))
+        .map_err(|e| format!("a factor such as 1.3, or none ({e})"))
 }
 
 /// A pool's report column: peak reserved over peak live, and how it got there.
@@ -215,10 +322,11 @@ fn pool_extra(s: &PoolStats, o: &Outcome) -> String {
 }
 
 fn main() {
+    let args = Args::parse();
     let mut device = Device::default_device().expect("a device");
     // `--completion-words off`: the GPU's events polled through the driver, as before issue 18's
     // completion words (the arena's guards are recorded and queried on its paths).
-    if arg("--completion-words", "on") == "off" {
+    if args.completion_words == OnOff::Off {
         if let Some(ordinal) = device.ordinal() {
             let options = streamalloc::CudaOptions {
                 completion_words: false,
@@ -227,32 +335,21 @@ fn main() {
             device = Device::cuda_with(ordinal, options).expect("the same GPU again");
         }
     }
-    let resource = arg("--resource", "all");
-    let which = arg("--run", "all");
-    let repeat: usize = arg("--repeat", "1").parse().unwrap_or(1);
-    let growth_divisor: u32 = arg("--growth-divisor", "8").parse().unwrap_or(8);
-    let reuse_slack: f64 = arg("--reuse-slack", "0").parse().unwrap_or(0.0);
-    let opportunistic_reuse = arg("--opportunistic", "on") != "off";
-    let map_unit: Option<usize> = arg("--map-unit", "default").parse().ok();
-    let growth_cap: Option<f64> = arg("--growth-cap", "1.3").parse().ok();
-    let superblock: Option<usize> = arg("--superblock", "default").parse().ok();
-    let small_block_cache: usize = arg("--small-block-cache", "4096")
-        .parse::<usize>()
-        .expect("--small-block-cache takes KiB")
-        << 10;
-    let placement = match arg("--placement", "low").as_str() {
-        "closest" => ExpandablePlacement::ClosestFit,
-        _ => ExpandablePlacement::LowAddress,
+    let on = |r: Resource| args.resource == Resource::All || args.resource == r;
+    let which = &args.run;
+    let repeat = args.repeat;
+    let growth_divisor = args.growth_divisor;
+    let reuse_slack = args.reuse_slack;
+    let opportunistic_reuse = args.opportunistic == OnOff::On;
+    let map_unit = args.map_unit;
+    let GrowthCap(growth_cap) = args.growth_cap;
+    let superblock = args.superblock;
+    let small_block_cache = args.small_block_cache.unwrap_or(4096) << 10;
+    let placement = match args.placement {
+        Placement::Closest => ExpandablePlacement::ClosestFit,
+        Placement::Low => ExpandablePlacement::LowAddress,
     };
-    let initials: Vec<usize> = arg("--initial", "2048,256")
-        .split(',')
-        .map(|m| {
-            m.trim()
-                .parse::<usize>()
-                .expect("--initial takes MiB, comma-separated")
-                * MIB
-        })
-        .collect();
+    let initials: Vec<usize> = args.initial.iter().map(|mib| mib * MIB).collect();
     println!("device: {device}");
     let date = std::process::Command::new("date").arg("-u").output();
     println!(
@@ -267,11 +364,21 @@ fn main() {
 
     let mut runs: Vec<Run> = Vec::new();
     for r in RUNS {
-        if which == "all" || which.split(',').any(|w| w == r.name || w == "workloads") {
+        let named = |w: RunName| {
+            w.to_possible_value()
+                .is_some_and(|v| v.get_name() == r.name)
+        };
+        if which
+            .iter()
+            .any(|&w| matches!(w, RunName::All | RunName::Workloads) || named(w))
+        {
             runs.push(r);
         }
     }
-    if which == "all" || which.split(',').any(|w| w == "scaling") {
+    if which
+        .iter()
+        .any(|&w| matches!(w, RunName::All | RunName::Scaling))
+    {
         for threads in [1, 2, 4, 8] {
             runs.push(Run {
                 name: "scaling",
@@ -334,13 +441,13 @@ fn main() {
         for _ in 0..repeat {
             for &initial in &initials {
                 let start = format!(":{}M", initial / MIB);
-                if resource == "all" || resource == "pool" {
+                if on(Resource::Pool) {
                     let pool = make_pool(initial);
                     let (wall, o) = run_on(&pool, &device, run);
                     let extra = pool_extra(&pool.stats(), &o);
                     report(&format!("pool{start}"), run, wall, o, extra);
                 }
-                if resource == "all" || resource == "expandable" {
+                if on(Resource::Expandable) {
                     // The pool on virtual memory: `initial` mapped, up to 8 GiB mapped.
                     let r = ExpandablePoolResource::new(
                         &device,
@@ -350,9 +457,7 @@ fn main() {
                             map_unit: map_unit.map(|mib| mib * MIB),
                             placement,
                             // Its own default (none) unless asked for.
-                            small_block_cache: std::env::args()
-                                .any(|a| a == "--small-block-cache")
-                                .then_some(small_block_cache),
+                            small_block_cache: args.small_block_cache.map(|_| small_block_cache),
                             ..ExpandableOptions::default()
                         },
                     )
@@ -365,7 +470,7 @@ fn main() {
                     );
                     report(&format!("expandable{start}"), run, wall, o, extra);
                 }
-                if resource == "all" || resource == "arena" {
+                if on(Resource::Arena) {
                     // RMM's arena, sized as the pool: 2 GiB up front, up to 8 GiB.
                     let r = ArenaResource::new(
                         CudaResource::new(&device),
@@ -387,7 +492,7 @@ fn main() {
                     );
                     report(&format!("arena{start}"), run, wall, o, extra);
                 }
-                if resource == "all" || resource == "binning" {
+                if on(Resource::Binning) {
                     // As WORKLOADS.md's RMM reference: fixed-size bins 2^18..2^22 over a pool, the
                     // pool serving what is larger.
                     let pool = make_pool(initial);
@@ -396,7 +501,7 @@ fn main() {
                     report(&format!("binning{start}"), run, wall, o, String::new());
                 }
             }
-            if resource == "all" || resource == "cuda-async" {
+            if on(Resource::CudaAsync) {
                 let r = CudaAsyncResource::new(&device, CudaAsyncOptions::default()).unwrap();
                 let (wall, o) = run_on(&r, &device, run);
                 let extra = format!(
@@ -405,7 +510,7 @@ fn main() {
                 );
                 report("cuda-async", run, wall, o, extra);
             }
-            if resource == "all" || resource == "cuda" {
+            if on(Resource::Cuda) {
                 // Raw cuMemAlloc/cuMemFree, sampled as WORKLOADS.md did (20,000 operations in
                 // all): the sequence is the same, cut short, so there is no checksum.
                 let sampled = Run {
