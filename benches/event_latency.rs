@@ -32,21 +32,10 @@
 //! 1 s, and while 1,000 events wait behind 1 s kernels on 10 streams: a first round on new
 //! streams (no history to predict from), then a second on the same streams.
 //!
-//! ```text
-//! cargo bench --bench event_latency -- [--strategies backoff,spin,predict,prewake,words]
-//!     [--kernels-us 20,200,2000,20000] [--samples 5000] [--cell-secs 5] [--prewake-us 250]
-//!     [--no-cpu] [--no-baseline] [--observer event|flag] [--target prewake|words|...]
-//! ```
-//! Strategies: `backoff` (`CudaOptions::backoff()`, the reactor before issue 18), `spin`
-//! (`low_latency()`, with completion words), `predict` (`WakeStrategy::Predict`, no pre-wake,
-//! no words), `prewake` (predict and pre-wake, no words: the default before completion words),
-//! `words` (`prewake` with `CudaOptions::completion_words`: events polled by reading a word the
-//! GPU writes, not with `cuEventQuery`; `CudaOptions::default()` unless `--prewake-us` changes
-//! the lead). `--target` names the strategy checked against issue 18's targets (`words`, the
-//! default options). Each cell takes
-//! `min(samples, cell-secs / kernel)` samples (at least 100) after a warm-up of a tenth as many
-//! (at most 100). Runs on the GPU if there is one, else on the simulated device (whose figures
-//! only check the plumbing).
+//! `cargo bench --bench event_latency -- --help` lists the flags (strategies, kernel lengths,
+//! samples, the observer, the target), their values and their defaults; an unknown flag or a
+//! bad value is an error. Runs on the GPU if there is one, else on the simulated device (whose
+//! figures only check the plumbing).
 
 use std::future::Future;
 use std::sync::mpsc;
@@ -62,6 +51,7 @@ mod flag;
 #[path = "event_latency/stalls.rs"]
 mod stalls;
 
+use clap::{Parser, ValueEnum};
 use common::now_ns;
 use streamalloc::{CudaOptions, Device, Event, SimConfig, WakeStrategy};
 
@@ -302,38 +292,130 @@ fn ms(v: Option<f64>) -> String {
     v.map_or("     n/a".to_owned(), |ms| format!("{ms:8.1}"))
 }
 
-fn arg(name: &str) -> Option<String> {
-    std::env::args().skip_while(|a| a != name).nth(1)
+/// Event wake latency and the completion reactor's CPU use, for each reactor strategy side by
+/// side (issue 18).
+///
+/// Each latency cell takes `min(samples, cell-secs / kernel)` samples (at least 100) after a
+/// warm-up of a tenth as many (at most 100). Runs on the GPU if there is one, else on the
+/// simulated device (whose figures only check the plumbing).
+#[derive(Parser)]
+#[command(name = "event_latency", bin_name = "event_latency")]
+struct Args {
+    /// The reactor strategies to measure, comma-separated, in this order (a strategy may be
+    /// listed twice).
+    #[arg(
+        long,
+        value_enum,
+        value_name = "STRATEGY[,STRATEGY..]",
+        value_delimiter = ',',
+        default_value = "backoff,spin,predict,prewake,words"
+    )]
+    strategies: Vec<Strategy>,
+    /// The spin kernels' lengths (µs, comma-separated): a latency cell for each.
+    #[arg(
+        long,
+        value_name = "US[,US..]",
+        value_delimiter = ',',
+        default_value = "20,200,2000,20000"
+    )]
+    kernels_us: Vec<u64>,
+    /// The most samples a latency cell takes.
+    #[arg(long, value_name = "N", default_value_t = 5_000)]
+    samples: usize,
+    /// About how long (s) a latency cell runs: it takes `cell-secs / kernel` samples (at least
+    /// 100, at most `--samples`).
+    #[arg(long, value_name = "S", default_value_t = 5.0)]
+    cell_secs: f64,
+    /// The pre-wake lead (µs) of `prewake` and `words` (`CudaOptions::reactor_prewake`); issue
+    /// 18's targets are checked only with the default.
+    #[arg(long, value_name = "US", default_value_t = 250)]
+    prewake_us: u64,
+    /// Skips the reactor CPU measurement.
+    #[arg(long)]
+    no_cpu: bool,
+    /// Skips the runtime baseline (no GPU: a thread waking a parked tokio task).
+    #[arg(long)]
+    no_baseline: bool,
+    /// What the observer spins on to timestamp the completion.
+    #[arg(long, value_enum, value_name = "event|flag", default_value_t = Observer::Event)]
+    observer: Observer,
+    /// The strategy whose figures are checked against issue 18's targets (`words`: the default
+    /// options).
+    #[arg(long, value_enum, value_name = "STRATEGY", default_value_t = Strategy::Words)]
+    target: Strategy,
+    /// Passed by `cargo bench` to a bench without the test harness; ignored.
+    #[arg(long = "bench", hide = true)]
+    _bench: bool,
 }
 
-fn flag(name: &str) -> bool {
-    std::env::args().any(|a| a == name)
+/// A reactor strategy, by the `CudaOptions` it opens the device with.
+#[derive(Clone, Copy, PartialEq, Eq, ValueEnum)]
+enum Strategy {
+    /// `CudaOptions::backoff()`, the reactor before issue 18.
+    Backoff,
+    /// `CudaOptions::low_latency()`, with completion words.
+    Spin,
+    /// `WakeStrategy::Predict`, no pre-wake, no words.
+    Predict,
+    /// Predict and pre-wake, no words: the default before completion words.
+    Prewake,
+    /// `prewake` with `CudaOptions::completion_words` (events polled by reading a word the GPU
+    /// writes, not with `cuEventQuery`): `CudaOptions::default()` unless `--prewake-us` changes
+    /// the lead.
+    Words,
 }
 
-fn strategy(name: &str, prewake: Duration) -> CudaOptions {
-    match name {
-        "backoff" => CudaOptions::backoff(),
-        "spin" => CudaOptions::low_latency(),
-        "predict" => CudaOptions {
-            reactor_strategy: WakeStrategy::Predict,
-            reactor_prewake: None,
-            completion_words: false,
-            ..CudaOptions::default()
-        },
-        "prewake" => CudaOptions {
-            reactor_strategy: WakeStrategy::Predict,
-            reactor_prewake: Some(prewake),
-            completion_words: false,
-            ..CudaOptions::default()
-        },
-        "words" => CudaOptions {
-            reactor_strategy: WakeStrategy::Predict,
-            reactor_prewake: Some(prewake),
-            completion_words: true,
-            ..CudaOptions::default()
-        },
-        other => panic!("unknown strategy {other}: backoff, spin, predict, prewake or words"),
+impl Strategy {
+    fn name(self) -> &'static str {
+        match self {
+            Strategy::Backoff => "backoff",
+            Strategy::Spin => "spin",
+            Strategy::Predict => "predict",
+            Strategy::Prewake => "prewake",
+            Strategy::Words => "words",
+        }
     }
+
+    fn options(self, prewake: Duration) -> CudaOptions {
+        match self {
+            Strategy::Backoff => CudaOptions::backoff(),
+            Strategy::Spin => CudaOptions::low_latency(),
+            Strategy::Predict => CudaOptions {
+                reactor_strategy: WakeStrategy::Predict,
+                reactor_prewake: None,
+                completion_words: false,
+                ..CudaOptions::default()
+            },
+            Strategy::Prewake => CudaOptions {
+                reactor_strategy: WakeStrategy::Predict,
+                reactor_prewake: Some(prewake),
+                completion_words: false,
+                ..CudaOptions::default()
+            },
+            Strategy::Words => CudaOptions {
+                reactor_strategy: WakeStrategy::Predict,
+                reactor_prewake: Some(prewake),
+                completion_words: true,
+                ..CudaOptions::default()
+            },
+        }
+    }
+}
+
+impl std::fmt::Display for Strategy {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.pad(self.name())
+    }
+}
+
+#[derive(Clone, Copy, PartialEq, Eq, ValueEnum)]
+enum Observer {
+    /// A second event recorded right after the task's, `cuEventQuery` in a tight loop.
+    Event,
+    /// A word of pinned host memory that the GPU writes right after the task's event
+    /// (`cuStreamWriteValue32`, `event_latency/flag.rs`): no driver call, so the observer does
+    /// not contend with the reactor's and the task's queries (on CUDA, else a second event).
+    Flag,
 }
 
 /// What the runtime alone adds: a thread sends to a task parked in a oneshot after `delay`.
@@ -356,31 +438,16 @@ fn runtime_baseline(rt: &tokio::runtime::Runtime, delay: Duration, samples: usiz
 }
 
 fn main() {
-    let samples: usize = arg("--samples")
-        .and_then(|s| s.parse().ok())
-        .unwrap_or(5_000);
-    let cell_secs: f64 = arg("--cell-secs")
-        .and_then(|s| s.parse().ok())
-        .unwrap_or(5.0);
-    let prewake = Duration::from_micros(
-        arg("--prewake-us")
-            .and_then(|s| s.parse().ok())
-            .unwrap_or(250),
-    );
-    let strategies: Vec<String> = arg("--strategies")
-        .unwrap_or_else(|| "backoff,spin,predict,prewake,words".into())
-        .split(',')
-        .map(str::to_owned)
-        .collect();
-    let kernels: Vec<u64> = arg("--kernels-us")
-        .unwrap_or_else(|| "20,200,2000,20000".into())
-        .split(',')
-        .map(|k| k.parse().expect("--kernels-us: µs, comma-separated"))
-        .collect();
+    let args = Args::parse();
+    let samples = args.samples;
+    let cell_secs = args.cell_secs;
+    let prewake = Duration::from_micros(args.prewake_us);
+    let strategies = &args.strategies;
+    let kernels = &args.kernels_us;
     // `--target words`: the strategy whose figures are checked against issue 18's targets.
-    let target = arg("--target").unwrap_or_else(|| "words".into());
+    let target = args.target;
     // `--observer flag`: the observer spins on a flag the GPU writes (no driver call).
-    let use_flag = arg("--observer").as_deref() == Some("flag");
+    let use_flag = args.observer == Observer::Flag;
     diag::install();
     let rt = tokio::runtime::Builder::new_multi_thread()
         .worker_threads(2)
@@ -409,7 +476,7 @@ fn main() {
     );
     drop(probe);
 
-    if !flag("--no-baseline") {
+    if !args.no_baseline {
         println!("\nruntime baseline (no GPU): a thread wakes a tokio task parked for the delay; median p99");
         for delay_us in [20u64, 200, 2_000] {
             let delay = Duration::from_micros(delay_us);
@@ -424,8 +491,8 @@ fn main() {
     }
 
     println!("\nwhat a record costs the recording thread (20,000 records on an idle stream, events dropped)");
-    for name in &strategies {
-        let device = open(strategy(name, prewake));
+    for &name in strategies {
+        let device = open(name.options(prewake));
         let stream = device.create_stream().unwrap();
         for _ in 0..1_000 {
             drop(stream.record().unwrap());
@@ -451,9 +518,9 @@ fn main() {
     let mut diagnosed = vec![];
     let mut targets: Vec<Target> = vec![];
     let mut host_stalls = vec![];
-    for name in &strategies {
-        for &kernel_us in &kernels {
-            let device = open(strategy(name, prewake));
+    for &name in strategies {
+        for &kernel_us in kernels {
+            let device = open(name.options(prewake));
             let kernel = Duration::from_micros(kernel_us);
             let n = ((cell_secs / (kernel.as_secs_f64() + 30e-6)) as usize).clamp(100, samples);
             let reactor = format!("sa-reactor-{}", device.id());
@@ -464,17 +531,20 @@ fn main() {
                 cpu_while(&reactor, || latency(&rt, &device, kernel, n, use_flag));
             let stalled = spinner.stop();
             let late_share = stalled.late_share();
-            if name == "predict" || name == "prewake" || name == "words" {
-                diagnosed.push((name.clone(), kernel, diag::take(), seen));
+            if matches!(
+                name,
+                Strategy::Predict | Strategy::Prewake | Strategy::Words
+            ) {
+                diagnosed.push((name, kernel, diag::take(), seen));
             }
             // Per sample, before the two lists are sorted apart.
             let runtime = sorted(to_task.iter().zip(&to_waker).map(|(t, w)| t - w).collect());
             to_waker.sort();
             to_task.sort();
-            if *name == target {
+            if name == target {
                 targets.push(Target::latency(kernel, &to_waker, &to_task, late_share));
             }
-            host_stalls.push((name.clone(), kernel, stalled));
+            host_stalls.push((name, kernel, stalled));
             println!(
                 "{:<9} {:>8?} {:>7}  {}  {}  {:>9.1?}  {} {}",
                 name,
@@ -495,12 +565,12 @@ fn main() {
     if !diagnosed.is_empty() {
         diag::header();
         for (name, kernel, reported, seen) in diagnosed {
-            diag::line(&name, kernel, reported, &seen);
+            diag::line(name.name(), kernel, reported, &seen);
         }
     }
 
-    if flag("--no-cpu") {
-        Target::report(&targets, prewake, &target);
+    if args.no_cpu {
+        Target::report(&targets, prewake, target.name());
         return;
     }
     println!("\nreactor CPU use, ms of CPU per s of wall time (1,000 events pending on 10 streams behind 1 s kernels)");
@@ -512,8 +582,8 @@ fn main() {
         "{:<9} {:>8}   {:>8} {:>8}   {:>8} {:>8}",
         "", "reactor", "reactor", "workers", "reactor", "workers"
     );
-    for name in &strategies {
-        let device = open(strategy(name, prewake));
+    for &name in strategies {
+        let device = open(name.options(prewake));
         let reactor = format!("sa-reactor-{}", device.id());
         wait_for_thread(&reactor);
         std::thread::sleep(Duration::from_millis(100));
@@ -550,11 +620,11 @@ fn main() {
             ms(rounds[1].0),
             ms(rounds[1].1)
         );
-        if *name == target {
+        if name == target {
             targets.push(Target::cpu(idle, rounds[0].0, rounds[1].0));
         }
     }
-    Target::report(&targets, prewake, &target);
+    Target::report(&targets, prewake, target.name());
 }
 
 /// One of issue 18's targets for the default strategy, measured.
