@@ -21,12 +21,16 @@
 //! The reactor sleeps towards a predicted completion in two stages, a coarse sleep ending 1 ms
 //! early, then steps of at most 200 µs (`src/reactor/predict.rs`), on the premise that long
 //! sleeps can end hundreds of µs late on a VM and short ones end nearly on time; this checks it.
+//!
+//! `cargo bench --bench doorbell_probe -- --help` lists its flag (`--no-sleeps`: skip the sleeps);
+//! an unknown flag is an error.
 
 use std::ffi::c_void;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::OnceLock;
 use std::time::{Duration, Instant};
 
+use clap::Parser;
 use cudarc::driver::{result, sys};
 use streamalloc::Device;
 
@@ -85,8 +89,23 @@ fn sleep_lateness() {
     println!();
 }
 
+/// How fast a parked host thread learns that a GPU event completed (the measurement behind the
+/// reactor's design), after how late a timed sleep ends. GPU only, but for the sleeps; on the
+/// simulated device it says so.
+#[derive(Parser)]
+#[command(name = "doorbell_probe", bin_name = "doorbell_probe")]
+struct Args {
+    /// Skips the first part, how late timed sleeps end (it runs on any machine).
+    #[arg(long)]
+    no_sleeps: bool,
+    /// Passed by `cargo bench` to a bench without the test harness; ignored.
+    #[arg(long = "bench", hide = true)]
+    _bench: bool,
+}
+
 fn main() {
-    if !std::env::args().any(|a| a == "--no-sleeps") {
+    let args = Args::parse();
+    if !args.no_sleeps {
         sleep_lateness();
     }
     let device = match Device::cuda(0) {
