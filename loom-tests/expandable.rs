@@ -40,7 +40,7 @@ use loom::thread;
 use super::{check_paths, must_fail, Seen, Shared};
 use crate::error::Result;
 use crate::resource::expandable::core::{Backing, Expander, ReleaseTrigger};
-use crate::resource::stream_ordered::EngineStream;
+use crate::resource::stream_ordered::{EngineStream, Users};
 use crate::sync::Arc;
 
 const GRANULE: u64 = 1024;
@@ -126,7 +126,7 @@ struct FakeInner(Books);
 
 /// One stream; clones are the same stream.
 #[derive(Clone)]
-struct FakeStream(Arc<FakeInner>);
+struct FakeStream(Arc<FakeInner>, Users);
 
 impl FakeStream {
     /// The host waits for everything queued on the stream so far.
@@ -144,8 +144,11 @@ impl EngineStream for FakeStream {
     fn name(&self) -> u64 {
         1
     }
-    fn handle_count(&self) -> usize {
-        Arc::strong_count(&self.0)
+    fn users(&self) -> usize {
+        self.1.get()
+    }
+    fn set_kept(&self, kept: bool) {
+        self.1.set_kept(kept)
     }
     fn order_before(&self, _: &Self) -> Result<()> {
         Ok(())
@@ -226,7 +229,7 @@ fn trim_synchronized_too_early(pool: &Pool, stream: &FakeStream) {
 fn user_vs_trim(seen: &Shared<Seen>, trimmer: fn(&Pool, &FakeStream)) {
     let books: Books = Shared::new(std::sync::Mutex::new(Book::default()));
     let pool = Arc::new(Expander::new(FakeBacking(books.clone()), 3 * GRANULE));
-    let s = FakeStream(Arc::new(FakeInner(books.clone())));
+    let s = FakeStream(Arc::new(FakeInner(books.clone())), Users::new());
     pool.map_initial(GRANULE).unwrap();
     use_once(&pool, &s);
 
@@ -290,7 +293,7 @@ fn claim_vs_trim(seen: &Shared<Seen>) {
     let pool = Arc::new(
         Expander::with_regions(FakeBacking(books.clone()), 2 * GRANULE, 2).with_split_min(GRANULE),
     );
-    let s = FakeStream(Arc::new(FakeInner(books.clone())));
+    let s = FakeStream(Arc::new(FakeInner(books.clone())), Users::new());
     pool.map_initial(2 * GRANULE).unwrap();
     assert_eq!(
         pool.stats().free_bytes,
@@ -337,7 +340,7 @@ fn claims_of_the_initial_pieces_vs_trim() {
 fn request_at_the_maximum_vs_trim(seen: &Shared<Seen>) {
     let books: Books = Shared::new(std::sync::Mutex::new(Book::default()));
     let pool = Arc::new(Expander::new(FakeBacking(books.clone()), GRANULE));
-    let s = FakeStream(Arc::new(FakeInner(books.clone())));
+    let s = FakeStream(Arc::new(FakeInner(books.clone())), Users::new());
     pool.map_initial(GRANULE).unwrap();
     use_once(&pool, &s);
 
@@ -399,7 +402,7 @@ fn served_unless_a_trim_gave_back(pool: &Pool, s: &FakeStream, granules: usize) 
 fn request_at_the_maximum_vs_cancelled_trim(seen: &Shared<Seen>) {
     let books: Books = Shared::new(std::sync::Mutex::new(Book::default()));
     let pool = Arc::new(Expander::new(FakeBacking(books.clone()), GRANULE));
-    let s = FakeStream(Arc::new(FakeInner(books.clone())));
+    let s = FakeStream(Arc::new(FakeInner(books.clone())), Users::new());
     pool.map_initial(GRANULE).unwrap();
     use_once(&pool, &s);
 

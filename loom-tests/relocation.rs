@@ -22,7 +22,7 @@ use loom::thread;
 use super::{check_paths, must_fail, Seen, Shared};
 use crate::error::Result;
 use crate::resource::expandable::core::{Backing, Expander};
-use crate::resource::stream_ordered::{planted, EngineStream};
+use crate::resource::stream_ordered::{planted, EngineStream, Users};
 use crate::sync::Arc;
 
 const GRANULE: u64 = 1024;
@@ -94,14 +94,17 @@ struct FakeInner {
 
 /// A stream; clones are the same stream.
 #[derive(Clone)]
-struct FakeStream(Arc<FakeInner>);
+struct FakeStream(Arc<FakeInner>, Users);
 
 impl FakeStream {
     fn new(uid: u64, books: &Books) -> Self {
-        FakeStream(Arc::new(FakeInner {
-            uid,
-            books: books.clone(),
-        }))
+        FakeStream(
+            Arc::new(FakeInner {
+                uid,
+                books: books.clone(),
+            }),
+            Users::new(),
+        )
     }
 
     /// Queues a use of granule `i` (its last use before a free).
@@ -133,8 +136,11 @@ impl EngineStream for FakeStream {
     fn name(&self) -> u64 {
         self.0.uid
     }
-    fn handle_count(&self) -> usize {
-        Arc::strong_count(&self.0)
+    fn users(&self) -> usize {
+        self.1.get()
+    }
+    fn set_kept(&self, kept: bool) {
+        self.1.set_kept(kept)
     }
     fn order_before(&self, _: &Self) -> Result<()> {
         Ok(())

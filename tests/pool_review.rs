@@ -9,7 +9,9 @@ use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use common::{check_pool, devices, free, label, pool, waiting_pool};
+use streamalloc::resource::arena::{ArenaOptions, ArenaResource};
 use streamalloc::resource::callback::CallbackResource;
+use streamalloc::resource::cuda::CudaResource;
 use streamalloc::resource::pool::{PoolOptions, PoolResource};
 use streamalloc::{Device, DevicePtr, Error, FaultKind, Faults, MemoryResource, SimConfig, Stream};
 
@@ -90,6 +92,61 @@ fn dropped_streams_are_released_by_trim() {
         let s = device.create_stream().unwrap();
         let p = pool.allocate(4 * MIB, &s).unwrap();
         free(&pool, p, 4 * MIB, &s);
+    }
+}
+
+/// Found by a review (fourteenth session): two resources that served one stream each took the
+/// other's handle of it for the user's, so neither ever let go of a stream the user dropped: a
+/// pool over a pool (whose growth takes memory upstream on the requesting stream, so the lower
+/// pool serves that stream too), and a pool beside an arena.
+#[test]
+fn dropped_streams_are_released_when_two_resources_share_them() {
+    for device in devices() {
+        let inner = Arc::new(pool(&device, 0, 64 * MIB));
+        let outer = PoolResource::new(
+            inner.clone(),
+            PoolOptions {
+                initial: 0,
+                maximum: Some(32 * MIB),
+                ..PoolOptions::default()
+            },
+        )
+        .unwrap();
+        let arena =
+            ArenaResource::new(CudaResource::new(&device), ArenaOptions::default()).unwrap();
+        let before = device.handle_count();
+        for _ in 0..20 {
+            let s = device.create_stream().unwrap();
+            // The outer pool holds nothing (trimmed below), so this grows it from the inner
+            // pool on `s`.
+            let p = outer.allocate(MIB, &s).unwrap();
+            let q = arena.allocate(MIB, &s).unwrap();
+            free(&outer, p, MIB, &s);
+            free(&arena, q, MIB, &s);
+            s.synchronize_blocking().unwrap();
+            drop(s);
+            outer.trim_blocking().unwrap();
+            inner.trim_blocking().unwrap();
+            arena.trim_blocking().unwrap();
+        }
+        let (o, i, a) = (outer.stats(), inner.stats(), arena.stats());
+        let name = label(&device);
+        assert_eq!(
+            o.streams, 0,
+            "{name}: the outer pool keeps dropped streams: {o:?}"
+        );
+        // The one left is the outer pool's own, alive: it gives its chunks back on it.
+        assert!(
+            i.streams <= 1,
+            "{name}: the inner pool keeps dropped streams: {i:?}"
+        );
+        assert_eq!(
+            a.streams, 0,
+            "{name}: the arena keeps dropped streams: {a:?}"
+        );
+        assert_eq!(device.handle_count(), before, "{name}: stream handles kept");
+        check_pool(&outer);
+        check_pool(&inner);
     }
 }
 

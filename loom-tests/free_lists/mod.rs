@@ -42,7 +42,7 @@ use loom::thread;
 
 use super::{check_paths, must_fail, Seen, Shared};
 use crate::error::{Error, Result};
-use crate::resource::stream_ordered::{EngineStream, Grow, StreamHeap};
+use crate::resource::stream_ordered::{EngineStream, Grow, StreamHeap, Users};
 use crate::sync::{Arc, AtomicU64, Ordering::SeqCst};
 
 // The models and their `#[test]`s.
@@ -187,6 +187,8 @@ pub(super) struct FakeInner {
 #[derive(Clone)]
 pub(super) struct FakeStream {
     pub(super) inner: Arc<FakeInner>,
+    /// Its users, counted as a real stream's are.
+    users: Users,
 }
 
 impl FakeStream {
@@ -231,8 +233,12 @@ impl EngineStream for FakeStream {
         self.uid()
     }
 
-    fn handle_count(&self) -> usize {
-        Arc::strong_count(&self.inner)
+    fn users(&self) -> usize {
+        self.users.get()
+    }
+
+    fn set_kept(&self, kept: bool) {
+        self.users.set_kept(kept)
     }
 
     fn order_before(&self, later: &Self) -> Result<()> {
@@ -269,6 +275,7 @@ pub(super) fn streams(n: usize) -> Vec<FakeStream> {
                 activity: AtomicU64::new(0),
                 uses: AtomicU64::new(0),
             }),
+            users: Users::new(),
         })
         .collect()
 }

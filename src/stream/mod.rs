@@ -9,7 +9,7 @@ pub use crate::device::StreamId;
 use crate::device::{cuda, cuda_words, mismatch, sim, Backend, Device, DevicePtr, FaultKind};
 use crate::error::{Error, Result};
 use crate::event::{Event, RawEvent};
-use crate::sync::{Arc, AtomicBool, AtomicU64, Mutex, Ordering};
+use crate::sync::{Arc, AtomicBool, AtomicU64, AtomicUsize, Mutex, Ordering};
 
 // The pattern kernels (`fill_pattern_u32`, `count_mismatches_u32`), in their own file.
 mod pattern;
@@ -33,9 +33,29 @@ impl Device {
 /// A stream of one device. Cheap to clone; clones are the same stream, which is destroyed when
 /// the last clone is dropped. Dropping it with work still queued is safe: the work runs to the
 /// end (on CUDA the driver finishes it; on the simulated device the worker drains its queue).
-#[derive(Clone)]
 pub struct Stream {
     inner: Arc<StreamInner>,
+}
+
+impl Clone for Stream {
+    #[inline]
+    fn clone(&self) -> Self {
+        // Relaxed, as an `Arc`'s own count: a new handle is made from one that exists, so the
+        // count cannot reach 0 meanwhile.
+        self.inner.users.fetch_add(1, Ordering::Relaxed);
+        Stream {
+            inner: self.inner.clone(),
+        }
+    }
+}
+
+impl Drop for Stream {
+    #[inline]
+    fn drop(&mut self) {
+        // Release: whatever this handle did (a free queued on the stream) comes before a
+        // resource's Acquire read of 0 (`users`), which then lets go of the stream.
+        self.inner.users.fetch_sub(1, Ordering::Release);
+    }
 }
 
 pub(crate) enum RawStream {
@@ -80,6 +100,13 @@ struct StreamInner {
     /// On CUDA with `CudaOptions::completion_words`, the word the GPU writes right after each
     /// watched event: the count of those written so far (queued under `seq`'s lock, in order).
     word: Option<Arc<cuda_words::Word>>,
+    /// The handles that no resource keeps for itself ([`Stream::users`]): every `Stream` counts
+    /// one, and a resource's registry of the streams it served
+    /// ([`set_kept`](Stream::set_kept)) takes its own back out. The `Arc`'s count could not
+    /// say this: two resources on one stream (a pool over a pool, a pool beside an arena) each
+    /// counted the other's handle as a user's, and neither ever let go of the stream (a
+    /// review's finding).
+    users: AtomicUsize,
 }
 
 /// A stream's handle lent to queue one operation ([`Stream::queue_handle`]); the operation
@@ -181,6 +208,7 @@ impl Stream {
                 activity: AtomicU64::new(0),
                 exposed: AtomicBool::new(false),
                 word: Self::new_word(device),
+                users: AtomicUsize::new(1),
             }),
         }
     }
@@ -214,10 +242,24 @@ impl Stream {
         &self.inner.device
     }
 
-    /// How many handles share this stream. A resource that holds the only one knows the user
-    /// has dropped the stream (it is idle: its free list can be merged into another).
-    pub(crate) fn handle_count(&self) -> usize {
-        Arc::strong_count(&self.inner)
+    /// How many handles of this stream exist outside the registries of the resources that
+    /// served it (the user's, and those of buffers, events and frees still to come). 0: the
+    /// user has dropped the stream, and nothing can queue on it or free on it any more, so a
+    /// resource may let go of it. Acquire: pairs with a handle's drop.
+    pub(crate) fn users(&self) -> usize {
+        self.inner.users.load(Ordering::Acquire)
+    }
+
+    /// Takes this handle out of the [`users`](Self::users) (`kept`: a resource keeps it in its
+    /// registry of streams) or puts it back (`!kept`: before the kept handle goes). Every
+    /// `set_kept(true)` on a handle is matched by a `set_kept(false)` on it before its drop
+    /// (the engine's `Kept`), or the count would go wrong.
+    pub(crate) fn set_kept(&self, kept: bool) {
+        if kept {
+            self.inner.users.fetch_sub(1, Ordering::Release);
+        } else {
+            self.inner.users.fetch_add(1, Ordering::Relaxed);
+        }
     }
 
     /// The stream's handle, to queue an operation on it (`&*stream.queue_handle()`, the guard

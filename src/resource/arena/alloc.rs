@@ -170,7 +170,7 @@ impl<U: MemoryResource> ArenaResource<U> {
             returned += empty.len();
             self.release(&arena, empty);
             // Forget the arena of a stream the user dropped, once it holds nothing.
-            if arena.stream.handle_count() == 1 {
+            if arena.stream.users() == 0 {
                 let mut registry = self.registry.lock();
                 let mut state = arena.state.lock();
                 if state.superblocks.is_empty() && state.remote.is_empty() {

@@ -76,7 +76,7 @@ impl<U: MemoryResource> ArenaResource<U> {
                 fmt_bytes(state.free.free_bytes()),
                 state.free.len(),
                 state.remote.len(),
-                if arena.stream.handle_count() == 1 {
+                if arena.stream.users() == 0 {
                     " (stream dropped)"
                 } else {
                     ""

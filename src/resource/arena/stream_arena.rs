@@ -7,6 +7,7 @@ use std::collections::BTreeMap;
 use rustc_hash::FxHashMap;
 
 use crate::resource::free_list::FreeList;
+use crate::resource::stream_ordered::Kept;
 use crate::stream::Stream;
 use crate::sync::Mutex;
 
@@ -38,7 +39,9 @@ pub(super) struct ArenaState {
 
 /// The arena of one stream.
 pub(super) struct StreamArena {
-    pub(super) stream: Stream,
+    /// Kept: not one of the stream's users, so that the arena sees the user let go of it
+    /// whatever other resource also keeps it.
+    pub(super) stream: Kept<Stream>,
     pub(super) state: Mutex<ArenaState>,
 }
 
@@ -66,7 +69,7 @@ pub(super) struct Moving {
 impl StreamArena {
     pub(super) fn new(stream: &Stream) -> Self {
         Self {
-            stream: stream.clone(),
+            stream: Kept::new(stream),
             state: Mutex::new(ArenaState::new()),
         }
     }

@@ -33,9 +33,8 @@
 use std::cell::Cell;
 use std::collections::BTreeMap;
 use std::sync::atomic::{AtomicU64, Ordering::Relaxed};
-use std::sync::Arc;
 
-use super::stream_ordered::{EngineStream, Grow, StreamHeap};
+use super::stream_ordered::{EngineStream, Grow, StreamHeap, Users};
 use crate::device::sim::faults::splitmix64;
 use crate::error::Result;
 use two_level::{Blocks, Tag};
@@ -61,18 +60,19 @@ thread_local! {
     static QUIET: Cell<bool> = const { Cell::new(true) };
 }
 
-/// A stream that only counts its orderings; `handle_count` is real, so idle lists retire.
+/// A stream that only counts its orderings; its users are counted as a real stream's are,
+/// so idle lists retire.
 #[derive(Clone)]
 struct LabStream {
     uid: u64,
-    handle: Arc<()>,
+    users: Users,
 }
 
 impl LabStream {
     fn new(uid: u64) -> Self {
         LabStream {
             uid,
-            handle: Arc::new(()),
+            users: Users::new(),
         }
     }
 }
@@ -88,8 +88,12 @@ impl EngineStream for LabStream {
         self.uid
     }
 
-    fn handle_count(&self) -> usize {
-        Arc::strong_count(&self.handle)
+    fn users(&self) -> usize {
+        self.users.get()
+    }
+
+    fn set_kept(&self, kept: bool) {
+        self.users.set_kept(kept)
     }
 
     fn order_before(&self, _later: &Self) -> Result<()> {

@@ -66,6 +66,7 @@ mod addr_map;
 mod blocks;
 mod chunks;
 mod expandable;
+mod kept;
 mod order;
 #[cfg(all(test, not(streamalloc_loom)))]
 mod order_tests;
@@ -83,6 +84,9 @@ use blocks::{BlockTable, NO_OWNER};
 #[cfg(streamalloc_loom)]
 pub(crate) use chunks::ChunkTable as ChunkTableForLoom;
 use chunks::ChunkTable;
+pub(crate) use kept::Kept;
+#[cfg(any(test, streamalloc_loom))]
+pub(crate) use kept::Users;
 use order::Orders;
 pub(crate) use view::ListBlocks;
 pub(crate) use waits::Waits;
@@ -98,9 +102,14 @@ pub(crate) trait EngineStream: Clone {
     /// The stream's name, for traces and messages.
     fn name(&self) -> Self::Name;
 
-    /// How many handles to the stream exist; 1 when the engine holds the only one (the user
-    /// dropped the stream).
-    fn handle_count(&self) -> usize;
+    /// How many handles to the stream exist outside the registries of streams that resources
+    /// keep ([`Kept`]): 0 once the user has dropped the stream and nothing else (a buffer, a
+    /// free still to come) holds it, whatever other resources also served it.
+    fn users(&self) -> usize;
+
+    /// Takes this handle out of [`users`](Self::users) (`kept`) or puts it back (`!kept`):
+    /// [`Kept`] calls it when it takes a handle and before it lets it go.
+    fn set_kept(&self, kept: bool);
 
     /// Orders `later` after all work queued on `self` so far: an event recorded on `self` now,
     /// and a (GPU-side) wait for it queued on `later`.
@@ -169,8 +178,8 @@ pub(crate) trait Grow<S = Stream> {
 }
 
 /// A stream the engine knows.
-struct Entry<S> {
-    stream: S,
+struct Entry<S: EngineStream> {
+    stream: Kept<S>,
     /// `stream.uid()`, kept here so that checking a tag against the requester reads no handle.
     uid: u64,
     /// Bumped by every ordering after this stream; frees on it are tagged with it.
@@ -187,7 +196,7 @@ struct Entry<S> {
     waited: Vec<u64>,
 }
 
-impl<S> Entry<S> {
+impl<S: EngineStream> Entry<S> {
     fn waited(&self, slot: u32) -> u64 {
         self.waited.get(slot as usize).copied().unwrap_or(0)
     }
@@ -202,7 +211,7 @@ impl<S> Entry<S> {
 }
 
 /// Everything under the engine's lock.
-struct Heap<S> {
+struct Heap<S: EngineStream> {
     /// Every block of the shard's chunks, free or handed out. A free must name a block handed
     /// out, with its size: a pointer never handed out, or a wrong size, would otherwise put
     /// memory that is in use among the free blocks (issue 16).
@@ -246,7 +255,7 @@ impl<S: EngineStream> Heap<S> {
     #[cold]
     fn register(&mut self, uid: u64, stream: &S) -> u32 {
         let entry = Entry {
-            stream: stream.clone(),
+            stream: Kept::new(stream),
             uid,
             epoch: 0,
             done: 0,
@@ -327,7 +336,7 @@ impl<T> std::ops::Deref for Padded<T> {
 /// (blocks never merge across chunks anyway), while threads working on different streams take
 /// different locks: one lock for every thread cost 20 to 30 times the time of per-stream locks
 /// on four threads on an H200 host (issue 10; `BENCHMARKS.md`).
-pub(crate) struct StreamHeap<S = Stream> {
+pub(crate) struct StreamHeap<S: EngineStream = Stream> {
     shards: Box<[Padded<Shard<S>>]>,
     /// Which shard each chunk is in, for frees.
     table: ChunkTable,
@@ -985,7 +994,7 @@ fn owner(slot: u32) -> u16 {
 
 /// Whether the stream in `slot` may use a block tagged `tag` without an ordering.
 #[inline]
-fn covered<S>(entries: &[Option<Entry<S>>], slot: u32, tag: &Waits) -> bool {
+fn covered<S: EngineStream>(entries: &[Option<Entry<S>>], slot: u32, tag: &Waits) -> bool {
     let Some(me) = entries.get(slot as usize).and_then(Option::as_ref) else {
         return false;
     };

@@ -18,9 +18,10 @@ struct Inner {
     activity: Option<StdU64>,
 }
 
-/// A stream that counts its orderings and questions; `handle_count` is real.
+/// A stream that counts its orderings and questions; its users are counted as a real
+/// stream's are.
 #[derive(Clone)]
-struct Probe(StdArc<Inner>);
+struct Probe(StdArc<Inner>, super::Users);
 
 impl Probe {
     /// A stream that reports no activity: every idle answer is asked of it.
@@ -34,13 +35,16 @@ impl Probe {
     }
 
     fn with(uid: u64, idle: bool, activity: Option<StdU64>) -> Self {
-        Probe(StdArc::new(Inner {
-            uid,
-            idle: AtomicBool::new(idle),
-            orders: StdU64::new(0),
-            queries: StdU64::new(0),
-            activity,
-        }))
+        Probe(
+            StdArc::new(Inner {
+                uid,
+                idle: AtomicBool::new(idle),
+                orders: StdU64::new(0),
+                queries: StdU64::new(0),
+                activity,
+            }),
+            super::Users::new(),
+        )
     }
 
     /// Work queued on the stream.
@@ -71,8 +75,12 @@ impl EngineStream for Probe {
         self.0.uid
     }
 
-    fn handle_count(&self) -> usize {
-        StdArc::strong_count(&self.0)
+    fn users(&self) -> usize {
+        self.1.get()
+    }
+
+    fn set_kept(&self, kept: bool) {
+        self.1.set_kept(kept)
     }
 
     fn order_before(&self, _later: &Self) -> Result<()> {

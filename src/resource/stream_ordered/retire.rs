@@ -4,48 +4,31 @@
 use super::*;
 
 impl<S: EngineStream> StreamHeap<S> {
-    /// How many shards hold a handle of the stream with `uid`, and one of those handles.
-    fn holders(&self, uid: u64) -> (usize, Option<S>) {
-        let mut count = 0;
-        let mut handle = None;
+    /// The streams the user has dropped: no handle of them is left but those that resources
+    /// keep ([`Kept`]). The caller waits on the host for each one's work, and then calls
+    /// [`forget`](Self::forget) with it.
+    pub(crate) fn idle_streams(&self) -> Vec<S> {
+        let mut out: Vec<S> = Vec::new();
         for shard in self.shards.iter() {
             let heap = shard.lock();
-            if let Some(&slot) = heap.slots.get(&uid) {
-                count += 1;
-                if handle.is_none() {
-                    handle = heap.entry(slot).map(|e| e.stream.clone());
+            for e in heap.entries.iter().flatten() {
+                // Once 0, it stays 0: only a handle that exists can make another, and the
+                // engine makes none for a user (its own clones, like the caller's below, only
+                // make the stream look busier than it is).
+                if (e.stream.users() == 0 || planted::idle_ignores_handles())
+                    && !out.iter().any(|s| s.uid() == e.uid)
+                {
+                    out.push((*e.stream).clone());
                 }
             }
         }
-        (count, handle)
-    }
-
-    /// The streams the user has dropped (the engine's shards hold their only handles). The
-    /// caller waits on the host for each one's work, and then calls [`forget`](Self::forget)
-    /// with it.
-    pub(crate) fn idle_streams(&self) -> Vec<S> {
-        let mut uids: Vec<u64> = Vec::new();
-        for shard in self.shards.iter() {
-            uids.extend(shard.lock().slots.keys().copied());
-        }
-        uids.sort_unstable();
-        uids.dedup();
-        uids.into_iter()
-            .filter_map(|uid| {
-                // Counted shard by shard: a stream the user still holds can only look busier
-                // than it is (a shard registering it meanwhile), never idle.
-                let (count, handle) = self.holders(uid);
-                let handle = handle?;
-                (handle.handle_count() == count + 1 || planted::idle_ignores_handles())
-                    .then_some(handle)
-            })
-            .collect()
+        out
     }
 
     /// Lets go of `stream`, whose work the host has seen finish (after
     /// [`idle_streams`](Self::idle_streams)): no free block needs an ordering after it any
-    /// more, and the engine's handles go. Nothing happens if anyone but the engine and the
-    /// caller still holds the stream (a free on it could still come, and its tag would name a
+    /// more, and the engine's handles go. Nothing happens if any handle but the caller's and
+    /// those resources keep is left (a free on it could still come, and its tag would name a
     /// forgotten stream).
     ///
     /// The stream is also asked whether it is still idle, in each shard under that shard's
@@ -60,9 +43,7 @@ impl<S: EngineStream> StreamHeap<S> {
     /// under the shard's lock covers them all. A stream left is named again by the next
     /// [`idle_streams`](Self::idle_streams).
     pub(crate) fn forget(&self, stream: S) {
-        let (count, handle) = self.holders(stream.uid());
-        drop(handle);
-        if stream.handle_count() != count + 1 && !planted::idle_ignores_handles() {
+        if stream.users() != 1 && !planted::idle_ignores_handles() {
             return;
         }
         let mut gone = Vec::new();
@@ -179,7 +160,7 @@ impl<S: EngineStream> StreamHeap<S> {
     }
 }
 
-impl<S> Drop for StreamHeap<S> {
+impl<S: EngineStream> Drop for StreamHeap<S> {
     /// Lets go of every stream's handle, after the locks.
     fn drop(&mut self) {
         let entries: Vec<_> = self

@@ -17,8 +17,12 @@ impl EngineStream for Stream {
         Stream::id(self)
     }
 
-    fn handle_count(&self) -> usize {
-        Stream::handle_count(self)
+    fn users(&self) -> usize {
+        Stream::users(self)
+    }
+
+    fn set_kept(&self, kept: bool) {
+        Stream::set_kept(self, kept)
     }
 
     fn order_before(&self, later: &Self) -> Result<()> {
