@@ -79,8 +79,10 @@ pub unsafe trait MemoryResource: Send + Sync + fmt::Debug {
     /// out and get memory back (a pool at its maximum, a limiting adaptor): what
     /// [`allocate_async`](AllocateAsync::allocate_async) waits in. Such a resource calls
     /// [`MemoryWaiters::notify`] whenever memory comes back. Adaptors return their upstream's
-    /// (or their own, if they can run out themselves). `None`: `allocate_async` fails as
-    /// `allocate` does.
+    /// (or their own, if they can run out themselves: the crate's
+    /// [`LimitingAdaptor`](adaptor::LimitingAdaptor) has the upstream's queue relay its
+    /// notifications to its own, so that a request the upstream refused is woken when memory
+    /// comes back there). `None`: `allocate_async` fails as `allocate` does.
     fn memory_waiters(&self) -> Option<&MemoryWaiters> {
         None
     }

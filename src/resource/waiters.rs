@@ -22,6 +22,13 @@
 //!   notify as always. A waiter that is not queued (its first try) gives back loudly: the head
 //!   may have failed because of what it held.
 //!
+//! - a resource stacked over another that has its own queue (a limiting adaptor over a pool,
+//!   or over another limit) can be refused *below*, where frees notify the lower queue, not
+//!   its own. So the lower queue *relays* every notification to the queues registered above it
+//!   ([`MemoryWaiters::relay_to`]): memory that comes back below reaches a request waiting
+//!   above, whichever path it was freed through. (A review found a request refused by a lower
+//!   limit asleep until its deadline while the lower limit's frees woke only the lower queue.)
+//!
 //! Policy: strict FIFO. While anyone waits, a new `allocate_async` queues behind them even if
 //! its request would fit now; so a large request is never starved by small ones that keep
 //! fitting, at the price of small requests waiting behind a large head. (Synchronous
@@ -32,6 +39,7 @@ use std::collections::VecDeque;
 use std::task::Waker;
 use std::time::{Duration, Instant};
 
+use crate::sync::plain::{Arc as StdArc, RwLock};
 use crate::sync::{fence, AtomicU64, AtomicUsize, Mutex, Ordering};
 
 crate::sync::thread_local! {
@@ -76,6 +84,14 @@ pub struct MemoryWaiters {
     /// found the last one kept: a wait the upstream caused put the upstream's larger maximum
     /// in place of a limit, and a request above the limit queued.) Std's: a single word.
     maximum: std::sync::atomic::AtomicUsize,
+    /// The queues of the resources stacked above this one that can be refused here (see
+    /// [`relay_to`](Self::relay_to)): every notification of this queue is theirs too. Std's
+    /// lock, not loom's: it changes only when such a resource is made or dropped, when nobody
+    /// can wait in its queue.
+    relays: RwLock<Vec<StdArc<MemoryWaiters>>>,
+    /// Whether `relays` has any, readable without the lock: a queue with nothing above it (a
+    /// pool used directly) pays one load per notification for them.
+    has_relays: std::sync::atomic::AtomicBool,
 }
 
 /// What waiting for memory has cost a resource.
@@ -121,6 +137,43 @@ impl MemoryWaiters {
             max_wait_ns: AtomicU64::new(0),
             timeouts: AtomicU64::new(0),
             maximum: std::sync::atomic::AtomicUsize::new(0),
+            relays: RwLock::new(Vec::new()),
+            has_relays: std::sync::atomic::AtomicBool::new(false),
+        }
+    }
+
+    /// From now on, every [`notify`](Self::notify) of this queue notifies `above` too: for a
+    /// resource stacked over this queue's with a queue of its own (a limiting adaptor), whose
+    /// requests this resource can refuse. Memory that comes back here, through whatever path,
+    /// may serve them; without the relay they would wait for a free through their own resource.
+    /// Call [`stop_relaying`](Self::stop_relaying) when that resource is dropped.
+    pub(crate) fn relay_to(&self, above: &StdArc<MemoryWaiters>) {
+        let mut relays = self.relays.write().unwrap_or_else(|e| e.into_inner());
+        if !relays.iter().any(|r| StdArc::ptr_eq(r, above)) {
+            relays.push(above.clone());
+        }
+        self.has_relays
+            .store(true, std::sync::atomic::Ordering::Release);
+    }
+
+    /// Undoes [`relay_to`](Self::relay_to).
+    pub(crate) fn stop_relaying(&self, above: &StdArc<MemoryWaiters>) {
+        let mut relays = self.relays.write().unwrap_or_else(|e| e.into_inner());
+        relays.retain(|r| !StdArc::ptr_eq(r, above));
+        self.has_relays
+            .store(!relays.is_empty(), std::sync::atomic::Ordering::Release);
+    }
+
+    /// Notifies the queues this one relays to (see [`relay_to`](Self::relay_to)).
+    fn notify_relays(&self) {
+        if !self.has_relays.load(std::sync::atomic::Ordering::Acquire) {
+            return;
+        }
+        // The read lock is held across their notifications: the list changes only when a
+        // resource above is made or dropped, and a notification only wakes tasks.
+        let relays = self.relays.read().unwrap_or_else(|e| e.into_inner());
+        for above in relays.iter() {
+            above.notify();
         }
     }
 
@@ -149,6 +202,9 @@ impl MemoryWaiters {
         // the state then reads `len`. Without a full fence on both sides each could miss the
         // other's write and the wakeup would be lost (the waiter's fence is in `register`).
         fence(Ordering::SeqCst);
+        // The queues above first, and whatever this queue's own state: memory that came back
+        // here may serve a request waiting there. Each does its own fence and checks.
+        self.notify_relays();
         if self.len.load(Ordering::Relaxed) == 0 {
             return;
         }
@@ -191,12 +247,28 @@ impl MemoryWaiters {
         f()
     }
 
-    /// Whether this thread is inside [`quietly`](Self::quietly) for this queue: a notify now
-    /// would be dropped. A resource that keeps a mark of refusals to wake someone later (the
-    /// limiting adaptor) keeps it then: the give-back that would have woken the head is not
-    /// the release that the mark is waiting for.
+    /// Whether this thread is inside [`quietly`](Self::quietly) for this queue or for one it
+    /// relays to ([`relay_to`](Self::relay_to)): a notify now would be dropped there. A
+    /// resource that keeps a mark of refusals to wake someone later (the limiting adaptor)
+    /// keeps it then: the give-back that would have woken the head is not the release that the
+    /// mark is waiting for. (A lower limit that cleared its mark while the head of the queue
+    /// above gave back quietly would leave that head asleep when a request it was refused
+    /// because of rolls back.) Keeping a mark costs at most one needless wake-up later.
     pub(crate) fn is_quiet(&self) -> bool {
-        QUIET.try_with(|q| q.get() == self.addr()).unwrap_or(false)
+        let quiet = QUIET.try_with(|q| q.get()).unwrap_or(0);
+        quiet != 0 && self.reaches(quiet)
+    }
+
+    /// Whether the queue at `addr` is this one or one this one relays to, transitively.
+    fn reaches(&self, addr: usize) -> bool {
+        if self.addr() == addr {
+            return true;
+        }
+        if !self.has_relays.load(std::sync::atomic::Ordering::Acquire) {
+            return false;
+        }
+        let relays = self.relays.read().unwrap_or_else(|e| e.into_inner());
+        relays.iter().any(|above| above.reaches(addr))
     }
 
     /// This queue's identity for [`QUIET`]: its address, stable while it is borrowed.

@@ -316,3 +316,107 @@ fn limiting_a_request_above_the_limit_fails_at_once_behind_a_waiter() {
     free(&lim, ptr, MIB, &s);
     assert_eq!(lim.used(), 0);
 }
+
+/// Two limits stacked: the upper one over an `Arc` of the lower one, which another path
+/// allocates through too. A request through the upper limit, refused by the lower one (full of
+/// what the other path holds), waits in the upper limit's queue; a free through the lower limit
+/// alone must wake it, with no deadline. Before the fix that free notified only the lower
+/// limit's own queue, where nobody waited: a lost wake-up.
+#[test]
+fn nested_limits_a_free_below_wakes_a_request_the_lower_limit_refused() {
+    let rt = common::runtime();
+    for device in devices() {
+        let lower = Arc::new(LimitingAdaptor::new(pool(&device, 0, 64 * MIB), 4 * MIB));
+        let upper = Arc::new(LimitingAdaptor::new(lower.clone(), 8 * MIB));
+        let s = device.create_stream().unwrap();
+        // The other path fills the lower limit.
+        let held = lower.allocate(4 * MIB, &s).unwrap();
+        rt.block_on(async {
+            let waiter = tokio::spawn({
+                let (upper, s) = (upper.clone(), s.clone());
+                async move { upper.allocate_async(MIB, &s).await }
+            });
+            assert!(
+                eventually(Duration::from_secs(5), || upper.wait_stats().waiting == 1),
+                "{}: the request did not wait",
+                label(&device)
+            );
+            assert_eq!(
+                upper.used(),
+                0,
+                "the refused request's reservation was kept"
+            );
+            // Freed through the lower limit, not through the upper one.
+            free(&*lower, held, 4 * MIB, &s);
+            let ptr = tokio::time::timeout(Duration::from_secs(5), waiter)
+                .await
+                .unwrap_or_else(|_| {
+                    panic!(
+                        "{}: a free through the lower limit did not wake the request it refused",
+                        label(&device)
+                    )
+                })
+                .unwrap()
+                .unwrap();
+            assert_eq!((upper.used(), lower.used()), (MIB, MIB));
+            free(&*upper, ptr, MIB, &s);
+        });
+        assert_eq!((upper.used(), lower.used()), (0, 0));
+    }
+}
+
+/// Two limits stacked over an upstream that fails slowly. R, through the upper limit, reserves
+/// under both and waits in the upstream; meanwhile the lower limit refuses H (through the upper
+/// limit too) because of R's reservation, and H waits. R fails upstream and rolls back: the
+/// lower limit saw its refusal and notifies, and that must reach H, which waits in the upper
+/// limit's queue. Before the fix only the next free through the upper limit (there is none
+/// here) or a deadline ended H's wait.
+#[test]
+fn nested_limits_a_rollback_below_wakes_a_request_refused_because_of_it() {
+    use std::future::Future;
+    use std::sync::mpsc;
+    use std::task::{Context, Poll, Wake, Waker};
+
+    struct Count(AtomicUsize);
+    impl Wake for Count {
+        fn wake(self: Arc<Self>) {
+            self.0.fetch_add(1, Ordering::SeqCst);
+        }
+    }
+    let device = streamalloc::Device::simulated(streamalloc::SimConfig::default());
+    let stream = device.create_stream().unwrap();
+    let ((entered, entered_rx), (go_tx, go)) = (mpsc::channel(), mpsc::channel());
+    let upstream = SlowRefusal {
+        inner: CudaResource::new(&device),
+        entered: Mutex::new(Some(entered)),
+        go: Mutex::new(Some(go)),
+    };
+    let lower = LimitingAdaptor::new(upstream, 1024);
+    let upper = Arc::new(LimitingAdaptor::new(lower, 4096));
+    let r = {
+        let (upper, s) = (upper.clone(), stream.clone());
+        std::thread::spawn(move || upper.allocate(768, &s).is_err())
+    };
+    entered_rx.recv().unwrap();
+    let woken = Arc::new(Count(AtomicUsize::new(0)));
+    let waker = Waker::from(woken.clone());
+    let mut cx = Context::from_waker(&waker);
+    let mut h = Box::pin(upper.allocate_async(512, &stream));
+    assert!(matches!(h.as_mut().poll(&mut cx), Poll::Pending));
+    assert_eq!((upper.used(), upper.upstream().used()), (768, 768));
+    // R fails upstream and rolls back under both limits: 512 bytes fit now.
+    go_tx.send(()).unwrap();
+    assert!(r.join().unwrap());
+    assert_eq!((upper.used(), upper.upstream().used()), (0, 0));
+    assert!(
+        eventually(Duration::from_secs(5), || woken.0.load(Ordering::SeqCst)
+            > 0),
+        "refused by the lower limit because of a reservation rolled back there, never woken"
+    );
+    let ptr = match h.as_mut().poll(&mut cx) {
+        Poll::Ready(Ok(ptr)) => ptr,
+        other => panic!("woken, but not served: {other:?}"),
+    };
+    free(&*upper, ptr, 512, &stream);
+    assert_eq!((upper.used(), upper.upstream().used()), (0, 0));
+}

@@ -7,6 +7,7 @@ use crate::device::{Device, DevicePtr};
 use crate::error::{Error, Result};
 use crate::resource::{aligned_size, MemoryKind, MemoryResource, MemoryWaiters, WaitStats};
 use crate::stream::Stream;
+use crate::sync::plain::Arc as StdArc;
 use crate::sync::{AtomicUsize, Ordering};
 
 /// Caps the bytes outstanding through it at a limit (RMM's `limiting_resource_adaptor`).
@@ -25,19 +26,27 @@ use crate::sync::{AtomicUsize, Ordering};
 ///   nobody notifies nobody: the caller is often the first waiter itself, and waking it for its
 ///   own rollback would make it retry at once, forever, while the upstream stays full. So
 ///   [`allocate_async`](crate::AllocateAsync::allocate_async) on it waits for memory freed
-///   through it instead of failing, and a request above the limit fails at once. (A wait caused
-///   by the *upstream* running out is woken only by frees through this adaptor too: put the
-///   limit over a pool that nobody else uses. That includes another `LimitingAdaptor` below
-///   this one: a request the lower limit refused because of a reservation that then failed
-///   upstream is woken by the next free through this adaptor, not by that rollback; with
-///   nothing outstanding through it, only its deadline ends the wait.)
+///   through it instead of failing, and a request above the limit fails at once.
+/// - **A wait caused below is woken from below.** If the upstream has a queue of its own (a
+///   pool, or another `LimitingAdaptor` under this one), this adaptor's queue hears every
+///   notification of it: memory freed straight into the upstream (by another user of a shared
+///   pool or lower limit), and a lower limit's rollback that refused someone, wake a request
+///   of ours that the upstream refused, as a free through this adaptor does. (Before a review,
+///   only frees through this adaptor woke it: a request that a lower limit refused slept until
+///   its deadline, or for ever.) An upstream without a queue (a [`CudaResource`] straight on
+///   the driver) cannot say when memory comes back: a wait it caused is woken by frees
+///   through this adaptor only.
+///
+/// [`CudaResource`]: crate::CudaResource
 ///
 /// `used` is one atomic, reserved by compare-and-swap before the upstream call: threads cannot
 /// pass the limit together, and no lock is taken.
 pub struct LimitingAdaptor<U: MemoryResource> {
     upstream: U,
     limit: Limit,
-    waiters: MemoryWaiters,
+    /// Shared, so that the upstream's queue can relay its notifications to it
+    /// ([`MemoryWaiters::relay_to`]) while the adaptor moves.
+    waiters: StdArc<MemoryWaiters>,
 }
 
 /// The byte count of a [`LimitingAdaptor`] and its refusal mark, apart from the adaptor so that
@@ -150,6 +159,12 @@ impl<U: MemoryResource> LimitingAdaptor<U> {
         // (and so queues without a try) fails at once, whatever the errors that made them
         // wait said of the upstream's maximum.
         waiters.note_maximum(limit);
+        let waiters = StdArc::new(waiters);
+        // The upstream can refuse our requests too (a pool at its maximum, a lower limit): its
+        // notifications must reach our waiters (see the type's documentation).
+        if let Some(below) = upstream.memory_waiters() {
+            below.relay_to(&waiters);
+        }
         Self {
             upstream,
             limit: Limit::new(limit),
@@ -204,14 +219,18 @@ impl<U: MemoryResource> LimitingAdaptor<U> {
     /// head waiter's quiet give-back (`allocate_all_async` returning part of a set), whose
     /// notification is dropped, the refusal mark stays: a request that reserved before the
     /// head was refused, and fails upstream later, must still wake the head when it rolls
-    /// back (a review found the head of a set left asleep with the memory free).
+    /// back (a review found the head of a set left asleep with the memory free). That holds
+    /// for the head of a queue above this one that we relay to as well: its give-back comes
+    /// down through us, and it may have been refused here.
     fn release(&self, size: usize) {
         if self.waiters.is_quiet() {
             self.limit.give_back_quietly(size);
         } else {
             self.limit.give_back(size);
-            self.waiters.notify();
         }
+        // Dropped for the quiet queue only: the others (ours when the quiet head is above us,
+        // the ones above when it is ours) hear of it.
+        self.waiters.notify();
     }
 
     /// The upstream refused a request we had reserved for: give the reservation back, and wake
@@ -221,6 +240,16 @@ impl<U: MemoryResource> LimitingAdaptor<U> {
     fn rollback(&self, size: usize) {
         if self.limit.give_back(size) {
             self.waiters.notify();
+        }
+    }
+}
+
+impl<U: MemoryResource> Drop for LimitingAdaptor<U> {
+    fn drop(&mut self) {
+        // The upstream outlives this call (it is our field); it stops relaying to a queue that
+        // nobody can wait in any more.
+        if let Some(below) = self.upstream.memory_waiters() {
+            below.stop_relaying(&self.waiters);
         }
     }
 }

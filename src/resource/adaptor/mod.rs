@@ -17,7 +17,9 @@
 //! `memory_kind()` and `memory_waiters()` to its upstream (so
 //! [`allocate_async`](crate::AllocateAsync::allocate_async) through an adaptor waits in the
 //! upstream pool's queue), except where its documentation says otherwise: the
-//! [`LimitingAdaptor`] can run out by itself, so it has its own queue. An `Arc` of a resource is
+//! [`LimitingAdaptor`] can run out by itself, so it has its own queue, and the upstream's queue
+//! (if it has one) relays its notifications to it, so that memory coming back below also wakes
+//! a request the upstream refused. An `Arc` of a resource is
 //! a resource, so an upstream can also be shared (`StatisticsAdaptor<Arc<PoolResource<_>>>`).
 //!
 //! Zero-byte allocations (a null pointer, no memory) pass through every adaptor to the upstream
