@@ -146,3 +146,56 @@ fn a_peer_copy_ordered_through_a_third_device_is_clean() {
     assert_eq!(pair.d1.races(), vec![], "device 1");
     assert_eq!(d2.races(), vec![], "device 2");
 }
+
+/// Logs written through `tracing` in a test, read back as text.
+#[derive(Clone, Default)]
+struct Logs(std::sync::Arc<std::sync::Mutex<Vec<u8>>>);
+
+impl std::io::Write for Logs {
+    fn write(&mut self, buf: &[u8]) -> std::io::Result<usize> {
+        self.0.lock().unwrap().extend_from_slice(buf);
+        Ok(buf.len())
+    }
+
+    fn flush(&mut self) -> std::io::Result<()> {
+        Ok(())
+    }
+}
+
+/// `note_allocation` and `note_free` given another device's stream cannot reach the detector
+/// (the stream has no clock there); they must say so, once per call, rather than drop the note
+/// silently (a review found the detector missing such notes with nothing logged). A note on
+/// the device's own stream logs nothing.
+#[test]
+fn a_race_note_with_another_devices_stream_is_warned_of() {
+    let p = pair();
+    let logs = Logs::default();
+    let subscriber = tracing_subscriber::fmt()
+        .with_writer({
+            let logs = logs.clone();
+            move || logs.clone()
+        })
+        .with_ansi(false)
+        .finish();
+    tracing::subscriber::with_default(subscriber, || {
+        p.d0.note_allocation(p.p0, 1024, &p.s0);
+        p.d0.note_free(p.p0, 1024, &p.s0);
+        assert!(
+            logs.0.lock().unwrap().is_empty(),
+            "a note on its own stream warned"
+        );
+        p.d0.note_allocation(p.p0, 1024, &p.s1);
+        p.d0.note_free(p.p0, 1024, &p.s1);
+    });
+    let text = String::from_utf8(logs.0.lock().unwrap().clone()).unwrap();
+    let warnings: Vec<&str> = text.lines().filter(|l| l.contains("WARN")).collect();
+    assert_eq!(warnings.len(), 2, "one warning per note: {text}");
+    for (line, hook) in warnings.iter().zip(["note_allocation", "note_free"]) {
+        assert!(line.contains(hook), "{hook} not named: {line}");
+        assert!(line.contains("another device"), "{line}");
+        assert!(
+            line.contains(&format!("stream_device={}", p.d1.id())),
+            "the stream's device not named: {line}"
+        );
+    }
+}

@@ -21,9 +21,15 @@ impl Device {
     /// resource's bookkeeping, and [`note_free`](Self::note_free) before it goes back. The
     /// crate's pool, arena and fixed-size resources do. A no-op on CUDA and when the detector
     /// is off (one branch); never fails (in the `Panic` mode, a race panics).
+    ///
+    /// `stream` must be this device's (as for the allocation itself, which a resource refuses
+    /// with [`Error::WrongDevice`](crate::Error::WrongDevice) otherwise). Another device's
+    /// stream has no clock in this device's detector, so the note cannot be taken: with the
+    /// detector on, it is dropped with a `tracing` warning (both devices and the stream named),
+    /// and the block's uses go unchecked against it.
     #[inline]
     pub fn note_allocation(&self, ptr: DevicePtr, bytes: usize, stream: &Stream) {
-        if let Some((d, s)) = self.sim_with(stream) {
+        if let Some((d, s)) = self.sim_with(stream, ptr, bytes, "note_allocation") {
             d.note_allocation(ptr.0, bytes, s);
         }
     }
@@ -31,27 +37,59 @@ impl Device {
     /// Tells the simulated device's race detector that the block of `bytes` at `ptr` (as given
     /// to [`note_allocation`](Self::note_allocation)) was freed on `stream`, at this point of
     /// it: every use of the block must be ordered before it, and a later use is a use after
-    /// free. A no-op on CUDA and when the detector is off.
+    /// free. A no-op on CUDA and when the detector is off; another device's stream is
+    /// dropped with a warning, as for [`note_allocation`](Self::note_allocation).
     #[inline]
     pub fn note_free(&self, ptr: DevicePtr, bytes: usize, stream: &Stream) {
-        if let Some((d, s)) = self.sim_with(stream) {
+        if let Some((d, s)) = self.sim_with(stream, ptr, bytes, "note_free") {
             d.note_free(ptr.0, bytes, s);
         }
     }
 
-    /// The simulated device and `stream`'s simulated stream, when both are this device's and
-    /// the detector is on.
+    /// The simulated device and `stream`'s simulated stream, when the detector is on and the
+    /// stream is this device's. A stream of another device (the caller's bug: its resource
+    /// should have refused it) is warned of here rather than dropped silently: the detector
+    /// misses the note, and whoever reads its reports must be able to tell why. `what` names
+    /// the hook for the warning.
     #[inline]
-    fn sim_with<'a>(&'a self, stream: &'a Stream) -> Option<(&'a SimDevice, &'a SimStream)> {
-        match (self.backend(), stream.raw_unqueued()) {
-            (Backend::Sim(d), RawStream::Sim(s))
-                if d.races.is_some() && stream.device().id() == self.id() =>
-            {
-                Some((d, s))
-            }
+    fn sim_with<'a>(
+        &'a self,
+        stream: &'a Stream,
+        ptr: DevicePtr,
+        bytes: usize,
+        what: &'static str,
+    ) -> Option<(&'a SimDevice, &'a SimStream)> {
+        let Backend::Sim(d) = self.backend() else {
+            return None;
+        };
+        d.races.as_ref()?;
+        if stream.device().id() != self.id() {
+            warn_other_device(self, stream, ptr, bytes, what);
+            return None;
+        }
+        match stream.raw_unqueued() {
+            RawStream::Sim(s) => Some((d, s)),
+            // A stream of this device is of its backend: nothing else can come here.
             _ => None,
         }
     }
+}
+
+/// The warning of a race detector hook given another device's stream; out of line, so that
+/// the hooks' common path stays small.
+#[cold]
+#[inline(never)]
+fn warn_other_device(device: &Device, stream: &Stream, ptr: DevicePtr, bytes: usize, what: &str) {
+    tracing::warn!(
+        hook = what,
+        device = device.id(),
+        stream_device = stream.device().id(),
+        stream = %stream.id(),
+        ptr = format_args!("{:#x}", ptr.0),
+        bytes,
+        "race detector: a stream of another device; the note is dropped, and this block's uses \
+         go unchecked against it"
+    );
 }
 
 impl Stream {
