@@ -5,11 +5,14 @@
 
 use std::fmt;
 
+use rustc_hash::FxHashMap;
+
 use crate::device::{Device, DevicePtr};
 use crate::error::{Error, Result};
 use crate::resource::{aligned_size, check_stream, MemoryKind, MemoryResource};
 use crate::stream::Stream;
 use crate::stream::{AsyncPool, AsyncPoolSettings};
+use crate::sync::plain::Mutex as PlainMutex;
 use crate::sync::{AtomicUsize, Ordering};
 
 /// Settings of a [`CudaAsyncResource`].
@@ -68,6 +71,16 @@ pub struct CudaAsyncOptions {
 ///   still refuse a request the count allows (the freed memory is not reusable until the
 ///   stream reaches the free, and the pool's physical limit is the driver's); that is an
 ///   [`Error::OutOfMemory`] too, and nothing is lost;
+/// - **a free must name an allocation of this resource with its size.** The resource keeps a
+///   table of what it handed out (pointer → size rounded up to 256, as the other resources
+///   keep), and refuses, with [`Error::UnknownPointer`] and before the driver is called, a
+///   free of a pointer it did not hand out (or already freed: a double free is caught here,
+///   on both devices, not left to the driver), or with a size that does not round to the
+///   allocation's. Without the table a wrong size moved the count by that size, so the
+///   maximum stopped holding; RMM's `cuda_async_memory_resource` keeps none, and the table
+///   costs a lock of one of several shards per allocation and per free, next to a driver call
+///   that costs far more. A view's table knows this resource's allocations only: memory that
+///   other code allocated from the shared pool is freed by that code, not through the view;
 /// - `allocate` fails with [`Error::OutOfMemory`] carrying the bytes requested, what could
 ///   still be had (under the resource's own maximum: the maximum minus the count; from the
 ///   driver: the device's free memory plus what the pool keeps, within the pool's maximum) and
@@ -102,8 +115,60 @@ pub struct CudaAsyncResource {
     maximum: Option<usize>,
     /// Bytes handed out and not given back through this resource, each allocation rounded up
     /// to 256: raised before the driver is asked (so threads cannot pass the maximum
-    /// together), lowered when a free is issued.
+    /// together), lowered when a free is issued (by the size in `sizes`, the allocation's).
     allocated: AtomicUsize,
+    /// What it handed out and not given back: pointer → size rounded up to 256 (see the type's
+    /// documentation), in shards by pointer so that threads on different streams seldom share
+    /// a lock. Std's locks: like the simulated device's own allocation table, loom need not
+    /// model them (nothing else is done under them).
+    sizes: SizeTable,
+}
+
+/// The shards of a [`CudaAsyncResource`]'s size table.
+const SHARDS: usize = 16;
+
+/// Pointer → rounded size, sharded by pointer.
+struct SizeTable([PlainMutex<FxHashMap<u64, usize>>; SHARDS]);
+
+impl SizeTable {
+    fn new() -> Self {
+        Self(std::array::from_fn(|_| {
+            PlainMutex::new(FxHashMap::default())
+        }))
+    }
+
+    fn shard(&self, ptr: u64) -> std::sync::MutexGuard<'_, FxHashMap<u64, usize>> {
+        // Allocations are 256-aligned (and the driver's larger ones more): mix the bits above
+        // the alignment so that neighbouring pointers spread over the shards.
+        let mixed = (ptr >> 8).wrapping_mul(0x9E37_79B9_7F4A_7C15);
+        let at = (mixed >> 60) as usize % SHARDS;
+        // A poisoned shard (a panic while it was held: only a map operation runs there) is
+        // still consistent.
+        self.0[at].lock().unwrap_or_else(|e| e.into_inner())
+    }
+
+    fn insert(&self, ptr: u64, size: usize) {
+        self.shard(ptr).insert(ptr, size);
+    }
+
+    /// Takes `ptr` out if it is there with `size`; the size it has otherwise.
+    fn take(&self, ptr: u64, size: usize) -> std::result::Result<(), Option<usize>> {
+        let mut shard = self.shard(ptr);
+        match shard.get(&ptr) {
+            Some(&have) if have == size => {
+                shard.remove(&ptr);
+                Ok(())
+            }
+            other => Err(other.copied()),
+        }
+    }
+
+    fn len(&self) -> usize {
+        self.0
+            .iter()
+            .map(|s| s.lock().unwrap_or_else(|e| e.into_inner()).len())
+            .sum()
+    }
 }
 
 impl CudaAsyncResource {
@@ -127,6 +192,7 @@ impl CudaAsyncResource {
             pool,
             maximum: options.maximum_pool_size,
             allocated: AtomicUsize::new(0),
+            sizes: SizeTable::new(),
         };
         if let Some(initial) = options.initial_pool_size.filter(|&n| n > 0) {
             let stream = device.create_stream()?;
@@ -174,6 +240,7 @@ impl CudaAsyncResource {
             pool: AsyncPool::default_pool(device)?,
             maximum: None,
             allocated: AtomicUsize::new(0),
+            sizes: SizeTable::new(),
         })
     }
 
@@ -192,6 +259,7 @@ impl CudaAsyncResource {
             pool: unsafe { AsyncPool::view(device, pool) }?,
             maximum: None,
             allocated: AtomicUsize::new(0),
+            sizes: SizeTable::new(),
         })
     }
 
@@ -314,6 +382,7 @@ impl fmt::Debug for CudaAsyncResource {
             .field("pool", &self.pool)
             .field("maximum", &self.maximum)
             .field("allocated", &self.allocated_bytes())
+            .field("allocations", &self.sizes.len())
             .finish()
     }
 }
@@ -338,9 +407,12 @@ unsafe impl MemoryResource for CudaAsyncResource {
         }
         let size = aligned_size(bytes)?;
         self.reserve(bytes, size)?;
-        self.pool.alloc_async(bytes, stream).inspect_err(|_| {
+        let ptr = self.pool.alloc_async(bytes, stream).inspect_err(|_| {
             self.unreserve(size);
-        })
+        })?;
+        // Nobody can free `ptr` before it is returned, so the entry is there for its free.
+        self.sizes.insert(ptr.0, size);
+        Ok(ptr)
     }
 
     /// `cuMemFreeAsync` on `stream`. Never blocks.
@@ -350,17 +422,37 @@ unsafe impl MemoryResource for CudaAsyncResource {
             (0, 0) => Ok(()),
             (0, _) | (_, 0) => Err(Error::UnknownPointer { ptr: ptr.0, bytes }),
             _ => {
+                let unknown = Error::UnknownPointer { ptr: ptr.0, bytes };
+                // A size that cannot be rounded was never handed out.
+                let size = aligned_size(bytes).map_err(|_| unknown.clone())?;
+                // Out of the table first, so that two frees of one pointer racing each other
+                // cannot both reach the driver; put back if the driver refuses.
+                if let Err(have) = self.sizes.take(ptr.0, size) {
+                    tracing::debug!(
+                        ptr = format_args!("{:#x}", ptr.0),
+                        bytes,
+                        handed_out = have,
+                        "CudaAsyncResource: a free of a pointer it did not hand out, or with \
+                         another size"
+                    );
+                    return Err(unknown);
+                }
                 // SAFETY: the caller's contract: `ptr` came from `allocate` (so from this
-                // pool), is freed once, and its uses are ordered before this point of `stream`.
-                unsafe { self.pool.free_async(ptr, stream) }.map_err(|e| match e {
-                    Error::UnknownPointer { ptr, .. } => Error::UnknownPointer { ptr, bytes },
-                    other => other,
-                })?;
+                // pool), is freed once, and its uses are ordered before this point of `stream`
+                // (the table just confirmed that it is live, and of this size).
+                let freed = unsafe { self.pool.free_async(ptr, stream) };
+                if let Err(e) = freed {
+                    // Nothing was freed: the allocation is still live, and still counted.
+                    self.sizes.insert(ptr.0, size);
+                    return Err(match e {
+                        Error::UnknownPointer { ptr, .. } => Error::UnknownPointer { ptr, bytes },
+                        other => other,
+                    });
+                }
                 // Counted when issued (see the type's documentation), and only once the pool
-                // took the free: a refused one (a double free among them) leaves the count
-                // alone, or the maximum would stop holding. `bytes` was accepted by
-                // `allocate`, so rounding it cannot overflow.
-                self.unreserve(aligned_size(bytes).unwrap_or(bytes));
+                // took the free: a refused one leaves the count alone, or the maximum would
+                // stop holding. The size is the allocation's (the table's).
+                self.unreserve(size);
                 Ok(())
             }
         }

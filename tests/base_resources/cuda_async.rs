@@ -264,3 +264,77 @@ fn a_device_allocation_short_of_memory_takes_what_the_driver_pools_keep() {
     stream.synchronize_blocking().unwrap();
     assert_eq!(primed.used_bytes().unwrap(), 0);
 }
+
+/// A free must name an allocation of the resource with its size, as the other resources
+/// demand: a wrong size, a pointer it never handed out (inside one of its allocations), and a
+/// second free are refused with `UnknownPointer` before the driver is called, and the count
+/// the maximum is checked against does not move. Before the size table a wrong size was
+/// accepted and moved the count by that size (clamped at 0): here 1 KiB freed as 4 KiB left
+/// the count at 1 KiB with 5 KiB live, and the 8 KiB maximum let 11 KiB out.
+#[test]
+fn cuda_async_refuses_a_free_with_the_wrong_size_and_keeps_its_count() {
+    for device in devices() {
+        let what = label(&device);
+        let stream = device.create_stream().unwrap();
+        let r = CudaAsyncResource::new(
+            &device,
+            CudaAsyncOptions {
+                maximum_pool_size: Some(8 * KIB),
+                ..CudaAsyncOptions::default()
+            },
+        )
+        .unwrap();
+        let a = r.allocate(KIB, &stream).unwrap();
+        let b = r.allocate(4 * KIB, &stream).unwrap();
+        assert_eq!(r.allocated_bytes(), 5 * KIB, "{what}");
+        for (ptr, bytes, why) in [
+            (a, 4 * KIB, "a live allocation with a larger size"),
+            (b, KIB, "a live allocation with a smaller size"),
+            (b, 4 * KIB + ALIGNMENT, "a size that rounds to another"),
+            (b.offset(ALIGNMENT), 256, "inside an allocation"),
+            (a, usize::MAX, "a size that cannot be rounded"),
+        ] {
+            // SAFETY: a deliberately bad free: it must be refused before anything is freed.
+            let refused = unsafe { r.deallocate(ptr, bytes, &stream) };
+            assert_eq!(
+                refused,
+                Err(Error::UnknownPointer { ptr: ptr.0, bytes }),
+                "{what}: {why}"
+            );
+            assert_eq!(
+                r.allocated_bytes(),
+                5 * KIB,
+                "{what}: {why}: the count moved"
+            );
+        }
+        // The maximum still holds: 3 KiB fit, one byte more does not.
+        assert!(
+            matches!(
+                r.allocate(3 * KIB + 1, &stream),
+                Err(Error::OutOfMemory { .. })
+            ),
+            "{what}"
+        );
+        let c = r.allocate(3 * KIB, &stream).unwrap();
+        // Sizes that round to the allocation's are its size.
+        // SAFETY: `a` is unused and freed once; 1000 bytes round to its 1 KiB.
+        unsafe { r.deallocate(a, 1000, &stream) }.unwrap();
+        // SAFETY: a deliberate double free: refused without touching anything.
+        let again = unsafe { r.deallocate(a, KIB, &stream) };
+        assert_eq!(
+            again,
+            Err(Error::UnknownPointer {
+                ptr: a.0,
+                bytes: KIB
+            }),
+            "{what}"
+        );
+        // SAFETY: `b` and `c` are unused and freed once.
+        unsafe { r.deallocate(b, 4 * KIB, &stream) }.unwrap();
+        // SAFETY: as above.
+        unsafe { r.deallocate(c, 3 * KIB, &stream) }.unwrap();
+        stream.synchronize_blocking().unwrap();
+        assert_eq!(r.allocated_bytes(), 0, "{what}");
+        assert_eq!(r.used_bytes().unwrap(), 0, "{what}");
+    }
+}
