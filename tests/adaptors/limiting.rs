@@ -371,6 +371,12 @@ fn nested_limits_a_free_below_wakes_a_request_the_lower_limit_refused() {
 /// lower limit saw its refusal and notifies, and that must reach H, which waits in the upper
 /// limit's queue. Before the fix only the next free through the upper limit (there is none
 /// here) or a deadline ended H's wait.
+///
+/// H asks for 512 bytes as one request, or as a set of two of 256 (`allocate_all_async`): the
+/// first piece fits, the second is refused by the lower limit, and H, first in line, gives the
+/// first back *quietly* through both limits. The lower limit must keep the mark of its refusal
+/// through that give-back (which would have woken only H itself), or R's rollback there finds
+/// no mark and wakes nobody: with the relay alone, the set slept.
 #[test]
 fn nested_limits_a_rollback_below_wakes_a_request_refused_because_of_it() {
     use std::future::Future;
@@ -383,40 +389,62 @@ fn nested_limits_a_rollback_below_wakes_a_request_refused_because_of_it() {
             self.0.fetch_add(1, Ordering::SeqCst);
         }
     }
-    let device = streamalloc::Device::simulated(streamalloc::SimConfig::default());
-    let stream = device.create_stream().unwrap();
-    let ((entered, entered_rx), (go_tx, go)) = (mpsc::channel(), mpsc::channel());
-    let upstream = SlowRefusal {
-        inner: CudaResource::new(&device),
-        entered: Mutex::new(Some(entered)),
-        go: Mutex::new(Some(go)),
-    };
-    let lower = LimitingAdaptor::new(upstream, 1024);
-    let upper = Arc::new(LimitingAdaptor::new(lower, 4096));
-    let r = {
-        let (upper, s) = (upper.clone(), stream.clone());
-        std::thread::spawn(move || upper.allocate(768, &s).is_err())
-    };
-    entered_rx.recv().unwrap();
-    let woken = Arc::new(Count(AtomicUsize::new(0)));
-    let waker = Waker::from(woken.clone());
-    let mut cx = Context::from_waker(&waker);
-    let mut h = Box::pin(upper.allocate_async(512, &stream));
-    assert!(matches!(h.as_mut().poll(&mut cx), Poll::Pending));
-    assert_eq!((upper.used(), upper.upstream().used()), (768, 768));
-    // R fails upstream and rolls back under both limits: 512 bytes fit now.
-    go_tx.send(()).unwrap();
-    assert!(r.join().unwrap());
-    assert_eq!((upper.used(), upper.upstream().used()), (0, 0));
-    assert!(
-        eventually(Duration::from_secs(5), || woken.0.load(Ordering::SeqCst)
-            > 0),
-        "refused by the lower limit because of a reservation rolled back there, never woken"
-    );
-    let ptr = match h.as_mut().poll(&mut cx) {
-        Poll::Ready(Ok(ptr)) => ptr,
-        other => panic!("woken, but not served: {other:?}"),
-    };
-    free(&*upper, ptr, 512, &stream);
-    assert_eq!((upper.used(), upper.upstream().used()), (0, 0));
+    for set in [false, true] {
+        let device = streamalloc::Device::simulated(streamalloc::SimConfig::default());
+        let stream = device.create_stream().unwrap();
+        let ((entered, entered_rx), (go_tx, go)) = (mpsc::channel(), mpsc::channel());
+        let upstream = SlowRefusal {
+            inner: CudaResource::new(&device),
+            entered: Mutex::new(Some(entered)),
+            go: Mutex::new(Some(go)),
+        };
+        let lower = LimitingAdaptor::new(upstream, 1024);
+        let upper = Arc::new(LimitingAdaptor::new(lower, 4096));
+        let r = {
+            let (upper, s) = (upper.clone(), stream.clone());
+            std::thread::spawn(move || upper.allocate(768, &s).is_err())
+        };
+        entered_rx.recv().unwrap();
+        let woken = Arc::new(Count(AtomicUsize::new(0)));
+        let waker = Waker::from(woken.clone());
+        let mut cx = Context::from_waker(&waker);
+        let mut h: std::pin::Pin<Box<dyn Future<Output = bool>>> = if set {
+            let (upper, s) = (upper.clone(), stream.clone());
+            Box::pin(async move {
+                let got = upper.allocate_all_async([(256, &s), (256, &s)]).await;
+                got.map(|ptrs| ptrs.into_iter().for_each(|p| free(&*upper, p, 256, &s)))
+                    .is_ok()
+            })
+        } else {
+            let (upper, s) = (upper.clone(), stream.clone());
+            Box::pin(async move {
+                let got = upper.allocate_async(512, &s).await;
+                got.map(|p| free(&*upper, p, 512, &s)).is_ok()
+            })
+        };
+        assert!(
+            matches!(h.as_mut().poll(&mut cx), Poll::Pending),
+            "set {set}"
+        );
+        assert_eq!(
+            (upper.used(), upper.upstream().used()),
+            (768, 768),
+            "set {set}"
+        );
+        // R fails upstream and rolls back under both limits: 512 bytes fit now.
+        go_tx.send(()).unwrap();
+        assert!(r.join().unwrap());
+        assert_eq!((upper.used(), upper.upstream().used()), (0, 0), "set {set}");
+        assert!(
+            eventually(Duration::from_secs(5), || woken.0.load(Ordering::SeqCst)
+                > 0),
+            "set {set}: refused by the lower limit because of a reservation rolled back \
+             there, never woken"
+        );
+        assert!(
+            matches!(h.as_mut().poll(&mut cx), Poll::Ready(true)),
+            "set {set}: woken, but not served"
+        );
+        assert_eq!((upper.used(), upper.upstream().used()), (0, 0), "set {set}");
+    }
 }
