@@ -15,6 +15,7 @@ use super::{aligned_size, check_stream, MemoryResource, ALIGNMENT};
 use crate::device::{Device, DevicePtr};
 use crate::error::{Error, Result};
 use crate::stream::Stream;
+use crate::sync::plain::Arc as StdArc;
 use crate::sync::{AtomicU64, Mutex, Ordering};
 
 /// Sizes and policies of a [`PoolResource`].
@@ -234,8 +235,12 @@ pub struct PoolResource<U: MemoryResource> {
     /// The most in use (with the request) seen at a growth: a floor of the pool's peak in use,
     /// which `growth_cap` multiplies. Written under the engine's growth lock.
     use_floor: AtomicU64,
-    /// Tasks waiting in `allocate_async` for memory to come back.
-    waiters: MemoryWaiters,
+    /// Tasks waiting in `allocate_async` for memory to come back. Shared with the upstream's
+    /// queue, if it has one, which relays to it ([`MemoryWaiters::stacked_over`]): a pool over
+    /// a limiting adaptor that others use too is refused there, and memory they give back
+    /// there must wake its waiters (a review found such waiters asleep until a free through
+    /// the pool itself).
+    waiters: StdArc<MemoryWaiters>,
     /// Whole chunks that trims took out of the lists and hold while they wait for the streams
     /// that freed them: a request at the maximum takes them back ([`Grow::recall_trimmed`]).
     held_for_trim: HeldForTrim<(u64, u64, Option<Stream>)>,
@@ -281,8 +286,11 @@ impl<U: MemoryResource> PoolResource<U> {
                 reason: "the pool's initial size is above its maximum",
             });
         }
+        let own = device.create_stream()?;
+        // After the last step that can fail before the pool exists (whose drop undoes it).
+        let waiters = MemoryWaiters::stacked_over(&upstream);
         let pool = Self {
-            own: device.create_stream()?,
+            own,
             device,
             upstream,
             heap: StreamHeap::with_options(options.reuse_slack, SHARDS)
@@ -300,7 +308,7 @@ impl<U: MemoryResource> PoolResource<U> {
                 .growth_cap
                 .map(|cap| if cap.is_finite() { cap.max(1.0) } else { 1.0 }),
             use_floor: AtomicU64::new(0),
-            waiters: MemoryWaiters::new(),
+            waiters,
             held_for_trim: HeldForTrim::new(),
         };
         if options.initial > 0 {
@@ -784,6 +792,7 @@ unsafe impl<U: MemoryResource> MemoryResource for PoolResource<U> {
 
 impl<U: MemoryResource> Drop for PoolResource<U> {
     fn drop(&mut self) {
+        MemoryWaiters::unstack_from(&self.waiters, &self.upstream);
         // Frees may still be queued on the streams the lists belong to: let them run, then give
         // every chunk back on our own stream.
         for stream in self.heap.streams() {

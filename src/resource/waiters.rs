@@ -164,6 +164,31 @@ impl MemoryWaiters {
             .store(!relays.is_empty(), std::sync::atomic::Ordering::Release);
     }
 
+    /// A new queue for a resource stacked over `upstream`, which relays to it if it has a
+    /// queue of its own (see [`relay_to`](Self::relay_to)): a pool or an arena over a limiting
+    /// adaptor, a limit over a pool or another limit. The resource calls
+    /// [`unstack_from`](Self::unstack_from) with the same upstream when it is dropped.
+    pub(crate) fn stacked_over<U: super::MemoryResource + ?Sized>(
+        upstream: &U,
+    ) -> StdArc<MemoryWaiters> {
+        let queue = StdArc::new(MemoryWaiters::new());
+        if let Some(below) = upstream.memory_waiters() {
+            below.relay_to(&queue);
+        }
+        queue
+    }
+
+    /// Undoes [`stacked_over`](Self::stacked_over): `upstream`'s queue stops relaying to
+    /// `queue`, whose resource is going.
+    pub(crate) fn unstack_from<U: super::MemoryResource + ?Sized>(
+        queue: &StdArc<MemoryWaiters>,
+        upstream: &U,
+    ) {
+        if let Some(below) = upstream.memory_waiters() {
+            below.stop_relaying(queue);
+        }
+    }
+
     /// Notifies the queues this one relays to (see [`relay_to`](Self::relay_to)).
     fn notify_relays(&self) {
         if !self.has_relays.load(std::sync::atomic::Ordering::Acquire) {

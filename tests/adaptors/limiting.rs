@@ -448,3 +448,64 @@ fn nested_limits_a_rollback_below_wakes_a_request_refused_because_of_it() {
         assert_eq!((upper.used(), upper.upstream().used()), (0, 0), "set {set}");
     }
 }
+
+/// A pool and an arena over a limiting adaptor that another user shares (per-model pools under
+/// one limit, say): the resource's growth is refused by the limit, which the other user fills,
+/// so its request waits in the resource's own queue; the other user's free straight through the
+/// limit must wake it, with no deadline. Before, only a free through the resource itself did
+/// (the limit's queue heard the free, and nobody waited there): a lost wake-up, which a review
+/// of the nested limits' fix found in the pool and the arena too.
+#[test]
+fn a_resource_over_a_shared_limit_is_woken_by_a_free_through_the_limit() {
+    use streamalloc::resource::arena::{ArenaOptions, ArenaResource};
+    use streamalloc::resource::pool::PoolOptions;
+
+    let rt = common::runtime();
+    for device in devices() {
+        let limit = Arc::new(LimitingAdaptor::new(CudaResource::new(&device), 8 * MIB));
+        let pool: Arc<dyn MemoryResource> = Arc::new(
+            PoolResource::new(
+                limit.clone(),
+                PoolOptions {
+                    initial: 0,
+                    maximum: Some(64 * MIB),
+                    ..PoolOptions::default()
+                },
+            )
+            .unwrap(),
+        );
+        let arena: Arc<dyn MemoryResource> =
+            Arc::new(ArenaResource::new(limit.clone(), ArenaOptions::default()).unwrap());
+        let s = device.create_stream().unwrap();
+        for (name, resource) in [("pool", pool), ("arena", arena)] {
+            // The other user fills the limit.
+            let held = limit.allocate(8 * MIB, &s).unwrap();
+            rt.block_on(async {
+                let waiter = tokio::spawn({
+                    let (resource, s) = (resource.clone(), s.clone());
+                    async move { resource.allocate_async(MIB, &s).await }
+                });
+                assert!(
+                    eventually(Duration::from_secs(5), || {
+                        resource.memory_waiters().unwrap().stats().waiting == 1
+                    }),
+                    "{}: the {name}'s request did not wait",
+                    label(&device)
+                );
+                free(&*limit, held, 8 * MIB, &s);
+                let ptr = tokio::time::timeout(Duration::from_secs(5), waiter)
+                    .await
+                    .unwrap_or_else(|_| {
+                        panic!(
+                            "{}: a free through the limit did not wake the {name}'s request",
+                            label(&device)
+                        )
+                    })
+                    .unwrap()
+                    .unwrap();
+                free(&*resource, ptr, MIB, &s);
+            });
+            s.synchronize_blocking().unwrap();
+        }
+    }
+}

@@ -154,17 +154,13 @@ impl<U: MemoryResource> fmt::Debug for LimitingAdaptor<U> {
 impl<U: MemoryResource> LimitingAdaptor<U> {
     /// Lets at most `limit` bytes (counted in 256-byte units) be outstanding through it.
     pub fn new(upstream: U, limit: usize) -> Self {
-        let waiters = MemoryWaiters::new();
+        // The upstream can refuse our requests too (a pool at its maximum, a lower limit): its
+        // notifications must reach our waiters (see the type's documentation).
+        let waiters = MemoryWaiters::stacked_over(&upstream);
         // No request above the limit can ever be served: one that comes while others wait
         // (and so queues without a try) fails at once, whatever the errors that made them
         // wait said of the upstream's maximum.
         waiters.note_maximum(limit);
-        let waiters = StdArc::new(waiters);
-        // The upstream can refuse our requests too (a pool at its maximum, a lower limit): its
-        // notifications must reach our waiters (see the type's documentation).
-        if let Some(below) = upstream.memory_waiters() {
-            below.relay_to(&waiters);
-        }
         Self {
             upstream,
             limit: Limit::new(limit),
@@ -248,9 +244,7 @@ impl<U: MemoryResource> Drop for LimitingAdaptor<U> {
     fn drop(&mut self) {
         // The upstream outlives this call (it is our field); it stops relaying to a queue that
         // nobody can wait in any more.
-        if let Some(below) = self.upstream.memory_waiters() {
-            below.stop_relaying(&self.waiters);
-        }
+        MemoryWaiters::unstack_from(&self.waiters, &self.upstream);
     }
 }
 

@@ -131,6 +131,7 @@ use super::{aligned_size, check_stream, MemoryKind, MemoryResource, ALIGNMENT};
 use crate::device::{Device, DevicePtr};
 use crate::error::{Error, Result};
 use crate::stream::Stream;
+use crate::sync::plain::Arc as StdArc;
 use crate::sync::{Arc, AtomicU64, Mutex, Ordering};
 
 mod alloc;
@@ -263,8 +264,9 @@ pub struct ArenaResource<U: MemoryResource> {
     chunks_released: AtomicU64,
     /// Tickets of guard events (see `record_guard`).
     next_ticket: AtomicU64,
-    /// Tasks waiting in `allocate_async` for memory to come back.
-    waiters: MemoryWaiters,
+    /// Tasks waiting in `allocate_async` for memory to come back. The upstream's queue, if it
+    /// has one, relays to it ([`MemoryWaiters::stacked_over`]), as the pool's does.
+    waiters: StdArc<MemoryWaiters>,
     /// Whole chunks that trims took out of the global arena and hold while they wait for the
     /// streams that last used them: a request at the maximum takes them back
     /// (`resource/held_for_trim.rs`), as the pool's does.
@@ -331,8 +333,11 @@ impl<U: MemoryResource> ArenaResource<U> {
                 reason: "the arena's superblock size is above its maximum",
             });
         }
+        let own = device.create_stream()?;
+        // After the last step that can fail before the arena exists (whose drop undoes it).
+        let waiters = MemoryWaiters::stacked_over(&upstream);
         let arena = Self {
-            own: device.create_stream()?,
+            own,
             device,
             upstream,
             superblock: options.superblock_size as u64,
@@ -348,7 +353,7 @@ impl<U: MemoryResource> ArenaResource<U> {
             superblock_moves: AtomicU64::new(0),
             chunks_released: AtomicU64::new(0),
             next_ticket: AtomicU64::new(0),
-            waiters: MemoryWaiters::new(),
+            waiters,
             held_for_trim: HeldForTrim::new(),
         };
         if options.initial > 0 {
@@ -517,6 +522,7 @@ unsafe impl<U: MemoryResource> MemoryResource for ArenaResource<U> {
 
 impl<U: MemoryResource> Drop for ArenaResource<U> {
     fn drop(&mut self) {
+        MemoryWaiters::unstack_from(&self.waiters, &self.upstream);
         cache::forget(self.uid);
         // Frees may still be queued on the streams the arenas belong to, or on the streams that
         // guard free regions: let them run, then give every chunk back on our own stream.
