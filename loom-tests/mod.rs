@@ -41,6 +41,9 @@
 //!   events completed (`release_after_all`), on the crate's `Completion`s.
 //! - [`words`]: the completion words' bookkeeping (`WordSlots`): a stream's word goes to a new
 //!   stream only after the GPU's last write for the old one landed (the GPU a thread).
+//! - [`timer`]: the deadlines' timer (`Timer`, `Deadline`) on a clock moved by hand: a deadline
+//!   wakes its task once it is due, never before, and a cancelled one never after it was
+//!   cancelled before falling due.
 //! - [`races`]: how host threads that see an event reached tell the simulated device's race
 //!   detector (`SimMarker::seen_by_host`: join, then mark seen), on a copy of the protocol.
 //!
@@ -70,6 +73,7 @@ mod nested_limits;
 mod races;
 mod reactor;
 mod relocation;
+mod timer;
 mod waiters;
 mod words;
 

@@ -55,6 +55,19 @@ mod imp {
             self.0.wait(guard).unwrap_or_else(|e| e.into_inner())
         }
 
+        /// Waits for a notification or until `timeout` has passed (a spurious wakeup may end it
+        /// sooner): the caller looks at the time again either way.
+        pub(crate) fn wait_timeout<'a, T>(
+            &self,
+            guard: MutexGuard<'a, T>,
+            timeout: std::time::Duration,
+        ) -> MutexGuard<'a, T> {
+            match self.0.wait_timeout(guard, timeout) {
+                Ok((guard, _)) => guard,
+                Err(e) => e.into_inner().0,
+            }
+        }
+
         pub(crate) fn notify_all(&self) {
             self.0.notify_all()
         }
@@ -116,6 +129,17 @@ mod imp {
 
         pub(crate) fn wait<'a, T>(&self, guard: MutexGuard<'a, T>) -> MutexGuard<'a, T> {
             self.0.wait(guard).unwrap_or_else(|e| e.into_inner())
+        }
+
+        /// loom has no time: a timed wait is a plain wait, ended only by a notification (as
+        /// `park_timeout` is `park`). A model that needs time to pass notifies the condvar where
+        /// the timeout would have ended the wait (the timer's model does, with its clock).
+        pub(crate) fn wait_timeout<'a, T>(
+            &self,
+            guard: MutexGuard<'a, T>,
+            _timeout: std::time::Duration,
+        ) -> MutexGuard<'a, T> {
+            self.wait(guard)
         }
 
         pub(crate) fn notify_all(&self) {

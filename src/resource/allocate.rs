@@ -94,6 +94,11 @@ impl<'a, R: MemoryResource + ?Sized> Allocate<'a, R> {
     /// `limit` of the moment it started waiting (its first try failing; memory that is there at
     /// once never times out). Works on any runtime: a crate thread keeps the deadlines. A limit
     /// so long that its end cannot be represented (`Duration::MAX`, say) means no limit.
+    ///
+    /// The deadlines' thread (`sa-timer`) starts the first time a request with a deadline has
+    /// to wait. If the operating system cannot start it, that request ends with
+    /// [`Error::Io`](crate::Error::Io) instead of waiting past its deadline; a later one tries
+    /// again.
     pub fn timeout(mut self, limit: Duration) -> Self {
         self.wait.limit = Some(limit);
         self

@@ -175,7 +175,16 @@ impl Wait {
             }
             match &self.timer {
                 Some(timer) => timer.set_waker(cx.waker()),
-                None => self.timer = Some(Deadline::new(at, cx.waker())),
+                None => match Deadline::new(at, cx.waker()) {
+                    Ok(timer) => self.timer = Some(timer),
+                    // No timer thread (the OS refused to start one): nothing would end the wait
+                    // at its deadline, so it ends now with the error rather than outlive its
+                    // limit unnoticed (and the crate does not panic).
+                    Err(e) => {
+                        self.leave(Some(waiters), Leave::Cancelled);
+                        return Poll::Ready(Err(e));
+                    }
+                },
             }
         }
         Poll::Pending
