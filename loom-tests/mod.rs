@@ -14,8 +14,8 @@
 //!   fake device that rings the bell as the simulated one does. Run on a mirror of the reactor
 //!   that works around two loom 0.7.2 bugs; see that module and README.md.
 //! - [`waiters`]: the memory waiters queue behind `allocate_async` (FIFO, baton passing, the
-//!   fences against store buffering, cancellation), on src/resource/waiters.rs itself, with a
-//!   copy of `Allocate::poll` and a fake resource.
+//!   fences against store buffering, cancellation), on src/resource/waiters.rs itself, polled
+//!   by the crate's `Wait::poll` (what `Allocate::poll` runs) over a fake resource.
 //! - [`free_lists`]: the pool's shared free list (`StreamHeap`) on fake streams that record the
 //!   ordering edges: no block handed out twice or lost, every reuse on another stream ordered
 //!   behind its free (the epoch protocol).
@@ -52,9 +52,10 @@
 //! `Reactor` (it passes since the src changes of README.md, "Findings"). The `#[ignore]`d
 //! tests, run with `-- --ignored`:
 //! - `planted_*`: the same model against a copy of the code with a bug planted in it, or with a
-//!   bug switched on in the crate's own code (the engine's `stream_ordered::planted`; the
-//!   waiters' copy of `Allocate::poll` carries its bugs as switches too); each expects loom to
-//!   catch it, and says how;
+//!   bug switched on in the crate's own code (a `planted` module of statics beside the code,
+//!   compiled only under the loom cfg: the engine's `stream_ordered::planted`,
+//!   `resource::wait::planted`, `timer::planted`, ...); each expects loom to catch it, and says
+//!   how;
 //! - `loom_false_positive_*`: pin down the two loom bugs (they pass while loom has them);
 //!
 //! See `loom-tests/README.md` for the command, timings and what each test catches.

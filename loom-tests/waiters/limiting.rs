@@ -85,7 +85,7 @@ fn limit_rollback_wakes_the_refused(rollback: Rollback) {
         let limited = limited.clone();
         thread::spawn(move || assert!(!limited.try_take(2 * N), "the upstream holds only N"))
     };
-    let mut w = Alloc::new(&*limited, &limited.waiters, PollBug::None);
+    let mut w = Alloc::new(&*limited, &limited.waiters);
     block_on(&mut w);
     drop(w);
     x.join().unwrap();
@@ -106,7 +106,7 @@ fn limit_rollback_does_not_wake_itself(rollback: Rollback) {
         let limited = limited.clone();
         thread::spawn(move || limited.free(N))
     };
-    let mut w = Alloc::new(&*limited, &limited.waiters, PollBug::None);
+    let mut w = Alloc::new(&*limited, &limited.waiters);
     block_on(&mut w);
     drop(w);
     f.join().unwrap();

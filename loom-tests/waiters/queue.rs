@@ -1,6 +1,7 @@
 //! The queue under `Allocate`: a waiter woken by a free (never lost), FIFO order, cancellation
-//! at every point; and the planted bugs in the copy of `Allocate::poll` (`PollBug`) or in a copy
-//! of `MemoryWaiters` with one bug switched on (`planted::Waiters`).
+//! at every point; and the planted bugs, in the crate's `Wait::poll` (switches in
+//! `resource::wait::planted`) or in a copy of `MemoryWaiters` with one bug switched on
+//! (`planted::Waiters`).
 
 use super::planted;
 use super::*;
@@ -8,14 +9,14 @@ use super::*;
 /// One waiter, no memory; another thread frees enough for it. The free may come before the
 /// waiter's first try, between its try and its registration (nobody to notify: the retry after
 /// registering must find it), or after it registered (`notify` must wake it).
-fn wake_on_free<Q: Queue>(bug: PollBug, seen: &Seen) {
+fn wake_on_free<Q: Queue>(seen: &Seen) {
     let waiters = Arc::new(Q::new());
     let memory = Arc::new(Memory::new(0));
     let freer = {
         let (waiters, memory) = (waiters.clone(), memory.clone());
         thread::spawn(move || memory.give(N, &*waiters))
     };
-    let mut a = Alloc::new(&*memory, &*waiters, bug);
+    let mut a = Alloc::new(&*memory, &*waiters);
     block_on(&mut a);
     seen.note(a.served.expect("served"), true);
     drop(a);
@@ -25,24 +26,24 @@ fn wake_on_free<Q: Queue>(bug: PollBug, seen: &Seen) {
 
 /// Two waiters, A registered before B; memory for one comes back. A must be served first: it
 /// then frees its block, which B gets. (`order` records who was served, in order.)
-fn fifo<Q: Queue>(bug: PollBug, seen: &Seen) {
+fn fifo<Q: Queue>(seen: &Seen) {
     let waiters = Arc::new(Q::new());
     let memory = Arc::new(Memory::new(0));
     let order = Arc::new(Mutex::new(Vec::new()));
 
     // A registers first (its try fails: nothing is free yet).
     let (_, waker) = CountingWaker::new();
-    let mut a = Alloc::new(&*memory, &*waiters, bug);
+    let mut a = Alloc::new(&*memory, &*waiters);
     assert!(poll_once(&mut a, &waker).is_pending());
-    let a_id = a.id.take().expect("A is queued");
+    let a_id = a.wait.id.take().expect("A is queued");
     drop(a);
 
     let first = {
         let (waiters, memory, order) = (waiters.clone(), memory.clone(), order.clone());
         thread::spawn(move || {
             // The same waiter, now awaited on its own thread with another waker.
-            let mut a = Alloc::new(&*memory, &*waiters, bug);
-            a.id = Some(a_id);
+            let mut a = Alloc::new(&*memory, &*waiters);
+            a.wait.id = Some(a_id);
             block_on(&mut a);
             order.lock().push("A");
             memory.give(N, &*waiters);
@@ -52,7 +53,7 @@ fn fifo<Q: Queue>(bug: PollBug, seen: &Seen) {
         let (waiters, memory) = (waiters.clone(), memory.clone());
         thread::spawn(move || memory.give(N, &*waiters))
     };
-    let mut b = Alloc::new(&*memory, &*waiters, bug);
+    let mut b = Alloc::new(&*memory, &*waiters);
     block_on(&mut b);
     seen.note(b.served.expect("served"), true);
     drop(b);
@@ -81,14 +82,14 @@ fn cancel<Q: Queue>(polls: usize, seen: &Shared<Seen>) {
         let (waiters, memory, seen) = (waiters.clone(), memory.clone(), seen.clone());
         thread::spawn(move || {
             let (counter, waker) = CountingWaker::new();
-            let mut x = Alloc::new(&*memory, &*waiters, PollBug::None);
+            let mut x = Alloc::new(&*memory, &*waiters);
             for _ in 0..polls {
                 if poll_once(&mut x, &waker).is_ready() {
                     memory.give(N, &*waiters);
                     break;
                 }
             }
-            seen.note(WOKEN_THEN_CANCELLED, x.id.is_some() && counter.wakes() > 0);
+            seen.note(WOKEN_THEN_CANCELLED, x.wait.id.is_some() && counter.wakes() > 0);
             drop(x);
         })
     };
@@ -96,7 +97,7 @@ fn cancel<Q: Queue>(polls: usize, seen: &Shared<Seen>) {
         let (waiters, memory) = (waiters.clone(), memory.clone());
         thread::spawn(move || memory.give(N, &*waiters))
     };
-    let mut b = Alloc::new(&*memory, &*waiters, PollBug::None);
+    let mut b = Alloc::new(&*memory, &*waiters);
     block_on(&mut b);
     seen.note(b.served.expect("served"), true);
     drop(b);
@@ -113,14 +114,14 @@ const WOKEN_THEN_CANCELLED: &str = "X woken, then cancelled";
 #[test]
 fn wake_on_free_one_waiter() {
     check_paths(None, &[FAST, RETRY, BATON], |seen| {
-        wake_on_free::<Real>(PollBug::None, seen)
+        wake_on_free::<Real>(seen)
     });
 }
 
 /// Bound 3: 3 threads.
 #[test]
 fn fifo_two_waiters() {
-    check_paths(Some(4), &[BATON], |seen| fifo::<Real>(PollBug::None, seen));
+    check_paths(Some(4), &[BATON], |seen| fifo::<Real>(seen));
 }
 
 /// Bound 3: 3 threads; one run per cancellation point. Dropped after a poll, X is dropped
@@ -143,15 +144,15 @@ fn cancel_at_every_point() {
 fn planted_none_passes() {
     type Q = planted::Waiters<{ planted::NONE }>;
     check_paths(None, &[FAST, RETRY, BATON], |seen| {
-        wake_on_free::<Q>(PollBug::None, seen)
+        wake_on_free::<Q>(seen)
     });
-    check_paths(Some(3), &[BATON], |seen| fifo::<Q>(PollBug::None, seen));
+    check_paths(Some(3), &[BATON], |seen| fifo::<Q>(seen));
     for polls in 0..=2 {
         check_paths(Some(3), &[BATON], move |seen| cancel::<Q>(polls, seen));
     }
 }
 
-/// Bug: `Allocate::poll` registers without trying again: a free between the failed try and the
+/// Bug: `Wait::poll` (`resource::wait::planted::NO_RETRY`) registers without trying again: a free between the failed try and the
 /// registration notified nobody.
 #[test]
 #[ignore = "planted bug: must fail"]
@@ -161,9 +162,9 @@ fn planted_no_retry_after_register() {
         "planted_no_retry_after_register",
         "deadlock",
         || {
-            check_paths(None, &[], |seen| {
-                wake_on_free::<Real>(PollBug::NoRetry, seen)
-            })
+            crate::resource::wait::planted::NO_RETRY
+                .store(true, std::sync::atomic::Ordering::Relaxed);
+            check_paths(None, &[], |seen| wake_on_free::<Real>(seen))
         },
     );
 }
@@ -191,12 +192,12 @@ fn planted_no_baton_hand_off() {
 fn planted_no_fences() {
     must_fail(module_path!(), "planted_no_fences", "deadlock", || {
         check_paths(None, &[], |seen| {
-            wake_on_free::<planted::Waiters<{ planted::NO_FENCES }>>(PollBug::None, seen)
+            wake_on_free::<planted::Waiters<{ planted::NO_FENCES }>>(seen)
         })
     });
 }
 
-/// Bug: the first try of a new waiter ignores the queue (takes memory ahead of earlier
+/// Bug: the first try of a new waiter ignores the queue (`resource::wait::planted::BARGING`) (takes memory ahead of earlier
 /// waiters).
 #[test]
 #[ignore = "planted bug: must fail"]
@@ -205,6 +206,10 @@ fn planted_barging() {
         module_path!(),
         "planted_barging",
         "not served first come, first served",
-        || check_paths(Some(3), &[], |seen| fifo::<Real>(PollBug::Barging, seen)),
+        || {
+            crate::resource::wait::planted::BARGING
+                .store(true, std::sync::atomic::Ordering::Relaxed);
+            check_paths(Some(3), &[], |seen| fifo::<Real>(seen))
+        },
     );
 }

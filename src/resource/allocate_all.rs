@@ -157,10 +157,7 @@ impl<R: MemoryResource + ?Sized> Set<'_, R> {
                 }
             }
         };
-        match (how, self.resource.memory_waiters()) {
-            (Attempt::Head, Some(waiters)) => waiters.quietly(undo),
-            _ => undo(),
-        }
+        super::wait::give_back(how, self.resource.memory_waiters(), undo);
     }
 }
 

@@ -183,7 +183,8 @@ pub(crate) fn check_stream(device: &Device, stream: &Stream) -> Result<()> {
 // ===== waiting for memory =====
 mod allocate;
 mod allocate_all;
-mod wait;
+// `pub(crate)`: the loom models (loom-tests/waiters/) poll `Wait` itself and plant its bugs.
+pub(crate) mod wait;
 // `pub(crate)`: the loom models (loom-tests/waiters.rs) drive the queue and name `Leave`.
 pub(crate) mod waiters;
 pub use self::allocate::{Allocate, AllocateAsync};

@@ -86,7 +86,12 @@ impl Wait {
         check: impl FnOnce() -> Result<()>,
     ) -> Poll<Result<T>> {
         if self.id.is_none() {
-            match waiters.filter(|w| !w.is_empty()) {
+            #[cfg(streamalloc_loom)]
+            let barging = planted::BARGING.load(std::sync::atomic::Ordering::Relaxed);
+            #[cfg(not(streamalloc_loom))]
+            let barging = false;
+            // (The planted bug: a newcomer tries first whoever waits.)
+            match waiters.filter(|w| !barging && !w.is_empty()) {
                 // The common case, kept to one try: nobody waiting.
                 None => match attempt(Attempt::Fresh) {
                     Ok(got) => return Poll::Ready(Ok(got)),
@@ -152,6 +157,8 @@ impl Wait {
             // Memory freed between our failed try and the registration notified nobody: try
             // once more if we are first in line. Its errors count as any try's (a review
             // found this one's dropped: a device error turned into a wait).
+            #[cfg(streamalloc_loom)]
+            let first = first && !planted::NO_RETRY.load(std::sync::atomic::Ordering::Relaxed);
             if first {
                 match attempt(Attempt::Head) {
                     Ok(got) => {
@@ -191,6 +198,26 @@ impl Wait {
     }
 }
 
+/// Runs `undo`, the give-back of what a failed try of `how` took: quietly for the head (its
+/// own notifications would wake only itself, into a loop of failing tries; see
+/// [`MemoryWaiters::quietly`]), loudly for a fresh try (the head may have failed because of
+/// what it held).
+pub(crate) fn give_back(how: Attempt, waiters: Option<&MemoryWaiters>, undo: impl FnOnce()) {
+    #[cfg(streamalloc_loom)]
+    let how = match (
+        planted::GIVE_BACK_LOUD.load(std::sync::atomic::Ordering::Relaxed),
+        planted::GIVE_BACK_QUIET.load(std::sync::atomic::Ordering::Relaxed),
+    ) {
+        (true, _) => Attempt::Fresh,
+        (_, true) => Attempt::Head,
+        _ => how,
+    };
+    match (how, waiters) {
+        (Attempt::Head, Some(waiters)) => waiters.quietly(undo),
+        _ => undo(),
+    }
+}
+
 /// Notes the maximum of an out-of-memory error in the queue (see `MemoryWaiters::note_maximum`).
 fn note_maximum(waiters: Option<&MemoryWaiters>, e: &Error) {
     if let (Some(w), Error::OutOfMemory { maximum, .. }) = (waiters, e) {
@@ -201,4 +228,25 @@ fn note_maximum(waiters: Option<&MemoryWaiters>, e: &Error) {
 /// An error that waiting can cure: out of memory now, within what the resource could hold.
 pub(crate) fn worth_waiting(e: &Error) -> bool {
     matches!(e, Error::OutOfMemory { requested, maximum, .. } if requested <= maximum)
+}
+
+/// Bugs the loom models plant (`loom-tests/waiters/queue.rs`, `sets.rs`), constant off
+/// otherwise.
+#[cfg(streamalloc_loom)]
+pub(crate) mod planted {
+    /// No retry after registering as first in line: memory freed between the failed try and
+    /// the registration notified nobody, and the waiter waits for good.
+    pub(crate) static NO_RETRY: std::sync::atomic::AtomicBool =
+        std::sync::atomic::AtomicBool::new(false);
+    /// A newcomer's first try ignores the queue: it takes memory ahead of earlier waiters.
+    pub(crate) static BARGING: std::sync::atomic::AtomicBool =
+        std::sync::atomic::AtomicBool::new(false);
+    /// A failed try always gives back loudly: the head wakes itself with its own give-back,
+    /// and tries again in a loop.
+    pub(crate) static GIVE_BACK_LOUD: std::sync::atomic::AtomicBool =
+        std::sync::atomic::AtomicBool::new(false);
+    /// A failed try always gives back quietly: a fresh try's give-back does not wake the head
+    /// it made fail (two sets that each took half the memory both wait for good).
+    pub(crate) static GIVE_BACK_QUIET: std::sync::atomic::AtomicBool =
+        std::sync::atomic::AtomicBool::new(false);
 }
