@@ -11,8 +11,8 @@
 //! - [`completion`]: the wakeup protocol of `Completion` (wakers, deregistration, callbacks,
 //!   concurrent completes, the reactor's pre-wake `hurry`), on the crate's own `Completion`.
 //! - [`reactor`]: the registration path of an event future into a running reactor thread, with a
-//!   fake device that rings the bell as the simulated one does. Run on a mirror of the reactor
-//!   that works around two loom 0.7.2 bugs; see that module and README.md.
+//!   fake device that rings the bell as the simulated one does, on the crate's `Reactor` (a
+//!   mirror of it is kept only to pin down two loom 0.7.2 bugs; see that module and README.md).
 //! - [`waiters`]: the memory waiters queue behind `allocate_async` (FIFO, baton passing, the
 //!   fences against store buffering, cancellation), on src/resource/waiters.rs itself, polled
 //!   by the crate's `Wait::poll` (what `Allocate::poll` runs) over a fake resource.
@@ -48,9 +48,7 @@
 //!   detector (`SimMarker::seen_by_host`: join, then mark seen), on a copy of the protocol.
 //!
 //! Each model states its preemption bound; it is set in the model, so `LOOM_MAX_PREEMPTIONS`
-//! does not change it. `reactor::events::real_reactor_models` runs the reactor models on the crate's
-//! `Reactor` (it passes since the src changes of README.md, "Findings"). The `#[ignore]`d
-//! tests, run with `-- --ignored`:
+//! does not change it. The `#[ignore]`d tests, run with `-- --ignored`:
 //! - `planted_*`: the same model against a copy of the code with a bug planted in it, or with a
 //!   bug switched on in the crate's own code (a `planted` module of statics beside the code,
 //!   compiled only under the loom cfg: the engine's `stream_ordered::planted`,

@@ -22,6 +22,18 @@ use crate::sync::{AtomicBool, AtomicU8, Mutex, Ordering};
 /// Work to run once, on the thread that observes completion, with the event's result.
 pub(crate) type Callback = Box<dyn FnOnce(&Result<()>) + Send>;
 
+/// Whether a loom model switched the bug `planted::$name` on: a relaxed load under the loom cfg,
+/// the constant `false` otherwise (the branches it guards compile away).
+macro_rules! planted {
+    ($name:ident) => {{
+        #[cfg(streamalloc_loom)]
+        let on = planted::$name.load(std::sync::atomic::Ordering::Relaxed);
+        #[cfg(not(streamalloc_loom))]
+        let on = false;
+        on
+    }};
+}
+
 const PENDING: u8 = 0;
 const OK: u8 = 1;
 const FAILED: u8 = 2;
@@ -103,28 +115,39 @@ impl Completion {
     /// [`complete`](Self::complete) for the event `(stream id, sequence number)`, which a
     /// caught panic's log names.
     pub(crate) fn complete_for(&self, result: Result<()>, event: Option<(u64, u64)>) -> bool {
+        let state = if result.is_ok() { OK } else { FAILED };
+        // The loom models' planted bugs (`planted`): the state published before the error is
+        // written, or after the lock is let go.
+        let (before_error, after_drain) = (
+            planted!(STATE_BEFORE_ERROR),
+            planted!(STATE_STORED_AFTER_DRAIN),
+        );
         let (wakers, callbacks) = {
             let mut waiters = self.waiters.lock();
-            if self.state.load(Ordering::Relaxed) != PENDING {
+            if self.state.load(Ordering::Relaxed) != PENDING && !planted!(NO_PENDING_CHECK) {
                 return false;
             }
-            let state = match &result {
-                Ok(()) => OK,
-                Err(e) => {
-                    *self.error.lock() = Some(e.clone());
-                    FAILED
-                }
-            };
+            if before_error {
+                self.state.store(state, Ordering::Release);
+            }
+            if let Err(e) = &result {
+                *self.error.lock() = Some(e.clone());
+            }
             // Before the result is published: whoever sees the result and then takes this lock
             // sees the stamp (`completed_at`).
             waiters.completed_at = Some(Instant::now());
-            self.state.store(state, Ordering::Release);
+            if !before_error && !after_drain {
+                self.state.store(state, Ordering::Release);
+            }
             waiters.free.clear();
             (
                 std::mem::take(&mut waiters.wakers),
                 std::mem::take(&mut waiters.callbacks),
             )
         };
+        if after_drain {
+            self.state.store(state, Ordering::Release);
+        }
         for waker in wakers.into_iter().flatten() {
             guarded(WAKER, event, || waker.wake());
         }
@@ -138,10 +161,21 @@ impl Completion {
     /// unless it would wake the same task. While the event is hurried ([`hurry`](Self::hurry))
     /// it also wakes `waker` at once (after the lock), so the future is polled again soon.
     pub(crate) fn register_waker(&self, key: &mut Option<usize>, waker: &Waker) -> Registration {
-        let (registration, hurry) = {
-            let mut waiters = self.waiters.lock();
+        // The planted bug: the result looked at before the lock, not under it.
+        let outside = planted!(RESULT_CHECKED_OUTSIDE_LOCK);
+        if outside {
             if let Some(result) = self.result() {
                 return Registration::Done(result);
+            }
+        }
+        let (registration, hurry) = {
+            let mut waiters = self.waiters.lock();
+            // Under the lock that `complete` publishes under: either it has published (we see
+            // the result) or it will drain the waker we store.
+            if !outside {
+                if let Some(result) = self.result() {
+                    return Registration::Done(result);
+                }
             }
             match *key {
                 Some(k) => match waiters.wakers.get_mut(k) {
@@ -176,12 +210,18 @@ impl Completion {
             if self.state.load(Ordering::Relaxed) != PENDING {
                 return;
             }
-            self.hurry.store(on, Ordering::Relaxed);
+            if !planted!(HURRY_FLAG_OUTSIDE_LOCK) {
+                self.hurry.store(on, Ordering::Relaxed);
+            }
             if !on {
                 return;
             }
             waiters.wakers.iter().flatten().cloned().collect()
         };
+        if planted!(HURRY_FLAG_OUTSIDE_LOCK) {
+            // The planted bug: a registration between the lock and this store is missed.
+            self.hurry.store(on, Ordering::Relaxed);
+        }
         for waker in wakers {
             guarded(WAKER, None, || waker.wake());
         }
@@ -216,6 +256,14 @@ impl Completion {
     /// A future that stops waiting gives its slot back. After completion this is a no-op.
     pub(crate) fn deregister(&self, key: usize) {
         let mut waiters = self.waiters.lock();
+        #[cfg(streamalloc_loom)]
+        if planted!(DEREGISTER_INDEXES) {
+            // The planted bug: indexing the slot, which `complete` may have taken away.
+            if waiters.wakers[key].take().is_some() {
+                waiters.free.push(key);
+            }
+            return;
+        }
         if let Some(slot) = waiters.wakers.get_mut(key) {
             if slot.take().is_some() {
                 waiters.free.push(key);
@@ -229,9 +277,18 @@ impl Completion {
         &self,
         callback: Callback,
     ) -> std::result::Result<Registration, (Callback, Result<()>)> {
+        // The planted bug: the result looked at before the lock, not under it.
+        let outside = planted!(CALLBACK_CHECKED_OUTSIDE_LOCK);
+        if outside {
+            if let Some(result) = self.result() {
+                return Err((callback, result));
+            }
+        }
         let mut waiters = self.waiters.lock();
-        if let Some(result) = self.result() {
-            return Err((callback, result));
+        if !outside {
+            if let Some(result) = self.result() {
+                return Err((callback, result));
+            }
         }
         waiters.callbacks.push(callback);
         Ok(Registration::Stored {
@@ -249,6 +306,28 @@ impl Completion {
             .filter(|w| w.is_some())
             .count()
     }
+}
+
+/// Bugs the loom models plant (`loom-tests/completion/planted.rs`), constant off otherwise;
+/// read through [`planted!`].
+#[cfg(streamalloc_loom)]
+pub(crate) mod planted {
+    use std::sync::atomic::AtomicBool;
+
+    /// `register_waker` looks at the result before it takes the waiters lock.
+    pub(crate) static RESULT_CHECKED_OUTSIDE_LOCK: AtomicBool = AtomicBool::new(false);
+    /// `complete` publishes the state after it let go of the lock with the drained waiters.
+    pub(crate) static STATE_STORED_AFTER_DRAIN: AtomicBool = AtomicBool::new(false);
+    /// `complete` publishes `FAILED` before it writes the error.
+    pub(crate) static STATE_BEFORE_ERROR: AtomicBool = AtomicBool::new(false);
+    /// `complete` does not check that the event is still pending.
+    pub(crate) static NO_PENDING_CHECK: AtomicBool = AtomicBool::new(false);
+    /// `register_callback` looks at the result before it takes the waiters lock.
+    pub(crate) static CALLBACK_CHECKED_OUTSIDE_LOCK: AtomicBool = AtomicBool::new(false);
+    /// `deregister` indexes `wakers[key]` instead of `get_mut(key)`.
+    pub(crate) static DEREGISTER_INDEXES: AtomicBool = AtomicBool::new(false);
+    /// `hurry` sets its flag after letting go of the lock it took the wakers under.
+    pub(crate) static HURRY_FLAG_OUTSIDE_LOCK: AtomicBool = AtomicBool::new(false);
 }
 
 /// What a caught panic's log says ran: a task's waker.

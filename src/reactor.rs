@@ -86,6 +86,36 @@ use crate::offload::Offload;
 use crate::sync::thread::{self, Thread};
 use crate::sync::{Arc, AtomicBool, Mutex, Ordering};
 
+/// Whether a loom model switched the bug `planted::$name` on: a relaxed load under the loom cfg,
+/// the constant `false` otherwise (the branches it guards compile away).
+macro_rules! planted {
+    ($name:ident) => {{
+        #[cfg(streamalloc_loom)]
+        let on = planted::$name.load(std::sync::atomic::Ordering::Relaxed);
+        #[cfg(not(streamalloc_loom))]
+        let on = false;
+        on
+    }};
+}
+
+/// Bugs the loom models plant (`loom-tests/reactor/planted.rs`), constant off otherwise; read
+/// through `planted!`.
+#[cfg(streamalloc_loom)]
+pub(crate) mod planted {
+    use std::sync::atomic::AtomicBool;
+
+    /// `Bell::wait` parks without first consuming a ring that came before it.
+    pub(crate) static WAIT_SKIPS_FLAG: AtomicBool = AtomicBool::new(false);
+    /// `Reactor::watch` rings before it pushes the event into the inbox.
+    pub(crate) static RING_BEFORE_PUSH: AtomicBool = AtomicBool::new(false);
+    /// `Reactor`'s Drop sets `shutdown` without ringing.
+    pub(crate) static DROP_WITHOUT_RING: AtomicBool = AtomicBool::new(false);
+    /// The thread exits on `shutdown` while events are still watched.
+    pub(crate) static SHUTDOWN_DROPS_PENDING: AtomicBool = AtomicBool::new(false);
+    /// `Bell::wait` clears the flag after parking with `swap(false, Release)`: no acquire.
+    pub(crate) static CLEAR_WITHOUT_ACQUIRE: AtomicBool = AtomicBool::new(false);
+}
+
 /// Something the reactor can watch: a recorded event.
 pub(crate) trait Watch: Send + Sync {
     /// The unique id of the stream it was recorded on.
@@ -205,14 +235,22 @@ impl Bell {
 
     /// Parks until rung (or, with a timeout, until it passes). May return spuriously.
     fn wait(&self, timeout: Option<Duration>) {
-        if self.notified.swap(false, Ordering::AcqRel) {
+        if !planted!(WAIT_SKIPS_FLAG) && self.notified.swap(false, Ordering::AcqRel) {
             return;
         }
         match timeout {
             None => thread::park(),
             Some(t) => thread::park_timeout(t),
         }
-        self.notified.swap(false, Ordering::AcqRel);
+        // An acquiring RMW, not a store: it must see what every ringer released (a ring that
+        // found the flag set did not unpark us), and a store would let a later ring read a
+        // stale `true` (loom-tests/README.md, "Findings").
+        let clear = if planted!(CLEAR_WITHOUT_ACQUIRE) {
+            Ordering::Release
+        } else {
+            Ordering::AcqRel
+        };
+        self.notified.swap(false, clear);
     }
 }
 
@@ -290,8 +328,13 @@ impl Reactor {
     /// [`Registration`]: crate::completion::Registration
     pub(crate) fn watch(&self, event: impl Watch + 'static) {
         let at = self.shared.predict.then(Instant::now);
+        if planted!(RING_BEFORE_PUSH) {
+            self.shared.bell.ring();
+        }
         self.shared.inbox.lock().watch.push((Box::new(event), at));
-        self.shared.bell.ring();
+        if !planted!(RING_BEFORE_PUSH) {
+            self.shared.bell.ring();
+        }
     }
 
     /// The stream `id` is gone; the backend may drop what it kept for it.
@@ -304,7 +347,9 @@ impl Reactor {
 impl Drop for Reactor {
     fn drop(&mut self) {
         self.shared.inbox.lock().shutdown = true;
-        self.shared.bell.ring();
+        if !planted!(DROP_WITHOUT_RING) {
+            self.shared.bell.ring();
+        }
     }
 }
 
@@ -458,6 +503,9 @@ impl<D: Doorbells> Loop<D> {
         for stream in forget {
             self.doorbells.forget(stream);
             self.history.remove(&stream);
+        }
+        if planted!(SHUTDOWN_DROPS_PENDING) && shutdown {
+            return Turn::Exit;
         }
 
         let history = self.predict.then_some(&mut self.history);

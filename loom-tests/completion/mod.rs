@@ -1,9 +1,10 @@
 //! Models of `Completion` (src/completion.rs): the lock protocol that makes a wakeup impossible to
 //! lose, waiters that leave, callbacks that run exactly once, and racing `complete`s.
 //!
-//! Every model is written against the [`Core`] trait, implemented by the crate's `Completion`
-//! (the `#[test]`s that run by default) and by [`planted::Completion`], a copy of it with one bug
-//! switched on (the `#[ignore]`d `planted_*` tests, which expect loom to catch that bug).
+//! Every model is written against the [`Core`] trait (the calls the event futures, the reactor
+//! and `on_complete` make), implemented by the crate's `Completion`. The `#[ignore]`d
+//! `planted_*` tests run the same models with one bug switched on in src/completion.rs
+//! (`completion::planted`) and expect loom to catch it.
 //!
 //! All models here are small (2-3 threads, a handful of lock sections) and are explored
 //! exhaustively: preemption bound `None` unless the test says otherwise.

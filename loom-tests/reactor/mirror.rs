@@ -1,6 +1,7 @@
 //! A copy of src/reactor.rs's `Bell`, `Reactor`, `run` and `poll_heads`, cut down to what the
 //! simulated device uses (no spin, no timed sleeps, nothing to arm, no `forget_stream`), with
-//! the two loom workarounds and the planted bugs as switches. (src splits the loop body into
+//! the two loom workarounds as switches, to pin down the two loom bugs
+//! (`planted::loom_false_positive_*`; the planted bugs are switches in src/reactor.rs now). (src splits the loop body into
 //! `Loop::turn`, run under `catch_unwind`, which is the identity under loom, and its `Reactor`
 //! also owns the blocking-work queue; the steps of a turn are the same as here.)
 
@@ -17,7 +18,6 @@ use loom::thread::{self, Thread};
 pub(super) struct Config {
     pub(super) park: Park,
     pub(super) clear: Clear,
-    pub(super) bug: Bug,
 }
 
 /// How the reactor thread parks.
@@ -34,23 +34,8 @@ pub(super) enum Park {
 pub(super) enum Clear {
     /// `store(false, Release)`, as src (tokio-rs/loom#254).
     Store,
-    /// `swap(false, Release)`: an RMW that does not acquire (planted bug).
-    SwapRelease,
     /// `swap(false, AcqRel)`: the proposed fix.
     SwapAcqRel,
-}
-
-#[derive(Clone, Copy, PartialEq, Eq, Debug)]
-pub(super) enum Bug {
-    None,
-    /// `Bell::wait` parks without first consuming a ring that came before it.
-    WaitSkipsFlag,
-    /// `Reactor::watch` rings the bell before it pushes the event into the inbox.
-    RingBeforePush,
-    /// `Reactor`'s Drop sets `shutdown` without ringing the bell.
-    DropWithoutRing,
-    /// The thread exits on `shutdown` even while events are still watched.
-    ShutdownDropsPending,
 }
 
 /// `std::thread::park`/`unpark` semantics (one token, kept until the next park), built from
@@ -113,15 +98,12 @@ impl Bell {
     }
 
     fn wait(&self, me: &Handle) {
-        if self.config.bug != Bug::WaitSkipsFlag && self.notified.swap(false, Ordering::AcqRel) {
+        if self.notified.swap(false, Ordering::AcqRel) {
             return;
         }
         me.park();
         match self.config.clear {
             Clear::Store => self.notified.store(false, Ordering::Release),
-            Clear::SwapRelease => {
-                self.notified.swap(false, Ordering::Release);
-            }
             Clear::SwapAcqRel => {
                 self.notified.swap(false, Ordering::AcqRel);
             }
@@ -169,11 +151,6 @@ impl Reactor {
     }
 
     pub(super) fn watch(&self, event: Ev) {
-        if self.shared.config.bug == Bug::RingBeforePush {
-            self.shared.bell.ring();
-            self.shared.inbox.lock().watch.push(event);
-            return;
-        }
         self.shared.inbox.lock().watch.push(event);
         self.shared.bell.ring();
     }
@@ -182,9 +159,7 @@ impl Reactor {
 impl Drop for Reactor {
     fn drop(&mut self) {
         self.shared.inbox.lock().shutdown = true;
-        if self.shared.config.bug != Bug::DropWithoutRing {
-            self.shared.bell.ring();
-        }
+        self.shared.bell.ring();
     }
 }
 
@@ -204,9 +179,6 @@ fn run(shared: Arc<Shared>) {
             let queue = queues.entry(event.stream_id()).or_default();
             let at = queue.partition_point(|e| e.seq() < event.seq());
             queue.insert(at, event);
-        }
-        if shared.config.bug == Bug::ShutdownDropsPending && shutdown {
-            return;
         }
 
         let progressed = poll_heads(&mut queues);

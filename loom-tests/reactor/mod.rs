@@ -9,24 +9,22 @@
 //! once it is dropped and nothing is pending (loom requires every thread to finish).
 //!
 //! # Which reactor
-//! The crate's `Reactor` cannot be checked by loom 0.7.2 as it is written: two loom bugs make
-//! it report failures that no real execution has (README.md, "Loom incompatibilities"):
+//! The models drive the crate's `Reactor`, and the planted bugs are switches in src/reactor.rs
+//! (`reactor::planted`). Two loom 0.7.2 bugs made it report failures that no real execution has
+//! (README.md, "Loom incompatibilities"), until src changed to sidestep them:
 //! - tokio-rs/loom#249: loom's `Thread::unpark` wakes a thread that is blocked on a *mutex*
 //!   (not parked) and drops the token; `Bell::ring` unparks the reactor whenever it rings, and
 //!   the reactor is often inside a lock then ("expected to be able to acquire lock", or a
-//!   deadlock when the token was needed);
+//!   deadlock when the token was needed). `crate::sync::thread` parks through a per-thread
+//!   mutex-and-condvar token under the loom cfg (std's semantics).
 //! - tokio-rs/loom#254: a plain `store` racing a `swap` on one atomic can squeeze between the
-//!   swap's read and write; `Bell::wait` clears the flag with `store(false)` after parking while
-//!   ringers `swap(true)`, so loom "loses" rings.
+//!   swap's read and write; `Bell::wait` cleared the flag with `store(false)` after parking
+//!   while ringers `swap(true)`, so loom "lost" rings. It clears with `swap(false, AcqRel)` now
+//!   (which a device flag published with an atomic needs anyway: `planted_clear_without_acquire`).
 //!
-//! So the models run by default drive [`mirror::Reactor`], a copy of `Bell`, `Reactor`, `run`
-//! and `poll_heads` as the simulated device uses them (no spin, no timed sleep, nothing to arm)
-//! that differs from src in exactly two places: it parks through a mutex-and-condvar
-//! [`mirror::Parker`] with std's one-token semantics (#249), and `Bell::wait` clears the flag
-//! after parking with `swap(false, AcqRel)` instead of `store(false, Release)` (#254; and see
-//! `planted_clear_without_acquire`: with an atomic device flag the clear must also acquire).
-//! The same models against the crate's `Reactor` are kept as `real_reactor_models`, ignored
-//! until src or loom changes; the `loom_false_positive_*` tests pin the two loom bugs down.
+//! [`mirror::Reactor`], a copy of `Bell`, `Reactor`, `run` and `poll_heads` cut down to what the
+//! simulated device uses, with loom's park and the old `store` as switches, is kept only for the
+//! `loom_false_positive_*` tests that pin the two loom bugs down.
 //!
 //! The fake device's "reached" flag is published two ways, and every model runs both:
 //! - [`Publish::Mutex`], as the simulated device does (`SimMarker` keeps its result under a
@@ -300,7 +298,6 @@ fn each_publish(bound: Option<usize>, model: impl Fn(Publish) + Sync + Send + 's
 const MIRROR: mirror::Config = mirror::Config {
     park: mirror::Park::Token,
     clear: mirror::Clear::SwapAcqRel,
-    bug: mirror::Bug::None,
 };
 
 impl UnderTest for mirror::Reactor {
