@@ -41,6 +41,9 @@
 //!   events completed (`release_after_all`), on the crate's `Completion`s.
 //! - [`words`]: the completion words' bookkeeping (`WordSlots`): a stream's word goes to a new
 //!   stream only after the GPU's last write for the old one landed (the GPU a thread).
+//! - [`pinned`]: the pinned host cache (`PinnedHostResource`): a freed block goes to an
+//!   allocation that claims it while pending or to the cache its completion callback fills,
+//!   never both.
 //! - [`timer`]: the deadlines' timer (`Timer`, `Deadline`) on a clock moved by hand: a deadline
 //!   wakes its task once it is due, never before, and a cancelled one never after it was
 //!   cancelled before falling due.
@@ -69,6 +72,7 @@ mod free_lists;
 mod frees_and_regrowth;
 mod history;
 mod nested_limits;
+mod pinned;
 mod races;
 mod reactor;
 mod relocation;

@@ -319,6 +319,12 @@ impl PinnedHostResource {
                 break;
             }
             let mut cache = self.shared.lock();
+            #[cfg(streamalloc_loom)]
+            if planted::CLAIM_LEAVES_PENDING.load(std::sync::atomic::Ordering::Relaxed) {
+                // The planted bug: claimed, but still pending, so its callback caches it too.
+                cache.live.insert(ptr, class);
+                return Ok(DevicePtr(ptr));
+            }
             if let Some(pending) = cache.take_pending(ptr, class, token) {
                 cache.live.insert(ptr, class);
                 drop(cache);
@@ -374,6 +380,16 @@ impl PinnedHostResource {
         cache.host_allocations += 1;
         Ok(DevicePtr(ptr as u64))
     }
+}
+
+/// A bug the loom model plants (`loom-tests/pinned.rs`), constant off otherwise.
+#[cfg(streamalloc_loom)]
+pub(crate) mod planted {
+    /// An allocation miss claims a pending block whose event is done without taking it out of
+    /// the pending list: the block's completion callback then caches it as well, and the next
+    /// allocation of its class gets it while it is still handed out.
+    pub(crate) static CLAIM_LEAVES_PENDING: std::sync::atomic::AtomicBool =
+        std::sync::atomic::AtomicBool::new(false);
 }
 
 /// Takes every ready block out of `cache`: (address, size class).
