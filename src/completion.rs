@@ -135,7 +135,9 @@ impl Completion {
             }
             // Before the result is published: whoever sees the result and then takes this lock
             // sees the stamp (`completed_at`).
-            waiters.completed_at = Some(Instant::now());
+            if !planted!(STAMP_AFTER_RESULT) {
+                waiters.completed_at = Some(Instant::now());
+            }
             if !before_error && !after_drain {
                 self.state.store(state, Ordering::Release);
             }
@@ -147,6 +149,10 @@ impl Completion {
         };
         if after_drain {
             self.state.store(state, Ordering::Release);
+        }
+        if planted!(STAMP_AFTER_RESULT) {
+            // The planted bug: the stamp written after the result was published.
+            self.waiters.lock().completed_at = Some(Instant::now());
         }
         for waker in wakers.into_iter().flatten() {
             guarded(WAKER, event, || waker.wake());
@@ -328,6 +334,9 @@ pub(crate) mod planted {
     pub(crate) static DEREGISTER_INDEXES: AtomicBool = AtomicBool::new(false);
     /// `hurry` sets its flag after letting go of the lock it took the wakers under.
     pub(crate) static HURRY_FLAG_OUTSIDE_LOCK: AtomicBool = AtomicBool::new(false);
+    /// `complete` writes the stamp (`completed_at`) after the result is published and the lock
+    /// let go (`loom-tests/reactor/stamp.rs`).
+    pub(crate) static STAMP_AFTER_RESULT: AtomicBool = AtomicBool::new(false);
 }
 
 /// What a caught panic's log says ran: a task's waker.
