@@ -134,11 +134,7 @@ fn planted_count_up_while_registering() {
         module_path!(),
         "planted_count_up_while_registering",
         "freed before every event completed",
-        || {
-            check_paths(None, &[], |seen| {
-                deferred_free(planted::COUNT_UP, seen)
-            })
-        },
+        || check_paths(None, &[], |seen| deferred_free(planted::COUNT_UP, seen)),
     );
 }
 
@@ -167,11 +163,7 @@ fn planted_free_on_first_event() {
         module_path!(),
         "planted_free_on_first_event",
         "freed before every event completed",
-        || {
-            check_paths(None, &[], |seen| {
-                deferred_free(planted::FIRST_EVENT, seen)
-            })
-        },
+        || check_paths(None, &[], |seen| deferred_free(planted::FIRST_EVENT, seen)),
     );
 }
 
@@ -184,10 +176,6 @@ fn planted_relaxed_countdown() {
         module_path!(),
         "planted_relaxed_countdown",
         "freed before every event completed",
-        || {
-            check_paths(None, &[], |seen| {
-                deferred_free(planted::RELAXED, seen)
-            })
-        },
+        || check_paths(None, &[], |seen| deferred_free(planted::RELAXED, seen)),
     );
 }

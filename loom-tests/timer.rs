@@ -93,7 +93,11 @@ fn register_cancel_and_fire(seen: &Shared<Seen>) {
     clock.join().unwrap();
     timer.shut_down();
     runner.join().unwrap();
-    assert_eq!(kept.wakes(), 1, "the kept deadline must wake its task exactly once");
+    assert_eq!(
+        kept.wakes(),
+        1,
+        "the kept deadline must wake its task exactly once"
+    );
     assert!(dropped.wakes() <= 1, "a deadline woke its task twice");
     if early {
         assert_eq!(
@@ -103,7 +107,10 @@ fn register_cancel_and_fire(seen: &Shared<Seen>) {
         );
     }
     seen.note("cancelled early", early);
-    seen.note("cancelled deadline woken (it was due)", dropped.wakes() == 1);
+    seen.note(
+        "cancelled deadline woken (it was due)",
+        dropped.wakes() == 1,
+    );
 }
 
 const PATHS: &[&str] = &["cancelled early"];
@@ -120,10 +127,15 @@ fn register_cancel_and_fire_race() {
 #[test]
 #[ignore = "planted bug: must fail"]
 fn planted_new_without_notify() {
-    must_fail(module_path!(), "planted_new_without_notify", "deadlock", || {
-        planted::NEW_WITHOUT_NOTIFY.store(true, std::sync::atomic::Ordering::Relaxed);
-        check_paths(Some(2), PATHS, register_cancel_and_fire);
-    });
+    must_fail(
+        module_path!(),
+        "planted_new_without_notify",
+        "deadlock",
+        || {
+            planted::NEW_WITHOUT_NOTIFY.store(true, std::sync::atomic::Ordering::Relaxed);
+            check_paths(Some(2), PATHS, register_cancel_and_fire);
+        },
+    );
 }
 
 /// Bug: a cancelled deadline keeps its waker (`timer::planted::CANCEL_KEEPS_WAKER`): it is woken

@@ -96,10 +96,7 @@ impl Timer {
             Clock::Os => Instant::now(),
             #[cfg(streamalloc_loom)]
             Clock::Manual { base, millis } => {
-                *base
-                    + std::time::Duration::from_millis(
-                        millis.load(crate::sync::Ordering::SeqCst),
-                    )
+                *base + std::time::Duration::from_millis(millis.load(crate::sync::Ordering::SeqCst))
             }
         }
     }
@@ -433,8 +430,13 @@ mod tests {
             err.to_string().contains("sa-timer") && err.to_string().contains("unavailable"),
             "{err}"
         );
-        assert!(slot.lock().unwrap().is_none(), "a timer with no thread was kept");
-        let started = get_or_start(&slot, |run| std::thread::Builder::new().spawn(run).map(drop));
+        assert!(
+            slot.lock().unwrap().is_none(),
+            "a timer with no thread was kept"
+        );
+        let started = get_or_start(&slot, |run| {
+            std::thread::Builder::new().spawn(run).map(drop)
+        });
         let timer = started.expect("the second start failed");
         let flag = Arc::new(Flag(AtomicBool::new(false)));
         let deadline = Deadline::on(timer.clone(), Instant::now(), &Waker::from(flag.clone()));
@@ -442,7 +444,10 @@ mod tests {
         while !flag.0.load(Ordering::SeqCst) && start.elapsed() < Duration::from_secs(10) {
             std::thread::sleep(Duration::from_millis(5));
         }
-        assert!(flag.0.load(Ordering::SeqCst), "the restarted timer never fired");
+        assert!(
+            flag.0.load(Ordering::SeqCst),
+            "the restarted timer never fired"
+        );
         drop(deadline);
     }
 }

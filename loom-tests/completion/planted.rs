@@ -3,9 +3,7 @@
 //! Each must fail; they are ignored by default (`-- --ignored` runs them). `must_fail` runs the model in a
 //! child process and checks the message loom or the model gave when it caught the bug.
 
-use super::callbacks::{
-    callbacks_vs_complete_model, double_complete_model,
-};
+use super::callbacks::{callbacks_vs_complete_model, double_complete_model};
 use super::wakers::{
     await_vs_complete_model, deregister_vs_complete_model, hurry_vs_register_model,
     register_vs_complete_model,
@@ -18,7 +16,8 @@ use crate::completion::Completion;
 /// planted test runs in a child process of its own (`must_fail`), so the switch stays on only
 /// there.
 fn planted(bug: Bug) -> Completion {
-    bug.switch().store(true, std::sync::atomic::Ordering::Relaxed);
+    bug.switch()
+        .store(true, std::sync::atomic::Ordering::Relaxed);
     Completion::new()
 }
 

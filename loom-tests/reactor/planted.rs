@@ -70,7 +70,9 @@ fn planted_shutdown_drops_pending() {
         "a deferred callback was dropped without running",
         || {
             switch_on(&crate::reactor::planted::SHUTDOWN_DROPS_PENDING);
-            check(Some(3), || callback_then_shutdown::<Reactor>((), Publish::Mutex));
+            check(Some(3), || {
+                callback_then_shutdown::<Reactor>((), Publish::Mutex)
+            });
         },
     );
 }

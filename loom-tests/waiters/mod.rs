@@ -50,10 +50,10 @@ use loom::thread;
 use super::{check_paths, must_fail, CountingWaker, Seen, Shared};
 use crate::sync::{Arc, AtomicUsize, Mutex, Ordering};
 
-/// The crate's own queue (src/resource/waiters.rs; see the module doc).
-use crate::resource::waiters;
 /// The crate's own waiting state machine (src/resource/wait.rs), which `Allocate::poll` runs.
 use crate::resource::wait::{Attempt, Wait};
+/// The crate's own queue (src/resource/waiters.rs; see the module doc).
+use crate::resource::waiters;
 
 // The models by what they drive, each file with its default and planted `#[test]`s; the copy of
 // the queue with bugs planted in it.

@@ -89,7 +89,10 @@ fn cancel<Q: Queue>(polls: usize, seen: &Shared<Seen>) {
                     break;
                 }
             }
-            seen.note(WOKEN_THEN_CANCELLED, x.wait.id.is_some() && counter.wakes() > 0);
+            seen.note(
+                WOKEN_THEN_CANCELLED,
+                x.wait.id.is_some() && counter.wakes() > 0,
+            );
             drop(x);
         })
     };
@@ -143,9 +146,7 @@ fn cancel_at_every_point() {
 #[ignore = "checks the planted copy itself; run with --ignored"]
 fn planted_none_passes() {
     type Q = planted::Waiters<{ planted::NONE }>;
-    check_paths(None, &[FAST, RETRY, BATON], |seen| {
-        wake_on_free::<Q>(seen)
-    });
+    check_paths(None, &[FAST, RETRY, BATON], |seen| wake_on_free::<Q>(seen));
     check_paths(Some(3), &[BATON], |seen| fifo::<Q>(seen));
     for polls in 0..=2 {
         check_paths(Some(3), &[BATON], move |seen| cancel::<Q>(polls, seen));

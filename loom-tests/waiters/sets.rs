@@ -141,9 +141,7 @@ const SET_RETRIED: &str = "a set tried more than once";
 /// Exhaustive.
 #[test]
 fn set_head_gives_back_without_waking_itself() {
-    check_paths(None, &[], |_| {
-        set_head_does_not_wake_itself()
-    });
+    check_paths(None, &[], |_| set_head_does_not_wake_itself());
 }
 
 /// Bound 3: 2 threads.

@@ -95,7 +95,9 @@ impl DeviceBuffer {
         Self::alloc_inner(resource.resource_ref(), bytes, stream, None).await
     }
 
-    /// [`alloc`](Self::alloc), giving up with [`Error::Timeout`] after `limit`.
+    /// [`alloc`](Self::alloc), giving up with [`Error::Timeout`] after `limit` (or with
+    /// [`Error::Io`] at once if it must wait and the OS cannot start the thread that keeps the
+    /// deadlines; see [`Allocate::timeout`](crate::resource::Allocate::timeout)).
     pub async fn alloc_timeout(
         resource: &impl AsResourceRef,
         bytes: usize,
