@@ -134,6 +134,7 @@ mod imp {
         /// loom has no time: a timed wait is a plain wait, ended only by a notification (as
         /// `park_timeout` is `park`). A model that needs time to pass notifies the condvar where
         /// the timeout would have ended the wait (the timer's model does, with its clock).
+        #[cfg_attr(not(test), allow(dead_code))] // the timer's loop runs only in its model
         pub(crate) fn wait_timeout<'a, T>(
             &self,
             guard: MutexGuard<'a, T>,

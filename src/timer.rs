@@ -6,6 +6,10 @@
 //! Under the loom cfg the global timer starts no thread (time does not pass in a loom model, as
 //! `park_timeout` is `park` there): a deadline registered by a user's model never falls due.
 
+// Under the loom cfg outside the crate's tests nothing runs the timer's loop or its hand-moved
+// clock (the global timer starts no thread): they are there for the model.
+#![cfg_attr(all(streamalloc_loom, not(test)), allow(dead_code))]
+
 use std::cmp::Reverse;
 use std::collections::{BinaryHeap, HashMap};
 use std::task::Waker;
