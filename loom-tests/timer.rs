@@ -153,3 +153,19 @@ fn planted_cancel_keeps_waker() {
         },
     );
 }
+
+/// Bug: the thread takes a deadline less than a millisecond away for due
+/// (`timer::planted::FIRES_EARLY`): the task is woken while the clock still reads 0.
+#[test]
+#[ignore = "planted bug: must fail"]
+fn planted_fires_early() {
+    must_fail(
+        module_path!(),
+        "planted_fires_early",
+        "a deadline at 1 ms woke its task at 0 ms",
+        || {
+            planted::FIRES_EARLY.store(true, std::sync::atomic::Ordering::Relaxed);
+            check_paths(Some(2), PATHS, register_cancel_and_fire);
+        },
+    );
+}

@@ -111,6 +111,13 @@ impl Timer {
         let mut state = self.state.lock();
         loop {
             let now = self.now();
+            // The planted bug: a deadline within a millisecond counts as due.
+            #[cfg(streamalloc_loom)]
+            let now = if planted::FIRES_EARLY.load(std::sync::atomic::Ordering::Relaxed) {
+                now + std::time::Duration::from_millis(1)
+            } else {
+                now
+            };
             let mut due = Vec::new();
             while let Some(&Reverse((at, id))) = state.heap.peek() {
                 // A cancelled entry on top goes now, not when it falls due: the thread then
@@ -343,6 +350,9 @@ pub(crate) mod planted {
         std::sync::atomic::AtomicBool::new(false);
     /// A cancelled deadline keeps its waker, which is woken when it falls due.
     pub(crate) static CANCEL_KEEPS_WAKER: std::sync::atomic::AtomicBool =
+        std::sync::atomic::AtomicBool::new(false);
+    /// The thread takes a deadline less than a millisecond away for due, and wakes it early.
+    pub(crate) static FIRES_EARLY: std::sync::atomic::AtomicBool =
         std::sync::atomic::AtomicBool::new(false);
 }
 
