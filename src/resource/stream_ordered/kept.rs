@@ -43,10 +43,10 @@ impl<S: EngineStream> Drop for Kept<S> {
 /// more for each clone, one less for each drop, and [`set_kept`](Self::set_kept) for
 /// [`Kept`]. A field of the fake: its derived `Clone` then counts. Std's atomics, not loom's:
 /// a count the models read, not a race they explore.
-#[cfg(any(test, streamalloc_loom))]
+#[cfg(test)]
 pub(crate) struct Users(std::sync::Arc<std::sync::atomic::AtomicUsize>);
 
-#[cfg(any(test, streamalloc_loom))]
+#[cfg(test)]
 impl Users {
     /// The count of a new stream: its one handle.
     pub(crate) fn new() -> Self {
@@ -68,7 +68,7 @@ impl Users {
     }
 }
 
-#[cfg(any(test, streamalloc_loom))]
+#[cfg(test)]
 impl Clone for Users {
     fn clone(&self) -> Self {
         self.0.fetch_add(1, std::sync::atomic::Ordering::SeqCst);
@@ -76,7 +76,7 @@ impl Clone for Users {
     }
 }
 
-#[cfg(any(test, streamalloc_loom))]
+#[cfg(test)]
 impl Drop for Users {
     fn drop(&mut self) {
         self.0.fetch_sub(1, std::sync::atomic::Ordering::SeqCst);

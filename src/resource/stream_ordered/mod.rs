@@ -85,7 +85,7 @@ use blocks::{BlockTable, NO_OWNER};
 pub(crate) use chunks::ChunkTable as ChunkTableForLoom;
 use chunks::ChunkTable;
 pub(crate) use kept::Kept;
-#[cfg(any(test, streamalloc_loom))]
+#[cfg(test)]
 pub(crate) use kept::Users;
 use order::Orders;
 pub(crate) use view::ListBlocks;
