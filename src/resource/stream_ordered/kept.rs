@@ -5,11 +5,11 @@ use std::ops::Deref;
 
 use super::EngineStream;
 
-/// A handle of a stream kept in the engine's registry. It does not count in
-/// [`EngineStream::users`]: the engine lets go of the stream once no handle but kept ones is
-/// left, however many resources keep one (each engine counting its own handles and
-/// the `Arc`'s count, a pool over a pool never saw the other's handle go, and kept every
-/// stream ever dropped).
+/// A handle of a stream kept in a resource's registry (the engine's, the arena's). It does
+/// not count in [`EngineStream::users`], so a resource lets go of the stream once no handle but
+/// kept ones is left, however many resources keep one. (Before, each engine compared the
+/// stream's `Arc` count with its own handles: a pool over a pool, or a pool beside an arena,
+/// took the other resource's handle for the user's and kept every stream ever dropped.)
 pub(crate) struct Kept<S: EngineStream>(S);
 
 impl<S: EngineStream> Kept<S> {
