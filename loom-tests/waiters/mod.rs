@@ -16,9 +16,8 @@
 //!   `Allocate::poll` but the zero-byte shortcut and the resource call, which `Alloc`'s attempt
 //!   replaces with the fake resource (`Allocate` itself needs a `MemoryResource` and a
 //!   `Stream`; the resource here is the fake below). Its bugs are switches in src
-//!   (`resource::wait::planted`). Deadlines are left out: a timeout leaves the queue through
-//!   the same `remove` as a cancellation. Only over the planted copy of the queue does `Alloc`
-//!   run a copy of the same calls (`Wait::poll` takes the real queue).
+//!   (`resource::wait::planted`), as are the queue's (`resource::waiters::planted`). Deadlines
+//!   are left out: a timeout leaves the queue through the same `remove` as a cancellation.
 //! - The resource is [`Memory`]: free bytes in an `AtomicUsize`; a try takes them with a CAS
 //!   loop (acquire), a free adds them (release) and calls `notify`, as `PoolResource::deallocate`
 //!   does. Relaxed/acq-rel atomics are the weakest a resource could use: the store buffering
@@ -42,7 +41,6 @@
 use std::future::Future;
 use std::pin::Pin;
 use std::task::{Context, Poll, Waker};
-use std::time::Duration;
 
 use loom::future::block_on;
 use loom::thread;
@@ -55,10 +53,8 @@ use crate::resource::wait::{Attempt, Wait};
 /// The crate's own queue (src/resource/waiters.rs; see the module doc).
 use crate::resource::waiters;
 
-// The models by what they drive, each file with its default and planted `#[test]`s; the copy of
-// the queue with bugs planted in it.
+// The models by what they drive, each file with its default and planted `#[test]`s.
 mod limiting;
-mod planted;
 mod queue;
 mod sets;
 
@@ -101,7 +97,7 @@ impl Memory {
     }
 
     /// `deallocate`: the bytes come back, then the waiters are told.
-    fn give<Q: Queue>(&self, bytes: usize, waiters: &Q) {
+    fn give(&self, bytes: usize, waiters: &Real) {
         self.free.fetch_add(bytes, Ordering::Release);
         waiters.notify();
     }
@@ -122,78 +118,18 @@ impl TryTake for Memory {
     }
 }
 
-/// What the models need from a waiters queue.
-trait Queue: Send + Sync + 'static {
-    fn new() -> Self;
-    fn notify(&self);
-    fn is_empty(&self) -> bool;
-    fn register(&self, bytes: usize, waker: &Waker) -> (u64, bool);
-    fn poll_entry(&self, id: u64, waker: &Waker) -> Option<bool>;
-    /// `remove(id, Leave::Served(..))` if `served`, else `remove(id, Leave::Cancelled)`.
-    fn remove(&self, id: u64, served: bool);
-    /// One poll of `alloc`: the copy of `Wait::poll`'s calls, unless the queue is the real one.
-    fn poll_alloc(alloc: &mut Alloc<'_, Self>, cx: &mut Context<'_>) -> Poll<()>
-    where
-        Self: Sized,
-    {
-        alloc.poll_copy(cx)
-    }
-    /// `alloc` dropped: leave the queue if in it.
-    fn cancel_alloc(alloc: &mut Alloc<'_, Self>)
-    where
-        Self: Sized,
-    {
-        alloc.leave_copy(false)
-    }
-}
-
-impl Queue for waiters::MemoryWaiters {
-    fn new() -> Self {
-        waiters::MemoryWaiters::new()
-    }
-    fn notify(&self) {
-        waiters::MemoryWaiters::notify(self)
-    }
-    fn is_empty(&self) -> bool {
-        waiters::MemoryWaiters::is_empty(self)
-    }
-    fn register(&self, bytes: usize, waker: &Waker) -> (u64, bool) {
-        waiters::MemoryWaiters::register(self, bytes, waker)
-    }
-    fn poll_entry(&self, id: u64, waker: &Waker) -> Option<bool> {
-        waiters::MemoryWaiters::poll_entry(self, id, waker)
-    }
-    fn remove(&self, id: u64, served: bool) {
-        let outcome = if served {
-            waiters::Leave::Served(Duration::ZERO)
-        } else {
-            waiters::Leave::Cancelled
-        };
-        waiters::MemoryWaiters::remove(self, id, outcome)
-    }
-    fn poll_alloc(alloc: &mut Alloc<'_, Self>, cx: &mut Context<'_>) -> Poll<()> {
-        alloc.poll_real(cx)
-    }
-    fn cancel_alloc(alloc: &mut Alloc<'_, Self>) {
-        // `Allocate`'s Drop.
-        alloc.wait.cancel(Some(alloc.waiters))
-    }
-}
-
+/// The queue: the crate's own.
 type Real = waiters::MemoryWaiters;
 
 /// `Allocate`: the crate's own `Wait::poll` (src/resource/wait.rs, the whole state machine of
 /// `Allocate::poll` but for the zero-byte shortcut and the resource call), with an attempt that
 /// takes from the fake resource, and `Wait::cancel` on drop as `Allocate`'s Drop does. Its
-/// bugs are switches in src (`resource::wait::planted`).
-///
-/// Over a planted copy of the queue (`planted::Waiters`, which `Wait::poll`, taking the real
-/// `MemoryWaiters`, cannot use) it runs [`Alloc::poll_copy`], a copy of the same calls in the
-/// same order.
-struct Alloc<'a, Q: Queue> {
+/// bugs, and the queue's, are switches in src (`resource::wait::planted`,
+/// `resource::waiters::planted`).
+struct Alloc<'a> {
     memory: &'a dyn TryTake,
-    waiters: &'a Q,
-    /// The real state machine (its `id` is the place in the queue; the copy uses it too).
+    waiters: &'a Real,
+    /// The real state machine (its `id` is the place in the queue).
     wait: Wait,
     /// How it was served, once it was: for the models' path counts.
     served: Option<&'static str>,
@@ -205,8 +141,8 @@ const FAST: &str = "fast";
 const RETRY: &str = "retry after register";
 const BATON: &str = "baton";
 
-impl<'a, Q: Queue> Alloc<'a, Q> {
-    fn new(memory: &'a dyn TryTake, waiters: &'a Q) -> Self {
+impl<'a> Alloc<'a> {
+    fn new(memory: &'a dyn TryTake, waiters: &'a Real) -> Self {
         Alloc {
             memory,
             waiters,
@@ -215,47 +151,6 @@ impl<'a, Q: Queue> Alloc<'a, Q> {
         }
     }
 
-    /// The copy of `Wait::poll`'s calls to the queue, for the planted copies of the queue.
-    fn poll_copy(&mut self, cx: &mut Context<'_>) -> Poll<()> {
-        let waiters = self.waiters;
-        // The common case, kept to one try: not queued, nobody waiting.
-        if self.wait.id.is_none() && waiters.is_empty() && self.memory.try_take(N) {
-            self.served = Some(FAST);
-            return Poll::Ready(());
-        }
-        let try_now = match self.wait.id {
-            // Not queued and the try above failed, or others wait (FIFO: queue behind them).
-            None => false,
-            // Queued: try when woken with the baton.
-            Some(id) => waiters.poll_entry(id, cx.waker()).unwrap_or(true),
-        };
-        if try_now && self.memory.try_take(N) {
-            self.served = Some(BATON);
-            self.leave_copy(true);
-            return Poll::Ready(());
-        }
-        if self.wait.id.is_none() {
-            let (id, first) = waiters.register(N, cx.waker());
-            self.wait.id = Some(id);
-            // Memory freed between our failed try and the registration notified nobody: try
-            // once more if we are first in line.
-            if first && self.memory.try_take(N) {
-                self.served = Some(RETRY);
-                self.leave_copy(true);
-                return Poll::Ready(());
-            }
-        }
-        Poll::Pending
-    }
-
-    fn leave_copy(&mut self, served: bool) {
-        if let Some(id) = self.wait.id.take() {
-            self.waiters.remove(id, served);
-        }
-    }
-}
-
-impl<'a> Alloc<'a, Real> {
     /// `Allocate::poll`: the crate's `Wait::poll`.
     fn poll_real(&mut self, cx: &mut Context<'_>) -> Poll<()> {
         let memory = self.memory;
@@ -297,18 +192,19 @@ impl<'a> Alloc<'a, Real> {
 /// The resource's maximum as its out-of-memory errors tell it (more than any model holds).
 const MAXIMUM: usize = 16 * N;
 
-impl<Q: Queue> Future for Alloc<'_, Q> {
+impl Future for Alloc<'_> {
     type Output = ();
 
     fn poll(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<()> {
-        Q::poll_alloc(self.get_mut(), cx)
+        self.get_mut().poll_real(cx)
     }
 }
 
-impl<Q: Queue> Drop for Alloc<'_, Q> {
+impl Drop for Alloc<'_> {
     fn drop(&mut self) {
-        // Cancelled while waiting: leave the queue, passing on a wakeup we may have been given.
-        Q::cancel_alloc(self);
+        // `Allocate`'s Drop: cancelled while waiting, leave the queue, passing on a wakeup we
+        // may have been given.
+        self.wait.cancel(Some(self.waiters))
     }
 }
 
@@ -318,7 +214,7 @@ fn poll_once<F: Future + Unpin>(future: &mut F, waker: &Waker) -> Poll<F::Output
 }
 
 /// After every thread is done: nobody waits, and every byte is back.
-fn settled<Q: Queue>(waiters: &Q, memory: &Memory, bytes: usize) {
+fn settled(waiters: &Real, memory: &Memory, bytes: usize) {
     assert!(waiters.is_empty(), "a waiter was left behind in the queue");
     assert_eq!(memory.free(), bytes, "bytes lost or made up");
 }

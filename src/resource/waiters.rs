@@ -1,7 +1,7 @@
 //! The memory waiters queue behind `allocate_async`: tasks that wait for memory instead of
 //! failing, served first come, first served.
 //!
-//! Protocol (the loom model `loom-tests/waiters.rs` checks it):
+//! Protocol (the loom models in `loom-tests/waiters/` check it):
 //! - a task whose allocation failed registers, then **tries once more** if it is first in line:
 //!   memory freed between its failed try and its registration found nobody to notify;
 //! - a free calls [`MemoryWaiters::notify`]: the first waiter is marked notified (it holds the
@@ -41,6 +41,18 @@ use std::time::{Duration, Instant};
 
 use crate::sync::plain::{Arc as StdArc, RwLock};
 use crate::sync::{fence, AtomicU64, AtomicUsize, Mutex, Ordering};
+
+/// Whether a loom model switched the bug `planted::$name` on: a relaxed load under the loom cfg,
+/// the constant `false` otherwise (the branches it guards compile away).
+macro_rules! planted {
+    ($name:ident) => {{
+        #[cfg(streamalloc_loom)]
+        let on = planted::$name.load(std::sync::atomic::Ordering::Relaxed);
+        #[cfg(not(streamalloc_loom))]
+        let on = false;
+        on
+    }};
+}
 
 crate::sync::thread_local! {
     /// The queue (its address) whose notifications from this thread are dropped: set by
@@ -226,7 +238,9 @@ impl MemoryWaiters {
         // Store buffering: a waiter writes `len` then reads the resource's state; a free writes
         // the state then reads `len`. Without a full fence on both sides each could miss the
         // other's write and the wakeup would be lost (the waiter's fence is in `register`).
-        fence(Ordering::SeqCst);
+        if !planted!(NO_FENCES) {
+            fence(Ordering::SeqCst);
+        }
         // The queues above first, and whatever this queue's own state: memory that came back
         // here may serve a request waiting there. Each does its own fence and checks.
         self.notify_relays();
@@ -333,7 +347,9 @@ impl MemoryWaiters {
         self.bytes_waiting.fetch_add(bytes, Ordering::Relaxed);
         // Pairs with the fence in `notify`: our retry after registering sees a free that missed
         // us, or that free sees us (see `notify`).
-        fence(Ordering::SeqCst);
+        if !planted!(NO_FENCES) {
+            fence(Ordering::SeqCst);
+        }
         (id, queue.entries.len() == 1)
     }
 
@@ -362,7 +378,8 @@ impl MemoryWaiters {
                 .expect("found above under the lock");
             self.len.fetch_sub(1, Ordering::Release);
             self.bytes_waiting.fetch_sub(entry.bytes, Ordering::Relaxed);
-            if at == 0 {
+            // (The planted bug: the baton is not passed on.)
+            if at == 0 && !planted!(NO_HAND_OFF) {
                 queue.entries.front_mut().map(|next| {
                     next.notified = true;
                     next.waker.clone()
@@ -399,4 +416,18 @@ pub(crate) enum Leave {
 /// The start of a wait, for its statistics.
 pub(crate) fn now() -> Instant {
     Instant::now()
+}
+
+/// Bugs the loom models plant (`loom-tests/waiters/queue.rs`), constant off otherwise; read
+/// through `planted!`.
+#[cfg(streamalloc_loom)]
+pub(crate) mod planted {
+    use std::sync::atomic::AtomicBool;
+
+    /// `remove` does not wake the next waiter when the first leaves: a notification the
+    /// leaving head held is swallowed.
+    pub(crate) static NO_HAND_OFF: AtomicBool = AtomicBool::new(false);
+    /// `register` and `notify` without their SeqCst fences: the waiter's retry and the free's
+    /// `len` load can each miss the other's write (store buffering).
+    pub(crate) static NO_FENCES: AtomicBool = AtomicBool::new(false);
 }
