@@ -1,25 +1,20 @@
-//! `LimitingAdaptor`: its byte count (`Limit`, the real one) over the fake resource, with its own
-//! queue: a rollback wakes the waiter it refused, never the waiter itself.
+//! `LimitingAdaptor`: its byte count, allocation and rollback (`Limit`, the real ones) over the
+//! fake resource, with its own queue: a rollback wakes the waiter it refused, never the waiter
+//! itself.
 
 use super::*;
 
-/// What a rollback after an upstream failure does.
-#[derive(Clone, Copy, PartialEq, Eq, Debug)]
-enum Rollback {
-    /// The adaptor's: notify if the limit refused someone meanwhile.
-    IfRefused,
-    /// Planted: always notify (before the fix: the waiter woke itself).
-    Always,
-    /// Planted: never notify (a waiter refused because of the reservation is never woken).
-    Never,
-}
+/// The planted rollback bugs (switches in src/resource/adaptor/limiting.rs).
+use crate::resource::adaptor::limiting_planted as planted;
 
-/// `LimitingAdaptor::allocate` and `deallocate` over `upstream`, with the adaptor's queue.
+/// `LimitingAdaptor`'s own `allocate` and `deallocate` (`Limit::allocate_through` and
+/// `Limit::release`: reserve, try the upstream, roll back; give back and notify) over the fake
+/// resource as its upstream, with the adaptor's queue. (The adaptor itself needs an upstream
+/// `MemoryResource` and a `Stream`; only its rounding and the call of the upstream are not run.)
 struct Limited {
     limit: crate::resource::adaptor::Limit,
     upstream: Memory,
     waiters: Real,
-    rollback: Rollback,
     /// Tries so far, and the most a model allows: a waiter that wakes itself tries again and
     /// again (its polls cannot be counted instead: loom's `block_on` wakes spuriously, and a
     /// spurious wake without the baton tries nothing).
@@ -28,12 +23,11 @@ struct Limited {
 }
 
 impl Limited {
-    fn new(limit: usize, upstream_free: usize, rollback: Rollback, max_tries: usize) -> Self {
+    fn new(limit: usize, upstream_free: usize, max_tries: usize) -> Self {
         Limited {
             limit: crate::resource::adaptor::Limit::new(limit),
             upstream: Memory::new(upstream_free),
             waiters: Real::new(),
-            rollback,
             tries: std::sync::atomic::AtomicUsize::new(0),
             max_tries,
         }
@@ -43,8 +37,7 @@ impl Limited {
     /// adaptor gives its count back and wakes its first waiter.
     fn free(&self, bytes: usize) {
         self.upstream.free.fetch_add(bytes, Ordering::Release);
-        self.limit.give_back(bytes);
-        self.waiters.notify();
+        self.limit.release(bytes, &self.waiters);
     }
 }
 
@@ -57,30 +50,32 @@ impl TryTake for Limited {
             tries <= self.max_tries,
             "tried {tries} times: it woke itself"
         );
-        if self.limit.reserve(bytes).is_err() {
-            return false;
-        }
-        if self.upstream.try_take(bytes) {
-            return true;
-        }
-        let refused = self.limit.give_back(bytes);
-        let notify = match self.rollback {
-            Rollback::IfRefused => refused,
-            Rollback::Always => true,
-            Rollback::Never => false,
-        };
-        if notify {
-            self.waiters.notify();
-        }
-        false
+        (self.limit)
+            .allocate_through(bytes, &self.waiters, || {
+                if self.upstream.try_take(bytes) {
+                    Ok(())
+                } else {
+                    Err(crate::Error::OutOfMemory {
+                        requested: bytes,
+                        available: 0,
+                        maximum: MAXIMUM,
+                    })
+                }
+            })
+            .is_ok()
     }
+}
+
+/// Switches the planted bug `bug` on (in a `must_fail` child).
+fn plant(bug: &std::sync::atomic::AtomicBool) {
+    bug.store(true, std::sync::atomic::Ordering::Relaxed);
 }
 
 /// A limit of 2N over an upstream with N free. X makes one request for 2N, which the upstream
 /// refuses: while X holds its reservation, the limit refuses W's request for N, at its first
 /// try, its retry after registering, or its retry with the baton. X's rollback must wake W.
-fn limit_rollback_wakes_the_refused(rollback: Rollback) {
-    let limited = Arc::new(Limited::new(2 * N, N, rollback, usize::MAX));
+fn limit_rollback_wakes_the_refused() {
+    let limited = Arc::new(Limited::new(2 * N, N, usize::MAX));
     let x = {
         let limited = limited.clone();
         thread::spawn(move || assert!(!limited.try_take(2 * N), "the upstream holds only N"))
@@ -98,9 +93,9 @@ fn limit_rollback_wakes_the_refused(rollback: Rollback) {
 /// A limit of 2N over an upstream with nothing free; N are held through the adaptor. W waits
 /// for N: each of its tries reserves, fails upstream and rolls back. F frees the N. W must be
 /// served after three tries at most: its own rollbacks must not wake it.
-fn limit_rollback_does_not_wake_itself(rollback: Rollback) {
+fn limit_rollback_does_not_wake_itself() {
     // The first try, the retry after registering, the try with the baton F's free gives.
-    let limited = Arc::new(Limited::new(2 * N, 0, rollback, 3));
+    let limited = Arc::new(Limited::new(2 * N, 0, 3));
     limited.limit.reserve(N).expect("the held block");
     let f = {
         let limited = limited.clone();
@@ -117,19 +112,15 @@ fn limit_rollback_does_not_wake_itself(rollback: Rollback) {
 
 #[test]
 fn limiting_rollback_wakes_a_waiter_it_refused() {
-    check_paths(None, &[], |_| {
-        limit_rollback_wakes_the_refused(Rollback::IfRefused)
-    });
+    check_paths(None, &[], |_| limit_rollback_wakes_the_refused());
 }
 
 #[test]
 fn limiting_rollback_does_not_wake_the_waiter_itself() {
-    check_paths(None, &[], |_| {
-        limit_rollback_does_not_wake_itself(Rollback::IfRefused)
-    });
+    check_paths(None, &[], |_| limit_rollback_does_not_wake_itself());
 }
 
-/// Bug: a rollback never notifies. A waiter the limit refused while the reservation was held
+/// Bug: a rollback never notifies (`ROLLBACK_NEVER_NOTIFIES`). A waiter the limit refused while the reservation was held
 /// is never woken.
 #[test]
 #[ignore = "planted bug: must fail"]
@@ -139,14 +130,13 @@ fn planted_limiting_rollback_never_notifies() {
         "planted_limiting_rollback_never_notifies",
         "deadlock",
         || {
-            check_paths(None, &[], |_| {
-                limit_rollback_wakes_the_refused(Rollback::Never)
-            })
+            plant(&planted::ROLLBACK_NEVER_NOTIFIES);
+            check_paths(None, &[], |_| limit_rollback_wakes_the_refused())
         },
     );
 }
 
-/// Bug (the code before the fix): a rollback always notifies. The waiter is the first in line,
+/// Bug (the code before the fix): a rollback always notifies (`ROLLBACK_ALWAYS_NOTIFIES`). The waiter is the first in line,
 /// so its own rollback wakes it, and it tries again and again until the free comes.
 #[test]
 #[ignore = "planted bug: must fail"]
@@ -156,15 +146,14 @@ fn planted_limiting_rollback_always_notifies() {
         "planted_limiting_rollback_always_notifies",
         "woke itself",
         || {
-            check_paths(Some(2), &[], |_| {
-                limit_rollback_does_not_wake_itself(Rollback::Always)
-            })
+            plant(&planted::ROLLBACK_ALWAYS_NOTIFIES);
+            check_paths(Some(2), &[], |_| limit_rollback_does_not_wake_itself())
         },
     );
 }
 
-/// Bug in the adaptor's own count (`Limit`, not the model's copy of the rollback): a refusal
-/// leaves no mark (`limiting_planted::REFUSAL_NOT_MARKED`), so the rollback that caused it
+/// Bug in the adaptor's own count (`Limit::reserve`): a refusal leaves no mark
+/// (`REFUSAL_NOT_MARKED`), so the rollback that caused it
 /// wakes nobody, and the refused waiter sleeps with the memory free.
 #[test]
 #[ignore = "planted bug: must fail"]
@@ -174,11 +163,8 @@ fn planted_limit_refusal_not_marked() {
         "planted_limit_refusal_not_marked",
         "deadlock",
         || {
-            crate::resource::adaptor::limiting_planted::REFUSAL_NOT_MARKED
-                .store(true, std::sync::atomic::Ordering::Relaxed);
-            check_paths(None, &[], |_| {
-                limit_rollback_wakes_the_refused(Rollback::IfRefused)
-            })
+            plant(&planted::REFUSAL_NOT_MARKED);
+            check_paths(None, &[], |_| limit_rollback_wakes_the_refused())
         },
     );
 }

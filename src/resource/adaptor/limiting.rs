@@ -10,6 +10,18 @@ use crate::stream::Stream;
 use crate::sync::plain::Arc as StdArc;
 use crate::sync::{AtomicUsize, Ordering};
 
+/// Whether a loom model switched the bug `planted::$name` on: a relaxed load under the loom cfg,
+/// the constant `false` otherwise (the branches it guards compile away).
+macro_rules! planted {
+    ($name:ident) => {{
+        #[cfg(streamalloc_loom)]
+        let on = planted::$name.load(std::sync::atomic::Ordering::Relaxed);
+        #[cfg(not(streamalloc_loom))]
+        let on = false;
+        on
+    }};
+}
+
 /// Caps the bytes outstanding through it at a limit (RMM's `limiting_resource_adaptor`).
 ///
 /// - Each allocation counts as its size rounded up to 256 bytes
@@ -95,10 +107,7 @@ impl Limit {
                 Some(total) => total | (state & REFUSED),
                 None => state | REFUSED,
             };
-            #[cfg(streamalloc_loom)]
-            if fits.is_none()
-                && planted::REFUSAL_NOT_MARKED.load(std::sync::atomic::Ordering::Relaxed)
-            {
+            if fits.is_none() && planted!(REFUSAL_NOT_MARKED) {
                 // The planted bug: a refusal leaves no mark for the rollback to see.
                 return Err(used);
             }
@@ -124,6 +133,77 @@ impl Limit {
     /// nobody, so a later rollback must still see the refusals that came before it.
     pub(crate) fn give_back_quietly(&self, size: usize) {
         self.give_back_marking(size, true);
+    }
+
+    /// `LimitingAdaptor::allocate` once the size is rounded (`size`, a multiple of 256):
+    /// reserves it under the limit (or fails with the numbers of the refusal), asks `upstream`,
+    /// and on the upstream's failure rolls the reservation back ([`rollback`](Self::rollback)).
+    /// Apart from the adaptor so that the loom models (`loom-tests/waiters/limiting.rs`) run it
+    /// over a fake upstream.
+    pub(crate) fn allocate_through<T>(
+        &self,
+        size: usize,
+        waiters: &MemoryWaiters,
+        upstream: impl FnOnce() -> Result<T>,
+    ) -> Result<T> {
+        self.reserve(size).map_err(|used| {
+            tracing::debug!(
+                requested = size,
+                used,
+                limit = self.limit,
+                "LimitingAdaptor: over the limit"
+            );
+            Error::OutOfMemory {
+                requested: size,
+                available: self.limit.saturating_sub(used),
+                maximum: self.limit,
+            }
+        })?;
+        match upstream() {
+            Ok(got) => Ok(got),
+            Err(e) => {
+                // Our reservation may have made a waiter fail meanwhile: `rollback` wakes it
+                // then, and only then.
+                self.rollback(size, waiters);
+                Err(e)
+            }
+        }
+    }
+
+    /// Memory freed through the adaptor: give it back and wake the first waiter. Inside the
+    /// head waiter's quiet give-back (`allocate_all_async` returning part of a set), whose
+    /// notification is dropped, the refusal mark stays: a request that reserved before the
+    /// head was refused, and fails upstream later, must still wake the head when it rolls
+    /// back (a review found the head of a set left asleep with the memory free). That holds
+    /// for the head of a queue above this one that we relay to as well: its give-back comes
+    /// down through us, and it may have been refused here.
+    pub(crate) fn release(&self, size: usize, waiters: &MemoryWaiters) {
+        if waiters.is_quiet() {
+            self.give_back_quietly(size);
+        } else {
+            self.give_back(size);
+        }
+        // Dropped for the quiet queue only: the others (ours when the quiet head is above us,
+        // the ones above when it is ours) hear of it.
+        waiters.notify();
+    }
+
+    /// The upstream refused a request we had reserved for: give the reservation back, and wake
+    /// the first waiter only if the limit refused someone while we held it (that may have been
+    /// the waiter's retry). Otherwise nobody's failure was ours, and the first waiter is often
+    /// the caller itself: waking it would only make it fail again at once, in a loop.
+    fn rollback(&self, size: usize, waiters: &MemoryWaiters) {
+        let refused = self.give_back(size);
+        // (The planted bugs: a rollback that always notifies, the code before the fix; one
+        // that never does.)
+        let notify = if planted!(ROLLBACK_ALWAYS_NOTIFIES) {
+            true
+        } else {
+            refused && !planted!(ROLLBACK_NEVER_NOTIFIES)
+        };
+        if notify {
+            waiters.notify();
+        }
     }
 
     fn give_back_marking(&self, size: usize, keep_mark: bool) -> bool {
@@ -192,52 +272,6 @@ impl<U: MemoryResource> LimitingAdaptor<U> {
     pub fn wait_stats(&self) -> WaitStats {
         self.waiters.stats()
     }
-
-    /// Reserves `size` bytes (a multiple of 256) under the limit, or says how much there was
-    /// (and marks the refusal, for `rollback`).
-    fn reserve(&self, size: usize) -> Result<()> {
-        self.limit.reserve(size).map_err(|used| {
-            tracing::debug!(
-                requested = size,
-                used,
-                limit = self.limit(),
-                "LimitingAdaptor: over the limit"
-            );
-            Error::OutOfMemory {
-                requested: size,
-                available: self.limit().saturating_sub(used),
-                maximum: self.limit(),
-            }
-        })
-    }
-
-    /// Memory freed through the adaptor: give it back and wake the first waiter. Inside the
-    /// head waiter's quiet give-back (`allocate_all_async` returning part of a set), whose
-    /// notification is dropped, the refusal mark stays: a request that reserved before the
-    /// head was refused, and fails upstream later, must still wake the head when it rolls
-    /// back (a review found the head of a set left asleep with the memory free). That holds
-    /// for the head of a queue above this one that we relay to as well: its give-back comes
-    /// down through us, and it may have been refused here.
-    fn release(&self, size: usize) {
-        if self.waiters.is_quiet() {
-            self.limit.give_back_quietly(size);
-        } else {
-            self.limit.give_back(size);
-        }
-        // Dropped for the quiet queue only: the others (ours when the quiet head is above us,
-        // the ones above when it is ours) hear of it.
-        self.waiters.notify();
-    }
-
-    /// The upstream refused a request we had reserved for: give the reservation back, and wake
-    /// the first waiter only if the limit refused someone while we held it (that may have been
-    /// the waiter's retry). Otherwise nobody's failure was ours, and the first waiter is often
-    /// the caller itself: waking it would only make it fail again at once, in a loop.
-    fn rollback(&self, size: usize) {
-        if self.limit.give_back(size) {
-            self.waiters.notify();
-        }
-    }
 }
 
 impl<U: MemoryResource> Drop for LimitingAdaptor<U> {
@@ -264,16 +298,9 @@ unsafe impl<U: MemoryResource> MemoryResource for LimitingAdaptor<U> {
             return self.upstream.allocate(bytes, stream);
         }
         let size = aligned_size(bytes)?;
-        self.reserve(size)?;
-        match self.upstream.allocate(bytes, stream) {
-            Ok(ptr) => Ok(ptr),
-            Err(e) => {
-                // Our reservation may have made a waiter fail meanwhile: `rollback` wakes it
-                // then, and only then.
-                self.rollback(size);
-                Err(e)
-            }
-        }
+        (self.limit).allocate_through(size, &self.waiters, || {
+            self.upstream.allocate(bytes, stream)
+        })
     }
 
     unsafe fn deallocate(&self, ptr: DevicePtr, bytes: usize, stream: &Stream) -> Result<()> {
@@ -282,7 +309,7 @@ unsafe impl<U: MemoryResource> MemoryResource for LimitingAdaptor<U> {
         unsafe { self.upstream.deallocate(ptr, bytes, stream) }?;
         if bytes > 0 {
             // `bytes` was accepted by `allocate`, so rounding it cannot overflow.
-            self.release(aligned_size(bytes).unwrap_or(bytes));
+            (self.limit).release(aligned_size(bytes).unwrap_or(bytes), &self.waiters);
         }
         Ok(())
     }
@@ -303,9 +330,18 @@ unsafe impl<U: MemoryResource> MemoryResource for LimitingAdaptor<U> {
     }
 }
 
-/// A bug the loom models plant (`loom-tests/waiters/limiting.rs`), constant off otherwise.
+/// Bugs the loom models plant (`loom-tests/waiters/limiting.rs`), constant off otherwise;
+/// read through `planted!`.
 #[cfg(streamalloc_loom)]
 pub(crate) mod planted {
+    /// A rollback after an upstream failure always notifies (the code before the fix): the
+    /// first waiter, rolling back its own try, wakes itself and tries again in a loop.
+    pub(crate) static ROLLBACK_ALWAYS_NOTIFIES: std::sync::atomic::AtomicBool =
+        std::sync::atomic::AtomicBool::new(false);
+    /// A rollback never notifies: a waiter the limit refused while the reservation was held
+    /// is never woken.
+    pub(crate) static ROLLBACK_NEVER_NOTIFIES: std::sync::atomic::AtomicBool =
+        std::sync::atomic::AtomicBool::new(false);
     /// `Limit::reserve` refuses without marking the refusal: a rollback that made a waiter's
     /// retry fail does not know it, and wakes nobody.
     pub(crate) static REFUSAL_NOT_MARKED: std::sync::atomic::AtomicBool =
