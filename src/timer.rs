@@ -265,6 +265,18 @@ impl Timer {
 fn timer() -> Result<Arc<Timer>> {
     static TIMER: crate::sync::plain::Mutex<Option<Arc<Timer>>> =
         crate::sync::plain::Mutex::new(None);
+    #[cfg(test)]
+    if tests::REFUSE_START.with(|refuse| refuse.get()) {
+        // A unit test of a caller's error path (`Wait::poll`): this thread's next start is
+        // refused, as the OS would, on a slot of its own (the process's timer may be running).
+        let empty = crate::sync::plain::Mutex::new(None);
+        return get_or_start(&empty, |_| {
+            Err(std::io::Error::new(
+                std::io::ErrorKind::WouldBlock,
+                "resource temporarily unavailable",
+            ))
+        });
+    }
     get_or_start(&TIMER, |run| {
         crate::sync::thread::Builder::new()
             .name("sa-timer".into())
@@ -357,7 +369,13 @@ pub(crate) mod planted {
 }
 
 #[cfg(all(test, not(streamalloc_loom)))]
-mod tests {
+pub(crate) mod tests {
+    std::thread_local! {
+        /// Set by a unit test: the process's timer (`timer()`) acts as if the OS refused to
+        /// start its thread, on this thread only (other tests run on their own threads).
+        pub(crate) static REFUSE_START: std::cell::Cell<bool> = const { std::cell::Cell::new(false) };
+    }
+
     use std::sync::atomic::{AtomicBool, Ordering};
     use std::sync::Arc;
     use std::task::{Wake, Waker};

@@ -250,3 +250,47 @@ pub(crate) mod planted {
     pub(crate) static GIVE_BACK_QUIET: std::sync::atomic::AtomicBool =
         std::sync::atomic::AtomicBool::new(false);
 }
+
+#[cfg(all(test, not(streamalloc_loom)))]
+mod tests {
+    use std::task::{Context, Poll, Waker};
+    use std::time::Duration;
+
+    use super::{MemoryWaiters, Wait};
+    use crate::error::Error;
+
+    /// A request with a deadline that must wait, when the OS refuses to start the timer thread
+    /// that would keep its deadline: the poll ends with the error (no panic, no wait that
+    /// nothing would end at its deadline), and the request is out of the queue.
+    #[test]
+    fn a_deadline_whose_timer_thread_the_os_refuses_ends_the_wait_with_the_error() {
+        let waiters = MemoryWaiters::new();
+        let mut wait = Wait::new(256);
+        wait.limit = Some(Duration::from_secs(60));
+        let mut cx = Context::from_waker(Waker::noop());
+        crate::timer::tests::REFUSE_START.with(|refuse| refuse.set(true));
+        let polled = wait.poll(
+            Some(&waiters),
+            &mut cx,
+            |_| -> crate::Result<()> {
+                Err(Error::OutOfMemory {
+                    requested: 256,
+                    available: 0,
+                    maximum: 1024,
+                })
+            },
+            || Ok(()),
+        );
+        crate::timer::tests::REFUSE_START.with(|refuse| refuse.set(false));
+        let err = match polled {
+            Poll::Ready(Err(e)) => e,
+            Poll::Ready(Ok(())) => panic!("served with no memory"),
+            Poll::Pending => panic!("waiting with no timer to end the wait at its deadline"),
+        };
+        assert!(matches!(err, Error::Io { .. }), "{err:?}");
+        assert!(err.to_string().contains("sa-timer"), "{err}");
+        assert!(!wait.is_queued(), "the request stayed in the queue");
+        assert!(waiters.is_empty(), "the queue kept the request");
+        assert_eq!(waiters.stats().waiting, 0);
+    }
+}
