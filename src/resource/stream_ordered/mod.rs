@@ -80,8 +80,9 @@ mod waits;
 #[cfg(test)]
 pub(crate) use blocks::BlockTable as BlockTableForLab;
 use blocks::{BlockTable, NO_OWNER};
-/// The chunk table, for its loom model (`loom-tests/chunk_table.rs`).
-#[cfg(streamalloc_loom)]
+/// The chunk table, for its loom model (`loom-tests/chunk_table.rs`, compiled only into the
+/// loom cfg's tests).
+#[cfg(all(test, streamalloc_loom))]
 pub(crate) use chunks::ChunkTable as ChunkTableForLoom;
 use chunks::ChunkTable;
 pub(crate) use kept::Kept;
