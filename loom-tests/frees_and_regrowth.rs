@@ -1,5 +1,5 @@
-//! Models of two paths of the pool's shared free list (src/resource/stream_ordered/) that the
-//! models of `free_lists` do not drive, on the same fake streams and fake GPU:
+//! Models of paths of the pool's shared free list (src/resource/stream_ordered/) that the
+//! models of `free_lists` do not drive, the first two on the same fake streams and fake GPU:
 //!
 //! - [`forget_vs_take`]: `trim` letting go of a stream (`idle_streams`, a host wait, then
 //!   `forget`, which drops the stream from every free block's tag) racing a request on another
@@ -11,10 +11,12 @@
 //!   `trim` lets go of the stream: the engine queued a wait on it after the host's wait, so
 //!   `forget` must find it busy and keep it.
 //! - [`regrow_at_max`]: the pool at its maximum gives whole free chunks back upstream and grows
-//!   a larger one (the give-back-and-regrow path of `PoolResource::grow`, mirrored here on
-//!   [`AtMax`]), while the stream that freed the chunk reuses its own memory. The chunk must go
-//!   back on the stream it was freed on, so that the upstream orders its next user after that
-//!   stream (issue 16: "the loom model of the pool's give-back-and-regrow path").
+//!   a larger one (the give-back-and-regrow path of `PoolResource::grow`: the crate's pool over
+//!   `CudaAsyncResource` on the simulated device run inline, whose race detector checks the
+//!   stream order), while the stream that freed the chunk reuses its own memory. The chunk must
+//!   go back on the stream it was freed on, so that its release is ordered after its last use
+//!   and the upstream orders its next user after that stream (issue 16: "the loom model of the
+//!   pool's give-back-and-regrow path").
 //!
 //! Each has a planted bug, switched on in src (`stream_ordered::planted`, loom builds only),
 //! that its model catches (`planted_*` below, run with `--ignored`).
@@ -120,109 +122,83 @@ impl Grow<FakeStream> for NoRoom {
     }
 }
 
-/// The pool's growth at its maximum (`PoolResource::grow`), over an upstream that orders its
-/// memory by stream as a stream-ordered upstream does: a chunk given back on stream D is handed
-/// out again to a request on S only after S waits on D. The maximum is two blocks; the pool
-/// holds one chunk of one block, so a request of two blocks must give it back and regrow.
-struct AtMax {
-    lists: Arc<Lists>,
-    gpu: Book,
-    /// The pool's chunks (base, size).
-    chunks: std::sync::Mutex<Vec<(u64, u64)>>,
-    /// The stream index each released chunk was given back on.
-    released_on: std::sync::Mutex<Vec<usize>>,
-    /// The pool's own stream (for fresh memory).
-    own: FakeStream,
-}
+/// A request size of the pool model (`regrow_at_max`).
+const PIECE: usize = 256;
 
-const MAXIMUM: u64 = 2 * BLOCK;
-
-impl Grow<FakeStream> for AtMax {
-    fn grow(&self, min: u64, stream: &FakeStream) -> Result<(u64, u64)> {
-        let reserved = |chunks: &[(u64, u64)]| chunks.iter().map(|c| c.1).sum::<u64>();
-        let held = self.chunks.lock().unwrap().clone();
-        if min > MAXIMUM - reserved(&held) {
-            for (base, size, freed_on) in self.lists.take_whole_chunks(&held) {
-                self.chunks.lock().unwrap().retain(|c| c.0 != base);
-                self.lists.remove_chunk(base);
-                let on = freed_on.as_ref().unwrap_or(&self.own);
-                // Given back on `on`: the upstream's next user of the range waits on it.
-                self.released_on.lock().unwrap().push(on.index());
-                let _ = size;
-            }
-        }
-        let mut chunks = self.chunks.lock().unwrap();
-        if min > MAXIMUM - reserved(&chunks) || chunks.iter().any(|c| c.0 == BASE) {
-            return Err(out_of_memory(min));
-        }
-        // The upstream hands out the range it got back, ordered after its release.
-        for from in self.released_on.lock().unwrap().drain(..) {
-            book(&self.gpu).order(from, stream.index());
-        }
-        chunks.push((BASE, min));
-        Ok((BASE, min))
-    }
-}
-
+/// The pool's growth at its maximum: the crate's `PoolResource::grow` (give whole free chunks
+/// back upstream, grow one large enough), on the simulated device run inline with its race
+/// detector in the `Panic` mode, over `CudaAsyncResource` (a stream-ordered upstream: a chunk
+/// given back on stream D is a `cuMemFreeAsync` on D, and the detector checks that the free is
+/// ordered after every use of the chunk, and a reuse after the free). The maximum is two
+/// pieces; the pool holds one chunk of one piece, which stream 0 wrote and freed, so a request
+/// of two pieces on stream 1 must give it back and regrow, while stream 0's thread reuses its
+/// own memory. The chunk must go back on stream 0, the stream it was freed on.
 fn regrow_at_max(seen: &Shared<Seen>) {
-    let s = streams(3);
-    let (s0, s1, own) = (s[0].clone(), s[1].clone(), s[2].clone());
-    drop(s);
-    let gpu = s0.inner.gpu.clone();
-    // The chunk, freed on stream 0, is whole when the request for two blocks comes: only its
-    // release on stream 0 orders stream 1 after its last use.
-    let lists = Arc::new(Lists::new());
-    lists.add_chunk(BASE, BLOCK);
-    lists.give_fresh(BASE, BLOCK);
-    let upstream = AtMax {
-        lists: lists.clone(),
-        gpu: gpu.clone(),
-        chunks: std::sync::Mutex::new(vec![(BASE, BLOCK)]),
-        released_on: std::sync::Mutex::new(Vec::new()),
-        own,
-    };
-    let a = lists.take(BLOCK, &s0, &NoRoom).unwrap();
-    book(&gpu).took("setup", s0.index(), a);
+    use crate::resource::cuda_async::{CudaAsyncOptions, CudaAsyncResource};
+    use crate::resource::pool::{PoolOptions, PoolResource};
+    use crate::{Device, MemoryAccess, MemoryResource, RaceDetection, SimConfig};
+
+    let device = Device::simulated(SimConfig {
+        race_detection: RaceDetection::Panic,
+        ..SimConfig::default()
+    });
+    let upstream = CudaAsyncResource::new(&device, CudaAsyncOptions::default()).unwrap();
+    let pool = Arc::new(
+        PoolResource::new(
+            upstream,
+            PoolOptions {
+                initial: PIECE,
+                maximum: Some(2 * PIECE),
+                ..PoolOptions::default()
+            },
+        )
+        .unwrap(),
+    );
+    let (s0, s1) = (
+        device.create_stream().unwrap(),
+        device.create_stream().unwrap(),
+    );
+    let a = pool.allocate(PIECE, &s0).unwrap();
+    s0.declare_access(a, PIECE, MemoryAccess::Write, "s0_writes_a")
+        .unwrap();
 
     let owner = {
-        let (lists, s0) = (lists.clone(), s0.clone());
+        let (pool, s0) = (pool.clone(), s0.clone());
         thread::spawn(move || {
-            book(&s0.inner.gpu).freeing(s0.index(), a);
-            assert!(lists.give(a, BLOCK, &s0));
+            // SAFETY: `a` came from the pool with these bytes, is freed once, and its use is
+            // queued on s0 before this point.
+            unsafe { pool.deallocate(a, PIECE, &s0) }.unwrap();
             // Reuse on the same stream, racing the give-back.
-            if let Ok(x) = lists.take(BLOCK, &s0, &NoRoom) {
-                book(&s0.inner.gpu).took("owner", s0.index(), x);
-                book(&s0.inner.gpu).freeing(s0.index(), x);
-                assert!(lists.give(x, BLOCK, &s0));
+            if let Ok(x) = pool.allocate(PIECE, &s0) {
+                s0.declare_access(x, PIECE, MemoryAccess::Write, "s0_reuses")
+                    .unwrap();
+                // SAFETY: as above.
+                unsafe { pool.deallocate(x, PIECE, &s0) }.unwrap();
             }
         })
     };
-    let grown = match lists.take(2 * BLOCK, &s1, &upstream) {
-        Ok(addr) => {
-            for block in [addr, addr + BLOCK] {
-                book(&gpu).took("regrower", s1.index(), block);
+    let regrower = {
+        let (pool, s1) = (pool.clone(), s1.clone());
+        thread::spawn(move || match pool.allocate(2 * PIECE, &s1) {
+            Ok(big) => {
+                s1.declare_access(big, 2 * PIECE, MemoryAccess::Write, "s1_writes_big")
+                    .unwrap();
+                // SAFETY: as above, on s1.
+                unsafe { pool.deallocate(big, 2 * PIECE, &s1) }.unwrap();
+                true
             }
-            for block in [addr, addr + BLOCK] {
-                book(&gpu).freeing(s1.index(), block);
+            Err(e) => {
+                assert!(e.is_out_of_memory(), "unexpected error: {e}");
+                false
             }
-            assert!(lists.give(addr, 2 * BLOCK, &s1));
-            true
-        }
-        Err(e) => {
-            assert!(e.is_out_of_memory(), "unexpected error: {e}");
-            false
-        }
+        })
     };
     owner.join().unwrap();
+    let grown = regrower.join().unwrap();
     seen.note(REGREW, grown);
     seen.note(OUT_OF_MEMORY, !grown);
-    lists.check().expect("free-list invariants");
-    let expected = if grown { 2 * BLOCK } else { BLOCK };
-    assert_eq!(
-        lists.stats().free_bytes,
-        expected,
-        "memory lost or counted twice"
-    );
+    pool.check_invariants().expect("free-list invariants");
+    assert_eq!(device.races(), Vec::new());
 }
 
 /// Bound 3: 2 threads.
@@ -365,14 +341,15 @@ fn planted_stream_in_use_forgotten() {
 }
 
 /// Bug: whole chunks freed on streams are reported as fresh, so the pool gives them back on
-/// its own stream: the regrown chunk's next user is not ordered after the last one.
+/// its own stream: the release (`cuMemFreeAsync` on the pool's stream) is not ordered after
+/// stream 0's use of the chunk, which the detector reports.
 #[test]
 #[ignore = "planted bug: must fail"]
 fn planted_chunks_released_as_fresh() {
     must_fail(
         module_path!(),
         "planted_chunks_released_as_fresh",
-        "handed to stream 1, which is ordered after only",
+        "is not ordered after s0_writes_a",
         || {
             planted::CHUNKS_AS_FRESH.store(true, Relaxed);
             check_paths(Some(3), &[], regrow_at_max);
