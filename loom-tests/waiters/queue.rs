@@ -12,14 +12,14 @@ fn wake_on_free(seen: &Seen) {
     let memory = Arc::new(Memory::new(0));
     let freer = {
         let (waiters, memory) = (waiters.clone(), memory.clone());
-        thread::spawn(move || memory.give(N, &*waiters))
+        thread::spawn(move || memory.give(N, &waiters))
     };
-    let mut a = Alloc::new(&*memory, &*waiters);
+    let mut a = Alloc::new(&*memory, &waiters);
     block_on(&mut a);
     seen.note(a.served.expect("served"), true);
     drop(a);
     freer.join().unwrap();
-    settled(&*waiters, &memory, 0);
+    settled(&waiters, &memory, 0);
 }
 
 /// Two waiters, A registered before B; memory for one comes back. A must be served first: it
@@ -31,7 +31,7 @@ fn fifo(seen: &Seen) {
 
     // A registers first (its try fails: nothing is free yet).
     let (_, waker) = CountingWaker::new();
-    let mut a = Alloc::new(&*memory, &*waiters);
+    let mut a = Alloc::new(&*memory, &waiters);
     assert!(poll_once(&mut a, &waker).is_pending());
     let a_id = a.wait.id.take().expect("A is queued");
     drop(a);
@@ -40,23 +40,23 @@ fn fifo(seen: &Seen) {
         let (waiters, memory, order) = (waiters.clone(), memory.clone(), order.clone());
         thread::spawn(move || {
             // The same waiter, now awaited on its own thread with another waker.
-            let mut a = Alloc::new(&*memory, &*waiters);
+            let mut a = Alloc::new(&*memory, &waiters);
             a.wait.id = Some(a_id);
             block_on(&mut a);
             order.lock().push("A");
-            memory.give(N, &*waiters);
+            memory.give(N, &waiters);
         })
     };
     let freer = {
         let (waiters, memory) = (waiters.clone(), memory.clone());
-        thread::spawn(move || memory.give(N, &*waiters))
+        thread::spawn(move || memory.give(N, &waiters))
     };
-    let mut b = Alloc::new(&*memory, &*waiters);
+    let mut b = Alloc::new(&*memory, &waiters);
     block_on(&mut b);
     seen.note(b.served.expect("served"), true);
     drop(b);
     order.lock().push("B");
-    memory.give(N, &*waiters);
+    memory.give(N, &waiters);
 
     first.join().unwrap();
     freer.join().unwrap();
@@ -65,7 +65,7 @@ fn fifo(seen: &Seen) {
         ["A", "B"],
         "not served first come, first served"
     );
-    settled(&*waiters, &memory, N);
+    settled(&waiters, &memory, N);
 }
 
 /// A waiter X is polled `polls` times on its own thread (0: dropped before it ever registers;
@@ -80,10 +80,10 @@ fn cancel(polls: usize, seen: &Shared<Seen>) {
         let (waiters, memory, seen) = (waiters.clone(), memory.clone(), seen.clone());
         thread::spawn(move || {
             let (counter, waker) = CountingWaker::new();
-            let mut x = Alloc::new(&*memory, &*waiters);
+            let mut x = Alloc::new(&*memory, &waiters);
             for _ in 0..polls {
                 if poll_once(&mut x, &waker).is_ready() {
-                    memory.give(N, &*waiters);
+                    memory.give(N, &waiters);
                     break;
                 }
             }
@@ -96,16 +96,16 @@ fn cancel(polls: usize, seen: &Shared<Seen>) {
     };
     let freer = {
         let (waiters, memory) = (waiters.clone(), memory.clone());
-        thread::spawn(move || memory.give(N, &*waiters))
+        thread::spawn(move || memory.give(N, &waiters))
     };
-    let mut b = Alloc::new(&*memory, &*waiters);
+    let mut b = Alloc::new(&*memory, &waiters);
     block_on(&mut b);
     seen.note(b.served.expect("served"), true);
     drop(b);
-    memory.give(N, &*waiters);
+    memory.give(N, &waiters);
     cancelled.join().unwrap();
     freer.join().unwrap();
-    settled(&*waiters, &memory, N);
+    settled(&waiters, &memory, N);
 }
 
 /// X was woken (a notification: it held the baton then) and was dropped while queued.

@@ -93,15 +93,15 @@ fn set_head_does_not_wake_itself() {
     let memory = Arc::new(Memory::new(N));
     let f = {
         let (waiters, memory) = (waiters.clone(), memory.clone());
-        thread::spawn(move || memory.give(N, &*waiters))
+        thread::spawn(move || memory.give(N, &waiters))
     };
     let mut w = AllocSet::new(&memory, &waiters, 2);
     w.max_tries = 3;
     block_on(&mut w);
     drop(w);
     f.join().unwrap();
-    memory.give(2 * N, &*waiters);
-    settled(&*waiters, &memory, 2 * N);
+    memory.give(2 * N, &waiters);
+    settled(&waiters, &memory, 2 * N);
 }
 
 /// 2N free; X and Y each need 2N, all or none, and free it once served. Their tries can
@@ -120,7 +120,7 @@ fn two_sets_share_the_memory(seen: &Shared<Seen>) {
                 x.tries.load(std::sync::atomic::Ordering::Relaxed) > 1,
             );
             drop(x);
-            memory.give(2 * N, &*waiters);
+            memory.give(2 * N, &waiters);
         })
     };
     let mut y = AllocSet::new(&memory, &waiters, 2);
@@ -130,9 +130,9 @@ fn two_sets_share_the_memory(seen: &Shared<Seen>) {
         y.tries.load(std::sync::atomic::Ordering::Relaxed) > 1,
     );
     drop(y);
-    memory.give(2 * N, &*waiters);
+    memory.give(2 * N, &waiters);
     x.join().unwrap();
-    settled(&*waiters, &memory, 2 * N);
+    settled(&waiters, &memory, 2 * N);
 }
 
 /// A set was tried more than once: its first try failed (the other held part of the memory).
