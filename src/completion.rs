@@ -22,18 +22,6 @@ use crate::sync::{AtomicBool, AtomicU8, Mutex, Ordering};
 /// Work to run once, on the thread that observes completion, with the event's result.
 pub(crate) type Callback = Box<dyn FnOnce(&Result<()>) + Send>;
 
-/// Whether a loom model switched the bug `planted::$name` on: a relaxed load under the loom cfg,
-/// the constant `false` otherwise (the branches it guards compile away).
-macro_rules! planted {
-    ($name:ident) => {{
-        #[cfg(streamalloc_loom)]
-        let on = planted::$name.load(std::sync::atomic::Ordering::Relaxed);
-        #[cfg(not(streamalloc_loom))]
-        let on = false;
-        on
-    }};
-}
-
 const PENDING: u8 = 0;
 const OK: u8 = 1;
 const FAILED: u8 = 2;

@@ -119,6 +119,20 @@
 )]
 #![deny(unsafe_op_in_unsafe_fn)]
 
+/// Whether a loom model switched on the planted bug `planted::$name` (a static of the module
+/// that invokes it, compiled only under the loom cfg): a relaxed load under the loom cfg, the
+/// constant `false` otherwise, so the branches it guards compile away in every other build.
+/// Defined before the modules, which its textual scope then covers.
+macro_rules! planted {
+    ($name:ident) => {{
+        #[cfg(streamalloc_loom)]
+        let on = planted::$name.load(std::sync::atomic::Ordering::Relaxed);
+        #[cfg(not(streamalloc_loom))]
+        let on = false;
+        on
+    }};
+}
+
 mod buffer;
 mod completion;
 mod device;

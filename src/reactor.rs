@@ -86,18 +86,6 @@ use crate::offload::Offload;
 use crate::sync::thread::{self, Thread};
 use crate::sync::{Arc, AtomicBool, Mutex, Ordering};
 
-/// Whether a loom model switched the bug `planted::$name` on: a relaxed load under the loom cfg,
-/// the constant `false` otherwise (the branches it guards compile away).
-macro_rules! planted {
-    ($name:ident) => {{
-        #[cfg(streamalloc_loom)]
-        let on = planted::$name.load(std::sync::atomic::Ordering::Relaxed);
-        #[cfg(not(streamalloc_loom))]
-        let on = false;
-        on
-    }};
-}
-
 /// Bugs the loom models plant (`loom-tests/reactor/planted.rs`), constant off otherwise; read
 /// through `planted!`.
 #[cfg(streamalloc_loom)]

@@ -42,18 +42,6 @@ use std::time::{Duration, Instant};
 use crate::sync::plain::{Arc as StdArc, RwLock};
 use crate::sync::{fence, AtomicU64, AtomicUsize, Mutex, Ordering};
 
-/// Whether a loom model switched the bug `planted::$name` on: a relaxed load under the loom cfg,
-/// the constant `false` otherwise (the branches it guards compile away).
-macro_rules! planted {
-    ($name:ident) => {{
-        #[cfg(streamalloc_loom)]
-        let on = planted::$name.load(std::sync::atomic::Ordering::Relaxed);
-        #[cfg(not(streamalloc_loom))]
-        let on = false;
-        on
-    }};
-}
-
 crate::sync::thread_local! {
     /// The queue (its address) whose notifications from this thread are dropped: set by
     /// [`MemoryWaiters::quietly`] for the length of a head waiter's give-back; 0 for none.

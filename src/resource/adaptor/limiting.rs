@@ -10,18 +10,6 @@ use crate::stream::Stream;
 use crate::sync::plain::Arc as StdArc;
 use crate::sync::{AtomicUsize, Ordering};
 
-/// Whether a loom model switched the bug `planted::$name` on: a relaxed load under the loom cfg,
-/// the constant `false` otherwise (the branches it guards compile away).
-macro_rules! planted {
-    ($name:ident) => {{
-        #[cfg(streamalloc_loom)]
-        let on = planted::$name.load(std::sync::atomic::Ordering::Relaxed);
-        #[cfg(not(streamalloc_loom))]
-        let on = false;
-        on
-    }};
-}
-
 /// Caps the bytes outstanding through it at a limit (RMM's `limiting_resource_adaptor`).
 ///
 /// - Each allocation counts as its size rounded up to 256 bytes
