@@ -50,7 +50,8 @@ pub enum Error {
         /// Why it is not valid.
         reason: &'static str,
     },
-    /// An alignment that is not a power of two.
+    /// An alignment that is not a power of two, or one larger than the memory can promise (a
+    /// `DeviceVec` of an element type aligned past [`ALIGNMENT`](crate::ALIGNMENT)).
     InvalidAlignment {
         /// The alignment given.
         alignment: usize,
@@ -176,7 +177,11 @@ impl fmt::Display for Error {
             ),
             Error::InvalidSize { size, reason } => write!(f, "invalid size {size}: {reason}"),
             Error::InvalidAlignment { alignment } => {
-                write!(f, "invalid alignment {alignment}: not a power of two")
+                write!(
+                    f,
+                    "invalid alignment {alignment}: not a power of two, or more than the memory \
+                     is aligned to"
+                )
             }
             Error::InvalidAddress { ptr, bytes } => write!(
                 f,

@@ -9,14 +9,28 @@ use bytemuck::Pod;
 use crate::buffer::{copy_in, copy_out, DeviceBuffer};
 use crate::device::DevicePtr;
 use crate::error::{Error, Result};
-use crate::resource::{AsResourceRef, ResourceRef};
+use crate::resource::{AsResourceRef, ResourceRef, ALIGNMENT};
 use crate::stream::Stream;
 
+/// The bytes of `len` elements of `T`, for a `T` that device memory can hold: `InvalidSize`
+/// if they overflow `usize`, `InvalidAlignment` (with `T`'s alignment) if `T` is aligned past
+/// [`ALIGNMENT`], all that a resource promises, so that its elements could be misaligned (a
+/// kernel reading them faults on a GPU).
 fn bytes_for<T>(len: usize) -> Result<usize> {
+    check_alignment::<T>()?;
     len.checked_mul(size_of::<T>()).ok_or(Error::InvalidSize {
         size: len,
         reason: "the element count overflows usize when multiplied by the element size",
     })
+}
+
+/// `InvalidAlignment` unless every allocation of a resource (aligned to [`ALIGNMENT`]) is
+/// aligned for `T`.
+fn check_alignment<T>() -> Result<()> {
+    match std::mem::align_of::<T>() {
+        align if align <= ALIGNMENT => Ok(()),
+        alignment => Err(Error::InvalidAlignment { alignment }),
+    }
 }
 
 /// `len()` elements of plain-data `T` in device memory, uninitialized until written (RMM's
@@ -41,6 +55,9 @@ impl<T: Pod> fmt::Debug for DeviceVec<T> {
 impl<T: Pod> DeviceVec<T> {
     /// `len` uninitialized elements from `resource` on `stream`; fails at once when memory is
     /// short.
+    ///
+    /// `Err(InvalidAlignment)` for a `T` aligned past [`ALIGNMENT`] (resources promise no
+    /// more, so its elements could be misaligned); the same holds for every constructor.
     pub fn new(resource: &impl AsResourceRef, len: usize, stream: &Stream) -> Result<Self> {
         let buf = DeviceBuffer::new(resource, bytes_for::<T>(len)?, stream)?;
         Ok(Self::from_buffer_unchecked(buf, len))
@@ -92,8 +109,8 @@ impl<T: Pod> DeviceVec<T> {
     /// Views a buffer as elements.
     ///
     /// Unless the buffer's length is a multiple of the element size, the error
-    /// ([`Error::InvalidSize`], through [`FromBufferError::error`]) hands the buffer back
-    /// unchanged ([`FromBufferError::into_buffer`]): a refused buffer is neither freed nor lost.
+    /// ([`Error::InvalidSize`], through [`FromBufferError::error`]; [`Error::InvalidAlignment`]
+    /// for a `T` aligned past [`ALIGNMENT`]) hands the buffer back unchanged ([`FromBufferError::into_buffer`]): a refused buffer is neither freed nor lost.
     /// `?` into the crate's [`Error`] drops (frees) it, as dropping it would.
     ///
     /// ```
@@ -111,6 +128,12 @@ impl<T: Pod> DeviceVec<T> {
     /// # Ok::<(), streamalloc::Error>(())
     /// ```
     pub fn from_buffer(buf: DeviceBuffer) -> Result<Self, FromBufferError> {
+        if let Err(error) = check_alignment::<T>() {
+            return Err(FromBufferError {
+                error,
+                buffer: Box::new(buf),
+            });
+        }
         if !buf.len().is_multiple_of(size_of::<T>().max(1)) {
             return Err(FromBufferError {
                 error: Error::InvalidSize {
