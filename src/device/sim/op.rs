@@ -92,6 +92,23 @@ pub(crate) enum Op {
 pub(super) type Footprint = (&'static str, [(u64, usize, MemoryAccess); 2], usize);
 
 impl Op {
+    /// The first address the operation accesses as a word that is not aligned for the word,
+    /// and the alignment it needs: what a GPU refuses (`cuMemsetD32Async`) or faults on (a
+    /// kernel's access, `CUDA_ERROR_MISALIGNED_ADDRESS`).
+    pub(super) fn misaligned(&self) -> Option<(u64, u64)> {
+        let check = |ptr: u64, align: u64| (!ptr.is_multiple_of(align)).then_some((ptr, align));
+        match *self {
+            Op::Memset32 { dst, .. }
+            | Op::FillU32 { dst, .. }
+            | Op::ScaleF32 { dst, .. }
+            | Op::FillPatternU32 { dst, .. } => check(dst, 4),
+            Op::CountMismatchesU32 { src, counter, .. } => {
+                check(src, 4).or_else(|| check(counter, 8))
+            }
+            _ => None,
+        }
+    }
+
     /// The memory the operation reads and writes, for the race detector, and its name.
     pub(super) fn footprint(&self) -> Option<Footprint> {
         use MemoryAccess::{Read, Write};

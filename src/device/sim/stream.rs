@@ -94,8 +94,20 @@ impl SimStream {
     /// Queues `op`. With the race detector on, the operation is checked first (under the
     /// queue's lock, so the detector sees this stream's operations in queue order); in the
     /// `Error` mode a racing memory operation is not queued and its race is returned, in the
-    /// `Panic` mode this thread panics once the lock is released.
+    /// `Panic` mode this thread panics once the lock is released. A `memset_d32` to an address
+    /// that is not 4-aligned is refused first, as the driver refuses it.
     pub(crate) fn push(&self, op: Op) -> Result<()> {
+        // The driver checks a memset's alignment when it is called, and queues nothing.
+        if let (Op::Memset32 { .. }, Some((dst, _))) = (&op, op.misaligned()) {
+            return Err(Error::Driver {
+                call: "cuMemsetD32Async",
+                code: 1,
+                name: format!(
+                    "CUDA_ERROR_INVALID_VALUE (the simulated device: the destination {dst:#x} \
+                     is not 4-aligned)"
+                ),
+            });
+        }
         let Some((races, idx)) = &self.races else {
             let mut queue = self.queue.lock();
             if let Some(exec) = &mut queue.inline {

@@ -1,0 +1,59 @@
+//! The simulated device against CUDA's documented behaviour, where a difference would let a
+//! test pass on the simulated device and fail on a GPU.
+
+use streamalloc::{Device, Error, SimConfig};
+
+/// `cuMemsetD32Async` refuses a destination that is not 4-aligned (`CUDA_ERROR_INVALID_VALUE`),
+/// and a kernel that reads or writes a word at a misaligned address faults
+/// (`CUDA_ERROR_MISALIGNED_ADDRESS`, reported at the next synchronization). The simulated
+/// device did both without complaint, so a test with an off-by-one offset passed there and
+/// failed on a GPU. Simulated only: on a GPU the kernel's fault would break the context for
+/// the rest of this test binary.
+#[test]
+fn misaligned_word_operations_fail_as_on_a_gpu() {
+    let device = Device::simulated(SimConfig::default());
+    let raw = device.malloc(4096).unwrap();
+
+    let s = device.create_stream().unwrap();
+    // SAFETY: 4096 live bytes of this device, freed only after every stream has synchronized.
+    let memset = unsafe { s.memset_d32(raw.offset(2), 7, 4) };
+    assert!(
+        matches!(memset, Err(Error::Driver { code: 1, .. })),
+        "{memset:?}"
+    );
+    // Refused at the call: the stream is not broken.
+    s.synchronize_blocking().unwrap();
+    // SAFETY: as above; 4-aligned.
+    unsafe { s.memset_d32(raw.offset(4), 7, 4) }.unwrap();
+    s.synchronize_blocking().unwrap();
+
+    type Kernel = fn(&streamalloc::Stream, streamalloc::DevicePtr) -> streamalloc::Result<()>;
+    let kernels: [(&str, Kernel); 4] = [
+        // SAFETY (each): 4096 live bytes as above; the offsets stay inside them.
+        ("fill_u32", |s, p| unsafe { s.fill_u32(p, 1, 4) }),
+        ("scale_f32", |s, p| unsafe { s.scale_f32(p, 2.0, 4) }),
+        ("fill_pattern_u32", |s, p| unsafe {
+            s.fill_pattern_u32(p, 3, 4)
+        }),
+        ("count_mismatches_u32", |s, p| unsafe {
+            // The source at `p`; the counter (8-aligned, as the call checks) further on.
+            let counter = streamalloc::DevicePtr((p.0 + 2048) & !7);
+            s.count_mismatches_u32(p, 3, 4, counter)
+        }),
+    ];
+    for (name, launch) in kernels {
+        let s = device.create_stream().unwrap();
+        launch(&s, raw.offset(1)).unwrap();
+        let done = s.synchronize_blocking();
+        assert!(
+            matches!(done, Err(Error::Driver { code: 716, .. })),
+            "{name}: {done:?}"
+        );
+        // Aligned, on a fresh stream: fine.
+        let s = device.create_stream().unwrap();
+        launch(&s, raw.offset(8)).unwrap();
+        s.synchronize_blocking().unwrap();
+    }
+    // SAFETY: from `malloc`, freed once, every stream that used it synchronized.
+    unsafe { device.free(raw) }.unwrap();
+}
