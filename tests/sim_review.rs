@@ -57,3 +57,46 @@ fn misaligned_word_operations_fail_as_on_a_gpu() {
     // SAFETY: from `malloc`, freed once, every stream that used it synchronized.
     unsafe { device.free(raw) }.unwrap();
 }
+
+/// Zero bytes of work touch no memory: a copy or memset of nothing is a no-op whatever the
+/// address, as CUDA takes it (and as the race detector and the reservations' granule check
+/// already did), so a raw copy into an empty vector (whose address is null) leaves the stream
+/// working. The simulated device looked the address up anyway, failed the operation with
+/// `InvalidAddress` and so poisoned the stream: every later event on it failed.
+#[test]
+fn zero_byte_copies_and_memsets_touch_nothing() {
+    use std::sync::Arc;
+    use streamalloc::resource::cuda::CudaResource;
+    use streamalloc::resource::pool::{PoolOptions, PoolResource};
+    use streamalloc::DeviceVec;
+
+    let rt = tokio::runtime::Builder::new_current_thread()
+        .build()
+        .unwrap();
+    let mut devices = vec![Device::simulated(SimConfig::default())];
+    if let Ok(gpu) = Device::cuda(0) {
+        devices.push(gpu);
+    }
+    for device in devices {
+        let pool = Arc::new(
+            PoolResource::new(CudaResource::new(&device), PoolOptions::default()).unwrap(),
+        );
+        let s = device.create_stream().unwrap();
+        let empty = DeviceVec::<u32>::new(&pool, 0, &s).unwrap();
+        let full = DeviceVec::from_host(&pool, &[1u32, 2, 3], &s).unwrap();
+        let mut host = [0u8; 4];
+        // SAFETY: each moves zero bytes; `empty` and `full` outlive the stream's work (it is
+        // synchronized below).
+        unsafe {
+            s.copy_htod(empty.as_ptr(), host.as_ptr(), 0).unwrap();
+            s.copy_dtoh(host.as_mut_ptr(), empty.as_ptr(), 0).unwrap();
+            s.copy_dtod(empty.as_ptr(), full.as_ptr(), 0).unwrap();
+            s.copy_dtod(full.as_ptr(), empty.as_ptr(), 0).unwrap();
+            s.memset_d8(empty.as_ptr(), 1, 0).unwrap();
+            s.memset_d32(empty.as_ptr(), 1, 0).unwrap();
+        }
+        s.synchronize_blocking()
+            .unwrap_or_else(|e| panic!("{}: the stream failed: {e}", device.name()));
+        assert_eq!(rt.block_on(full.to_host(&s)).unwrap(), [1, 2, 3]);
+    }
+}

@@ -285,19 +285,28 @@ impl SimMemory {
         Ok(block.clone())
     }
 
-    /// Runs `f` on the bytes of `[ptr, ptr + len)`.
+    /// Runs `f` on the bytes of `[ptr, ptr + len)`. Zero bytes are no memory, at any address
+    /// (CUDA takes zero-byte work as a no-op): `f` gets an empty slice. A review found a
+    /// zero-byte copy into an empty buffer (at null) failing here, which poisoned its stream.
     pub(crate) fn with<R>(
         &self,
         ptr: u64,
         len: usize,
         f: impl FnOnce(&[DataByte]) -> R,
     ) -> Result<R> {
+        if len == 0 {
+            return Ok(f(&[]));
+        }
         let block = self.block(ptr, len)?;
         Ok(f(block.range(ptr, len)))
     }
 
-    /// Copies `bytes` bytes from `src` to `dst`, each inside a live block.
+    /// Copies `bytes` bytes from `src` to `dst`, each inside a live block (nothing, at any
+    /// addresses, for zero bytes, as [`with`](Self::with)).
     pub(crate) fn copy(&self, dst: u64, src: u64, bytes: usize) -> Result<()> {
+        if bytes == 0 {
+            return Ok(());
+        }
         let (from, to) = (self.block(src, bytes)?, self.block(dst, bytes)?);
         for (d, s) in to.range(dst, bytes).iter().zip(from.range(src, bytes)) {
             d.store(s.load(Relaxed), Relaxed);
@@ -375,7 +384,7 @@ impl SimMemory {
 
 impl SimMemory {
     /// Copies `bytes` bytes from `src` in `from` (another device's memory) to `dst` in this
-    /// one: a copy between simulated GPUs.
+    /// one: a copy between simulated GPUs (nothing for zero bytes).
     pub(crate) fn copy_from(
         &self,
         dst: u64,
@@ -383,6 +392,9 @@ impl SimMemory {
         src: u64,
         bytes: usize,
     ) -> Result<()> {
+        if bytes == 0 {
+            return Ok(());
+        }
         let (source, to) = (from.block(src, bytes)?, self.block(dst, bytes)?);
         for (d, s) in to.range(dst, bytes).iter().zip(source.range(src, bytes)) {
             d.store(s.load(Relaxed), Relaxed);
