@@ -62,8 +62,13 @@ use crate::sync::plain::{Arc as PlainArc, Mutex as PlainMutex, MutexGuard as Pla
 
 mod state;
 
+/// A position of a stream: how many of its operations came before, and this one. 64 bits: a
+/// stream may run more than 2^32 operations (a soak run of a few hours), where a `u32` once
+/// overflowed (a review's finding).
+pub(crate) type Epoch = u64;
+
 /// A vector clock: component `i` is how many operations of dense stream `i` are ordered before.
-pub(crate) type Clock = Vec<u32>;
+pub(crate) type Clock = Vec<Epoch>;
 
 /// What a stream (or an event) is ordered after on other devices: a clock per other detector,
 /// by its id. Short: one entry per device a chain of waits came through.
@@ -119,7 +124,7 @@ fn by_id(id: u64) -> Option<PlainArc<Detector>> {
 /// Joins `from`, a clock of detector `id`, into a stream of detector `self_id` (its clock
 /// `local` and its foreign part `into`): into the local clock if it is that stream's own
 /// detector, else into that detector's entry.
-fn join_foreign(local: &mut Clock, into: &mut Foreign, self_id: u64, id: u64, from: &[u32]) {
+fn join_foreign(local: &mut Clock, into: &mut Foreign, self_id: u64, id: u64, from: &[Epoch]) {
     if id == self_id {
         join(local, from);
     } else if let Some((_, c)) = into.iter_mut().find(|(i, _)| *i == id) {
@@ -141,13 +146,13 @@ const KEPT_RAW_FREES: usize = 4096;
 #[derive(Clone, Copy, Debug)]
 struct Point {
     stream: u32,
-    epoch: u32,
+    epoch: Epoch,
     op: &'static str,
 }
 
 impl Point {
     /// Whether this point is ordered before work whose clock is `clock`.
-    fn before(&self, clock: &[u32]) -> bool {
+    fn before(&self, clock: &[Epoch]) -> bool {
         self.epoch == 0
             || clock
                 .get(self.stream as usize)
@@ -312,7 +317,7 @@ impl Detector {
     }
 
     /// The host clock joins `clock` (of this detector's streams).
-    fn host_join_local(&self, clock: &[u32]) {
+    fn host_join_local(&self, clock: &[Epoch]) {
         let mut st = self.lock();
         if join(&mut st.host, clock) {
             st.host_version += 1;
@@ -321,7 +326,7 @@ impl Detector {
 
     /// The crate's own check saw an event complete whose stream's clock was `clock`: no stream
     /// is ordered after it, only what the crate does on that knowledge (see the module docs).
-    pub(crate) fn crate_join(&self, clock: &[u32]) {
+    pub(crate) fn crate_join(&self, clock: &[Epoch]) {
         join(&mut self.lock().seen_by_crate, clock);
     }
 
@@ -349,7 +354,7 @@ impl Detector {
     // ===== operations of a stream (called under its queue lock) =====
 
     /// Advances stream `idx` by one operation: its epoch.
-    fn tick(st: &mut State, idx: u32) -> u32 {
+    fn tick(st: &mut State, idx: u32) -> Epoch {
         let State {
             streams,
             host,
@@ -416,7 +421,7 @@ impl Detector {
         let site = RaceSite {
             stream: s.id,
             op,
-            position: u64::from(s.clock[idx as usize]) + 1,
+            position: s.clock[idx as usize] + 1,
         };
         (clock, site)
     }
@@ -430,7 +435,7 @@ impl Detector {
         &self,
         ptr: u64,
         bytes: usize,
-        clock: &[u32],
+        clock: &[Epoch],
         at: RaceSite,
     ) -> Option<Race> {
         let st = self.lock();
@@ -706,7 +711,7 @@ impl Detector {
 }
 
 /// `into = max(into, from)`, componentwise; whether anything changed.
-fn join(into: &mut Clock, from: &[u32]) -> bool {
+fn join(into: &mut Clock, from: &[Epoch]) -> bool {
     if into.len() < from.len() {
         into.resize(from.len(), 0);
     }
@@ -718,4 +723,51 @@ fn join(into: &mut Clock, from: &[u32]) -> bool {
         }
     }
     changed
+}
+
+#[cfg(all(test, not(streamalloc_loom)))]
+mod tests {
+    use super::*;
+
+    /// A stream's positions outlast 2^32 operations (a soak run of a few hours on one
+    /// simulated stream): its clock once counted in `u32`, so the next operation overflowed,
+    /// a panic under the detector's lock in a debug build, and in a release build a wrap to 0
+    /// that took old uses for later ones (false races) and new ones for the host's (missed
+    /// races). Here the stream starts just short of 2^32.
+    #[test]
+    fn a_stream_past_four_billion_operations_keeps_its_order() {
+        let detector = Detector::new(RaceDetection::Record);
+        let (a, b) = (
+            detector.add_stream(StreamId::next()),
+            detector.add_stream(StreamId::next()),
+        );
+        detector.lock().streams[a as usize].clock[a as usize] = u32::MAX.into();
+        let (ptr, bytes) = (0x1000, 256);
+        assert!(detector
+            .allocate(None, ptr, bytes, true, Reuse::Check)
+            .is_none());
+        let write = [(ptr, bytes, MemoryAccess::Write)];
+        let read = [(ptr, bytes, MemoryAccess::Read)];
+        // `a` writes past 2^32; `b` reads after waiting for it: ordered.
+        assert!(detector.access(a, "write", &write, false).is_none());
+        let done = detector.record(a);
+        detector.wait(b, &done);
+        assert!(detector.access(b, "read", &read, false).is_none());
+        // `a` writes again after `b`'s read, and `b` reads without waiting: a race, as ever.
+        let read_done = detector.record(b);
+        detector.wait(a, &read_done);
+        assert!(detector.access(a, "write", &write, false).is_none());
+        let race = detector.access(b, "read", &read, false);
+        assert!(
+            matches!(
+                race,
+                Some(Race {
+                    kind: RaceKind::ReadAfterWrite,
+                    ..
+                })
+            ),
+            "{race:?}"
+        );
+        assert_eq!(detector.races().len(), 1);
+    }
 }

@@ -2,7 +2,7 @@
 //! looked up), the raw blocks the driver handed out, the sites and blocks a report names, and
 //! the check of one use against the last uses and the allocation's life.
 
-use super::{Life, Point, Seg, State, Use, KEPT_RAW_FREES, MAX_USES};
+use super::{Epoch, Life, Point, Seg, State, Use, KEPT_RAW_FREES, MAX_USES};
 use crate::device::sim::races::{MemoryAccess, Race, RaceBlock, RaceKind, RaceSite};
 use crate::device::DevicePtr;
 
@@ -11,7 +11,7 @@ impl State {
         RaceSite {
             stream: self.streams.get(p.stream as usize).and_then(|s| s.id),
             op: p.op,
-            position: u64::from(p.epoch),
+            position: p.epoch,
         }
     }
 
@@ -168,7 +168,7 @@ impl State {
         bytes: usize,
         at: Point,
         access: MemoryAccess,
-        clock: &[u32],
+        clock: &[Epoch],
     ) -> Option<Race> {
         let (start, end) = (ptr, ptr.saturating_add(bytes as u64));
         let write = access == MemoryAccess::Write;
@@ -216,7 +216,7 @@ impl State {
         bytes: usize,
         at: Point,
         write: bool,
-        clock: &[u32],
+        clock: &[Epoch],
     ) {
         let (start, end) = (ptr, ptr.saturating_add(bytes as u64));
         for key in self.overlapping(start, end) {
