@@ -100,3 +100,28 @@ fn zero_byte_copies_and_memsets_touch_nothing() {
         assert_eq!(rt.block_on(full.to_host(&s)).unwrap(), [1, 2, 3]);
     }
 }
+
+/// The memset half of [`misaligned_word_operations_fail_as_on_a_gpu`] on a GPU too (a refused
+/// call breaks nothing there): checks the claim the simulated device was changed to follow,
+/// that `cuMemsetD32Async` refuses a destination that is not 4-aligned at the call.
+#[test]
+fn a_misaligned_word_memset_is_refused_at_the_call_on_every_device() {
+    let mut devices = vec![Device::simulated(SimConfig::default())];
+    if let Ok(gpu) = Device::cuda(0) {
+        devices.push(gpu);
+    }
+    for device in devices {
+        let raw = device.malloc(4096).unwrap();
+        let s = device.create_stream().unwrap();
+        // SAFETY: 4096 live bytes of this device, freed only after the stream synchronized.
+        let memset = unsafe { s.memset_d32(raw.offset(2), 7, 4) };
+        assert!(
+            matches!(memset, Err(Error::Driver { code: 1, .. })),
+            "{}: {memset:?}",
+            device.name()
+        );
+        s.synchronize_blocking().unwrap();
+        // SAFETY: as above; nothing was queued on it.
+        unsafe { device.free(raw) }.unwrap();
+    }
+}
