@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Fifteenth session's final code (HEAD at packing; see README.txt): the packed suite twice.
+# Fifteenth session's final code (7d955c7): the packed suite twice.
 set -u
 R=$OUT/r; mkdir -p $R
 trap "tar czf $OUT/suite.tgz -C $OUT r" EXIT
