@@ -160,6 +160,36 @@ struct SlowRefusal {
     go: Mutex<Option<std::sync::mpsc::Receiver<()>>>,
 }
 
+impl SlowRefusal {
+    /// Over `device`'s memory, with the channel its 768-byte request reports on when it has
+    /// entered and the one that lets it fail.
+    fn new(
+        device: &streamalloc::Device,
+    ) -> (
+        Self,
+        std::sync::mpsc::Receiver<()>,
+        std::sync::mpsc::Sender<()>,
+    ) {
+        let ((entered, entered_rx), (go_tx, go)) =
+            (std::sync::mpsc::channel(), std::sync::mpsc::channel());
+        let upstream = SlowRefusal {
+            inner: CudaResource::new(device),
+            entered: Mutex::new(Some(entered)),
+            go: Mutex::new(Some(go)),
+        };
+        (upstream, entered_rx, go_tx)
+    }
+}
+
+/// A waker that counts its wakes.
+struct Count(AtomicUsize);
+
+impl std::task::Wake for Count {
+    fn wake(self: Arc<Self>) {
+        self.0.fetch_add(1, Ordering::SeqCst);
+    }
+}
+
 impl std::fmt::Debug for SlowRefusal {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.write_str("SlowRefusal")
@@ -210,24 +240,12 @@ unsafe impl MemoryResource for SlowRefusal {
 /// free. A single `allocate_async` in its place was woken (the mark stayed).
 #[test]
 fn a_rollback_wakes_a_set_refused_because_of_it() {
-    use std::sync::mpsc;
-    use std::task::{Context, Poll, Wake, Waker};
+    use std::task::{Context, Poll, Waker};
 
-    struct Count(AtomicUsize);
-    impl Wake for Count {
-        fn wake(self: Arc<Self>) {
-            self.0.fetch_add(1, Ordering::SeqCst);
-        }
-    }
     for set in [false, true] {
         let device = streamalloc::Device::simulated(streamalloc::SimConfig::default());
         let stream = device.create_stream().unwrap();
-        let ((entered, entered_rx), (go_tx, go)) = (mpsc::channel(), mpsc::channel());
-        let upstream = SlowRefusal {
-            inner: CudaResource::new(&device),
-            entered: Mutex::new(Some(entered)),
-            go: Mutex::new(Some(go)),
-        };
+        let (upstream, entered_rx, go_tx) = SlowRefusal::new(&device);
         let lim = Arc::new(LimitingAdaptor::new(upstream, 1024));
         // R reserves 768 under the limit; its upstream call waits, then fails.
         let r = {
@@ -380,24 +398,12 @@ fn nested_limits_a_free_below_wakes_a_request_the_lower_limit_refused() {
 #[test]
 fn nested_limits_a_rollback_below_wakes_a_request_refused_because_of_it() {
     use std::future::Future;
-    use std::sync::mpsc;
-    use std::task::{Context, Poll, Wake, Waker};
+    use std::task::{Context, Poll, Waker};
 
-    struct Count(AtomicUsize);
-    impl Wake for Count {
-        fn wake(self: Arc<Self>) {
-            self.0.fetch_add(1, Ordering::SeqCst);
-        }
-    }
     for set in [false, true] {
         let device = streamalloc::Device::simulated(streamalloc::SimConfig::default());
         let stream = device.create_stream().unwrap();
-        let ((entered, entered_rx), (go_tx, go)) = (mpsc::channel(), mpsc::channel());
-        let upstream = SlowRefusal {
-            inner: CudaResource::new(&device),
-            entered: Mutex::new(Some(entered)),
-            go: Mutex::new(Some(go)),
-        };
+        let (upstream, entered_rx, go_tx) = SlowRefusal::new(&device);
         let lower = LimitingAdaptor::new(upstream, 1024);
         let upper = Arc::new(LimitingAdaptor::new(lower, 4096));
         let r = {
