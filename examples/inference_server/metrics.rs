@@ -140,7 +140,8 @@ impl Metrics {
         let memory_wait = Histogram::new(exponential_buckets(1e-5, 4.0, 12));
         registry.register(
             "streamalloc_request_memory_wait_seconds",
-            "How long each request that got its device buffers waited for them.",
+            // `register` appends the final period itself.
+            "How long each request that got its device buffers waited for them",
             memory_wait.clone(),
         );
         registry.register_collector(Box::new(collector));
