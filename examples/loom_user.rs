@@ -17,16 +17,17 @@
 //! back.
 //!
 //! ```sh
+//! # (the RUSTFLAGS of the README, CI and loom-tests/, so that one build in target/loom serves all)
 //! # the model passes:
-//! RUSTFLAGS="--cfg streamalloc_loom" CARGO_TARGET_DIR=target/loom \
+//! RUSTFLAGS="--cfg streamalloc_loom -C debug-assertions" CARGO_TARGET_DIR=target/loom \
 //!   cargo run --release --example loom_user -- correct
 //! # the buffer is published before its event: fails in the interleavings where the consumer
 //! # takes it in between
-//! RUSTFLAGS="--cfg streamalloc_loom" CARGO_TARGET_DIR=target/loom \
+//! RUSTFLAGS="--cfg streamalloc_loom -C debug-assertions" CARGO_TARGET_DIR=target/loom \
 //!   cargo run --release --example loom_user -- planted
 //! # the consumer drops the buffer without `record_stream`: its memory goes back to the pool
 //! # while the consumer's kernel may still use it
-//! RUSTFLAGS="--cfg streamalloc_loom" CARGO_TARGET_DIR=target/loom \
+//! RUSTFLAGS="--cfg streamalloc_loom -C debug-assertions" CARGO_TARGET_DIR=target/loom \
 //!   cargo run --release --example loom_user -- planted-free
 //! ```
 
