@@ -9,11 +9,11 @@
 //! detector, in the `Panic` mode, turns a stream-order bug that only some interleavings expose
 //! into a failure that loom reports with the interleaving.
 //!
-//! The code under test is [`Handoff`]: a producer task allocates a buffer from a pool (by
-//! `.await`), fills it on its stream and hands it, with an event recorded after its writes, to
-//! a consumer task that runs a kernel on it on another stream and drops it, its use on the
-//! other stream recorded (`record_stream`). The pool holds one buffer at most, so the
-//! producer's next allocation waits, as a future, until the consumer's drop gives the memory
+//! The code under test is `model::Handoff` (built only under the cfg): a producer task allocates a
+//! buffer from a pool (by `.await`), fills it on its stream and hands it, with an event recorded
+//! after its writes, to a consumer task that runs a kernel on it on another stream and drops it,
+//! its use on the other stream recorded (`record_stream`). The pool holds one buffer at most, so
+//! the producer's next allocation waits, as a future, until the consumer's drop gives the memory
 //! back.
 //!
 //! ```sh
