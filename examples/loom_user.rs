@@ -220,7 +220,8 @@ fn main() {
 #[cfg(not(streamalloc_loom))]
 fn main() {
     eprintln!(
-        "this example is a loom model: run it with\n  RUSTFLAGS=\"--cfg streamalloc_loom\" \
-         CARGO_TARGET_DIR=target/loom cargo run --release --example loom_user -- correct"
+        "this example is a loom model: run it with\n  RUSTFLAGS=\"--cfg streamalloc_loom \
+         -C debug-assertions\" CARGO_TARGET_DIR=target/loom cargo run --release --example \
+         loom_user -- correct"
     );
 }
