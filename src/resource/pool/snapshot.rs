@@ -17,7 +17,7 @@ impl<U: MemoryResource> PoolResource<U> {
     /// Cheap enough for a live server: it copies the chunk table under its lock, then each
     /// free list under that list's lock, one at a time: about 60 µs for a list of 10,000
     /// blocks (a 2-core host, release build; the test `lock_hold_on_10000_free_blocks` and
-    /// `benches/snapshot.rs` measure it), and the rest of the work (about 1.4 ms there:
+    /// `benches/snapshot.rs` measure it), and the rest of the work (about 0.2 ms there:
     /// sorting and tiling) outside every lock. It is not
     /// atomic: an allocation or free between two of those reads shows in some and not
     /// others, and a chunk being given back upstream shows as in use.
