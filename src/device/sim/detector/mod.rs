@@ -560,6 +560,7 @@ impl Detector {
                     uses: Vec::new(),
                 });
         }
+        st.merge_alike(start, end);
         let race = found.map(|(earlier, block)| Race {
             kind: RaceKind::ReuseBeforeFree,
             ptr: DevicePtr(start),
@@ -651,6 +652,8 @@ impl Detector {
         }
         if raw {
             st.merge_raw(block);
+        } else {
+            st.merge_alike(block.0, block.1);
         }
         let race = found.map(|(earlier, mut life)| {
             life.freed = Some(Freed {
@@ -769,5 +772,41 @@ mod tests {
             "{race:?}"
         );
         assert_eq!(detector.races().len(), 1);
+    }
+
+    /// A block allocated and freed over and over at random places in one raw allocation (as a
+    /// pool suballocates a chunk) leaves the shadow a few segments, not one for every boundary
+    /// ever used: before, an allocation walked every segment inside it, and a pool's
+    /// `churn-1t` on the simulated device ran about 900 times slower with the detector on (a
+    /// review's finding). Without merging, this loop leaves thousands.
+    #[test]
+    fn segments_do_not_pile_up_at_every_boundary_ever_used() {
+        let detector = Detector::new(RaceDetection::Record);
+        let s = detector.add_stream(StreamId::next());
+        let (base, chunk) = (0x10_0000u64, 1u64 << 20);
+        assert!(detector
+            .allocate(None, base, chunk as usize, true, Reuse::Check)
+            .is_none());
+        let mut x = 42u64;
+        let mut next = || {
+            x = x
+                .wrapping_mul(6364136223846793005)
+                .wrapping_add(1442695040888963407);
+            x >> 33
+        };
+        for _ in 0..10_000 {
+            let start = base + next() % (chunk / 256) * 256;
+            let bytes = (1 + next() % ((base + chunk - start) / 256)) * 256;
+            let write = [(start, bytes as usize, MemoryAccess::Write)];
+            assert!(detector
+                .allocate(Some(s), start, bytes as usize, false, Reuse::Check)
+                .is_none());
+            assert!(detector.access(s, "write", &write, false).is_none());
+            assert!(detector
+                .free(Some(s), start, Some(bytes as usize), false, false)
+                .is_none());
+        }
+        let segments = detector.lock().segs.len();
+        assert!(segments < 64, "{segments} segments for one block at a time");
     }
 }

@@ -52,6 +52,36 @@ impl State {
         self.segs.insert(at, upper);
     }
 
+    /// Merges the neighbouring segments of `[start, end)` whose stacks hold the same lives, level
+    /// by level (the same blocks, allocations and frees): their uses, each with its own range,
+    /// go together. An allocation or a free leaves its block's segments alike; without this,
+    /// every block boundary ever used stayed a segment, and an allocation walked all of those
+    /// inside its block: a pool's `churn-1t` on the simulated device ran about 900 times slower
+    /// with the detector on than off, slower with every operation (a review's finding).
+    pub(super) fn merge_alike(&mut self, start: u64, end: u64) {
+        let keys: Vec<u64> = self.segs.range(start..end).map(|(&k, _)| k).collect();
+        let mut into: Option<u64> = None;
+        for key in keys {
+            if let Some(at) = into {
+                let (a, b) = (&self.segs[&at], &self.segs[&key]);
+                if a.end == key && alike(&a.stack, &b.stack) {
+                    let seg = self.segs.remove(&key).expect("listed above");
+                    let merged = self.segs.get_mut(&at).expect("kept above");
+                    merged.end = seg.end;
+                    for (life, from) in merged.stack.iter_mut().zip(seg.stack) {
+                        life.uses.extend(from.uses);
+                        // As elsewhere: past the bound the oldest go (a missed race, never a
+                        // false one).
+                        let excess = life.uses.len().saturating_sub(MAX_USES);
+                        life.uses.drain(..excess);
+                    }
+                    continue;
+                }
+            }
+            into = Some(key);
+        }
+    }
+
     /// Adds empty segments where `[start, end)` has none (memory the device does not know:
     /// blocks carved from it are still tracked).
     pub(super) fn fill_gaps(&mut self, start: u64, end: u64) {
@@ -242,4 +272,20 @@ impl State {
             });
         }
     }
+}
+
+/// Whether two stacks hold the same lives, level by level (their uses aside).
+fn alike(a: &[Life], b: &[Life]) -> bool {
+    let same = |p: &Point, q: &Point| (p.stream, p.epoch, p.op) == (q.stream, q.epoch, q.op);
+    a.len() == b.len()
+        && a.iter().zip(b).all(|(x, y)| {
+            x.block == y.block
+                && x.raw == y.raw
+                && same(&x.alloc, &y.alloc)
+                && match (&x.freed, &y.freed) {
+                    (None, None) => true,
+                    (Some(f), Some(g)) => same(&f.point, &g.point) && f.pooled == g.pooled,
+                    _ => false,
+                }
+        })
 }
