@@ -1,11 +1,13 @@
 #!/usr/bin/env bash
-# Runs every benchmark and ends with one summary table. Logs go to $LOGS (default
+# Runs the main benchmarks (churn, event_latency, alloc_async, doorbell_probe; vmm_probe and
+# snapshot run on their own) and ends with one summary table. Logs go to $LOGS (default
 # target/bench-logs). On a machine with a GPU the benchmarks measure it; without one they run
-# on the simulated device (figures that only check the plumbing).
+# on the simulated device (figures that only check the plumbing: run them there with
+# STREAMALLOC_RACE_DETECTION=off, or they measure the race detector).
 #
 #   bash benches/run-all.sh                 # builds with cargo, then runs
-#   BIN_DIR=.gpu/benches bash benches/run-all.sh   # runs prebuilt binaries (e.g. on the GPU
-#                                            # machine, packed by shared/tools/gpu-pack)
+#   BIN_DIR=.gpu/bin bash benches/run-all.sh   # runs prebuilt binaries (e.g. on the GPU
+#                                            # machine, packed by benches/gpu/pack.sh --bench ...)
 # REPEAT (default 3) sets how many times each churn run repeats; the table shows medians.
 set -euo pipefail
 cd "$(dirname "$0")/.."
