@@ -319,8 +319,7 @@ impl PinnedHostResource {
                 break;
             }
             let mut cache = self.shared.lock();
-            #[cfg(streamalloc_loom)]
-            if planted::CLAIM_LEAVES_PENDING.load(std::sync::atomic::Ordering::Relaxed) {
+            if planted!(CLAIM_LEAVES_PENDING) {
                 // The planted bug: claimed, but still pending, so its callback caches it too.
                 cache.live.insert(ptr, class);
                 return Ok(DevicePtr(ptr));

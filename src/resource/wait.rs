@@ -86,10 +86,7 @@ impl Wait {
         check: impl FnOnce() -> Result<()>,
     ) -> Poll<Result<T>> {
         if self.id.is_none() {
-            #[cfg(streamalloc_loom)]
-            let barging = planted::BARGING.load(std::sync::atomic::Ordering::Relaxed);
-            #[cfg(not(streamalloc_loom))]
-            let barging = false;
+            let barging = planted!(BARGING);
             // (The planted bug: a newcomer tries first whoever waits.)
             match waiters.filter(|w| !barging && !w.is_empty()) {
                 // The common case, kept to one try: nobody waiting.
@@ -157,8 +154,7 @@ impl Wait {
             // Memory freed between our failed try and the registration notified nobody: try
             // once more if we are first in line. Its errors count as any try's (a review
             // found this one's dropped: a device error turned into a wait).
-            #[cfg(streamalloc_loom)]
-            let first = first && !planted::NO_RETRY.load(std::sync::atomic::Ordering::Relaxed);
+            let first = first && !planted!(NO_RETRY);
             if first {
                 match attempt(Attempt::Head) {
                     Ok(got) => {
@@ -203,11 +199,9 @@ impl Wait {
 /// [`MemoryWaiters::quietly`]), loudly for a fresh try (the head may have failed because of
 /// what it held).
 pub(crate) fn give_back(how: Attempt, waiters: Option<&MemoryWaiters>, undo: impl FnOnce()) {
+    // (The planted bugs: every give-back loud, or every one quiet.)
     #[cfg(streamalloc_loom)]
-    let how = match (
-        planted::GIVE_BACK_LOUD.load(std::sync::atomic::Ordering::Relaxed),
-        planted::GIVE_BACK_QUIET.load(std::sync::atomic::Ordering::Relaxed),
-    ) {
+    let how = match (planted!(GIVE_BACK_LOUD), planted!(GIVE_BACK_QUIET)) {
         (true, _) => Attempt::Fresh,
         (_, true) => Attempt::Head,
         _ => how,
