@@ -34,9 +34,6 @@
 //!   its maximum: nothing unmapped under work still queued on the stream that freed it.
 //! - [`history`]: the history recorder's live table (`HistoryAdaptor`): a free forgets its
 //!   allocation before the memory goes back upstream, and a stop leaves no stale entry.
-//! - [`nested_limits`]: two `LimitingAdaptor`s stacked (their real `Limit`s and queues, the
-//!   lower queue relaying to the upper): a request the lower limit refused is woken by a free
-//!   through the lower limit alone, and by the lower limit's rollback that refused it.
 //! - [`deferred_free`]: the countdown that frees a buffer used on several streams once all their
 //!   events completed (`release_after_all`), on the crate's `Completion`s.
 //! - [`words`]: the completion words' bookkeeping (`WordSlots`): a stream's word goes to a new
@@ -71,7 +68,6 @@ mod expandable;
 mod free_lists;
 mod frees_and_regrowth;
 mod history;
-mod nested_limits;
 mod pinned;
 mod races;
 mod reactor;

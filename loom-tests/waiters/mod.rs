@@ -30,6 +30,11 @@
 //!   held a reservation that it then rolled back must be woken by that rollback, and a
 //!   waiter's own rollback must not wake it (it polled itself in a loop: issue 19, finding 4).
 //!
+//! - The nested models (`nested.rs`) stack two such limits, the lower queue relaying to the
+//!   upper one as `LimitingAdaptor::new` sets up: a request the lower limit refused is woken
+//!   by a free through the lower limit alone, and by the lower limit's rollback that refused
+//!   it.
+//!
 //! - The all-or-nothing models drive `AllocSet`: the crate's `Wait::poll` with `AllocateAll`'s
 //!   attempt (take every piece or give back what was taken, through the crate's
 //!   `wait::give_back`), against the real queue and its `quietly`: the head's give-back must not wake the head itself (else it polls itself in a
@@ -55,6 +60,7 @@ use crate::resource::waiters;
 
 // The models by what they drive, each file with its default and planted `#[test]`s.
 mod limiting;
+mod nested;
 mod queue;
 mod sets;
 
