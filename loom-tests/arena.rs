@@ -14,10 +14,67 @@ use super::{check_paths, must_fail, Seen, Shared};
 use crate::resource::arena::{ArenaOptions, ArenaResource};
 use crate::resource::cuda::CudaResource;
 use crate::sync::Arc;
-use crate::{Device, MemoryAccess, MemoryResource, RaceDetection, SimConfig};
+use crate::{Device, DevicePtr, MemoryAccess, MemoryResource, RaceDetection, SimConfig, Stream};
 
 /// One block; the arena holds one superblock of two, and may not grow.
 const BLOCK: usize = 256;
+
+type Arena = ArenaResource<CudaResource>;
+
+/// An arena of `bytes` (its initial size and its maximum), in superblocks of two blocks, on a
+/// simulated device whose race detector panics.
+fn arena_of(bytes: usize) -> (Device, Arc<Arena>) {
+    let device = Device::simulated(SimConfig {
+        race_detection: RaceDetection::Panic,
+        ..SimConfig::default()
+    });
+    let arena = Arc::new(
+        ArenaResource::new(
+            CudaResource::new(&device),
+            ArenaOptions {
+                initial: bytes,
+                maximum: Some(bytes),
+                superblock_size: 2 * BLOCK,
+            },
+        )
+        .unwrap(),
+    );
+    (device, arena)
+}
+
+/// Stream a writes `p`; a thread on stream b waits for that write, writes `p` too and frees it
+/// on b (a remote free of a's arena, which must succeed).
+fn written_then_freed_on_b(
+    arena: &Arc<Arena>,
+    a: &Stream,
+    b: &Stream,
+    p: DevicePtr,
+) -> thread::JoinHandle<()> {
+    a.declare_access(p, BLOCK, MemoryAccess::Write, "a_writes_p")
+        .unwrap();
+    let written = a.record().unwrap();
+    let (arena, b) = (arena.clone(), b.clone());
+    thread::spawn(move || {
+        b.wait(&written).unwrap();
+        b.declare_access(p, BLOCK, MemoryAccess::Write, "b_writes_p")
+            .unwrap();
+        // SAFETY: `p` came from the arena with these bytes, is freed once, and b's use of it
+        // is queued before this point of b.
+        unsafe { arena.deallocate(p, BLOCK, &b) }
+            .unwrap_or_else(|e| panic!("a good free was refused: {e}"));
+    })
+}
+
+/// At the end, once every block is freed: the arena's invariants hold, all of its `bytes` are
+/// back in the global arena, and the detector saw no race.
+fn all_back(device: &Device, arena: &Arena, bytes: usize) {
+    arena.defragment();
+    arena.check_invariants().unwrap();
+    let stats = arena.stats();
+    assert_eq!(stats.in_use, 0, "{stats:?}");
+    assert_eq!(stats.global_free, bytes, "bytes lost: {stats:?}");
+    assert_eq!(device.races(), Vec::new());
+}
 
 const ADOPTED: &str = "the remote free adopted and reused";
 const REFUSED: &str = "out of memory before the remote free";
@@ -29,42 +86,14 @@ const REFUSED: &str = "out of memory before the remote free";
 /// a. The detector checks that the reuse and the write on a are ordered after b's free and
 /// write; at the end, the arena's invariants hold and every byte is back.
 fn remote_free_vs_reuse(seen: &Shared<Seen>) {
-    let device = Device::simulated(SimConfig {
-        race_detection: RaceDetection::Panic,
-        ..SimConfig::default()
-    });
-    let arena = Arc::new(
-        ArenaResource::new(
-            CudaResource::new(&device),
-            ArenaOptions {
-                initial: 2 * BLOCK,
-                maximum: Some(2 * BLOCK),
-                superblock_size: 2 * BLOCK,
-            },
-        )
-        .unwrap(),
-    );
+    let (device, arena) = arena_of(2 * BLOCK);
     let (a, b) = (
         device.create_stream().unwrap(),
         device.create_stream().unwrap(),
     );
     let p = arena.allocate(BLOCK, &a).unwrap();
     let q = arena.allocate(BLOCK, &a).unwrap();
-    a.declare_access(p, BLOCK, MemoryAccess::Write, "a_writes_p")
-        .unwrap();
-    let written = a.record().unwrap();
-
-    let freer = {
-        let (arena, b) = (arena.clone(), b.clone());
-        thread::spawn(move || {
-            b.wait(&written).unwrap();
-            b.declare_access(p, BLOCK, MemoryAccess::Write, "b_writes_p")
-                .unwrap();
-            // SAFETY: `p` came from the arena with these bytes, is freed once, and b's use of
-            // it is queued before this point of b.
-            unsafe { arena.deallocate(p, BLOCK, &b) }.unwrap();
-        })
-    };
+    let freer = written_then_freed_on_b(&arena, &a, &b, p);
 
     let reused = match arena.allocate(BLOCK, &a) {
         Ok(r) => {
@@ -92,12 +121,7 @@ fn remote_free_vs_reuse(seen: &Shared<Seen>) {
     if reused {
         unsafe { arena.deallocate(p, BLOCK, &a) }.unwrap();
     }
-    arena.defragment();
-    arena.check_invariants().unwrap();
-    let stats = arena.stats();
-    assert_eq!(stats.in_use, 0, "{stats:?}");
-    assert_eq!(stats.global_free, 2 * BLOCK, "bytes lost: {stats:?}");
-    assert_eq!(device.races(), Vec::new());
+    all_back(&device, &arena, 2 * BLOCK);
 }
 
 #[test]
@@ -134,40 +158,11 @@ const RETURNED: &str = "the free came first: a's superblock adopted it and went 
 /// arena to take its free block, and the free, racing the move, must find `p` there. The free
 /// must succeed either way and `p` must come back: at the end every byte is free.
 fn remote_free_vs_superblock_move(seen: &Shared<Seen>) {
-    let device = Device::simulated(SimConfig {
-        race_detection: RaceDetection::Panic,
-        ..SimConfig::default()
-    });
-    let arena = Arc::new(
-        ArenaResource::new(
-            CudaResource::new(&device),
-            ArenaOptions {
-                initial: 4 * BLOCK,
-                maximum: Some(4 * BLOCK),
-                superblock_size: 2 * BLOCK,
-            },
-        )
-        .unwrap(),
-    );
+    let (device, arena) = arena_of(4 * BLOCK);
     let [a, b, c, d] = [(); 4].map(|()| device.create_stream().unwrap());
     let p = arena.allocate(BLOCK, &a).unwrap();
     let full = arena.allocate(2 * BLOCK, &d).unwrap();
-    a.declare_access(p, BLOCK, MemoryAccess::Write, "a_writes_p")
-        .unwrap();
-    let written = a.record().unwrap();
-
-    let freer = {
-        let (arena, b) = (arena.clone(), b.clone());
-        thread::spawn(move || {
-            b.wait(&written).unwrap();
-            b.declare_access(p, BLOCK, MemoryAccess::Write, "b_writes_p")
-                .unwrap();
-            // SAFETY: `p` came from the arena with these bytes, is freed once, and b's use of
-            // it is queued before this point of b.
-            unsafe { arena.deallocate(p, BLOCK, &b) }
-                .unwrap_or_else(|e| panic!("a good free was refused: {e}"));
-        })
-    };
+    let freer = written_then_freed_on_b(&arena, &a, &b, p);
 
     let moves_before = arena.stats().superblock_moves;
     let x = arena.allocate(BLOCK, &c).unwrap();
@@ -185,12 +180,7 @@ fn remote_free_vs_superblock_move(seen: &Shared<Seen>) {
         arena.deallocate(x, BLOCK, &c).unwrap();
         arena.deallocate(full, 2 * BLOCK, &d).unwrap();
     }
-    arena.defragment();
-    arena.check_invariants().unwrap();
-    let stats = arena.stats();
-    assert_eq!(stats.in_use, 0, "{stats:?}");
-    assert_eq!(stats.global_free, 4 * BLOCK, "bytes lost: {stats:?}");
-    assert_eq!(device.races(), Vec::new());
+    all_back(&device, &arena, 4 * BLOCK);
 }
 
 #[test]
