@@ -51,17 +51,7 @@ impl TryTake for Limited {
             "tried {tries} times: it woke itself"
         );
         (self.limit)
-            .allocate_through(bytes, &self.waiters, || {
-                if self.upstream.try_take(bytes) {
-                    Ok(())
-                } else {
-                    Err(crate::Error::OutOfMemory {
-                        requested: bytes,
-                        available: 0,
-                        maximum: MAXIMUM,
-                    })
-                }
-            })
+            .allocate_through(bytes, &self.waiters, || self.upstream.take_or_refuse(bytes))
             .is_ok()
     }
 }

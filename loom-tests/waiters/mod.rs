@@ -116,6 +116,20 @@ impl Memory {
 /// What [`Alloc`] allocates from: `allocate`, true if served.
 trait TryTake {
     fn try_take(&self, bytes: usize) -> bool;
+
+    /// `allocate` as a resource answers it: `bytes` taken, or out of memory within what the
+    /// resource could hold (worth waiting for).
+    fn take_or_refuse(&self, bytes: usize) -> crate::Result<()> {
+        if self.try_take(bytes) {
+            Ok(())
+        } else {
+            Err(crate::Error::OutOfMemory {
+                requested: bytes,
+                available: 0,
+                maximum: MAXIMUM,
+            })
+        }
+    }
 }
 
 impl TryTake for Memory {
@@ -167,16 +181,7 @@ impl<'a> Alloc<'a> {
             cx,
             |how| {
                 last = Some(how);
-                if memory.try_take(N) {
-                    Ok(())
-                } else {
-                    // Out of memory within what the resource could hold: worth waiting.
-                    Err(crate::Error::OutOfMemory {
-                        requested: N,
-                        available: 0,
-                        maximum: MAXIMUM,
-                    })
-                }
+                memory.take_or_refuse(N)
             },
             || Ok(()),
         );

@@ -45,15 +45,7 @@ impl Nested {
     /// The lower `LimitingAdaptor::allocate`, over the fake resource.
     fn take_lower(&self, bytes: usize) -> crate::Result<()> {
         (self.lower).allocate_through(bytes, &self.lower_waiters, || {
-            if self.upstream.try_take(bytes) {
-                Ok(())
-            } else {
-                Err(crate::Error::OutOfMemory {
-                    requested: bytes,
-                    available: 0,
-                    maximum: MAXIMUM,
-                })
-            }
+            self.upstream.take_or_refuse(bytes)
         })
     }
 
