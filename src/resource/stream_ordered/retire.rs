@@ -8,21 +8,10 @@ impl<S: EngineStream> StreamHeap<S> {
     /// keep ([`Kept`]). The caller waits on the host for each one's work, and then calls
     /// [`forget`](Self::forget) with it.
     pub(crate) fn idle_streams(&self) -> Vec<S> {
-        let mut out: Vec<S> = Vec::new();
-        for shard in self.shards.iter() {
-            let heap = shard.lock();
-            for e in heap.entries.iter().flatten() {
-                // Once 0, it stays 0: only a handle that exists can make another, and the
-                // engine makes none for a user (its own clones, like the caller's below, only
-                // make the stream look busier than it is).
-                if (e.stream.users() == 0 || planted::idle_ignores_handles())
-                    && !out.iter().any(|s| s.uid() == e.uid)
-                {
-                    out.push((*e.stream).clone());
-                }
-            }
-        }
-        out
+        // Once 0, it stays 0: only a handle that exists can make another, and the engine makes
+        // none for a user (its own clones, like the one returned, only make the stream look
+        // busier than it is).
+        self.streams_where(|e| e.stream.users() == 0 || planted::idle_ignores_handles())
     }
 
     /// Lets go of `stream`, whose work the host has seen finish (after

@@ -62,12 +62,21 @@ impl<S: EngineStream> StreamHeap<S> {
 
     /// Every stream the engine holds (to synchronize before returning chunks upstream).
     pub(crate) fn streams(&self) -> Vec<S> {
+        self.streams_where(|_| true)
+    }
+
+    /// One handle of each stream with an entry that `keep` accepts (a stream has an entry in
+    /// every shard that served it). Deduplicated through a set: a server that makes a stream
+    /// per request can hold thousands, and a search of the list so far for each entry, under
+    /// the shard's lock, would cost their square.
+    pub(super) fn streams_where(&self, keep: impl Fn(&Entry<S>) -> bool) -> Vec<S> {
+        let mut seen = rustc_hash::FxHashSet::default();
         let mut out: Vec<S> = Vec::new();
         for shard in self.shards.iter() {
             let heap = shard.lock();
             for e in heap.entries.iter().flatten() {
-                if !out.iter().any(|s| s.uid() == e.uid) {
-                    out.push(e.stream.clone());
+                if keep(e) && seen.insert(e.uid) {
+                    out.push((*e.stream).clone());
                 }
             }
         }
