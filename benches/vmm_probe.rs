@@ -11,6 +11,9 @@
 //! 3. One physical allocation of N granules (N = 1, 4, 16): create, map, access per MiB.
 //! 4. T threads (T = 1, 2, 4) each mapping 64 granules one by one in ranges of their own: the
 //!    wall time, to see whether the driver serializes growths of different threads.
+//! 5. The same for `cuMemAlloc`, what `PoolResource` grows by (issue 10): T threads (T = 1, 2,
+//!    4) each allocating 10 chunks of 20 MiB (about what a thread of `churn-4t` grown from
+//!    256 MiB grows by), the wall time to the last allocated; then freed.
 //!
 //! `cargo bench --bench vmm_probe -- --help` says what it measures; it takes no flags, and an
 //! unknown flag is an error.
@@ -260,5 +263,56 @@ fn main() {
             wall.as_secs_f64() * 1e3,
             wall.as_secs_f64() * 1e6 / (threads * per_thread) as f64
         );
+    }
+
+    // 5. Threads growing by `cuMemAlloc` at once (the pool's growth).
+    for chunk_mib in [20usize, 80] {
+        for threads in [1usize, 2, 4] {
+            let (per_thread, rounds) = (200 / chunk_mib, 3);
+            let mut walls = Vec::new();
+            for _ in 0..rounds {
+                let barrier = std::sync::Barrier::new(threads);
+                let wall = std::thread::scope(|s| {
+                    let t0 = Instant::now();
+                    let joins: Vec<_> = (0..threads)
+                        .map(|_| {
+                            let barrier = &barrier;
+                            s.spawn(move || {
+                                // SAFETY: the primary context stays retained by `device`.
+                                unsafe { result::ctx::set_current(ctx as sys::CUcontext) }
+                                    .unwrap();
+                                barrier.wait();
+                                let ptrs: Vec<u64> = (0..per_thread)
+                                    .map(|_| {
+                                        let mut p = 0;
+                                        // SAFETY: one pointer written.
+                                        ok("cuMemAlloc", unsafe {
+                                            sys::cuMemAlloc_v2(&mut p, chunk_mib << 20)
+                                        });
+                                        p
+                                    })
+                                    .collect();
+                                let done = Instant::now();
+                                for p in ptrs {
+                                    // SAFETY: ours, unused, freed once.
+                                    ok("cuMemFree", unsafe { sys::cuMemFree_v2(p) });
+                                }
+                                done
+                            })
+                        })
+                        .collect();
+                    let last = joins.into_iter().map(|j| j.join().unwrap()).max().unwrap();
+                    last.saturating_duration_since(t0)
+                });
+                walls.push(wall.as_secs_f64() * 1e3);
+            }
+            let mib = (threads * per_thread * chunk_mib) as f64;
+            let best = walls.iter().cloned().fold(f64::INFINITY, f64::min);
+            println!(
+                "{threads} thread(s) cuMemAlloc {per_thread} x {chunk_mib} MiB each at once: {} ms to the last allocated (best {best:.2}: {:.2} µs per MiB overall)",
+                walls.iter().map(|w| format!("{w:.2}")).collect::<Vec<_>>().join(", "),
+                best * 1e3 / mib
+            );
+        }
     }
 }
