@@ -250,7 +250,6 @@ impl Completion {
     /// A future that stops waiting gives its slot back. After completion this is a no-op.
     pub(crate) fn deregister(&self, key: usize) {
         let mut waiters = self.waiters.lock();
-        #[cfg(streamalloc_loom)]
         if planted!(DEREGISTER_INDEXES) {
             // The planted bug: indexing the slot, which `complete` may have taken away.
             if waiters.wakers[key].take().is_some() {

@@ -119,9 +119,10 @@
 )]
 #![deny(unsafe_op_in_unsafe_fn)]
 
-/// Whether a loom model switched on the planted bug `planted::$name` (a static of the module
-/// that invokes it, compiled only under the loom cfg): a relaxed load under the loom cfg, the
-/// constant `false` otherwise, so the branches it guards compile away in every other build.
+/// Whether a loom model switched on the planted bug `planted::$name`, a static of the `planted`
+/// module in scope (the invoker's own, or one it imports under the loom cfg) that exists only
+/// under the loom cfg: a relaxed load under the loom cfg, the constant `false` otherwise, so the
+/// branches it guards compile away in every other build (but still type-check there).
 /// Defined before the modules, which its textual scope then covers.
 macro_rules! planted {
     ($name:ident) => {{

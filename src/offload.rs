@@ -136,10 +136,7 @@ fn work(shared: Arc<Shared>) {
         let (what, job) = {
             let mut state = shared.state.lock();
             loop {
-                #[cfg(streamalloc_loom)]
-                if planted::SHUTDOWN_BEFORE_DRAIN.load(std::sync::atomic::Ordering::Relaxed)
-                    && state.shutdown
-                {
+                if planted!(SHUTDOWN_BEFORE_DRAIN) && state.shutdown {
                     state.started = false;
                     return;
                 }
@@ -168,7 +165,8 @@ fn run_job(what: &'static str, job: Job) {
     }
 }
 
-/// A bug the loom model plants (`loom-tests/reactor/offload.rs`), constant off otherwise.
+/// A bug the loom model plants (`loom-tests/reactor/offload.rs`), constant off otherwise; read
+/// through `planted!`.
 #[cfg(streamalloc_loom)]
 pub(crate) mod planted {
     /// The thread looks at `shutdown` before it drains its queue: jobs queued before the owner

@@ -112,8 +112,7 @@ impl Timer {
         loop {
             let now = self.now();
             // The planted bug: a deadline within a millisecond counts as due.
-            #[cfg(streamalloc_loom)]
-            let now = if planted::FIRES_EARLY.load(std::sync::atomic::Ordering::Relaxed) {
+            let now = if planted!(FIRES_EARLY) {
                 now + std::time::Duration::from_millis(1)
             } else {
                 now
@@ -178,8 +177,7 @@ impl Timer {
         state.heap.push(Reverse((at, id)));
         state.wakers.insert(id, waker.clone());
         drop(state);
-        #[cfg(streamalloc_loom)]
-        if planted::NEW_WITHOUT_NOTIFY.load(std::sync::atomic::Ordering::Relaxed) {
+        if planted!(NEW_WITHOUT_NOTIFY) {
             // The planted bug: a thread asleep for good (no deadline) or until a later one
             // never learns of this deadline.
             return id;
@@ -192,8 +190,7 @@ impl Timer {
     /// due is never woken. (One that fell due just before may be being woken: the thread took
     /// its waker out under the lock.)
     fn cancel(&self, id: u64) {
-        #[cfg(streamalloc_loom)]
-        if planted::CANCEL_KEEPS_WAKER.load(std::sync::atomic::Ordering::Relaxed) {
+        if planted!(CANCEL_KEEPS_WAKER) {
             // The planted bug: the waker stays, and is woken when the deadline falls due.
             return;
         }
@@ -353,7 +350,8 @@ impl Drop for Deadline {
     }
 }
 
-/// Bugs the loom model plants (`loom-tests/timer.rs`), constant off otherwise.
+/// Bugs the loom model plants (`loom-tests/timer.rs`), constant off otherwise; read through
+/// `planted!`.
 #[cfg(streamalloc_loom)]
 pub(crate) mod planted {
     /// A new deadline does not notify the thread: asleep with no deadline (or until a later

@@ -40,8 +40,7 @@ impl WordSlots {
 
     /// `slot`'s stream is gone; `last` is the last value queued to its word.
     pub(crate) fn retire(&mut self, slot: u32, last: u32) {
-        #[cfg(streamalloc_loom)]
-        if planted::REUSED_AT_ONCE.load(std::sync::atomic::Ordering::Relaxed) {
+        if planted!(REUSED_AT_ONCE) {
             self.free.push(slot);
             return;
         }
@@ -68,7 +67,8 @@ impl WordSlots {
     }
 }
 
-/// A bug the loom model plants (`loom-tests/words.rs`), constant off otherwise.
+/// A bug the loom model plants (`loom-tests/words.rs`), constant off otherwise; read through
+/// `planted!`.
 #[cfg(streamalloc_loom)]
 pub(crate) mod planted {
     /// A retired slot is free at once, its last write pending or not.

@@ -326,8 +326,7 @@ impl CudaAsyncResource {
             self.allocated.fetch_add(size, Ordering::AcqRel);
             return Ok(());
         };
-        #[cfg(streamalloc_loom)]
-        if planted::CHECK_THEN_ADD.load(std::sync::atomic::Ordering::Relaxed) {
+        if planted!(CHECK_THEN_ADD) {
             // The planted bug: the check and the count are two steps.
             let allocated = self.allocated.load(Ordering::Acquire);
             if allocated.saturating_add(size) > maximum {
@@ -459,7 +458,8 @@ unsafe impl MemoryResource for CudaAsyncResource {
     }
 }
 
-/// A bug the loom model plants (`loom-tests/cuda_async.rs`), constant off otherwise.
+/// A bug the loom model plants (`loom-tests/cuda_async.rs`), constant off otherwise; read through
+/// `planted!`.
 #[cfg(streamalloc_loom)]
 pub(crate) mod planted {
     /// The maximum is checked with a load and the bytes counted with a separate add: two

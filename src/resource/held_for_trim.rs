@@ -26,6 +26,9 @@
 //! `a_request_at_the_maximum_vs_a_cancelled_trim`.
 
 use crate::sync::Mutex;
+// The planted bug's switch, read through `planted!` (it exists only under the loom cfg).
+#[cfg(streamalloc_loom)]
+use crate::resource::stream_ordered::planted;
 
 /// What trims hold now, each item under the ticket of the trim that took it.
 pub(crate) struct HeldForTrim<T> {
@@ -116,8 +119,10 @@ impl<T: Clone> HeldForTrim<T> {
     }
 
     fn take_mine(held: &mut Held<T>, ticket: Ticket) -> Vec<T> {
+        // Compiled only under the loom cfg, unlike other `planted!` branches: it reads `ever`,
+        // which records everything ever held and exists only there.
         #[cfg(streamalloc_loom)]
-        if crate::resource::stream_ordered::planted::trim_ignores_recall() {
+        if planted!(TRIM_IGNORES_RECALL) {
             // The planted bug: the trim gives back all it took, recalled or not.
             held.items.retain(|(t, _)| *t != ticket.0);
             return (held.ever.iter())

@@ -200,7 +200,6 @@ impl Wait {
 /// what it held).
 pub(crate) fn give_back(how: Attempt, waiters: Option<&MemoryWaiters>, undo: impl FnOnce()) {
     // (The planted bugs: every give-back loud, or every one quiet.)
-    #[cfg(streamalloc_loom)]
     let how = match (planted!(GIVE_BACK_LOUD), planted!(GIVE_BACK_QUIET)) {
         (true, _) => Attempt::Fresh,
         (_, true) => Attempt::Head,
@@ -224,8 +223,8 @@ pub(crate) fn worth_waiting(e: &Error) -> bool {
     matches!(e, Error::OutOfMemory { requested, maximum, .. } if requested <= maximum)
 }
 
-/// Bugs the loom models plant (`loom-tests/waiters/queue.rs`, `sets.rs`), constant off
-/// otherwise.
+/// Bugs the loom models plant (`loom-tests/waiters/queue.rs`, `sets.rs`), constant off otherwise;
+/// read through `planted!`.
 #[cfg(streamalloc_loom)]
 pub(crate) mod planted {
     /// No retry after registering as first in line: memory freed between the failed try and

@@ -165,8 +165,7 @@ unsafe impl<U: MemoryResource> MemoryResource for AlignedAdaptor<U> {
         // would pass through must not reach the upstream with the aligned pointer (an upstream
         // that ignores sizes, as `cuMemFree` does, would free it and leave the entry stale).
         // With no alignment above 256 nothing is ever in the table.
-        #[cfg(streamalloc_loom)]
-        if planted::FORGET_AFTER_UPSTREAM.load(std::sync::atomic::Ordering::Relaxed) {
+        if planted!(FORGET_AFTER_UPSTREAM) {
             // The planted bug: the memory goes back upstream before its origin is forgotten.
             let origin = match self.origins.lock().get(&ptr.0) {
                 Some(o) if o.bytes == bytes => (o.ptr, o.size),
@@ -234,7 +233,8 @@ unsafe impl<U: MemoryResource> MemoryResource for AlignedAdaptor<U> {
     }
 }
 
-/// A bug the loom model plants (`loom-tests/adaptor_tables.rs`), constant off otherwise.
+/// A bug the loom model plants (`loom-tests/adaptor_tables.rs`), constant off otherwise; read
+/// through `planted!`.
 #[cfg(streamalloc_loom)]
 pub(crate) mod planted {
     /// `deallocate` gives the memory back upstream before it forgets the origin: another thread

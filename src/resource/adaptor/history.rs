@@ -468,8 +468,7 @@ unsafe impl<U: MemoryResource> MemoryResource for HistoryAdaptor<U> {
     }
 
     unsafe fn deallocate(&self, ptr: DevicePtr, bytes: usize, stream: &Stream) -> Result<()> {
-        #[cfg(streamalloc_loom)]
-        if planted::FORGET_AFTER_UPSTREAM.load(std::sync::atomic::Ordering::Relaxed) {
+        if planted!(FORGET_AFTER_UPSTREAM) {
             // The planted bug: the memory goes back upstream before its entry is forgotten.
             // SAFETY: as below.
             unsafe { self.upstream.deallocate(ptr, bytes, stream) }?;
@@ -520,7 +519,8 @@ unsafe impl<U: MemoryResource> MemoryResource for HistoryAdaptor<U> {
     }
 }
 
-/// A bug the loom model plants (`loom-tests/adaptor_tables.rs`), constant off otherwise.
+/// A bug the loom model plants (`loom-tests/adaptor_tables.rs`), constant off otherwise; read
+/// through `planted!`.
 #[cfg(streamalloc_loom)]
 pub(crate) mod planted {
     /// `deallocate` gives the memory back upstream before the recorder forgets the live

@@ -195,8 +195,7 @@ unsafe impl<U: MemoryResource> MemoryResource for TrackingAdaptor<U> {
             // SAFETY: the caller's contract, passed on (a zero-byte allocation's null pointer).
             return unsafe { self.upstream.deallocate(ptr, bytes, stream) };
         }
-        #[cfg(streamalloc_loom)]
-        if planted::FORGET_AFTER_UPSTREAM.load(std::sync::atomic::Ordering::Relaxed) {
+        if planted!(FORGET_AFTER_UPSTREAM) {
             // The planted bug: the memory goes back upstream before its entry is forgotten.
             let known = (self.table.lock().entries.get(&ptr.0)).is_some_and(|e| e.bytes == bytes);
             if !known {
@@ -258,7 +257,8 @@ unsafe impl<U: MemoryResource> MemoryResource for TrackingAdaptor<U> {
     }
 }
 
-/// A bug the loom model plants (`loom-tests/adaptor_tables.rs`), constant off otherwise.
+/// A bug the loom model plants (`loom-tests/adaptor_tables.rs`), constant off otherwise; read
+/// through `planted!`.
 #[cfg(streamalloc_loom)]
 pub(crate) mod planted {
     /// `deallocate` gives the memory back upstream before it forgets the entry: another thread

@@ -10,6 +10,9 @@ use crate::resource::growth::step_within_free;
 use crate::resource::{MemoryResource, ALIGNMENT};
 use crate::stream::{Stream, StreamId};
 use crate::sync::{Arc, Ordering};
+// The planted bugs' switches, read through `planted!` (they exist only under the loom cfg).
+#[cfg(streamalloc_loom)]
+use super::planted;
 
 impl<U: MemoryResource> ArenaResource<U> {
     // ===== stream arenas =====
@@ -54,8 +57,8 @@ impl<U: MemoryResource> ArenaResource<U> {
             if id == arena.stream.id() || ordered.contains(&id) {
                 continue;
             }
-            #[cfg(streamalloc_loom)]
-            if super::planted::ADOPT_UNORDERED.load(std::sync::atomic::Ordering::Relaxed) {
+            if planted!(ADOPT_UNORDERED) {
+                // The planted bug: no ordering after the freeing stream.
                 continue;
             }
             // The free was issued on `r.stream` before now, so this event comes after it.
@@ -548,8 +551,8 @@ impl<U: MemoryResource> ArenaResource<U> {
         // cannot come in between.
         let global = self.global.lock();
         let owner = global.owner_of(addr, size).ok_or(unknown.clone())?;
-        #[cfg(streamalloc_loom)]
-        let global = super::planted::global_released_early(global);
+        // (The planted bug: the global lock let go of at once, before the owner's is taken.)
+        let global = (!planted!(GLOBAL_RELEASED_EARLY)).then_some(global);
         let mut state = owner.state.lock();
         drop(global);
         if state.find(addr, size).is_none() {

@@ -1,7 +1,7 @@
 //! Bugs the loom model of the arena plants (`loom-tests/arena.rs`), one at a time, to see them
-//! caught. Only under the loom cfg.
+//! caught. Only under the loom cfg; read through `planted!` (constant off otherwise).
 
-use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::atomic::AtomicBool;
 
 /// A stream arena adopts the blocks freed on other streams without ordering its stream after
 /// theirs (no event, no wait): a block freed on T is reused on S while T's work may still use it.
@@ -11,8 +11,3 @@ pub(crate) static ADOPT_UNORDERED: AtomicBool = AtomicBool::new(false);
 /// takes the owner's: a superblock move in between takes the block to another arena, and the
 /// free, looking in the old owner, refuses a good pointer (the block stays live for ever).
 pub(crate) static GLOBAL_RELEASED_EARLY: AtomicBool = AtomicBool::new(false);
-
-/// `global`, or nothing if [`GLOBAL_RELEASED_EARLY`] lets go of it at once.
-pub(crate) fn global_released_early<T>(global: T) -> Option<T> {
-    (!GLOBAL_RELEASED_EARLY.load(Ordering::Relaxed)).then_some(global)
-}

@@ -22,6 +22,9 @@ use super::super::stream_ordered::{EngineStats, EngineStream, Grow, ListBlocks, 
 use crate::error::{Error, Result};
 use crate::resource::held_for_trim::{HeldForTrim, Ticket};
 use crate::sync::{AtomicU64, Mutex, Ordering};
+// The planted bug's switch, read through `planted!` (it exists only under the loom cfg).
+#[cfg(streamalloc_loom)]
+use super::super::stream_ordered::planted;
 
 /// A reserved address range that granules of physical memory can be mapped into.
 pub(crate) trait Backing: Send + Sync {
@@ -248,8 +251,7 @@ impl ReleaseTrigger {
     /// nothing), and `above` says that more than the threshold is still mapped. Otherwise none
     /// is pending from now on, and the next free looks.
     pub(crate) fn ended(&self, above: impl Fn() -> bool) -> bool {
-        #[cfg(streamalloc_loom)]
-        if crate::resource::stream_ordered::planted::release_end_only_clears() {
+        if planted!(RELEASE_END_ONLY_CLEARS) {
             // The planted bug: the bytes freed meanwhile are never looked at.
             self.state.fetch_and(!Self::PENDING, Ordering::AcqRel);
             return false;

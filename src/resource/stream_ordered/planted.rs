@@ -111,15 +111,3 @@ switch!(onto_first_only, ONTO_FIRST_ONLY);
 switch!(cache_any_stream, CACHE_ANY_STREAM);
 switch!(forget_ignores_later_work, FORGET_IGNORES_LATER_WORK);
 switch!(torn_chunk_reads, TORN_CHUNK_READS);
-
-/// [`TRIM_IGNORES_RECALL`] (for `resource/held_for_trim.rs`, outside this module).
-#[cfg(streamalloc_loom)]
-pub(crate) fn trim_ignores_recall() -> bool {
-    TRIM_IGNORES_RECALL.load(Ordering::Relaxed)
-}
-
-/// [`RELEASE_END_ONLY_CLEARS`] (for `resource/expandable/core.rs`, outside this module).
-#[cfg(streamalloc_loom)]
-pub(crate) fn release_end_only_clears() -> bool {
-    RELEASE_END_ONLY_CLEARS.load(Ordering::Relaxed)
-}
