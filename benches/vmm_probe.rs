@@ -279,8 +279,7 @@ fn main() {
                             let barrier = &barrier;
                             s.spawn(move || {
                                 // SAFETY: the primary context stays retained by `device`.
-                                unsafe { result::ctx::set_current(ctx as sys::CUcontext) }
-                                    .unwrap();
+                                unsafe { result::ctx::set_current(ctx as sys::CUcontext) }.unwrap();
                                 barrier.wait();
                                 let ptrs: Vec<u64> = (0..per_thread)
                                     .map(|_| {
