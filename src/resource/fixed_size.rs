@@ -6,10 +6,12 @@ use std::fmt;
 mod snapshot;
 
 use super::stream_ordered::{Grow, StreamHeap};
+use super::waiters::MemoryWaiters;
 use super::{aligned_size, check_stream, MemoryResource, ALIGNMENT};
 use crate::device::{Device, DevicePtr};
 use crate::error::{Error, Result};
 use crate::stream::Stream;
+use crate::sync::plain::Arc as StdArc;
 use crate::sync::{AtomicU64, Mutex, Ordering};
 
 /// Blocks of one size (RMM's `fixed_size_memory_resource`): every allocation of at most
@@ -17,7 +19,18 @@ use crate::sync::{AtomicU64, Mutex, Ordering};
 /// engine (one free list for every stream: same-stream reuse at once, reuse on another stream
 /// ordered by an event).
 /// Larger requests are an error ([`Error::InvalidSize`]): put it behind a binning resource.
+/// Unlike RMM's, which starts out with one chunk of `blocks_per_chunk` blocks, it takes no chunk
+/// at construction: the first allocation does.
+///
+/// It can run out (its upstream refusing a chunk) and get memory back (a block freed through
+/// it), so it has its own queue of [`MemoryWaiters`]: [`allocate_async`] waits there for a
+/// block, every free notifies it, and so does memory coming back to the upstream's queue, if
+/// it has one. Each request counts a whole block of its capacity
+/// ([`footprint`](MemoryResource::footprint)).
+///
 /// Dropping it synchronizes the streams it knows and returns every chunk upstream.
+///
+/// [`allocate_async`]: crate::AllocateAsync::allocate_async
 pub struct FixedSizeResource<U: MemoryResource> {
     upstream: U,
     device: Device,
@@ -27,6 +40,11 @@ pub struct FixedSizeResource<U: MemoryResource> {
     chunks: Mutex<Vec<(u64, u64)>>,
     reserved: AtomicU64,
     own: Stream,
+    /// Tasks waiting for a block ([`allocate_async`](crate::AllocateAsync::allocate_async)),
+    /// relayed to from the upstream's queue. A review found the resource without one: a
+    /// request over an upstream at its maximum failed at once instead of waiting for a block
+    /// freed through it.
+    waiters: StdArc<MemoryWaiters>,
 }
 
 impl<U: MemoryResource> fmt::Debug for FixedSizeResource<U> {
@@ -57,6 +75,7 @@ impl<U: MemoryResource> FixedSizeResource<U> {
             })?;
         Ok(Self {
             own: upstream.device().create_stream()?,
+            waiters: MemoryWaiters::stacked_over(&upstream),
             device: upstream.device().clone(),
             upstream,
             block,
@@ -154,7 +173,25 @@ unsafe impl<U: MemoryResource> MemoryResource for FixedSizeResource<U> {
         if !self.heap.give(ptr.0, self.block, stream) {
             return Err(Error::UnknownPointer { ptr: ptr.0, bytes });
         }
+        // A block came back: a task waiting in `allocate_async` may take it.
+        self.waiters.notify();
         Ok(())
+    }
+
+    fn memory_waiters(&self) -> Option<&MemoryWaiters> {
+        Some(&self.waiters)
+    }
+
+    /// A whole block for any request it serves (zero bytes take nothing): what the request
+    /// takes of the upstream's memory, so that an all-or-nothing set of small requests that
+    /// needs more blocks than the upstream's maximum holds fails at once instead of waiting
+    /// for ever. Larger requests, which `allocate` refuses, count their rounded size.
+    fn footprint(&self, bytes: usize) -> Result<usize> {
+        match bytes {
+            0 => Ok(0),
+            b if b as u64 <= self.block => Ok(self.block as usize),
+            b => aligned_size(b),
+        }
     }
 
     fn memory_snapshot(&self) -> Option<super::snapshot::Snapshot> {
@@ -164,6 +201,7 @@ unsafe impl<U: MemoryResource> MemoryResource for FixedSizeResource<U> {
 
 impl<U: MemoryResource> Drop for FixedSizeResource<U> {
     fn drop(&mut self) {
+        MemoryWaiters::unstack_from(&self.waiters, &self.upstream);
         for stream in self.heap.streams() {
             let _ = stream.synchronize_blocking();
         }

@@ -1,0 +1,125 @@
+//! Review findings in the fixed-size resource, each a test that failed before its fix: a
+//! fixed-size resource whose `allocate_async` did not wait for a block to come back.
+
+mod common;
+
+use std::future::Future;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::Arc;
+use std::task::{Context, Poll};
+use std::time::Duration;
+
+use common::{devices, label, runtime};
+use futures::task::ArcWake;
+use streamalloc::resource::cuda::CudaResource;
+use streamalloc::resource::fixed_size::FixedSizeResource;
+use streamalloc::resource::pool::{PoolOptions, PoolResource};
+use streamalloc::{AllocateAsync, DevicePtr, Error, MemoryResource};
+
+const KIB: usize = 1 << 10;
+const MIB: usize = 1 << 20;
+
+/// A waker that records that it was woken.
+struct Flag(AtomicBool);
+
+impl ArcWake for Flag {
+    fn wake_by_ref(arc_self: &Arc<Self>) {
+        arc_self.0.store(true, Ordering::SeqCst);
+    }
+}
+
+/// Blocks of 256 KiB, four to a chunk, over a pool that can hold one chunk.
+fn one_chunk_of_blocks(
+    device: &streamalloc::Device,
+) -> FixedSizeResource<PoolResource<CudaResource>> {
+    let pool = PoolResource::new(
+        CudaResource::new(device),
+        PoolOptions {
+            initial: 0,
+            maximum: Some(MIB),
+            ..PoolOptions::default()
+        },
+    )
+    .unwrap();
+    FixedSizeResource::new(pool, 256 * KIB, 4).unwrap()
+}
+
+/// A fixed-size resource over a pool at its maximum can run out and get memory back (a block
+/// freed through it), so `allocate_async` must wait for that block, as it does for the pool
+/// itself. A review found it failing at once with `OutOfMemory`: the resource had no queue of
+/// waiters (`memory_waiters` was `None`), and its frees woke nobody.
+#[test]
+fn fixed_size_allocate_async_waits_for_a_block_to_come_back() {
+    for device in devices() {
+        let what = label(&device);
+        let fixed = one_chunk_of_blocks(&device);
+        let s = device.create_stream().unwrap();
+        let blocks: Vec<DevicePtr> = (0..4).map(|_| fixed.allocate(1000, &s).unwrap()).collect();
+        assert!(
+            fixed.allocate(1000, &s).unwrap_err().is_out_of_memory(),
+            "{what}"
+        );
+
+        let flag = Arc::new(Flag(AtomicBool::new(false)));
+        let waker = futures::task::waker(flag.clone());
+        let mut cx = Context::from_waker(&waker);
+        let mut wait = Box::pin(fixed.allocate_async(1000, &s));
+        match wait.as_mut().poll(&mut cx) {
+            Poll::Pending => {}
+            Poll::Ready(r) => panic!("{what}: a request that could wait did not: {r:?}"),
+        }
+        // A block comes back: the waiter is woken and served.
+        // SAFETY: allocated above with 1000 bytes on `s`, unused, freed once.
+        unsafe { fixed.deallocate(blocks[0], 1000, &s) }.unwrap();
+        assert!(flag.0.load(Ordering::SeqCst), "{what}: a free woke nobody");
+        let got = match wait.as_mut().poll(&mut cx) {
+            Poll::Ready(Ok(ptr)) => ptr,
+            other => panic!("{what}: the woken waiter was not served: {other:?}"),
+        };
+        assert_eq!(got, blocks[0], "{what}: the only free block");
+        drop(wait);
+        for ptr in std::iter::once(got).chain(blocks[1..].iter().copied()) {
+            // SAFETY: each allocated above with 1000 bytes on `s`, unused, freed once.
+            unsafe { fixed.deallocate(ptr, 1000, &s) }.unwrap();
+        }
+        s.synchronize_blocking().unwrap();
+    }
+}
+
+/// With a queue of waiters, an all-or-nothing set must still fail at once when it can never
+/// fit: five 1000-byte requests take five 256 KiB blocks, more than the pool's 1 MiB. The
+/// resource counts a block for each ([`MemoryResource::footprint`]); with the default (1000
+/// rounded to 1024 bytes) the set's sum looked small enough to wait for, for ever.
+#[test]
+fn fixed_size_set_that_can_never_fit_fails_at_once() {
+    for device in devices() {
+        let what = label(&device);
+        let fixed = one_chunk_of_blocks(&device);
+        assert_eq!(fixed.footprint(1000).unwrap(), 256 * KIB, "{what}");
+        assert_eq!(fixed.footprint(0).unwrap(), 0, "{what}");
+        let s = device.create_stream().unwrap();
+        let rt = runtime();
+        let set = rt.block_on(
+            fixed
+                .allocate_all_async((0..5).map(|_| (1000, &s)))
+                .timeout(Duration::from_secs(5)),
+        );
+        assert!(
+            matches!(set, Err(Error::OutOfMemory { .. })),
+            "{what}: a set larger than the maximum gave {set:?}"
+        );
+        // Four fit, and are served.
+        let four = rt
+            .block_on(
+                fixed
+                    .allocate_all_async((0..4).map(|_| (1000, &s)))
+                    .timeout(Duration::from_secs(5)),
+            )
+            .unwrap();
+        for ptr in four {
+            // SAFETY: allocated above with 1000 bytes on `s`, unused, freed once.
+            unsafe { fixed.deallocate(ptr, 1000, &s) }.unwrap();
+        }
+        s.synchronize_blocking().unwrap();
+    }
+}
