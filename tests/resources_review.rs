@@ -1,16 +1,18 @@
-//! Review findings in the fixed-size resource, each a test that failed before its fix: a
-//! fixed-size resource whose `allocate_async` did not wait for a block to come back.
+//! Review findings in the fixed-size and callback resources, each a test that failed before its
+//! fix: a fixed-size resource whose `allocate_async` did not wait for a block to come back, and
+//! a callback resource that passed frees it could tell were not its own to the user's closure.
 
 mod common;
 
 use std::future::Future;
-use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::sync::Arc;
 use std::task::{Context, Poll};
 use std::time::Duration;
 
 use common::{devices, label, runtime};
 use futures::task::ArcWake;
+use streamalloc::resource::callback::CallbackResource;
 use streamalloc::resource::cuda::CudaResource;
 use streamalloc::resource::fixed_size::FixedSizeResource;
 use streamalloc::resource::pool::{PoolOptions, PoolResource};
@@ -122,4 +124,49 @@ fn fixed_size_set_that_can_never_fit_fails_at_once() {
         }
         s.synchronize_blocking().unwrap();
     }
+}
+
+/// A null pointer with a non-zero size, or a pointer that is not 256-aligned, can never be one
+/// the callback resource handed out (`allocate` refuses both from the closure), so
+/// `deallocate` refuses them as every other resource does (`UnknownPointer`), without calling
+/// the user's closure with them. A review found both passed on to the closure.
+#[test]
+fn callback_refuses_frees_it_never_handed_out() {
+    let device = &devices()[0];
+    let frees = Arc::new(AtomicUsize::new(0));
+    let f = frees.clone();
+    let (cuda_a, cuda_f) = (CudaResource::new(device), CudaResource::new(device));
+    let allocate = move |bytes, stream: &streamalloc::Stream| cuda_a.allocate(bytes, stream);
+    let deallocate = move |ptr, bytes, stream: &streamalloc::Stream| {
+        f.fetch_add(1, Ordering::SeqCst);
+        // SAFETY: only pointers of `cuda_a` reach here (the resource refuses others).
+        unsafe { cuda_f.deallocate(ptr, bytes, stream) }
+    };
+    // SAFETY: every pointer is a `CudaResource` allocation, freed through the same resource.
+    let mr = unsafe { CallbackResource::new(device, allocate, deallocate) };
+    let s = device.create_stream().unwrap();
+    let ptr = mr.allocate(1000, &s).unwrap();
+    // SAFETY: deliberately wrong pointers: refused without touching memory.
+    unsafe {
+        assert!(matches!(
+            mr.deallocate(DevicePtr(0), 1000, &s),
+            Err(Error::UnknownPointer {
+                ptr: 0,
+                bytes: 1000
+            })
+        ));
+        assert!(matches!(
+            mr.deallocate(ptr.offset(16), 1000, &s),
+            Err(Error::UnknownPointer { .. })
+        ));
+    }
+    assert_eq!(
+        frees.load(Ordering::SeqCst),
+        0,
+        "a closure was called with a pointer the resource never handed out"
+    );
+    // SAFETY: allocated above with 1000 bytes, unused, freed once.
+    unsafe { mr.deallocate(ptr, 1000, &s) }.unwrap();
+    assert_eq!(frees.load(Ordering::SeqCst), 1);
+    s.synchronize_blocking().unwrap();
 }

@@ -21,7 +21,9 @@ type DeallocateFn = dyn Fn(DevicePtr, usize, &Stream) -> Result<()> + Send + Syn
 ///   without calling the closures;
 /// - a stream of another device is refused ([`Error::WrongDevice`]) before any closure runs;
 /// - a pointer from `allocate` that is null or not 256-aligned is an error
-///   ([`Error::InvalidArgument`]; a misaligned one is first given back through `deallocate`).
+///   ([`Error::InvalidArgument`]; a misaligned one is first given back through `deallocate`);
+/// - so `deallocate` refuses a null pointer with a non-zero size, and a misaligned one
+///   ([`Error::UnknownPointer`]), without calling the closure.
 ///
 /// Everything else is the closures' business: `deallocate` must be stream-ordered and must not
 /// block if the resource is to keep the crate's promises, and the closures are called from
@@ -141,6 +143,13 @@ unsafe impl MemoryResource for CallbackResource {
             };
         }
         check_stream(&self.device, stream)?;
+        // `allocate` never hands out a null or misaligned pointer for a non-zero size (it
+        // refuses the closure's), so such a pointer is not ours: refused here, as every other
+        // resource refuses it, rather than passed to a closure that may trust it (a review
+        // found both reaching the closure).
+        if ptr.0 == 0 || !ptr.0.is_multiple_of(ALIGNMENT as u64) {
+            return Err(Error::UnknownPointer { ptr: ptr.0, bytes });
+        }
         (self.deallocate)(ptr, bytes, stream)
     }
 }
