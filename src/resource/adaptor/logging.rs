@@ -126,8 +126,8 @@ impl<U: MemoryResource> LoggingAdaptor<U> {
 
     /// Logs to the file named by the environment variable `STREAMALLOC_LOG_FILE`
     /// ([`LOG_FILE_ENV`]), as RMM's adaptor does with `RMM_LOG_FILE`. `Err(InvalidArgument)` if
-    /// the variable is unset or empty, or the file cannot be created. `upstream` is dropped on
-    /// error.
+    /// the variable is unset or empty, `Err(Io)` (as [`to_file`](Self::to_file)) if the file
+    /// cannot be created. `upstream` is dropped on error.
     pub fn from_env(upstream: U) -> Result<Self> {
         match std::env::var_os(LOG_FILE_ENV) {
             Some(path) if !path.is_empty() => Self::to_file(upstream, PathBuf::from(path)),
