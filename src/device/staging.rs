@@ -27,12 +27,13 @@
 use crate::error::Result;
 use crate::sync::Mutex;
 
-/// Blocks are cached in power-of-two sizes from this one up.
+/// Blocks are cached in power-of-two sizes from this one up; larger blocks are multiples of it.
 const MIN_BLOCK: usize = 4096;
 /// The most a device keeps cached; beyond it, a returned block is freed.
 const MAX_CACHED: usize = 64 << 20;
 
-/// A pinned host block of `size` bytes (a power of two).
+/// A pinned host block of `size` bytes (a power of two up to [`MAX_CACHED`], a multiple of
+/// [`MIN_BLOCK`] beyond).
 #[derive(Debug)]
 pub(crate) struct StagingBlock {
     pub(crate) ptr: *mut u8,
@@ -62,25 +63,41 @@ pub(crate) struct Staging {
 }
 
 impl Staging {
-    /// The size of block that serves `bytes`.
+    /// The size of block that serves `bytes`: a power of two up to [`MAX_CACHED`], the sizes
+    /// the cache holds. A larger block is never cached (it is freed, or retired and reused
+    /// only by a request it fits), so it is rounded up to a multiple of [`MIN_BLOCK`] only:
+    /// rounding it up to a power of two pinned up to twice the copy's size, and could fail a
+    /// copy with `OutOfMemory` where the host had the memory it needs.
     fn block_size(bytes: usize) -> usize {
-        bytes.max(MIN_BLOCK).next_power_of_two()
+        let bytes = bytes.max(MIN_BLOCK);
+        if bytes <= MAX_CACHED {
+            bytes.next_power_of_two()
+        } else {
+            // A slice holds at most `isize::MAX` bytes, so this does not overflow.
+            bytes.next_multiple_of(MIN_BLOCK)
+        }
     }
 
-    /// A cached (or retired) block of `bytes`' size class, or `None`; and every other retired
+    /// A cached (or retired) block that serves `bytes`, or `None`; and every other retired
     /// block, for the caller to free.
     fn take(&self, bytes: usize) -> (Option<StagingBlock>, Vec<StagingBlock>) {
         let size = Self::block_size(bytes);
-        let class = size.trailing_zeros() as usize;
         let mut free = self.free.lock();
         let mut retired = std::mem::take(&mut free.retired);
-        if let Some(block) = free.classes.get_mut(class).and_then(Vec::pop) {
-            free.bytes -= block.size;
-            return (Some(block), retired);
+        // Only power-of-two sizes have a class: a larger size's trailing zeros name the class
+        // of a smaller block.
+        if size.is_power_of_two() {
+            let class = size.trailing_zeros() as usize;
+            if let Some(block) = free.classes.get_mut(class).and_then(Vec::pop) {
+                free.bytes -= block.size;
+                return (Some(block), retired);
+            }
         }
+        // A retired block it fits and does not waste half of (for a power of two, exactly
+        // its size).
         let reuse = retired
             .iter()
-            .position(|b| b.size == size)
+            .position(|b| b.size >= size && b.size / 2 < size)
             .map(|at| retired.swap_remove(at));
         (reuse, retired)
     }
@@ -101,7 +118,9 @@ impl Staging {
     }
 
     fn cache(free: &mut Cache, block: StagingBlock) -> Option<StagingBlock> {
-        if free.bytes + block.size > MAX_CACHED {
+        // Only power-of-two blocks have a class (a larger block is never one: see
+        // `block_size`).
+        if free.bytes + block.size > MAX_CACHED || !block.size.is_power_of_two() {
             return Some(block);
         }
         let class = block.size.trailing_zeros() as usize;
@@ -162,5 +181,56 @@ impl super::Device {
                 tracing::warn!(error = %e, "could not free a staging block");
             }
         }
+    }
+}
+
+#[cfg(all(test, not(streamalloc_loom)))]
+mod tests {
+    use super::*;
+    use crate::{Device, SimConfig};
+
+    /// A block too large for the cache is never cached, so rounding it up to a power of two
+    /// bought nothing and pinned up to twice the copy's size (a 33 GiB upload pinned 64 GiB, or
+    /// failed with `OutOfMemory` on a host that had the 33).
+    #[test]
+    fn a_block_beyond_the_cache_pins_about_what_the_copy_needs() {
+        let device = Device::simulated(SimConfig::default());
+        let bytes = MAX_CACHED + 1;
+        let block = device.staging_block(bytes).unwrap();
+        assert!(block.size >= bytes);
+        assert!(
+            block.size < bytes + MIN_BLOCK,
+            "{} bytes pinned to stage {bytes}",
+            block.size
+        );
+        device.return_staging(block);
+    }
+
+    /// Blocks of the cache's sizes are still served from it, and a large block of a size that
+    /// is no power of two is never taken for a small class (nor a small one for it).
+    #[test]
+    fn cached_and_retired_blocks_serve_only_requests_they_fit() {
+        let device = Device::simulated(SimConfig::default());
+        let small = device.staging_block(100).unwrap();
+        assert_eq!(small.size, MIN_BLOCK);
+        let small_ptr = small.ptr;
+        device.return_staging(small);
+        // A large request whose size has as many trailing zeros as the small class.
+        let large = device.staging_block(MAX_CACHED + MIN_BLOCK).unwrap();
+        assert!(large.size >= MAX_CACHED + MIN_BLOCK);
+        // Given back on the reactor's path: the cache cannot hold it, so it is retired...
+        device.inner.staging.put_or_retire(large);
+        // ... and the small request still gets the small cached block.
+        let small = device.staging_block(MIN_BLOCK).unwrap();
+        assert_eq!((small.ptr, small.size), (small_ptr, MIN_BLOCK));
+        device.return_staging(small);
+        // The retired block serves a large request it fits.
+        let large = device.staging_block(MAX_CACHED + 1).unwrap();
+        let ptr = large.ptr;
+        device.inner.staging.put_or_retire(large);
+        let again = device.staging_block(MAX_CACHED + 2).unwrap();
+        assert!(again.size >= MAX_CACHED + 2);
+        assert_eq!(again.ptr, ptr);
+        device.return_staging(again);
     }
 }
