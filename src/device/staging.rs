@@ -73,8 +73,9 @@ impl Staging {
         if bytes <= MAX_CACHED {
             bytes.next_power_of_two()
         } else {
-            // A slice holds at most `isize::MAX` bytes, so this does not overflow.
-            bytes.next_multiple_of(MIN_BLOCK)
+            // A slice holds at most `isize::MAX` bytes, so this does not overflow; were it to,
+            // the exact size still serves (never a smaller block).
+            bytes.checked_next_multiple_of(MIN_BLOCK).unwrap_or(bytes)
         }
     }
 
