@@ -156,6 +156,13 @@ pub(crate) async fn copy_out(
     event.await?;
     // SAFETY: the copy into the block has completed (the event after it did).
     unsafe { std::ptr::copy_nonoverlapping(block_ptr(&guard), out.as_mut_ptr(), out.len()) };
+    // Nothing queued uses the block any more: give it back here, on the caller's thread, where
+    // a block the cache cannot hold is freed at once. (Through the guard it would go back as
+    // from the reactor, which may not free: retired, it stayed pinned until the next staging
+    // call or the device's drop.)
+    if let Some(block) = guard.block.take() {
+        device.return_staging(block);
+    }
     Ok(())
 }
 
@@ -177,5 +184,23 @@ mod tests {
             Err(Error::HostOutOfMemory { .. })
         ));
         assert_eq!(host_vec::<u32>(3).unwrap(), vec![0, 0, 0]);
+    }
+
+    /// A completed `to_host` gives its staging block back on the caller's thread, which frees
+    /// a block the cache cannot hold (over 64 MiB) at once: it used to go back as if from the
+    /// reactor and be retired, pinned host memory held until the next staging call or the
+    /// device's drop.
+    #[test]
+    fn a_completed_download_frees_a_block_the_cache_cannot_hold() {
+        use crate::{CudaResource, Device, SimConfig};
+        let device = Device::simulated(SimConfig::default());
+        let resource = std::sync::Arc::new(CudaResource::new(&device));
+        let stream = device.create_stream().unwrap();
+        let bytes = (64 << 20) + 1;
+        let mut buf = DeviceBuffer::new(&resource, bytes, &stream).unwrap();
+        buf.memset(7).unwrap();
+        let out = futures::executor::block_on(buf.to_host()).unwrap();
+        assert_eq!((out.len(), out[0], out[bytes - 1]), (bytes, 7, 7));
+        assert_eq!(device.inner.staging.retired_bytes(), 0);
     }
 }

@@ -133,6 +133,12 @@ impl Staging {
         None
     }
 
+    /// Bytes in retired blocks (held pinned until a staging call or the device's drop).
+    #[cfg(test)]
+    pub(crate) fn retired_bytes(&self) -> usize {
+        self.free.lock().retired.iter().map(|b| b.size).sum()
+    }
+
     /// Every cached and retired block, for freeing when the device goes away.
     pub(crate) fn drain(&self) -> Vec<StagingBlock> {
         let mut free = self.free.lock();
