@@ -14,8 +14,8 @@ use std::time::Duration;
 use streamalloc::resource::cuda::CudaResource;
 use streamalloc::resource::pool::{PoolOptions, PoolResource};
 use streamalloc::{
-    Device, DeviceBuffer, DeviceVec, Error, FaultKind, Faults, MemoryAccess, Race, RaceDetection,
-    RaceKind, SimConfig, Stream,
+    Device, DeviceBuffer, DeviceVec, Error, FaultKind, Faults, MemoryAccess, MemoryResource, Race,
+    RaceDetection, RaceKind, SimConfig, Stream,
 };
 
 fn device(mode: RaceDetection) -> (Device, Faults) {
@@ -520,4 +520,35 @@ fn a_stale_use_of_a_pool_block_is_caught_after_many_frees() {
         races.iter().any(|r| r.kind == RaceKind::UseAfterFree),
         "{races:?}"
     );
+}
+
+/// In the `Panic` mode a racing copy is refused before the panic, as in the `Error` mode: it
+/// is not queued. Queued, it ran while the panic unwound its caller and wrote into the host
+/// buffer the unwinding freed (a proptest harness, which catches panics to shrink, aborted with
+/// a corrupted heap). Here the buffer outlives the panic, so the copy's write can be seen.
+#[test]
+fn a_racing_copy_that_panics_is_not_queued() {
+    let (device, _) = device(RaceDetection::Panic);
+    let mr = CudaResource::new(&device);
+    let (s1, s2) = streams(&device);
+    let ptr = mr.allocate(4096, &s1).unwrap();
+    // SAFETY: 4096 live bytes at `ptr`, written on s1.
+    unsafe { s1.memset_d8(ptr, 7, 4096) }.unwrap();
+    let mut host = vec![0u8; 4096];
+    let dst = host.as_mut_ptr();
+    // SAFETY: `host` outlives the synchronization below. The read on s2 is not ordered after
+    // s1's write: the race the detector must catch.
+    let caught = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| unsafe {
+        s2.copy_dtoh(dst, ptr, 4096)
+    }));
+    assert!(caught.is_err(), "the racing copy did not panic");
+    s1.synchronize_blocking().unwrap();
+    s2.synchronize_blocking().unwrap();
+    assert!(
+        host.iter().all(|&b| b == 0),
+        "the racing copy was queued and wrote the buffer"
+    );
+    assert_eq!(device.races().len(), 1);
+    // SAFETY: from `allocate` with these bytes, freed once, after s1's work (synchronized).
+    unsafe { mr.deallocate(ptr, 4096, &s1) }.unwrap();
 }

@@ -121,7 +121,9 @@ impl SimStream {
         };
         let idx = *idx;
         let footprint = op.footprint();
-        let reject = races.rejects() && footprint.is_some();
+        // Refused: not queued and not noted as a use (in the `Panic` mode too, which then
+        // panics: see `panics_now`).
+        let reject = (races.rejects() || races.panics_now()) && footprint.is_some();
         let mut queue = self.queue.lock();
         // A peer copy also reads the other device's memory: checked there first (see the
         // detector's module docs), so that a refused copy leaves no use here.

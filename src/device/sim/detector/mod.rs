@@ -266,6 +266,15 @@ impl Detector {
         self.mode == RaceDetection::Error
     }
 
+    /// Whether a racing memory operation is refused and then panics on (the `Panic` mode,
+    /// on a thread not already panicking): it is not queued either. Queued, it would run
+    /// while the panic unwinds the caller, whose host memory the operation names is freed
+    /// on the way (a test harness catching the panic, as proptest does to shrink, saw a
+    /// racing `copy_dtoh` write into its freed buffer and the heap abort).
+    pub(crate) fn panics_now(&self) -> bool {
+        self.mode == RaceDetection::Panic && !std::thread::panicking()
+    }
+
     /// What the caller does about a race it was told of (already kept and logged): an error
     /// for an operation that was refused, a panic in the `Panic` mode (unless this thread is
     /// already panicking), else nothing.
