@@ -21,11 +21,10 @@
 
 mod common;
 
-use std::panic::{catch_unwind, resume_unwind, AssertUnwindSafe};
 use std::task::Poll;
 use std::time::Duration;
 
-use common::{check_arena, check_pool, devices, free, label, poll_once};
+use common::{check_arena, check_pool, devices, free, label, poll_once, read_u32};
 use proptest::prelude::*;
 use proptest::test_runner::{Config, FileFailurePersistence, TestRunner};
 use streamalloc::resource::arena::{ArenaOptions, ArenaResource};
@@ -287,31 +286,6 @@ impl Block {
     }
 }
 
-/// The word at `src`, read through `stream` (which it synchronizes).
-///
-/// Not `common::read_u32`: when the race detector panics in the copy, the copy is queued all
-/// the same (the `Panic` mode queues, then panics), and `read_u32`'s buffer, dropped as the
-/// panic unwinds, would be written after it is freed: the test binary then aborts on a
-/// corrupted heap (seen: "malloc_consolidate(): unaligned fastbin chunk detected") instead of
-/// reporting the race and shrinking the case. Here the stream is synchronized before the
-/// panic goes on, so the copy has run (or been skipped) while the buffer still exists.
-fn read_word(stream: &Stream, src: DevicePtr) -> u32 {
-    let mut word = 0u32;
-    let dst = (&mut word as *mut u32).cast::<u8>();
-    // SAFETY: `word` outlives the synchronization below, which every path reaches before it
-    // is read or dropped; `src` is a live block's word (the caller's check).
-    let queued = catch_unwind(AssertUnwindSafe(|| unsafe {
-        stream.copy_dtoh(dst, src, 4)
-    }));
-    let synchronized = stream.synchronize_blocking();
-    match queued {
-        Ok(result) => result.unwrap(),
-        Err(panic) => resume_unwind(panic),
-    }
-    synchronized.unwrap();
-    word
-}
-
 /// `size` rounded as every resource here rounds a request.
 fn rounded(size: usize) -> usize {
     size.next_multiple_of(ALIGNMENT)
@@ -496,8 +470,8 @@ impl<'a, R: Subject> Case<'a, R> {
             return;
         }
         let s = &self.streams[block.stream];
-        let first = read_word(s, block.ptr);
-        let last = read_word(s, block.ptr.offset((block.words() - 1) * 4));
+        let first = read_u32(s, block.ptr, 1)[0];
+        let last = read_u32(s, block.ptr.offset((block.words() - 1) * 4), 1)[0];
         assert_eq!(
             (first, last),
             (block.word, block.word),
