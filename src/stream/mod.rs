@@ -486,9 +486,17 @@ impl Stream {
     pub fn synchronize_blocking(&self) -> Result<()> {
         match (&self.inner.raw, self.inner.device.backend()) {
             (RawStream::Cuda(s), Backend::Cuda(d)) => d.synchronize_stream(*s),
-            (RawStream::Sim(_), Backend::Sim(d)) => {
+            (RawStream::Sim(s), Backend::Sim(d)) => {
                 d.fault(FaultKind::Synchronize)?;
-                self.record()?.synchronize_blocking()
+                // A marker of its own, not `self.record()`: `cuStreamSynchronize` records no
+                // event on a GPU, so a fault planted for the next `cuEventRecord` must neither
+                // fail this call nor be used up by it (a review found both). The marker is
+                // queued (counted as activity, as a record was); `wait` is the host seeing the
+                // stream's work complete, as for a synchronized event.
+                let queued = self.queue_handle();
+                let marker = d.record(s);
+                drop(queued);
+                marker?.wait()
             }
             _ => Err(mismatch()),
         }
