@@ -535,10 +535,14 @@ impl Stream {
 
     /// Sets `bytes` bytes at `dst` to `value`.
     ///
+    /// A range that wraps past the top of the address space is refused with
+    /// [`Error::InvalidAddress`] (nothing is queued).
+    ///
     /// # Safety
     /// `[dst, dst + bytes)` is live device memory of this device, and stays so until the stream
     /// reaches this operation.
     pub unsafe fn memset_d8(&self, dst: DevicePtr, value: u8, bytes: usize) -> Result<()> {
+        check_range(dst, bytes)?;
         // SAFETY: the caller's contract.
         self.enqueue(
             FaultKind::Copy,
@@ -553,10 +557,13 @@ impl Stream {
 
     /// Sets `count` 32-bit words at `dst` to `value`.
     ///
+    /// A range that wraps past the top of the address space is refused with
+    /// [`Error::InvalidAddress`] (nothing is queued).
+    ///
     /// # Safety
     /// `[dst, dst + 4 * count)` is live, 4-aligned device memory, until the stream reaches this.
     pub unsafe fn memset_d32(&self, dst: DevicePtr, value: u32, count: usize) -> Result<()> {
-        check_words(count)?;
+        check_word_range(dst, count)?;
         // SAFETY: the caller's contract.
         self.enqueue(
             FaultKind::Copy,
@@ -575,10 +582,16 @@ impl Stream {
     /// returns, and may first wait for work already queued on the stream: the call can block.
     /// From page-locked memory it returns at once.
     ///
+    /// A device range that wraps past the top of the address space is refused with
+    /// [`Error::InvalidAddress`], a host range that wraps with [`Error::InvalidArgument`]
+    /// (nothing is queued).
+    ///
     /// # Safety
     /// `src` is readable for `bytes` bytes and stays valid and unchanged until the stream
     /// reaches this copy; `[dst, dst + bytes)` is live device memory until then.
     pub unsafe fn copy_htod(&self, dst: DevicePtr, src: *const u8, bytes: usize) -> Result<()> {
+        check_range(dst, bytes)?;
+        check_host_range(src, bytes)?;
         // SAFETY: the caller's contract.
         self.enqueue(
             FaultKind::Copy,
@@ -599,10 +612,16 @@ impl Stream {
     /// at once. In async code, await an event recorded before the copy, or use page-locked
     /// memory.
     ///
+    /// A device range that wraps past the top of the address space is refused with
+    /// [`Error::InvalidAddress`], a host range that wraps with [`Error::InvalidArgument`]
+    /// (nothing is queued).
+    ///
     /// # Safety
     /// `dst` is writable for `bytes` bytes, and nothing else reads or writes it until the
     /// stream reaches this copy; `[src, src + bytes)` is live device memory until then.
     pub unsafe fn copy_dtoh(&self, dst: *mut u8, src: DevicePtr, bytes: usize) -> Result<()> {
+        check_range(src, bytes)?;
+        check_host_range(dst, bytes)?;
         // SAFETY: the caller's contract.
         self.enqueue(
             FaultKind::Copy,
@@ -617,9 +636,14 @@ impl Stream {
 
     /// Copies `bytes` bytes between two device ranges.
     ///
+    /// A range that wraps past the top of the address space is refused with
+    /// [`Error::InvalidAddress`] (nothing is queued).
+    ///
     /// # Safety
     /// Both ranges are live device memory of this device until the stream reaches the copy.
     pub unsafe fn copy_dtod(&self, dst: DevicePtr, src: DevicePtr, bytes: usize) -> Result<()> {
+        check_range(dst, bytes)?;
+        check_range(src, bytes)?;
         // SAFETY: the caller's contract.
         self.enqueue(
             FaultKind::Copy,
@@ -640,6 +664,9 @@ impl Stream {
     ///
     /// Errors: `WrongDevice` for a simulated device and a GPU.
     ///
+    /// A range that wraps past the top of the address space is refused with
+    /// [`Error::InvalidAddress`] (nothing is queued).
+    ///
     /// # Safety
     /// Both ranges are live memory of their devices until the stream reaches the copy, and the
     /// work that writes the source (on any device) is ordered before this point of the stream
@@ -653,6 +680,8 @@ impl Stream {
     ) -> Result<()> {
         let device = &self.inner.device;
         device.check_peer(src_device)?;
+        check_range(dst, bytes)?;
+        check_range(src, bytes)?;
         if device.id() == src_device.id() {
             // SAFETY: the caller's contract.
             return unsafe { self.copy_dtod(dst, src, bytes) };
@@ -683,10 +712,14 @@ impl Stream {
     /// stream order; the host does not wait. A hint: the memory is usable without it. The
     /// simulated device has no separate memories and does nothing.
     ///
+    /// A range that wraps past the top of the address space is refused with
+    /// [`Error::InvalidAddress`] (nothing is queued).
+    ///
     /// # Safety
     /// `[ptr, ptr + bytes)` is managed memory of this device that stays allocated until the
     /// stream reaches the prefetch.
     pub unsafe fn prefetch(&self, ptr: DevicePtr, bytes: usize) -> Result<()> {
+        check_range(ptr, bytes)?;
         match (&*self.queue_handle(), self.inner.device.backend()) {
             // SAFETY: the caller's contract.
             (RawStream::Cuda(s), Backend::Cuda(d)) => unsafe { d.prefetch(ptr.0, bytes, *s) },
@@ -698,10 +731,13 @@ impl Stream {
     /// Built-in kernel: writes `value` to `count` 32-bit words at `dst` (an `f32` fill is
     /// `value.to_bits()`).
     ///
+    /// A range that wraps past the top of the address space is refused with
+    /// [`Error::InvalidAddress`] (nothing is queued).
+    ///
     /// # Safety
     /// `[dst, dst + 4 * count)` is live, 4-aligned device memory until the stream reaches this.
     pub unsafe fn fill_u32(&self, dst: DevicePtr, value: u32, count: usize) -> Result<()> {
-        check_words(count)?;
+        check_word_range(dst, count)?;
         if count == 0 {
             return Ok(());
         }
@@ -719,10 +755,13 @@ impl Stream {
 
     /// Built-in kernel: multiplies `count` `f32`s at `dst` by `factor`, in place.
     ///
+    /// A range that wraps past the top of the address space is refused with
+    /// [`Error::InvalidAddress`] (nothing is queued).
+    ///
     /// # Safety
     /// `[dst, dst + 4 * count)` is live, 4-aligned device memory until the stream reaches this.
     pub unsafe fn scale_f32(&self, dst: DevicePtr, factor: f32, count: usize) -> Result<()> {
-        check_words(count)?;
+        check_word_range(dst, count)?;
         if count == 0 {
             return Ok(());
         }
@@ -745,6 +784,37 @@ fn check_words(count: usize) -> Result<()> {
         size: count,
         reason: "the word count overflows usize when multiplied by 4",
     })
+}
+
+/// A device range `[ptr, ptr + bytes)` whose end does not wrap past the top of the address
+/// space (zero bytes are no memory, at any address). No allocation can hold a wrapping range,
+/// so it is refused at the call with `InvalidAddress`, on both devices alike: queued, the
+/// simulated stream failed when it reached it (poisoning every later event of the stream), and
+/// a GPU's driver or kernel was handed a range that wraps (a kernel's access there faults, a
+/// sticky error that ends the context). Cheap; the rest of a range's validity stays the
+/// caller's contract.
+fn check_range(ptr: DevicePtr, bytes: usize) -> Result<()> {
+    match bytes == 0 || ptr.0.checked_add(bytes as u64).is_some() {
+        true => Ok(()),
+        false => Err(Error::InvalidAddress { ptr: ptr.0, bytes }),
+    }
+}
+
+/// As [`check_range`], for `count` 32-bit words (their byte size checked first).
+fn check_word_range(ptr: DevicePtr, count: usize) -> Result<()> {
+    check_words(count)?;
+    check_range(ptr, count * 4)
+}
+
+/// A host range of `bytes` bytes at `ptr` that does not wrap past the end of the address space
+/// (what no host memory can be: refused, as a device range is by [`check_range`]).
+fn check_host_range(ptr: *const u8, bytes: usize) -> Result<()> {
+    match bytes == 0 || (ptr as usize).checked_add(bytes).is_some() {
+        true => Ok(()),
+        false => Err(Error::InvalidArgument {
+            what: "the host range wraps past the end of the address space",
+        }),
+    }
 }
 
 #[cfg(all(test, not(streamalloc_loom)))]

@@ -6,7 +6,7 @@
 use crate::device::sim::Op;
 use crate::device::{sim, DevicePtr, FaultKind};
 use crate::error::{Error, Result};
-use crate::stream::{check_words, Stream};
+use crate::stream::{check_range, check_word_range, Stream};
 
 impl Stream {
     /// The value that [`fill_pattern_u32`](Self::fill_pattern_u32) writes to word `index` of
@@ -32,10 +32,13 @@ impl Stream {
     /// [`Error::Driver`] for `cuModuleGetFunction(streamalloc_fill_pattern_u32)`
     /// (`CUDA_ERROR_NOT_FOUND`), and nothing else is affected.
     ///
+    /// A range that wraps past the top of the address space is refused with
+    /// [`Error::InvalidAddress`] (nothing is queued).
+    ///
     /// # Safety
     /// `[dst, dst + 4 * count)` is live, 4-aligned device memory until the stream reaches this.
     pub unsafe fn fill_pattern_u32(&self, dst: DevicePtr, seed: u64, count: usize) -> Result<()> {
-        check_words(count)?;
+        check_word_range(dst, count)?;
         if count == 0 {
             return Ok(());
         }
@@ -63,6 +66,9 @@ impl Stream {
     ///
     /// Errors: [`Error::InvalidArgument`] if `counter` is not 8-aligned.
     ///
+    /// A range that wraps past the top of the address space is refused with
+    /// [`Error::InvalidAddress`] (nothing is queued).
+    ///
     /// # Safety
     /// `[src, src + 4 * count)` is live, 4-aligned device memory and `[counter, counter + 8)`
     /// live device memory, until the stream reaches this.
@@ -73,7 +79,9 @@ impl Stream {
         count: usize,
         counter: DevicePtr,
     ) -> Result<()> {
-        check_words(count)?;
+        // Wrapping ranges are refused at the call (see `check_range`).
+        check_word_range(src, count)?;
+        check_range(counter, 8)?;
         if !counter.0.is_multiple_of(8) {
             return Err(Error::InvalidArgument {
                 what: "count_mismatches_u32: the counter must be 8-byte aligned",
