@@ -552,3 +552,26 @@ fn a_racing_copy_that_panics_is_not_queued() {
     // SAFETY: from `allocate` with these bytes, freed once, after s1's work (synchronized).
     unsafe { mr.deallocate(ptr, 4096, &s1) }.unwrap();
 }
+
+/// The same for a declared access: in the `Panic` mode the racing access is not noted as a use
+/// before the panic. Noted, the stream's own later write (ordered after everything that really
+/// ran) raced the read that never happened, and a caller that had caught the first panic got a
+/// second, false one.
+#[test]
+fn a_racing_declared_access_that_panics_is_not_noted() {
+    let (device, _) = device(RaceDetection::Panic);
+    let mr = CudaResource::new(&device);
+    let (s1, s2) = streams(&device);
+    let ptr = mr.allocate(4096, &s1).unwrap();
+    s1.declare_access(ptr, 4096, MemoryAccess::Write, "write on s1")
+        .unwrap();
+    let caught = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
+        s2.declare_access(ptr, 4096, MemoryAccess::Read, "unordered read on s2")
+    }));
+    assert!(caught.is_err(), "the racing access did not panic");
+    s1.declare_access(ptr, 4096, MemoryAccess::Write, "write on s1 again")
+        .unwrap();
+    assert_eq!(device.races().len(), 1);
+    // SAFETY: from `allocate` with these bytes, freed once, on the stream of its only use.
+    unsafe { mr.deallocate(ptr, 4096, &s1) }.unwrap();
+}

@@ -137,7 +137,10 @@ impl Stream {
         let Some((races, idx)) = s.races() else {
             return Ok(());
         };
-        let reject = races.rejects();
+        // Refused (not noted as a use) in the `Panic` mode too, as a racing operation is
+        // (`panics_now`): a caller that catches the panic goes on with the detector as if
+        // the access had not been declared.
+        let reject = races.rejects() || races.panics_now();
         let race = races.access(idx, op, &[(ptr.0, bytes, access)], reject);
         races.settle(race, reject)
     }
