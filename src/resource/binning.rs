@@ -7,6 +7,7 @@ use std::sync::Arc as StdArc;
 mod snapshot;
 
 use super::fixed_size::FixedSizeResource;
+use super::waiters::MemoryWaiters;
 use super::{aligned_size, MemoryKind, MemoryResource, ResourceRef};
 use crate::device::{Device, DevicePtr};
 use crate::error::{Error, Result};
@@ -80,16 +81,32 @@ enum Fallback {
 /// # Ok::<(), streamalloc::Error>(())
 /// ```
 ///
-/// It has no queue of tasks waiting for memory of its own ([`memory_waiters`] is `None`): its
-/// bins and fallback may each run out and get memory back separately.
+/// It has its own queue of tasks waiting for memory ([`memory_waiters`]), so that
+/// [`allocate_async`] and [`allocate_all_async`] through it wait (a bin or the fallback out of
+/// memory) instead of failing at once. The queues of the upstream, of every fixed-size bin and
+/// of every bin or fallback given that has one relay their notifications to it
+/// ([`MemoryWaiters::relay_to`]), and every free through it notifies it: memory that comes back
+/// through a bin, through the fallback, or straight into the shared upstream wakes its first
+/// waiter. One queue serves every size, first come, first served: a request waits behind an
+/// earlier one for another bin. (Before a review it had none: a request through it failed at
+/// once whenever a bin or the fallback was out of memory, however soon memory came back.)
+/// Its queue learns the maximums that out-of-memory errors report, and a request larger than
+/// the smallest of them fails at once while others wait: a bin or fallback given with a
+/// smaller maximum than the others' can thus refuse a larger request that another of them
+/// could serve later.
 ///
 /// [`memory_waiters`]: MemoryResource::memory_waiters
+/// [`allocate_async`]: crate::AllocateAsync::allocate_async
+/// [`allocate_all_async`]: crate::AllocateAsync::allocate_all_async
 pub struct BinningResource<U: MemoryResource> {
     upstream: StdArc<U>,
     device: Device,
     /// Sorted by size, sizes distinct.
     bins: Vec<Bin<U>>,
     fallback: Fallback,
+    /// Tasks waiting in `allocate_async` through it; relayed to by the queues below (see the
+    /// type's documentation), which stop relaying when it is dropped.
+    waiters: StdArc<MemoryWaiters>,
 }
 
 impl<U: MemoryResource> fmt::Debug for BinningResource<U> {
@@ -235,12 +252,23 @@ impl<U: MemoryResource> BinningBuilder<U> {
             bins.push(bin);
         }
         bins.sort_by_key(|b| b.size);
-        Ok(BinningResource {
+        let fallback = self.fallback.map_or(Fallback::Upstream, Fallback::Given);
+        // After the last step that can fail (the drop of the resource undoes it): memory that
+        // comes back to any resource below may serve a request waiting in our queue.
+        let waiters = MemoryWaiters::stacked_over(&*upstream);
+        let binning = BinningResource {
             upstream,
             device,
             bins,
-            fallback: self.fallback.map_or(Fallback::Upstream, Fallback::Given),
-        })
+            fallback,
+            waiters,
+        };
+        for below in binning.below() {
+            if let Some(queue) = below.memory_waiters() {
+                queue.relay_to(&binning.waiters);
+            }
+        }
+        Ok(binning)
     }
 }
 
@@ -280,6 +308,15 @@ impl<U: MemoryResource> BinningResource<U> {
     pub fn bin_for(&self, bytes: usize) -> Option<usize> {
         let i = self.bins.partition_point(|b| b.size < bytes);
         (i < self.bins.len()).then_some(i)
+    }
+
+    /// The bins' resources and a given fallback: every resource below it but the upstream.
+    fn below(&self) -> impl Iterator<Item = &dyn MemoryResource> {
+        let fallback = match &self.fallback {
+            Fallback::Upstream => None,
+            Fallback::Given(r) => Some(&**r),
+        };
+        (self.bins.iter().map(|b| b.resource.resource())).chain(fallback)
     }
 
     /// The resource that serves `bytes` (non-zero).
@@ -341,10 +378,29 @@ unsafe impl<U: MemoryResource> MemoryResource for BinningResource<U> {
             return Err(Error::UnknownPointer { ptr: ptr.0, bytes });
         }
         // SAFETY: the caller's contract; the same size picks the resource `allocate` used.
-        unsafe { self.route(bytes).deallocate(ptr, bytes, stream) }
+        unsafe { self.route(bytes).deallocate(ptr, bytes, stream) }?;
+        // Memory came back: a task waiting through us may take it. (The queues of a fixed-size
+        // bin and of the upstream relay to ours, but a bin or fallback given may have none.)
+        self.waiters.notify();
+        Ok(())
+    }
+
+    fn memory_waiters(&self) -> Option<&MemoryWaiters> {
+        Some(&self.waiters)
     }
 
     fn memory_snapshot(&self) -> Option<super::snapshot::Snapshot> {
         Some(self.snapshot())
+    }
+}
+
+impl<U: MemoryResource> Drop for BinningResource<U> {
+    fn drop(&mut self) {
+        // The resources below outlive this call (our fields): they stop relaying to a queue
+        // that nobody can wait in any more.
+        MemoryWaiters::unstack_from(&self.waiters, &*self.upstream);
+        for below in self.below() {
+            MemoryWaiters::unstack_from(&self.waiters, below);
+        }
     }
 }
