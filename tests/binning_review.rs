@@ -216,3 +216,47 @@ fn a_cancelled_head_passes_its_wake_up_to_the_next_waiter() {
         assert!(b.memory_waiters().unwrap().is_empty());
     }
 }
+
+/// An all-or-nothing set through the binning resource: sets that fit are served, and one that
+/// waits for a free is woken by it; one that can never fit (more blocks than the pool holds)
+/// fails at once instead of waiting for ever.
+#[test]
+fn an_all_or_nothing_set_through_binning() {
+    for device in devices() {
+        let at = label(&device);
+        // One 256 KiB block a chunk: four chunks fill the pool.
+        let b = binning(&device, MIB, 1);
+        let s = device.create_stream().unwrap();
+        // Five small requests need five 256 KiB blocks: more than the pool holds.
+        let (_, waker) = counter();
+        let mut never = pin!(b.allocate_all_async((0..5).map(|_| (1usize, &s))));
+        match never.as_mut().poll(&mut Context::from_waker(&waker)) {
+            Poll::Ready(Err(Error::OutOfMemory { .. })) => {}
+            Poll::Ready(other) => panic!("{at}: {other:?}"),
+            Poll::Pending => panic!("{at}: a set that can never fit waits"),
+        }
+        drop(never);
+        assert!(b.memory_waiters().unwrap().is_empty());
+        // Three of the four blocks held: a set of two waits, holding nothing, and is served
+        // once one comes back.
+        let held: Vec<DevicePtr> = (0..3).map(|_| b.allocate(256 * KIB, &s).unwrap()).collect();
+        let (count, waker) = counter();
+        let mut cx = Context::from_waker(&waker);
+        let mut set = pin!(b.allocate_all_async([(1000usize, &s), (100 * KIB, &s)]));
+        assert!(set.as_mut().poll(&mut cx).is_pending(), "{at}");
+        // It gave back what it took: the free block is there for a plain allocation.
+        let p = b.allocate(256 * KIB, &s).unwrap();
+        free(&b, p, 256 * KIB, &s);
+        free(&b, held[0], 256 * KIB, &s);
+        assert!(woken(&count) > 0, "{at}: the set was not woken");
+        let Poll::Ready(Ok(got)) = set.as_mut().poll(&mut cx) else {
+            panic!("{at}: woken but not served");
+        };
+        free(&b, got[0], 1000, &s);
+        free(&b, got[1], 100 * KIB, &s);
+        for &p in &held[1..] {
+            free(&b, p, 256 * KIB, &s);
+        }
+        assert!(b.memory_waiters().unwrap().is_empty());
+    }
+}

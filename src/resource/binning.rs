@@ -389,6 +389,16 @@ unsafe impl<U: MemoryResource> MemoryResource for BinningResource<U> {
         Some(&self.waiters)
     }
 
+    /// The footprint the resource that serves `bytes` counts (a fixed-size bin: a whole
+    /// block), so that an all-or-nothing set of small requests that needs more blocks than the
+    /// upstream holds fails at once instead of waiting for ever.
+    fn footprint(&self, bytes: usize) -> Result<usize> {
+        if bytes == 0 {
+            return Ok(0);
+        }
+        self.route(bytes).footprint(bytes)
+    }
+
     fn memory_snapshot(&self) -> Option<super::snapshot::Snapshot> {
         Some(self.snapshot())
     }
