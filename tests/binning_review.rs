@@ -78,7 +78,10 @@ fn a_request_through_a_full_bin_waits_and_a_free_through_the_bin_wakes_it() {
             "{at}: a request the bin could serve once a block comes back failed at once"
         );
         free(&b, held[0], 200 * KIB, &s);
-        assert!(woken(&count) > 0, "{at}: the free through the bin woke nobody");
+        assert!(
+            woken(&count) > 0,
+            "{at}: the free through the bin woke nobody"
+        );
         let Poll::Ready(Ok(ptr)) = fut.as_mut().poll(&mut cx) else {
             panic!("{at}: woken but not served");
         };
@@ -229,13 +232,14 @@ fn an_all_or_nothing_set_through_binning() {
         let s = device.create_stream().unwrap();
         // Five small requests need five 256 KiB blocks: more than the pool holds.
         let (_, waker) = counter();
-        let mut never = pin!(b.allocate_all_async((0..5).map(|_| (1usize, &s))));
-        match never.as_mut().poll(&mut Context::from_waker(&waker)) {
-            Poll::Ready(Err(Error::OutOfMemory { .. })) => {}
-            Poll::Ready(other) => panic!("{at}: {other:?}"),
-            Poll::Pending => panic!("{at}: a set that can never fit waits"),
+        {
+            let mut never = pin!(b.allocate_all_async((0..5).map(|_| (1usize, &s))));
+            match never.as_mut().poll(&mut Context::from_waker(&waker)) {
+                Poll::Ready(Err(Error::OutOfMemory { .. })) => {}
+                Poll::Ready(other) => panic!("{at}: {other:?}"),
+                Poll::Pending => panic!("{at}: a set that can never fit waits"),
+            }
         }
-        drop(never);
         assert!(b.memory_waiters().unwrap().is_empty());
         // Three of the four blocks held: a set of two waits, holding nothing, and is served
         // once one comes back.

@@ -84,11 +84,11 @@ enum Fallback {
 /// It has its own queue of tasks waiting for memory ([`memory_waiters`]), so that
 /// [`allocate_async`] and [`allocate_all_async`] through it wait (a bin or the fallback out of
 /// memory) instead of failing at once. The queues of the upstream, of every fixed-size bin and
-/// of every bin or fallback given that has one relay their notifications to it
-/// ([`MemoryWaiters::relay_to`]), and every free through it notifies it: memory that comes back
-/// through a bin, through the fallback, or straight into the shared upstream wakes its first
-/// waiter. One queue serves every size, first come, first served: a request waits behind an
-/// earlier one for another bin. (Before a review it had none: a request through it failed at
+/// of every bin or fallback given that has one relay their notifications to it, and every free
+/// through it notifies it: memory that comes back through a bin, through the fallback, or
+/// straight into the shared upstream wakes its first waiter. One queue serves every size,
+/// first come, first served: a request waits behind an earlier one even when that one waits
+/// for another bin (as a small request waits behind a large one in a pool's queue). (Before a review it had none: a request through it failed at
 /// once whenever a bin or the fallback was out of memory, however soon memory came back.)
 /// Its queue learns the maximums that out-of-memory errors report, and a request larger than
 /// the smallest of them fails at once while others wait: a bin or fallback given with a
