@@ -1,0 +1,103 @@
+//! A review of `DeviceBuffer`'s reallocation and `DeviceVec` (sizes at the edge, zero-sized
+//! elements, a buffer moved between streams), on every available device.
+
+mod common;
+
+use std::sync::Arc;
+
+use common::{devices, label};
+use streamalloc::{DeviceBuffer, DeviceVec, Error};
+
+const MIB: usize = 1 << 20;
+
+/// Sizes that no resource can give: a typed error, never a panic, and the buffer as it was.
+#[test]
+fn huge_reallocations_are_errors() {
+    for device in devices() {
+        let l = label(&device);
+        let p = Arc::new(common::pool(&device, 0, 64 * MIB));
+        let direct = Arc::new(streamalloc::CudaResource::new(&device));
+        let s = device.create_stream().unwrap();
+        for huge in [usize::MAX, usize::MAX - 255, usize::MAX / 2 + 1, 1 << 62] {
+            let mut b = DeviceBuffer::new(&p, 100, &s).unwrap();
+            assert!(b.resize(huge).is_err(), "{l}");
+            assert!(b.reserve(huge - 100).is_err(), "{l}");
+            assert_eq!((b.len(), b.capacity()), (100, 100), "{l}");
+            let mut b = DeviceBuffer::new(&direct, 100, &s).unwrap();
+            assert!(b.resize(huge).is_err(), "{l}");
+            let mut v = DeviceVec::<u8>::new(&p, 3, &s).unwrap();
+            assert!(v.resize(huge).is_err(), "{l}");
+            assert!(v.reserve(huge).is_err(), "{l}");
+            assert_eq!((v.len(), v.capacity()), (3, 3), "{l}");
+            assert!(matches!(
+                DeviceVec::<u32>::new(&p, huge, &s),
+                Err(Error::InvalidSize { .. })
+            ));
+        }
+    }
+}
+
+/// A mix of moves between streams, reads on other streams and reallocations, with the race
+/// detector recording: nothing the crate queues itself may race.
+#[test]
+fn moves_reads_and_reallocations_do_not_race() {
+    use std::time::Duration;
+    use streamalloc::{Device, RaceDetection, SimConfig};
+    let device = Device::simulated(SimConfig {
+        race_detection: RaceDetection::Record,
+        ..SimConfig::default()
+    });
+    let rt = common::runtime();
+    let p = Arc::new(common::pool(&device, 0, 64 * MIB));
+    let (a, b, c) = (
+        device.create_stream().unwrap(),
+        device.create_stream().unwrap(),
+        device.create_stream().unwrap(),
+    );
+    for how in 0..6 {
+        let mut v = DeviceVec::<u32>::zeroed(&p, 1 << 14, &a).unwrap();
+        b.spin(Duration::from_millis(50)).unwrap();
+        common::poll_once_and_drop(v.to_host(&b));
+        match how {
+            0 => v.set_stream(&c).unwrap(),
+            1 => v.resize(1 << 15).unwrap(),
+            2 => {
+                v.set_stream(&c).unwrap();
+                v.resize(1 << 15).unwrap();
+            }
+            3 => {
+                let w = v.try_clone_to(&p, &c).unwrap();
+                drop(v);
+                v = w;
+            }
+            4 => {
+                v.resize(10).unwrap();
+                v.shrink_to_fit().unwrap();
+                v.set_stream(&b).unwrap();
+            }
+            _ => {
+                v = {
+                    let (ptr, cap, res, s) = v.into_buffer().into_raw_parts().unwrap();
+                    // SAFETY: what `into_raw_parts` gave up, taken back once.
+                    let buf = unsafe { DeviceBuffer::from_raw_parts(ptr, cap, res, &s) };
+                    DeviceVec::from_buffer(buf).unwrap()
+                };
+            }
+        }
+        let mut v2 = v.try_clone().unwrap();
+        v2.set_element(0, 9).unwrap();
+        v.set_element(0, 7).unwrap();
+        assert_eq!(rt.block_on(v.element(0)).unwrap(), 7);
+        assert_eq!(rt.block_on(v2.element(0)).unwrap(), 9);
+        drop((v, v2));
+        for s in [&a, &b, &c] {
+            let mut n = DeviceBuffer::new(&p, 1 << 16, s).unwrap();
+            n.memset(3).unwrap();
+        }
+        for s in [&a, &b, &c] {
+            s.synchronize_blocking().unwrap();
+        }
+        let races = device.take_races();
+        assert!(races.is_empty(), "case {how}: {races:#?}");
+    }
+}
