@@ -108,7 +108,8 @@ impl<T: Pod> DeviceVec<T> {
 
     /// Views a buffer as elements.
     ///
-    /// Unless the buffer's length is a multiple of the element size, the error
+    /// Unless the buffer's length is a multiple of the element size (for a zero-sized `T`,
+    /// unless the buffer is empty: its elements take no bytes), the error
     /// ([`Error::InvalidSize`], through [`FromBufferError::error`]; [`Error::InvalidAlignment`]
     /// for a `T` aligned past [`ALIGNMENT`]) hands the buffer back unchanged ([`FromBufferError::into_buffer`]): a refused buffer is neither freed nor lost.
     /// `?` into the crate's [`Error`] drops (frees) it, as dropping it would.
@@ -134,16 +135,25 @@ impl<T: Pod> DeviceVec<T> {
                 buffer: Box::new(buf),
             });
         }
-        if !buf.len().is_multiple_of(size_of::<T>().max(1)) {
+        // Zero-sized elements take no bytes, so a buffer's length says nothing of how many
+        // there are: only an empty buffer is taken (as no elements). (It used to take a
+        // 10-byte buffer as 10 of them.)
+        let refused = match size_of::<T>() {
+            0 => (!buf.is_empty())
+                .then_some("a buffer of zero-sized elements holds no bytes; this one has some"),
+            size => (!buf.len().is_multiple_of(size))
+                .then_some("the buffer's length is not a multiple of the element size"),
+        };
+        if let Some(reason) = refused {
             return Err(FromBufferError {
                 error: Error::InvalidSize {
                     size: buf.len(),
-                    reason: "the buffer's length is not a multiple of the element size",
+                    reason,
                 },
                 buffer: Box::new(buf),
             });
         }
-        let len = buf.len() / size_of::<T>().max(1);
+        let len = buf.len().checked_div(size_of::<T>()).unwrap_or(0);
         Ok(Self::from_buffer_unchecked(buf, len))
     }
 
@@ -529,7 +539,8 @@ pub struct FromBufferError {
 }
 
 impl FromBufferError {
-    /// Why the buffer was refused ([`Error::InvalidSize`], with its length).
+    /// Why the buffer was refused ([`Error::InvalidSize`], with its length, or
+    /// [`Error::InvalidAlignment`] for an element type aligned past [`ALIGNMENT`]).
     pub fn error(&self) -> &Error {
         &self.error
     }

@@ -97,3 +97,28 @@ fn zero_sized_elements_have_a_length_and_no_memory() {
         assert_eq!(v.buffer().len(), 0, "{l}");
     }
 }
+
+/// A buffer of zero-sized elements: only an empty one is taken (as no elements), since its
+/// length says nothing of how many there are; a non-empty one is handed back refused. (It used
+/// to take a 10-byte buffer as 10 elements.)
+#[test]
+fn zero_sized_elements_from_a_buffer() {
+    for device in devices() {
+        let l = label(&device);
+        let p = Arc::new(common::pool(&device, 0, 64 * MIB));
+        let s = device.create_stream().unwrap();
+        let buf = DeviceBuffer::new(&p, 10, &s).unwrap();
+        let err = DeviceVec::<()>::from_buffer(buf).unwrap_err();
+        assert!(
+            matches!(err.error(), Error::InvalidSize { size: 10, .. }),
+            "{l}: {:?}",
+            err.error()
+        );
+        assert_eq!(err.into_buffer().len(), 10, "{l}");
+        let empty = DeviceVec::<()>::from_host(&p, &[(); 5], &s)
+            .unwrap()
+            .into_buffer();
+        let v = DeviceVec::<()>::from_buffer(empty).unwrap();
+        assert_eq!(v.len(), 0, "{l}");
+    }
+}

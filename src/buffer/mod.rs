@@ -191,7 +191,10 @@ impl DeviceBuffer {
     /// Takes ownership of memory allocated from `resource` on `stream`.
     ///
     /// # Safety
-    /// `ptr` came from `resource.allocate(len, stream)` and nothing else will free it.
+    /// `ptr` came from `resource.allocate(len, s)` on a stream `s` that `stream` is ordered
+    /// after (`stream` itself, or one that waited for it), or these are the parts
+    /// [`into_raw_parts`](Self::into_raw_parts) gave up (`len` its capacity); and nothing else
+    /// will free it.
     pub unsafe fn from_raw_parts(
         ptr: DevicePtr,
         len: usize,
