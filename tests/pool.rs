@@ -715,9 +715,11 @@ fn cached_small_blocks_are_reused_at_once_only_on_their_stream() {
         a.synchronize_blocking().unwrap();
         b.synchronize_blocking().unwrap();
         check_pool(&p);
-        // Every byte back, coalesced, once the caches are emptied (as `stats` does).
+        // Every byte back: the rest of the chunk, and the block in B's cache if it went there
+        // (the statistics count a cached block as one, without emptying the cache).
         let stats = p.stats();
-        assert_eq!((stats.free, stats.free_blocks), (2 * MIB, 1), "{stats:?}");
+        assert_eq!(stats.free, 2 * MIB, "{stats:?}");
+        assert!((1..=2).contains(&stats.free_blocks), "{stats:?}");
     }
 }
 

@@ -338,12 +338,7 @@ impl<'a, R: Subject> Case<'a, R> {
     fn run(&mut self, ops: &[Op]) {
         for (i, op) in ops.iter().enumerate() {
             self.apply(op);
-            // `stats` empties the pools' small-block caches: checked between a free and the
-            // next allocation, it would keep the cache's same-size reuse from ever happening.
-            // The next operation's check covers the count.
-            let cache_window = matches!(op, Op::Free { .. })
-                && matches!(ops.get(i + 1), Some(Op::Allocate { .. }));
-            self.check_all(!cache_window, &format!("after op {i} ({op:?})"));
+            self.check_all(&format!("after op {i} ({op:?})"));
         }
         self.finish();
     }
@@ -480,9 +475,9 @@ impl<'a, R: Subject> Case<'a, R> {
         );
     }
 
-    /// Live blocks disjoint, the resource's own checker, its count of bytes in use (if
-    /// `stats`), no race found.
-    fn check_all(&self, stats: bool, when: &str) {
+    /// Live blocks disjoint, the resource's own checker, its count of bytes in use, no race
+    /// found.
+    fn check_all(&self, when: &str) {
         let mut ranges: Vec<(u64, u64)> =
             self.live.iter().map(|b| (b.ptr.0, b.size as u64)).collect();
         ranges.sort_unstable();
@@ -496,18 +491,16 @@ impl<'a, R: Subject> Case<'a, R> {
             );
         }
         self.resource.check();
-        if stats {
-            let want: usize = self.live.iter().map(|b| rounded(b.size)).sum();
-            let in_use = self.resource.in_use();
-            assert_eq!(in_use, want, "{} {when}: bytes in use", self.what);
-            let reserved = self.resource.reserved();
-            assert!(
-                in_use <= reserved && reserved <= self.resource.cap(),
-                "{} {when}: {in_use} B in use, {reserved} B held, maximum {}",
-                self.what,
-                self.resource.cap()
-            );
-        }
+        let want: usize = self.live.iter().map(|b| rounded(b.size)).sum();
+        let in_use = self.resource.in_use();
+        assert_eq!(in_use, want, "{} {when}: bytes in use", self.what);
+        let reserved = self.resource.reserved();
+        assert!(
+            in_use <= reserved && reserved <= self.resource.cap(),
+            "{} {when}: {in_use} B in use, {reserved} B held, maximum {}",
+            self.what,
+            self.resource.cap()
+        );
         let races = self.device.races();
         assert!(races.is_empty(), "{} {when}: races: {races:?}", self.what);
     }
@@ -521,7 +514,7 @@ impl<'a, R: Subject> Case<'a, R> {
         for s in &self.streams {
             s.synchronize_blocking().unwrap();
         }
-        self.check_all(true, "at the end");
+        self.check_all("at the end");
         self.resource.assert_all_free(&self.what);
         self.resource
             .trim()
@@ -532,7 +525,7 @@ impl<'a, R: Subject> Case<'a, R> {
             "{}: held after the final trim",
             self.what
         );
-        self.check_all(true, "after the final trim");
+        self.check_all("after the final trim");
     }
 }
 

@@ -135,7 +135,9 @@ pub struct PoolStats {
     pub peak_reserved: usize,
     /// Bytes free in the pool (reserved minus handed out, minus memory being trimmed).
     pub free: usize,
-    /// Free blocks (each coalesced with its free neighbours).
+    /// Free blocks, each coalesced with its free neighbours, but for those the small-block
+    /// caches hold ([`PoolOptions::small_block_cache`]), which count one each until a request
+    /// or a trim puts them back (reading the statistics changes nothing).
     pub free_blocks: usize,
     /// Upstream chunks held.
     pub chunks: usize,

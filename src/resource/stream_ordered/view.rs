@@ -43,9 +43,11 @@ impl<S: EngineStream> StreamHeap<S> {
         }
         let mut uids: Vec<u64> = Vec::new();
         for shard in self.shards.iter() {
-            let mut heap = shard.lock();
-            // Free blocks as documented: coalesced (the small-block cache's are not).
-            heap.free.uncache_all();
+            // Read only: the small-block cache stays as it is, its blocks counted one each
+            // (`PoolStats::free_blocks`). Emptying it here, as this did, made every look at the
+            // statistics (a server's metrics, a test's check) change what the next requests
+            // found, and the cache's same-size reuse never happened between a free and a look.
+            let heap = shard.lock();
             uids.extend(heap.slots.keys().copied());
             stats.free_bytes += heap.free.free_bytes();
             stats.free_blocks += heap.free.len();
