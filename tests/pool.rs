@@ -967,3 +967,28 @@ fn a_pool_over_a_smaller_pool_reports_the_smaller_maximum() {
         free(&*inner, held, 3 * MIB, &s);
     }
 }
+
+/// Looking at the statistics changes nothing: a small block freed, then the statistics read,
+/// is still served from the cache to the next same-size request on its stream. (`stats` used
+/// to empty the small-block caches into the free lists, so that request missed the cache.)
+#[test]
+fn reading_the_statistics_leaves_the_small_block_cache_alone() {
+    for device in devices() {
+        let p = pool(&device, 2 * MIB, 2 * MIB);
+        let s = device.create_stream().unwrap();
+        let x = p.allocate(4096, &s).unwrap();
+        free(&p, x, 4096, &s);
+        let before = p.stats();
+        assert_eq!(before.free, 2 * MIB, "{before:?}");
+        let y = p.allocate(4096, &s).unwrap();
+        let after = p.stats();
+        assert_eq!(
+            after.cache_hits,
+            before.cache_hits + 1,
+            "{}: the request after a look at the statistics missed the cache: {after:?}",
+            label(&device)
+        );
+        free(&p, y, 4096, &s);
+        check_pool(&p);
+    }
+}
