@@ -448,3 +448,49 @@ fn sizes_and_addresses_that_overflow_are_refused() {
     assert!(stderr.contains(cases[2].2), "{stderr}");
     assert!(!html.exists(), "a page was written");
 }
+
+/// A binning resource's snapshot has a part per bin and one for its pool, and the bins' chunks
+/// are blocks of the pool's chunk: the first bin chunk starts where the pool's chunk does.
+/// Regions were deduplicated by their base, so the pool's whole chunk (with the 8 MiB
+/// allocation alive at the peak) was dropped from the replay's address map.
+#[test]
+fn the_replay_of_a_binning_resource_draws_its_pool_and_its_bins() {
+    let dir = Scratch::new("binning");
+    let (log, html) = (dir.path("log.csv"), dir.path("replay.html"));
+    std::fs::write(
+        &log,
+        "Thread,Time,Action,Pointer,Size,Stream
+1,00:00:00.000001,allocate,0x1000,1000,0
+1,00:00:00.000002,allocate,0x100000,8388608,0
+1,00:00:00.000003,free,0x1000,1000,0
+1,00:00:00.000004,free,0x100000,8388608,0
+",
+    )
+    .unwrap();
+    let out = run(
+        &replay_bin(),
+        &[
+            &log,
+            Path::new("--device"),
+            Path::new("sim"),
+            Path::new("--resource"),
+            Path::new("binning"),
+            Path::new("--initial"),
+            Path::new("64MiB"),
+            Path::new("--picture"),
+            &html,
+        ],
+    );
+    assert!(out.contains("picture: "), "{out}");
+    let (_, data) = page(&html);
+    let sizes: Vec<u64> = data["regions"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|r| r["size"].as_u64().unwrap())
+        .collect();
+    // The pool's chunk (64 MiB: the 8 MiB allocation and the bin's chunk in it), and the
+    // bin's chunk (128 blocks of 256 KiB) drawn on its own.
+    assert!(sizes.contains(&(64 << 20)), "the pool's chunk: {sizes:?}");
+    assert!(sizes.contains(&(32 << 20)), "the bin's chunk: {sizes:?}");
+}

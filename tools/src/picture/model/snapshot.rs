@@ -50,8 +50,11 @@ pub(super) fn regions_of_snapshot(
             });
         }
     }
-    regions.sort_by_key(|r| r.base);
-    regions.dedup_by_key(|r| r.base);
+    // Every chunk of every part, none dropped: a part's chunks can lie inside another's (a
+    // binning resource's bins take theirs from its pool, the first at the pool chunk's base).
+    // Deduplicated by base, the pool's whole chunk was dropped (a review's finding). The
+    // enclosing chunk first.
+    regions.sort_by_key(|r| (r.base, std::cmp::Reverse(r.size)));
     (regions, seen)
 }
 
