@@ -494,3 +494,51 @@ fn the_replay_of_a_binning_resource_draws_its_pool_and_its_bins() {
     assert!(sizes.contains(&(64 << 20)), "the pool's chunk: {sizes:?}");
     assert!(sizes.contains(&(32 << 20)), "the bin's chunk: {sizes:?}");
 }
+
+/// The snapshot of a binning resource over a pool: the pool's part shows each bin's chunk as a
+/// block in use, and the bin's part shows that chunk again with its own blocks. In use counted
+/// the bin's chunk twice (as a block of the pool and through its blocks), and the largest
+/// allocation listed was the bin's chunk, which no one asked for.
+#[test]
+fn a_binning_snapshot_counts_its_bins_chunks_once() {
+    use streamalloc::resource::binning::BinningResource;
+
+    let dir = Scratch::new("binning-snapshot");
+    let device = Device::simulated(SimConfig::default());
+    let pool = PoolResource::new(
+        CudaResource::new(&device),
+        PoolOptions {
+            initial: 64 << 20,
+            ..PoolOptions::default()
+        },
+    )
+    .unwrap();
+    let mr = BinningResource::builder(pool)
+        .bins_pow2(18, 22)
+        .blocks_per_chunk(128)
+        .build()
+        .unwrap();
+    let stream = device.create_stream().unwrap();
+    let small = mr.allocate(1000, &stream).unwrap();
+    let large = mr.allocate(8 << 20, &stream).unwrap();
+    let snapshot = mr.memory_snapshot().unwrap();
+    // SAFETY: allocated above, unused, freed once.
+    unsafe {
+        mr.deallocate(small, 1000, &stream).unwrap();
+        mr.deallocate(large, 8 << 20, &stream).unwrap();
+    }
+    let snap = dir.path("snapshot.json");
+    std::fs::write(&snap, serde_json::to_string(&snapshot).unwrap()).unwrap();
+    let out = dir.path("snapshot.html");
+    run(&picture_bin(), &[&snap, Path::new("-o"), &out]);
+    let (_, data) = page(&out);
+    // The small one's block of its bin (256 KiB) and the large one; not the bin's 32 MiB chunk.
+    assert_eq!(data["peak_in_use"], (256 << 10) + (8 << 20), "{data}");
+    let largest: Vec<u64> = data["largest"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|a| a["size"].as_u64().unwrap())
+        .collect();
+    assert_eq!(largest, [8 << 20, 256 << 10], "{data}");
+}

@@ -3,7 +3,7 @@
 
 use std::collections::HashMap;
 
-use streamalloc::resource::snapshot::{BlockState, Snapshot};
+use streamalloc::resource::snapshot::{Block, BlockState, Chunk, Snapshot};
 
 use super::*;
 
@@ -64,13 +64,19 @@ pub(super) fn regions_of_snapshot(
 pub(crate) fn from_snapshot(snapshot: &Snapshot, title: String) -> Picture {
     // Streams by the bytes they have in use, then those with only free blocks.
     let mut bytes: HashMap<u64, u64> = HashMap::new();
-    let in_use = snapshot.bytes(BlockState::InUse);
     for b in snapshot.blocks() {
         if let Some(s) = b.stream {
+            bytes.entry(s).or_default();
+        }
+    }
+    let used = in_use_pieces(snapshot);
+    let mut in_use = 0u64;
+    for (b, pieces) in &used {
+        let held = pieces.iter().fold(0u64, |t, p| t.saturating_add(p.1));
+        in_use = in_use.saturating_add(held);
+        if let Some(s) = b.stream {
             let e = bytes.entry(s).or_default();
-            if b.state == BlockState::InUse {
-                *e = e.saturating_add(b.size);
-            }
+            *e = e.saturating_add(held);
         }
     }
     let mut ids: Vec<u64> = bytes.keys().copied().collect();
@@ -91,18 +97,25 @@ pub(crate) fn from_snapshot(snapshot: &Snapshot, title: String) -> Picture {
         .collect();
     let (regions, _) = regions_of_snapshot(snapshot, &mut |id| index.get(&id).copied());
     let oldest = snapshot.blocks().filter_map(|b| b.allocated_at_us).min();
-    let mut largest: Vec<LiveAlloc> = snapshot
-        .blocks()
-        .filter(|b| b.state == BlockState::InUse)
-        .map(|b| LiveAlloc {
-            addr: b.addr,
-            size: b.requested.unwrap_or(b.size),
-            stream: b.stream.and_then(|s| index.get(&s).copied()),
-            allocated_at_s: b
-                .allocated_at_us
-                .zip(oldest)
-                .map(|(t, o)| (t - o) as f64 / 1e6),
-            backtrace: b.backtrace.clone(),
+    let index = &index;
+    let mut largest: Vec<LiveAlloc> = used
+        .iter()
+        .flat_map(|(b, pieces)| {
+            let whole = pieces.as_slice() == [(b.addr, b.size)];
+            pieces.iter().map(move |&(addr, size)| LiveAlloc {
+                addr,
+                size: if whole {
+                    b.requested.unwrap_or(b.size)
+                } else {
+                    size
+                },
+                stream: b.stream.and_then(|s| index.get(&s).copied()),
+                allocated_at_s: b
+                    .allocated_at_us
+                    .zip(oldest)
+                    .map(|(t, o)| (t - o) as f64 / 1e6),
+                backtrace: b.backtrace.clone(),
+            })
         })
         .collect();
     largest.sort_unstable_by(|a, b| b.size.cmp(&a.size).then(a.addr.cmp(&b.addr)));
@@ -125,4 +138,52 @@ pub(crate) fn from_snapshot(snapshot: &Snapshot, title: String) -> Picture {
         largest,
         notes,
     }
+}
+
+/// The in-use blocks of `snapshot` and its parts, each with the pieces of it (address, size)
+/// that are not another part's chunk. A part's chunks can be memory of another part's in-use
+/// blocks (a binning resource's bins take theirs from its pool, which shows each as a block in
+/// use, or, without live tracking, as part of one): counted there too, they were in use twice,
+/// and a bin's whole chunk was listed as an allocation (a review's finding). A chunk of the
+/// same range as the block's own chunk is inside it only if it comes first (a binning
+/// resource's bins come before its pool).
+fn in_use_pieces(snapshot: &Snapshot) -> Vec<(&Block, Vec<(u64, u64)>)> {
+    fn walk<'a>(s: &'a Snapshot, out: &mut Vec<&'a Chunk>) {
+        out.extend(s.chunks.iter());
+        for part in &s.parts {
+            walk(part, out);
+        }
+    }
+    let mut chunks = Vec::new();
+    walk(snapshot, &mut chunks);
+    let end = |base: u64, size: u64| base.saturating_add(size);
+    // (base, end, the chunk's place in `chunks`), by address.
+    let mut ranges: Vec<(u64, u64, usize)> = (chunks.iter().enumerate())
+        .map(|(i, c)| (c.base, end(c.base, c.size), i))
+        .collect();
+    ranges.sort_unstable();
+    let mut out = Vec::new();
+    for (own, chunk) in chunks.iter().enumerate() {
+        let own_range = (chunk.base, end(chunk.base, chunk.size));
+        for b in (chunk.blocks.iter()).filter(|b| b.state == BlockState::InUse) {
+            let b_end = end(b.addr, b.size);
+            let first = ranges.partition_point(|r| r.0 < b.addr);
+            let (mut pieces, mut at) = (Vec::new(), b.addr);
+            for &(base, c_end, i) in ranges[first..].iter().take_while(|r| r.0 < b_end) {
+                let inside = i != own && c_end <= b_end && ((base, c_end) != own_range || i < own);
+                if !inside || base < at {
+                    continue;
+                }
+                if base > at {
+                    pieces.push((at, base - at));
+                }
+                at = c_end;
+            }
+            if at < b_end {
+                pieces.push((at, b_end - at));
+            }
+            out.push((b, pieces));
+        }
+    }
+    out
 }
