@@ -115,12 +115,14 @@ impl Collector for PoolCollector {
             "Waits for memory that ran past their deadline.",
             w.timeouts,
         )?;
-        gauge(
-            e,
-            "streamalloc_memory_wait_max_microseconds",
+        // In seconds, Prometheus' base unit of time (as the histogram's), not microseconds.
+        let g = ConstGauge::new(w.max_wait.as_secs_f64());
+        g.encode(e.encode_descriptor(
+            "streamalloc_memory_wait_max_seconds",
             "The longest wait for memory.",
-            w.max_wait.as_micros() as u64,
-        )?;
+            None,
+            g.metric_type(),
+        )?)?;
         Ok(())
     }
 }
@@ -175,4 +177,34 @@ pub(crate) fn parse(text: &str) -> std::collections::BTreeMap<String, f64> {
             Some((name.to_owned(), value.parse().ok()?))
         })
         .collect()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use streamalloc::resource::pool::PoolOptions;
+    use streamalloc::{Device, SimConfig};
+
+    /// Every metric in base units (Prometheus' naming: seconds and bytes); the longest wait was
+    /// `..._microseconds`.
+    #[test]
+    fn metrics_are_in_base_units() {
+        let device = Device::simulated(SimConfig::default());
+        let options = PoolOptions {
+            initial: 1 << 20,
+            maximum: Some(1 << 20),
+            ..PoolOptions::default()
+        };
+        let pool = Arc::new(crate::ServerPool::new("pool", &device, options).unwrap());
+        let top: ResourceRef = pool.clone();
+        let stats = Arc::new(StatisticsAdaptor::new(top));
+        let text = Metrics::new(PoolCollector { pool, stats }).render();
+        assert!(
+            text.contains("# TYPE streamalloc_memory_wait_max_seconds gauge"),
+            "{text}"
+        );
+        for unit in ["microseconds", "milliseconds"] {
+            assert!(!text.contains(unit), "{unit} in\n{text}");
+        }
+    }
 }
