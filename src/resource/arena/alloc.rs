@@ -113,10 +113,12 @@ impl<U: MemoryResource> ArenaResource<U> {
     }
 
     /// Gives superblocks (already out of `arena`) back to the global arena, guarded by an event
-    /// on `arena`'s stream. If the event cannot be recorded they go back to the arena.
-    pub(super) fn release(&self, arena: &StreamArena, superblocks: Vec<(u64, u64)>) {
+    /// on `arena`'s stream. If the event cannot be recorded they go back to the arena. Returns
+    /// how many went to the global arena: none on that failure (`defragment` reports this
+    /// count, and wakes the memory waiters only when memory really moved).
+    pub(super) fn release(&self, arena: &StreamArena, superblocks: Vec<(u64, u64)>) -> usize {
         if superblocks.is_empty() {
-            return;
+            return 0;
         }
         let _span = tracing::debug_span!(
             "release_superblocks",
@@ -126,11 +128,13 @@ impl<U: MemoryResource> ArenaResource<U> {
         .entered();
         match self.record_guard(arena) {
             Ok(guard) => {
+                let count = superblocks.len();
                 let mut global = self.global.lock();
                 for (base, size) in superblocks {
                     global.lent.remove(&base);
                     global.insert_free(base, size, Guards::one(guard.clone()));
                 }
+                count
             }
             Err(e) => {
                 tracing::warn!(error = %e, "could not record an event: superblocks stay with their stream");
@@ -138,6 +142,7 @@ impl<U: MemoryResource> ArenaResource<U> {
                 for (base, size) in superblocks {
                     state.add_superblock(base, size);
                 }
+                0
             }
         }
     }
@@ -170,8 +175,9 @@ impl<U: MemoryResource> ArenaResource<U> {
                 }
             }
             let empty = arena.state.lock().take_all_empty();
-            returned += empty.len();
-            self.release(&arena, empty);
+            // What `release` gave back, not what it tried to: a superblock whose guard could
+            // not be recorded stays with its stream (it was counted as returned).
+            returned += self.release(&arena, empty);
             // Forget the arena of a stream the user dropped, once it holds nothing.
             if arena.stream.users() == 0 {
                 let mut registry = self.registry.lock();

@@ -1,0 +1,257 @@
+//! Review coverage for `ArenaResource` and `PinnedHostResource`: driver failures midway (the
+//! memory stays the arena's and the statistics stay right), sizes at the edges, and the cache
+//! limits of the pinned resource. On the simulated device, with injected faults.
+
+#[path = "common/mod.rs"]
+mod common;
+
+use std::time::Duration;
+
+use streamalloc::resource::arena::{ArenaOptions, ArenaResource};
+use streamalloc::resource::cuda::CudaResource;
+use streamalloc::resource::pinned::{PinnedHostOptions, PinnedHostResource};
+use streamalloc::{Device, FaultKind, Faults, MemoryResource, SimConfig};
+
+use common::{assert_arena_all_back, check_arena, free};
+
+const MIB: usize = 1 << 20;
+
+fn faulty_device() -> (Device, Faults) {
+    let faults = Faults::new();
+    let device = Device::simulated(SimConfig {
+        faults: faults.clone(),
+        ..SimConfig::default()
+    });
+    (device, faults)
+}
+
+fn arena(device: &Device, initial: usize, maximum: usize) -> ArenaResource<CudaResource> {
+    ArenaResource::new(
+        CudaResource::new(device),
+        ArenaOptions {
+            initial,
+            maximum: Some(maximum),
+            ..ArenaOptions::default()
+        },
+    )
+    .unwrap()
+}
+
+/// A large free whose guard event cannot be recorded is refused and the block stays handed
+/// out; freed again, it comes back.
+#[test]
+fn large_free_with_a_failed_record_keeps_the_block() {
+    let (device, faults) = faulty_device();
+    let a = arena(&device, 8 * MIB, 64 * MIB);
+    let s = device.create_stream().unwrap();
+    let p = a.allocate(3 * MIB, &s).unwrap();
+    faults.fail_next(FaultKind::Record);
+    // SAFETY: allocated above, unused.
+    assert!(unsafe { a.deallocate(p, 3 * MIB, &s) }.is_err());
+    assert_eq!(a.stats().in_use, 3 * MIB);
+    check_arena(&a);
+    free(&a, p, 3 * MIB, &s);
+    s.synchronize_blocking().unwrap();
+    assert_arena_all_back(&a, "large free after a failed record");
+}
+
+/// A remote free adopted when the wait on the freeing stream fails: the request fails, the
+/// block stays pending, and the next request adopts it.
+#[test]
+fn adoption_with_a_failed_wait_loses_nothing() {
+    let (device, faults) = faulty_device();
+    let a = arena(&device, 4 * MIB, 4 * MIB);
+    let (s, t) = (device.create_stream().unwrap(), device.create_stream().unwrap());
+    // Four superblocks, each wholly taken on `s`.
+    let blocks: Vec<_> = (0..4).map(|_| a.allocate(MIB, &s).unwrap()).collect();
+    t.wait(&s.record().unwrap()).unwrap();
+    free(&a, blocks[0], MIB, &t);
+    assert_eq!(a.stats().remote_frees_pending, 1);
+    faults.fail_next(FaultKind::Wait);
+    assert!(a.allocate(MIB, &s).is_err());
+    let stats = a.stats();
+    assert_eq!(stats.remote_frees_pending, 1, "{stats:?}");
+    assert_eq!(stats.in_use, 3 * MIB, "{stats:?}");
+    check_arena(&a);
+    let again = a.allocate(MIB, &s).unwrap();
+    assert_eq!(again, blocks[0]);
+    free(&a, again, MIB, &s);
+    for &p in &blocks[1..] {
+        free(&a, p, MIB, &s);
+    }
+    s.synchronize_blocking().unwrap();
+    t.synchronize_blocking().unwrap();
+    assert_arena_all_back(&a, "adoption after a failed wait");
+}
+
+/// A defragmentation whose guard cannot be recorded keeps the superblocks with their stream,
+/// and says none went back.
+#[test]
+fn defragment_with_a_failed_record_reports_what_went_back() {
+    let (device, faults) = faulty_device();
+    let a = arena(&device, 4 * MIB, 4 * MIB);
+    let s = device.create_stream().unwrap();
+    let p = a.allocate(1000, &s).unwrap();
+    free(&a, p, 1000, &s);
+    assert_eq!(a.stats().superblocks, 1);
+    faults.fail_next(FaultKind::Record);
+    let returned = a.defragment();
+    let stats = a.stats();
+    assert_eq!(stats.superblocks, 1, "{stats:?}");
+    assert_eq!(
+        returned, 0,
+        "defragment said {returned} superblock(s) went back, none did: {stats:?}"
+    );
+    check_arena(&a);
+    assert_eq!(a.defragment(), 1);
+    s.synchronize_blocking().unwrap();
+    assert_arena_all_back(&a, "defragment after a failed record");
+}
+
+/// Growth whose guard cannot be recorded gives the new chunk back: nothing reserved.
+#[test]
+fn growth_with_a_failed_record_reserves_nothing() {
+    let (device, faults) = faulty_device();
+    let a = arena(&device, 0, 64 * MIB);
+    let s = device.create_stream().unwrap();
+    faults.fail_next(FaultKind::Record);
+    assert!(a.allocate(1000, &s).is_err());
+    let stats = a.stats();
+    assert_eq!((stats.reserved, stats.chunks), (0, 0), "{stats:?}");
+    check_arena(&a);
+    let p = a.allocate(1000, &s).unwrap();
+    free(&a, p, 1000, &s);
+    s.synchronize_blocking().unwrap();
+    assert_arena_all_back(&a, "growth after a failed record");
+}
+
+/// A superblock taken from the global arena whose guard cannot be waited on goes back there.
+#[test]
+fn superblock_with_a_failed_guard_wait_goes_back() {
+    let (device, faults) = faulty_device();
+    let a = arena(&device, 4 * MIB, 4 * MIB);
+    let (s, t) = (device.create_stream().unwrap(), device.create_stream().unwrap());
+    let large = a.allocate(4 * MIB, &t).unwrap();
+    t.spin(Duration::from_millis(300)).unwrap();
+    free(&a, large, 4 * MIB, &t);
+    faults.fail_next(FaultKind::Wait);
+    assert!(a.allocate(1000, &s).is_err());
+    let stats = a.stats();
+    assert_eq!((stats.global_free, stats.in_use), (4 * MIB, 0), "{stats:?}");
+    check_arena(&a);
+    let p = a.allocate(1000, &s).unwrap();
+    free(&a, p, 1000, &s);
+    s.synchronize_blocking().unwrap();
+    t.synchronize_blocking().unwrap();
+    assert_arena_all_back(&a, "superblock after a failed wait");
+}
+
+/// A move of a partly used superblock whose event cannot be recorded moves nothing.
+#[test]
+fn superblock_move_with_a_failed_record_moves_nothing() {
+    let (device, faults) = faulty_device();
+    let a = arena(&device, MIB, MIB);
+    let (s, t) = (device.create_stream().unwrap(), device.create_stream().unwrap());
+    let kept = a.allocate(1000, &s).unwrap();
+    faults.fail_next(FaultKind::Record);
+    assert!(a.allocate(1000, &t).is_err());
+    assert_eq!(a.stats().superblock_moves, 0);
+    check_arena(&a);
+    let moved = a.allocate(1000, &t).unwrap();
+    assert_eq!(a.stats().superblock_moves, 1);
+    free(&a, moved, 1000, &t);
+    free(&a, kept, 1000, &s);
+    s.synchronize_blocking().unwrap();
+    t.synchronize_blocking().unwrap();
+    assert_arena_all_back(&a, "move after a failed record");
+}
+
+/// A trim whose upstream free fails keeps the chunk, usable, and counted.
+#[test]
+fn trim_with_a_failed_free_keeps_the_chunk() {
+    let (device, faults) = faulty_device();
+    let a = arena(&device, 4 * MIB, 8 * MIB);
+    let s = device.create_stream().unwrap();
+    let p = a.allocate(1000, &s).unwrap();
+    free(&a, p, 1000, &s);
+    faults.fail_next(FaultKind::Free);
+    assert!(a.trim_blocking().is_err());
+    let stats = a.stats();
+    assert_eq!(
+        (stats.reserved, stats.chunks, stats.global_free),
+        (4 * MIB, 1, 4 * MIB),
+        "{stats:?}"
+    );
+    check_arena(&a);
+    assert_eq!(a.trim_blocking().unwrap(), 4 * MIB);
+    assert_eq!(a.stats().reserved, 0);
+}
+
+/// Sizes at the edges: zero, the superblock size and one past it, the maximum and past it,
+/// sizes that overflow; wrong sizes and pointers are refused with an error, never a panic.
+#[test]
+fn sizes_at_the_edges() {
+    let (device, _faults) = faulty_device();
+    let a = arena(&device, 0, 8 * MIB);
+    let s = device.create_stream().unwrap();
+    let zero = a.allocate(0, &s).unwrap();
+    free(&a, zero, 0, &s);
+    for bytes in [usize::MAX, usize::MAX - 255, 8 * MIB + 1, 1 << 62] {
+        assert!(a.allocate(bytes, &s).is_err(), "{bytes}");
+    }
+    let sb = a.allocate(MIB, &s).unwrap();
+    let past = a.allocate(MIB + 1, &s).unwrap();
+    let small = a.allocate(MIB - 1, &s).unwrap();
+    // SAFETY: every free below is refused (wrong size or pointer), nothing is given back.
+    unsafe {
+        assert!(a.deallocate(sb, MIB + 1, &s).is_err());
+        assert!(a.deallocate(past, MIB, &s).is_err());
+        assert!(a.deallocate(past, usize::MAX, &s).is_err());
+        assert!(a.deallocate(small, 512, &s).is_err());
+        assert!(a.deallocate(sb, 0, &s).is_err());
+        assert!(a.deallocate(streamalloc::DevicePtr(u64::MAX - 255), 256, &s).is_err());
+        assert!(a
+            .deallocate(streamalloc::DevicePtr(sb.0 + 256), 256, &s)
+            .is_err());
+    }
+    check_arena(&a);
+    free(&a, sb, MIB, &s);
+    // SAFETY: freed just above: refused.
+    assert!(unsafe { a.deallocate(sb, MIB, &s) }.is_err());
+    free(&a, past, MIB + 1, &s);
+    // SAFETY: freed just above: refused.
+    assert!(unsafe { a.deallocate(past, MIB + 1, &s) }.is_err());
+    free(&a, small, MIB - 1, &s);
+    let whole = a.allocate(8 * MIB, &s).unwrap();
+    free(&a, whole, 8 * MIB, &s);
+    s.synchronize_blocking().unwrap();
+    assert_arena_all_back(&a, "edges");
+}
+
+/// The pinned cache keeps no more than its limit ready, and the rest goes to the driver.
+#[test]
+fn pinned_cache_respects_its_limit() {
+    let (device, _faults) = faulty_device();
+    let r = PinnedHostResource::with_options(
+        &device,
+        PinnedHostOptions {
+            max_cached_bytes: 4096,
+        },
+    );
+    let s = device.create_stream().unwrap();
+    let blocks: Vec<_> = (0..8).map(|_| r.allocate(1024, &s).unwrap()).collect();
+    for &p in &blocks {
+        free(&r, p, 1024, &s);
+    }
+    s.synchronize_blocking().unwrap();
+    assert!(common::eventually(Duration::from_secs(5), || r
+        .stats()
+        .pending_blocks
+        == 0));
+    let stats = r.stats();
+    assert!(stats.cached_bytes <= 4096, "{stats:?}");
+    assert_eq!(stats.cached_blocks + stats.retired_blocks, 8, "{stats:?}");
+    r.release().unwrap();
+    let stats = r.stats();
+    assert_eq!((stats.cached_blocks, stats.retired_blocks), (0, 0));
+}
