@@ -255,3 +255,121 @@ fn pinned_cache_respects_its_limit() {
     let stats = r.stats();
     assert_eq!((stats.cached_blocks, stats.retired_blocks), (0, 0));
 }
+
+/// Threads on their own streams allocate, write, and free on their own stream or on another
+/// (after ordering it behind the write), while defragmentations and trims run: superblocks go
+/// back, move between streams and chunks go upstream. The race detector refuses any write
+/// to memory not ordered after its last use.
+#[test]
+fn concurrent_reuse_is_ordered() {
+    use std::sync::Arc;
+    let device = Device::simulated(SimConfig {
+        race_detection: streamalloc::RaceDetection::Error,
+        op_jitter: Duration::from_micros(50),
+        ..SimConfig::default()
+    });
+    let a = Arc::new(
+        ArenaResource::new(
+            CudaResource::new(&device),
+            ArenaOptions {
+                initial: 0,
+                maximum: Some(8 * MIB),
+                superblock_size: 256 << 10,
+            },
+        )
+        .unwrap(),
+    );
+    let streams: Arc<Vec<streamalloc::Stream>> =
+        Arc::new((0..4).map(|_| device.create_stream().unwrap()).collect());
+    let stop = Arc::new(std::sync::atomic::AtomicBool::new(false));
+    let janitor = {
+        let (a, stop) = (a.clone(), stop.clone());
+        std::thread::spawn(move || {
+            while !stop.load(std::sync::atomic::Ordering::Relaxed) {
+                a.defragment();
+                let _ = a.trim_blocking();
+                std::thread::sleep(Duration::from_micros(300));
+            }
+        })
+    };
+    let workers: Vec<_> = (0..4)
+        .map(|me| {
+            let (a, streams) = (a.clone(), streams.clone());
+            std::thread::spawn(move || {
+                let mut rng = common::SplitMix64(me as u64 + 1);
+                let s = &streams[me];
+                let mut held: Vec<(streamalloc::DevicePtr, usize)> = Vec::new();
+                for _ in 0..1500 {
+                    if held.len() < 12 && rng.next() % 3 != 0 {
+                        let bytes = if rng.next() % 5 == 0 {
+                            (300 << 10) + (rng.next() % (700 << 10)) as usize
+                        } else {
+                            1 + (rng.next() % (200 << 10)) as usize
+                        };
+                        match a.allocate(bytes, s) {
+                            Ok(p) => {
+                                // SAFETY: just allocated on `s`, `bytes` long.
+                                unsafe { s.memset_d8(p, me as u8, bytes) }
+                                    .unwrap_or_else(|e| panic!("{e}\n{}", a.dump()));
+                                held.push((p, bytes));
+                            }
+                            Err(e) => assert!(e.is_out_of_memory(), "{e}"),
+                        }
+                    } else if !held.is_empty() {
+                        let (p, bytes) = held.swap_remove((rng.next() as usize) % held.len());
+                        let on = &streams[(rng.next() as usize) % streams.len()];
+                        if on.id() != s.id() {
+                            on.wait(&s.record().unwrap()).unwrap();
+                        }
+                        free(&*a, p, bytes, on);
+                    }
+                }
+                for (p, bytes) in held {
+                    free(&*a, p, bytes, s);
+                }
+            })
+        })
+        .collect();
+    for w in workers {
+        w.join().unwrap();
+    }
+    stop.store(true, std::sync::atomic::Ordering::Relaxed);
+    janitor.join().unwrap();
+    for s in streams.iter() {
+        s.synchronize_blocking().unwrap();
+    }
+    a.defragment();
+    a.check_invariants().unwrap();
+    let stats = a.stats();
+    assert_eq!(stats.in_use, 0, "{stats:?}");
+}
+
+/// A free refused because its guard event could not be recorded leaves the block the
+/// caller's: using it afterwards is no race, and freeing it again works.
+#[test]
+fn a_refused_large_free_leaves_the_block_usable() {
+    let faults = Faults::new();
+    let device = Device::simulated(SimConfig {
+        faults: faults.clone(),
+        race_detection: streamalloc::RaceDetection::Error,
+        ..SimConfig::default()
+    });
+    let a = arena(&device, 8 * MIB, 8 * MIB);
+    let (s, t) = (device.create_stream().unwrap(), device.create_stream().unwrap());
+    let p = a.allocate(3 * MIB, &s).unwrap();
+    // SAFETY: allocated above on `s`.
+    unsafe { s.memset_d8(p, 1, 3 * MIB) }.unwrap();
+    faults.fail_next(FaultKind::Record);
+    // SAFETY: refused: nothing is freed.
+    assert!(unsafe { a.deallocate(p, 3 * MIB, &s) }.is_err());
+    // SAFETY: still ours.
+    unsafe { s.memset_d8(p, 2, 3 * MIB) }.unwrap();
+    free(&a, p, 3 * MIB, &s);
+    // Reused on another stream after the real free: ordered by the arena.
+    let q = a.allocate(3 * MIB, &t).unwrap();
+    // SAFETY: allocated above on `t`.
+    unsafe { t.memset_d8(q, 3, 3 * MIB) }.unwrap();
+    free(&a, q, 3 * MIB, &t);
+    s.synchronize_blocking().unwrap();
+    t.synchronize_blocking().unwrap();
+}

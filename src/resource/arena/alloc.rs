@@ -5,6 +5,7 @@
 use super::global::{Guard, Guards, Large, Lent};
 use super::stream_arena::{cache, LocalFree, Remote, StreamArena};
 use super::ArenaResource;
+use crate::device::DevicePtr;
 use crate::error::{Error, Result};
 use crate::resource::growth::step_within_free;
 use crate::resource::{MemoryResource, ALIGNMENT};
@@ -612,6 +613,13 @@ impl<U: MemoryResource> ArenaResource<U> {
             Err(e) => {
                 // Not freed: still handed out.
                 self.global.lock().large.insert(addr, large);
+                // `deallocate` told the simulated device's race detector the block was freed
+                // (it must, before the block can be handed out again); it is the caller's
+                // still, so tell it the block is live again on `stream`, or the caller's next
+                // use of it is reported as a use after free (a review's finding). A no-op on
+                // CUDA.
+                self.device
+                    .note_allocation(DevicePtr(addr), size as usize, stream);
                 Err(e)
             }
         }
