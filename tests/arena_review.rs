@@ -61,7 +61,10 @@ fn large_free_with_a_failed_record_keeps_the_block() {
 fn adoption_with_a_failed_wait_loses_nothing() {
     let (device, faults) = faulty_device();
     let a = arena(&device, 4 * MIB, 4 * MIB);
-    let (s, t) = (device.create_stream().unwrap(), device.create_stream().unwrap());
+    let (s, t) = (
+        device.create_stream().unwrap(),
+        device.create_stream().unwrap(),
+    );
     // Four superblocks, each wholly taken on `s`.
     let blocks: Vec<_> = (0..4).map(|_| a.allocate(MIB, &s).unwrap()).collect();
     t.wait(&s.record().unwrap()).unwrap();
@@ -130,7 +133,10 @@ fn growth_with_a_failed_record_reserves_nothing() {
 fn superblock_with_a_failed_guard_wait_goes_back() {
     let (device, faults) = faulty_device();
     let a = arena(&device, 4 * MIB, 4 * MIB);
-    let (s, t) = (device.create_stream().unwrap(), device.create_stream().unwrap());
+    let (s, t) = (
+        device.create_stream().unwrap(),
+        device.create_stream().unwrap(),
+    );
     let large = a.allocate(4 * MIB, &t).unwrap();
     t.spin(Duration::from_millis(300)).unwrap();
     free(&a, large, 4 * MIB, &t);
@@ -151,7 +157,10 @@ fn superblock_with_a_failed_guard_wait_goes_back() {
 fn superblock_move_with_a_failed_record_moves_nothing() {
     let (device, faults) = faulty_device();
     let a = arena(&device, MIB, MIB);
-    let (s, t) = (device.create_stream().unwrap(), device.create_stream().unwrap());
+    let (s, t) = (
+        device.create_stream().unwrap(),
+        device.create_stream().unwrap(),
+    );
     let kept = a.allocate(1000, &s).unwrap();
     faults.fail_next(FaultKind::Record);
     assert!(a.allocate(1000, &t).is_err());
@@ -209,7 +218,9 @@ fn sizes_at_the_edges() {
         assert!(a.deallocate(past, usize::MAX, &s).is_err());
         assert!(a.deallocate(small, 512, &s).is_err());
         assert!(a.deallocate(sb, 0, &s).is_err());
-        assert!(a.deallocate(streamalloc::DevicePtr(u64::MAX - 255), 256, &s).is_err());
+        assert!(a
+            .deallocate(streamalloc::DevicePtr(u64::MAX - 255), 256, &s)
+            .is_err());
         assert!(a
             .deallocate(streamalloc::DevicePtr(sb.0 + 256), 256, &s)
             .is_err());
@@ -355,7 +366,10 @@ fn a_refused_large_free_leaves_the_block_usable() {
         ..SimConfig::default()
     });
     let a = arena(&device, 8 * MIB, 8 * MIB);
-    let (s, t) = (device.create_stream().unwrap(), device.create_stream().unwrap());
+    let (s, t) = (
+        device.create_stream().unwrap(),
+        device.create_stream().unwrap(),
+    );
     let p = a.allocate(3 * MIB, &s).unwrap();
     // SAFETY: allocated above on `s`.
     unsafe { s.memset_d8(p, 1, 3 * MIB) }.unwrap();
