@@ -311,8 +311,8 @@ fn concurrent_reuse_is_ordered() {
                 let s = &streams[me];
                 let mut held: Vec<(streamalloc::DevicePtr, usize)> = Vec::new();
                 for _ in 0..1500 {
-                    if held.len() < 12 && rng.next() % 3 != 0 {
-                        let bytes = if rng.next() % 5 == 0 {
+                    if held.len() < 12 && !rng.next().is_multiple_of(3) {
+                        let bytes = if rng.next().is_multiple_of(5) {
                             (300 << 10) + (rng.next() % (700 << 10)) as usize
                         } else {
                             1 + (rng.next() % (200 << 10)) as usize
