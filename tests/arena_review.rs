@@ -387,3 +387,61 @@ fn a_refused_large_free_leaves_the_block_usable() {
     s.synchronize_blocking().unwrap();
     t.synchronize_blocking().unwrap();
 }
+
+/// What a block freed from a thread-local destructor saw: `Ok`, the arena's error, or a panic.
+static FREED_AT_EXIT: std::sync::Mutex<Option<Result<(), String>>> = std::sync::Mutex::new(None);
+
+type Held = (
+    std::sync::Arc<ArenaResource<CudaResource>>,
+    streamalloc::DevicePtr,
+    streamalloc::Stream,
+);
+
+/// Frees its block when the thread's locals are destroyed.
+struct FreeAtExit(Option<Held>);
+
+impl Drop for FreeAtExit {
+    fn drop(&mut self) {
+        let Some((a, p, s)) = self.0.take() else {
+            return;
+        };
+        let outcome = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
+            // SAFETY: allocated on `s` and unused; freed once.
+            unsafe { a.deallocate(p, 1000, &s) }
+        }));
+        *FREED_AT_EXIT.lock().unwrap() = Some(match outcome {
+            Ok(Ok(())) => Ok(()),
+            Ok(Err(e)) => Err(e.to_string()),
+            Err(_) => Err("the free panicked".into()),
+        });
+    }
+}
+
+thread_local! {
+    static HELD: std::cell::RefCell<FreeAtExit> = const { std::cell::RefCell::new(FreeAtExit(None)) };
+}
+
+/// A block freed by a thread-local destructor, after the arena's own thread-local cache is
+/// gone (thread-locals are destroyed in the reverse order of their first use): the free works,
+/// it does not panic.
+#[test]
+fn a_free_during_thread_teardown_does_not_panic() {
+    let device = Device::simulated(SimConfig::default());
+    let a = std::sync::Arc::new(arena(&device, 4 * MIB, 4 * MIB));
+    let s = device.create_stream().unwrap();
+    {
+        let (a, s) = (a.clone(), s.clone());
+        std::thread::spawn(move || {
+            // First used before the arena's cache: destroyed after it.
+            HELD.with(|_| {});
+            let p = a.allocate(1000, &s).unwrap();
+            HELD.with(|h| h.borrow_mut().0 = Some((a, p, s)));
+        })
+        .join()
+        .unwrap();
+    }
+    let outcome = FREED_AT_EXIT.lock().unwrap().take();
+    assert_eq!(outcome, Some(Ok(())));
+    s.synchronize_blocking().unwrap();
+    assert_arena_all_back(&a, "freed at thread exit");
+}

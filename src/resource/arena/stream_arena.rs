@@ -283,10 +283,15 @@ pub(super) mod cache {
     }
 
     pub(in crate::resource::arena) fn get(uid: u64, stream: u64) -> Option<Arc<StreamArena>> {
-        LAST.with(|last| match &*last.borrow() {
+        // `try_with`, as `put` and `forget`: a block freed by another thread-local's destructor
+        // may come here after the cache is gone, and `with` panicked there (an abort, in a
+        // destructor; a review's finding). A miss: the caller looks in the registry.
+        LAST.try_with(|last| match &*last.borrow() {
             Some((u, s, arena)) if *u == uid && *s == stream => arena.upgrade(),
             _ => None,
         })
+        .ok()
+        .flatten()
     }
 
     pub(in crate::resource::arena) fn put(uid: u64, stream: u64, arena: &Arc<StreamArena>) {
