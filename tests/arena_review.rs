@@ -445,3 +445,42 @@ fn a_free_during_thread_teardown_does_not_panic() {
     s.synchronize_blocking().unwrap();
     assert_arena_all_back(&a, "freed at thread exit");
 }
+
+/// A trim cancelled while it waits for the GPU puts its chunks back, free and usable; a trim
+/// whose chunks a request at the maximum took back meanwhile gives back only what is still
+/// its own.
+#[test]
+fn trim_cancelled_or_recalled_loses_nothing() {
+    let device = Device::simulated(SimConfig::default());
+    let a = arena(&device, 0, 4 * MIB);
+    let (s, t) = (
+        device.create_stream().unwrap(),
+        device.create_stream().unwrap(),
+    );
+    let p = a.allocate(3 * MIB, &s).unwrap();
+    s.spin(Duration::from_millis(300)).unwrap();
+    free(&a, p, 3 * MIB, &s);
+    let before = a.stats();
+    common::poll_once_and_drop(a.trim());
+    let after = a.stats();
+    assert_eq!(
+        (after.reserved, after.chunks, after.global_free),
+        (before.reserved, before.chunks, before.global_free),
+        "{after:?}"
+    );
+    check_arena(&a);
+
+    let mut trim = std::pin::pin!(a.trim());
+    assert!(common::poll_once(trim.as_mut()).is_pending());
+    assert_eq!(a.stats().chunks, 0);
+    // At the maximum only the trim's chunk can serve it: taken back, ordered after `s`.
+    let q = a.allocate(2 * MIB, &t).unwrap();
+    let released = futures::executor::block_on(trim).unwrap();
+    assert_eq!(released, 0);
+    free(&a, q, 2 * MIB, &t);
+    s.synchronize_blocking().unwrap();
+    t.synchronize_blocking().unwrap();
+    assert_arena_all_back(&a, "trim cancelled or recalled");
+    assert_eq!(a.trim_blocking().unwrap(), 3 * MIB);
+    assert_eq!(a.stats().reserved, 0);
+}
