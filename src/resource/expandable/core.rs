@@ -832,23 +832,30 @@ impl<S: EngineStream, B: Backing> Expander<S, B> {
     /// bytes unmapped and the first error; a range whose unmapping failed goes back to its
     /// list from the granule that failed on, so nothing is lost.
     ///
+    /// The driver calls run with no lock of the pool held, the table's lock taken only after
+    /// them to note what was unmapped: every growth takes that lock, and a request that needs
+    /// one granule more must not wait for a trim's thousands of `cuMemUnmap`s (a review found
+    /// it did: `tests/expandable_review.rs`, `a_growth_does_not_wait_for_a_trims_unmapping`).
+    /// Until then the granules still count as mapped (their bits set, their bytes in
+    /// `reserved`), so no growth maps over them and the maximum holds; they are in no list,
+    /// so nothing hands them out or moves them.
+    ///
     /// # Safety
     /// The work of every range's stream, up to the moment its range was taken, has finished
     /// (the caller synchronized the stream after `hold_free`); fresh ranges were never used.
     pub(crate) unsafe fn unmap_ranges(&self, ranges: Vec<Taken<S>>) -> (u64, Result<()>) {
-        let (released, result, back) = {
-            let mut table = self.table.lock();
-            // SAFETY: the caller's contract, passed on.
-            unsafe { self.unmap_locked(&mut table, ranges) }
-        };
+        // SAFETY: the caller's contract, passed on.
+        let (unmapped, result, back) = unsafe { self.unmap_unlocked(ranges) };
+        let released = self.note_unmapped(&mut self.table.lock(), &unmapped);
         // Outside the table's lock: the handles' drops take locks of their own.
         self.put_back(back);
         (released, result)
     }
 
-    /// [`unmap_ranges`](Self::unmap_ranges) under the table's lock. Returns what the caller
-    /// must [`put_back`](Self::put_back) (the ranges from a granule that failed to unmap on)
-    /// after letting go of the lock.
+    /// [`unmap_ranges`](Self::unmap_ranges) under the table's lock (a growth's move, a
+    /// claim's: the request's own driver work). Returns what the caller must
+    /// [`put_back`](Self::put_back) (the ranges from a granule that failed to unmap on) after
+    /// letting go of the lock.
     ///
     /// # Safety
     /// As `unmap_ranges`.
@@ -857,24 +864,39 @@ impl<S: EngineStream, B: Backing> Expander<S, B> {
         table: &mut Table,
         ranges: Vec<Taken<S>>,
     ) -> (u64, Result<()>, Vec<Taken<S>>) {
+        // SAFETY: the caller's contract, passed on.
+        let (unmapped, result, back) = unsafe { self.unmap_unlocked(ranges) };
+        (self.note_unmapped(table, &unmapped), result, back)
+    }
+
+    /// The driver's part of [`unmap_ranges`](Self::unmap_ranges): unmaps the granules of
+    /// `ranges`, and touches no bookkeeping (the caller notes them, under the table's lock:
+    /// [`note_unmapped`](Self::note_unmapped)). Returns the runs unmapped `(first granule,
+    /// count)`, the first error, and the ranges from a granule that failed to unmap on.
+    ///
+    /// # Safety
+    /// As `unmap_ranges`.
+    #[allow(clippy::type_complexity)]
+    unsafe fn unmap_unlocked(
+        &self,
+        ranges: Vec<Taken<S>>,
+    ) -> (Vec<(usize, usize)>, Result<()>, Vec<Taken<S>>) {
         let g = self.granule();
         let base = self.backing.base();
-        let mut released = 0;
+        let mut unmapped = Vec::new();
         let mut result = Ok(());
         let mut back = Vec::new();
         for (addr, size, stream) in ranges {
             let first = ((addr - base) / g) as usize;
             let count = (size / g) as usize;
+            let mut done = 0;
             for index in first..first + count {
                 debug_assert!(self.bits.get(index), "granule {index} free but unmapped");
                 // SAFETY: the granule lies in a range taken out of every list (nothing can
                 // hand it out), wholly free, and the caller's contract says the work that
                 // last used it has finished.
                 match unsafe { self.backing.unmap(index) } {
-                    Ok(()) => {
-                        table.set(&self.bits, index, false);
-                        released += g;
-                    }
+                    Ok(()) => done += 1,
                     Err(e) => {
                         let at = self.addr(index);
                         back.push((at, addr + size - at, stream.clone()));
@@ -885,10 +907,29 @@ impl<S: EngineStream, B: Backing> Expander<S, B> {
                     }
                 }
             }
+            if done > 0 {
+                unmapped.push((first, done));
+            }
         }
-        table.recompute_frontiers(&self.bits);
+        (unmapped, result, back)
+    }
+
+    /// Notes the runs `(first granule, count)` that [`unmap_unlocked`](Self::unmap_unlocked)
+    /// unmapped, under the table's lock: their bits, the frontiers, the bytes mapped. Returns
+    /// those bytes.
+    fn note_unmapped(&self, table: &mut Table, unmapped: &[(usize, usize)]) -> u64 {
+        let mut released = 0;
+        for &(first, count) in unmapped {
+            for index in first..first + count {
+                table.set(&self.bits, index, false);
+            }
+            released += count as u64 * self.granule();
+        }
+        if !unmapped.is_empty() {
+            table.recompute_frontiers(&self.bits);
+        }
         self.reserved.fetch_sub(released, Ordering::Relaxed);
-        (released, result, back)
+        released
     }
 
     /// Room under the maximum for a growth that maps `run` (granules of region `keep`) and
