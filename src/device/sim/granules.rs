@@ -9,8 +9,12 @@ use crate::error::{Error, Result};
 /// The simulated allocation granularity: 2 MiB, what the driver reports for an H100 or H200.
 pub(crate) const GRANULE: usize = 2 << 20;
 
-/// The simulated device's virtual address space for reservations: 128 TiB (a GPU's is 47 to
-/// 57 bits).
+/// The largest reservation the simulated device takes: 128 TiB (a GPU's address space is 47 to
+/// 57 bits), as [`MAX_RESERVATION`](crate::device::vmm::MAX_RESERVATION). The room for one is
+/// smaller: each simulated device's addresses span 16 TiB (`memory.rs`'s `DEVICE_SPAN`), which
+/// its reservations share with its allocations, so a reservation past what is left there is
+/// [`Error::OutOfMemory`] (an expandable pool then reserves for fewer shards). On a GPU the room
+/// is the driver's, far larger.
 pub(crate) const ADDRESS_SPACE: u64 = 1 << 47;
 
 /// Which granules of a reservation are mapped (a bit each). Checked on every access to the

@@ -14,6 +14,15 @@
 //! access racing with an unmap (a bug of the caller: it unmapped memory still in use) is never
 //! undefined behaviour here: it either runs before the unmap or fails with the address.
 //!
+//! What differs from a GPU, beyond the fault on an unmapped access: injected faults reach only
+//! `cuMemCreate` ([`FaultKind::MemCreate`]) and `cuMemMap` ([`FaultKind::MemMap`]), and the
+//! device's memory running out fails the create as the driver's does. Giving access
+//! (`cuMemSetAccess`, which the simulated device does not model: a mapped granule is
+//! accessible), unmapping and releasing never fail here, so the paths that handle their
+//! failure on a GPU (a mapping rolled back after a failed access; a trim or a move that puts
+//! back a granule that would not unmap) run only there. A reservation's room is this device's
+//! address range, not the driver's ([`ADDRESS_SPACE`]).
+//!
 //! [`Error::InvalidAddress`]: crate::Error::InvalidAddress
 
 use super::granules::{Granules, ADDRESS_SPACE, GRANULE};
