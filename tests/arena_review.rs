@@ -12,36 +12,15 @@ use streamalloc::resource::cuda::CudaResource;
 use streamalloc::resource::pinned::{PinnedHostOptions, PinnedHostResource};
 use streamalloc::{Device, FaultKind, Faults, MemoryResource, SimConfig};
 
-use common::{assert_arena_all_back, check_arena, free};
+use common::{arena, assert_arena_all_back, check_arena, faulty, free};
 
 const MIB: usize = 1 << 20;
-
-fn faulty_device() -> (Device, Faults) {
-    let faults = Faults::new();
-    let device = Device::simulated(SimConfig {
-        faults: faults.clone(),
-        ..SimConfig::default()
-    });
-    (device, faults)
-}
-
-fn arena(device: &Device, initial: usize, maximum: usize) -> ArenaResource<CudaResource> {
-    ArenaResource::new(
-        CudaResource::new(device),
-        ArenaOptions {
-            initial,
-            maximum: Some(maximum),
-            ..ArenaOptions::default()
-        },
-    )
-    .unwrap()
-}
 
 /// A large free whose guard event cannot be recorded is refused and the block stays handed
 /// out; freed again, it comes back.
 #[test]
 fn large_free_with_a_failed_record_keeps_the_block() {
-    let (device, faults) = faulty_device();
+    let (device, faults) = faulty();
     let a = arena(&device, 8 * MIB, 64 * MIB);
     let s = device.create_stream().unwrap();
     let p = a.allocate(3 * MIB, &s).unwrap();
@@ -59,7 +38,7 @@ fn large_free_with_a_failed_record_keeps_the_block() {
 /// block stays pending, and the next request adopts it.
 #[test]
 fn adoption_with_a_failed_wait_loses_nothing() {
-    let (device, faults) = faulty_device();
+    let (device, faults) = faulty();
     let a = arena(&device, 4 * MIB, 4 * MIB);
     let (s, t) = (
         device.create_stream().unwrap(),
@@ -91,7 +70,7 @@ fn adoption_with_a_failed_wait_loses_nothing() {
 /// and says none went back.
 #[test]
 fn defragment_with_a_failed_record_reports_what_went_back() {
-    let (device, faults) = faulty_device();
+    let (device, faults) = faulty();
     let a = arena(&device, 4 * MIB, 4 * MIB);
     let s = device.create_stream().unwrap();
     let p = a.allocate(1000, &s).unwrap();
@@ -114,7 +93,7 @@ fn defragment_with_a_failed_record_reports_what_went_back() {
 /// Growth whose guard cannot be recorded gives the new chunk back: nothing reserved.
 #[test]
 fn growth_with_a_failed_record_reserves_nothing() {
-    let (device, faults) = faulty_device();
+    let (device, faults) = faulty();
     let a = arena(&device, 0, 64 * MIB);
     let s = device.create_stream().unwrap();
     faults.fail_next(FaultKind::Record);
@@ -131,7 +110,7 @@ fn growth_with_a_failed_record_reserves_nothing() {
 /// A superblock taken from the global arena whose guard cannot be waited on goes back there.
 #[test]
 fn superblock_with_a_failed_guard_wait_goes_back() {
-    let (device, faults) = faulty_device();
+    let (device, faults) = faulty();
     let a = arena(&device, 4 * MIB, 4 * MIB);
     let (s, t) = (
         device.create_stream().unwrap(),
@@ -155,7 +134,7 @@ fn superblock_with_a_failed_guard_wait_goes_back() {
 /// A move of a partly used superblock whose event cannot be recorded moves nothing.
 #[test]
 fn superblock_move_with_a_failed_record_moves_nothing() {
-    let (device, faults) = faulty_device();
+    let (device, faults) = faulty();
     let a = arena(&device, MIB, MIB);
     let (s, t) = (
         device.create_stream().unwrap(),
@@ -178,7 +157,7 @@ fn superblock_move_with_a_failed_record_moves_nothing() {
 /// A trim whose upstream free fails keeps the chunk, usable, and counted.
 #[test]
 fn trim_with_a_failed_free_keeps_the_chunk() {
-    let (device, faults) = faulty_device();
+    let (device, faults) = faulty();
     let a = arena(&device, 4 * MIB, 8 * MIB);
     let s = device.create_stream().unwrap();
     let p = a.allocate(1000, &s).unwrap();
@@ -200,7 +179,7 @@ fn trim_with_a_failed_free_keeps_the_chunk() {
 /// sizes that overflow; wrong sizes and pointers are refused with an error, never a panic.
 #[test]
 fn sizes_at_the_edges() {
-    let (device, _faults) = faulty_device();
+    let (device, _faults) = faulty();
     let a = arena(&device, 0, 8 * MIB);
     let s = device.create_stream().unwrap();
     let zero = a.allocate(0, &s).unwrap();
@@ -242,7 +221,7 @@ fn sizes_at_the_edges() {
 /// The pinned cache keeps no more than its limit ready, and the rest goes to the driver.
 #[test]
 fn pinned_cache_respects_its_limit() {
-    let (device, _faults) = faulty_device();
+    let (device, _faults) = faulty();
     let r = PinnedHostResource::with_options(
         &device,
         PinnedHostOptions {

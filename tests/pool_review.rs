@@ -8,7 +8,7 @@ mod common;
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
-use common::{check_pool, devices, free, label, pool, waiting_pool};
+use common::{check_pool, devices, faulty, free, label, pool, waiting_pool};
 use streamalloc::resource::arena::{ArenaOptions, ArenaResource};
 use streamalloc::resource::callback::CallbackResource;
 use streamalloc::resource::cuda::CudaResource;
@@ -209,15 +209,6 @@ fn a_trim_racing_a_grow_keeps_the_new_chunk() {
     assert_eq!(stats.free + stats.in_use, stats.reserved, "{stats:?}");
     free(&pool, block, MIB, &s);
     check_pool(&pool);
-}
-
-fn faulty() -> (Device, Faults) {
-    let faults = Faults::new();
-    let device = Device::simulated(SimConfig {
-        faults: faults.clone(),
-        ..SimConfig::default()
-    });
-    (device, faults)
 }
 
 /// A cross-stream reuse whose ordering fails returns the error and loses nothing; the next try

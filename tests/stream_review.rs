@@ -1,16 +1,10 @@
 //! Review of the stream layer (`src/stream/`, `src/event.rs`): each test failed before the fix
 //! its commit names.
 
-use streamalloc::{Device, DevicePtr, Error, FaultKind, Faults, SimConfig};
+mod common;
 
-fn faulty() -> (Device, Faults) {
-    let faults = Faults::new();
-    let device = Device::simulated(SimConfig {
-        faults: faults.clone(),
-        ..SimConfig::default()
-    });
-    (device, faults)
-}
+use common::faulty;
+use streamalloc::{Device, DevicePtr, Error, FaultKind, SimConfig};
 
 /// `Stream::synchronize_blocking` on the simulated device is `cuStreamSynchronize`, which
 /// records no event on a GPU: a fault planted for the next `cuEventRecord` must not fail it, nor

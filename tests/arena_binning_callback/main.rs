@@ -11,7 +11,7 @@ use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
-use common::{assert_arena_all_back, check_arena, devices, label, read_u32, SplitMix64};
+use common::{arena, assert_arena_all_back, check_arena, devices, label, read_u32, SplitMix64};
 use streamalloc::resource::arena::{ArenaOptions, ArenaResource};
 use streamalloc::resource::binning::BinningResource;
 use streamalloc::resource::callback::CallbackResource;
@@ -193,18 +193,6 @@ fn producer_consumer<R: MemoryResource + ?Sized>(mr: &R, device: &Device) {
             }
         });
     });
-}
-
-fn arena(device: &Device, initial: usize, maximum: usize) -> ArenaResource<CudaResource> {
-    ArenaResource::new(
-        CudaResource::new(device),
-        ArenaOptions {
-            initial,
-            maximum: Some(maximum),
-            ..ArenaOptions::default()
-        },
-    )
-    .unwrap()
 }
 
 mod arena;

@@ -4,18 +4,6 @@
 
 use super::*;
 
-fn arena(device: &Device, initial: usize, maximum: usize) -> ArenaResource<CudaResource> {
-    ArenaResource::new(
-        CudaResource::new(device),
-        ArenaOptions {
-            initial,
-            maximum: Some(maximum),
-            ..ArenaOptions::default()
-        },
-    )
-    .unwrap()
-}
-
 fn free(mr: &ArenaResource<CudaResource>, ptr: DevicePtr, bytes: usize, stream: &Stream) {
     // SAFETY: allocated from `mr` with `bytes`; its uses are ordered before this point of
     // `stream`; freed once.

@@ -25,9 +25,9 @@ mod common;
 
 use std::time::Duration;
 
-use common::{assert_arena_all_back, check_arena, devices, label, read_u32, runtime};
+use common::{arena, assert_arena_all_back, check_arena, devices, label, read_u32, runtime};
 use futures::FutureExt;
-use streamalloc::resource::arena::{ArenaOptions, ArenaResource};
+use streamalloc::resource::arena::ArenaResource;
 use streamalloc::resource::cuda::CudaResource;
 use streamalloc::resource::cuda_async::{CudaAsyncOptions, CudaAsyncResource};
 use streamalloc::{AllocateAsync, Device, DevicePtr, Error, MemoryResource, Stream};

@@ -8,11 +8,11 @@
 
 use std::time::Duration;
 
-use streamalloc::resource::arena::ArenaResource;
+use streamalloc::resource::arena::{ArenaOptions, ArenaResource};
 use streamalloc::resource::cuda::CudaResource;
 use streamalloc::resource::cuda_async::{CudaAsyncOptions, CudaAsyncResource};
 use streamalloc::resource::pool::{PoolOptions, PoolResource};
-use streamalloc::{CudaOptions, Device, DevicePtr, MemoryResource, SimConfig, Stream};
+use streamalloc::{CudaOptions, Device, DevicePtr, Faults, MemoryResource, SimConfig, Stream};
 
 /// The simulated device, plus CUDA device 0 when there is one.
 pub fn devices() -> Vec<Device> {
@@ -132,6 +132,29 @@ pub fn pool(device: &Device, initial: usize, maximum: usize) -> PoolResource<Cud
         },
     )
     .unwrap()
+}
+
+/// An arena over `cuMemAlloc` with these sizes and the default policies.
+pub fn arena(device: &Device, initial: usize, maximum: usize) -> ArenaResource<CudaResource> {
+    ArenaResource::new(
+        CudaResource::new(device),
+        ArenaOptions {
+            initial,
+            maximum: Some(maximum),
+            ..ArenaOptions::default()
+        },
+    )
+    .unwrap()
+}
+
+/// A simulated device whose driver calls fail where the returned [`Faults`] plant it.
+pub fn faulty() -> (Device, Faults) {
+    let faults = Faults::new();
+    let device = Device::simulated(SimConfig {
+        faults: faults.clone(),
+        ..SimConfig::default()
+    });
+    (device, faults)
 }
 
 /// [`pool`] whose every cross-stream reuse waits on the GPU, idle streams or not
