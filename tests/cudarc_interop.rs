@@ -211,3 +211,36 @@ fn two_contexts_of_one_gpu_reach_each_others_memory() {
         assert!(host.iter().all(|&x| x == 5), "{}", label(&gpu));
     }
 }
+
+/// `is_idle` on a stream whose cudarc handle the user's code is capturing into a graph:
+/// `cuStreamQuery` is illegal during capture and invalidates it (CUDA Programming Guide, stream
+/// capture, "Prohibited and Unhandled Operations"), and the pools ask the same question of an
+/// exposed stream for their own use (`Stream::probe_idle`). The answer is "not idle", asked
+/// without `cuStreamQuery`, and the capture still ends with a graph (a review's finding).
+#[test]
+fn is_idle_during_a_cudarc_capture_leaves_the_capture_valid() {
+    use cudarc::driver::sys;
+    for gpu in gpus("is_idle_during_a_cudarc_capture_leaves_the_capture_valid") {
+        let s = gpu.create_stream().unwrap();
+        let cs = s.cudarc_stream().unwrap();
+        s.synchronize_blocking().unwrap();
+        // Thread-local: the reactor's own driver calls on its thread are none of this test's.
+        cs.begin_capture(sys::CUstreamCaptureMode::CU_STREAM_CAPTURE_MODE_THREAD_LOCAL)
+            .unwrap();
+        let idle = s.is_idle();
+        let graph = cs.end_capture(sys::CUgraphInstantiate_flags(0));
+        assert!(
+            matches!(idle, Ok(false)),
+            "{}: is_idle during capture: {idle:?}",
+            label(&gpu)
+        );
+        assert!(
+            graph.is_ok(),
+            "{}: the capture was invalidated: {:?}",
+            label(&gpu),
+            graph.err()
+        );
+        drop(graph);
+        assert!(s.is_idle().is_ok(), "{}", label(&gpu));
+    }
+}

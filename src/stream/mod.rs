@@ -391,7 +391,9 @@ impl Stream {
 
     /// Whether all work queued on this stream so far has completed (`cuStreamQuery`); the host
     /// does not wait. `true` means what [`synchronize_blocking`](Self::synchronize_blocking)
-    /// returning means: memory that work used may be reused anywhere.
+    /// returning means: memory that work used may be reused anywhere. A stream being captured
+    /// into a graph (through its cudarc handle) reads `false`, without the `cuStreamQuery` that
+    /// would invalidate the capture.
     ///
     /// ```
     /// # use streamalloc::{Device, SimConfig};
