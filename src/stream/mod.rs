@@ -405,7 +405,9 @@ impl Stream {
     /// ```
     pub fn is_idle(&self) -> Result<bool> {
         match (&self.inner.raw, self.inner.device.backend()) {
-            (RawStream::Cuda(s), Backend::Cuda(d)) => d.stream_idle(*s),
+            (RawStream::Cuda(s), Backend::Cuda(d)) => {
+                d.stream_idle(*s, self.inner.exposed.load(Ordering::Relaxed))
+            }
             (RawStream::Sim(s), Backend::Sim(d)) => {
                 d.fault(FaultKind::Query)?;
                 Ok(s.idle())

@@ -8,6 +8,7 @@ use crate::device::sim::{MemoryAccess, SimDevice, SimStream};
 use crate::device::{mismatch, Backend, Device, DevicePtr, FaultKind};
 use crate::error::Result;
 use crate::stream::{RawStream, Stream};
+use crate::sync::Ordering;
 
 impl Device {
     /// Tells the simulated device's race detector that a resource handed out the block of
@@ -153,7 +154,9 @@ impl Stream {
     /// memory). An injected `Query` fault fails it as it fails `is_idle`.
     pub(crate) fn probe_idle(&self) -> Result<bool> {
         match (&self.inner.raw, self.inner.device.backend()) {
-            (RawStream::Cuda(s), Backend::Cuda(d)) => d.stream_idle(*s),
+            (RawStream::Cuda(s), Backend::Cuda(d)) => {
+                d.stream_idle(*s, self.inner.exposed.load(Ordering::Relaxed))
+            }
             (RawStream::Sim(s), Backend::Sim(d)) => {
                 d.fault(FaultKind::Query)?;
                 Ok(s.probe_idle())
