@@ -130,6 +130,9 @@ impl History {
 
 #[derive(Clone)]
 struct Recorded {
+    /// Its number among the events pushed (from 0), so that a free the upstream refused can
+    /// be taken out of the ring again ([`Recorder::free_refused`]).
+    seq: u64,
     thread: u64,
     time_us: u64,
     action: Action,
@@ -153,6 +156,17 @@ struct State {
     ring: VecDeque<Recorded>,
     dropped: u64,
     live: FxHashMap<u64, Live>,
+    /// The `seq` of the next event pushed.
+    next_seq: u64,
+}
+
+/// What [`Recorder::freeing`] did, for [`Recorder::free_refused`] to undo if the upstream
+/// refuses the free.
+pub(crate) struct Freeing {
+    /// The live allocation forgotten, if it was live.
+    live: Option<Live>,
+    /// The `seq` of the `Free` event pushed, if one was.
+    seq: Option<u64>,
 }
 
 /// The adaptor's shared state: a switch and, behind one lock, the ring of events and the live
@@ -201,15 +215,20 @@ impl Recorder {
             .then(|| StdArc::new(Backtrace::force_capture()))
     }
 
-    fn push(&self, state: &mut State, event: Recorded) {
+    /// Pushes `event` (its `seq` is set here) and returns its `seq`; `None` if nothing is kept.
+    fn push(&self, state: &mut State, mut event: Recorded) -> Option<u64> {
         if self.capacity == 0 {
-            return;
+            return None;
         }
         if state.ring.len() == self.capacity {
             state.ring.pop_front();
             state.dropped += 1;
         }
+        let seq = state.next_seq;
+        state.next_seq += 1;
+        event.seq = seq;
         state.ring.push_back(event);
+        Some(seq)
     }
 
     /// An allocation of `size` bytes at `ptr` on `stream` (0: it failed), made after the
@@ -238,6 +257,7 @@ impl Recorder {
             Action::Allocate
         };
         let event = Recorded {
+            seq: 0,
             thread: thread_number(),
             time_us,
             action,
@@ -251,14 +271,16 @@ impl Recorder {
 
     /// A free, recorded (and the allocation forgotten) *before* it is passed upstream: once
     /// the upstream has the memory, another thread may get the same address and record it,
-    /// and forgetting after that would forget the new allocation. Returns what was forgotten,
-    /// for [`restore`](Self::restore) if the upstream refuses the free.
-    pub(crate) fn freeing(&self, ptr: u64, size: u64, stream: u64) -> Option<Live> {
+    /// and forgetting after that would forget the new allocation. Returns what was done, for
+    /// [`free_refused`](Self::free_refused) if the upstream refuses the free.
+    pub(crate) fn freeing(&self, ptr: u64, size: u64, stream: u64) -> Freeing {
         let time_us = now_us();
         let mut state = self.state.lock();
-        let forgotten = state.live.remove(&ptr);
+        let live = state.live.remove(&ptr);
+        let mut seq = None;
         if self.is_on() {
             let event = Recorded {
+                seq: 0,
                 thread: thread_number(),
                 time_us,
                 action: Action::Free,
@@ -267,16 +289,27 @@ impl Recorder {
                 stream,
                 backtrace: None,
             };
-            self.push(&mut state, event);
+            seq = self.push(&mut state, event);
         }
-        forgotten
+        Freeing { live, seq }
     }
 
-    /// Puts back an allocation whose free the upstream refused (so it is still live).
-    pub(crate) fn restore(&self, ptr: u64, live: Live) {
+    /// Undoes [`freeing`](Self::freeing) for a free the upstream refused: nothing was freed,
+    /// so the allocation is put back in the live table, and the `Free` event is taken out of
+    /// the ring (if it is still there): a history showing a free that did not happen would
+    /// free the allocation twice when replayed (a review found it kept).
+    pub(crate) fn free_refused(&self, ptr: u64, freeing: Freeing) {
         let mut state = self.state.lock();
-        if self.is_on() {
-            state.live.entry(ptr).or_insert(live);
+        if let Some(seq) = freeing.seq {
+            // Newest first: the event is recent, and the ring holds `seq`s in order.
+            if let Some(at) = state.ring.iter().rposition(|e| e.seq == seq) {
+                state.ring.remove(at);
+            }
+        }
+        if let Some(live) = freeing.live {
+            if self.is_on() {
+                state.live.entry(ptr).or_insert(live);
+            }
         }
     }
 
@@ -479,16 +512,19 @@ unsafe impl<U: MemoryResource> MemoryResource for HistoryAdaptor<U> {
             return Ok(());
         }
         // Only while on: when off, the live table is empty.
-        let forgotten = if self.recorder.is_on() && bytes != 0 {
-            self.recorder
-                .freeing(ptr.0, bytes as u64, stream.id().get())
+        let freeing = if self.recorder.is_on() && bytes != 0 {
+            Some(
+                self.recorder
+                    .freeing(ptr.0, bytes as u64, stream.id().get()),
+            )
         } else {
             None
         };
         // SAFETY: the caller's contract, passed on.
         let result = unsafe { self.upstream.deallocate(ptr, bytes, stream) };
-        if let (Err(_), Some(live)) = (&result, forgotten) {
-            self.recorder.restore(ptr.0, live);
+        if let (Err(_), Some(freeing)) = (&result, freeing) {
+            // Nothing was freed: neither the live table nor the history may say it was.
+            self.recorder.free_refused(ptr.0, freeing);
         }
         result
     }
