@@ -411,7 +411,9 @@ impl<U: MemoryResource> ArenaResource<U> {
     /// of `need` bytes (at most `min`): where less than `min` is left under the maximum, what
     /// is left, if that holds `need`. If that fails for want of memory (the room under the
     /// maximum, or the upstream's), and giving the wholly free chunks back would make room, it
-    /// gives them back (in stream order, without waiting) and tries once more: free memory
+    /// gives them back (in stream order: the host does not wait for the GPU, but over
+    /// `CudaResource` each is a `cuMemFree`, which does, under the growth lock) and tries once
+    /// more: free memory
     /// spread over chunks too small for the request would otherwise keep it failing forever,
     /// everything free or not.
     fn grow(&self, min: u64, need: u64, stream: &Stream) -> Result<()> {
