@@ -20,6 +20,16 @@ impl Stream {
     /// opportunistic reuse asks the driver whether the stream is idle every time instead of
     /// knowing that nothing was queued on it since it last was
     /// ([`PoolOptions::opportunistic_reuse`](crate::PoolOptions::opportunistic_reuse)).
+    ///
+    /// **Graph capture.** Your cudarc code may capture the stream into a graph. While it does,
+    /// [`is_idle`](Self::is_idle) and the pools' idle question read "not idle" without the
+    /// `cuStreamQuery` that would spoil the capture, and [`record`](Self::record) queues no
+    /// completion write into the graph. Other work of this crate on the stream during the
+    /// capture is not supported: an event it records there and then watches or waits on
+    /// (`to_host`, a buffer's free ordered after a use on another stream, a pool ordering
+    /// another stream after memory freed here) would pull its own streams into your capture,
+    /// and the capture would fail to end. Capture work that allocates and frees nothing of
+    /// this crate's, or allocate before the capture and free after it.
     pub fn cudarc_stream(&self) -> Option<StdArc<CudaStream>> {
         self.cudarc_handle().cloned()
     }
