@@ -377,11 +377,16 @@ unsafe impl<U: MemoryResource> MemoryResource for BinningResource<U> {
         if !to_a_fixed_bin && in_a_fixed_bin() {
             return Err(Error::UnknownPointer { ptr: ptr.0, bytes });
         }
+        let serving = self.route(bytes);
         // SAFETY: the caller's contract; the same size picks the resource `allocate` used.
-        unsafe { self.route(bytes).deallocate(ptr, bytes, stream) }?;
-        // Memory came back: a task waiting through us may take it. (The queues of a fixed-size
-        // bin and of the upstream relay to ours, but a bin or fallback given may have none.)
-        self.waiters.notify();
+        unsafe { serving.deallocate(ptr, bytes, stream) }?;
+        // Memory came back: a task waiting through us may take it. A resource with a queue
+        // notified it (the trait's contract), and every such queue below relays to ours (set
+        // up when it was built): only a bin or fallback given with none needs ours notified
+        // here (each notification is a full fence).
+        if serving.memory_waiters().is_none() {
+            self.waiters.notify();
+        }
         Ok(())
     }
 
