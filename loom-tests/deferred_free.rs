@@ -49,10 +49,13 @@ unsafe impl Sync for Memory {}
 const ON_DROPPING_THREAD: &str = "freed on the dropping thread";
 const ON_GPU_THREAD: &str = "freed on a GPU thread";
 
-/// The model, with `bug` (`buffer::free_planted`, `NONE` for none) switched on in src. A planted
-/// test runs in a child process of its own (`must_fail`), so a switch stays on only there.
-fn deferred_free(bug: u8, seen: &Shared<Seen>) {
-    planted::BUG.store(bug, std::sync::atomic::Ordering::Relaxed);
+/// The model, with `bug` (a switch of `buffer::free_planted`, `None` for none) switched on in
+/// src. A planted test runs in a child process of its own (`must_fail`), so a switch stays on
+/// only there.
+fn deferred_free(bug: Option<&'static std::sync::atomic::AtomicBool>, seen: &Shared<Seen>) {
+    if let Some(bug) = bug {
+        bug.store(true, std::sync::atomic::Ordering::Relaxed);
+    }
     let events: Vec<Ev> = vec![Arc::new(Completion::new()), Arc::new(Completion::new())];
     let memory = Arc::new(Memory {
         uses: [UnsafeCell::new(0), UnsafeCell::new(0)],
@@ -117,7 +120,7 @@ fn deferred_free(bug: u8, seen: &Shared<Seen>) {
 #[test]
 fn free_after_two_events() {
     check_paths(None, &[ON_DROPPING_THREAD, ON_GPU_THREAD], |seen| {
-        deferred_free(planted::NONE, seen)
+        deferred_free(None, seen)
     });
 }
 
@@ -134,7 +137,11 @@ fn planted_count_up_while_registering() {
         module_path!(),
         "planted_count_up_while_registering",
         "freed before every event completed",
-        || check_paths(None, &[], |seen| deferred_free(planted::COUNT_UP, seen)),
+        || {
+            check_paths(None, &[], |seen| {
+                deferred_free(Some(&planted::COUNT_UP), seen)
+            })
+        },
     );
 }
 
@@ -149,7 +156,7 @@ fn planted_wrong_comparison() {
         "freed exactly once",
         || {
             check_paths(None, &[], |seen| {
-                deferred_free(planted::WRONG_COMPARISON, seen)
+                deferred_free(Some(&planted::WRONG_COMPARISON), seen)
             })
         },
     );
@@ -163,7 +170,11 @@ fn planted_free_on_first_event() {
         module_path!(),
         "planted_free_on_first_event",
         "freed before every event completed",
-        || check_paths(None, &[], |seen| deferred_free(planted::FIRST_EVENT, seen)),
+        || {
+            check_paths(None, &[], |seen| {
+                deferred_free(Some(&planted::FIRST_EVENT), seen)
+            })
+        },
     );
 }
 
@@ -176,6 +187,10 @@ fn planted_relaxed_countdown() {
         module_path!(),
         "planted_relaxed_countdown",
         "freed before every event completed",
-        || check_paths(None, &[], |seen| deferred_free(planted::RELAXED, seen)),
+        || {
+            check_paths(None, &[], |seen| {
+                deferred_free(Some(&planted::RELAXED), seen)
+            })
+        },
     );
 }

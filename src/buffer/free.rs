@@ -95,14 +95,13 @@ pub(crate) fn release_after_all<E>(
     if events.is_empty() {
         return release();
     }
-    // The loom model's planted bugs (`planted`), each a line of this function done wrong;
-    // `NONE` outside the loom cfg, where the comparisons below fold away.
-    let bug = planted::on();
+    // The loom model's planted bugs (`planted`, read through `planted!`), each a line of this
+    // function done wrong; constant `false` outside the loom cfg, where they fold away.
     let count = events.len();
-    let start = if bug == planted::COUNT_UP { 0 } else { count };
+    let start = if planted!(COUNT_UP) { 0 } else { count };
     let countdown = Arc::new((AtomicUsize::new(start), release));
     for event in events {
-        if bug == planted::COUNT_UP {
+        if planted!(COUNT_UP) {
             countdown.0.fetch_add(1, Ordering::AcqRel);
         }
         let countdown = countdown.clone();
@@ -110,15 +109,15 @@ pub(crate) fn release_after_all<E>(
             event,
             Box::new(move |_| {
                 let (remaining, release) = &*countdown;
-                let order = if bug == planted::RELAXED {
+                let order = if planted!(RELAXED) {
                     Ordering::Relaxed
                 } else {
                     Ordering::AcqRel
                 };
                 let before = remaining.fetch_sub(1, order);
-                let last = match bug {
-                    planted::WRONG_COMPARISON => before == 0,
-                    planted::FIRST_EVENT => before == count,
+                let last = match (planted!(WRONG_COMPARISON), planted!(FIRST_EVENT)) {
+                    (true, _) => before == 0,
+                    (_, true) => before == count,
                     _ => before == 1,
                 };
                 if last {
@@ -129,30 +128,18 @@ pub(crate) fn release_after_all<E>(
     }
 }
 
-/// The bugs the loom model plants in [`release_after_all`] (`loom-tests/deferred_free.rs`);
-/// switched on only under the loom cfg.
+/// The bugs the loom model plants in [`release_after_all`] (`loom-tests/deferred_free.rs`),
+/// one at a time; read through `planted!`, constant off outside the loom cfg.
+#[cfg(streamalloc_loom)]
 pub(crate) mod planted {
-    /// No bug.
-    pub(crate) const NONE: u8 = 0;
+    use std::sync::atomic::AtomicBool;
+
     /// The countdown starts at 0 and counts up as each callback is registered.
-    pub(crate) const COUNT_UP: u8 = 1;
+    pub(crate) static COUNT_UP: AtomicBool = AtomicBool::new(false);
     /// The last callback is taken to be the one that reads 0 before its decrement.
-    pub(crate) const WRONG_COMPARISON: u8 = 2;
+    pub(crate) static WRONG_COMPARISON: AtomicBool = AtomicBool::new(false);
     /// The first event to complete frees.
-    pub(crate) const FIRST_EVENT: u8 = 3;
+    pub(crate) static FIRST_EVENT: AtomicBool = AtomicBool::new(false);
     /// The decrement is `Relaxed`: the freeing callback does not acquire the others'.
-    pub(crate) const RELAXED: u8 = 4;
-
-    /// The bug switched on.
-    #[cfg(streamalloc_loom)]
-    pub(crate) static BUG: std::sync::atomic::AtomicU8 = std::sync::atomic::AtomicU8::new(NONE);
-
-    /// The bug switched on: always [`NONE`] outside the loom cfg.
-    #[inline(always)]
-    pub(super) fn on() -> u8 {
-        #[cfg(streamalloc_loom)]
-        return BUG.load(std::sync::atomic::Ordering::Relaxed);
-        #[cfg(not(streamalloc_loom))]
-        NONE
-    }
+    pub(crate) static RELAXED: AtomicBool = AtomicBool::new(false);
 }

@@ -23,6 +23,7 @@ mod reallocate;
 pub(crate) use self::copy::{copy_in, copy_out};
 // The loom model of the deferred free (loom-tests/deferred_free.rs) drives it.
 #[cfg(all(test, streamalloc_loom))]
+#[cfg(streamalloc_loom)]
 pub(crate) use self::free::{planted as free_planted, release_after_all};
 
 /// Device memory of `len()` bytes from a [`MemoryResource`](crate::MemoryResource), used on a
