@@ -14,6 +14,8 @@
 //! back and grows others, request after request, held more memory for each (an engine
 //! review's finding).
 
+// The planted bug's switch, read through `planted!` (it exists only under the loom cfg).
+#[cfg(streamalloc_loom)]
 use super::planted;
 use crate::sync::{fence, AtomicPtr, AtomicU64, AtomicUsize, Mutex, Ordering};
 
@@ -118,7 +120,7 @@ impl ChunkTable {
                 // Orders the loads above before the second read of `seq`: a reader that saw a
                 // store of a change sees its odd number (or a later one) there.
                 fence(Ordering::Acquire);
-                if self.seq.load(Ordering::Relaxed) == seq || planted::torn_chunk_reads() {
+                if self.seq.load(Ordering::Relaxed) == seq || planted!(TORN_CHUNK_READS) {
                     return found;
                 }
             }

@@ -140,7 +140,7 @@ impl<S: EngineStream> StreamHeap<S> {
                 let mut finished = true;
                 for stream in streams {
                     if busy.iter().any(|b| b.uid() == stream.uid())
-                        || !(stream.is_idle() || planted::relocated_busy())
+                        || !(stream.is_idle() || planted!(RELOCATED_BUSY))
                     {
                         finished = false;
                         if !busy.iter().any(|b| b.uid() == stream.uid()) {

@@ -296,7 +296,7 @@ impl<S: EngineStream> Heap<S> {
     #[inline]
     fn take_cached(&mut self, size: u64, stream: &S) -> Option<u64> {
         let slot = self.slot(stream);
-        let accept = |tag: &Waits| tag.is_only(slot) || planted::cache_any_stream();
+        let accept = |tag: &Waits| tag.is_only(slot) || planted!(CACHE_ANY_STREAM);
         let addr = self.free.take_cached(size, accept, owner(slot))?;
         self.count_out(size);
         Some(addr)
@@ -686,7 +686,7 @@ impl<S: EngineStream> StreamHeap<S> {
             .store(reserve.len(), std::sync::atomic::Ordering::Relaxed);
         let _span = tracing::debug_span!("reserve chunk to shard", base, chunk, home).entered();
         let mut reserve = Some(reserve);
-        if planted::reserve_released_early() {
+        if planted!(RESERVE_RELEASED_EARLY) {
             reserve = None;
         }
         self.add_chunk_to(home, base, chunk);
@@ -906,7 +906,7 @@ impl<S: EngineStream> StreamHeap<S> {
             // it, every move begun before is over, and if one ended since the look began,
             // look again (each move empties a chunk of the reserve, so this ends).
             drop(self.reserve.lock());
-            if planted::reserve_moves_ignored()
+            if planted!(RESERVE_MOVES_IGNORED)
                 || self.reserve_moves.load(Ordering::Acquire) == moved
             {
                 break;

@@ -65,7 +65,7 @@ impl<S: EngineStream> StreamHeap<S> {
             let Some(donor) = heap.entry_mut(d) else {
                 continue;
             };
-            let epoch = if planted::bump_after_order() {
+            let epoch = if planted!(BUMP_AFTER_ORDER) {
                 donor.epoch + 1
             } else {
                 donor.epoch += 1;
@@ -116,8 +116,8 @@ impl<S: EngineStream> StreamHeap<S> {
             // answer, so it must show as a change of the count.
             let activity = order.stream.activity();
             let idle =
-                self.opportunistic && (order.stream.is_idle() || planted::busy_taken_as_idle());
-            if !idle && !planted::unordered() {
+                self.opportunistic && (order.stream.is_idle() || planted!(BUSY_TAKEN_AS_IDLE));
+            if !idle && !planted!(UNORDERED) {
                 if let Err(e) = order.stream.order_before(stream) {
                     result = Err(e);
                     break;
@@ -154,7 +154,7 @@ impl<S: EngineStream> StreamHeap<S> {
                 // `forget` cleared it from every tag, so nothing is left to note.
                 continue;
             }
-            if planted::bump_after_order() {
+            if planted!(BUMP_AFTER_ORDER) {
                 if let Some(donor) = heap.entry_mut(d) {
                     donor.epoch = donor.epoch.max(epoch);
                 }
@@ -164,13 +164,13 @@ impl<S: EngineStream> StreamHeap<S> {
                     // Every free tagged below `epoch` came before the bump, which came before
                     // the question: their last uses were queued before it and have finished.
                     // A free tagged since carries `epoch` or later and is not covered.
-                    let done = if planted::done_at_the_answer() {
+                    let done = if planted!(DONE_AT_THE_ANSWER) {
                         donor.epoch + 1
                     } else {
                         epoch
                     };
                     donor.done = donor.done.max(done);
-                    donor.quiet_at = if planted::activity_after_the_answer() {
+                    donor.quiet_at = if planted!(ACTIVITY_AFTER_THE_ANSWER) {
                         donor.stream.activity()
                     } else {
                         activity
@@ -193,7 +193,7 @@ impl<S: EngineStream> StreamHeap<S> {
 /// what it read before that idle answer).
 #[inline]
 fn is_quiet<S: EngineStream>(donor: &Entry<S>) -> bool {
-    if planted::quiet_ignores_activity() {
+    if planted!(QUIET_IGNORES_ACTIVITY) {
         return donor.quiet_at.is_some();
     }
     donor

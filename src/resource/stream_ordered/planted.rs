@@ -1,8 +1,8 @@
 //! Bugs the loom models plant, one at a time, to see them caught (`loom-tests/`): switches
-//! that exist only under the loom cfg, and are constant `false` otherwise.
+//! that exist only under the loom cfg, read through `planted!` (constant `false` otherwise).
 
 #[cfg(streamalloc_loom)]
-use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::atomic::AtomicBool;
 
 /// An ordering bumps the freeing stream's epoch only after the event is recorded: a free on
 /// that stream in between is tagged with the old epoch, looks covered, and is not.
@@ -80,34 +80,3 @@ pub(crate) static TRIM_IGNORES_RECALL: AtomicBool = AtomicBool::new(false);
 /// (`resource/expandable/core.rs`, `ReleaseTrigger::ended`).
 #[cfg(streamalloc_loom)]
 pub(crate) static RELEASE_END_ONLY_CLEARS: AtomicBool = AtomicBool::new(false);
-
-macro_rules! switch {
-    ($name:ident, $flag:ident) => {
-        #[cfg(streamalloc_loom)]
-        pub(super) fn $name() -> bool {
-            $flag.load(Ordering::Relaxed)
-        }
-
-        #[cfg(not(streamalloc_loom))]
-        #[inline(always)]
-        pub(super) const fn $name() -> bool {
-            false
-        }
-    };
-}
-
-switch!(bump_after_order, BUMP_AFTER_ORDER);
-switch!(unordered, UNORDERED);
-switch!(chunks_as_fresh, CHUNKS_AS_FRESH);
-switch!(idle_ignores_handles, IDLE_IGNORES_HANDLES);
-switch!(busy_taken_as_idle, BUSY_TAKEN_AS_IDLE);
-switch!(done_at_the_answer, DONE_AT_THE_ANSWER);
-switch!(reserve_released_early, RESERVE_RELEASED_EARLY);
-switch!(activity_after_the_answer, ACTIVITY_AFTER_THE_ANSWER);
-switch!(quiet_ignores_activity, QUIET_IGNORES_ACTIVITY);
-switch!(relocated_busy, RELOCATED_BUSY);
-switch!(reserve_moves_ignored, RESERVE_MOVES_IGNORED);
-switch!(onto_first_only, ONTO_FIRST_ONLY);
-switch!(cache_any_stream, CACHE_ANY_STREAM);
-switch!(forget_ignores_later_work, FORGET_IGNORES_LATER_WORK);
-switch!(torn_chunk_reads, TORN_CHUNK_READS);

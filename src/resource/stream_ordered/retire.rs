@@ -11,7 +11,7 @@ impl<S: EngineStream> StreamHeap<S> {
         // Once 0, it stays 0: only a handle that exists can make another, and the engine makes
         // none for a user (its own clones, like the one returned, only make the stream look
         // busier than it is).
-        self.streams_where(|e| e.stream.users() == 0 || planted::idle_ignores_handles())
+        self.streams_where(|e| e.stream.users() == 0 || planted!(IDLE_IGNORES_HANDLES))
     }
 
     /// Lets go of `stream`, whose work the host has seen finish (after
@@ -32,14 +32,14 @@ impl<S: EngineStream> StreamHeap<S> {
     /// under the shard's lock covers them all. A stream left is named again by the next
     /// [`idle_streams`](Self::idle_streams).
     pub(crate) fn forget(&self, stream: S) {
-        if stream.users() != 1 && !planted::idle_ignores_handles() {
+        if stream.users() != 1 && !planted!(IDLE_IGNORES_HANDLES) {
             return;
         }
         let mut gone = Vec::new();
         for shard in self.shards.iter() {
             let mut heap = shard.lock();
             if !heap.slots.contains_key(&stream.uid())
-                || !(stream.is_idle() || planted::forget_ignores_later_work())
+                || !(stream.is_idle() || planted!(FORGET_IGNORES_LATER_WORK))
             {
                 continue;
             }
@@ -99,7 +99,7 @@ impl<S: EngineStream> StreamHeap<S> {
                 let tag = shard.lock().free.take_exact_tagged(base, size)?;
                 match self.onto_one(shard, &tag) {
                     Ok(stream) => {
-                        let stream = stream.filter(|_| !planted::chunks_as_fresh());
+                        let stream = stream.filter(|_| !planted!(CHUNKS_AS_FRESH));
                         Some((base, size, stream))
                     }
                     Err(e) => {
@@ -128,7 +128,7 @@ impl<S: EngineStream> StreamHeap<S> {
         let first = if tag.every() {
             // More streams than the tag holds: every stream.
             heap.slots.values().copied().min()
-        } else if planted::onto_first_only() {
+        } else if planted!(ONTO_FIRST_ONLY) {
             tag.first().filter(|&slot| heap.entry(slot).is_some())
         } else {
             (tag.pairs().iter())
