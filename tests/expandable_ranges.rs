@@ -472,6 +472,10 @@ fn faults_while_claiming_lose_nothing() {
 /// 16 GiB simulated device quietly making one range instead of eight.
 #[test]
 fn a_reservation_larger_than_the_host_costs_it_nothing() {
+    // Its turn too: its first request spreads this thread over the shards, and one beside
+    // `one_share_per_range` shifted those threads' shards (CI saw "a thread claimed another
+    // range's piece" in `an_awaited_request_is_served_once_the_busy_stream_finishes`).
+    let _turn = take_turns();
     let total = 80usize << 30;
     let h100 = Device::simulated(SimConfig {
         total_memory: total,
