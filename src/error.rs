@@ -114,6 +114,15 @@ pub enum Error {
     /// [`RaceDetection::Error`](crate::RaceDetection::Error)); the operation was not queued.
     /// The report has both sites.
     StreamRace(Box<crate::Race>),
+    /// The stream is being captured into a CUDA graph (by the user's code, through its cudarc
+    /// handle), and this operation cannot be done during a capture without spoiling it or
+    /// pulling another stream into it: recording a host-visible event, a blocking
+    /// synchronization, an ordering of another stream after it. Nothing was done; try again
+    /// once the capture has ended.
+    StreamCapturing {
+        /// What was refused.
+        operation: &'static str,
+    },
 }
 
 /// The crate's result type.
@@ -211,6 +220,10 @@ impl fmt::Display for Error {
             ),
             Error::Timeout { waited } => write!(f, "timed out after waiting {waited:?}"),
             Error::StreamRace(race) => write!(f, "{race}"),
+            Error::StreamCapturing { operation } => write!(
+                f,
+                "{operation} refused: the stream is being captured into a CUDA graph"
+            ),
         }
     }
 }

@@ -10,6 +10,7 @@
 //! (`kernels/streamalloc.ptx`), loaded once per GPU while any of its devices lives (once per
 //! device on a cudarc user's context), so no toolkit or NVRTC is needed.
 
+use std::cell::Cell;
 use std::collections::HashMap;
 use std::ffi::{c_void, CStr};
 use std::mem::MaybeUninit;
@@ -38,6 +39,53 @@ pub(super) fn check(call: &'static str, r: std::result::Result<(), DriverError>)
 
 pub(super) fn raw(call: &'static str, r: sys::CUresult) -> Result<()> {
     check(call, r.result())
+}
+
+/// Runs `f`, a driver call the driver counts as "potentially unsafe" during a graph capture,
+/// with the calling thread's stream-capture mode relaxed (as PyTorch's caching allocator does
+/// around its allocations). While a user's capture is under way, such calls are refused with
+/// `CUDA_ERROR_STREAM_CAPTURE_UNSUPPORTED` and the capture is invalidated: on the capturing
+/// thread (thread-local mode), or on any thread (global mode, CUDA's and cudarc's default).
+/// On an H100, driver 580 (`tests/graph_capture.rs`, run150 to run152), that is so of
+/// `cuMemAlloc` and of `cuStreamQuery` and `cuEventQuery` of streams and events that are not
+/// captured at all: a pool growing, or asking whether another stream is idle, on the user's
+/// capturing thread spoiled the capture. These calls act at once on work outside the capture
+/// (the memory is allocated now, not captured), which is what the crate means by them.
+///
+/// Two calls more (`cuThreadExchangeStreamCaptureMode`, which only swaps a per-thread value),
+/// none on a thread that relaxed itself for good ([`relax_capture_mode_for_good`]: the
+/// crate's own threads).
+pub(crate) fn with_capture_relaxed<T>(f: impl FnOnce() -> T) -> T {
+    if RELAXED_FOR_GOOD.with(Cell::get) {
+        return f();
+    }
+    let mut mode = sys::CUstreamCaptureMode::CU_STREAM_CAPTURE_MODE_RELAXED;
+    // SAFETY: writes the thread's previous mode into `mode`, a valid enum value.
+    let swapped =
+        unsafe { sys::cuThreadExchangeStreamCaptureMode(&mut mode) } == sys::CUresult::CUDA_SUCCESS;
+    let out = f();
+    if swapped {
+        // SAFETY: as above; puts the thread's own mode back.
+        let _ = unsafe { sys::cuThreadExchangeStreamCaptureMode(&mut mode) };
+    }
+    out
+}
+
+std::thread_local! {
+    /// This thread set its capture mode to relaxed and keeps it so.
+    static RELAXED_FOR_GOOD: Cell<bool> = const { Cell::new(false) };
+}
+
+/// Sets the calling thread's capture mode to relaxed for the rest of its life: for a CUDA
+/// device's reactor thread, which captures nothing and polls events (`cuEventQuery`, about
+/// 10,000 a second while it spins) while users' captures may be under way, so that its calls
+/// skip [`with_capture_relaxed`]'s two. Only with the driver loaded.
+fn relax_capture_mode_for_good() {
+    let mut mode = sys::CUstreamCaptureMode::CU_STREAM_CAPTURE_MODE_RELAXED;
+    // SAFETY: writes the thread's previous mode into `mode`, a valid enum value.
+    if unsafe { sys::cuThreadExchangeStreamCaptureMode(&mut mode) } == sys::CUresult::CUDA_SUCCESS {
+        RELAXED_FOR_GOOD.with(|r| r.set(true));
+    }
 }
 
 /// Loads the driver library and initializes it, or says why not. Never panics: cudarc's loader
@@ -95,14 +143,18 @@ impl Context {
     pub(crate) fn malloc_host(&self, bytes: usize) -> Result<*mut u8> {
         self.bind()?;
         let mut ptr: *mut c_void = std::ptr::null_mut();
-        // SAFETY: writes one host pointer into `ptr`; the flags are valid cuMemHostAlloc flags.
-        raw("cuMemHostAlloc", unsafe {
-            sys::cuMemHostAlloc(
-                &mut ptr,
-                bytes,
-                sys::CU_MEMHOSTALLOC_PORTABLE | sys::CU_MEMHOSTALLOC_DEVICEMAP,
-            )
-        })?;
+        let r = with_capture_relaxed(|| {
+            // SAFETY: writes one host pointer into `ptr`; the flags are valid cuMemHostAlloc
+            // flags.
+            unsafe {
+                sys::cuMemHostAlloc(
+                    &mut ptr,
+                    bytes,
+                    sys::CU_MEMHOSTALLOC_PORTABLE | sys::CU_MEMHOSTALLOC_DEVICEMAP,
+                )
+            }
+        });
+        raw("cuMemHostAlloc", r)?;
         Ok(ptr as *mut u8)
     }
 
@@ -113,9 +165,10 @@ impl Context {
     pub(crate) unsafe fn free_host(&self, ptr: *mut u8) -> Result<()> {
         self.bind()?;
         // SAFETY: the caller's contract.
-        raw("cuMemFreeHost", unsafe {
-            sys::cuMemFreeHost(ptr as *mut c_void)
-        })
+        raw(
+            "cuMemFreeHost",
+            with_capture_relaxed(|| unsafe { sys::cuMemFreeHost(ptr as *mut c_void) }),
+        )
     }
 
     /// Makes this context current on the calling thread, if it is not already.
@@ -402,7 +455,7 @@ impl CudaDevice {
             return Some(Err(e));
         }
         // SAFETY: the event is live (its `Event` holds it).
-        match unsafe { result::event::query(event.0) } {
+        match with_capture_relaxed(|| unsafe { result::event::query(event.0) }) {
             Ok(()) => Some(Ok(())),
             Err(DriverError(sys::CUresult::CUDA_ERROR_NOT_READY)) => None,
             Err(e) => Some(Err(Error::driver("cuEventQuery", e))),
@@ -452,7 +505,7 @@ impl CudaDevice {
         }
         self.ctx.bind()?;
         // SAFETY: the stream is live (the caller's `Stream` holds it).
-        match unsafe { sys::cuStreamQuery(stream.0) } {
+        match with_capture_relaxed(|| unsafe { sys::cuStreamQuery(stream.0) }) {
             sys::CUresult::CUDA_SUCCESS => Ok(true),
             sys::CUresult::CUDA_ERROR_NOT_READY => Ok(false),
             e => raw("cuStreamQuery", e).map(|()| false),
@@ -462,17 +515,19 @@ impl CudaDevice {
     pub(crate) fn synchronize_stream(&self, stream: RawStream) -> Result<()> {
         self.ctx.bind()?;
         // SAFETY: the stream is live.
-        check("cuStreamSynchronize", unsafe {
-            result::stream::synchronize(stream.0)
-        })
+        check(
+            "cuStreamSynchronize",
+            with_capture_relaxed(|| unsafe { result::stream::synchronize(stream.0) }),
+        )
     }
 
     pub(crate) fn synchronize_event(&self, event: RawEvent) -> Result<()> {
         self.ctx.bind()?;
         // SAFETY: the event is live.
-        check("cuEventSynchronize", unsafe {
-            result::event::synchronize(event.0)
-        })
+        check(
+            "cuEventSynchronize",
+            with_capture_relaxed(|| unsafe { result::event::synchronize(event.0) }),
+        )
     }
 
     // ===== memory =====
@@ -480,8 +535,11 @@ impl CudaDevice {
     pub(crate) fn malloc(&self, bytes: usize) -> Result<u64> {
         self.ctx.bind()?;
         let mut ptr = 0;
-        // SAFETY: writes one device pointer into `ptr`.
-        raw("cuMemAlloc", unsafe { sys::cuMemAlloc_v2(&mut ptr, bytes) })?;
+        let r = with_capture_relaxed(|| {
+            // SAFETY: writes one device pointer into `ptr`.
+            unsafe { sys::cuMemAlloc_v2(&mut ptr, bytes) }
+        });
+        raw("cuMemAlloc", r)?;
         Ok(ptr)
     }
 
@@ -490,7 +548,10 @@ impl CudaDevice {
     pub(crate) unsafe fn free(&self, ptr: u64) -> Result<()> {
         self.ctx.bind()?;
         // SAFETY: the caller's contract.
-        raw("cuMemFree", unsafe { sys::cuMemFree_v2(ptr) })
+        raw(
+            "cuMemFree",
+            with_capture_relaxed(|| unsafe { sys::cuMemFree_v2(ptr) }),
+        )
     }
 
     /// `cuMemAllocManaged` with `CU_MEM_ATTACH_GLOBAL`: memory any stream and the host may
@@ -498,14 +559,17 @@ impl CudaDevice {
     pub(crate) fn malloc_managed(&self, bytes: usize) -> Result<u64> {
         self.ctx.bind()?;
         let mut ptr = 0;
-        // SAFETY: writes one device pointer into `ptr`; the flag is a valid attach flag.
-        raw("cuMemAllocManaged", unsafe {
-            sys::cuMemAllocManaged(
-                &mut ptr,
-                bytes,
-                sys::CUmemAttach_flags::CU_MEM_ATTACH_GLOBAL as u32,
-            )
-        })?;
+        let r = with_capture_relaxed(|| {
+            // SAFETY: writes one device pointer into `ptr`; the flag is a valid attach flag.
+            unsafe {
+                sys::cuMemAllocManaged(
+                    &mut ptr,
+                    bytes,
+                    sys::CUmemAttach_flags::CU_MEM_ATTACH_GLOBAL as u32,
+                )
+            }
+        });
+        raw("cuMemAllocManaged", r)?;
         Ok(ptr)
     }
 
@@ -590,6 +654,8 @@ impl Doorbells for CudaDoorbells {
         if let Err(e) = self.ctx.bind() {
             tracing::error!(error = %e, "the completion reactor could not bind the CUDA context");
         }
+        // A user's global-mode capture must not be spoiled by the reactor's polls.
+        relax_capture_mode_for_good();
     }
 
     fn spin(&self) -> Duration {

@@ -12,7 +12,7 @@
 use cudarc::driver::sys;
 use rustc_hash::FxHashMap;
 
-use super::cuda::CudaDevice;
+use super::cuda::{with_capture_relaxed, CudaDevice};
 use crate::error::{Error, Result};
 use crate::sync::Mutex;
 
@@ -66,11 +66,12 @@ impl CudaReservation {
     pub(crate) fn new(device: &CudaDevice, size: usize, granule: usize) -> Result<Self> {
         device.ctx.bind()?;
         let mut base: sys::CUdeviceptr = 0;
-        // SAFETY: the driver writes one device pointer into `base`; no fixed address is asked
-        // for (0) and there are no flags.
-        call("cuMemAddressReserve", unsafe {
-            sys::cuMemAddressReserve(&mut base, size, granule, 0, 0)
-        })?;
+        let r = with_capture_relaxed(|| {
+            // SAFETY: the driver writes one device pointer into `base`; no fixed address is
+            // asked for (0) and there are no flags.
+            unsafe { sys::cuMemAddressReserve(&mut base, size, granule, 0, 0) }
+        });
+        call("cuMemAddressReserve", r)?;
         Ok(Self {
             base,
             size,
@@ -86,7 +87,14 @@ impl CudaReservation {
     /// Maps granules `first..first + count` (unmapped now), a physical allocation each, and
     /// gives the device read-write access to them. All or none: on a failure midway, what this
     /// call mapped is unmapped and released again.
+    ///
+    /// With the thread's capture mode relaxed ([`with_capture_relaxed`]): a growth beside a
+    /// user's graph capture must not spoil it.
     pub(crate) fn map(&self, device: &CudaDevice, first: usize, count: usize) -> Result<()> {
+        with_capture_relaxed(|| self.map_relaxed(device, first, count))
+    }
+
+    fn map_relaxed(&self, device: &CudaDevice, first: usize, count: usize) -> Result<()> {
         device.ctx.bind()?;
         let prop = properties(device);
         let mut handles = self.handles.lock();
@@ -156,7 +164,7 @@ impl CudaReservation {
         device.ctx.bind()?;
         let mut handles = self.handles.lock();
         // SAFETY: the caller's contract.
-        unsafe { self.unmap_locked(&mut handles, index) }
+        with_capture_relaxed(|| unsafe { self.unmap_locked(&mut handles, index) })
     }
 
     /// # Safety
@@ -192,12 +200,23 @@ impl CudaReservation {
         if device.ctx.bind().is_err() {
             return;
         }
-        let mut handles = self.handles.lock();
+        with_capture_relaxed(|| {
+            // SAFETY: the caller's contract.
+            unsafe { self.free_relaxed(&mut self.handles.lock()) }
+        })
+    }
+
+    /// # Safety
+    /// As [`free`](Self::free); the context is bound and `handles` is our table, locked.
+    unsafe fn free_relaxed(
+        &self,
+        handles: &mut FxHashMap<usize, sys::CUmemGenericAllocationHandle>,
+    ) {
         let mut mapped: Vec<usize> = handles.keys().copied().collect();
         mapped.sort_unstable();
         for index in mapped {
             // SAFETY: the caller's contract.
-            if let Err(e) = unsafe { self.unmap_locked(&mut handles, index) } {
+            if let Err(e) = unsafe { self.unmap_locked(handles, index) } {
                 tracing::warn!(error = %e, index, "could not unmap a granule");
             }
         }

@@ -29,6 +29,8 @@ impl Device {
             // every use ordered before this point has finished. Off the reactor thread (the
             // callers use `run_blocking`), like cuMemFree itself.
             (Backend::Cuda(d), crate::stream::RawStream::Cuda(s)) => {
+                // Not during a user's capture of the stream: illegal, and it would spoil it.
+                stream.refuse_while_capturing("freeing with cuMemFree")?;
                 d.synchronize_stream(*s)?;
                 // SAFETY: the caller's contract; every use of `ptr` was ordered before this
                 // point of `stream`, which the host has just seen finish.

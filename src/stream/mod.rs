@@ -304,6 +304,23 @@ impl Stream {
         }
     }
 
+    /// `Err(StreamCapturing)` if the user's code is capturing this stream into a CUDA graph
+    /// (through its handle) now. Only a stream whose handle went out can be captured (the
+    /// crate never captures), and only such a stream pays for the question
+    /// (`cuStreamIsCapturing`, legal during a capture).
+    #[inline]
+    pub(crate) fn refuse_while_capturing(&self, operation: &'static str) -> Result<()> {
+        if !self.inner.exposed.load(Ordering::Relaxed) {
+            return Ok(());
+        }
+        match (&self.inner.raw, self.inner.device.backend()) {
+            (RawStream::Cuda(s), Backend::Cuda(d)) if d.capturing(*s)? => {
+                Err(crate::Error::StreamCapturing { operation })
+            }
+            _ => Ok(()),
+        }
+    }
+
     /// Work may reach the stream without this crate seeing it: [`activity`](Self::activity)
     /// says nothing from now on.
     fn expose(&self) {
@@ -345,6 +362,11 @@ impl Stream {
     }
 
     fn record_with(&self, watched: bool) -> Result<Event> {
+        // An event recorded into a capture is no point of the stream the host can see: the
+        // reactor's `cuEventQuery` of it is illegal, and a stream made to wait on it joins the
+        // capture (run150: the capture invalidated, or another stream's work recorded into the
+        // user's graph instead of run).
+        self.refuse_while_capturing("recording an event")?;
         let device = &self.inner.device;
         // Uncontended unless threads record on this stream at once, when the driver
         // serializes the records anyway.
@@ -353,13 +375,9 @@ impl Stream {
         let raw = match (&*self.queue_handle(), device.backend()) {
             (RawStream::Cuda(s), Backend::Cuda(d)) => {
                 let event = d.record(*s)?;
-                // A stream whose handle went out may be captured into a graph (by cudarc
-                // code): a write captured there would land at each launch of the graph, so
-                // none is queued then (the crate's own streams are never captured).
-                let captured = || {
-                    self.inner.exposed.load(Ordering::Relaxed) && d.capturing(*s).unwrap_or(true)
-                };
-                if let Some(w) = self.inner.word.as_ref().filter(|_| watched && !captured()) {
+                // Not captured (refused above), so the word's write runs now, not at each
+                // launch of a graph.
+                if let Some(w) = self.inner.word.as_ref().filter(|_| watched) {
                     // Without the write the event is polled through the driver: slower to
                     // notice, never wrong.
                     match w.write(*s) {
@@ -421,6 +439,10 @@ impl Stream {
     /// CUDA with this stream's own reusable event, so that the pool's cross-stream orderings
     /// cost two driver calls and no event object.
     pub(crate) fn order_before(&self, later: &Stream) -> Result<()> {
+        // Neither end may be under a capture: a record there is captured, and a captured wait
+        // for an event recorded outside it invalidates the capture (run150).
+        self.refuse_while_capturing("ordering another stream after this one")?;
+        later.refuse_while_capturing("waiting for another stream")?;
         let device = &self.inner.device;
         match (
             &*self.queue_handle(),
@@ -453,6 +475,9 @@ impl Stream {
     /// GPU's stream or the other way round.
     pub fn wait(&self, event: &Event) -> Result<()> {
         self.inner.device.check_peer(event.device())?;
+        // A captured wait for an event recorded outside the capture invalidates it (run150:
+        // `cuStreamWaitEvent` answered CUDA_ERROR_STREAM_CAPTURE_INVALIDATED).
+        self.refuse_while_capturing("waiting for an event")?;
         match (
             &*self.queue_handle(),
             event.raw(),
@@ -488,6 +513,9 @@ impl Stream {
     /// Blocks the calling thread until all work queued so far has run. For synchronous code;
     /// in async code use [`synchronize`](Self::synchronize).
     pub fn synchronize_blocking(&self) -> Result<()> {
+        // `cuStreamSynchronize` of a capturing stream is illegal and invalidates the capture;
+        // its captured work runs only when the graph is launched.
+        self.refuse_while_capturing("a blocking synchronization")?;
         match (&self.inner.raw, self.inner.device.backend()) {
             (RawStream::Cuda(s), Backend::Cuda(d)) => d.synchronize_stream(*s),
             (RawStream::Sim(s), Backend::Sim(d)) => {
