@@ -333,12 +333,21 @@ impl Deadline {
         Deadline { timer, id }
     }
 
-    /// Wakes this waker instead.
+    /// Wakes this waker instead. If the deadline has fallen due already (the timer woke the
+    /// old waker after the caller last looked at the time), wakes `waker` now: the task that
+    /// polls the future now must learn of it, and the old waker may be another task's.
     pub(crate) fn set_waker(&self, waker: &Waker) {
         let mut state = self.timer.state.lock();
-        if let Some(old) = state.wakers.get_mut(&self.id) {
-            if !old.will_wake(waker) {
-                *old = waker.clone();
+        match state.wakers.get_mut(&self.id) {
+            Some(old) => {
+                if !old.will_wake(waker) {
+                    *old = waker.clone();
+                }
+            }
+            // Gone: fired (only this `Deadline`'s Drop cancels it). Woken outside the lock.
+            None => {
+                drop(state);
+                waker.wake_by_ref();
             }
         }
     }
@@ -416,6 +425,27 @@ pub(crate) mod tests {
             "the deadline after a panic never fired"
         );
         drop((panics, later));
+    }
+
+    /// A future polled with a new waker just after its deadline fell due (its poll saw the
+    /// time before the deadline, the timer then fired the old waker, then the poll handed
+    /// over the new one) must still be woken: `set_waker` used to find the entry gone and do
+    /// nothing, so the task that now owned the future never learnt of its timeout.
+    #[test]
+    fn a_waker_set_after_the_deadline_fired_is_woken() {
+        let timer = crate::sync::Arc::new(super::Timer::new(super::Clock::Os));
+        let old = Arc::new(Flag(AtomicBool::new(false)));
+        let new = Arc::new(Flag(AtomicBool::new(false)));
+        let deadline = Deadline::on(timer.clone(), Instant::now(), &Waker::from(old.clone()));
+        // No thread: run the loop here once; shut down, it returns after firing what is due.
+        timer.state.lock().shutdown = true;
+        timer.run();
+        assert!(old.0.load(Ordering::SeqCst), "the deadline did not fire");
+        deadline.set_waker(&Waker::from(new.clone()));
+        assert!(
+            new.0.load(Ordering::SeqCst),
+            "a waker handed over after the deadline fired was never woken"
+        );
     }
 
     /// How many entries the timer's heap holds, live and cancelled.
