@@ -16,6 +16,7 @@ use std::sync::atomic::Ordering::Relaxed;
 
 use rustc_hash::{FxHashMap, FxHashSet};
 
+use super::detector::Detector;
 use super::granules::{Granules, ADDRESS_SPACE};
 use super::host_bytes::HostBytes;
 use crate::error::{Error, Result};
@@ -532,6 +533,9 @@ struct PoolState {
     maximum: usize,
     /// Once destroyed, blocks whose free arrives later go straight back to the device.
     destroyed: bool,
+    /// The device's race detector, if it is on: told when a kept block goes back to the
+    /// device, so that it forgets the block as it forgets other frees.
+    detector: Option<Weak<Detector>>,
 }
 
 impl PoolState {
@@ -555,7 +559,15 @@ impl PoolState {
                 self.kept_bytes -= size;
                 // Cannot fail: kept blocks are live allocations of `memory`, owned by the pool.
                 let _ = memory.free(ptr);
+                self.released(ptr);
             }
+        }
+    }
+
+    /// Tells the race detector that the block at `ptr` went back to the device.
+    fn released(&self, ptr: u64) {
+        if let Some(detector) = self.detector.as_ref().and_then(Weak::upgrade) {
+            detector.released_by_pool(ptr);
         }
     }
 }
@@ -576,6 +588,7 @@ impl SimPool {
     }
 
     fn new(memory: Arc<SimMemory>, release_threshold: u64, maximum: usize) -> Self {
+        let detector = super::detector::of_memory(&memory).map(|d| Arc::downgrade(&d));
         Self {
             memory,
             state: RwLock::new(PoolState {
@@ -587,6 +600,7 @@ impl SimPool {
                 release_threshold,
                 maximum,
                 destroyed: false,
+                detector,
             }),
         }
     }
@@ -682,7 +696,9 @@ impl SimPool {
             .ok_or(Error::InvalidAddress { ptr, bytes: 0 })?;
         state.used -= size;
         if state.destroyed {
-            return self.memory.free(ptr);
+            let freed = self.memory.free(ptr);
+            state.released(ptr);
+            return freed;
         }
         state.kept.entry(size).or_default().push(ptr);
         state.kept_bytes += size;

@@ -660,7 +660,7 @@ impl Detector {
             });
         }
         if raw {
-            st.merge_raw(block);
+            st.merge_raw(block, pooled);
         } else {
             st.merge_alike(block.0, block.1);
         }
@@ -683,6 +683,28 @@ impl Detector {
 }
 
 impl Detector {
+    /// A driver pool gave the freed block at `ptr` back to the device (past its release
+    /// threshold, a trim, its destruction, or a device allocation short of memory): no longer
+    /// the pool's, it is forgotten past the bound as any raw free is. It was kept for good
+    /// before, so a pool that gives its blocks back (the default pool's threshold is 0) grew
+    /// the map by a segment for each allocation (a review's finding).
+    pub(crate) fn released_by_pool(&self, ptr: u64) {
+        let mut st = self.lock();
+        let Some(block) = st.freed_raw_block(ptr) else {
+            return;
+        };
+        let mut was_pooled = false;
+        for seg in st.segs.range_mut(block.0..block.1).map(|(_, seg)| seg) {
+            let top = seg.stack.last_mut().filter(|l| l.raw && l.block == block);
+            if let Some(Freed { pooled, .. }) = top.and_then(|l| l.freed.as_mut()) {
+                was_pooled |= std::mem::replace(pooled, false);
+            }
+        }
+        if was_pooled {
+            st.forget_old_frees(block);
+        }
+    }
+
     /// The host unmapped `[start, end)` (granules of a reservation going back): as for a host
     /// free, every use of memory there must be ordered before what the host has seen finish,
     /// the user's code or the crate (an expandable pool unmaps free granules of streams it
@@ -817,5 +839,42 @@ mod tests {
         }
         let segments = detector.lock().segs.len();
         assert!(segments < 64, "{segments} segments for one block at a time");
+    }
+
+    /// A driver pool that gives its freed blocks back to the device (release threshold 0, as
+    /// the device's default pool) leaves their addresses forgotten past the bound of kept raw
+    /// frees, as any raw free: the detector kept every block a pool had ever freed (taken for
+    /// one the pool still keeps), so a long run of `cuMemAllocAsync`/`cuMemFreeAsync` grew
+    /// its map by a segment for each allocation, without bound.
+    #[test]
+    fn blocks_a_pool_gave_back_are_forgotten_as_other_frees() {
+        use crate::device::sim::{memory::SimPool, Op, SimConfig, SimDevice, SimExecution};
+        let device = SimDevice::new(
+            SimConfig {
+                race_detection: RaceDetection::Record,
+                execution: SimExecution::Inline,
+                ..SimConfig::default()
+            },
+            None,
+        );
+        let stream = device.create_stream(StreamId::next()).unwrap();
+        let pool = SimPool::create(&device.memory, 0, usize::MAX);
+        for _ in 0..KEPT_RAW_FREES + 512 {
+            let ptr = device.pool_alloc(&pool, 512, &stream).unwrap();
+            pool.begin_free(ptr).unwrap();
+            stream
+                .push(Op::PoolFree {
+                    pool: pool.clone(),
+                    ptr,
+                })
+                .unwrap();
+        }
+        // The pool keeps nothing (threshold 0): every block went back to the device.
+        assert_eq!(pool.counters(), (0, 0));
+        let segments = device.races.as_ref().unwrap().lock().segs.len();
+        assert!(
+            segments <= KEPT_RAW_FREES,
+            "{segments} segments kept for blocks the pool gave back"
+        );
     }
 }

@@ -151,8 +151,10 @@ impl State {
     }
 
     /// After a raw free: one segment for the whole block (the pieces inside it are gone), and
-    /// the oldest freed raw blocks forgotten past the bound.
-    pub(super) fn merge_raw(&mut self, block: (u64, u64)) {
+    /// (unless a driver's pool keeps the block: `pooled`) the oldest freed raw blocks
+    /// forgotten past the bound. A pool's block joins them when the pool gives it back to the
+    /// device ([`Detector::released_by_pool`](super::Detector::released_by_pool)).
+    pub(super) fn merge_raw(&mut self, block: (u64, u64), pooled: bool) {
         let keys: Vec<u64> = self.segs.range(block.0..block.1).map(|(&k, _)| k).collect();
         let mut merged: Option<Seg> = None;
         for key in keys {
@@ -171,6 +173,13 @@ impl State {
         if let Some(m) = merged {
             self.segs.insert(block.0, m);
         }
+        if !pooled {
+            self.forget_old_frees(block);
+        }
+    }
+
+    /// Counts `block` among the freed raw blocks kept, and forgets the oldest past the bound.
+    pub(super) fn forget_old_frees(&mut self, block: (u64, u64)) {
         self.raw_frees.push_back(block);
         while self.raw_frees.len() > KEPT_RAW_FREES {
             if let Some(old) = self.raw_frees.pop_front() {
