@@ -841,6 +841,52 @@ mod tests {
         assert!(segments < 64, "{segments} segments for one block at a time");
     }
 
+    /// Forgetting an old raw free forgets only what is still that free's: once the device's
+    /// sweep of addresses has come round (16 TiB of allocations, a few thousand of a few GiB),
+    /// a new allocation may start inside a freed one, and forgetting the old block removed
+    /// every segment of its range, the new block's too, whose uses then went unchecked.
+    #[test]
+    fn forgetting_an_old_free_keeps_a_block_allocated_inside_it_since() {
+        let detector = Detector::new(RaceDetection::Record);
+        let (a, b) = (
+            detector.add_stream(StreamId::next()),
+            detector.add_stream(StreamId::next()),
+        );
+        let (old, bytes) = (0x10_0000u64, 0x2000usize);
+        assert!(detector
+            .allocate(None, old, bytes, true, Reuse::Check)
+            .is_none());
+        assert!(detector.free(None, old, None, true, false).is_none());
+        // Allocated since, at an address inside the freed block, and written on `a`.
+        let new = old + 0x1000;
+        assert!(detector
+            .allocate(None, new, bytes, true, Reuse::Check)
+            .is_none());
+        let write = [(new, 0x100, MemoryAccess::Write)];
+        assert!(detector.access(a, "write", &write, false).is_none());
+        // Enough later frees that the old one is forgotten.
+        for i in 0..KEPT_RAW_FREES as u64 {
+            let ptr = 0x1_0000_0000 + i * 0x1000;
+            assert!(detector
+                .allocate(None, ptr, 0x100, true, Reuse::Check)
+                .is_none());
+            assert!(detector.free(None, ptr, None, true, false).is_none());
+        }
+        // `b` reads what `a` wrote, unordered: a race, as before the old free was forgotten.
+        let read = [(new, 0x100, MemoryAccess::Read)];
+        let race = detector.access(b, "read", &read, false);
+        assert!(
+            matches!(
+                race,
+                Some(Race {
+                    kind: RaceKind::ReadAfterWrite,
+                    ..
+                })
+            ),
+            "{race:?}"
+        );
+    }
+
     /// A driver pool that gives its freed blocks back to the device (release threshold 0, as
     /// the device's default pool) leaves their addresses forgotten past the bound of kept raw
     /// frees, as any raw free: the detector kept every block a pool had ever freed (taken for

@@ -193,8 +193,18 @@ impl State {
         }
     }
 
+    /// Forgets the freed raw block `block`: the segments of its range whose top is still its
+    /// free. Not the others: once the sweep of addresses has come round, a block allocated
+    /// since may lie inside the range (a review found its segments forgotten with the old
+    /// free, and its uses unchecked).
     pub(super) fn remove(&mut self, block: (u64, u64)) {
-        let keys: Vec<u64> = self.segs.range(block.0..block.1).map(|(&k, _)| k).collect();
+        let keys: Vec<u64> = (self.segs.range(block.0..block.1))
+            .filter(|(_, seg)| {
+                (seg.stack.last())
+                    .is_some_and(|top| top.raw && top.block == block && top.freed.is_some())
+            })
+            .map(|(&k, _)| k)
+            .collect();
         for key in keys {
             self.segs.remove(&key);
         }
