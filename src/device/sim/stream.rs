@@ -220,6 +220,10 @@ impl SimStream {
     pub(crate) fn close(&self) {
         let mut queue = self.queue.lock();
         queue.closed = true;
+        if let Some((races, idx)) = &self.races {
+            // Under the queue's lock, as every operation's clock: nothing is queued after.
+            races.close_stream(*idx);
+        }
         if queue.inline.is_some() {
             return; // nothing queued, no worker to tell
         }
