@@ -206,11 +206,16 @@ impl SimDevice {
         Ok(ptr)
     }
 
-    /// `cuMemAllocAsync`: memory for work queued on `stream` from here on.
+    /// `cuMemAllocAsync`: memory for work queued on `stream` from here on. The device hands
+    /// an address out again only once the free that gave it back has run (the simulated
+    /// memory frees a block when its stream reaches the free): that orders the reuse, as for a
+    /// driver pool's ([`Reuse::Device`]). Checked against the free's stream order, an address
+    /// the sweep had come round to was reported as reused before its free (a review's
+    /// finding).
     pub(crate) fn malloc_async(&self, bytes: usize, stream: &SimStream) -> Result<u64> {
         let ptr = self.memory.alloc(bytes)?;
         if let Some((races, idx)) = stream.races() {
-            let race = races.allocate(Some(idx), ptr, bytes, true, Reuse::Check);
+            let race = races.allocate(Some(idx), ptr, bytes, true, Reuse::Device);
             races.settle(race, false)?;
         }
         Ok(ptr)

@@ -219,7 +219,8 @@ pub(crate) enum Reuse {
     /// Check it: a reuse not ordered after the previous free (nor after a free the crate has
     /// seen run, the pools' reuse of an idle stream's block) is a race.
     Check,
-    /// The device vouches for it: a driver pool reuses a block only once its free has run.
+    /// The device vouches for it: a driver pool (and the simulated memory behind
+    /// `cuMemAllocAsync`) reuses a block only once its free has run.
     /// That orders this block's reuse after its free, and nothing else: the allocating stream
     /// is not ordered after the freeing one (it once joined the freeing stream's whole clock,
     /// which hid the allocating stream's races on unrelated memory).
