@@ -51,6 +51,9 @@ impl SimReservation {
         // At a multiple of the unit, as on a GPU (`cuMemAddressReserve` aligned to it), so
         // that units are aligned in absolute addresses: the pool finds free units by address.
         let base = device.memory.reserve(size, unit as u64, granules.clone())?;
+        if let Some(races) = &device.races {
+            races.reserved(base, base + size as u64);
+        }
         Ok(Self {
             memory: device.memory.clone(),
             base,

@@ -699,6 +699,22 @@ impl Detector {
 }
 
 impl Detector {
+    /// The device reserved `[start, end)` for a virtual memory range (`cuMemAddressReserve`):
+    /// nothing of what lived there before is left (the simulated memory hands addresses out
+    /// again only once their frees have run, and a dropped reservation's blocks went with
+    /// it), so the shadow of the range goes. Left in place, the raw blocks freed there made
+    /// the first block a pool hands out in the range look like a reuse before their free on
+    /// another stream (a review's finding, once the sweep of addresses had come round).
+    pub(crate) fn reserved(&self, start: u64, end: u64) {
+        let mut st = self.lock();
+        st.split(start);
+        st.split(end);
+        let keys: Vec<u64> = st.segs.range(start..end).map(|(&k, _)| k).collect();
+        for key in keys {
+            st.segs.remove(&key);
+        }
+    }
+
     /// A driver pool gave the freed block at `ptr` back to the device (past its release
     /// threshold, a trim, its destruction, or a device allocation short of memory): no longer
     /// the pool's, it is forgotten past the bound as any raw free is. It was kept for good
