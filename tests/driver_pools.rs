@@ -17,8 +17,12 @@ mod common;
 use common::{devices, label, primed_async_pool};
 use streamalloc::resource::arena::{ArenaOptions, ArenaResource};
 use streamalloc::resource::cuda::CudaResource;
+use streamalloc::resource::cuda_async::CudaAsyncOptions;
 use streamalloc::resource::pool::{PoolOptions, PoolResource};
-use streamalloc::{Device, ExpandableOptions, ExpandablePoolResource, MemoryResource, SimConfig};
+use streamalloc::{
+    CudaAsyncResource, Device, ExpandableOptions, ExpandablePoolResource, FaultKind,
+    MemoryResource, SimConfig,
+};
 
 // Each test that fills the device takes turns (`common::take_turns`).
 
@@ -143,6 +147,37 @@ fn an_expandable_pool_short_of_memory_takes_what_the_driver_pools_keep() {
         direct.deallocate(filler, filler_bytes, &stream).unwrap();
     }
     stream.synchronize_blocking().unwrap();
+}
+
+/// `CudaAsyncResource::new` primes its pool with `initial_pool_size` by an allocation and a
+/// free that only it knows of. A failed free there returned the error and dropped the pool with
+/// the block still allocated: a driver pool releases its memory only once all of it is freed,
+/// so the device's memory was gone for good (here 256 MiB of the simulated device's 2 GiB).
+/// Nothing is lost when an error is returned: the free is tried again, and the memory is
+/// the device's again once the resource goes.
+#[test]
+fn a_failed_priming_free_loses_no_device_memory() {
+    let device = Device::simulated(SimConfig {
+        total_memory: 2 * GIB,
+        ..SimConfig::default()
+    });
+    let faults = device.faults().unwrap();
+    let free = device.free_memory().unwrap();
+    faults.fail_next(FaultKind::Free);
+    let primed = CudaAsyncResource::new(
+        &device,
+        CudaAsyncOptions {
+            initial_pool_size: Some(256 * MIB),
+            ..CudaAsyncOptions::default()
+        },
+    );
+    assert_eq!(faults.injected(FaultKind::Free), 1);
+    drop(primed);
+    assert_eq!(
+        device.free_memory().unwrap(),
+        free,
+        "device memory lost to a failed priming free"
+    );
 }
 
 /// Fills the first and last words of `bytes` at `ptr` and reads them back: the memory is mapped

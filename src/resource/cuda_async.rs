@@ -199,7 +199,22 @@ impl CudaAsyncResource {
             let ptr = resource.pool.alloc_async(initial, &stream)?;
             // SAFETY: `ptr` was just allocated from this pool on `stream`, nothing uses it, and
             // it is freed once.
-            unsafe { resource.pool.free_async(ptr, &stream) }?;
+            if let Err(e) = unsafe { resource.pool.free_async(ptr, &stream) } {
+                // A refused free freed nothing, and no one but this call knows the block:
+                // returning now would drop the pool with it still allocated, and a driver pool
+                // gives its memory back only once all of it is freed (a review's finding).
+                tracing::warn!(error = %e, "the priming free failed; trying it again");
+                // SAFETY: as above; the refused try freed nothing, so this is still the one
+                // free of `ptr`.
+                if let Err(again) = unsafe { resource.pool.free_async(ptr, &stream) } {
+                    tracing::error!(
+                        error = %again,
+                        bytes = initial,
+                        "the priming free failed twice; the block stays allocated"
+                    );
+                    return Err(e);
+                }
+            }
             stream.synchronize_blocking()?;
         }
         tracing::debug!(
