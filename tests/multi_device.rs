@@ -242,6 +242,45 @@ fn peer_access_and_copies_between_devices() {
     }
 }
 
+/// Copies between devices work with every resource, as `Device::enable_peer_access` says:
+/// memory of the driver's stream-ordered pools (`CudaAsyncResource`) and of virtual-memory
+/// mappings (`ExpandablePoolResource`), which peer access does not reach, is copied to and from
+/// another device's pool by `try_clone_to` (`cuMemcpyPeerAsync`), both ways.
+#[test]
+fn copies_between_devices_work_with_every_resource() {
+    use streamalloc::resource::cuda_async::CudaAsyncOptions;
+    use streamalloc::{CudaAsyncResource, ExpandableOptions, ExpandablePoolResource, ResourceRef};
+    let rt = runtime();
+    for (d0, d1) in pairs("copies_between_devices_work_with_every_resource") {
+        let l = label(&d0, &d1);
+        let (s0, s1) = (d0.create_stream().unwrap(), d1.create_stream().unwrap());
+        let p1 = pool(&d1, 4 * MIB);
+        let sources: Vec<(&str, ResourceRef)> = vec![
+            (
+                "CudaAsyncResource",
+                Arc::new(CudaAsyncResource::new(&d0, CudaAsyncOptions::default()).unwrap()),
+            ),
+            (
+                "ExpandablePoolResource",
+                Arc::new(ExpandablePoolResource::new(&d0, ExpandableOptions::default()).unwrap()),
+            ),
+        ];
+        let data: Vec<u8> = (0..MIB).map(|i| (i % 249) as u8).collect();
+        for (name, r) in sources {
+            let mut src = DeviceBuffer::new(&r, MIB, &s0).unwrap();
+            src.copy_from_host(&data).unwrap();
+            let there = src.try_clone_to(&p1, &s1).unwrap();
+            drop(src);
+            let back = there.try_clone_to(&r, &s0).unwrap();
+            drop(there);
+            assert_eq!(rt.block_on(back.to_host()).unwrap(), data, "{l}: {name}");
+            drop(back);
+        }
+        s0.synchronize_blocking().unwrap();
+        assert_all_back_within(&p1, Duration::from_secs(10), &l);
+    }
+}
+
 /// Every device has its own completion reactor thread (`sa-reactor-<device id>`): the two
 /// devices' events complete through two threads. (Linux: thread names from /proc.)
 #[test]
