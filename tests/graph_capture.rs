@@ -405,3 +405,50 @@ fn what_relaxing_the_capture_mode_costs() {
         );
     }
 }
+
+/// The pattern the docs give for allocating during a capture: a pool of the capture's own,
+/// used only by the capturing stream. Its requests need no ordering of one stream after
+/// another, so during the capture it serves them from its free memory (a block freed in the
+/// capture and taken again, in the graph's stream order) or by growing; the graph then runs
+/// with that memory at each launch, and the pool is dropped after the graph's last launch.
+#[test]
+fn a_pool_of_the_captures_own_serves_it() {
+    let rt = runtime();
+    for gpu in gpus("a_pool_of_the_captures_own_serves_it") {
+        let private = Arc::new(common::pool(&gpu, 2 * MIB, 64 * MIB));
+        let shared = Arc::new(common::pool(&gpu, 8 * MIB, 64 * MIB));
+        let s = gpu.create_stream().unwrap();
+        let out = DeviceVec::<u32>::zeroed(&shared, 1024, &s).unwrap();
+        s.synchronize_blocking().unwrap();
+        let n = MIB / 4;
+        let (r, graph) = during_capture(&s, || -> streamalloc::Result<()> {
+            // A scratch block, filled and given back; the next takes its memory again; and a
+            // growth for one larger than the pool.
+            let a = private.allocate(MIB, &s)?;
+            // SAFETY: `a` holds 1 MiB for use on `s`; freed after its use, on `s`.
+            unsafe {
+                s.fill_u32(a, 1, n)?;
+                private.deallocate(a, MIB, &s)?;
+            }
+            let b = private.allocate(MIB, &s)?;
+            let c = private.allocate(4 * MIB, &s)?;
+            // SAFETY: `b` and `c` are for use on `s`; `out` lives past the graph's launches.
+            unsafe {
+                s.fill_u32(b, 9, 1024)?;
+                s.copy_dtod(out.as_ptr(), b, 1024 * 4)?;
+                private.deallocate(b, MIB, &s)?;
+                private.deallocate(c, 4 * MIB, &s)?;
+            }
+            Ok(())
+        });
+        r.unwrap_or_else(|e| panic!("{}: {e}", label(&gpu)));
+        let graph = graph.unwrap().expect("a graph");
+        graph.launch().unwrap();
+        graph.launch().unwrap();
+        let host = rt.block_on(out.to_host(&s)).unwrap();
+        assert!(host.iter().all(|&x| x == 9), "{}", label(&gpu));
+        s.synchronize_blocking().unwrap();
+        drop(graph);
+        drop(private);
+    }
+}

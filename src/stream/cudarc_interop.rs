@@ -21,15 +21,32 @@ impl Stream {
     /// knowing that nothing was queued on it since it last was
     /// ([`PoolOptions::opportunistic_reuse`](crate::PoolOptions::opportunistic_reuse)).
     ///
-    /// **Graph capture.** Your cudarc code may capture the stream into a graph. While it does,
-    /// [`is_idle`](Self::is_idle) and the pools' idle question read "not idle" without the
-    /// `cuStreamQuery` that would spoil the capture, and [`record`](Self::record) queues no
-    /// completion write into the graph. Other work of this crate on the stream during the
-    /// capture is not supported: an event it records there and then watches or waits on
-    /// (`to_host`, a buffer's free ordered after a use on another stream, a pool ordering
-    /// another stream after memory freed here) would pull its own streams into your capture,
-    /// and the capture would fail to end. Capture work that allocates and frees nothing of
-    /// this crate's, or allocate before the capture and free after it.
+    /// **Graph capture.** Your cudarc code may capture the stream into a graph
+    /// (`begin_capture` .. `end_capture`, in any mode). Nothing this crate does spoils the
+    /// capture or pulls another stream into it (`tests/graph_capture.rs`, on an H100):
+    /// - Work queued on the stream through this crate (copies, memsets, the built-in kernels)
+    ///   is captured like yours, and runs at each launch of the graph.
+    /// - What cannot be done during a capture is refused with
+    ///   [`Error::StreamCapturing`](crate::Error::StreamCapturing), and nothing is done:
+    ///   [`record`](Self::record) (and what records: `synchronize`, `to_host`, ...),
+    ///   [`wait`](Self::wait), [`synchronize_blocking`](Self::synchronize_blocking), and a
+    ///   pool's request that would have to order one stream after another through this one
+    ///   (memory freed here, asked for on another stream, or the other way round). A buffer
+    ///   dropped during the capture with a use recorded on this stream keeps its memory
+    ///   (logged), as for any use that cannot be recorded. [`is_idle`](Self::is_idle) reads
+    ///   "not idle".
+    /// - The crate's allocations and queries (`cuMemAlloc`, `cuStreamQuery`, ...), which the
+    ///   driver forbids during a capture (on the capturing thread, or on every thread in global
+    ///   mode), run with the calling thread's capture mode relaxed, as PyTorch's allocator does:
+    ///   a pool may grow, and other streams go on, while you capture.
+    ///
+    /// What a capture allocates is yours to keep alive: memory the graph uses must stay
+    /// allocated until its last launch has run, and a free on the stream (or any stream)
+    /// orders nothing after launches the crate never saw. Allocate before the capture and free
+    /// after the graph's last launch, or give the capture a pool of its own (as PyTorch's
+    /// graph-private pools): a pool that only the capturing stream uses never needs to order
+    /// one stream after another, so its requests during the capture are served from its free
+    /// memory or by growing.
     pub fn cudarc_stream(&self) -> Option<StdArc<CudaStream>> {
         self.cudarc_handle().cloned()
     }

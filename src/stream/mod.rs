@@ -334,7 +334,9 @@ impl Stream {
     ///
     /// Work queued through the handle is unseen by this crate, so from the first call on, a
     /// pool's opportunistic reuse asks the driver whether the stream is idle every time
-    /// (`cuStreamQuery`) instead of knowing that nothing was queued since it last was.
+    /// (`cuStreamQuery`) instead of knowing that nothing was queued since it last was. A
+    /// stream whose handle went out may be captured into a graph: what the crate does then
+    /// is under [`cudarc_stream`](Self::cudarc_stream) ("Graph capture").
     pub fn cuda_stream(&self) -> Option<cudarc::driver::sys::CUstream> {
         self.expose();
         match &self.inner.raw {
@@ -350,6 +352,9 @@ impl Stream {
     /// writes the count of the stream's watched events so far into the stream's word right
     /// after it: about 1.3 µs more per record on an H100 host, for wake-ups that need no driver
     /// call.
+    ///
+    /// `Err(StreamCapturing)` while your code captures the stream into a graph (see
+    /// [`cudarc_stream`](Self::cudarc_stream)).
     pub fn record(&self) -> Result<Event> {
         self.record_with(true)
     }
@@ -472,7 +477,9 @@ impl Stream {
     /// Makes work queued on this stream after this call wait until `event` completes. The host
     /// does not wait. The event may be of another device (CUDA allows it, and so do simulated
     /// devices among themselves); `Err(WrongDevice)` for an event of a simulated device on a
-    /// GPU's stream or the other way round.
+    /// GPU's stream or the other way round; `Err(StreamCapturing)` while your code captures
+    /// this stream into a graph (a captured wait for an event recorded outside the capture
+    /// would invalidate it).
     pub fn wait(&self, event: &Event) -> Result<()> {
         self.inner.device.check_peer(event.device())?;
         // A captured wait for an event recorded outside the capture invalidates it (run150:
@@ -511,7 +518,8 @@ impl Stream {
     }
 
     /// Blocks the calling thread until all work queued so far has run. For synchronous code;
-    /// in async code use [`synchronize`](Self::synchronize).
+    /// in async code use [`synchronize`](Self::synchronize). `Err(StreamCapturing)` while
+    /// your code captures the stream into a graph.
     pub fn synchronize_blocking(&self) -> Result<()> {
         // `cuStreamSynchronize` of a capturing stream is illegal and invalidates the capture;
         // its captured work runs only when the graph is launched.
