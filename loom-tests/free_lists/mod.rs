@@ -34,7 +34,8 @@
 //! planted bug, a cache that serves any stream.
 //!
 //! Every request is one block. Not modelled here: trimming (`take_whole_chunks`, see
-//! `frees_and_regrowth`), and a failing `order_before` (its error path puts the block back).
+//! `frees_and_regrowth`). A failing `order_before` (its error path puts the block back) only
+//! as a graph capture's refusal (`capture.rs`).
 
 use std::collections::HashMap;
 
@@ -46,6 +47,7 @@ use crate::resource::stream_ordered::{EngineStream, Grow, StreamHeap, Users};
 use crate::sync::{Arc, AtomicU64, Ordering::SeqCst};
 
 // The models and their `#[test]`s.
+mod capture;
 mod reserve;
 mod reuse;
 
@@ -181,6 +183,11 @@ pub(super) struct FakeInner {
     activity: AtomicU64,
     /// Uses that reached the fake GPU (see `FakeStream::reach_the_gpu`).
     uses: AtomicU64,
+    /// Under a (pretend) graph capture: `order_before` through the stream is refused, as a
+    /// real stream's (`capture.rs`). Set before the threads start (a std flag).
+    pub(super) capturing: std::sync::atomic::AtomicBool,
+    /// Orderings refused for the capture.
+    pub(super) refused: std::sync::atomic::AtomicU64,
 }
 
 /// A handle of a fake stream; clones are the same stream, as `Stream`'s.
@@ -242,6 +249,13 @@ impl EngineStream for FakeStream {
     }
 
     fn order_before(&self, later: &Self) -> Result<()> {
+        use std::sync::atomic::Ordering::Relaxed;
+        if self.inner.capturing.load(Relaxed) || later.inner.capturing.load(Relaxed) {
+            self.inner.refused.fetch_add(1, Relaxed);
+            return Err(Error::StreamCapturing {
+                operation: "an ordering",
+            });
+        }
         book(&self.inner.gpu).order(self.index(), later.index());
         self.queued();
         later.queued();
@@ -274,6 +288,8 @@ pub(super) fn streams(n: usize) -> Vec<FakeStream> {
                 gpu: gpu.clone(),
                 activity: AtomicU64::new(0),
                 uses: AtomicU64::new(0),
+                capturing: std::sync::atomic::AtomicBool::new(false),
+                refused: std::sync::atomic::AtomicU64::new(0),
             }),
             users: Users::new(),
         })

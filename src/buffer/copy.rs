@@ -67,6 +67,11 @@ pub(crate) fn copy_in(stream: &Stream, dst: DevicePtr, data: &[u8]) -> Result<()
     if data.is_empty() {
         return Ok(());
     }
+    // Before anything is queued: under a user's graph capture the copy would be captured (to
+    // run at each launch of the graph, from a staging block reused meanwhile) and the event
+    // after it refused, leaving a captured copy into memory the caller then frees (a review's
+    // finding). Refused whole instead.
+    stream.refuse_while_capturing("a staged copy to the device")?;
     let device = stream.device();
     let block = device.staging_block(data.len())?;
     // SAFETY: the block has at least `data.len()` bytes and is ours alone until returned.
@@ -110,6 +115,11 @@ pub(crate) async fn copy_out(
 ) -> Result<()> {
     if out.is_empty() {
         return Ok(());
+    }
+    // As in `copy_in`: nothing is queued if either stream is under a user's graph capture.
+    stream.refuse_while_capturing("a staged copy to the host")?;
+    if owner.id() != stream.id() {
+        owner.refuse_while_capturing("a staged copy to the host")?;
     }
     /// Returns the block when dropped, as above.
     struct Guard<'a> {

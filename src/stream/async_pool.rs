@@ -205,6 +205,10 @@ impl AsyncPool {
                 },
             ));
         }
+        // Under a user's graph capture `cuMemAllocFromPoolAsync` would make a graph memory
+        // node: an address with memory behind it only while the graph runs, which the crate
+        // would take for memory of the pool's (a review's finding). Refused instead.
+        stream.refuse_while_capturing("an allocation from the driver's pool")?;
         match (&self.raw, self.device.backend(), &*stream.queue_handle()) {
             (RawPool::Cuda(p), Backend::Cuda(d), RawStream::Cuda(s)) => d.pool_alloc(*p, bytes, *s),
             (RawPool::Sim(p), Backend::Sim(d), RawStream::Sim(s)) => d
@@ -246,6 +250,9 @@ impl AsyncPool {
     /// ordered before this point of `stream`.
     pub(crate) unsafe fn free_async(&self, ptr: DevicePtr, stream: &Stream) -> Result<()> {
         self.device.check_same(stream.device())?;
+        // Captured, the free would run only at the graph's launches (never, or once a launch):
+        // refused, and the memory stays the caller's.
+        stream.refuse_while_capturing("a free into the driver's pool")?;
         match (&self.raw, self.device.backend(), &*stream.queue_handle()) {
             // SAFETY: the caller's contract; cuMemFreeAsync takes pool memory of any pool.
             (RawPool::Cuda(_), Backend::Cuda(d), RawStream::Cuda(s)) => unsafe {

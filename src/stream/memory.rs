@@ -52,9 +52,13 @@ impl Device {
     /// (`cuMemAllocFromPoolAsync`), from a pool this device handle owns whose release
     /// threshold is raised so freed memory stays pooled. The memory may be used by work queued
     /// on `stream` after this call, and elsewhere once ordered after it.
+    ///
+    /// `Err(StreamCapturing)` while your code captures `stream` into a graph (the driver would
+    /// make a graph memory node of it, not memory).
     pub fn malloc_async(&self, bytes: usize, stream: &Stream) -> Result<DevicePtr> {
         check_size(bytes)?;
         self.check_same(stream.device())?;
+        stream.refuse_while_capturing("an allocation from the driver's pool")?;
         match (&self.inner.backend, &*stream.queue_handle()) {
             (Backend::Cuda(d), RawStream::Cuda(s)) => d.malloc_async(bytes, *s),
             (Backend::Sim(d), RawStream::Sim(s)) => d
@@ -74,9 +78,11 @@ impl Device {
     ///
     /// # Safety
     /// `ptr` came from `malloc_async` on this device and is freed once; all work that uses it
-    /// is ordered before this point of `stream`.
+    /// is ordered before this point of `stream`. `Err(StreamCapturing)`, and nothing freed,
+    /// while your code captures `stream` into a graph.
     pub unsafe fn free_async(&self, ptr: DevicePtr, stream: &Stream) -> Result<()> {
         self.check_same(stream.device())?;
+        stream.refuse_while_capturing("a free into the driver's pool")?;
         match (&self.inner.backend, &*stream.queue_handle()) {
             // SAFETY: the caller's contract.
             (Backend::Cuda(d), RawStream::Cuda(s)) => unsafe { d.free_async(ptr.0, *s) },

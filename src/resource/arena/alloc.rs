@@ -440,6 +440,10 @@ impl<U: MemoryResource> ArenaResource<U> {
     }
 
     fn grow_from_upstream(&self, min: u64, stream: &Stream) -> Result<()> {
+        // A new chunk's guard is an event recorded on `stream`: refused under a user's graph
+        // capture, after the chunk was allocated, and its free on the same stream refused too
+        // (a chunk lost per growth: a review's finding). Refused before anything is allocated.
+        stream.refuse_while_capturing("an arena's growth")?;
         let reserved = self.reserved.load(Ordering::Relaxed);
         let room = self.maximum.saturating_sub(reserved);
         if min > room {
@@ -468,8 +472,11 @@ impl<U: MemoryResource> ArenaResource<U> {
                         Err(e) => {
                             // SAFETY: just allocated from this upstream on `stream` with this
                             // size, never handed out.
-                            let _ =
-                                unsafe { self.upstream.deallocate(ptr, attempt as usize, stream) };
+                            if let Err(free) =
+                                unsafe { self.upstream.deallocate(ptr, attempt as usize, stream) }
+                            {
+                                tracing::error!(error = %free, bytes = attempt, "a chunk grown for a failed request could not be given back; it is leaked");
+                            }
                             self.reserved.fetch_sub(attempt, Ordering::AcqRel);
                             return Err(e);
                         }

@@ -705,6 +705,17 @@ impl<T: BlockTag> BlockTable<T> {
         tag
     }
 
+    /// Hands out the first `size` bytes of the free block that starts at `addr`, if there is
+    /// one of at least `size` bytes: `(addr, its tag)`. A scan of every block: for a request
+    /// served from a chunk just grown (see `StreamHeap::take_fresh`).
+    pub(crate) fn take_at(&mut self, addr: u64, size: u64) -> Option<(u64, T)> {
+        let i = self.free_at(addr)?;
+        if self.blocks[i as usize].size < size {
+            return None;
+        }
+        Some(self.take_from(i, size, NO_OWNER))
+    }
+
     /// Takes out the free block starting at `addr` if it is exactly `size` bytes (a whole
     /// chunk, for trimming), leaving a hole: its tag. Looked for among the free blocks of its
     /// size class, not every slot: the pool at its maximum asks this of every chunk it holds.

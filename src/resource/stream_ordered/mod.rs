@@ -569,11 +569,80 @@ impl<S: EngineStream> StreamHeap<S> {
 
     /// `size` bytes for use on `stream`: the best fit of the stream's home shard, else of
     /// another, ordered after the streams that freed it; else a growth.
+    ///
+    /// A block whose ordering is refused because a stream is under a user's graph capture
+    /// (the donor, which cannot record into it, or the requester, which cannot wait on an
+    /// event recorded outside it) goes back, and the request is served from a chunk grown for
+    /// it, which needs no ordering ([`take_fresh`](Self::take_fresh)).
     #[inline]
     pub(crate) fn take(&self, size: u64, stream: &S, upstream: &impl Grow<S>) -> Result<u64> {
-        match self.take_any(size, stream, false, upstream)? {
-            Some(addr) => Ok(addr),
-            None => self.take_contended(size, stream, upstream),
+        let taken = match self.take_any(size, stream, false, upstream) {
+            Ok(Some(addr)) => return Ok(addr),
+            Ok(None) => self.take_contended(size, stream, upstream),
+            Err(e) => Err(e),
+        };
+        match taken {
+            Err(refused @ Error::StreamCapturing { .. }) => {
+                self.take_fresh(size, stream, upstream, refused)
+            }
+            taken => taken,
+        }
+    }
+
+    /// `size` bytes from a chunk grown for this request, from its start, tagged as freed on
+    /// `stream` (so no ordering is needed): for a request whose best fit could not be ordered
+    /// for a graph capture (`refused`: the error returned if the pool cannot grow, or the chunk
+    /// cannot serve it unordered). Were the request to search again, it would find the same
+    /// block.
+    ///
+    /// A plain upstream's chunk is a block of its own. An upstream that extends free memory
+    /// (the expandable pool) may join it to the free block before it: that block's tag then
+    /// asks for the ordering again, and the request fails with `refused` (the memory stays
+    /// free in the pool).
+    #[cold]
+    fn take_fresh(
+        &self,
+        size: u64,
+        stream: &S,
+        upstream: &impl Grow<S>,
+        refused: Error,
+    ) -> Result<u64> {
+        let _slow = self.slow.lock();
+        let _span = tracing::debug_span!("grow for a request refused by a capture", size).entered();
+        // At the maximum (or any other failure) the capture's refusal is what the request
+        // ran into: memory is free, only not orderable now.
+        let (base, chunk) = match upstream.grow(size, stream) {
+            Ok(grown) => grown,
+            Err(e) => {
+                tracing::debug!(error = %e, "no growth for a request refused by a capture");
+                return Err(refused);
+            }
+        };
+        self.add_chunk_to(self.home(), base, chunk);
+        let Some(shard) = self.shard_of(base, chunk) else {
+            return Err(Error::InvalidArgument {
+                what: "the upstream gave a chunk that overlaps another",
+            });
+        };
+        let mut heap = shard.lock();
+        let slot = heap.slot(stream);
+        let tag = heap.freed_on(slot);
+        if !heap.free.give_range(base, chunk, tag) {
+            return Err(Error::InvalidArgument {
+                what: "the upstream gave a chunk that overlaps another",
+            });
+        }
+        match heap.free.take_at(base, size) {
+            Some((addr, tag)) if tag.is_empty() || heap.only(&tag, stream.uid()) => {
+                heap.count_out(size);
+                Ok(addr)
+            }
+            Some((addr, tag)) => {
+                let given = heap.free.free(addr, size, tag);
+                debug_assert!(given, "a block taken from a fresh chunk could not go back");
+                Err(refused)
+            }
+            None => Err(refused),
         }
     }
 
@@ -818,6 +887,9 @@ impl<S: EngineStream> StreamHeap<S> {
         drop(heap);
         match self.order(shard, stream, slot, &mut orders) {
             Ok(()) => Ok(Some(addr)),
+            Err(Error::StreamCapturing { .. }) if planted!(REFUSED_ORDER_HANDS_OUT) => {
+                Ok(Some(addr))
+            }
             Err(e) => {
                 // The block goes back as it was: nothing is lost, and its tag still asks for
                 // the orderings that failed.

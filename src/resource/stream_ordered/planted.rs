@@ -80,3 +80,8 @@ pub(crate) static TRIM_IGNORES_RECALL: AtomicBool = AtomicBool::new(false);
 /// (`resource/expandable/core.rs`, `ReleaseTrigger::ended`).
 #[cfg(streamalloc_loom)]
 pub(crate) static RELEASE_END_ONLY_CLEARS: AtomicBool = AtomicBool::new(false);
+
+/// A block whose ordering a graph capture refused is handed out all the same, unordered,
+/// instead of going back (`StreamHeap::take_locked`'s error path).
+#[cfg(streamalloc_loom)]
+pub(crate) static REFUSED_ORDER_HANDS_OUT: AtomicBool = AtomicBool::new(false);
