@@ -4,8 +4,9 @@
 //! The protocol that makes wakeups impossible to lose: `complete` stores the result *while
 //! holding the waiters lock* and drains the waiters in the same critical section; `register_*`
 //! checks for a result under that same lock before it stores a waker. So a waker is either stored
-//! before the drain (and woken by it) or sees the result (and never waits). The loom model in
-//! `loom-tests/reactor/` checks this.
+//! before the drain (and woken by it) or sees the result (and never waits). The loom models in
+//! `loom-tests/completion/` check this (`wakers.rs`, `callbacks.rs`, and the planted bugs of
+//! `planted.rs`); those of `loom-tests/reactor/` check the reactor that drives it.
 //!
 //! Wakers and callbacks are other people's code (a runtime's waker, a free into a user's memory
 //! resource), run on whichever thread completes the event: usually the device's completion
