@@ -122,12 +122,29 @@ impl EventInner {
     /// the crate's own checks (`on_complete`); what the user's code observes goes through
     /// [`observe`](Self::observe).
     fn check(&self) -> Option<Result<()>> {
+        self.check_with(|| self.query())
+    }
+
+    /// [`check`](Self::check), asking `query` (the device) if the result is not known yet. A
+    /// test's seam: its `query` can complete the event as another thread would meanwhile.
+    fn check_with(&self, query: impl FnOnce() -> Option<Result<()>>) -> Option<Result<()>> {
         if let Some(result) = self.completion.result() {
             return Some(result);
         }
-        let result = self.query()?;
-        self.completion.complete_for(result.clone(), self.id());
-        Some(result)
+        Some(self.settle(query()?))
+    }
+
+    /// Records `result`, what this thread learnt from the device, as the event's, and returns
+    /// the event's result: `result`, unless another thread completed the event first, whose
+    /// result then stands. Two looks at one event can hear different things (on CUDA the
+    /// completion word says done while the driver reports a sticky error); every handle must
+    /// see the one that was stored, not the one it happened to hear.
+    fn settle(&self, result: Result<()>) -> Result<()> {
+        if self.completion.complete_for(result.clone(), self.id()) {
+            return result;
+        }
+        // Not the first: the event is complete, so `result()` is `Some`.
+        self.completion.result().unwrap_or(result)
     }
 
     /// [`check`](Self::check), for the user's code (a query): a result is the user seeing the
@@ -223,20 +240,23 @@ impl Event {
     /// Blocks the calling thread until the GPU reaches the event. For synchronous code; in
     /// async code, `.await` the event.
     pub fn synchronize_blocking(&self) -> Result<()> {
+        self.synchronize_with(|| match (&self.inner.raw, self.inner.device.backend()) {
+            (RawEvent::Cuda(e), Backend::Cuda(d)) => d.synchronize_event(*e),
+            (RawEvent::Sim(m), _) => m.wait(),
+            _ => Err(crate::device::mismatch()),
+        })
+    }
+
+    /// [`synchronize_blocking`](Self::synchronize_blocking), waiting with `wait` if the result
+    /// is not known yet; the result is the stored one if another thread completed the event
+    /// while this one waited ([`EventInner::settle`]). A test's seam, as `check_with`.
+    fn synchronize_with(&self, wait: impl FnOnce() -> Result<()>) -> Result<()> {
         if let Some(result) = self.inner.completion.result() {
             // Completed by another thread's look (perhaps the crate's): this is the user's.
             self.inner.seen_by_user();
             return result;
         }
-        let result = match (&self.inner.raw, self.inner.device.backend()) {
-            (RawEvent::Cuda(e), Backend::Cuda(d)) => d.synchronize_event(*e),
-            (RawEvent::Sim(m), _) => m.wait(),
-            _ => Err(crate::device::mismatch()),
-        };
-        self.inner
-            .completion
-            .complete_for(result.clone(), self.inner.id());
-        result
+        self.inner.settle(wait())
     }
 
     /// Runs `callback` once the GPU reaches the event: on the reactor thread, or right here if
@@ -313,5 +333,58 @@ impl Future for Event {
                 Poll::Pending
             }
         }
+    }
+}
+
+#[cfg(all(test, not(streamalloc_loom)))]
+mod tests {
+    use crate::error::Error;
+    use crate::{Device, SimConfig, SimExecution};
+
+    /// A recorded event of an inline simulated device (complete at once: Ok).
+    fn event() -> super::Event {
+        let device = Device::simulated(SimConfig {
+            execution: SimExecution::Inline,
+            ..SimConfig::default()
+        });
+        let stream = device.create_stream().expect("a stream");
+        stream.record().expect("an event")
+    }
+
+    /// The error another thread stores while this one asks the device.
+    fn sticky() -> Error {
+        Error::Driver {
+            call: "cuEventQuery",
+            code: 700,
+            name: "CUDA_ERROR_ILLEGAL_ADDRESS (event unit test)".into(),
+        }
+    }
+
+    /// A query that hears Ok (a completion word) while another thread completes the event with
+    /// the driver's sticky error: the query returns the stored error, as every later look
+    /// does, not the Ok it heard. It used to return its own Ok.
+    #[test]
+    fn a_query_that_loses_the_race_returns_the_stored_result() {
+        let event = event();
+        let inner = &event.inner;
+        let answer = inner.check_with(|| {
+            assert!(inner.completion.complete(Err(sticky())));
+            Some(Ok(()))
+        });
+        assert_eq!(answer, Some(Err(sticky())));
+        assert_eq!(event.query(), Some(Err(sticky())));
+    }
+
+    /// The same for a blocking synchronize that returns after another thread completed the
+    /// event with a different result.
+    #[test]
+    fn a_synchronize_that_loses_the_race_returns_the_stored_result() {
+        let event = event();
+        let result = event.synchronize_with(|| {
+            assert!(event.inner.completion.complete(Err(sticky())));
+            Ok(())
+        });
+        assert_eq!(result, Err(sticky()));
+        assert_eq!(event.synchronize_blocking(), Err(sticky()));
     }
 }
