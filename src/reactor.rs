@@ -263,6 +263,9 @@ pub(crate) struct Reactor {
     shared: Arc<Shared>,
     /// Blocking work handed off the reactor thread (see `offload.rs`).
     offload: Offload,
+    /// No thread runs the loop ([`threadless`](Self::threadless)): `watch` asks the event
+    /// itself.
+    threadless: bool,
 }
 
 impl std::fmt::Debug for Reactor {
@@ -272,29 +275,53 @@ impl std::fmt::Debug for Reactor {
 }
 
 impl Reactor {
-    /// Starts the reactor thread.
-    ///
-    /// # Panics
-    /// If the operating system cannot start a thread, as `std::thread::spawn` does.
-    pub(crate) fn start(name: String, doorbells: impl Doorbells) -> Self {
+    /// Starts the reactor thread, `name`. An [`Error::Io`](crate::Error::Io) if the
+    /// operating system cannot start it.
+    pub(crate) fn start(name: String, doorbells: impl Doorbells) -> Result<Self> {
+        Self::start_with(name, doorbells, |name, run| {
+            thread::Builder::new().name(name).spawn(run).map(drop)
+        })
+    }
+
+    /// [`start`](Self::start), starting the thread with `spawn` (a test's seam: a refusal by
+    /// the OS).
+    pub(crate) fn start_with(
+        name: String,
+        doorbells: impl Doorbells,
+        spawn: impl FnOnce(String, Box<dyn FnOnce() + Send>) -> std::io::Result<()>,
+    ) -> Result<Self> {
         let shared = Arc::new(Shared {
             inbox: Mutex::new(Inbox::default()),
             predict: doorbells.predict(),
             bell: Arc::new(Bell::new()),
         });
         let theirs = shared.clone();
-        // `sa-reactor-N` → `sa-blocking-N`: never a name that starts with `sa-reactor`.
-        let blocking = match name.strip_prefix("sa-reactor") {
-            Some(rest) => format!("sa-blocking{rest}"),
-            None => format!("sa-blocking ({name})"),
-        };
-        thread::Builder::new()
-            .name(name)
-            .spawn(move || run(theirs, doorbells))
-            .expect("streamalloc: the OS could not start the completion reactor thread");
-        Self {
+        let offload = Offload::new(blocking_name(&name));
+        spawn(name.clone(), Box::new(move || run(theirs, doorbells))).map_err(|e| {
+            tracing::error!(error = %e, thread = %name, "the OS could not start the completion reactor thread");
+            crate::error::Error::io("starting the device's completion reactor thread (sa-reactor-N)", &e)
+        })?;
+        Ok(Self {
             shared,
-            offload: Offload::new(blocking),
+            offload,
+            threadless: false,
+        })
+    }
+
+    /// A reactor with no thread, for an inline simulated device whose reactor thread the OS
+    /// refused (`Device::reactor`). Such a device's events are complete when recorded (their
+    /// stream runs each operation as it is queued), so `watch` completes an event at its first
+    /// look, here, as the thread's first poll would; the blocking-work queue works as ever
+    /// (its own thread, or in place if the OS refuses that too).
+    pub(crate) fn threadless(name: String) -> Self {
+        Self {
+            shared: Arc::new(Shared {
+                inbox: Mutex::new(Inbox::default()),
+                predict: false,
+                bell: Arc::new(Bell::new()),
+            }),
+            offload: Offload::new(blocking_name(&name)),
+            threadless: true,
         }
     }
 
@@ -315,6 +342,9 @@ impl Reactor {
     ///
     /// [`Registration`]: crate::completion::Registration
     pub(crate) fn watch(&self, event: impl Watch + 'static) {
+        if self.threadless {
+            return watch_in_place(Box::new(event));
+        }
         let at = self.shared.predict.then(Instant::now);
         if planted!(RING_BEFORE_PUSH) {
             self.shared.bell.ring();
@@ -338,6 +368,32 @@ impl Drop for Reactor {
         if !planted!(DROP_WITHOUT_RING) {
             self.shared.bell.ring();
         }
+    }
+}
+
+/// `sa-reactor-N` → `sa-blocking-N`: never a name that starts with `sa-reactor`.
+fn blocking_name(name: &str) -> String {
+    match name.strip_prefix("sa-reactor") {
+        Some(rest) => format!("sa-blocking{rest}"),
+        None => format!("sa-blocking ({name})"),
+    }
+}
+
+/// A threadless reactor's `watch` ([`Reactor::threadless`]): asks the event once and completes
+/// it. One that is not done yet (none of an inline device's) cannot be polled by anyone: it is
+/// logged at error level and dropped, and its waiters wait on (a hang, never a free too early).
+fn watch_in_place(event: Watched) {
+    let id = Some((event.stream_id(), event.seq()));
+    match event.query() {
+        Some(result) => {
+            event.completion().complete_for(result, id);
+        }
+        None => tracing::error!(
+            stream = event.stream_id(),
+            seq = event.seq(),
+            "an event not yet complete was handed to a device's reactor that has no thread (the \
+             OS refused it); nothing will complete it"
+        ),
     }
 }
 

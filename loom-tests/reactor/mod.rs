@@ -163,7 +163,7 @@ impl UnderTest for Reactor {
     type Config = ();
     type Bell = Bell;
     fn start(_: ()) -> Self {
-        Reactor::start("sa-reactor-loom".to_string(), FakeDoorbells)
+        Reactor::start("sa-reactor-loom".to_string(), FakeDoorbells).expect("the reactor thread")
     }
     fn bell(&self) -> Arc<Bell> {
         Reactor::bell(self)

@@ -24,9 +24,11 @@ impl Device {
     /// the work already running in it.
     ///
     /// Errors: [`Error::Driver`] if a driver call fails (loading the crate's kernels in the
-    /// context, reading the device's properties).
+    /// context, reading the device's properties), [`Error::Io`] if the operating system cannot
+    /// start the device's completion reactor thread.
     ///
     /// [`Error::Driver`]: crate::Error::Driver
+    /// [`Error::Io`]: crate::Error::Io
     pub fn from_cudarc(ctx: StdArc<CudaContext>) -> Result<Device> {
         Self::from_cudarc_with(ctx, CudaOptions::default())
     }
@@ -34,7 +36,7 @@ impl Device {
     /// [`from_cudarc`](Self::from_cudarc) with the given options.
     pub fn from_cudarc_with(ctx: StdArc<CudaContext>, options: CudaOptions) -> Result<Device> {
         let backend = cuda::CudaDevice::on_context(cuda::Context::from_cudarc(ctx))?;
-        Ok(Self::open_cuda(backend, options))
+        Self::open_cuda(backend, options)
     }
 
     /// cudarc's handle of this device's context, to load modules and launch kernels with

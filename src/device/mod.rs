@@ -233,11 +233,8 @@ impl Device {
     ///
     /// Errors: [`Error::NoDriver`] if `libcuda` cannot be loaded, [`Error::InvalidDevice`] if
     /// there is no such ordinal (with how many devices there are), [`Error::Driver`] if a
-    /// driver call fails; a missing driver or GPU is an error, not a panic.
-    ///
-    /// # Panics
-    /// Only if the operating system cannot start the device's completion reactor thread, as
-    /// [`std::thread::spawn`] does.
+    /// driver call fails, [`Error::Io`] if the operating system cannot start the device's
+    /// completion reactor thread; a missing driver or GPU is an error, not a panic.
     pub fn cuda(ordinal: usize) -> Result<Device> {
         Self::cuda_with(ordinal, CudaOptions::default())
     }
@@ -245,11 +242,11 @@ impl Device {
     /// Opens GPU `ordinal` with the given options.
     pub fn cuda_with(ordinal: usize, options: CudaOptions) -> Result<Device> {
         let backend = cuda::CudaDevice::open(ordinal)?;
-        Ok(Self::open_cuda(backend, options))
+        Self::open_cuda(backend, options)
     }
 
     /// A device handle, with its reactor, on an opened CUDA backend.
-    fn open_cuda(backend: cuda::CudaDevice, options: CudaOptions) -> Device {
+    fn open_cuda(backend: cuda::CudaDevice, options: CudaOptions) -> Result<Device> {
         let words = options
             .completion_words
             .then(|| cuda_words::Words::new(backend.ctx.clone()));
@@ -258,7 +255,7 @@ impl Device {
         let reactor = Reactor::start(
             format!("sa-reactor-{id}"),
             cuda::CudaDoorbells::new(backend.ctx.clone(), &options),
-        );
+        )?;
         tracing::info!(
             device = id,
             ordinal,
@@ -266,17 +263,22 @@ impl Device {
             total_memory = backend.total_memory,
             "opened CUDA device"
         );
-        Self::from_parts(id, Backend::Cuda(backend), reactor, words)
+        Ok(Self::from_parts(id, Backend::Cuda(backend), reactor, words))
     }
 
     /// An in-process simulated device with the same semantics as a GPU (see [`SimConfig`]).
     ///
     /// # Panics
-    /// Only if the operating system cannot start the reactor thread, as `std::thread::spawn`.
+    /// Only if the operating system cannot start the reactor thread of a device with threaded
+    /// streams ([`SimExecution::Threads`]), as `std::thread::spawn`. Its streams ring that
+    /// reactor's bell as they reach events, so it cannot be started later instead. An inline
+    /// device (the default under loom) starts no thread here.
     pub fn simulated(config: SimConfig) -> Device {
         let id = NEXT_DEVICE_ID.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
-        let reactor = (config.execution != SimExecution::Inline)
-            .then(|| Reactor::start(format!("sa-reactor-{id}"), sim::SimDoorbells));
+        let reactor = (config.execution != SimExecution::Inline).then(|| {
+            Reactor::start(format!("sa-reactor-{id}"), sim::SimDoorbells)
+                .unwrap_or_else(|e| panic!("streamalloc: Device::simulated: {e}"))
+        });
         let backend = sim::SimDevice::new(config, reactor.as_ref().map(Reactor::bell));
         Self::from_parts(id, Backend::Sim(backend), reactor, None)
     }
@@ -423,7 +425,8 @@ impl Device {
         // registration rings its own bell). Started outside the cell's lock (a loom thread
         // must not be switched out inside a std lock); a racing thread's reactor is dropped,
         // which stops its thread.
-        let reactor = Reactor::start(format!("sa-reactor-{}", self.inner.id), sim::SimDoorbells);
+        let name = format!("sa-reactor-{}", self.inner.id);
+        let reactor = lazy_reactor(name.clone(), || Reactor::start(name, sim::SimDoorbells));
         let _ = self.inner.reactor.set(reactor);
         self.inner.reactor.get().expect("set above")
     }
@@ -448,6 +451,19 @@ impl Device {
             })
         }
     }
+}
+
+/// An inline simulated device's reactor, started on first use by `start`; if the OS refuses
+/// its thread, a [threadless](Reactor::threadless) one (logged at error level) rather than an
+/// error: the callers (an event's first wait, a deferred free, work handed off a reactor
+/// thread) return nothing, or nothing they could fail with, and they need no thread, since an
+/// inline device's events are complete when recorded and the blocking-work queue keeps its own
+/// fallback. It is kept: the device does not try again.
+fn lazy_reactor(name: String, start: impl FnOnce() -> Result<Reactor>) -> Reactor {
+    start().unwrap_or_else(|e| {
+        tracing::error!(error = %e, "an inline simulated device goes on without a completion reactor thread; its events are completed by whoever hands them over");
+        Reactor::threadless(name)
+    })
 }
 
 /// Runs `job`, a blocking driver call, where it may block: here and now (returning its

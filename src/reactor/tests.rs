@@ -120,7 +120,7 @@ fn wait_for(event: &Timed, counter: &Counting) {
 /// awaited one at a time, some queued ahead; then a stream dropped and its history forgotten.
 #[test]
 fn predicted_events_all_complete_and_wake() {
-    let reactor = Reactor::start("sa-reactor-test-predict".into(), PREDICTING);
+    let reactor = Reactor::start("sa-reactor-test-predict".into(), PREDICTING).unwrap();
     let mut pre_woken = 0;
     for round in 0..12u64 {
         let now = Instant::now();
@@ -163,7 +163,7 @@ fn predicted_events_all_complete_and_wake() {
 #[test]
 #[ignore = "prints timings; checks nothing"]
 fn lateness() {
-    let reactor = Reactor::start("sa-reactor-test-lateness".into(), PREDICTING);
+    let reactor = Reactor::start("sa-reactor-test-lateness".into(), PREDICTING).unwrap();
     for stage_us in [200u64, 2000, 20000] {
         let mut late = vec![];
         let mut pre = 0;
@@ -313,7 +313,7 @@ fn a_new_streams_event_is_left_to_its_doorbell_once_the_backoff_reaches_the_cap(
         spin: Duration::ZERO,
         ring_at: Some(done_at),
     };
-    let reactor = Reactor::start("sa-reactor-test-ring".into(), doorbells);
+    let reactor = Reactor::start("sa-reactor-test-ring".into(), doorbells).unwrap();
     let event = Arc::new(Timed::new(7, 0, done_at));
     let counter = std::sync::Arc::new(Counting(AtomicUsize::new(0)));
     let mut key = None;
@@ -400,7 +400,8 @@ fn a_prewake_of_duration_max_does_not_panic_the_reactor() {
             max_sleep: Duration::from_millis(1),
             prewake: Some(Duration::MAX),
         },
-    );
+    )
+    .unwrap();
     // Two events of one stream: the first teaches a service time, the second is planned with it.
     let first = Arc::new(Timed::new(11, 0, Instant::now() + Duration::from_millis(2)));
     let counter = watch_with_waker(&reactor, &first);
@@ -438,7 +439,8 @@ fn a_max_sleep_of_duration_max_does_not_panic_the_reactor() {
             max_sleep: Duration::MAX,
             prewake: None,
         },
-    );
+    )
+    .unwrap();
     let done_at = Instant::now() + Duration::from_millis(800);
     let event = Arc::new(Timed::new(21, 0, done_at));
     let counter = watch_with_waker(&reactor, &event);
@@ -460,4 +462,37 @@ fn a_max_sleep_of_duration_max_does_not_panic_the_reactor() {
         panics, 0,
         "the reactor's loop panicked {panics} times with reactor_max_sleep = Duration::MAX"
     );
+}
+
+/// The OS refusing the reactor thread is an [`Error::Io`](crate::Error::Io) that names the
+/// thread and the OS's message, not a panic (`Device::cuda` returns it).
+#[test]
+fn a_reactor_thread_the_os_refuses_is_an_error() {
+    let refused = Reactor::start_with("sa-reactor-test-refused".into(), PREDICTING, |_, _| {
+        Err(std::io::Error::new(
+            std::io::ErrorKind::WouldBlock,
+            "resource temporarily unavailable",
+        ))
+    });
+    let err = refused.expect_err("a reactor without its thread was handed out");
+    assert!(
+        matches!(err, crate::Error::Io { .. })
+            && err.to_string().contains("sa-reactor")
+            && err.to_string().contains("unavailable"),
+        "{err}"
+    );
+}
+
+/// A threadless reactor (an inline simulated device's, its thread refused) completes an event
+/// that is done when it is handed over, waking its task, and still runs blocking work.
+#[test]
+fn a_threadless_reactor_completes_what_it_is_handed() {
+    let reactor = Reactor::threadless("sa-reactor-test-threadless".into());
+    let event = Arc::new(Timed::new(31, 0, Instant::now()));
+    let counter = watch_with_waker(&reactor, &event);
+    assert_eq!(event.completion.result(), Some(Ok(())));
+    assert_eq!(counter.0.load(SeqCst), 1, "the task was not woken");
+    let (tx, rx) = std::sync::mpsc::channel();
+    reactor.offload("threadless test", Box::new(move || tx.send(()).unwrap()));
+    rx.recv().expect("the blocking work never ran");
 }
