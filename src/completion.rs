@@ -222,6 +222,22 @@ impl Completion {
         }
     }
 
+    /// Wakes every waiting future without completing the event, keeping their wakers: their
+    /// tasks poll the event again and ask the device themselves. For the reactor when its own
+    /// look at the event panicked (`reactor::poll_heads`). A no-op once complete.
+    pub(crate) fn wake_waiters(&self) {
+        let wakers: Vec<Waker> = {
+            let waiters = self.waiters.lock();
+            if self.state.load(Ordering::Relaxed) != PENDING {
+                return;
+            }
+            waiters.wakers.iter().flatten().cloned().collect()
+        };
+        for waker in wakers {
+            guarded(WAKER, None, || waker.wake());
+        }
+    }
+
     /// When the event was completed, by whichever thread; `None` while pending. Once
     /// [`result`](Self::result) has returned a result, this returns the instant.
     pub(crate) fn completed_at(&self) -> Option<Instant> {

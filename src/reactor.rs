@@ -411,6 +411,8 @@ struct StreamQueue {
     armed: Option<u64>,
     /// The sequence number of the head whose tasks are hurried (`Completion::hurry`).
     hurried: Option<u64>,
+    /// The sequence number of the head whose query panicked, once logged (`poll_heads`).
+    panicked: Option<u64>,
 }
 
 impl StreamQueue {
@@ -749,10 +751,37 @@ fn poll_heads(
             // the reactor, later still).
             let mut seen_here = false;
             if event.completion().result().is_none() {
-                let answer = if fresh {
-                    event.query_fresh()
-                } else {
-                    event.query()
+                let answer = crate::completion::catch_unwind(|| {
+                    if fresh {
+                        event.query_fresh()
+                    } else {
+                        event.query()
+                    }
+                });
+                let answer = match answer {
+                    Ok(answer) => answer,
+                    Err(payload) => {
+                        // A bug in a device's query path. Caught here, per event, not by the
+                        // loop: that left every later stream unpolled with it. The event is
+                        // not completed with an error: its callbacks (deferred frees, staging
+                        // blocks) take any result as the GPU being done with their memory,
+                        // and nothing says it is. Its tasks are woken, to ask the device
+                        // themselves (an answer, or the panic in their own poll), rather than
+                        // hang; the reactor asks again on later turns.
+                        let seq = event.seq();
+                        if queue.panicked != Some(seq) {
+                            tracing::error!(
+                                stream,
+                                seq,
+                                panic = crate::completion::panic_message(&*payload),
+                                "the completion reactor's query of an event panicked; the \
+                                 event stays watched and its tasks were woken"
+                            );
+                        }
+                        event.completion().wake_waiters();
+                        queue.panicked = Some(seq);
+                        break;
+                    }
                 };
                 match answer {
                     Some(result) => {

@@ -496,3 +496,76 @@ fn a_threadless_reactor_completes_what_it_is_handed() {
     reactor.offload("threadless test", Box::new(move || tx.send(()).unwrap()));
     rx.recv().expect("the blocking work never ran");
 }
+
+/// An event whose query panics (a bug in a device's query path).
+struct PanickingQuery {
+    stream: u64,
+    completion: Completion,
+}
+
+impl Watch for PanickingQuery {
+    fn stream_id(&self) -> u64 {
+        self.stream
+    }
+    fn seq(&self) -> u64 {
+        0
+    }
+    fn query(&self) -> Option<Result<()>> {
+        panic!("a query that panics (reactor unit test)")
+    }
+    fn completion(&self) -> &Completion {
+        &self.completion
+    }
+}
+
+/// A head whose query panics, on stream 1, in front of a completed head on stream 2: the
+/// poll completes stream 2's event, and keeps stream 1's pending (nothing says the GPU is done
+/// with it, and its deferred frees must not run) but wakes its task, which then asks the
+/// device itself instead of waiting forever. The panic used to leave the poll at stream 1:
+/// caught only by the loop, every later stream's events waited with it, and its task hung.
+#[test]
+fn a_query_that_panics_does_not_stop_the_poll_and_wakes_its_task() {
+    let panicking = Arc::new(PanickingQuery {
+        stream: 1,
+        completion: Completion::new(),
+    });
+    let counter = std::sync::Arc::new(Counting(AtomicUsize::new(0)));
+    let mut key = None;
+    let _ = panicking
+        .completion
+        .register_waker(&mut key, &Waker::from(counter.clone()));
+    let done = Arc::new(Timed::new(2, 0, Instant::now()));
+    let mut queues: BTreeMap<u64, StreamQueue> = BTreeMap::new();
+    for (stream, event) in [
+        (1, Box::new(panicking.clone()) as super::Watched),
+        (2, Box::new(done.clone())),
+    ] {
+        queues.entry(stream).or_default().events.push_back(Entry {
+            event,
+            watched: None,
+        });
+    }
+    let panics = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
+        poll_heads(&mut queues, None, false)
+    }));
+    assert!(
+        matches!(panics, Ok(true)),
+        "the poll panicked or found nothing"
+    );
+    assert_eq!(
+        done.completion.result(),
+        Some(Ok(())),
+        "stream 2 was not polled"
+    );
+    assert_eq!(
+        panicking.completion.result(),
+        None,
+        "completed without an answer"
+    );
+    assert_eq!(
+        queues.get(&1).map(|q| q.events.len()),
+        Some(1),
+        "no longer watched"
+    );
+    assert_eq!(counter.0.load(SeqCst), 1, "its task was not woken");
+}
