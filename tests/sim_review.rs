@@ -125,3 +125,77 @@ fn a_misaligned_word_memset_is_refused_at_the_call_on_every_device() {
         unsafe { device.free(raw) }.unwrap();
     }
 }
+
+/// Page-locked host memory is device-accessible, as on a GPU (`cuMemHostAlloc` with
+/// `PORTABLE | DEVICEMAP`, whose device address under unified addressing is the host
+/// address): memsets, kernels and copies on a buffer of `PinnedHostResource`, within a device
+/// and to another, and the host sees what they wrote. The simulated device looked only in
+/// its device memory and failed every such operation with `InvalidAddress`, poisoning the
+/// stream, so the resource's promise (work on the stream may use the memory) did not hold.
+#[test]
+fn device_work_uses_pinned_host_memory_as_on_a_gpu() {
+    use std::sync::Arc;
+    use streamalloc::resource::cuda::CudaResource;
+    use streamalloc::resource::pinned::PinnedHostResource;
+    use streamalloc::{DeviceBuffer, MemoryAccess, RaceDetection};
+
+    let rt = tokio::runtime::Builder::new_current_thread()
+        .build()
+        .unwrap();
+    let sim = || {
+        Device::simulated(SimConfig {
+            race_detection: RaceDetection::Error,
+            ..SimConfig::default()
+        })
+    };
+    let mut devices = vec![(sim(), sim())];
+    if let (Ok(gpu), Ok(again)) = (Device::cuda(0), Device::cuda(0)) {
+        devices.push((gpu, again));
+    }
+    for (device, other) in devices {
+        let name = device.name().to_owned();
+        let (s, t) = (
+            device.create_stream().unwrap(),
+            other.create_stream().unwrap(),
+        );
+        let pinned = Arc::new(PinnedHostResource::new(&device));
+        let plain = Arc::new(CudaResource::new(&device));
+        let elsewhere = Arc::new(CudaResource::new(&other));
+        let mut buf = DeviceBuffer::new(&pinned, 4096, &s).unwrap();
+        let host = buf.as_ptr().as_raw() as usize as *const u8;
+        buf.memset(7).unwrap();
+        s.synchronize_blocking()
+            .unwrap_or_else(|e| panic!("{name}: the memset failed: {e}"));
+        // SAFETY: 4096 live bytes of host memory; the memset that wrote them has run.
+        assert_eq!(unsafe { (host.read(), host.add(4095).read()) }, (7, 7));
+        // SAFETY: 1024 words of the buffer, live until after the stream synchronizes.
+        unsafe { s.fill_u32(buf.as_ptr(), 0x0909_0909, 1024) }.unwrap();
+        s.declare_access(buf.as_ptr(), 4096, MemoryAccess::Read, "reader")
+            .unwrap();
+        assert_eq!(rt.block_on(buf.to_host()).unwrap(), vec![9; 4096], "{name}");
+        let copy = buf.try_clone_to(&plain, &s).unwrap();
+        let back = copy.try_clone_to(&pinned, &s).unwrap();
+        let far = buf.try_clone_to(&elsewhere, &t).unwrap();
+        let far_back = far.try_clone_to(&pinned, &s).unwrap();
+        assert_eq!(
+            rt.block_on(copy.to_host()).unwrap(),
+            vec![9; 4096],
+            "{name}"
+        );
+        assert_eq!(
+            rt.block_on(back.to_host()).unwrap(),
+            vec![9; 4096],
+            "{name}"
+        );
+        assert_eq!(rt.block_on(far.to_host()).unwrap(), vec![9; 4096], "{name}");
+        assert_eq!(
+            rt.block_on(far_back.to_host()).unwrap(),
+            vec![9; 4096],
+            "{name}"
+        );
+        s.synchronize_blocking()
+            .unwrap_or_else(|e| panic!("{name}: the stream failed: {e}"));
+        t.synchronize_blocking()
+            .unwrap_or_else(|e| panic!("{name}: the other device's stream failed: {e}"));
+    }
+}

@@ -8,7 +8,8 @@
 //! never undefined behaviour in ours.
 //!
 //! Also here: the simulated device's page-locked host memory ([`SimHostMemory`], plain host
-//! memory with a table so frees can be checked) and its driver memory pools ([`SimPool`]).
+//! memory with a table so frees can be checked, which device work may use as on a GPU) and its
+//! driver memory pools ([`SimPool`]).
 
 use std::alloc::Layout;
 use std::collections::BTreeMap;
@@ -24,8 +25,13 @@ use crate::error::{Error, Result};
 // table's std lock, where no loom operation may run.
 use crate::sync::plain::{Arc, DataByte, Mutex, RwLock, RwLockReadGuard, RwLockWriteGuard, Weak};
 
-/// Where the simulated address space starts: high, like a GPU's unified addresses.
-const BASE: u64 = 0x7f00_0000_0000;
+/// Where the simulated address space starts: above every address the host hands out (user
+/// space ends below 2^47 on x86-64 and 2^48 on aarch64, unless a mapping asks for more), so
+/// that, as under CUDA's unified addressing, a device address is never also an address of
+/// page-locked host memory, which device work may use too ([`SimMemory::bytes`]). It was
+/// `0x7f00_0000_0000`, where the host's own mappings lie: a pinned block's address could be a
+/// simulated device block's.
+const BASE: u64 = 1 << 48;
 /// Each simulated device's addresses start this far after the previous one's (16 TiB), so
 /// that, as under CUDA's unified addressing, no two devices hand out the same address: a
 /// pointer of one device used on another is an `InvalidAddress`, never another block's bytes.
@@ -271,6 +277,18 @@ impl SimMemory {
         Ok(())
     }
 
+    /// The memory that holds all of `[ptr, ptr + len)`, for device work: a live block of this
+    /// device, or else page-locked host memory of any simulated device (`cuMemHostAlloc` with
+    /// `PORTABLE | DEVICEMAP`: under unified addressing its device address is the host
+    /// address, usable by every device's work). A review found every device operation on
+    /// pinned memory failing here with `InvalidAddress`, which poisoned the stream.
+    fn bytes(&self, ptr: u64, len: usize) -> Result<Bytes> {
+        match self.block(ptr, len) {
+            Ok(block) => Ok(Bytes::Device(block)),
+            Err(e) => host_block(ptr, len).map(Bytes::Host).ok_or(e),
+        }
+    }
+
     /// The live block that holds all of `[ptr, ptr + len)`.
     pub(crate) fn block(&self, ptr: u64, len: usize) -> Result<Arc<Block>> {
         let bad = Error::InvalidAddress { ptr, bytes: len };
@@ -298,17 +316,17 @@ impl SimMemory {
         if len == 0 {
             return Ok(f(&[]));
         }
-        let block = self.block(ptr, len)?;
-        Ok(f(block.range(ptr, len)))
+        let bytes = self.bytes(ptr, len)?;
+        Ok(f(bytes.range(ptr, len)))
     }
 
-    /// Copies `bytes` bytes from `src` to `dst`, each inside a live block (nothing, at any
-    /// addresses, for zero bytes, as [`with`](Self::with)).
+    /// Copies `bytes` bytes from `src` to `dst`, each inside a live block or page-locked host
+    /// memory (nothing, at any addresses, for zero bytes, as [`with`](Self::with)).
     pub(crate) fn copy(&self, dst: u64, src: u64, bytes: usize) -> Result<()> {
         if bytes == 0 {
             return Ok(());
         }
-        let (from, to) = (self.block(src, bytes)?, self.block(dst, bytes)?);
+        let (from, to) = (self.bytes(src, bytes)?, self.bytes(dst, bytes)?);
         for (d, s) in to.range(dst, bytes).iter().zip(from.range(src, bytes)) {
             d.store(s.load(Relaxed), Relaxed);
         }
@@ -385,7 +403,8 @@ impl SimMemory {
 
 impl SimMemory {
     /// Copies `bytes` bytes from `src` in `from` (another device's memory) to `dst` in this
-    /// one: a copy between simulated GPUs (nothing for zero bytes).
+    /// one: a copy between simulated GPUs (nothing for zero bytes). Either side may be
+    /// page-locked host memory, as for [`copy`](Self::copy).
     pub(crate) fn copy_from(
         &self,
         dst: u64,
@@ -396,7 +415,7 @@ impl SimMemory {
         if bytes == 0 {
             return Ok(());
         }
-        let (source, to) = (from.block(src, bytes)?, self.block(dst, bytes)?);
+        let (source, to) = (from.bytes(src, bytes)?, self.bytes(dst, bytes)?);
         for (d, s) in to.range(dst, bytes).iter().zip(source.range(src, bytes)) {
             d.store(s.load(Relaxed), Relaxed);
         }
@@ -406,34 +425,106 @@ impl SimMemory {
 
 // ===== page-locked host memory =====
 
-/// Alignment of the simulated device's host allocations (what `ALIGNMENT` promises).
-const HOST_ALIGN: usize = 256;
+/// Memory that device work touches ([`SimMemory::bytes`]).
+enum Bytes {
+    Device(Arc<Block>),
+    Host(Arc<HostBlock>),
+}
 
-/// One host allocation: the pointer the global allocator returned and its layout.
+impl Bytes {
+    /// The bytes of `[ptr, ptr + len)`, which must lie inside this memory.
+    fn range(&self, ptr: u64, len: usize) -> &[DataByte] {
+        match self {
+            Bytes::Device(block) => block.range(ptr, len),
+            Bytes::Host(block) => block.range(ptr, len),
+        }
+    }
+}
+
+/// One host allocation: the pointer the global allocator returned and its layout, the
+/// address handed out and its length, and the [`SimHostMemory`] that made it. Freed when the
+/// last reference goes: the table's, or that of device work still running on it (a free
+/// while work uses the memory breaks the free's contract, but frees nothing under it).
 struct HostBlock {
     base: *mut u8,
     layout: Layout,
+    /// The address handed out (inside the allocation, 256-aligned) and its bytes.
+    ptr: u64,
+    len: usize,
+    owner: u64,
 }
 
-// SAFETY: a `HostBlock` is only an owning record of an allocation; the table that holds it is
-// behind a lock, and the pointer is only used to give the memory back to the global allocator.
+// SAFETY: a `HostBlock` owns its allocation; the bytes are only read or written through
+// `range`, as atomics, and the pointer is otherwise only used to give the memory back to the
+// global allocator, once, on drop.
 unsafe impl Send for HostBlock {}
-// SAFETY: as above; `&HostBlock` gives no access to the memory.
+// SAFETY: as above; `&HostBlock` gives access to the bytes only as atomics.
 unsafe impl Sync for HostBlock {}
+
+impl HostBlock {
+    /// The bytes of `[ptr, ptr + len)`, which must lie inside `[self.ptr, self.ptr + self.len)`.
+    fn range(&self, ptr: u64, len: usize) -> &[DataByte] {
+        let inside = (ptr.checked_sub(self.ptr))
+            .and_then(|offset| offset.checked_add(len as u64))
+            .is_some_and(|end| end <= self.len as u64);
+        assert!(inside, "a host range outside its block");
+        let at = self.ptr as usize + (ptr - self.ptr) as usize;
+        // SAFETY: `[at, at + len)` lies inside the live allocation (checked above; the block
+        // is freed only on drop, after this borrow). `DataByte` (`AtomicU8`) has the size and
+        // alignment of `u8`, and is written only through shared references, as atomics. Host
+        // code that writes the bytes while device work uses them without waiting for it is a
+        // data race in the user's program (its `unsafe` use of the host pointer), as on a GPU.
+        unsafe { std::slice::from_raw_parts(at as *const DataByte, len) }
+    }
+}
+
+impl Drop for HostBlock {
+    fn drop(&mut self) {
+        // SAFETY: `base` was allocated by the global allocator with exactly this layout, and
+        // a block is dropped once: the last reference to it is gone.
+        unsafe { std::alloc::dealloc(self.base, self.layout) };
+    }
+}
+
+/// Every simulated device's live page-locked host allocations, by the address handed out:
+/// one table, since device work on any simulated device may use them (they are `PORTABLE`).
+/// A plain lock (loom never models the memory), never held while another is taken.
+static HOST_BLOCKS: RwLock<BTreeMap<u64, Arc<HostBlock>>> = RwLock::new(BTreeMap::new());
+
+fn host_blocks() -> RwLockReadGuard<'static, BTreeMap<u64, Arc<HostBlock>>> {
+    HOST_BLOCKS.read().unwrap_or_else(|e| e.into_inner())
+}
+
+fn host_blocks_mut() -> RwLockWriteGuard<'static, BTreeMap<u64, Arc<HostBlock>>> {
+    HOST_BLOCKS.write().unwrap_or_else(|e| e.into_inner())
+}
+
+/// The live page-locked host allocation that holds all of `[ptr, ptr + len)`.
+fn host_block(ptr: u64, len: usize) -> Option<Arc<HostBlock>> {
+    let end = ptr.checked_add(len as u64)?;
+    let blocks = host_blocks();
+    let (_, block) = blocks.range(..=ptr).next_back()?;
+    (end <= block.ptr + block.len as u64).then(|| block.clone())
+}
+
+/// Alignment of the simulated device's host allocations (what `ALIGNMENT` promises).
+const HOST_ALIGN: usize = 256;
 
 /// The simulated device's "page-locked" host memory: ordinary host memory from the global
 /// allocator, 256-aligned, recorded in a table (by the address handed out) so that `free`
-/// rejects a pointer it did not hand out instead of corrupting the heap. Allocations come from
-/// `calloc`, so large ones cost nothing until they are touched.
+/// rejects a pointer this device did not hand out instead of corrupting the heap, and so that
+/// device work may use it ([`SimMemory::bytes`]). Allocations come from `calloc`, so large ones
+/// cost nothing until they are touched.
 pub(crate) struct SimHostMemory {
-    /// Live allocations, by the aligned address handed out.
-    blocks: RwLock<FxHashMap<usize, HostBlock>>,
+    /// Which allocations of the process-wide table are this device's.
+    id: u64,
 }
 
 impl SimHostMemory {
     pub(crate) fn new() -> Self {
+        static IDS: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(0);
         Self {
-            blocks: RwLock::new(FxHashMap::default()),
+            id: IDS.fetch_add(1, Relaxed),
         }
     }
 
@@ -460,39 +551,50 @@ impl SimHostMemory {
         // SAFETY: `offset < HOST_ALIGN`, and the allocation has `bytes + HOST_ALIGN - 1` bytes,
         // so `base + offset` and the `bytes` after it lie inside it.
         let ptr = unsafe { base.add(offset) };
-        self.blocks
-            .write()
-            .unwrap_or_else(|e| e.into_inner())
-            .insert(ptr as usize, HostBlock { base, layout });
+        let block = HostBlock {
+            base,
+            layout,
+            ptr: ptr as u64,
+            len: bytes,
+            owner: self.id,
+        };
+        host_blocks_mut().insert(ptr as u64, Arc::new(block));
         Ok(ptr)
     }
 
     /// Frees an allocation of `alloc`; `InvalidAddress` for any other pointer.
     pub(crate) fn free(&self, ptr: *mut u8) -> Result<()> {
-        let block = self
-            .blocks
-            .write()
-            .unwrap_or_else(|e| e.into_inner())
-            .remove(&(ptr as usize))
-            .ok_or(Error::InvalidAddress {
+        let mut blocks = host_blocks_mut();
+        match blocks.get(&(ptr as u64)) {
+            Some(block) if block.owner == self.id => {
+                // Freed after the table's lock, or by the device work still using it once it
+                // has run.
+                let block = blocks.remove(&(ptr as u64));
+                drop(blocks);
+                drop(block);
+                Ok(())
+            }
+            _ => Err(Error::InvalidAddress {
                 ptr: ptr as u64,
                 bytes: 0,
-            })?;
-        // SAFETY: `block` was allocated by the global allocator with exactly this layout and
-        // was in the table, so it is live and freed only here, once (it has left the table).
-        unsafe { std::alloc::dealloc(block.base, block.layout) };
-        Ok(())
+            }),
+        }
     }
 }
 
 impl Drop for SimHostMemory {
     fn drop(&mut self) {
-        let blocks = std::mem::take(self.blocks.get_mut().unwrap_or_else(|e| e.into_inner()));
-        for (_, block) in blocks {
-            // SAFETY: as in `free`: live, allocated with this layout, freed once. The device is
-            // gone, so nothing can use the memory through it any more.
-            unsafe { std::alloc::dealloc(block.base, block.layout) };
-        }
+        // The device is gone, so nothing can use the memory through it any more. The blocks
+        // leave the table under its lock and are freed after it.
+        let mut gone = Vec::new();
+        host_blocks_mut().retain(|_, block| {
+            let keep = block.owner != self.id;
+            if !keep {
+                gone.push(block.clone());
+            }
+            keep
+        });
+        drop(gone);
     }
 }
 

@@ -130,7 +130,8 @@ impl Default for SimConfig {
 pub(crate) struct SimDevice {
     pub(crate) config: SimConfig,
     pub(crate) memory: PlainArc<SimMemory>,
-    /// Page-locked host memory (`malloc_host`): plain host memory, tracked.
+    /// Page-locked host memory (`malloc_host`): plain host memory, tracked, which device work
+    /// may use as on a GPU.
     pub(crate) host: SimHostMemory,
     /// The reactor's bell, rung by every marker the streams reach; `None` when the streams run
     /// inline (their markers are reached before anyone can watch them).
