@@ -199,3 +199,47 @@ fn device_work_uses_pinned_host_memory_as_on_a_gpu() {
             .unwrap_or_else(|e| panic!("{name}: the other device's stream failed: {e}"));
     }
 }
+
+/// A declared access whose range wraps past the top of the address space is refused at the
+/// call with `InvalidAddress`, as every stream operation refuses one: no memory can hold it.
+/// The race detector clipped its end to the top instead and checked (and remembered) what was
+/// left, so a stand-in kernel's off-by-a-sign size went unreported, or was reported as a race
+/// over memory far past the buffer. Refused on a GPU too (where the declaration is otherwise
+/// a no-op), so that code behaves alike on both.
+#[test]
+fn a_declared_access_that_wraps_is_refused_at_the_call() {
+    use streamalloc::{DevicePtr, MemoryAccess, RaceDetection};
+
+    let mut devices = vec![Device::simulated(SimConfig {
+        race_detection: RaceDetection::Record,
+        ..SimConfig::default()
+    })];
+    if let Ok(gpu) = Device::cuda(0) {
+        devices.push(gpu);
+    }
+    for device in devices {
+        let name = device.name().to_owned();
+        let raw = device.malloc(4096).unwrap();
+        let (a, b) = (
+            device.create_stream().unwrap(),
+            device.create_stream().unwrap(),
+        );
+        a.declare_access(raw, 4096, MemoryAccess::Write, "writer")
+            .unwrap();
+        let top = DevicePtr(u64::MAX - 15);
+        for (ptr, bytes) in [(top, 32), (raw, usize::MAX)] {
+            let declared = b.declare_access(ptr, bytes, MemoryAccess::Read, "reader");
+            assert!(
+                matches!(declared, Err(Error::InvalidAddress { ptr: p, bytes: n })
+                    if p == ptr.as_raw() && n == bytes),
+                "{name}: {declared:?}"
+            );
+        }
+        // Nothing was checked or remembered: no race with `a`'s write.
+        assert!(device.races().is_empty(), "{name}: {:?}", device.races());
+        a.synchronize_blocking().unwrap();
+        b.synchronize_blocking().unwrap();
+        // SAFETY: from `malloc`, freed once; no work uses it (both streams are idle).
+        unsafe { device.free(raw) }.unwrap();
+    }
+}

@@ -105,6 +105,10 @@ impl Stream {
     /// [`Error::StreamRace`](crate::Error::StreamRace) (and the access is not remembered); with
     /// [`RaceDetection::Panic`](crate::RaceDetection::Panic), it panics.
     ///
+    /// A range that wraps past the top of the address space is refused with
+    /// [`Error::InvalidAddress`](crate::Error::InvalidAddress), on every device (nothing is
+    /// declared), as the stream's operations refuse one.
+    ///
     /// ```
     /// use streamalloc::{Device, MemoryAccess, RaceDetection, SimConfig};
     ///
@@ -131,6 +135,9 @@ impl Stream {
         access: MemoryAccess,
         op: &'static str,
     ) -> Result<()> {
+        // No memory holds a wrapping range: the detector clipped its end to the top and
+        // checked (and remembered) the rest (a review's finding).
+        super::check_range(ptr, bytes)?;
         let queued = self.queue_handle();
         let RawStream::Sim(s) = &*queued else {
             return Ok(());
