@@ -243,3 +243,43 @@ fn a_declared_access_that_wraps_is_refused_at_the_call() {
         unsafe { device.free(raw) }.unwrap();
     }
 }
+
+/// `cuMemPrefetchAsync` takes managed memory: device memory from `cuMemAlloc` and page-locked
+/// host memory are refused at the call with `CUDA_ERROR_INVALID_VALUE` (the crate's
+/// `PrefetchAdaptor` prefetches managed memory only for that reason). The simulated device took
+/// any range, so a prefetch of the wrong memory passed there and failed on a GPU.
+#[test]
+fn a_prefetch_of_memory_that_is_not_managed_is_refused_at_the_call() {
+    use streamalloc::DevicePtr;
+
+    let mut devices = vec![Device::simulated(SimConfig::default())];
+    if let Ok(gpu) = Device::cuda(0) {
+        devices.push(gpu);
+    }
+    for device in devices {
+        let name = device.name().to_owned();
+        let s = device.create_stream().unwrap();
+        let managed = device.malloc_managed(4096).unwrap();
+        let plain = device.malloc(4096).unwrap();
+        let host = device.malloc_host(4096).unwrap();
+        // SAFETY: each range is 4096 live bytes, freed only after the stream synchronized.
+        unsafe { s.prefetch(managed, 4096) }
+            .unwrap_or_else(|e| panic!("{name}: managed memory: {e}"));
+        for (what, ptr) in [("device", plain), ("pinned", DevicePtr(host as u64))] {
+            // SAFETY: as above.
+            let prefetched = unsafe { s.prefetch(ptr, 4096) };
+            assert!(
+                matches!(prefetched, Err(Error::Driver { code: 1, .. })),
+                "{name}: {what} memory: {prefetched:?}"
+            );
+        }
+        // Refused at the call: the stream is not broken.
+        s.synchronize_blocking().unwrap();
+        // SAFETY: allocated above, each freed once; no work uses them (the stream is idle).
+        unsafe {
+            device.free(managed).unwrap();
+            device.free(plain).unwrap();
+            device.free_host(host).unwrap();
+        }
+    }
+}

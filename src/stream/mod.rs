@@ -750,7 +750,8 @@ impl Stream {
 
     /// Migrates managed memory to this stream's device ahead of use (`cuMemPrefetchAsync`), in
     /// stream order; the host does not wait. A hint: the memory is usable without it. The
-    /// simulated device has no separate memories and does nothing.
+    /// simulated device has no separate memories and moves nothing, but refuses memory it
+    /// knows is not managed, as the driver does.
     ///
     /// A range that wraps past the top of the address space is refused with
     /// [`Error::InvalidAddress`] (nothing is queued).
@@ -763,7 +764,7 @@ impl Stream {
         match (&*self.queue_handle(), self.inner.device.backend()) {
             // SAFETY: the caller's contract.
             (RawStream::Cuda(s), Backend::Cuda(d)) => unsafe { d.prefetch(ptr.0, bytes, *s) },
-            (RawStream::Sim(_), Backend::Sim(_)) => Ok(()),
+            (RawStream::Sim(_), Backend::Sim(d)) => d.prefetch(ptr.0, bytes),
             _ => Err(mismatch()),
         }
     }

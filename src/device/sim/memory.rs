@@ -46,6 +46,8 @@ pub(crate) struct Block {
     bytes: HostBytes,
     /// A reserved virtual range (`sim/vmm.rs`): only its mapped granules may be accessed.
     mapping: Option<Arc<Granules>>,
+    /// Managed memory (`cuMemAllocManaged`), which alone a prefetch takes.
+    managed: bool,
 }
 
 impl Block {
@@ -184,6 +186,15 @@ impl SimMemory {
     }
 
     pub(crate) fn alloc(&self, bytes: usize) -> Result<u64> {
+        self.alloc_as(bytes, false)
+    }
+
+    /// As [`alloc`](Self::alloc), for managed memory (`cuMemAllocManaged`).
+    pub(crate) fn alloc_managed(&self, bytes: usize) -> Result<u64> {
+        self.alloc_as(bytes, true)
+    }
+
+    fn alloc_as(&self, bytes: usize, managed: bool) -> Result<u64> {
         if bytes == 0 {
             return Err(Error::InvalidSize {
                 size: 0,
@@ -223,6 +234,7 @@ impl SimMemory {
                 base,
                 bytes: storage,
                 mapping: None,
+                managed,
             }),
         );
         Ok(base)
@@ -286,6 +298,16 @@ impl SimMemory {
         match self.block(ptr, len) {
             Ok(block) => Ok(Bytes::Device(block)),
             Err(e) => host_block(ptr, len).map(Bytes::Host).ok_or(e),
+        }
+    }
+
+    /// Whether all of `[ptr, ptr + len)` is memory known not to be managed: a block of this
+    /// device from anything but `cuMemAllocManaged`, or page-locked host memory. `false` for
+    /// managed memory and for what this device does not know (another device's memory).
+    pub(crate) fn is_unmanaged(&self, ptr: u64, len: usize) -> bool {
+        match self.block(ptr, len) {
+            Ok(block) => !block.managed,
+            Err(_) => host_block(ptr, len).is_some(),
         }
     }
 
@@ -359,6 +381,7 @@ impl SimMemory {
             base,
             bytes: storage,
             mapping: Some(mapping),
+            managed: false,
         };
         state.blocks.insert(base, Arc::new(block));
         Ok(base)

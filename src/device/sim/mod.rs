@@ -194,8 +194,28 @@ impl SimDevice {
     /// touching the driver pools. (Whether the driver takes pool memory for managed memory was
     /// not measured: managed memory may oversubscribe the GPU, so it rarely fails there.)
     pub(crate) fn malloc_managed(&self, bytes: usize) -> Result<u64> {
-        let ptr = self.memory.alloc(bytes)?;
+        let ptr = self.memory.alloc_managed(bytes)?;
         self.track_allocation(ptr, bytes)
+    }
+
+    /// `cuMemPrefetchAsync`: nothing to move (the simulated device has one memory), but memory
+    /// known not to be managed (this device's from `cuMemAlloc`, a pool or a reservation, and
+    /// page-locked host memory) is refused at the call with `CUDA_ERROR_INVALID_VALUE`, as the
+    /// driver refuses it; a review found it taken, so a wrong prefetch passed here and failed on
+    /// a GPU. Memory this device does not know (another device's, which may be managed) is
+    /// taken, as before.
+    pub(crate) fn prefetch(&self, ptr: u64, bytes: usize) -> Result<()> {
+        if bytes == 0 || !self.memory.is_unmanaged(ptr, bytes) {
+            return Ok(());
+        }
+        Err(crate::error::Error::Driver {
+            call: "cuMemPrefetchAsync",
+            code: 1,
+            name: format!(
+                "CUDA_ERROR_INVALID_VALUE (the simulated device: {ptr:#x}, {bytes} bytes, is not \
+                 managed memory)"
+            ),
+        })
     }
 
     /// Tells the race detector of a new allocation that any later work may use.
