@@ -15,17 +15,22 @@
 mod common;
 
 use common::{devices, label, primed_async_pool};
+use std::future::Future;
+use std::sync::atomic::Ordering;
+use std::task::{Context, Poll};
 use streamalloc::resource::arena::{ArenaOptions, ArenaResource};
 use streamalloc::resource::cuda::CudaResource;
 use streamalloc::resource::cuda_async::CudaAsyncOptions;
 use streamalloc::resource::pool::{PoolOptions, PoolResource};
+
 use streamalloc::{
-    CudaAsyncResource, Device, ExpandableOptions, ExpandablePoolResource, FaultKind,
-    MemoryResource, SimConfig,
+    AllocateAsync, CudaAsyncResource, Device, DevicePtr, Error, ExpandableOptions,
+    ExpandablePoolResource, FaultKind, MemoryResource, SimConfig,
 };
 
 // Each test that fills the device takes turns (`common::take_turns`).
 
+const KIB: usize = 1 << 10;
 const MIB: usize = 1 << 20;
 const GIB: usize = 1 << 30;
 
@@ -193,4 +198,217 @@ fn write_and_read_back(stream: &streamalloc::Stream, ptr: streamalloc::DevicePtr
     unsafe { stream.copy_dtoh(&mut last as *mut u32 as *mut u8, at, 4) }.unwrap();
     stream.synchronize_blocking().unwrap();
     assert_eq!(last, 0x5EED);
+}
+
+// ===== CudaAsyncResource waits for memory =====
+
+/// A waker that records that it was woken.
+struct Flag(std::sync::atomic::AtomicBool);
+
+impl futures::task::ArcWake for Flag {
+    fn wake_by_ref(arc_self: &std::sync::Arc<Self>) {
+        arc_self.0.store(true, std::sync::atomic::Ordering::SeqCst);
+    }
+}
+
+fn flag() -> (std::sync::Arc<Flag>, std::task::Waker) {
+    let flag = std::sync::Arc::new(Flag(std::sync::atomic::AtomicBool::new(false)));
+    let waker = futures::task::waker(flag.clone());
+    (flag, waker)
+}
+
+/// A resource with a maximum of 1 MiB on the simulated device, and four 256 KiB blocks that
+/// fill it.
+fn full_async_resource() -> (
+    Device,
+    CudaAsyncResource,
+    streamalloc::Stream,
+    Vec<DevicePtr>,
+) {
+    let device = Device::simulated(SimConfig {
+        total_memory: 256 * MIB,
+        ..SimConfig::default()
+    });
+    let resource = CudaAsyncResource::new(
+        &device,
+        CudaAsyncOptions {
+            maximum_pool_size: Some(MIB),
+            ..CudaAsyncOptions::default()
+        },
+    )
+    .unwrap();
+    let s = device.create_stream().unwrap();
+    let blocks: Vec<DevicePtr> = (0..4)
+        .map(|_| resource.allocate(256 * KIB, &s).unwrap())
+        .collect();
+    assert!(resource.allocate(256, &s).unwrap_err().is_out_of_memory());
+    (device, resource, s, blocks)
+}
+
+/// `CudaAsyncResource` at its maximum can get memory back (a free through it), so
+/// `allocate_async` must wait for it as the pools do. A review found it failing at once with
+/// `OutOfMemory`: the resource had no queue of waiters (`memory_waiters` was `None`) and its
+/// frees woke nobody. Behind the waiter a request larger than the maximum still fails at once,
+/// with the numbers.
+#[test]
+fn cuda_async_allocate_async_at_its_maximum_waits_for_a_free() {
+    let (_device, resource, s, blocks) = full_async_resource();
+    let (flag, waker) = flag();
+    let mut cx = Context::from_waker(&waker);
+    let mut wait = Box::pin(resource.allocate_async(256 * KIB, &s));
+    match wait.as_mut().poll(&mut cx) {
+        Poll::Pending => {}
+        Poll::Ready(r) => panic!("a request that could wait did not: {r:?}"),
+    }
+    assert_eq!(
+        resource.memory_waiters().map(|w| w.stats().waiting),
+        Some(1)
+    );
+
+    // Behind it: larger than the maximum can never fit, and fails at once with the numbers.
+    let mut hopeless = Box::pin(resource.allocate_async(2 * MIB, &s));
+    match hopeless.as_mut().poll(&mut cx) {
+        Poll::Ready(Err(Error::OutOfMemory {
+            requested, maximum, ..
+        })) => {
+            assert_eq!((requested, maximum), (2 * MIB, MIB));
+        }
+        other => panic!("a request over the maximum gave {other:?}"),
+    }
+    drop(hopeless);
+    assert!(!flag.0.load(Ordering::SeqCst), "woken with nothing freed");
+
+    // SAFETY: allocated above with 256 KiB on `s`, unused, freed once.
+    unsafe { resource.deallocate(blocks[0], 256 * KIB, &s) }.unwrap();
+    assert!(flag.0.load(Ordering::SeqCst), "a free woke nobody");
+    let got = match wait.as_mut().poll(&mut cx) {
+        Poll::Ready(Ok(ptr)) => ptr,
+        other => panic!("the woken waiter was not served: {other:?}"),
+    };
+    drop(wait);
+    assert!(resource.memory_waiters().unwrap().is_empty());
+    for ptr in std::iter::once(got).chain(blocks[1..].iter().copied()) {
+        // SAFETY: each allocated above with 256 KiB on `s`, unused, freed once.
+        unsafe { resource.deallocate(ptr, 256 * KIB, &s) }.unwrap();
+    }
+    s.synchronize_blocking().unwrap();
+    assert_eq!(resource.allocated_bytes(), 0);
+}
+
+/// A waiting request that is dropped leaves the queue, and the next free finds nobody; an
+/// all-or-nothing set waits too, and one larger than the maximum fails at once.
+#[test]
+fn cuda_async_cancelled_waits_leave_nothing_and_sets_wait_or_fail_at_once() {
+    let (_device, resource, s, blocks) = full_async_resource();
+    let (_flag, waker) = flag();
+    let mut cx = Context::from_waker(&waker);
+    let mut wait = Box::pin(resource.allocate_async(256 * KIB, &s));
+    assert!(wait.as_mut().poll(&mut cx).is_pending());
+    drop(wait);
+    let waiters = resource.memory_waiters().expect("a queue of waiters");
+    assert!(waiters.is_empty(), "the cancelled wait stayed queued");
+    assert_eq!(waiters.stats().bytes_waiting, 0);
+
+    // A set of five 256 KiB blocks can never fit in 1 MiB: at once, with the numbers.
+    let mut five = Box::pin(resource.allocate_all_async((0..5).map(|_| (256 * KIB, &s))));
+    match five.as_mut().poll(&mut cx) {
+        Poll::Ready(Err(Error::OutOfMemory {
+            requested, maximum, ..
+        })) => assert_eq!((requested, maximum), (5 * 256 * KIB, MIB)),
+        other => panic!("a set over the maximum gave {other:?}"),
+    }
+    drop(five);
+
+    // A set of two waits until two blocks come back, holding nothing meanwhile.
+    let (flag, waker) = flag();
+    let mut cx = Context::from_waker(&waker);
+    let mut two = Box::pin(resource.allocate_all_async((0..2).map(|_| (256 * KIB, &s))));
+    assert!(two.as_mut().poll(&mut cx).is_pending());
+    assert_eq!(
+        resource.allocated_bytes(),
+        MIB,
+        "the waiting set holds memory"
+    );
+    for &ptr in &blocks[..2] {
+        // SAFETY: allocated above with 256 KiB on `s`, unused, freed once.
+        unsafe { resource.deallocate(ptr, 256 * KIB, &s) }.unwrap();
+    }
+    assert!(flag.0.load(Ordering::SeqCst), "the frees woke nobody");
+    let got = match two.as_mut().poll(&mut cx) {
+        Poll::Ready(Ok(ptrs)) => ptrs,
+        other => panic!("the set was not served: {other:?}"),
+    };
+    drop(two);
+    assert!(waiters.is_empty());
+    for ptr in got.into_iter().chain(blocks[2..].iter().copied()) {
+        // SAFETY: each allocated above with 256 KiB on `s`, unused, freed once.
+        unsafe { resource.deallocate(ptr, 256 * KIB, &s) }.unwrap();
+    }
+    s.synchronize_blocking().unwrap();
+    assert_eq!(resource.allocated_bytes(), 0);
+}
+
+/// With no maximum of its own the resource runs out when the device does; memory freed
+/// through it comes back to the driver pool once the stream reaches the free, and a waiting
+/// request must be served then (not only woken when the free is issued, before the memory is
+/// there, and left asleep after: a review's first fix did that, and this test hung until the
+/// wait's deadline). The device's delay before each operation makes the free reach the pool
+/// after the try that the free's first notification woke, as it mostly is on a GPU; the test
+/// passes either way, it only shows the second path more often.
+#[test]
+fn cuda_async_allocate_async_waits_for_device_memory_freed_through_it() {
+    let device = Device::simulated(SimConfig {
+        total_memory: 64 * MIB,
+        op_delay: std::time::Duration::from_millis(20),
+        ..SimConfig::default()
+    });
+    let resource = CudaAsyncResource::new(&device, CudaAsyncOptions::default()).unwrap();
+    let s = device.create_stream().unwrap();
+    let other = device.create_stream().unwrap();
+    let mut blocks = Vec::new();
+    let refused = loop {
+        match resource.allocate(8 * MIB, &s) {
+            Ok(ptr) => blocks.push(ptr),
+            Err(e) => break e,
+        }
+    };
+    assert!(refused.is_out_of_memory(), "{refused:?}");
+    assert!(!blocks.is_empty());
+    let rt = common::runtime();
+    let (_flag, waker) = flag();
+    let mut cx = Context::from_waker(&waker);
+    // Waits on another stream than the free's: reuse there needs the stream to reach the free.
+    let mut wait = Box::pin(
+        resource
+            .allocate_async(8 * MIB, &other)
+            .timeout(std::time::Duration::from_secs(30)),
+    );
+    assert!(wait.as_mut().poll(&mut cx).is_pending(), "did not wait");
+    let last = blocks.pop().unwrap();
+    // SAFETY: allocated above with 8 MiB on `s`, unused, freed once.
+    unsafe { resource.deallocate(last, 8 * MIB, &s) }.unwrap();
+    // The try that the free's first notification wakes; mostly refused, the stream not there
+    // yet (the test does not depend on it).
+    if let Poll::Ready(r) = wait.as_mut().poll(&mut cx) {
+        let got = r.expect("the woken waiter failed");
+        // SAFETY: allocated just now with 8 MiB on `other`, unused, freed once.
+        unsafe { resource.deallocate(got, 8 * MIB, &other) }.unwrap();
+        for ptr in blocks {
+            // SAFETY: allocated above with 8 MiB on `s`, unused, freed once.
+            unsafe { resource.deallocate(ptr, 8 * MIB, &s) }.unwrap();
+        }
+        return;
+    }
+    let got = rt
+        .block_on(wait)
+        .expect("memory freed through the resource did not serve the waiter");
+    assert!(resource.memory_waiters().unwrap().is_empty());
+    // SAFETY: allocated above with 8 MiB on `other`, unused, freed once.
+    unsafe { resource.deallocate(got, 8 * MIB, &other) }.unwrap();
+    for ptr in blocks {
+        // SAFETY: allocated above with 8 MiB on `s`, unused, freed once.
+        unsafe { resource.deallocate(ptr, 8 * MIB, &s) }.unwrap();
+    }
+    s.synchronize_blocking().unwrap();
+    other.synchronize_blocking().unwrap();
 }

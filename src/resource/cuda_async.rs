@@ -9,10 +9,11 @@ use rustc_hash::FxHashMap;
 
 use crate::device::{Device, DevicePtr};
 use crate::error::{Error, Result};
+use crate::resource::waiters::MemoryWaiters;
 use crate::resource::{aligned_size, check_stream, MemoryKind, MemoryResource};
 use crate::stream::Stream;
 use crate::stream::{AsyncPool, AsyncPoolSettings};
-use crate::sync::plain::Mutex as PlainMutex;
+use crate::sync::plain::{Arc as StdArc, Mutex as PlainMutex};
 use crate::sync::{AtomicUsize, Ordering};
 
 /// Settings of a [`CudaAsyncResource`].
@@ -98,6 +99,16 @@ pub struct CudaAsyncOptions {
 ///   this resource's cache, and `initial_pool_size` is memory to start with, not memory set
 ///   aside. `Device::malloc` refuses a request larger than the device before the driver, so
 ///   an impossible request costs nothing; the simulated device models the rest;
+/// - **[`allocate_async`] waits for memory freed through it.** The resource can run out (its
+///   maximum reached, or the driver refusing: the device out of memory) and get memory back (a
+///   free through it), so it has a queue of [`MemoryWaiters`], as the pools do. Every free
+///   notifies it when it is issued (the count falls then, and the driver may reuse the memory
+///   in stream order at once), and, while someone waits, once more when the GPU reaches the
+///   free (an event watched by the completion reactor: the driver pool holds the memory for
+///   any stream then); so does [`trim_to`](Self::trim_to). A request larger than the maximum
+///   (rounded up to 256 bytes) can never fit and fails at once. Only frees through *this*
+///   resource wake its waiters: memory freed by other code, or through another resource over
+///   the same pool (two views of the default pool), does not;
 /// - dropping a resource made by [`new`](Self::new) destroys its pool. Memory still allocated
 ///   from it is released by the driver once freed, so drop every buffer made from it first;
 ///   buffers hold a [`ResourceRef`](crate::ResourceRef), so as long as they are made through
@@ -109,6 +120,8 @@ pub struct CudaAsyncOptions {
 /// rounded size; the release threshold is applied at each free rather than at each
 /// synchronization; it has no `maxSize` of its own (the resource's count is the maximum on
 /// both devices).
+///
+/// [`allocate_async`]: crate::AllocateAsync::allocate_async
 pub struct CudaAsyncResource {
     pool: AsyncPool,
     /// The most it hands out at once (`maximum_pool_size`); `None`: no limit of its own.
@@ -122,6 +135,12 @@ pub struct CudaAsyncResource {
     /// a lock. Std's locks: like the simulated device's own allocation table, loom need not
     /// model them (nothing else is done under them).
     sizes: SizeTable,
+    /// Tasks waiting for memory ([`allocate_async`](crate::AllocateAsync::allocate_async)),
+    /// notified by every free and trim, and by the GPU reaching a free issued while someone
+    /// waited. Shared with those completion callbacks, which may outlive the resource. A
+    /// review found the resource without one: a request at its maximum failed at once instead
+    /// of waiting for memory freed through it.
+    waiters: StdArc<MemoryWaiters>,
 }
 
 /// The shards of a [`CudaAsyncResource`]'s size table.
@@ -188,12 +207,7 @@ impl CudaAsyncResource {
                 maximum: options.maximum_pool_size,
             },
         )?;
-        let resource = Self {
-            pool,
-            maximum: options.maximum_pool_size,
-            allocated: AtomicUsize::new(0),
-            sizes: SizeTable::new(),
-        };
+        let resource = Self::over(pool, options.maximum_pool_size);
         if let Some(initial) = options.initial_pool_size.filter(|&n| n > 0) {
             let stream = device.create_stream()?;
             let ptr = resource.pool.alloc_async(initial, &stream)?;
@@ -251,12 +265,26 @@ impl CudaAsyncResource {
     ///
     /// Errors: [`Error::Driver`] if the driver has no pool for the device.
     pub fn default_pool(device: &Device) -> Result<Self> {
-        Ok(Self {
-            pool: AsyncPool::default_pool(device)?,
-            maximum: None,
+        Ok(Self::over(AsyncPool::default_pool(device)?, None))
+    }
+
+    /// A resource over `pool`, with nothing handed out yet.
+    fn over(pool: AsyncPool, maximum: Option<usize>) -> Self {
+        let resource = Self {
+            pool,
+            maximum,
             allocated: AtomicUsize::new(0),
             sizes: SizeTable::new(),
-        })
+            waiters: StdArc::new(MemoryWaiters::new()),
+        };
+        resource.note_maximum();
+        resource
+    }
+
+    /// Tells the queue the most any request can get, so that a newcomer larger than that
+    /// fails at once even while others wait.
+    fn note_maximum(&self) {
+        self.waiters.note_maximum(self.maximum_bytes());
     }
 
     /// A resource over an existing driver pool, made by other code (`cuMemPoolCreate`, or
@@ -269,13 +297,9 @@ impl CudaAsyncResource {
     /// `pool` is a live `CUmemoryPool` of `device`'s memory (device-located, of this device),
     /// and stays live as long as this resource and every allocation made through it.
     pub unsafe fn view(device: &Device, pool: cudarc::driver::sys::CUmemoryPool) -> Result<Self> {
-        Ok(Self {
-            // SAFETY: the caller's contract, passed on.
-            pool: unsafe { AsyncPool::view(device, pool) }?,
-            maximum: None,
-            allocated: AtomicUsize::new(0),
-            sizes: SizeTable::new(),
-        })
+        // SAFETY: the caller's contract, passed on.
+        let pool = unsafe { AsyncPool::view(device, pool) }?;
+        Ok(Self::over(pool, None))
     }
 
     /// The driver's handle of the pool, to give to code that allocates from it directly (CUDA
@@ -303,7 +327,10 @@ impl CudaAsyncResource {
     /// blocks on the GPU.
     pub fn trim_to(&self, keep_bytes: usize) -> Result<()> {
         let _span = tracing::debug_span!("trim", keep_bytes).entered();
-        self.pool.trim_to(keep_bytes)
+        self.pool.trim_to(keep_bytes)?;
+        // Memory went back to the device, which a request the driver refused may use.
+        self.waiters.notify();
+        Ok(())
     }
 
     /// Bytes of device memory the pool holds: in use and freed-but-kept
@@ -467,8 +494,46 @@ unsafe impl MemoryResource for CudaAsyncResource {
                 // took the free: a refused one leaves the count alone, or the maximum would
                 // stop holding. The size is the allocation's (the table's).
                 self.unreserve(size);
+                self.freed(stream);
                 Ok(())
             }
+        }
+    }
+
+    fn memory_waiters(&self) -> Option<&MemoryWaiters> {
+        Some(&self.waiters)
+    }
+}
+
+impl CudaAsyncResource {
+    /// A free through the resource was issued on `stream`: the first waiter tries again now
+    /// (the count fell, and the driver may reuse the memory in stream order at once), and, if
+    /// anyone waits, again once the GPU reaches the free, when the driver pool holds the
+    /// memory for any stream. Without that second wake a request refused by the driver (the
+    /// device out of memory) right after the free would sleep until the next one.
+    ///
+    /// Nothing is recorded while nobody waits, so the free's fast path costs one fence and a
+    /// load. Nor during a quiet give-back (the head waiter's own part of a set it could not
+    /// complete): the head would wake itself when the GPU got there, in a loop of failing
+    /// tries at the GPU's pace.
+    fn freed(&self, stream: &Stream) {
+        self.waiters.notify();
+        if self.waiters.is_empty() || self.waiters.is_quiet() {
+            return;
+        }
+        match stream.record() {
+            Ok(event) => {
+                let waiters = self.waiters.clone();
+                // Only wakes tasks: no CUDA call on the reactor thread, and the queue is
+                // dropped there at worst, which makes none either.
+                event.on_complete(Box::new(move |_| waiters.notify()));
+            }
+            // A stream being captured into a graph (or a device error): the waiter was
+            // notified above, and a later free notifies again.
+            Err(e) => tracing::debug!(
+                error = %e,
+                "CudaAsyncResource: no event after a free for its waiters"
+            ),
         }
     }
 }
