@@ -19,6 +19,7 @@ use streamalloc::resource::binning::BinningResource;
 use streamalloc::resource::cuda::CudaResource;
 use streamalloc::resource::cuda_async::{CudaAsyncOptions, CudaAsyncResource};
 use streamalloc::resource::fixed_size::FixedSizeResource;
+use streamalloc::resource::managed::ManagedResource;
 use streamalloc::{Device, DevicePtr, Error, MemoryResource, SimConfig, Stream};
 
 const KIB: usize = 1 << 10;
@@ -320,4 +321,52 @@ fn the_simulated_device_refuses_to_free_a_reservation() {
     let q = pool.allocate(4 * KIB, &stream).unwrap();
     free(&pool, q, 4 * KIB, &stream);
     pool.check_invariants().unwrap();
+}
+
+/// `ManagedResource` counts what it handed out to refuse allocations that would oversubscribe
+/// the device. A review found `deallocate` trusting the size it is given: a free with a wrong
+/// size (or of a pointer of another resource of the device) went to the driver and moved the
+/// count by that size, so the check let through what it is there to refuse. It now keeps a
+/// table as `CudaAsyncResource` does, refuses such frees with `UnknownPointer` before the
+/// driver, and counts back the allocation's own size.
+#[test]
+fn the_managed_resource_refuses_frees_of_memory_it_did_not_hand_out_and_keeps_its_count() {
+    let device = Device::simulated(SimConfig {
+        total_memory: 64 * MIB,
+        ..SimConfig::default()
+    });
+    let mr = ManagedResource::new(&device);
+    bad_frees_are_refused(&mr, &device, (64 * KIB, MIB), &|_| {});
+    assert_eq!(mr.outstanding_bytes(), 0);
+
+    let s = device.create_stream().unwrap();
+    let a = mr.allocate(40 * MIB, &s).unwrap();
+    let mut others = Vec::new();
+    // Another resource's allocation of the same device: not this resource's to free.
+    let theirs = CudaResource::new(&device).allocate(MIB, &s).unwrap();
+    refused(&mr, theirs, MIB, &s, "another resource's allocation");
+    // A wrong size, larger and smaller.
+    refused(&mr, a, 60 * MIB, &s, "40 MiB freed as 60 MiB");
+    refused(&mr, a, MIB, &s, "40 MiB freed as 1 MiB");
+    assert_eq!(
+        mr.outstanding_bytes(),
+        40 * MIB,
+        "a refused free moved the count"
+    );
+    // The count still refuses what would take it past the device.
+    let over = mr.allocate(30 * MIB, &s);
+    assert!(
+        matches!(over, Err(Error::OutOfMemory { .. })),
+        "30 MiB more beside 40 MiB on a 64 MiB device: {over:?}"
+    );
+    others.push(mr.allocate(8 * MIB, &s).unwrap());
+    // A size that rounds to the allocation's is its size.
+    free(&mr, a, 40 * MIB - 100, &s);
+    refused(&mr, a, 40 * MIB, &s, "a double free");
+    for ptr in others {
+        free(&mr, ptr, 8 * MIB, &s);
+    }
+    free(&CudaResource::new(&device), theirs, MIB, &s);
+    s.synchronize_blocking().unwrap();
+    assert_eq!(mr.outstanding_bytes(), 0);
 }

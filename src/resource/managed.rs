@@ -3,9 +3,11 @@
 
 use std::fmt;
 
+use rustc_hash::FxHashMap;
+
 use crate::device::{Device, DevicePtr};
 use crate::error::{Error, Result};
-use crate::resource::{check_stream, MemoryKind, MemoryResource};
+use crate::resource::{aligned_size, check_stream, MemoryKind, MemoryResource};
 use crate::stream::Stream;
 use crate::sync::{Arc, Mutex};
 
@@ -25,6 +27,16 @@ use crate::sync::{Arc, Mutex};
 ///   [`Error::OutOfMemory`] with those numbers instead of asking the driver. The check and the
 ///   allocation happen under one lock, so threads sharing this resource cannot race past it;
 ///   other resources and processes are not counted beyond what the device reports free;
+/// - **a free must name an allocation of this resource with its size.** It keeps a table of
+///   what it handed out (pointer → bytes) and refuses, with [`Error::UnknownPointer`] and
+///   before the driver is called, a free of a pointer it did not hand out (another
+///   resource's, one inside an allocation, one already freed) or with a size that does not
+///   round up (to 256 bytes) to the allocation's. The count falls by the allocation's size,
+///   never by the size a free names: without the table a wrong size moved the count by that
+///   size, and a count too low lets allocations through that oversubscribe the device,
+///   which the check above is there to prevent. The table costs a map operation under the
+///   lock that each allocation and free takes anyway, next to driver calls that cost far
+///   more (`cuMemFree` waits for the device);
 /// - `deallocate` is `cuMemFree`, which ignores stream order as in
 ///   [`CudaResource`](crate::resource::cuda::CudaResource): it waits for the device's pending
 ///   work, so the calling thread may block. The simulated device queues the free on the stream.
@@ -36,10 +48,20 @@ use crate::sync::{Arc, Mutex};
 /// there, only device operations can use it.
 pub struct ManagedResource {
     device: Device,
-    /// Bytes handed out and not yet given back. Read and updated, together with the driver
-    /// call it guards, only while the lock is held. Shared with frees handed to the
-    /// blocking-work thread, which count down once they have run.
-    outstanding: Arc<Mutex<usize>>,
+    /// What it handed out and the bytes of it not yet given back. Read and updated, together
+    /// with the driver call it guards, only while the lock is held. Shared with frees handed
+    /// to the blocking-work thread, which count down once they have run.
+    ledger: Arc<Mutex<Ledger>>,
+}
+
+/// What a [`ManagedResource`] handed out.
+#[derive(Default)]
+struct Ledger {
+    /// Bytes handed out and not yet given back (a free counts once it has run).
+    outstanding: usize,
+    /// Live allocations: pointer → bytes asked for. A pointer leaves when its free is
+    /// issued (so a second free is refused) and comes back if the driver refuses the free.
+    live: FxHashMap<u64, usize>,
 }
 
 impl ManagedResource {
@@ -47,14 +69,14 @@ impl ManagedResource {
     pub fn new(device: &Device) -> Self {
         Self {
             device: device.clone(),
-            outstanding: Arc::new(Mutex::new(0)),
+            ledger: Arc::new(Mutex::new(Ledger::default())),
         }
     }
 
     /// Bytes this resource has handed out and not yet got back (a free handed to the
     /// blocking-work thread counts until it has run).
     pub fn outstanding_bytes(&self) -> usize {
-        *self.outstanding.lock()
+        self.ledger.lock().outstanding
     }
 }
 
@@ -86,11 +108,11 @@ unsafe impl MemoryResource for ManagedResource {
             return Ok(DevicePtr(0));
         }
         let maximum = self.device.total_memory();
-        let mut outstanding = self.outstanding.lock();
+        let mut ledger = self.ledger.lock();
         let available = self
             .device
             .free_memory()?
-            .min(maximum.saturating_sub(*outstanding));
+            .min(maximum.saturating_sub(ledger.outstanding));
         if bytes > available {
             tracing::debug!(
                 requested = bytes,
@@ -105,7 +127,8 @@ unsafe impl MemoryResource for ManagedResource {
             });
         }
         let ptr = self.device.malloc_managed(bytes)?;
-        *outstanding += bytes;
+        ledger.outstanding += bytes;
+        ledger.live.insert(ptr.0, bytes);
         Ok(ptr)
     }
 
@@ -119,11 +142,31 @@ unsafe impl MemoryResource for ManagedResource {
             (0, _) | (_, 0) => return Err(Error::UnknownPointer { ptr: ptr.0, bytes }),
             _ => {}
         }
-        let (device, stream, outstanding) = (
-            self.device.clone(),
-            stream.clone(),
-            self.outstanding.clone(),
-        );
+        let unknown = Error::UnknownPointer { ptr: ptr.0, bytes };
+        // A size that cannot be rounded was never handed out.
+        let rounded = aligned_size(bytes).map_err(|_| unknown.clone())?;
+        // Out of the table first, so that two frees of one pointer racing each other cannot
+        // both reach the driver; put back if the driver refuses.
+        let size = {
+            let mut ledger = self.ledger.lock();
+            match ledger.live.get(&ptr.0) {
+                Some(&size) if aligned_size(size).ok() == Some(rounded) => {
+                    ledger.live.remove(&ptr.0);
+                    size
+                }
+                have => {
+                    tracing::debug!(
+                        ptr = format_args!("{:#x}", ptr.0),
+                        bytes,
+                        handed_out = have,
+                        "ManagedResource: a free of a pointer it did not hand out, or with \
+                         another size"
+                    );
+                    return Err(unknown);
+                }
+            }
+        };
+        let (device, stream, ledger) = (self.device.clone(), stream.clone(), self.ledger.clone());
         crate::device::run_blocking(
             &self.device,
             "cuMemFree (ManagedResource::deallocate)",
@@ -131,12 +174,19 @@ unsafe impl MemoryResource for ManagedResource {
                 // SAFETY: the caller's contract: `ptr` came from `allocate` (so from
                 // `Device::malloc_managed` of this device), is freed once, and its uses are
                 // ordered before this point of `stream`, so also before any later point (the
-                // blocking-work thread may free it later; nobody else uses it).
-                unsafe { super::cuda::free(&device, ptr, bytes, &stream) }?;
+                // blocking-work thread may free it later; nobody else uses it). The table
+                // just confirmed that it is a live allocation of this resource, of this size.
+                let freed = unsafe { super::cuda::free(&device, ptr, bytes, &stream) };
+                let mut ledger = ledger.lock();
+                if let Err(e) = freed {
+                    // Nothing was freed: the allocation is still live, and still counted.
+                    ledger.live.insert(ptr.0, size);
+                    return Err(e);
+                }
                 // Counted down only once freed, so the oversubscription check stays on the
-                // safe side while the free waits on the blocking-work thread.
-                let mut outstanding = outstanding.lock();
-                *outstanding = outstanding.saturating_sub(bytes);
+                // safe side while the free waits on the blocking-work thread; by the
+                // allocation's size (the table's), not the size the free named.
+                ledger.outstanding = ledger.outstanding.saturating_sub(size);
                 Ok(())
             },
         )
