@@ -412,3 +412,40 @@ fn cuda_async_allocate_async_waits_for_device_memory_freed_through_it() {
     s.synchronize_blocking().unwrap();
     other.synchronize_blocking().unwrap();
 }
+
+/// A maximum that is not a multiple of 256 holds at most its multiple below (every size is
+/// counted rounded up to 256): behind a waiter, a request of the maximum itself can never be
+/// served, and must fail at once instead of queueing until its turn.
+#[test]
+fn cuda_async_behind_a_waiter_a_request_of_an_unaligned_maximum_fails_at_once() {
+    let device = Device::simulated(SimConfig::default());
+    let resource = CudaAsyncResource::new(
+        &device,
+        CudaAsyncOptions {
+            maximum_pool_size: Some(1000),
+            ..CudaAsyncOptions::default()
+        },
+    )
+    .unwrap();
+    let s = device.create_stream().unwrap();
+    let held: Vec<DevicePtr> = (0..3)
+        .map(|_| resource.allocate(256, &s).unwrap())
+        .collect();
+    let (_flag, waker) = flag();
+    let mut cx = Context::from_waker(&waker);
+    let mut wait = Box::pin(resource.allocate_async(256, &s));
+    assert!(wait.as_mut().poll(&mut cx).is_pending());
+    let mut hopeless = Box::pin(resource.allocate_async(1000, &s));
+    match hopeless.as_mut().poll(&mut cx) {
+        Poll::Ready(Err(Error::OutOfMemory { requested, .. })) => assert_eq!(requested, 1000),
+        other => panic!("1,000 bytes (1,024 counted) under a maximum of 1,000 gave {other:?}"),
+    }
+    drop(hopeless);
+    drop(wait);
+    assert!(resource.memory_waiters().unwrap().is_empty());
+    for ptr in held {
+        // SAFETY: allocated above with 256 bytes on `s`, unused, freed once.
+        unsafe { resource.deallocate(ptr, 256, &s) }.unwrap();
+    }
+    s.synchronize_blocking().unwrap();
+}

@@ -282,9 +282,14 @@ impl CudaAsyncResource {
     }
 
     /// Tells the queue the most any request can get, so that a newcomer larger than that
-    /// fails at once even while others wait.
+    /// fails at once even while others wait: the maximum rounded down to 256 bytes, since
+    /// every request is counted rounded up (a maximum of 1,000 serves at most 768 bytes in
+    /// one request; a request of 1,000, behind a waiter, queued until its turn). Under 256,
+    /// nothing: no request ever fits, so none waits.
     fn note_maximum(&self) {
-        self.waiters.note_maximum(self.maximum_bytes());
+        let maximum = self.maximum_bytes();
+        self.waiters
+            .note_maximum(maximum - maximum % crate::resource::ALIGNMENT);
     }
 
     /// A resource over an existing driver pool, made by other code (`cuMemPoolCreate`, or
