@@ -106,9 +106,13 @@ pub struct CudaAsyncOptions {
 ///   in stream order at once), and, while someone waits, once more when the GPU reaches the
 ///   free (an event watched by the completion reactor: the driver pool holds the memory for
 ///   any stream then); so does [`trim_to`](Self::trim_to). A request larger than the maximum
-///   (rounded up to 256 bytes) can never fit and fails at once. Only frees through *this*
+///   (rounded down to 256 bytes) can never fit and fails at once. Only frees through *this*
 ///   resource wake its waiters: memory freed by other code, or through another resource over
-///   the same pool (two views of the default pool), does not;
+///   the same pool (two views of the default pool), does not. Nor does the GPU reaching a
+///   free issued while nobody waited (no event is recorded then, to keep the free's fast
+///   path one fence and a load): a request that the driver refuses in the moment between
+///   such a free and the GPU reaching it (the memory not back in the pool yet) waits for the
+///   next free through the resource, or its deadline;
 /// - dropping a resource made by [`new`](Self::new) destroys its pool. Memory still allocated
 ///   from it is released by the driver once freed, so drop every buffer made from it first;
 ///   buffers hold a [`ResourceRef`](crate::ResourceRef), so as long as they are made through
