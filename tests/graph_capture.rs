@@ -32,6 +32,14 @@ fn gpus(test: &str) -> Vec<Device> {
     gpus
 }
 
+/// The binary's tests take turns: during a global-mode capture the driver refuses every
+/// thread's "potentially unsafe" calls, and a refused call spoils the capture; the crate's own
+/// run relaxed, but another test's own (cudarc's `cuGraphInstantiate` in `end_capture`, say)
+/// do not (run154, where the tests ran side by side).
+fn one_capture_at_a_time() -> std::sync::MutexGuard<'static, ()> {
+    common::take_turns()
+}
+
 /// Runs `op` while `s` is captured (thread-local mode: the crate's reactor thread is not this
 /// one), and returns what it returned and what ending the capture gave.
 fn during_capture<T>(
@@ -82,6 +90,7 @@ fn capture_survived(
 /// captured event is illegal) and other streams wait on (which joins them to the capture).
 #[test]
 fn a_record_on_a_capturing_stream_is_refused() {
+    let _turn = one_capture_at_a_time();
     for gpu in gpus("a_record_on_a_capturing_stream_is_refused") {
         let s = gpu.create_stream().unwrap();
         let (r, graph) = during_capture(&s, || s.record());
@@ -100,6 +109,7 @@ fn a_record_on_a_capturing_stream_is_refused() {
 /// could not wait for captured work anyway (it runs only when the graph is launched).
 #[test]
 fn a_blocking_synchronize_of_a_capturing_stream_is_refused() {
+    let _turn = one_capture_at_a_time();
     for gpu in gpus("a_blocking_synchronize_of_a_capturing_stream_is_refused") {
         let s = gpu.create_stream().unwrap();
         let (r, graph) = during_capture(&s, || s.synchronize_blocking());
@@ -119,6 +129,7 @@ fn a_blocking_synchronize_of_a_capturing_stream_is_refused() {
 /// the capture ends with a graph, and `t` runs its work.
 #[test]
 fn another_streams_request_is_not_pulled_into_the_capture() {
+    let _turn = one_capture_at_a_time();
     for gpu in gpus("another_streams_request_is_not_pulled_into_the_capture") {
         let p = Arc::new(common::pool(&gpu, 8 * MIB, 64 * MIB));
         let (s, t) = (gpu.create_stream().unwrap(), gpu.create_stream().unwrap());
@@ -158,6 +169,7 @@ fn another_streams_request_is_not_pulled_into_the_capture() {
 /// capture. Refused, and served from a chunk grown for it instead.
 #[test]
 fn a_capturing_streams_request_for_another_streams_memory() {
+    let _turn = one_capture_at_a_time();
     for gpu in gpus("a_capturing_streams_request_for_another_streams_memory") {
         let p = Arc::new(common::pool(&gpu, 8 * MIB, 64 * MIB));
         let (s, u) = (gpu.create_stream().unwrap(), gpu.create_stream().unwrap());
@@ -180,6 +192,7 @@ fn a_capturing_streams_request_for_another_streams_memory() {
 /// capturing thread.
 #[test]
 fn a_growth_on_the_capturing_thread() {
+    let _turn = one_capture_at_a_time();
     for gpu in gpus("a_growth_on_the_capturing_thread") {
         let p = Arc::new(common::pool(&gpu, 2 * MIB, 64 * MIB));
         let s = gpu.create_stream().unwrap();
@@ -197,6 +210,7 @@ fn a_growth_on_the_capturing_thread() {
 /// capturing thread.
 #[test]
 fn an_expandable_growth_on_the_capturing_thread() {
+    let _turn = one_capture_at_a_time();
     use streamalloc::{ExpandableOptions, ExpandablePoolResource};
     for gpu in gpus("an_expandable_growth_on_the_capturing_thread") {
         let p = ExpandablePoolResource::new(
@@ -224,6 +238,7 @@ fn an_expandable_growth_on_the_capturing_thread() {
 /// fail for it nor spoil the capture.
 #[test]
 fn another_threads_growth_beside_a_global_capture() {
+    let _turn = one_capture_at_a_time();
     for gpu in gpus("another_threads_growth_beside_a_global_capture") {
         let p = Arc::new(common::pool(&gpu, 2 * MIB, 64 * MIB));
         let (s, t) = (gpu.create_stream().unwrap(), gpu.create_stream().unwrap());
@@ -247,6 +262,7 @@ fn another_threads_growth_beside_a_global_capture() {
 /// that promises nothing wrong.
 #[test]
 fn a_buffer_used_on_a_capturing_stream_dropped_during_the_capture() {
+    let _turn = one_capture_at_a_time();
     for gpu in gpus("a_buffer_used_on_a_capturing_stream_dropped_during_the_capture") {
         let p = Arc::new(common::pool(&gpu, 8 * MIB, 64 * MIB));
         let (s, t) = (gpu.create_stream().unwrap(), gpu.create_stream().unwrap());
@@ -263,6 +279,7 @@ fn a_buffer_used_on_a_capturing_stream_dropped_during_the_capture() {
 /// capture.
 #[test]
 fn a_cuda_resource_free_on_a_capturing_stream() {
+    let _turn = one_capture_at_a_time();
     for gpu in gpus("a_cuda_resource_free_on_a_capturing_stream") {
         let r = streamalloc::CudaResource::new(&gpu);
         let s = gpu.create_stream().unwrap();
@@ -282,6 +299,7 @@ fn a_cuda_resource_free_on_a_capturing_stream() {
 /// at each launch of the graph, on the stream it is launched on.
 #[test]
 fn the_crates_kernels_run_in_a_captured_graph() {
+    let _turn = one_capture_at_a_time();
     let rt = runtime();
     for gpu in gpus("the_crates_kernels_run_in_a_captured_graph") {
         let p = Arc::new(common::pool(&gpu, 8 * MIB, 64 * MIB));
@@ -307,21 +325,28 @@ fn the_crates_kernels_run_in_a_captured_graph() {
 /// invalidated the capture, in both modes (run151).
 #[test]
 fn calls_on_other_streams_during_a_capture() {
+    let _turn = one_capture_at_a_time();
     type Call = fn(&Stream, &Stream, &streamalloc::Event) -> streamalloc::Result<()>;
     let calls: [(&str, Call); 7] = [
-        ("allocate and free with cuMemAlloc/cuMemFree on another stream", |u, _, _| {
-            let r = streamalloc::CudaResource::new(u.device());
-            let p = r.allocate(MIB, u)?;
-            // SAFETY: from `r` with this size, unused.
-            unsafe { r.deallocate(p, MIB, u) }
-        }),
-        ("trim a pool whose memory another stream freed", |u, _, _| {
-            let p = common::pool(u.device(), 4 * MIB, 64 * MIB);
-            let a = p.allocate(16 * MIB, u)?;
-            // SAFETY: from `p` with this size, unused.
-            unsafe { p.deallocate(a, 16 * MIB, u) }?;
-            p.trim_blocking().map(drop)
-        }),
+        (
+            "allocate and free with cuMemAlloc/cuMemFree on another stream",
+            |u, _, _| {
+                let r = streamalloc::CudaResource::new(u.device());
+                let p = r.allocate(MIB, u)?;
+                // SAFETY: from `r` with this size, unused.
+                unsafe { r.deallocate(p, MIB, u) }
+            },
+        ),
+        (
+            "trim a pool whose memory another stream freed",
+            |u, _, _| {
+                let p = common::pool(u.device(), 4 * MIB, 64 * MIB);
+                let a = p.allocate(16 * MIB, u)?;
+                // SAFETY: from `p` with this size, unused.
+                unsafe { p.deallocate(a, 16 * MIB, u) }?;
+                p.trim_blocking().map(drop)
+            },
+        ),
         ("query a busy stream", |u, _, _| u.is_idle().map(drop)),
         ("record on another stream", |u, _, _| u.record().map(drop)),
         ("query an event of another stream", |_, _, e| {
@@ -373,6 +398,7 @@ fn calls_on_other_streams_during_a_capture() {
 /// capture (global mode forbids such calls on every thread; the reactor's thread is relaxed).
 #[test]
 fn an_awaited_event_completes_beside_a_global_capture() {
+    let _turn = one_capture_at_a_time();
     let rt = runtime();
     for gpu in gpus("an_awaited_event_completes_beside_a_global_capture") {
         let (s, u) = (gpu.create_stream().unwrap(), gpu.create_stream().unwrap());
@@ -393,6 +419,7 @@ fn an_awaited_event_completes_beside_a_global_capture() {
 /// calls, timed (printed; no threshold), beside a `cuStreamQuery` of an idle stream.
 #[test]
 fn what_relaxing_the_capture_mode_costs() {
+    let _turn = one_capture_at_a_time();
     for gpu in gpus("what_relaxing_the_capture_mode_costs") {
         let s = gpu.create_stream().unwrap();
         s.synchronize_blocking().unwrap();
@@ -426,6 +453,7 @@ fn what_relaxing_the_capture_mode_costs() {
 /// with that memory at each launch, and the pool is dropped after the graph's last launch.
 #[test]
 fn a_pool_of_the_captures_own_serves_it() {
+    let _turn = one_capture_at_a_time();
     let rt = runtime();
     for gpu in gpus("a_pool_of_the_captures_own_serves_it") {
         let private = Arc::new(common::pool(&gpu, 2 * MIB, 64 * MIB));
@@ -472,6 +500,7 @@ fn a_pool_of_the_captures_own_serves_it() {
 /// captured copy writes (a review's finding). Nothing leaks: the pool gets everything back.
 #[test]
 fn staged_copies_on_a_capturing_stream_are_refused() {
+    let _turn = one_capture_at_a_time();
     let rt = runtime();
     for gpu in gpus("staged_copies_on_a_capturing_stream_are_refused") {
         let p = Arc::new(common::pool(&gpu, 8 * MIB, 64 * MIB));
@@ -500,6 +529,7 @@ fn staged_copies_on_a_capturing_stream_are_refused() {
 /// a graph memory node (an address with memory only while the graph runs): refused.
 #[test]
 fn the_drivers_pool_refuses_a_capturing_stream() {
+    let _turn = one_capture_at_a_time();
     for gpu in gpus("the_drivers_pool_refuses_a_capturing_stream") {
         let r = common::primed_async_pool(&gpu, 8 * MIB);
         let s = gpu.create_stream().unwrap();
@@ -528,6 +558,7 @@ fn the_drivers_pool_refuses_a_capturing_stream() {
 /// (its chunk's guard is an event on that stream): no chunk is lost.
 #[test]
 fn an_arena_does_not_grow_on_a_capturing_stream() {
+    let _turn = one_capture_at_a_time();
     for gpu in gpus("an_arena_does_not_grow_on_a_capturing_stream") {
         let arena = common::arena(&gpu, 2 * MIB, 64 * MIB);
         let s = gpu.create_stream().unwrap();

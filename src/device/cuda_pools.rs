@@ -7,7 +7,7 @@ use std::ffi::c_void;
 
 use cudarc::driver::{result, sys};
 
-use super::cuda::{check, raw, CudaDevice, Handle, RawPool, RawStream};
+use super::cuda::{check, raw, with_capture_relaxed, CudaDevice, Handle, RawPool, RawStream};
 use crate::error::{Error, Result};
 
 impl CudaDevice {
@@ -43,7 +43,7 @@ impl CudaDevice {
         props.location.id = self.ordinal as i32;
         props.maxSize = max_size;
         // SAFETY: `props` is fully initialized above.
-        let pool = unsafe { result::mem_pool::create(&props) }
+        let pool = with_capture_relaxed(|| unsafe { result::mem_pool::create(&props) })
             .map(Handle)
             .map_err(|e| Error::driver("cuMemPoolCreate", e))?;
         if let Err(e) = self.set_pool_threshold(pool, release_threshold) {
@@ -123,18 +123,22 @@ impl CudaDevice {
     pub(crate) fn pool_trim(&self, pool: RawPool, keep: usize) -> Result<()> {
         self.ctx.bind()?;
         // SAFETY: the pool is live (its owner holds it).
-        check("cuMemPoolTrimTo", unsafe {
-            result::mem_pool::trim_to(pool.0, keep)
-        })
+        check(
+            "cuMemPoolTrimTo",
+            with_capture_relaxed(|| unsafe { result::mem_pool::trim_to(pool.0, keep) }),
+        )
     }
 
     /// `cuMemAllocFromPoolAsync`: `bytes` from `pool`, usable by work queued on `stream` after
-    /// this call.
+    /// this call. With the thread's capture mode relaxed, as the pool's other calls: during a
+    /// user's global-mode capture on any thread, `cuMemFreeAsync` on a stream that is not
+    /// captured failed with CUDA_ERROR_STREAM_CAPTURE_UNSUPPORTED and spoiled the capture
+    /// (run154). (A capturing stream is refused before: `AsyncPool`.)
     pub(crate) fn pool_alloc(&self, pool: RawPool, bytes: usize, stream: RawStream) -> Result<u64> {
         self.ctx.bind()?;
         // SAFETY: pool and stream are live (their owners hold them); the memory handed out is
         // uninitialized device memory, which only unsafe device operations can read.
-        unsafe { result::mem_pool::alloc_async(pool.0, bytes, stream.0) }
+        with_capture_relaxed(|| unsafe { result::mem_pool::alloc_async(pool.0, bytes, stream.0) })
             .map_err(|e| Error::driver("cuMemAllocFromPoolAsync", e))
     }
 
@@ -147,7 +151,7 @@ impl CudaDevice {
     pub(crate) unsafe fn destroy_pool(&self, pool: RawPool) {
         if self.ctx.bind().is_ok() {
             // SAFETY: the caller's contract.
-            let _ = unsafe { result::mem_pool::destroy(pool.0) };
+            let _ = with_capture_relaxed(|| unsafe { result::mem_pool::destroy(pool.0) });
         }
     }
 
@@ -162,8 +166,9 @@ impl CudaDevice {
     pub(crate) unsafe fn free_async(&self, ptr: u64, stream: RawStream) -> Result<()> {
         self.ctx.bind()?;
         // SAFETY: the caller's contract.
-        raw("cuMemFreeAsync", unsafe {
-            sys::cuMemFreeAsync(ptr, stream.0)
-        })
+        raw(
+            "cuMemFreeAsync",
+            with_capture_relaxed(|| unsafe { sys::cuMemFreeAsync(ptr, stream.0) }),
+        )
     }
 }
