@@ -17,7 +17,6 @@ use std::sync::atomic::Ordering::Relaxed;
 
 use rustc_hash::{FxHashMap, FxHashSet};
 
-use super::detector::Detector;
 use super::granules::{Granules, ADDRESS_SPACE};
 use super::host_bytes::HostBytes;
 use crate::error::{Error, Result};
@@ -124,9 +123,26 @@ pub(crate) struct SimMemory {
     /// short of memory can take what they keep, as the driver does
     /// ([`release_pools`](Self::release_pools)).
     pools: Mutex<Vec<Weak<SimPool>>>,
+    /// Told when a driver pool gives a block back to the device: the device's race detector,
+    /// if detection is on (set once, by the device, before any pool exists). A trait object,
+    /// not the detector's type: the detector names this module, not the other way round.
+    pool_releases: std::sync::OnceLock<Weak<dyn PoolReleases>>,
+}
+
+/// What wants to know that a driver pool gave a block back to the device (the race detector,
+/// which forgets the block past its bound of kept frees from then on).
+pub(crate) trait PoolReleases: Send + Sync {
+    /// The freed block at `ptr` went back to the device.
+    fn released_by_pool(&self, ptr: u64);
 }
 
 impl SimMemory {
+    /// Sets who is told when a driver pool gives a block back ([`PoolReleases`]); once,
+    /// before any pool is made on this memory.
+    pub(crate) fn tell_pool_releases_to(&self, listener: Weak<dyn PoolReleases>) {
+        let _ = self.pool_releases.set(listener);
+    }
+
     pub(crate) fn new(total: usize) -> Self {
         // Wraps back to the first range after about a million devices in one process: a
         // reuse of addresses far beyond what any test makes.
@@ -144,6 +160,7 @@ impl SimMemory {
                 end: start + DEVICE_SPAN,
             }),
             pools: Mutex::new(Vec::new()),
+            pool_releases: std::sync::OnceLock::new(),
         }
     }
 
@@ -660,7 +677,7 @@ struct PoolState {
     destroyed: bool,
     /// The device's race detector, if it is on: told when a kept block goes back to the
     /// device, so that it forgets the block as it forgets other frees.
-    detector: Option<Weak<Detector>>,
+    detector: Option<Weak<dyn PoolReleases>>,
 }
 
 impl PoolState {
@@ -713,7 +730,7 @@ impl SimPool {
     }
 
     fn new(memory: Arc<SimMemory>, release_threshold: u64, maximum: usize) -> Self {
-        let detector = super::detector::of_memory(&memory).map(|d| Arc::downgrade(&d));
+        let detector = memory.pool_releases.get().cloned();
         Self {
             memory,
             state: RwLock::new(PoolState {

@@ -54,7 +54,7 @@
 use std::collections::{BTreeMap, VecDeque};
 use std::sync::atomic::{AtomicU64, Ordering::Relaxed};
 
-use super::memory::SimMemory;
+use super::memory::{PoolReleases, SimMemory};
 use super::races::{MemoryAccess, Race, RaceDetection, RaceKind, RaceSite};
 use crate::device::DevicePtr;
 use crate::device::StreamId;
@@ -93,8 +93,11 @@ fn registry() -> PlainGuard<'static, Registry> {
     REGISTRY.lock().unwrap_or_else(|e| e.into_inner())
 }
 
-/// Makes `detector` (of the device whose memory is `memory`) findable by other devices'.
+/// Makes `detector` (of the device whose memory is `memory`) findable by other devices', and
+/// tells it when the memory's driver pools give blocks back.
 pub(crate) fn register(memory: &PlainArc<SimMemory>, detector: &PlainArc<Detector>) {
+    let listener: PlainArc<dyn PoolReleases> = detector.clone();
+    memory.tell_pool_releases_to(PlainArc::downgrade(&listener));
     let mut reg = registry();
     reg.retain(|(_, _, d)| d.strong_count() > 0);
     reg.push((
@@ -993,5 +996,11 @@ mod tests {
             segments <= KEPT_RAW_FREES,
             "{segments} segments kept for blocks the pool gave back"
         );
+    }
+}
+
+impl PoolReleases for Detector {
+    fn released_by_pool(&self, ptr: u64) {
+        Detector::released_by_pool(self, ptr)
     }
 }
