@@ -573,3 +573,52 @@ fn an_arena_does_not_grow_on_a_capturing_stream() {
         assert_eq!(arena.stats().reserved, before, "{}", label(&gpu));
     }
 }
+
+/// A pool dropped while a stream it served is being captured: the host cannot wait for that
+/// stream (its earlier work may still use the pool's memory), so the pool keeps its memory
+/// (leaked, logged) instead of freeing it under that work. Before, the drop ignored the
+/// refused synchronize and freed every chunk (a review's finding). The same for the expandable
+/// pool, whose reservation stays mapped.
+#[test]
+fn a_pool_dropped_during_a_capture_of_its_stream_keeps_its_memory() {
+    let _turn = one_capture_at_a_time();
+    use streamalloc::{ExpandableOptions, ExpandablePoolResource};
+    for gpu in gpus("a_pool_dropped_during_a_capture_of_its_stream_keeps_its_memory") {
+        const HELD: usize = 256 * MIB;
+        for expandable in [false, true] {
+            let s = gpu.create_stream().unwrap();
+            let pool: Box<dyn MemoryResource> = if expandable {
+                Box::new(
+                    ExpandablePoolResource::new(
+                        &gpu,
+                        ExpandableOptions {
+                            initial: HELD,
+                            reserve: Some(2 * HELD),
+                            ..ExpandableOptions::default()
+                        },
+                    )
+                    .unwrap(),
+                )
+            } else {
+                Box::new(common::pool(&gpu, HELD, 2 * HELD))
+            };
+            let a = pool.allocate(MIB, &s).unwrap();
+            s.spin(Duration::from_millis(5)).unwrap();
+            // SAFETY: from `pool` with this size on `s`, used on `s` only.
+            unsafe { pool.deallocate(a, MIB, &s) }.unwrap();
+            let before = gpu.free_memory().unwrap();
+            let ((), graph) = during_capture(&s, || drop(pool));
+            capture_survived("a pool's drop", &gpu, &s, graph);
+            let after = gpu.free_memory().unwrap();
+            println!(
+                "{}: expandable {expandable}: free memory {before} before the drop, {after} after",
+                label(&gpu)
+            );
+            assert!(
+                after < before + HELD / 2,
+                "{}: expandable {expandable}: the pool freed its memory under a capture of its stream ({before} -> {after} bytes free)",
+                label(&gpu)
+            );
+        }
+    }
+}

@@ -27,6 +27,8 @@ pub(crate) struct Reservation {
     size: usize,
     granule: usize,
     raw: Raw,
+    /// Left mapped at drop ([`keep_at_drop`](Self::keep_at_drop)).
+    kept: std::sync::atomic::AtomicBool,
 }
 
 impl fmt::Debug for Reservation {
@@ -120,6 +122,7 @@ impl Reservation {
             "reserved addresses"
         );
         Ok(Self {
+            kept: std::sync::atomic::AtomicBool::new(false),
             device: device.clone(),
             base,
             size,
@@ -194,8 +197,21 @@ impl Reservation {
     }
 }
 
+impl Reservation {
+    /// Leaves the range mapped and reserved when this is dropped (leaked): for a pool dropped
+    /// while work that may still use its memory cannot be waited for (a stream under a user's
+    /// graph capture). The simulated reservation is freed all the same (its memory is the
+    /// host's, and the simulated device faults an access to it with its address).
+    pub(crate) fn keep_at_drop(&self) {
+        self.kept.store(true, std::sync::atomic::Ordering::Relaxed);
+    }
+}
+
 impl Drop for Reservation {
     fn drop(&mut self) {
+        if self.kept.load(std::sync::atomic::Ordering::Relaxed) {
+            return;
+        }
         // The simulated reservation unmaps and frees itself when dropped.
         if let (Raw::Cuda(r), Backend::Cuda(d)) = (&self.raw, self.device.backend()) {
             // SAFETY: the owner's contract (the type's docs): no work uses the range any more,

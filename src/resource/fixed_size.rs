@@ -202,8 +202,8 @@ unsafe impl<U: MemoryResource> MemoryResource for FixedSizeResource<U> {
 impl<U: MemoryResource> Drop for FixedSizeResource<U> {
     fn drop(&mut self) {
         MemoryWaiters::unstack_from(&self.waiters, &self.upstream);
-        for stream in self.heap.streams() {
-            let _ = stream.synchronize_blocking();
+        if !super::wait_for_streams_at_drop("FixedSizeResource", self.heap.streams()) {
+            return;
         }
         for (base, size) in std::mem::take(&mut *self.chunks.lock()) {
             // SAFETY: as in `PoolResource`'s Drop: nothing is handed out any more and every

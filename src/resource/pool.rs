@@ -797,8 +797,8 @@ impl<U: MemoryResource> Drop for PoolResource<U> {
         MemoryWaiters::unstack_from(&self.waiters, &self.upstream);
         // Frees may still be queued on the streams the lists belong to: let them run, then give
         // every chunk back on our own stream.
-        for stream in self.heap.streams() {
-            let _ = stream.synchronize_blocking();
+        if !super::wait_for_streams_at_drop("PoolResource", self.heap.streams()) {
+            return;
         }
         let chunks = std::mem::take(&mut *self.chunks.lock());
         for (base, size) in chunks {

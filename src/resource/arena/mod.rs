@@ -527,18 +527,15 @@ impl<U: MemoryResource> Drop for ArenaResource<U> {
         // Frees may still be queued on the streams the arenas belong to, or on the streams that
         // guard free regions: let them run, then give every chunk back on our own stream.
         let arenas = std::mem::take(&mut *self.registry.lock());
+        let mut streams = Vec::new();
         for arena in arenas.values() {
-            let _ = arena.stream.synchronize_blocking();
-            let remote: Vec<Stream> = arena
-                .state
-                .lock()
-                .remote
-                .iter()
-                .map(|r| r.stream.clone())
-                .collect();
-            for stream in remote {
-                let _ = stream.synchronize_blocking();
-            }
+            streams.push(arena.stream.clone());
+            streams.extend(arena.state.lock().remote.iter().map(|r| r.stream.clone()));
+        }
+        if !super::wait_for_streams_at_drop("ArenaResource", streams) {
+            // Kept: the stream arenas (and the lent superblocks holding them) go, the chunks
+            // stay allocated.
+            return;
         }
         let mut global = std::mem::replace(&mut *self.global.lock(), Global::new());
         for region in global.regions.values() {

@@ -555,9 +555,10 @@ unsafe impl MemoryResource for ExpandablePoolResource {
 impl Drop for Inner {
     fn drop(&mut self) {
         // Frees may still be queued on the streams the pool holds: let them run before the
-        // reservation (dropped after this) unmaps everything.
-        for stream in self.core.heap.streams() {
-            let _ = stream.synchronize_blocking();
+        // reservation (dropped after this) unmaps everything; or, if one cannot be waited for
+        // (a graph capture), the reservation stays mapped.
+        if !super::wait_for_streams_at_drop("ExpandablePoolResource", self.core.heap.streams()) {
+            self.core.backing.keep_at_drop();
         }
     }
 }
