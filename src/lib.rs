@@ -171,8 +171,8 @@ pub use bytemuck::Pod;
 pub use cudarc;
 
 /// The loom models (`loom-tests/`), compiled into the crate so they reach its internals. Run
-/// them with `RUSTFLAGS="--cfg streamalloc_loom" cargo test --release --lib loom_tests` (see
-/// loom-tests/README.md); without the cfg this module does not exist.
+/// them with `RUSTFLAGS="--cfg streamalloc_loom" cargo test --release -p streamalloc --lib
+/// loom_tests` (see loom-tests/README.md); without the cfg this module does not exist.
 #[cfg(all(test, streamalloc_loom))]
 #[path = "../loom-tests/mod.rs"]
 mod loom_tests;
