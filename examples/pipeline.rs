@@ -233,13 +233,13 @@ async fn run() -> Result<(), BoxError> {
     let pool_bytes = lanes[0].pool.stats().reserved;
     println!(
         "{} batches of 2 x {} f32 over {} device(s), {STREAMS} streams each, from \
-         one pool of {} MiB per device ({POOL_BATCHES} batches at a time): filled, scaled and \
-         copied back {} MiB in {elapsed:.1?}; all values correct",
+         one pool of {} per device ({POOL_BATCHES} batches at a time): filled, scaled and \
+         copied back {} in {elapsed:.1?}; all values correct",
         batches(),
         floats(),
         lanes.len(),
-        pool_bytes >> 20,
-        (batches() * floats() * size_of::<f32>()) >> 20,
+        human(pool_bytes),
+        human(batches() * floats() * size_of::<f32>()),
     );
     for lane in &lanes {
         let how = if lane.scale.is_some() {
@@ -354,6 +354,19 @@ async fn batch(lane: Arc<Lane>, i: usize) -> Result<(), BoxError> {
         .into());
     }
     Ok(())
+}
+
+/// `bytes` for a summary line: whole MiB as `8 MiB`, other sizes from 1 MiB up with one
+/// decimal, smaller ones in KiB (`--floats 4096` made the pool "0 MiB").
+fn human(bytes: usize) -> String {
+    const MIB: usize = 1 << 20;
+    if bytes >= MIB && bytes.is_multiple_of(MIB) {
+        format!("{} MiB", bytes / MIB)
+    } else if bytes >= MIB {
+        format!("{:.1} MiB", bytes as f64 / MIB as f64)
+    } else {
+        format!("{} KiB", bytes.div_ceil(1024))
+    }
 }
 
 fn print_stats(pool: &Pool) {
