@@ -125,6 +125,11 @@ fn phases<R: MemoryResource>(
     let start = Instant::now();
     let released = trim(r)?;
     let trim_ms = start.elapsed().as_secs_f64() * 1e3;
+    // The simulated device queues a `cuMemFree` on the stream it is given (a GPU frees at once):
+    // let the pool's chunk frees run before the device's free memory is read.
+    for s in streams {
+        s.synchronize_blocking()?;
+    }
     let free_after = device.free_memory()?;
     let figures = Figures {
         live_peak,
