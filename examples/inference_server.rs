@@ -13,9 +13,10 @@
 //! timed out (503), wrong or other; `waits for memory` above zero (the pool really was short:
 //! the demand line shows several times the pool) and the peak in use close to the pool's size.
 //! Anything unexpected is listed and makes the exit status 1. `--requests`, `--concurrency`,
-//! `--pool-mib`, `--deadline-secs` change the load (`--help` lists all). On the simulated device
-//! (no GPU) the release build takes about 2 s on 2 cores; a debug build is some 40 times slower
-//! (the simulated device copies byte by byte), so give it `--requests 200`.
+//! `--pool-mib`, `--deadline-secs` change the load, `--resource expandable` serves from an
+//! `ExpandablePoolResource` instead of the `PoolResource` (`--help` lists all). On the
+//! simulated device (no GPU) the release build takes about 2 s on 2 cores; a debug build is
+//! some 40 times slower (the simulated device copies byte by byte), so give it `--requests 200`.
 //!
 //! To serve (until Ctrl-C, or `--max-requests N`):
 //!
