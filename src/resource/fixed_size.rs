@@ -168,14 +168,17 @@ unsafe impl<U: MemoryResource> MemoryResource for FixedSizeResource<U> {
         if bytes as u64 > self.block || !ptr.0.is_multiple_of(ALIGNMENT as u64) {
             return Err(Error::UnknownPointer { ptr: ptr.0, bytes });
         }
-        // Before the block is back in a list, from where another thread may hand it out again.
-        self.device.note_free(ptr, self.block as usize, stream);
-        if !self.heap.give(ptr.0, self.block, stream) {
-            return Err(Error::UnknownPointer { ptr: ptr.0, bytes });
-        }
-        // A block came back: a task waiting in `allocate_async` may take it.
-        self.waiters.notify();
-        Ok(())
+        // Noted before the block is back in a list, from where another thread may hand it out
+        // again; a race's panic (the `Panic` mode) comes once it is back.
+        self.device
+            .note_free_then(ptr, self.block as usize, stream, || {
+                if !self.heap.give(ptr.0, self.block, stream) {
+                    return Err(Error::UnknownPointer { ptr: ptr.0, bytes });
+                }
+                // A block came back: a task waiting in `allocate_async` may take it.
+                self.waiters.notify();
+                Ok(())
+            })
     }
 
     fn memory_waiters(&self) -> Option<&MemoryWaiters> {

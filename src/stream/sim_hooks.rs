@@ -40,11 +40,39 @@ impl Device {
     /// it: every use of the block must be ordered before it, and a later use is a use after
     /// free. A no-op on CUDA and when the detector is off; another device's stream is
     /// dropped with a warning, as for [`note_allocation`](Self::note_allocation).
+    ///
+    /// In the `Panic` mode a race panics here, before your resource has taken the block back:
+    /// a caller that catches the panic finds the block still out. The crate's own resources
+    /// put the block back first and panic after.
     #[inline]
     pub fn note_free(&self, ptr: DevicePtr, bytes: usize, stream: &Stream) {
-        if let Some((d, s)) = self.sim_with(stream, ptr, bytes, "note_free") {
-            d.note_free(ptr.0, bytes, s);
+        self.note_free_then(ptr, bytes, stream, || ());
+    }
+
+    /// [`note_free`](Self::note_free) for the crate's resources: the free is noted now (before
+    /// the block is back where another thread may hand it out again), then `give` puts it
+    /// back (and wakes whoever waits for memory), and only then does a race panic, in the
+    /// `Panic` mode. A panic at the note itself left the block out of its resource for good:
+    /// a test that caught the panic of a buffer dropped without `record_stream` (a task
+    /// runtime does) found the pool a block short, and an allocation waiting for it waited
+    /// forever (a review's finding).
+    #[inline]
+    pub(crate) fn note_free_then<R>(
+        &self,
+        ptr: DevicePtr,
+        bytes: usize,
+        stream: &Stream,
+        give: impl FnOnce() -> R,
+    ) -> R {
+        let race = match self.sim_with(stream, ptr, bytes, "note_free") {
+            Some((d, s)) => d.note_free(ptr.0, bytes, s),
+            None => None,
+        };
+        let given = give();
+        if let Some((races, race)) = race {
+            let _ = races.settle(Some(race), false);
         }
+        given
     }
 
     /// The simulated device and `stream`'s simulated stream, when the detector is on and the

@@ -6,10 +6,11 @@
 //! a no-op. The hooks that take a stream are the stream layer's (`stream/sim_hooks.rs`); the
 //! simulated device's side of them is here.
 
-use super::detector::Reuse;
+use super::detector::{Detector, Reuse};
 use super::races::{Race, RaceDetection};
 use super::SimDevice;
 use crate::device::{Backend, Device};
+use crate::sync::plain::Arc as PlainArc;
 
 impl Device {
     /// The stream-order races the simulated device has found so far (see
@@ -52,11 +53,17 @@ impl SimDevice {
         }
     }
 
-    /// The detector's side of [`Device::note_free`](crate::Device::note_free).
-    pub(crate) fn note_free(&self, ptr: u64, bytes: usize, stream: &super::SimStream) {
-        if let Some((races, idx)) = stream.races() {
-            let race = races.free(Some(idx), ptr, Some(bytes), false, false);
-            let _ = races.settle(race, false);
-        }
+    /// The detector's side of [`Device::note_free`](crate::Device::note_free): the race it
+    /// found (recorded and logged already), with the detector to settle it once the caller
+    /// has put the block back.
+    pub(crate) fn note_free(
+        &self,
+        ptr: u64,
+        bytes: usize,
+        stream: &super::SimStream,
+    ) -> Option<(PlainArc<Detector>, Race)> {
+        let (races, idx) = stream.races()?;
+        let race = races.free(Some(idx), ptr, Some(bytes), false, false)?;
+        Some((races.clone(), race))
     }
 }

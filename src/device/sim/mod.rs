@@ -261,14 +261,21 @@ impl SimDevice {
 
     /// `cuMemFree`: every use must be ordered before what the host has seen complete (or the
     /// crate has: see the detector's module docs).
+    /// Noted before the memory is freed (and another thread may allocate it again); a race's
+    /// panic (the `Panic` mode) comes once it is freed, so that a caller that catches it has
+    /// not lost the memory.
     pub(crate) fn free_now(&self, ptr: u64) -> Result<()> {
-        if let Some(races) = &self.races {
-            if self.memory.is_allocation(ptr) {
-                let race = races.free(None, ptr, None, true, false);
-                races.settle(race, false)?;
+        let race = match &self.races {
+            Some(races) if self.memory.is_allocation(ptr) => {
+                races.free(None, ptr, None, true, false)
             }
+            _ => None,
+        };
+        let freed = self.memory.free(ptr);
+        if let Some(races) = &self.races {
+            races.settle(race, false)?;
         }
-        self.memory.free(ptr)
+        freed
     }
 }
 

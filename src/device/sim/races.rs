@@ -38,8 +38,9 @@ pub enum RaceDetection {
     /// block) panics at once, with both sites in the message: the stack trace points at the
     /// bug. A racing operation on memory is not queued, as in `Error` (queued, a copy would
     /// write into host memory that the panic frees as it unwinds the caller: a test that
-    /// catches the panic would corrupt its heap). A thread that is already panicking only
-    /// records. A race found on the completion
+    /// catches the panic would corrupt its heap). A racing free panics once the memory is
+    /// back (in the crate's resources, or freed on the device), so a caller that catches the
+    /// panic has lost nothing. A thread that is already panicking only records. A race found on the completion
     /// reactor's thread (a deferred free) is caught there and logged, so check
     /// [`Device::races`](crate::Device::races) at the end of a test as well.
     Panic,

@@ -496,19 +496,21 @@ unsafe impl<U: MemoryResource> MemoryResource for ArenaResource<U> {
         if !ptr.0.is_multiple_of(ALIGNMENT as u64) {
             return Err(Error::UnknownPointer { ptr: ptr.0, bytes });
         }
-        // Before the block is back in the arena, from where another thread may hand it out.
-        self.device.note_free(ptr, size as usize, stream);
-        if size <= self.superblock {
-            self.free_small(ptr.0, size, stream)
-        } else {
-            self.free_large(ptr.0, size, stream)
-        }
-        .map_err(|e| match e {
-            Error::UnknownPointer { ptr, .. } => Error::UnknownPointer { ptr, bytes },
-            other => other,
-        })?;
-        self.waiters.notify();
-        Ok(())
+        // Noted before the block is back in the arena, from where another thread may hand it
+        // out; a race's panic (the `Panic` mode) comes once it is back.
+        self.device.note_free_then(ptr, size as usize, stream, || {
+            if size <= self.superblock {
+                self.free_small(ptr.0, size, stream)
+            } else {
+                self.free_large(ptr.0, size, stream)
+            }
+            .map_err(|e| match e {
+                Error::UnknownPointer { ptr, .. } => Error::UnknownPointer { ptr, bytes },
+                other => other,
+            })?;
+            self.waiters.notify();
+            Ok(())
+        })
     }
 
     fn memory_waiters(&self) -> Option<&MemoryWaiters> {

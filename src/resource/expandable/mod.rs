@@ -533,14 +533,16 @@ unsafe impl MemoryResource for ExpandablePoolResource {
         if !ptr.0.is_multiple_of(super::ALIGNMENT as u64) || !inner.core.is_mapped(ptr.0, size) {
             return Err(Error::UnknownPointer { ptr: ptr.0, bytes });
         }
-        // Before the block is back in a list, from where another thread may hand it out again.
-        inner.device.note_free(ptr, size as usize, stream);
-        if !inner.core.heap.give(ptr.0, size, stream) {
-            return Err(Error::UnknownPointer { ptr: ptr.0, bytes });
-        }
-        inner.waiters.notify();
-        inner.maybe_release(size);
-        Ok(())
+        // Noted before the block is back in a list, from where another thread may hand it out
+        // again; a race's panic (the `Panic` mode) comes once it is back.
+        inner.device.note_free_then(ptr, size as usize, stream, || {
+            if !inner.core.heap.give(ptr.0, size, stream) {
+                return Err(Error::UnknownPointer { ptr: ptr.0, bytes });
+            }
+            inner.waiters.notify();
+            inner.maybe_release(size);
+            Ok(())
+        })
     }
 
     fn memory_waiters(&self) -> Option<&MemoryWaiters> {
