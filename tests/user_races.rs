@@ -402,3 +402,58 @@ fn panic_at_a_racing_free_loses_nothing_in_any_resource() {
         Arc::new(ExpandablePoolResource::new(&device, ExpandableOptions::default()).unwrap());
     racing_free_loses_nothing(&device, &expandable);
 }
+
+/// `SimConfig::default()`'s mode: `STREAMALLOC_RACE_DETECTION` if set, else `Panic` in a
+/// build with debug assertions and `Record` in one without.
+#[test]
+fn default_mode() {
+    let expected = match std::env::var("STREAMALLOC_RACE_DETECTION").ok().as_deref() {
+        Some("off") => RaceDetection::Off,
+        Some("record") => RaceDetection::Record,
+        Some("error") => RaceDetection::Error,
+        Some("panic") => RaceDetection::Panic,
+        _ if cfg!(debug_assertions) => RaceDetection::Panic,
+        _ => RaceDetection::Record,
+    };
+    let device = Device::simulated(SimConfig::default());
+    assert_eq!(device.race_detection(), expected);
+}
+
+/// Panic mode, a racing free deferred to the completion reactor (a use recorded on `b`, one
+/// on `c` forgotten): the race is in `Device::races()` (the panic is caught on the reactor's
+/// thread) and the block is back in the pool.
+#[test]
+fn deferred_racing_free_is_recorded_and_loses_nothing() {
+    let device = device(RaceDetection::Panic);
+    let (a, b) = two(&device);
+    let c = device.create_stream().unwrap();
+    let p = pool(&device);
+    let mut buf = DeviceBuffer::new(&p, 4096, &a).unwrap();
+    let ready = a.record().unwrap();
+    b.wait(&ready).unwrap();
+    c.wait(&ready).unwrap();
+    b.spin(std::time::Duration::from_millis(20)).unwrap();
+    b.declare_access(buf.as_ptr(), 4096, MemoryAccess::Read, "kb")
+        .unwrap();
+    c.declare_access(buf.as_ptr(), 4096, MemoryAccess::Read, "kc")
+        .unwrap();
+    buf.record_stream(&b).unwrap();
+    drop(buf); // freed on `a` after `b`'s event: not ordered after `kc`
+    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(30);
+    while device.races().is_empty() && std::time::Instant::now() < deadline {
+        std::thread::sleep(std::time::Duration::from_millis(1));
+    }
+    let race = one(&device);
+    assert_eq!(race.kind, RaceKind::FreedWhileInUse, "{race}");
+    assert_eq!((race.earlier.op, race.earlier.stream), ("kc", Some(c.id())));
+    for s in [&a, &b, &c] {
+        s.synchronize_blocking().unwrap();
+    }
+    // The reactor puts the block back just after it notes the race: wait for it.
+    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(30);
+    while p.stats().free != p.stats().reserved && std::time::Instant::now() < deadline {
+        std::thread::sleep(std::time::Duration::from_millis(1));
+    }
+    let stats = p.stats();
+    assert_eq!(stats.free, stats.reserved, "{stats:?}");
+}
