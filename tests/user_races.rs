@@ -457,3 +457,13 @@ fn deferred_racing_free_is_recorded_and_loses_nothing() {
     let stats = p.stats();
     assert_eq!(stats.free, stats.reserved, "{stats:?}");
 }
+
+/// Panic mode through a `LimitingAdaptor`: the racing free's panic comes out of the upstream's
+/// `deallocate` with the block back there; the adaptor's budget must come back with it.
+#[test]
+fn panic_at_a_racing_free_under_a_limit_returns_the_budget() {
+    use streamalloc::resource::adaptor::LimitingAdaptor;
+    let device = device(RaceDetection::Panic);
+    let limited = Arc::new(LimitingAdaptor::new(pool(&device), 4096));
+    racing_free_loses_nothing(&device, &limited);
+}

@@ -270,6 +270,18 @@ impl<U: MemoryResource> Drop for LimitingAdaptor<U> {
     }
 }
 
+/// Gives `.2` bytes back to the limit when dropped: dropped only by an unwind out of the
+/// upstream's `deallocate` (forgotten otherwise).
+struct ReleaseOnUnwind<'a>(&'a Limit, &'a MemoryWaiters, usize);
+
+impl Drop for ReleaseOnUnwind<'_> {
+    fn drop(&mut self) {
+        if self.2 > 0 {
+            self.0.release(self.2, self.1);
+        }
+    }
+}
+
 // SAFETY: every allocation is the upstream's (itself a `MemoryResource`), passed on unchanged;
 // the adaptor only refuses past its limit.
 unsafe impl<U: MemoryResource> MemoryResource for LimitingAdaptor<U> {
@@ -292,12 +304,24 @@ unsafe impl<U: MemoryResource> MemoryResource for LimitingAdaptor<U> {
     }
 
     unsafe fn deallocate(&self, ptr: DevicePtr, bytes: usize, stream: &Stream) -> Result<()> {
+        // `bytes` was accepted by `allocate`, so rounding it cannot overflow.
+        let size = if bytes > 0 {
+            aligned_size(bytes).unwrap_or(bytes)
+        } else {
+            0
+        };
+        // The simulated device's race detector, in its `Panic` mode, panics out of the
+        // upstream's `deallocate` once the block is back there (a free not ordered after a
+        // use): the budget goes back too, or a caller that caught the panic found the limit a
+        // block short for good (a review's finding).
+        let on_unwind = ReleaseOnUnwind(&self.limit, &self.waiters, size);
         // SAFETY: the caller's contract, passed on: `ptr` came from our `allocate`, which is the
         // upstream's with the same `bytes`.
-        unsafe { self.upstream.deallocate(ptr, bytes, stream) }?;
-        if bytes > 0 {
-            // `bytes` was accepted by `allocate`, so rounding it cannot overflow.
-            (self.limit).release(aligned_size(bytes).unwrap_or(bytes), &self.waiters);
+        let freed = unsafe { self.upstream.deallocate(ptr, bytes, stream) };
+        std::mem::forget(on_unwind);
+        freed?;
+        if size > 0 {
+            (self.limit).release(size, &self.waiters);
         }
         Ok(())
     }
