@@ -467,3 +467,26 @@ fn panic_at_a_racing_free_under_a_limit_returns_the_budget() {
     let limited = Arc::new(LimitingAdaptor::new(pool(&device), 4096));
     racing_free_loses_nothing(&device, &limited);
 }
+
+/// A declared access after a raw `free`: a use after free, refused in the `Error` mode; a
+/// zero-byte declaration touches nothing.
+#[test]
+fn declared_use_after_a_raw_free() {
+    let device = device(RaceDetection::Error);
+    let a = device.create_stream().unwrap();
+    let ptr = device.malloc(1024).unwrap();
+    a.declare_access(ptr, 0, MemoryAccess::Write, "nothing")
+        .unwrap();
+    a.declare_access(ptr, 1024, MemoryAccess::Write, "k")
+        .unwrap();
+    a.synchronize_blocking().unwrap();
+    unsafe { device.free(ptr).unwrap() };
+    match a.declare_access(ptr, 1024, MemoryAccess::Read, "late") {
+        Err(Error::StreamRace(race)) => {
+            assert_eq!(race.kind, RaceKind::UseAfterFree, "{race}");
+            assert_eq!(race.at.op, "late");
+            assert_eq!(race.block.and_then(|b| b.freed), Some(race.earlier));
+        }
+        other => panic!("{other:?}"),
+    }
+}
