@@ -175,6 +175,8 @@ fn an_event_never_reads_complete_before_the_work_in_front_of_it() {
 /// the graph, on any stream, and complete the stream's pending events early. Here the graph
 /// is launched on another stream while an event of the captured stream waits behind a 300 ms
 /// kernel. Fails with the capture check removed from `Stream::record` (a review's finding).
+/// Since the seventeenth session the record itself is refused during the capture
+/// (`Error::StreamCapturing`, `tests/graph_capture.rs`), which queues no write either.
 #[test]
 fn a_graph_captured_from_a_stream_does_not_complete_its_events() {
     let _turn = take_turns();
@@ -202,7 +204,10 @@ fn a_graph_captured_from_a_stream_does_not_complete_its_events() {
     let mut graph: sys::CUgraph = std::ptr::null_mut();
     // SAFETY: ends the capture begun above, writing the graph.
     assert_eq!(unsafe { sys::cuStreamEndCapture(raw, &mut graph) }, ok);
-    let captured = captured.expect("a record while capturing");
+    assert!(
+        matches!(captured, Err(streamalloc::Error::StreamCapturing { .. })),
+        "a record while capturing: {captured:?}"
+    );
     let mut exec: sys::CUgraphExec = std::ptr::null_mut();
     // SAFETY: a graph just captured; writes one executable graph.
     assert_eq!(
@@ -223,7 +228,6 @@ fn a_graph_captured_from_a_stream_does_not_complete_its_events() {
     }
     stream.synchronize_blocking().unwrap();
     assert!(pending.is_complete());
-    drop(captured);
     // SAFETY: both ours, launched and finished (`other` is synchronized).
     unsafe {
         sys::cuGraphExecDestroy(exec);
