@@ -11,7 +11,7 @@ mod common;
 use std::sync::Arc;
 use std::time::Duration;
 
-use common::{devices, label, runtime};
+use common::{label, runtime};
 use cudarc::driver::{CudaContext, LaunchConfig, PushKernelArg};
 use streamalloc::{Device, DeviceVec, Error, Stream};
 
@@ -19,16 +19,9 @@ const MIB: usize = 1 << 20;
 /// The crate's own kernels, loaded a second time through cudarc as a user's module.
 const PTX: &str = include_str!("../kernels/streamalloc.ptx");
 
-/// The CUDA devices of `common::devices` (GPU 0 when there is one), or a printed reason.
+/// The CUDA devices of `common::devices`, or a printed reason.
 fn gpus(test: &str) -> Vec<Device> {
-    let gpus: Vec<Device> = devices()
-        .into_iter()
-        .filter(|d| !d.is_simulated())
-        .collect();
-    if gpus.is_empty() {
-        println!("{test}: skipped, no GPU: cudarc cannot run on the simulated device");
-    }
-    gpus
+    common::gpus(test, "cudarc cannot run on the simulated device")
 }
 
 /// A user's kernel (the fill kernel, loaded through cudarc in the device's context) launched

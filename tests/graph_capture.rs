@@ -14,7 +14,7 @@ mod common;
 use std::sync::Arc;
 use std::time::Duration;
 
-use common::{devices, label, runtime};
+use common::{label, runtime};
 use cudarc::driver::{sys, CudaGraph, DriverError};
 use streamalloc::{Device, DeviceVec, Error, MemoryResource, Stream};
 
@@ -22,14 +22,7 @@ const MIB: usize = 1 << 20;
 
 /// The CUDA devices of `common::devices`, or a printed reason.
 fn gpus(test: &str) -> Vec<Device> {
-    let gpus: Vec<Device> = devices()
-        .into_iter()
-        .filter(|d| !d.is_simulated())
-        .collect();
-    if gpus.is_empty() {
-        println!("{test}: skipped, no GPU: the simulated device has no graph capture");
-    }
-    gpus
+    common::gpus(test, "the simulated device has no graph capture")
 }
 
 /// The binary's tests take turns: during a global-mode capture the driver refuses every

@@ -14,6 +14,19 @@ use streamalloc::resource::cuda_async::{CudaAsyncOptions, CudaAsyncResource};
 use streamalloc::resource::pool::{PoolOptions, PoolResource};
 use streamalloc::{CudaOptions, Device, DevicePtr, Faults, MemoryResource, SimConfig, Stream};
 
+/// The CUDA devices of [`devices`] (GPU 0 when there is one), for a test that only a GPU can
+/// run; without one, empty, and the test (`test`) says it checked nothing and why (`why`).
+pub fn gpus(test: &str, why: &str) -> Vec<Device> {
+    let gpus: Vec<Device> = devices()
+        .into_iter()
+        .filter(|d| !d.is_simulated())
+        .collect();
+    if gpus.is_empty() {
+        println!("{test}: skipped, no GPU: {why}");
+    }
+    gpus
+}
+
 /// The simulated device, plus CUDA device 0 when there is one.
 pub fn devices() -> Vec<Device> {
     let mut devices = vec![Device::simulated(SimConfig::default())];
