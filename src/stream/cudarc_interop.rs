@@ -46,7 +46,12 @@ impl Stream {
     /// after the graph's last launch, or give the capture a pool of its own (as PyTorch's
     /// graph-private pools): a pool that only the capturing stream uses never needs to order
     /// one stream after another, so its requests during the capture are served from its free
-    /// memory or by growing.
+    /// memory or by growing (a pool over `CudaResource`; not over `CudaAsyncResource`, whose
+    /// allocations a capture refuses, nor an arena, which records as it grows).
+    ///
+    /// Capture a stream of your own: everything queued on the stream during the capture is
+    /// captured, whoever queues it, so a [`StreamPool`](crate::StreamPool) stream that other
+    /// tasks also use would take their work into your graph.
     pub fn cudarc_stream(&self) -> Option<StdArc<CudaStream>> {
         self.cudarc_handle().cloned()
     }
