@@ -7,6 +7,7 @@
 //! options), their values and their defaults; an unknown flag or a bad value is an error.
 //! Runs on the GPU if there is one, else on the simulated device.
 
+use std::cell::RefCell;
 use std::sync::Barrier;
 use std::time::{Duration, Instant};
 
@@ -181,8 +182,11 @@ const RUNS: [Run; 4] = [
 ///
 /// Reports wall time (start to the last stream synchronized), ns per operation (wall / total
 /// ops), the checksums, and for the pool its peak reserved bytes against the peak live bytes
-/// (summed over threads, an upper bound, as WORKLOADS.md states RMM's). Runs on the GPU if there
-/// is one, else on the simulated device.
+/// (summed over threads, an upper bound, as WORKLOADS.md states RMM's). With more than one
+/// `--initial`, after each run: every later start's ns/op over the first start's in the same
+/// repeat (`pairs:`), the median over the repeats: growth from small against the 2 GiB start,
+/// each compared with the run just before it (use `--repeat 10` or more). Runs on the GPU if
+/// there is one, else on the simulated device.
 #[derive(Parser)]
 #[command(name = "churn", bin_name = "churn")]
 struct Args {
@@ -391,8 +395,15 @@ fn main() {
         }
     }
 
+    // Each timed run's (label, run, ns/op), for the growth-from-small pairs after each run.
+    let timed: RefCell<Vec<(String, &'static str, f64)>> = RefCell::new(Vec::new());
     let report = |label: &str, run: &Run, wall: Duration, o: Outcome, extra: String| {
         let total_ops = run.threads * run.ops;
+        timed.borrow_mut().push((
+            label.to_owned(),
+            run.name,
+            wall.as_nanos() as f64 / total_ops as f64,
+        ));
         let ok = match run.checksum {
             Some(c) => {
                 if (o.allocations, o.bytes) == c {
@@ -531,6 +542,45 @@ fn main() {
                     "sampled: 20,000 operations".to_owned(),
                 );
             }
+        }
+        print_pairs(&timed.borrow(), run.name, &initials);
+    }
+}
+
+/// For each resource run from more than one start: every later start's ns/op over the first
+/// start's in the same repeat, the two run one after the other. The GPU hosts change speed by
+/// half again from second to second, and for a CPU-only loop too (`results/2026-11-27/run161`),
+/// so a start is compared with the run just before it, not with runs far apart in time.
+fn print_pairs(timed: &[(String, &'static str, f64)], run: &str, initials: &[usize]) {
+    let Some((&first, rest)) = initials.split_first() else {
+        return;
+    };
+    for resource in ["pool", "expandable", "arena", "binning"] {
+        let of = |initial: usize| -> Vec<f64> {
+            let label = format!("{resource}:{}M", initial / MIB);
+            (timed.iter())
+                .filter(|(l, r, _)| *l == label && *r == run)
+                .map(|t| t.2)
+                .collect()
+        };
+        let base = of(first);
+        for &initial in rest {
+            let mut ratios: Vec<f64> = (base.iter().zip(of(initial))).map(|(b, s)| s / b).collect();
+            if ratios.is_empty() {
+                continue;
+            }
+            ratios.sort_by(f64::total_cmp);
+            let n = ratios.len();
+            let median = (ratios[(n - 1) / 2] + ratios[n / 2]) / 2.0;
+            println!(
+                "pairs: {resource} {run} {}M / {}M, adjacent runs: median {:.3} ({:.3}..{:.3}, {} pairs)",
+                initial / MIB,
+                first / MIB,
+                median,
+                ratios[0],
+                ratios[n - 1],
+                n
+            );
         }
     }
 }
