@@ -101,3 +101,43 @@ fn moves_reads_and_reallocations_do_not_race() {
         assert!(races.is_empty(), "case {how}: {races:#?}");
     }
 }
+
+/// The race detector's `Panic` mode panics inside a crate call (here the copy of a
+/// reallocation, racing a user's declared write on another stream). A caller that catches the
+/// panic (a test harness, a task runtime) must find nothing lost: the buffer as it was, and
+/// the new allocation given back. It used to be leaked: the pool stayed a block short.
+#[test]
+fn a_reallocation_that_panics_loses_no_memory() {
+    use std::panic::{catch_unwind, AssertUnwindSafe};
+    use streamalloc::{Device, MemoryAccess, RaceDetection, SimConfig};
+    let device = Device::simulated(SimConfig {
+        race_detection: RaceDetection::Panic,
+        ..SimConfig::default()
+    });
+    let p = Arc::new(common::pool(&device, 0, 64 * MIB));
+    let used = |p: &streamalloc::PoolResource<streamalloc::CudaResource>| {
+        let s = p.stats();
+        s.reserved - s.free
+    };
+    let (a, b) = (
+        device.create_stream().unwrap(),
+        device.create_stream().unwrap(),
+    );
+    let mut buf = DeviceBuffer::new(&p, 4096, &a).unwrap();
+    // The user's kernel on `b` writes the buffer, ordered after its allocation but not
+    // before the reallocation's copy on `a`.
+    b.wait(&a.record().unwrap()).unwrap();
+    b.declare_access(buf.as_ptr(), 4096, MemoryAccess::Write, "writer")
+        .unwrap();
+    let before = used(&p);
+    let panicked = catch_unwind(AssertUnwindSafe(|| buf.resize(1 << 20))).is_err();
+    assert!(panicked, "the racing copy panics in the Panic mode");
+    assert_eq!((buf.len(), buf.capacity()), (4096, 4096));
+    // Order the user's write before the buffer's free, then free it.
+    a.wait(&b.record().unwrap()).unwrap();
+    drop(buf);
+    for s in [&a, &b] {
+        s.synchronize_blocking().unwrap();
+    }
+    assert_eq!(used(&p), 0, "in use before the resize: {before}");
+}

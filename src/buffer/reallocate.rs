@@ -106,18 +106,18 @@ impl DeviceBuffer {
     /// recorded uses stay recorded for the new memory. On error nothing changed.
     fn reallocate(&mut self, capacity: usize) -> Result<()> {
         let ptr = self.resource.allocate(capacity, &self.stream)?;
+        // Owned by a buffer before anything else can fail or panic: if the copy fails, or
+        // panics (the simulated device's race detector panics at a racing copy in its `Panic`
+        // mode, and a caller may catch it), dropping `new` gives the memory back, in order on
+        // this stream. The raw pointer used to be held bare here, and a panic leaked it.
+        let mut new = Self::from_parts(ptr, capacity, self.resource.clone(), &self.stream);
         let keep = self.len.min(capacity);
         if keep > 0 {
             // SAFETY: both ranges are live allocations of at least `keep` bytes, used in order
-            // on this stream; the old one is freed after this copy in stream order.
-            if let Err(e) = unsafe { self.stream.copy_dtod(ptr, self.ptr, keep) } {
-                // SAFETY: just allocated on this stream with this size; the failed copy was not
-                // queued, so nothing uses it.
-                let _ = unsafe { self.resource.deallocate(ptr, capacity, &self.stream) };
-                return Err(e);
-            }
+            // on this stream; the old one is freed after this copy in stream order, and so is
+            // the new one if this fails (`new`'s drop).
+            unsafe { self.stream.copy_dtod(new.ptr, self.ptr, keep) }?;
         }
-        let mut new = Self::from_parts(ptr, capacity, self.resource.clone(), &self.stream);
         new.len = keep;
         // The streams recorded as uses stay recorded: `record_stream` promises that the
         // buffer's free waits for them up to its drop, and the caller may go on using the
