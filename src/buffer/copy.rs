@@ -72,23 +72,58 @@ pub(crate) fn copy_in(stream: &Stream, dst: DevicePtr, data: &[u8]) -> Result<()
     // after it refused, leaving a captured copy into memory the caller then frees (a review's
     // finding). Refused whole instead.
     stream.refuse_while_capturing("a staged copy to the device")?;
-    let device = stream.device();
-    let block = device.staging_block(data.len())?;
-    // SAFETY: the block has at least `data.len()` bytes and is ours alone until returned.
-    unsafe { std::ptr::copy_nonoverlapping(data.as_ptr(), block.ptr, data.len()) };
+    // The block is held by a guard, which gives it back on every way out: after the copy's
+    // event, or (the copy may be queued) behind a later event of `stream` on an error, and on
+    // a panic too (the simulated device panics at a racing copy in the race detector's `Panic`
+    // mode, and a caller may catch it: the block, held bare, used to be leaked).
+    let mut guard = StagingGuard {
+        stream,
+        block: Some(stream.device().staging_block(data.len())?),
+        queued: false,
+        event: None,
+    };
+    let block_ptr = guard.ptr();
+    // SAFETY: the block has at least `data.len()` bytes and is ours alone until the guard
+    // returns it.
+    unsafe { std::ptr::copy_nonoverlapping(data.as_ptr(), block_ptr, data.len()) };
+    guard.queued = true;
     // SAFETY: `dst` is a live allocation of `data.len()` bytes (the caller's buffer); the block
-    // stays valid and unchanged until the event after the copy completes.
-    let queued =
-        unsafe { stream.copy_htod(dst, block.ptr, data.len()) }.and_then(|()| stream.record());
-    match queued {
-        Ok(event) => {
-            device.return_staging_after(block, &event);
-            Ok(())
-        }
-        Err(e) => {
-            // The copy may be queued: the block is reused only behind a later event.
-            device.return_staging_after_queued(block, stream);
-            Err(e)
+    // stays valid and unchanged until the guard returns it, once the copy can no longer read it.
+    unsafe { stream.copy_htod(dst, block_ptr, data.len()) }?;
+    guard.event = Some(stream.record()?);
+    Ok(())
+}
+
+/// A staging block lent to one copy on `stream`, given back when dropped (whether the copy
+/// completed, failed or the caller unwound) only once nothing queued can still use it: at once
+/// if no copy was asked of the stream, after the copy's event if it was recorded, else behind a
+/// later event of `stream` (or never, if none can be recorded).
+struct StagingGuard<'a> {
+    stream: &'a Stream,
+    block: Option<crate::device::staging::StagingBlock>,
+    /// A copy with the block was asked of the stream (it may be queued even if the call
+    /// failed).
+    queued: bool,
+    /// Recorded after the copy.
+    event: Option<Event>,
+}
+
+impl StagingGuard<'_> {
+    /// The block's host address (null once it was given back).
+    fn ptr(&self) -> *mut u8 {
+        self.block.as_ref().map_or(std::ptr::null_mut(), |b| b.ptr)
+    }
+}
+
+impl Drop for StagingGuard<'_> {
+    fn drop(&mut self) {
+        if let Some(block) = self.block.take() {
+            let device = self.stream.device();
+            match (&self.event, self.queued) {
+                (Some(event), _) => device.return_staging_after(block, event),
+                (None, true) => device.return_staging_after_queued(block, self.stream),
+                (None, false) => device.return_staging(block),
+            }
         }
     }
 }
@@ -121,38 +156,15 @@ pub(crate) async fn copy_out(
     if owner.id() != stream.id() {
         owner.refuse_while_capturing("a staged copy to the host")?;
     }
-    /// Returns the block when dropped, as above.
-    struct Guard<'a> {
-        stream: &'a Stream,
-        block: Option<crate::device::staging::StagingBlock>,
-        /// A copy into the block was asked of the stream (it may be queued even if the call
-        /// failed).
-        queued: bool,
-        /// Recorded after the copy.
-        event: Option<Event>,
-    }
-    impl Drop for Guard<'_> {
-        fn drop(&mut self) {
-            if let Some(block) = self.block.take() {
-                let device = self.stream.device();
-                match (&self.event, self.queued) {
-                    (Some(event), _) => device.return_staging_after(block, event),
-                    (None, true) => device.return_staging_after_queued(block, self.stream),
-                    (None, false) => device.return_staging(block),
-                }
-            }
-        }
-    }
     let device = stream.device();
-    let mut guard = Guard {
+    let mut guard = StagingGuard {
         stream,
         block: Some(device.staging_block(out.len())?),
         queued: false,
         event: None,
     };
     // (The raw pointer is re-read from the guard after the await, so the future stays `Send`.)
-    let block_ptr =
-        |guard: &Guard<'_>| guard.block.as_ref().map_or(std::ptr::null_mut(), |b| b.ptr);
+    let block_ptr = |guard: &StagingGuard<'_>| guard.ptr();
     guard.queued = true;
     // SAFETY: `src` is a live allocation of `out.len()` bytes (the caller's buffer); the block
     // has at least that many bytes and nobody else touches it until the guard returns it, which
@@ -212,5 +224,49 @@ mod tests {
         let out = futures::executor::block_on(buf.to_host()).unwrap();
         assert_eq!((out.len(), out[0], out[bytes - 1]), (bytes, 7, 7));
         assert_eq!(device.inner.staging.retired_bytes(), 0);
+    }
+
+    /// The race detector's `Panic` mode panics inside `copy_in` (its copy races a user's
+    /// declared write on another stream). A caller that catches the panic must not lose the
+    /// staging block: it goes back to the cache as on an error (it used to be leaked, pinned
+    /// host memory held until the process ends).
+    #[test]
+    fn a_staged_copy_that_panics_gives_its_block_back() {
+        use std::panic::{catch_unwind, AssertUnwindSafe};
+        use std::time::{Duration, Instant};
+
+        use crate::{CudaResource, Device, MemoryAccess, RaceDetection, SimConfig};
+        let device = Device::simulated(SimConfig {
+            race_detection: RaceDetection::Panic,
+            ..SimConfig::default()
+        });
+        let resource = std::sync::Arc::new(CudaResource::new(&device));
+        let (a, b) = (
+            device.create_stream().unwrap(),
+            device.create_stream().unwrap(),
+        );
+        let mut buf = DeviceBuffer::new(&resource, 64, &a).unwrap();
+        b.wait(&a.record().unwrap()).unwrap();
+        b.declare_access(buf.as_ptr(), 64, MemoryAccess::Write, "writer")
+            .unwrap();
+        // The block the copy will take: the one the cache holds for this size.
+        let block = device.staging_block(64).unwrap();
+        let cached = block.ptr;
+        device.return_staging(block);
+        let panicked = catch_unwind(AssertUnwindSafe(|| buf.copy_from_host(&[1; 64]))).is_err();
+        assert!(panicked, "the racing copy panics in the Panic mode");
+        a.synchronize_blocking().unwrap();
+        let deadline = Instant::now() + Duration::from_secs(5);
+        let back = loop {
+            let block = device.staging_block(64).unwrap();
+            let same = block.ptr == cached;
+            device.return_staging(block);
+            if same || Instant::now() > deadline {
+                break same;
+            }
+            std::thread::sleep(Duration::from_millis(5));
+        };
+        assert!(back, "the staging block of the panicking copy was lost");
+        a.wait(&b.record().unwrap()).unwrap();
     }
 }
