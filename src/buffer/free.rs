@@ -27,17 +27,41 @@ impl PendingFree {
         let Some(resource) = self.resource.lock().take() else {
             return;
         };
+        // This may be the last handle of the resource: its Drop (a pool synchronizing its
+        // streams and returning its chunks) must not run on the completion reactor. A guard
+        // hands it off, so that this holds when `deallocate` panics too (a pool does, once the
+        // memory is back, in the race detector's `Panic` mode): the unwinding used to drop it
+        // right here, on the reactor.
+        let resource = OffReactor {
+            resource: Some(resource),
+            device: self.stream.device(),
+        };
+        let Some(r) = resource.resource.as_ref() else {
+            return;
+        };
         // SAFETY: the buffer's memory, from this resource with this length, freed once (only
         // the last of the events gets here, and it takes the resource); every use on other
         // streams has completed and later work on `stream` is ordered after the free.
-        if let Err(e) = unsafe { resource.deallocate(self.ptr, self.len, &self.stream) } {
+        if let Err(e) = unsafe { r.deallocate(self.ptr, self.len, &self.stream) } {
             tracing::error!(error = %e, ptr = ?self.ptr, bytes = self.len, "a deferred free failed");
         }
-        // This may be the last handle of the resource: its Drop (a pool synchronizing its
-        // streams and returning its chunks) must not run on the completion reactor.
+    }
+}
+
+/// A resource handle that, dropped on the completion reactor's thread, is handed to the
+/// device's offload thread to be dropped there (see [`PendingFree::release`]).
+struct OffReactor<'a> {
+    resource: Option<ResourceRef>,
+    device: &'a crate::device::Device,
+}
+
+impl Drop for OffReactor<'_> {
+    fn drop(&mut self) {
+        let Some(resource) = self.resource.take() else {
+            return;
+        };
         if crate::offload::on_reactor_thread() {
-            self.stream
-                .device()
+            self.device
                 .reactor()
                 .offload("drop a buffer's resource", Box::new(move || drop(resource)));
         }
@@ -142,4 +166,79 @@ pub(crate) mod planted {
     pub(crate) static FIRST_EVENT: AtomicBool = AtomicBool::new(false);
     /// The decrement is `Relaxed`: the freeing callback does not acquire the others'.
     pub(crate) static RELAXED: AtomicBool = AtomicBool::new(false);
+}
+
+#[cfg(all(test, not(streamalloc_loom)))]
+mod tests {
+    use std::sync::{Arc as StdArc, Mutex};
+    use std::time::{Duration, Instant};
+
+    use crate::device::{Device, DevicePtr};
+    use crate::error::Result;
+    use crate::resource::MemoryResource;
+    use crate::stream::Stream;
+    use crate::{CudaResource, DeviceBuffer, SimConfig};
+
+    /// Gives the memory back, then panics (as a pool does in the race detector's `Panic` mode
+    /// when a free races a use), and notes where its drop ran.
+    #[derive(Debug)]
+    struct PanicsAfterFree {
+        inner: CudaResource,
+        dropped_on_reactor: StdArc<Mutex<Option<bool>>>,
+    }
+
+    // SAFETY: forwards to `CudaResource`.
+    unsafe impl MemoryResource for PanicsAfterFree {
+        fn device(&self) -> &Device {
+            self.inner.device()
+        }
+
+        fn allocate(&self, bytes: usize, stream: &Stream) -> Result<DevicePtr> {
+            self.inner.allocate(bytes, stream)
+        }
+
+        unsafe fn deallocate(&self, ptr: DevicePtr, bytes: usize, stream: &Stream) -> Result<()> {
+            // SAFETY: the caller's contract, passed on.
+            unsafe { self.inner.deallocate(ptr, bytes, stream) }?;
+            panic!("a free that panics once the memory is back");
+        }
+    }
+
+    impl Drop for PanicsAfterFree {
+        fn drop(&mut self) {
+            *self.dropped_on_reactor.lock().unwrap() = Some(crate::offload::on_reactor_thread());
+        }
+    }
+
+    /// A deferred free whose resource panics in `deallocate` must still not drop the last
+    /// handle of the resource on the completion reactor (its Drop may synchronize streams and
+    /// free chunks): the unwinding release used to drop it right there.
+    #[test]
+    fn a_deferred_free_that_panics_drops_its_resource_off_the_reactor() {
+        let device = Device::simulated(SimConfig::default());
+        let dropped = StdArc::new(Mutex::new(None));
+        let resource = StdArc::new(PanicsAfterFree {
+            inner: CudaResource::new(&device),
+            dropped_on_reactor: dropped.clone(),
+        });
+        let (a, b) = (
+            device.create_stream().unwrap(),
+            device.create_stream().unwrap(),
+        );
+        let mut buf = DeviceBuffer::new(&resource, 64, &a).unwrap();
+        buf.record_stream(&b).unwrap();
+        // Keeps `b`'s event pending at the drop, so the release runs on the reactor.
+        b.spin(Duration::from_millis(100)).unwrap();
+        drop(resource);
+        drop(buf);
+        let deadline = Instant::now() + Duration::from_secs(10);
+        let on_reactor = loop {
+            if let Some(on_reactor) = *dropped.lock().unwrap() {
+                break on_reactor;
+            }
+            assert!(Instant::now() < deadline, "the resource was never dropped");
+            std::thread::sleep(Duration::from_millis(5));
+        };
+        assert!(!on_reactor, "the resource was dropped on the completion reactor");
+    }
 }
