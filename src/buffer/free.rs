@@ -239,6 +239,9 @@ mod tests {
             assert!(Instant::now() < deadline, "the resource was never dropped");
             std::thread::sleep(Duration::from_millis(5));
         };
-        assert!(!on_reactor, "the resource was dropped on the completion reactor");
+        assert!(
+            !on_reactor,
+            "the resource was dropped on the completion reactor"
+        );
     }
 }
