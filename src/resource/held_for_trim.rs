@@ -105,6 +105,30 @@ impl<T: Clone> HeldForTrim<T> {
         held.epoch += 1;
     }
 
+    /// Runs `put_back` on what the trim of `ticket` still holds and `stays` picks (memory the
+    /// trim cannot give back, e.g. that of a stream under a user's graph capture, whose work
+    /// the host cannot wait for), under this list's lock; the rest stays held for the trim to
+    /// [`release`](Self::release). Returns how many items went back.
+    pub(crate) fn put_back_some(
+        &self,
+        ticket: Ticket,
+        mut stays: impl FnMut(&T) -> bool,
+        put_back: impl FnOnce(Vec<T>),
+    ) -> usize {
+        let mut held = self.inner.lock();
+        let (back, rest) = std::mem::take(&mut held.items)
+            .into_iter()
+            .partition(|(t, item)| *t == ticket.0 && stays(item));
+        held.items = rest;
+        let back: Vec<T> = back.into_iter().map(|(_, item)| item).collect();
+        let count = back.len();
+        if count > 0 {
+            put_back(back);
+            held.epoch += 1;
+        }
+        count
+    }
+
     /// Notes that a trim's give-back of what [`release`](Self::release) handed it has ended:
     /// the room under the maximum is back.
     pub(crate) fn given_back(&self) {

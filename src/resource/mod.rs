@@ -225,6 +225,8 @@ pub mod managed;
 pub mod pinned;
 // The pool and its engine.
 #[cfg(test)]
+mod capture_trim_tests;
+#[cfg(test)]
 mod engine_lab;
 pub mod expandable;
 pub mod fixed_size;

@@ -14,7 +14,7 @@ use super::waiters::{MemoryWaiters, WaitStats};
 use super::{aligned_size, check_stream, MemoryResource, ALIGNMENT};
 use crate::device::{Device, DevicePtr};
 use crate::error::{Error, Result};
-use crate::stream::Stream;
+use crate::stream::{Stream, StreamId};
 use crate::sync::plain::Arc as StdArc;
 use crate::sync::{AtomicU64, Mutex, Ordering};
 
@@ -469,6 +469,13 @@ impl<U: MemoryResource> PoolResource<U> {
     /// On an error (a failed synchronization or upstream free), every block taken out is put
     /// back where it was: nothing is lost, and the pool works as before.
     ///
+    /// A stream under a user's graph capture cannot be waited for (its captured work runs
+    /// only when the graph is launched, and a synchronization would invalidate the capture):
+    /// the chunks last freed on it stay in the pool, free (kept, logged at debug level as kept
+    /// for a capture), and the rest is released as usual. The trim then returns `Ok` with the
+    /// bytes it did release; a later trim, once the capture has ended, releases the rest. A
+    /// dropped stream under a capture is let go of only at a later trim.
+    ///
     /// While it waits for those streams, the chunks it took are out of the free list. A request
     /// on another thread that finds no fit grows the pool as usual; at the maximum, it takes
     /// every chunk the trims hold back into the list instead of failing, and is served from
@@ -493,6 +500,8 @@ impl<U: MemoryResource> PoolResource<U> {
         for stream in self.heap.idle_streams() {
             match stream.synchronize().await {
                 Ok(()) => self.heap.forget(stream),
+                // Kept (not forgotten) until the capture ends: its work cannot be waited for.
+                Err(Error::StreamCapturing { .. }) => {}
                 Err(e) => {
                     first_error.get_or_insert(e);
                 }
@@ -503,9 +512,18 @@ impl<U: MemoryResource> PoolResource<U> {
         }
         // Put back if this future is dropped while it waits, or a wait fails.
         let (taken, streams) = TakenForTrim::take(self);
+        let mut captured = Vec::new();
         for stream in &streams {
-            stream.synchronize().await?;
+            if captured.contains(&stream.id()) {
+                continue;
+            }
+            match stream.synchronize().await {
+                Ok(()) => {}
+                Err(Error::StreamCapturing { .. }) => captured.push(stream.id()),
+                Err(e) => return Err(e),
+            }
         }
+        taken.keep_for_capture(&captured);
         taken.give_back()
     }
 
@@ -515,6 +533,7 @@ impl<U: MemoryResource> PoolResource<U> {
         for stream in self.heap.idle_streams() {
             match stream.synchronize_blocking() {
                 Ok(()) => self.heap.forget(stream),
+                Err(Error::StreamCapturing { .. }) => {}
                 Err(e) => {
                     first_error.get_or_insert(e);
                 }
@@ -524,9 +543,18 @@ impl<U: MemoryResource> PoolResource<U> {
             return Err(e);
         }
         let (taken, streams) = TakenForTrim::take(self);
+        let mut captured = Vec::new();
         for stream in &streams {
-            stream.synchronize_blocking()?;
+            if captured.contains(&stream.id()) {
+                continue;
+            }
+            match stream.synchronize_blocking() {
+                Ok(()) => {}
+                Err(Error::StreamCapturing { .. }) => captured.push(stream.id()),
+                Err(e) => return Err(e),
+            }
         }
+        taken.keep_for_capture(&captured);
         taken.give_back()
     }
 
@@ -595,7 +623,18 @@ impl<U: MemoryResource> PoolResource<U> {
                     self.chunks.lock().insert(base, size);
                     self.heap.add_chunk(base, size);
                     self.put_back(&[(base, size, stream)]);
-                    first_error.get_or_insert(e);
+                    match e {
+                        // The upstream refused a free ordered on a stream that a user's graph
+                        // capture began on since: kept, as the trim keeps such chunks.
+                        Error::StreamCapturing { .. } => tracing::debug!(
+                            base,
+                            size,
+                            "a chunk kept for a capture: its stream is being captured into a CUDA graph"
+                        ),
+                        e => {
+                            first_error.get_or_insert(e);
+                        }
+                    }
                 }
             }
         }
@@ -839,6 +878,37 @@ impl<'a, U: MemoryResource> TakenForTrim<'a, U> {
             ticket: Some(ticket),
         };
         (taken, streams)
+    }
+
+    /// Puts back in the pool, free, the chunks still the trim's whose stream is in `captured`
+    /// (under a user's graph capture: its work cannot be waited for, so they cannot go
+    /// upstream now), and logs what was kept; the rest stays the trim's to give back.
+    fn keep_for_capture(&self, captured: &[StreamId]) {
+        let Some(ticket) = self.ticket else { return };
+        if captured.is_empty() {
+            return;
+        }
+        let pool = self.pool;
+        let mut bytes = 0;
+        let chunks = (pool.held_for_trim).put_back_some(
+            ticket,
+            |(_, size, stream)| {
+                let stays = stream.as_ref().is_some_and(|s| captured.contains(&s.id()));
+                if stays {
+                    bytes += size;
+                }
+                stays
+            },
+            |chunks| pool.put_back(&chunks),
+        );
+        if chunks > 0 {
+            tracing::debug!(
+                chunks,
+                bytes,
+                streams = captured.len(),
+                "trim: chunks kept for a capture (their streams are being captured into a CUDA graph, whose work the host cannot wait for)"
+            );
+        }
     }
 
     /// Gives upstream the chunks still the trim's (no longer put back on drop): the bytes

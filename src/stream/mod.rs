@@ -107,6 +107,10 @@ struct StreamInner {
     /// counted the other's handle as a user's, and neither ever let go of the stream (a
     /// review's finding).
     users: AtomicUsize,
+    /// Tests only: the simulated stream answers as a CUDA stream under a user's graph capture
+    /// does ([`Stream::pretend_capture`]). Std's: a test's switch, not a protocol for loom.
+    #[cfg(test)]
+    pretend_capture: std::sync::atomic::AtomicBool,
 }
 
 /// A stream's handle lent to queue one operation ([`Stream::queue_handle`]); the operation
@@ -209,6 +213,8 @@ impl Stream {
                 exposed: AtomicBool::new(false),
                 word: Self::new_word(device),
                 users: AtomicUsize::new(1),
+                #[cfg(test)]
+                pretend_capture: std::sync::atomic::AtomicBool::new(false),
             }),
         }
     }
@@ -310,6 +316,10 @@ impl Stream {
     /// (`cuStreamIsCapturing`, legal during a capture).
     #[inline]
     pub(crate) fn refuse_while_capturing(&self, operation: &'static str) -> Result<()> {
+        #[cfg(test)]
+        if self.pretending_capture() {
+            return Err(crate::Error::StreamCapturing { operation });
+        }
         if !self.inner.exposed.load(Ordering::Relaxed) {
             return Ok(());
         }
@@ -319,6 +329,25 @@ impl Stream {
             }
             _ => Ok(()),
         }
+    }
+
+    /// Tests only: from now on (`on`) or no longer, this stream answers as a CUDA stream whose
+    /// handle went out and that the user's code captures into a graph: every operation that
+    /// [`refuse_while_capturing`](Self::refuse_while_capturing) guards is refused with
+    /// `StreamCapturing`, and the crate's idle probes answer "not idle" (as
+    /// `CudaDevice::stream_idle` answers a stream that may be captured). The simulated device
+    /// has no graph capture of its own; this is the smallest stand-in for one.
+    #[cfg(test)]
+    pub(crate) fn pretend_capture(&self, on: bool) {
+        // Only a stream whose handle went out can be captured: its activity says nothing.
+        self.expose();
+        (self.inner.pretend_capture).store(on, std::sync::atomic::Ordering::SeqCst);
+    }
+
+    /// Tests only: whether [`pretend_capture`](Self::pretend_capture) is on.
+    #[cfg(test)]
+    pub(crate) fn pretending_capture(&self) -> bool {
+        (self.inner.pretend_capture).load(std::sync::atomic::Ordering::SeqCst)
     }
 
     /// Work may reach the stream without this crate seeing it: [`activity`](Self::activity)
@@ -427,6 +456,10 @@ impl Stream {
     /// # Ok::<(), streamalloc::Error>(())
     /// ```
     pub fn is_idle(&self) -> Result<bool> {
+        #[cfg(test)]
+        if self.pretending_capture() {
+            return Ok(false);
+        }
         match (&self.inner.raw, self.inner.device.backend()) {
             (RawStream::Cuda(s), Backend::Cuda(d)) => {
                 d.stream_idle(*s, self.inner.exposed.load(Ordering::Relaxed))

@@ -138,7 +138,13 @@ impl<U: MemoryResource> ArenaResource<U> {
                 count
             }
             Err(e) => {
-                tracing::warn!(error = %e, "could not record an event: superblocks stay with their stream");
+                if let Error::StreamCapturing { .. } = e {
+                    // Not a failure: the user's code is capturing the stream into a graph, and
+                    // no guard can be recorded there until it ends (a trim keeps them).
+                    tracing::debug!(error = %e, "superblocks kept for a capture: they stay with their stream");
+                } else {
+                    tracing::warn!(error = %e, "could not record an event: superblocks stay with their stream");
+                }
                 let mut state = arena.state.lock();
                 for (base, size) in superblocks {
                     state.add_superblock(base, size);

@@ -56,6 +56,12 @@ impl<U: MemoryResource> ArenaResource<U> {
     /// Errors: a failed wait, or the upstream's error for a chunk it refused (that chunk stays,
     /// usable as before; the others still go). Nothing is lost either way.
     ///
+    /// Beside a user's graph capture: superblocks that a capturing stream's arena holds stay
+    /// with it (no guard can be recorded on that stream until the capture ends; logged at
+    /// debug level as kept for a capture), and so does their chunk; chunks freed before the
+    /// capture began, and every other chunk, go as usual (their guards are events recorded
+    /// before it). The trim returns `Ok` with the bytes it gave back.
+    ///
     /// # Cancel safety
     /// Cancel-safe: dropped while it waits, it puts the chunks it took back where they were,
     /// free and usable, and wakes the waiters of `allocate_async` (a request at the maximum was

@@ -784,6 +784,17 @@ impl<S: EngineStream, B: Backing> Expander<S, B> {
         any
     }
 
+    /// Puts back in the lists what the trim of `ticket` still holds and `stays` picks (ranges
+    /// it cannot unmap now: their stream is under a user's graph capture); the rest stays held.
+    /// Returns how many ranges went back.
+    pub(crate) fn put_back_some_held(
+        &self,
+        ticket: Ticket,
+        stays: impl FnMut(&Taken<S>) -> bool,
+    ) -> usize {
+        (self.held_for_trim).put_back_some(ticket, stays, |ranges| self.put_back(ranges))
+    }
+
     /// [`hold_free`](Self::hold_free)'s taking, with the growth lock held.
     fn take_free(&self, keep: u64) -> Vec<Taken<S>> {
         let g = self.granule();

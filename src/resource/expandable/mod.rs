@@ -17,7 +17,7 @@ use super::{aligned_size, check_stream, MemoryResource};
 use crate::device::vmm::{self, Reservation};
 use crate::device::{Device, DevicePtr};
 use crate::error::{Error, Result};
-use crate::stream::Stream;
+use crate::stream::{Stream, StreamId};
 
 /// Sizes and policies of an [`ExpandablePoolResource`].
 ///
@@ -313,6 +313,13 @@ impl ExpandablePoolResource {
     /// On an error (a failed synchronization or unmap), what was not unmapped goes back where
     /// it was: nothing is lost, and the pool works as before.
     ///
+    /// A stream under a user's graph capture cannot be waited for (its captured work runs
+    /// only when the graph is launched): the granules last freed on it (or coalesced with
+    /// memory freed on it) stay mapped and free (kept, logged at debug level as kept for a
+    /// capture), and the rest is unmapped as usual; the trim returns `Ok` with the bytes it
+    /// did unmap. A later trim, once the capture has ended, unmaps the rest. The automatic
+    /// release past [`ExpandableOptions::release_threshold`] does the same.
+    ///
     /// It takes out of the lists only what it will unmap. While it waits for those granules'
     /// streams, a request on another thread that finds no fit maps more as usual; at the
     /// maximum, it takes every range the trims hold back into the lists instead of failing,
@@ -367,6 +374,8 @@ impl Inner {
         for stream in self.core.heap.idle_streams() {
             match stream.synchronize().await {
                 Ok(()) => self.core.heap.forget(stream),
+                // Kept (not forgotten) until the capture ends: its work cannot be waited for.
+                Err(Error::StreamCapturing { .. }) => {}
                 Err(e) => {
                     first_error.get_or_insert(e);
                 }
@@ -377,9 +386,15 @@ impl Inner {
         }
         // Put back if this future is dropped while it waits, or a wait fails.
         let (taken, streams) = TakenForTrim::take(self, keep);
+        let mut captured = Vec::new();
         for stream in streams {
-            stream.synchronize().await?;
+            match stream.synchronize().await {
+                Ok(()) => {}
+                Err(Error::StreamCapturing { .. }) => captured.push(stream.id()),
+                Err(e) => return Err(e),
+            }
         }
+        taken.keep_for_capture(&captured);
         taken.unmap()
     }
 
@@ -388,6 +403,7 @@ impl Inner {
         for stream in self.core.heap.idle_streams() {
             match stream.synchronize_blocking() {
                 Ok(()) => self.core.heap.forget(stream),
+                Err(Error::StreamCapturing { .. }) => {}
                 Err(e) => {
                     first_error.get_or_insert(e);
                 }
@@ -397,9 +413,15 @@ impl Inner {
             return Err(e);
         }
         let (taken, streams) = TakenForTrim::take(self, keep);
+        let mut captured = Vec::new();
         for stream in streams {
-            stream.synchronize_blocking()?;
+            match stream.synchronize_blocking() {
+                Ok(()) => {}
+                Err(Error::StreamCapturing { .. }) => captured.push(stream.id()),
+                Err(e) => return Err(e),
+            }
         }
+        taken.keep_for_capture(&captured);
         taken.unmap()
     }
 
@@ -433,9 +455,19 @@ impl Inner {
                 for stream in busy {
                     match stream.synchronize_blocking() {
                         Ok(()) => finished = true,
-                        Err(e) => {
-                            tracing::warn!(error = %e, "a stream's work failed: its memory stays");
-                        }
+                        // Not a failure: the user's code is capturing the stream into a graph,
+                        // whose work the host cannot wait for. Its memory stays where it is
+                        // until a later request (or trim) finds the capture over.
+                        Err(e @ Error::StreamCapturing { .. }) => tracing::debug!(
+                            error = %e,
+                            stream = %stream.id(),
+                            "a busy stream is being captured into a CUDA graph: its memory is kept for the capture"
+                        ),
+                        Err(e) => tracing::warn!(
+                            error = %e,
+                            stream = %stream.id(),
+                            "a stream's work failed: its memory stays"
+                        ),
                     }
                 }
                 // Only if some memory can move now: a waiter woken for nothing would fail
@@ -587,6 +619,37 @@ impl<'a> TakenForTrim<'a> {
             ticket: Some(ticket),
         };
         (taken, streams)
+    }
+
+    /// Puts back in the lists, free and mapped, the ranges still the trim's whose stream is in
+    /// `captured` (under a user's graph capture: its work cannot be waited for, so they cannot
+    /// be unmapped now), and logs what was kept; the rest stays the trim's to unmap.
+    fn keep_for_capture(&self, captured: &[StreamId]) {
+        let Some(ticket) = self.ticket else { return };
+        if captured.is_empty() {
+            return;
+        }
+        let mut bytes = 0;
+        let ranges = self
+            .inner
+            .core
+            .put_back_some_held(ticket, |(_, size, stream)| {
+                let stays = stream.as_ref().is_some_and(|s| captured.contains(&s.id()));
+                if stays {
+                    bytes += size;
+                }
+                stays
+            });
+        if ranges > 0 {
+            // Memory back in the lists: a request refused while it was out may fit now.
+            self.inner.waiters.notify();
+            tracing::debug!(
+                ranges,
+                bytes,
+                streams = captured.len(),
+                "trim: ranges kept mapped for a capture (their streams are being captured into a CUDA graph, whose work the host cannot wait for)"
+            );
+        }
     }
 
     /// Unmaps the ranges still the trim's (no longer put back on drop): the bytes unmapped.

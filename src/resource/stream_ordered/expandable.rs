@@ -74,6 +74,13 @@ impl<S: EngineStream> StreamHeap<S> {
             for (addr, size, tag) in taken {
                 match self.onto_one(shard, &tag) {
                     Ok(stream) => out.push((addr, size, stream)),
+                    // A stream of the tag under a user's graph capture: no ordering through it
+                    // until the capture ends. Kept, as a trim keeps such memory.
+                    Err(e @ Error::StreamCapturing { .. }) => {
+                        tracing::debug!(error = %e, addr, size, "a free range kept mapped for a capture");
+                        let given = shard.lock().free.give_range(addr, size, tag);
+                        debug_assert!(given, "a range taken out could not go back");
+                    }
                     Err(e) => {
                         tracing::warn!(error = %e, addr, "a free range stays mapped: ordering failed");
                         let given = shard.lock().free.give_range(addr, size, tag);

@@ -102,6 +102,14 @@ impl<S: EngineStream> StreamHeap<S> {
                         let stream = stream.filter(|_| !planted!(CHUNKS_AS_FRESH));
                         Some((base, size, stream))
                     }
+                    // A stream of the tag under a user's graph capture: no ordering through it
+                    // until the capture ends. Kept, as a trim keeps such memory.
+                    Err(e @ Error::StreamCapturing { .. }) => {
+                        tracing::debug!(error = %e, base, size, "a free chunk kept for a capture");
+                        let given = shard.lock().free.give_range(base, size, tag);
+                        debug_assert!(given, "a chunk taken out could not go back");
+                        None
+                    }
                     Err(e) => {
                         tracing::warn!(error = %e, base, "a free chunk stays: ordering failed");
                         let given = shard.lock().free.give_range(base, size, tag);
