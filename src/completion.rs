@@ -26,9 +26,12 @@ pub(crate) type Callback = Box<dyn FnOnce(&Result<()>) + Send>;
 const PENDING: u8 = 0;
 const OK: u8 = 1;
 const FAILED: u8 = 2;
+/// Failed, with its callbacks withheld ([`Completion::fail_withholding_callbacks`]): a result
+/// for the waiters, never a reason to run a callback.
+const WITHHELD: u8 = 3;
 
 pub(crate) struct Completion {
-    /// `PENDING`, `OK` or `FAILED`. Written only under `waiters`' lock; read without it on the
+    /// `PENDING`, `OK`, `FAILED` or `WITHHELD`. Written only under `waiters`' lock; read without it on the
     /// fast path.
     state: AtomicU8,
     /// The error, written before `state` becomes `FAILED` and never changed after.
@@ -105,6 +108,37 @@ impl Completion {
     /// caught panic's log names.
     pub(crate) fn complete_for(&self, result: Result<()>, event: Option<(u64, u64)>) -> bool {
         let state = if result.is_ok() { OK } else { FAILED };
+        self.finish(result, state, event)
+    }
+
+    /// Fails the event with `error` for its waiters (woken, as by [`complete`](Self::complete))
+    /// but never runs its callbacks: those stored are dropped unrun, and so is every one
+    /// registered later ([`register_callback`](Self::register_callback) keeps it;
+    /// [`withholds_callbacks`](Self::withholds_callbacks) tells `Event::on_complete`). For an
+    /// event whose completion nothing can tell (`reactor::settle_after_panic`): its callbacks
+    /// free memory the GPU may still use. Returns how many callbacks were withheld (zero if
+    /// the event was already complete, which then stands).
+    pub(crate) fn fail_withholding_callbacks(
+        &self,
+        error: Error,
+        event: Option<(u64, u64)>,
+    ) -> usize {
+        let withheld = self.waiters.lock().callbacks.len();
+        match self.finish(Err(error), WITHHELD, event) {
+            true => withheld,
+            false => 0,
+        }
+    }
+
+    /// Whether the event's callbacks are withheld
+    /// ([`fail_withholding_callbacks`](Self::fail_withholding_callbacks)).
+    pub(crate) fn withholds_callbacks(&self) -> bool {
+        self.state.load(Ordering::Acquire) == WITHHELD
+    }
+
+    /// [`complete_for`](Self::complete_for) into `state`; with `WITHHELD` the callbacks are
+    /// dropped unrun.
+    fn finish(&self, result: Result<()>, state: u8, event: Option<(u64, u64)>) -> bool {
         // The loom models' planted bugs (`planted`): the state published before the error is
         // written, or after the lock is let go.
         let (before_error, after_drain) = (
@@ -145,6 +179,11 @@ impl Completion {
         }
         for waker in wakers.into_iter().flatten() {
             guarded(WAKER, event, || waker.wake());
+        }
+        if state == WITHHELD {
+            // Dropped unrun, off the lock: their memory is leaked (see the caller).
+            drop(callbacks);
+            return true;
         }
         for callback in callbacks {
             run_callback(callback, &result, event);
@@ -295,6 +334,11 @@ impl Completion {
             }
         }
         let mut waiters = self.waiters.lock();
+        if self.state.load(Ordering::Relaxed) == WITHHELD {
+            // Never run (`fail_withholding_callbacks`): kept with the others, never drained.
+            waiters.callbacks.push(callback);
+            return Ok(Registration::Stored { first: false });
+        }
         if !outside {
             if let Some(result) = self.result() {
                 return Err((callback, result));

@@ -78,6 +78,10 @@ impl Watch for EventInner {
         self.ask(true)
     }
 
+    fn wait_blocking(&self) -> Result<()> {
+        self.wait_device()
+    }
+
     fn completion(&self) -> &Completion {
         &self.completion
     }
@@ -169,6 +173,16 @@ impl EventInner {
         }
     }
 
+    /// Blocks until the device reaches the event and returns what it says, without looking at
+    /// or recording the stored result.
+    fn wait_device(&self) -> Result<()> {
+        match (&self.raw, self.device.backend()) {
+            (RawEvent::Cuda(e), Backend::Cuda(d)) => d.synchronize_event(*e),
+            (RawEvent::Sim(m), _) => m.wait(),
+            _ => Err(crate::device::mismatch()),
+        }
+    }
+
     /// `(stream id, sequence number)`, for logs.
     fn id(&self) -> Option<(u64, u64)> {
         Some((self.stream.get(), self.seq))
@@ -240,11 +254,7 @@ impl Event {
     /// Blocks the calling thread until the GPU reaches the event. For synchronous code; in
     /// async code, `.await` the event.
     pub fn synchronize_blocking(&self) -> Result<()> {
-        self.synchronize_with(|| match (&self.inner.raw, self.inner.device.backend()) {
-            (RawEvent::Cuda(e), Backend::Cuda(d)) => d.synchronize_event(*e),
-            (RawEvent::Sim(m), _) => m.wait(),
-            _ => Err(crate::device::mismatch()),
-        })
+        self.synchronize_with(|| self.inner.wait_device())
     }
 
     /// [`synchronize_blocking`](Self::synchronize_blocking), waiting with `wait` if the result
@@ -267,6 +277,17 @@ impl Event {
     /// `completion.rs`). On the reactor thread it must not block: see the crate docs, "The
     /// completion reactor thread".
     pub(crate) fn on_complete(&self, callback: Callback) {
+        if self.inner.completion.withholds_callbacks() {
+            // Nothing says the GPU is done with this event (`reactor::settle_after_panic`):
+            // never run, its memory leaked rather than freed under running work.
+            tracing::error!(
+                stream = self.inner.stream.get(),
+                seq = self.inner.seq,
+                "a callback on an event whose completion is unknown (its query and wait \
+                 panicked) is withheld; its memory is leaked"
+            );
+            return drop(callback);
+        }
         if let Some(result) = self.inner.check() {
             return run_callback(callback, &result, self.inner.id());
         }

@@ -120,6 +120,11 @@ pub(crate) trait Watch: Send + Sync {
     fn query_fresh(&self) -> Option<Result<()>> {
         self.query()
     }
+    /// Blocks until the device has reached it, by a path other than [`query`](Self::query)
+    /// (CUDA: `cuEventSynchronize`; the simulated device: its marker's wait), and returns its
+    /// result. Only for the blocking-work thread, when the reactor's query of the event
+    /// panicked ([`settle_after_panic`]).
+    fn wait_blocking(&self) -> Result<()>;
     /// Its shared completion state.
     fn completion(&self) -> &Completion;
     /// Whether the stream it was recorded on still exists. For one that is gone (forgotten, or
@@ -158,6 +163,10 @@ impl<T: Watch + ?Sized> Watch for Arc<T> {
 
     fn query_fresh(&self) -> Option<Result<()>> {
         (**self).query_fresh()
+    }
+
+    fn wait_blocking(&self) -> Result<()> {
+        (**self).wait_blocking()
     }
 
     fn completion(&self) -> &Completion {
@@ -261,8 +270,9 @@ struct Shared {
 /// the blocking-work thread once its queue is empty).
 pub(crate) struct Reactor {
     shared: Arc<Shared>,
-    /// Blocking work handed off the reactor thread (see `offload.rs`).
-    offload: Offload,
+    /// Blocking work handed off the reactor thread (see `offload.rs`); shared with the loop,
+    /// which hands it the events whose query panicked.
+    offload: Arc<Offload>,
     /// No thread runs the loop ([`threadless`](Self::threadless)): `watch` asks the event
     /// itself.
     threadless: bool,
@@ -296,8 +306,13 @@ impl Reactor {
             bell: Arc::new(Bell::new()),
         });
         let theirs = shared.clone();
-        let offload = Offload::new(blocking_name(&name));
-        spawn(name.clone(), Box::new(move || run(theirs, doorbells))).map_err(|e| {
+        let offload = Arc::new(Offload::new(blocking_name(&name)));
+        let loop_offload = offload.clone();
+        spawn(
+            name.clone(),
+            Box::new(move || run(theirs, doorbells, loop_offload)),
+        )
+        .map_err(|e| {
             tracing::error!(error = %e, thread = %name, "the OS could not start the completion reactor thread");
             crate::error::Error::io("starting the device's completion reactor thread (sa-reactor-N)", &e)
         })?;
@@ -320,7 +335,7 @@ impl Reactor {
                 predict: false,
                 bell: Arc::new(Bell::new()),
             }),
-            offload: Offload::new(blocking_name(&name)),
+            offload: Arc::new(Offload::new(blocking_name(&name))),
             threadless: true,
         }
     }
@@ -397,6 +412,48 @@ fn watch_in_place(event: Watched) {
     }
 }
 
+/// The blocking-work thread's end of an event whose query panicked on the reactor
+/// (`poll_heads`): waits for the device by its other path ([`Watch::wait_blocking`]) and
+/// completes the event with what it says, which wakes its tasks and runs its deferred frees,
+/// now that the GPU is known to be done (the queue's other jobs wait behind it: a free delayed,
+/// never one run early). Should that panic too, nothing says whether the GPU is done with the
+/// memory of the event's callbacks: the event fails for its tasks, so that they wake with an
+/// error rather than hang, and its callbacks are withheld, never run (their memory is
+/// leaked, logged at error level), as a buffer whose uses could not be recorded is: a free
+/// under running work would be worse than the leak.
+fn settle_after_panic(event: Watched) {
+    let (stream, seq) = (event.stream_id(), event.seq());
+    match crate::completion::catch_unwind(|| event.wait_blocking()) {
+        Ok(result) => {
+            tracing::warn!(
+                stream,
+                seq,
+                ok = result.is_ok(),
+                "an event whose query panicked was waited for on the blocking-work thread"
+            );
+            event.completion().complete_for(result, Some((stream, seq)));
+        }
+        Err(payload) => {
+            let withheld = event.completion().fail_withholding_callbacks(
+                crate::error::Error::InvalidArgument {
+                    what: "the device's query and wait of this event both panicked (a bug in \
+                           streamalloc's device layer); its deferred frees were withheld",
+                },
+                Some((stream, seq)),
+            );
+            tracing::error!(
+                stream,
+                seq,
+                withheld,
+                panic = crate::completion::panic_message(&*payload),
+                "the blocking wait for an event whose query panicked panicked too; its tasks \
+                 get an error and its deferred frees never run (their memory is leaked, not \
+                 freed under work that may still use it)"
+            );
+        }
+    }
+}
+
 /// A watched event and, when predicting, when it was registered.
 struct Entry {
     event: Watched,
@@ -411,8 +468,6 @@ struct StreamQueue {
     armed: Option<u64>,
     /// The sequence number of the head whose tasks are hurried (`Completion::hurry`).
     hurried: Option<u64>,
-    /// The sequence number of the head whose query panicked, once logged (`poll_heads`).
-    panicked: Option<u64>,
 }
 
 impl StreamQueue {
@@ -446,7 +501,7 @@ const LONG_SLEEP: Duration = Duration::from_millis(100);
 /// (`benches/event_latency.rs` does): then a callsite check each, nothing more.
 pub(crate) const STATS: &str = "streamalloc::reactor::stats";
 
-fn run(shared: Arc<Shared>, mut doorbells: impl Doorbells) {
+fn run(shared: Arc<Shared>, mut doorbells: impl Doorbells, offload: Arc<Offload>) {
     crate::offload::mark_reactor_thread();
     *shared.bell.thread.lock() = Some(thread::current());
     doorbells.start();
@@ -466,6 +521,7 @@ fn run(shared: Arc<Shared>, mut doorbells: impl Doorbells) {
         hot_since: None,
         fresh: false,
         sleep: FIRST_SLEEP,
+        offload,
     };
     loop {
         // Wakers and callbacks are guarded one by one (`Completion::complete`); this catches
@@ -513,6 +569,9 @@ struct Loop<D> {
     /// The thread slept since its last poll: the next one asks the driver about every head
     /// whose completion word has not moved ([`Watch::query_fresh`]).
     fresh: bool,
+    /// The device's blocking-work queue, where events whose query panicked are waited for
+    /// ([`settle_after_panic`]).
+    offload: Arc<Offload>,
 }
 
 /// What the predictions ask of this turn.
@@ -555,7 +614,19 @@ impl<D: Doorbells> Loop<D> {
         }
 
         let history = self.predict.then_some(&mut self.history);
-        let progressed = poll_heads(&mut self.queues, history, std::mem::take(&mut self.fresh));
+        let mut abandoned = Vec::new();
+        let progressed = poll_heads(
+            &mut self.queues,
+            history,
+            std::mem::take(&mut self.fresh),
+            &mut abandoned,
+        );
+        for event in abandoned {
+            self.offload.run(
+                "wait for an event whose query panicked",
+                Box::new(move || settle_after_panic(event)),
+            );
+        }
         if self.history.len() > MAX_HISTORIES {
             // Streams dropped while their events were pending teach a history after their
             // `forget` (stream ids are never reused, so nothing would remove it): keep only
@@ -730,12 +801,15 @@ impl<D: Doorbells> Loop<D> {
     }
 }
 
-/// Completes every head that the device reports done; returns whether any was. While
-/// predicting (`history`), each completion teaches its stream's history.
+/// Completes every head that the device reports done; returns whether any was, or was
+/// abandoned. While predicting (`history`), each completion teaches its stream's history. A
+/// head whose query panics is taken off its queue into `abandoned`, for the blocking-work
+/// thread to wait for ([`settle_after_panic`]).
 fn poll_heads(
     queues: &mut BTreeMap<u64, StreamQueue>,
     mut history: Option<&mut HashMap<u64, predict::History>>,
     fresh: bool,
+    abandoned: &mut Vec<Watched>,
 ) -> bool {
     let now = history.is_some().then(Instant::now);
     let mut progressed = false;
@@ -763,24 +837,31 @@ fn poll_heads(
                     Err(payload) => {
                         // A bug in a device's query path. Caught here, per event, not by the
                         // loop: that left every later stream unpolled with it. The event is
-                        // not completed with an error: its callbacks (deferred frees, staging
-                        // blocks) take any result as the GPU being done with their memory,
-                        // and nothing says it is. Its tasks are woken, to ask the device
-                        // themselves (an answer, or the panic in their own poll), rather than
-                        // hang; the reactor asks again on later turns.
+                        // not completed with an error here: its callbacks (deferred frees,
+                        // staging blocks) take any result as the GPU being done with their
+                        // memory, and nothing says it is. Nor is it polled again: a query that
+                        // panics once may panic on every turn, and its frees would be stuck
+                        // for good (the memory lost). It is handed to the blocking-work
+                        // thread, which waits for the device by its other path and completes
+                        // it with what that says (`settle_after_panic`). Its tasks are woken
+                        // now, to ask the device themselves rather than wait for that.
                         let seq = event.seq();
-                        if queue.panicked != Some(seq) {
-                            tracing::error!(
-                                stream,
-                                seq,
-                                panic = crate::completion::panic_message(&*payload),
-                                "the completion reactor's query of an event panicked; the \
-                                 event stays watched and its tasks were woken"
-                            );
-                        }
+                        tracing::error!(
+                            stream,
+                            seq,
+                            panic = crate::completion::panic_message(&*payload),
+                            "the completion reactor's query of an event panicked; the event is \
+                             handed to the blocking-work thread, which waits for it, and its \
+                             tasks were woken"
+                        );
                         event.completion().wake_waiters();
-                        queue.panicked = Some(seq);
-                        break;
+                        if let Some(entry) = queue.events.pop_front() {
+                            abandoned.push(entry.event);
+                        }
+                        progressed = true;
+                        // The next head is the next event of the stream: it has a query of
+                        // its own.
+                        continue;
                     }
                 };
                 match answer {

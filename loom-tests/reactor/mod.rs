@@ -115,6 +115,14 @@ impl Watch for FakeEvent {
     fn query(&self) -> Option<Result<()>> {
         self.marker.reached().then_some(Ok(()))
     }
+    /// Only after a query panicked, which none of these does (and `catch_unwind` catches
+    /// nothing under loom): waits as a spinning host would.
+    fn wait_blocking(&self) -> Result<()> {
+        while !self.marker.reached() {
+            loom::thread::yield_now();
+        }
+        Ok(())
+    }
     fn completion(&self) -> &Completion {
         &self.completion
     }

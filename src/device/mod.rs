@@ -283,19 +283,84 @@ impl Device {
 
     /// An in-process simulated device with the same semantics as a GPU (see [`SimConfig`]).
     ///
-    /// # Panics
-    /// Only if the operating system cannot start the reactor thread of a device with threaded
-    /// streams ([`SimExecution::Threads`]), as `std::thread::spawn`. Its streams ring that
-    /// reactor's bell as they reach events, so it cannot be started later instead. An inline
-    /// device (the default under loom) starts no thread here.
+    /// Never panics. A device with threaded streams ([`SimExecution::Threads`]) starts its
+    /// completion reactor thread here (its streams ring that reactor's bell as they reach
+    /// events, so it cannot be started later instead). If the operating system refuses that
+    /// thread, the refusal is logged at error level and the device runs its streams inline
+    /// instead ([`SimExecution::Inline`]: the same semantics and race detection, needing no
+    /// thread, with each operation run by the thread that queues it); its
+    /// [`sim_execution`](Self::sim_execution) then says `Inline`. Use
+    /// [`try_simulated`](Self::try_simulated) to get the refusal as an error instead. An inline
+    /// device starts no thread here.
     pub fn simulated(config: SimConfig) -> Device {
+        Self::simulated_starting(config, start_sim_reactor)
+    }
+
+    /// [`simulated`](Self::simulated), but a refusal of the reactor thread by the operating
+    /// system is an [`Error::Io`] (naming the thread and the OS's message) instead of a
+    /// fallback to inline execution. Nothing is started or kept when it returns an error.
+    pub fn try_simulated(config: SimConfig) -> Result<Device> {
+        Self::try_simulated_starting(config, start_sim_reactor)
+    }
+
+    /// [`simulated`](Self::simulated), starting a threaded device's reactor with `start` (a
+    /// test's seam: a refusal by the OS).
+    pub(crate) fn simulated_starting(
+        mut config: SimConfig,
+        start: impl FnOnce(String) -> Result<Reactor>,
+    ) -> Device {
         let id = NEXT_DEVICE_ID.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
-        let reactor = (config.execution != SimExecution::Inline).then(|| {
-            Reactor::start(format!("sa-reactor-{id}"), sim::SimDoorbells)
-                .unwrap_or_else(|e| panic!("streamalloc: Device::simulated: {e}"))
-        });
+        let reactor = match config.execution {
+            SimExecution::Inline => None,
+            _ => match start(format!("sa-reactor-{id}")) {
+                Ok(reactor) => Some(reactor),
+                Err(e) => {
+                    // Inline execution is a valid schedule of the same stream order (a GPU
+                    // infinitely faster than the host): every event is complete when
+                    // recorded, so nothing needs a reactor thread to complete it. Its own
+                    // reactor is started lazily, or goes threadless (`lazy_reactor`).
+                    tracing::error!(
+                        error = %e,
+                        device = id,
+                        "the OS refused a simulated device's completion reactor thread; the \
+                         device runs its streams inline (SimExecution::Inline) instead"
+                    );
+                    config.execution = SimExecution::Inline;
+                    None
+                }
+            },
+        };
+        Self::open_sim(id, config, reactor)
+    }
+
+    /// [`try_simulated`](Self::try_simulated), starting a threaded device's reactor with
+    /// `start` (a test's seam, as [`simulated_starting`](Self::simulated_starting)).
+    pub(crate) fn try_simulated_starting(
+        config: SimConfig,
+        start: impl FnOnce(String) -> Result<Reactor>,
+    ) -> Result<Device> {
+        let id = NEXT_DEVICE_ID.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+        let reactor = match config.execution {
+            SimExecution::Inline => None,
+            _ => Some(start(format!("sa-reactor-{id}"))?),
+        };
+        Ok(Self::open_sim(id, config, reactor))
+    }
+
+    /// A simulated device `id` with `reactor`, which a device with threaded streams must have.
+    fn open_sim(id: u64, config: SimConfig, reactor: Option<Reactor>) -> Device {
         let backend = sim::SimDevice::new(config, reactor.as_ref().map(Reactor::bell));
         Self::from_parts(id, Backend::Sim(backend), reactor, None)
+    }
+
+    /// How a simulated device runs its streams' work (`None` on CUDA): its
+    /// [`SimConfig::execution`], or [`SimExecution::Inline`] if the device fell back to it
+    /// because the OS refused its reactor thread ([`simulated`](Self::simulated)).
+    pub fn sim_execution(&self) -> Option<SimExecution> {
+        match &self.inner.backend {
+            Backend::Cuda(_) => None,
+            Backend::Sim(d) => Some(d.config.execution),
+        }
     }
 
     fn from_parts(
@@ -468,6 +533,11 @@ impl Device {
     }
 }
 
+/// Starts a simulated device's reactor thread, `name`.
+fn start_sim_reactor(name: String) -> Result<Reactor> {
+    Reactor::start(name, sim::SimDoorbells)
+}
+
 /// An inline simulated device's reactor, started on first use by `start`; if the OS refuses
 /// its thread, a [threadless](Reactor::threadless) one (logged at error level) rather than an
 /// error: the callers (an event's first wait, a deferred free, work handed off a reactor
@@ -507,5 +577,62 @@ pub(crate) fn run_blocking(
 pub(crate) fn mismatch() -> Error {
     Error::InvalidArgument {
         what: "stream and device backends differ (a bug in streamalloc)",
+    }
+}
+
+#[cfg(all(test, not(streamalloc_loom)))]
+mod tests {
+    use super::*;
+
+    /// A reactor start that the OS refuses, as `thread::Builder::spawn` reports it.
+    fn refused(name: String) -> Result<Reactor> {
+        Reactor::start_with(name, sim::SimDoorbells, |_, _| {
+            Err(std::io::Error::new(
+                std::io::ErrorKind::WouldBlock,
+                "resource temporarily unavailable",
+            ))
+        })
+    }
+
+    /// `Device::simulated` with threaded streams, its reactor thread refused by the OS: no
+    /// panic (the crate's rule for a refused resource), and a device whose streams, events and
+    /// waits work: it falls back to inline execution, which needs no reactor thread. It used
+    /// to panic.
+    #[test]
+    fn a_simulated_device_whose_reactor_thread_is_refused_does_not_panic() {
+        let config = SimConfig {
+            execution: SimExecution::Threads,
+            ..SimConfig::default()
+        };
+        let device = std::panic::catch_unwind(|| Device::simulated_starting(config, refused))
+            .expect("Device::simulated panicked when the OS refused its reactor thread");
+        assert_eq!(device.sim_execution(), Some(SimExecution::Inline));
+        let stream = device.create_stream().expect("a stream");
+        let other = device.create_stream().expect("another stream");
+        let event = stream.record().expect("an event");
+        other.wait(&event).expect("a wait");
+        assert_eq!(futures::executor::block_on(event.clone()), Ok(()));
+        assert_eq!(other.synchronize_blocking(), Ok(()));
+        assert_eq!(futures::executor::block_on(other.synchronize()), Ok(()));
+    }
+
+    /// `Device::try_simulated` returns the refusal as an [`Error::Io`] naming the thread and
+    /// the OS's message.
+    #[test]
+    fn try_simulated_returns_a_refused_reactor_thread_as_an_error() {
+        let config = SimConfig {
+            execution: SimExecution::Threads,
+            ..SimConfig::default()
+        };
+        let err = Device::try_simulated_starting(config, refused)
+            .expect_err("a threaded device without its reactor thread was handed out");
+        assert!(
+            matches!(err, Error::Io { .. })
+                && err.to_string().contains("sa-reactor")
+                && err.to_string().contains("unavailable"),
+            "{err}"
+        );
+        let device = Device::try_simulated(SimConfig::default()).expect("a simulated device");
+        assert_eq!(device.sim_execution(), Some(SimConfig::default().execution));
     }
 }

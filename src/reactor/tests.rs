@@ -48,6 +48,10 @@ impl Watch for Timed {
         self.polls.fetch_add(1, SeqCst);
         (Instant::now() >= self.done_at).then_some(Ok(()))
     }
+    fn wait_blocking(&self) -> Result<()> {
+        std::thread::sleep(self.done_at.saturating_duration_since(Instant::now()));
+        Ok(())
+    }
     fn completion(&self) -> &Completion {
         &self.completion
     }
@@ -221,7 +225,12 @@ fn completions_found_by_others_teach_no_service_time() {
         event: Box::new(by_task),
         watched: Some(t0 + ms(3)),
     });
-    assert!(poll_heads(&mut queues, Some(&mut histories), false));
+    assert!(poll_heads(
+        &mut queues,
+        Some(&mut histories),
+        false,
+        &mut Vec::new()
+    ));
     let history = &histories[&1];
     assert_eq!(
         history.samples(),
@@ -241,7 +250,12 @@ fn completions_found_by_others_teach_no_service_time() {
         event: Box::new(own.clone()),
         watched: Some(stamp),
     });
-    assert!(poll_heads(&mut queues, Some(&mut histories), false));
+    assert!(poll_heads(
+        &mut queues,
+        Some(&mut histories),
+        false,
+        &mut Vec::new()
+    ));
     assert_eq!(own.completion.result(), Some(Ok(())));
     assert_eq!(
         histories[&1].samples().len(),
@@ -276,6 +290,7 @@ fn a_hurried_event_that_is_no_longer_the_head_is_not_hurried() {
         hot_since: None,
         fresh: false,
         sleep: super::FIRST_SLEEP,
+        offload: Arc::new(crate::offload::Offload::new("sa-blocking-test".into())),
     };
     let registered = Some(now - ms(20));
     let queue = state.queues.entry(1).or_default();
@@ -497,10 +512,12 @@ fn a_threadless_reactor_completes_what_it_is_handed() {
     rx.recv().expect("the blocking work never ran");
 }
 
-/// An event whose query panics (a bug in a device's query path).
+/// An event whose query panics (a bug in a device's query path); its blocking wait says the
+/// GPU reached it, or with `wait_panics` panics too.
 struct PanickingQuery {
     stream: u64,
     completion: Completion,
+    wait_panics: bool,
 }
 
 impl Watch for PanickingQuery {
@@ -513,6 +530,10 @@ impl Watch for PanickingQuery {
     fn query(&self) -> Option<Result<()>> {
         panic!("a query that panics (reactor unit test)")
     }
+    fn wait_blocking(&self) -> Result<()> {
+        assert!(!self.wait_panics, "a wait that panics (reactor unit test)");
+        Ok(())
+    }
     fn completion(&self) -> &Completion {
         &self.completion
     }
@@ -520,14 +541,16 @@ impl Watch for PanickingQuery {
 
 /// A head whose query panics, on stream 1, in front of a completed head on stream 2: the
 /// poll completes stream 2's event, and keeps stream 1's pending (nothing says the GPU is done
-/// with it, and its deferred frees must not run) but wakes its task, which then asks the
-/// device itself instead of waiting forever. The panic used to leave the poll at stream 1:
+/// with it, and its deferred frees must not run yet) but wakes its task, which then asks the
+/// device itself, and takes it off its queue for the blocking-work thread to wait for
+/// (`settle_after_panic`): polled again, a query that always panics left its frees stuck. The panic used to leave the poll at stream 1:
 /// caught only by the loop, every later stream's events waited with it, and its task hung.
 #[test]
 fn a_query_that_panics_does_not_stop_the_poll_and_wakes_its_task() {
     let panicking = Arc::new(PanickingQuery {
         stream: 1,
         completion: Completion::new(),
+        wait_panics: false,
     });
     let counter = std::sync::Arc::new(Counting(AtomicUsize::new(0)));
     let mut key = None;
@@ -545,8 +568,9 @@ fn a_query_that_panics_does_not_stop_the_poll_and_wakes_its_task() {
             watched: None,
         });
     }
+    let mut abandoned = Vec::new();
     let panics = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
-        poll_heads(&mut queues, None, false)
+        poll_heads(&mut queues, None, false, &mut abandoned)
     }));
     assert!(
         matches!(panics, Ok(true)),
@@ -564,8 +588,104 @@ fn a_query_that_panics_does_not_stop_the_poll_and_wakes_its_task() {
     );
     assert_eq!(
         queues.get(&1).map(|q| q.events.len()),
-        Some(1),
-        "no longer watched"
+        None,
+        "still polled by the reactor"
+    );
+    assert_eq!(abandoned.len(), 1, "not handed over to be waited for");
+    assert_eq!(counter.0.load(SeqCst), 1, "its task was not woken");
+}
+
+/// An event whose every query panics, with a deferred free (a callback) on it, watched by a
+/// running reactor: it must not stay stuck. The reactor stops polling it and hands it to the
+/// blocking-work thread, which waits for the device by its other path (`wait_blocking`): the
+/// free runs after that wait says the GPU reached the event, and the task wakes with the
+/// result. It used to stay watched forever, its free never run: the memory lost.
+#[test]
+fn an_event_whose_query_always_panics_still_runs_its_deferred_frees() {
+    let reactor = Reactor::start(
+        "sa-reactor-test-query-panics".into(),
+        Configured {
+            predict: false,
+            spin: Duration::ZERO,
+            max_sleep: Duration::from_millis(1),
+            prewake: None,
+        },
+    )
+    .unwrap();
+    let event = Arc::new(PanickingQuery {
+        stream: 41,
+        completion: Completion::new(),
+        wait_panics: false,
+    });
+    let freed = std::sync::Arc::new(AtomicUsize::new(0));
+    let theirs = freed.clone();
+    let registered = event.completion.register_callback(Box::new(move |result| {
+        assert_eq!(*result, Ok(()));
+        theirs.fetch_add(1, SeqCst);
+    }));
+    assert!(matches!(
+        registered,
+        Ok(Registration::Stored { first: true })
+    ));
+    let counter = std::sync::Arc::new(Counting(AtomicUsize::new(0)));
+    let mut key = None;
+    let _ = event
+        .completion
+        .register_waker(&mut key, &Waker::from(counter.clone()));
+    reactor.watch(event.clone());
+    let give_up = Instant::now() + Duration::from_secs(10);
+    while freed.load(SeqCst) == 0 && Instant::now() < give_up {
+        std::thread::sleep(Duration::from_millis(2));
+    }
+    assert_eq!(
+        freed.load(SeqCst),
+        1,
+        "the deferred free of an event whose query panics never ran"
+    );
+    assert_eq!(event.completion.result(), Some(Ok(())));
+    assert!(counter.0.load(SeqCst) >= 1, "its task was not woken");
+}
+
+/// Should the blocking wait panic too, nothing says whether the GPU is done: the task wakes
+/// with an error, and the deferred free is never run (leaked, not freed under work that may
+/// still use its memory), nor is one registered later.
+#[test]
+fn an_event_whose_query_and_wait_panic_fails_and_withholds_its_frees() {
+    let event = Arc::new(PanickingQuery {
+        stream: 42,
+        completion: Completion::new(),
+        wait_panics: true,
+    });
+    let freed = std::sync::Arc::new(AtomicUsize::new(0));
+    let theirs = freed.clone();
+    let _ = event.completion.register_callback(Box::new(move |_| {
+        theirs.fetch_add(1, SeqCst);
+    }));
+    let counter = std::sync::Arc::new(Counting(AtomicUsize::new(0)));
+    let mut key = None;
+    let _ = event
+        .completion
+        .register_waker(&mut key, &Waker::from(counter.clone()));
+    super::settle_after_panic(Box::new(event.clone()));
+    assert!(
+        matches!(event.completion.result(), Some(Err(_))),
+        "the task does not see an error"
     );
     assert_eq!(counter.0.load(SeqCst), 1, "its task was not woken");
+    assert_eq!(
+        freed.load(SeqCst),
+        0,
+        "a free ran with the GPU's state unknown"
+    );
+    assert!(event.completion.withholds_callbacks());
+    let theirs = freed.clone();
+    let late = event.completion.register_callback(Box::new(move |_| {
+        theirs.fetch_add(1, SeqCst);
+    }));
+    assert!(matches!(late, Ok(Registration::Stored { first: false })));
+    assert_eq!(
+        freed.load(SeqCst),
+        0,
+        "a later free ran with the GPU's state unknown"
+    );
 }

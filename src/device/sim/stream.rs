@@ -85,8 +85,9 @@ impl SimStream {
         thread::Builder::new()
             .name(format!("sa-sim-{id}"))
             .spawn(move || worker.run())
-            .map_err(|_| Error::InvalidArgument {
-                what: "the OS could not start a simulated stream's worker thread",
+            .map_err(|e| {
+                tracing::error!(error = %e, stream = id, "the OS could not start a simulated stream's worker thread");
+                Error::io("starting a simulated stream's worker thread (sa-sim-N)", &e)
             })?;
         Ok(stream)
     }
