@@ -2,7 +2,7 @@
 //! the global arena, moved between streams and returned to it, large blocks, growth, and
 //! frees (on the owner's stream or on another).
 
-use super::global::{Guard, Guards, Large, Lent};
+use super::global::{Guard, Guards, Large, Lent, WholeChunk};
 use super::stream_arena::{cache, LocalFree, Remote, StreamArena};
 use super::ArenaResource;
 use crate::device::DevicePtr;
@@ -10,7 +10,7 @@ use crate::error::{Error, Result};
 use crate::resource::growth::step_within_free;
 use crate::resource::{MemoryResource, ALIGNMENT};
 use crate::stream::{Stream, StreamId};
-use crate::sync::{Arc, Ordering};
+use crate::sync::{Arc, MutexGuard, Ordering};
 // The planted bugs' switches, read through `planted!` (they exist only under the loom cfg).
 #[cfg(streamalloc_loom)]
 use super::planted;
@@ -225,7 +225,7 @@ impl<U: MemoryResource> ArenaResource<U> {
         if let Some(result) = attempt() {
             return result;
         }
-        let _slow = self.slow.lock();
+        let mut slow = self.slow.lock();
         // Before the last looks: a trim that puts its chunks back after this is seen by the
         // recall below.
         let trim_epoch = self.held_for_trim.epoch();
@@ -243,9 +243,11 @@ impl<U: MemoryResource> ArenaResource<U> {
         }
         // Another thread may take the new chunk before we do: grow again then. Each growth
         // raises `reserved`, so this ends at the maximum at the latest.
-        let mut recalled = false;
+        let (mut recalled, mut waited) = (false, false);
         loop {
-            match self.grow(grow_min, size, stream) {
+            let grown;
+            (slow, grown) = self.grow(slow, grow_min, size, stream);
+            match grown {
                 Ok(()) => {
                     if let Some(result) = attempt() {
                         return result;
@@ -262,9 +264,23 @@ impl<U: MemoryResource> ArenaResource<U> {
                         return result;
                     }
                 }
+                Err(_) if !waited => {
+                    // Another request may be giving chunks back upstream to grow, with `slow`
+                    // let go: the room (and what its growth leaves free) comes back at its end.
+                    let again;
+                    (slow, again) = self.wait_for_growth_give_backs(slow);
+                    if !again {
+                        break;
+                    }
+                    waited = true;
+                    if let Some(result) = attempt() {
+                        return result;
+                    }
+                }
                 Err(_) => break,
             }
         }
+        drop(slow);
         let err = self.out_of_memory(size);
         let _span = tracing::debug_span!("out_of_memory", requested = size).entered();
         if tracing::enabled!(tracing::Level::DEBUG) {
@@ -417,12 +433,27 @@ impl<U: MemoryResource> ArenaResource<U> {
     /// of `need` bytes (at most `min`): where less than `min` is left under the maximum, what
     /// is left, if that holds `need`. If that fails for want of memory (the room under the
     /// maximum, or the upstream's), and giving the wholly free chunks back would make room, it
-    /// gives them back (in stream order: the host does not wait for the GPU, but over
-    /// `CudaResource` each is a `cuMemFree`, which does, under the growth lock) and tries once
-    /// more: free memory
-    /// spread over chunks too small for the request would otherwise keep it failing forever,
-    /// everything free or not.
-    fn grow(&self, min: u64, need: u64, stream: &Stream) -> Result<()> {
+    /// gives them back (in stream order: the host does not wait for the GPU) and tries once
+    /// more: free memory spread over chunks too small for the request would otherwise keep it
+    /// failing forever, everything free or not.
+    ///
+    /// Called under `slow`, whose guard it takes and hands back: the give-back runs with `slow`
+    /// let go. Over `CudaResource` each chunk given back is a `cuMemFree`, which waits for the
+    /// whole device to be idle (milliseconds), and every other request that needs growth, a
+    /// defragmentation or a superblock moved would wait that long behind `slow`. Letting it go
+    /// is safe: the chunks are out of the global arena before (nothing else can hand them out
+    /// or give them back), their bytes and the rest of the room this growth needs stay counted
+    /// in `reserved` until it takes `slow` again (`GrowthClaim`: a request growing meanwhile
+    /// grows only into what is left, so it cannot take the room this one gave memory back
+    /// for, and the maximum holds), and a request at the maximum that finds nothing meanwhile
+    /// waits for the give-back to end before it fails (`wait_for_growth_give_backs`).
+    fn grow<'s>(
+        &'s self,
+        slow: MutexGuard<'s, ()>,
+        min: u64,
+        need: u64,
+        stream: &Stream,
+    ) -> (MutexGuard<'s, ()>, Result<()>) {
         // A small request grows by a superblock; with less than that left under the maximum,
         // no small request could ever use the room, and each would fail with it "available"
         // (a review's finding). A smaller superblock serves it instead.
@@ -436,12 +467,32 @@ impl<U: MemoryResource> ArenaResource<U> {
         };
         match self.grow_from_upstream(min, stream) {
             Err(e) if e.is_out_of_memory() => {
-                if self.give_back_whole_chunks(min) == 0 {
-                    return Err(e);
+                let Some((mut claim, chunks)) = self.take_whole_chunks_for_growth(min) else {
+                    return (slow, Err(e));
+                };
+                drop(slow);
+                let _span = tracing::debug_span!(
+                    "release_for_growth",
+                    requested = min,
+                    chunks = chunks.len()
+                )
+                .entered();
+                // With no lock held (see above).
+                let (released, error) = self.return_chunks(chunks, false);
+                if let Some(e) = error {
+                    tracing::warn!(error = %e, "could not give a free chunk back upstream to grow");
                 }
-                self.grow_from_upstream(min, stream)
+                claim.claimed += released;
+                let slow = self.slow.lock();
+                // The room back for this growth, under `slow`: no other growth comes between.
+                drop(claim);
+                if released == 0 {
+                    return (slow, Err(e));
+                }
+                let grown = self.grow_from_upstream(min, stream);
+                (slow, grown)
             }
-            other => other,
+            other => (slow, other),
         }
     }
 
@@ -511,31 +562,64 @@ impl<U: MemoryResource> ArenaResource<U> {
         }
     }
 
-    /// Gives every wholly free chunk back upstream, if the room under the maximum plus what
-    /// they hold is at least `min` (otherwise it would give memory away for nothing). Returns
-    /// the bytes given back.
-    fn give_back_whole_chunks(&self, min: u64) -> u64 {
-        let chunks = {
+    /// Takes every wholly free chunk out of the global arena to give it back upstream, if the
+    /// room under the maximum plus what they hold is at least `min` (otherwise it would give
+    /// memory away for nothing), and claims the rest of the room that `min` needs (added to
+    /// `reserved` until the claim is dropped). Under `slow`.
+    fn take_whole_chunks_for_growth(
+        &self,
+        min: u64,
+    ) -> Option<(GrowthClaim<'_, U>, Vec<WholeChunk>)> {
+        let (chunks, extra) = {
             let mut global = self.global.lock();
             let room = self
                 .maximum
                 .saturating_sub(self.reserved.load(Ordering::Relaxed));
-            if room.saturating_add(global.whole_chunk_bytes()) < min {
-                return 0;
+            let whole = global.whole_chunk_bytes();
+            if whole == 0 || room.saturating_add(whole) < min {
+                return None;
             }
-            global.take_whole_chunks()
+            (
+                global.take_whole_chunks(),
+                min.saturating_sub(whole).min(room),
+            )
         };
         if chunks.is_empty() {
-            return 0;
+            return None;
         }
-        let _span =
-            tracing::debug_span!("release_for_growth", requested = min, chunks = chunks.len())
-                .entered();
-        let (released, error) = self.return_chunks(chunks);
-        if let Some(e) = error {
-            tracing::warn!(error = %e, "could not give a free chunk back upstream to grow");
+        self.reserved.fetch_add(extra, Ordering::AcqRel);
+        self.returning.lock().in_flight += 1;
+        Some((
+            GrowthClaim {
+                arena: self,
+                claimed: extra,
+            },
+            chunks,
+        ))
+    }
+
+    /// For a request at the maximum about to fail, holding `slow`: if requests are giving whole
+    /// chunks back to grow (with `slow` let go), waits for one of them to end (the room, and
+    /// what the growth leaves free, come back then), with `slow` let go, and takes it again.
+    /// Whether it waited (the request should look, and grow, once more).
+    fn wait_for_growth_give_backs<'s>(
+        &'s self,
+        slow: MutexGuard<'s, ()>,
+    ) -> (MutexGuard<'s, ()>, bool) {
+        // `in_flight` changes only under `slow`, which we hold: stable while we look.
+        let returning = self.returning.lock();
+        if returning.in_flight == 0 {
+            return (slow, false);
         }
-        released
+        let seen = returning.ended;
+        drop(slow);
+        let _span = tracing::debug_span!("wait_for_growth_give_back").entered();
+        let mut returning = returning;
+        while returning.ended == seen {
+            returning = self.returned.wait(returning);
+        }
+        drop(returning);
+        (self.slow.lock(), true)
     }
 
     pub(super) fn out_of_memory(&self, requested: u64) -> Error {
@@ -638,5 +722,27 @@ impl<U: MemoryResource> ArenaResource<U> {
                 Err(e)
             }
         }
+    }
+}
+
+/// The room a request giving whole chunks back to grow keeps from other growths, with `slow`
+/// let go: the rest of the room it needs, and the bytes of the chunks given back, still counted
+/// in `reserved` (and the give-back counted in `returning`). Dropped under `slow` once it took
+/// it again, right before it grows (or on unwinding): the room back, and the requests waiting
+/// at the maximum told.
+struct GrowthClaim<'a, U: MemoryResource> {
+    arena: &'a ArenaResource<U>,
+    claimed: u64,
+}
+
+impl<U: MemoryResource> Drop for GrowthClaim<'_, U> {
+    fn drop(&mut self) {
+        let arena = self.arena;
+        arena.reserved.fetch_sub(self.claimed, Ordering::AcqRel);
+        let mut returning = arena.returning.lock();
+        returning.in_flight -= 1;
+        returning.ended += 1;
+        drop(returning);
+        arena.returned.notify_all();
     }
 }

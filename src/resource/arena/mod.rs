@@ -132,7 +132,7 @@ use crate::device::{Device, DevicePtr};
 use crate::error::{Error, Result};
 use crate::stream::Stream;
 use crate::sync::plain::Arc as StdArc;
-use crate::sync::{Arc, AtomicU64, Mutex, Ordering};
+use crate::sync::{Arc, AtomicU64, Condvar, Mutex, Ordering};
 
 mod alloc;
 mod dump;
@@ -255,7 +255,9 @@ pub struct ArenaResource<U: MemoryResource> {
     /// upstream (a request past its first try, `defragment`, `trim`): one at a time, so that a
     /// request about to fail sees no memory halfway between two places.
     slow: Mutex<()>,
-    /// Bytes held from the upstream, including chunks being grown.
+    /// Bytes held from the upstream, including chunks being grown, and the room that a request
+    /// giving whole chunks back to grow claims until it grows (`GiveBackForGrowth`): changed
+    /// only under `slow`, except when a give-back of chunks fails (their bytes stay).
     reserved: AtomicU64,
     peak_reserved: AtomicU64,
     grows: AtomicU64,
@@ -273,6 +275,19 @@ pub struct ArenaResource<U: MemoryResource> {
     held_for_trim: HeldForTrim<WholeChunk>,
     /// A stream of the arena's own, for the initial chunk and for returning chunks upstream.
     own: Stream,
+    /// Requests giving whole chunks back upstream to grow, with `slow` let go (the count), and
+    /// how many such give-backs have ended: a request at the maximum waits for one to end
+    /// (`returned`) before it fails, since the room comes back at its end.
+    returning: Mutex<Returning>,
+    /// Told when a give-back for growth ends.
+    returned: Condvar,
+}
+
+/// Give-backs for growth under way, and ended (`ArenaResource::returning`).
+#[derive(Debug, Default)]
+struct Returning {
+    in_flight: usize,
+    ended: u64,
 }
 
 impl<U: MemoryResource> fmt::Debug for ArenaResource<U> {
@@ -355,6 +370,8 @@ impl<U: MemoryResource> ArenaResource<U> {
             next_ticket: AtomicU64::new(0),
             waiters,
             held_for_trim: HeldForTrim::new(),
+            returning: Mutex::new(Returning::default()),
+            returned: Condvar::new(),
         };
         if options.initial > 0 {
             let size = options.initial as u64;

@@ -116,7 +116,7 @@ impl<U: MemoryResource> ArenaResource<U> {
             return Ok(0);
         };
         let chunks = self.held_for_trim.release(ticket);
-        let (released, error) = self.return_chunks(chunks);
+        let (released, error) = self.return_chunks(chunks, true);
         self.held_for_trim.given_back();
         tracing::debug!(released, "trimmed");
         // Room under the maximum came back, or a chunk the upstream refused came back to the
@@ -133,7 +133,13 @@ impl<U: MemoryResource> ArenaResource<U> {
     /// Frees chunks taken out of the global arena upstream, on the arena's own stream after it
     /// waits (on the GPU) for each chunk's guards. A chunk whose wait or free fails goes back
     /// to the global arena, with its guards. Returns the bytes given back and the first error.
-    pub(super) fn return_chunks(&self, chunks: Vec<WholeChunk>) -> (u64, Option<Error>) {
+    /// With `settle` the bytes leave `reserved` as each chunk goes; without, they stay there
+    /// for the caller to take off (a growth keeps the room for itself: `GrowthClaim`).
+    pub(super) fn return_chunks(
+        &self,
+        chunks: Vec<WholeChunk>,
+        settle: bool,
+    ) -> (u64, Option<Error>) {
         let mut released = 0;
         let mut first_error = None;
         for chunk in chunks {
@@ -150,7 +156,9 @@ impl<U: MemoryResource> ArenaResource<U> {
             });
             match freed {
                 Ok(()) => {
-                    self.reserved.fetch_sub(chunk.size, Ordering::AcqRel);
+                    if settle {
+                        self.reserved.fetch_sub(chunk.size, Ordering::AcqRel);
+                    }
                     self.chunks_released.fetch_add(1, Ordering::Relaxed);
                     released += chunk.size;
                     tracing::debug!(base = chunk.base, size = chunk.size, "chunk given back");
