@@ -468,3 +468,42 @@ fn a_request_does_not_wait_for_the_arenas_growth_to_free_upstream() {
         assert_eq!(stats.in_use, 0, "{}: {stats:?}", label(&device));
     }
 }
+
+/// Two trims down to `keep` at once never leave less than `keep` mapped: the first holds the
+/// top half of the pool (its stream busy) while the second runs to its end. Before, the second
+/// took what went past `keep` as if the first were not there, and the two together unmapped
+/// everything.
+#[test]
+fn two_trims_at_once_keep_what_they_were_asked_to() {
+    let _turn = take_turns();
+    for device in devices() {
+        let p = ExpandablePoolResource::new(
+            &device,
+            ExpandableOptions {
+                maximum: Some(8 * MIB),
+                // Trims exact to the granule (2 MiB here), which `keep` is a multiple of.
+                map_unit: Some(1),
+                ..ExpandableOptions::default()
+            },
+        )
+        .unwrap();
+        let s1 = device.create_stream().unwrap();
+        let x = p.allocate(8 * MIB, &s1).unwrap();
+        s1.spin(Duration::from_millis(300)).unwrap();
+        free(&p, x, 8 * MIB, &s1); // the granules wait for `s1`, busy
+        let keep = 4 * MIB;
+        let mut first = std::pin::pin!(p.trim_to(keep));
+        assert!(poll_once(first.as_mut()).is_pending(), "{}", label(&device));
+        let second = p.trim_to_blocking(keep).unwrap();
+        let first = futures::executor::block_on(first).unwrap();
+        let reserved = p.stats().reserved;
+        assert!(
+            reserved >= keep,
+            "{}: two trims down to {keep} left {reserved} mapped (they unmapped {first} and \
+             {second})",
+            label(&device)
+        );
+        assert_eq!(first + second, 4 * MIB, "{}", label(&device));
+        p.check_invariants().unwrap();
+    }
+}

@@ -313,6 +313,15 @@ pub(crate) struct Expander<S: EngineStream, B: Backing> {
     /// they wait for their streams: a request at the maximum takes them back
     /// ([`Grow::recall_trimmed`]).
     held_for_trim: HeldForTrim<Taken<S>>,
+    /// Bytes that trims took out of the lists ([`hold_free`](Self::hold_free)) and that are
+    /// neither unmapped nor back in the lists yet: held, or released and being unmapped. They
+    /// still count in `reserved`, but will not stay mapped, so a trim beside them takes only
+    /// what goes past `keep` without them (two trims down to `keep` together unmapped below
+    /// it: each took `reserved - keep`). Added under the growth lock, taken off as they leave
+    /// (the unmapped ones under the table's lock, with `reserved`; the ones put back after
+    /// they are back): a trim reading both under the table's lock never counts a byte as
+    /// going twice, at worst as staying once.
+    trimming: AtomicU64,
 }
 
 impl<S: EngineStream, B: Backing> Expander<S, B> {
@@ -362,6 +371,7 @@ impl<S: EngineStream, B: Backing> Expander<S, B> {
             unclaimed_bytes: std::sync::atomic::AtomicU64::new(0),
             moves: AtomicU64::new(0),
             held_for_trim: HeldForTrim::new(),
+            trimming: AtomicU64::new(0),
         }
     }
 
@@ -779,7 +789,7 @@ impl<S: EngineStream, B: Backing> Expander<S, B> {
         let mut any = false;
         self.held_for_trim.put_back(ticket, |ranges| {
             any = !ranges.is_empty();
-            self.put_back(ranges);
+            self.put_back_trimmed(ranges);
         });
         any
     }
@@ -792,7 +802,7 @@ impl<S: EngineStream, B: Backing> Expander<S, B> {
         ticket: Ticket,
         stays: impl FnMut(&Taken<S>) -> bool,
     ) -> usize {
-        (self.held_for_trim).put_back_some(ticket, stays, |ranges| self.put_back(ranges))
+        (self.held_for_trim).put_back_some(ticket, stays, |ranges| self.put_back_trimmed(ranges))
     }
 
     /// [`hold_free`](Self::hold_free)'s taking, with the growth lock held.
@@ -803,7 +813,10 @@ impl<S: EngineStream, B: Backing> Expander<S, B> {
         // top: a piece partly released keeps its bottom, unclaimed. What is mapped is read
         // under the table's lock, which claims' moves hold while they unmap and map.
         let mut table = self.table.lock();
-        let mut excess = self.reserved().saturating_sub(keep);
+        // What other trims took stays counted in `reserved` until they unmap it: not ours to
+        // take again.
+        let going = self.trimming.load(Ordering::Relaxed);
+        let mut excess = self.reserved().saturating_sub(going).saturating_sub(keep);
         if excess == 0 {
             // Nothing to give back: nothing leaves the lists, and no stream waits.
             return out;
@@ -826,7 +839,22 @@ impl<S: EngineStream, B: Backing> Expander<S, B> {
         if excess > 0 {
             out.extend(self.heap.take_aligned(g, excess));
         }
+        self.trimming
+            .fetch_add(Self::bytes_of(&out), Ordering::Relaxed);
         out
+    }
+
+    /// The bytes of `ranges`.
+    fn bytes_of(ranges: &[Taken<S>]) -> u64 {
+        ranges.iter().map(|r| r.1).sum()
+    }
+
+    /// Ranges that a trim took ([`hold_free`](Self::hold_free)) back in the lists, no longer
+    /// counted as going (after they are back: see `trimming`).
+    fn put_back_trimmed(&self, ranges: Vec<Taken<S>>) {
+        let bytes = Self::bytes_of(&ranges);
+        self.put_back(ranges);
+        self.trimming.fetch_sub(bytes, Ordering::Relaxed);
     }
 
     /// Ranges taken by [`hold_free`](Self::hold_free) go back where they were, free.
@@ -855,11 +883,19 @@ impl<S: EngineStream, B: Backing> Expander<S, B> {
     /// The work of every range's stream, up to the moment its range was taken, has finished
     /// (the caller synchronized the stream after `hold_free`); fresh ranges were never used.
     pub(crate) unsafe fn unmap_ranges(&self, ranges: Vec<Taken<S>>) -> (u64, Result<()>) {
+        let taken = Self::bytes_of(&ranges);
         // SAFETY: the caller's contract, passed on.
         let (unmapped, result, back) = unsafe { self.unmap_unlocked(ranges) };
-        let released = self.note_unmapped(&mut self.table.lock(), &unmapped);
+        let going_back = Self::bytes_of(&back);
+        let released = {
+            let mut table = self.table.lock();
+            let released = self.note_unmapped(&mut table, &unmapped);
+            // With `reserved`, under the table's lock: a trim reads both there.
+            (self.trimming).fetch_sub(taken - going_back, Ordering::Relaxed);
+            released
+        };
         // Outside the table's lock: the handles' drops take locks of their own.
-        self.put_back(back);
+        self.put_back_trimmed(back);
         (released, result)
     }
 
@@ -997,7 +1033,7 @@ impl<S: EngineStream, B: Backing> Grow<S> for Expander<S, B> {
     }
 
     fn recall_trimmed(&self, epoch: u64) -> bool {
-        (self.held_for_trim).recall(epoch, |ranges| self.put_back(ranges))
+        (self.held_for_trim).recall(epoch, |ranges| self.put_back_trimmed(ranges))
     }
 
     /// Maps granules for a request of `min` bytes where they coalesce with the requester's
