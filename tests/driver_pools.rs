@@ -449,3 +449,97 @@ fn cuda_async_behind_a_waiter_a_request_of_an_unaligned_maximum_fails_at_once() 
     }
     s.synchronize_blocking().unwrap();
 }
+
+/// Fills a simulated device of 64 MiB through `resource` with 8 MiB blocks on `s`; the blocks.
+fn fill_device(resource: &CudaAsyncResource, s: &streamalloc::Stream) -> Vec<DevicePtr> {
+    let mut blocks = Vec::new();
+    let refused = loop {
+        match resource.allocate(8 * MIB, s) {
+            Ok(ptr) => blocks.push(ptr),
+            Err(e) => break e,
+        }
+    };
+    assert!(refused.is_out_of_memory(), "{refused:?}");
+    assert!(!blocks.is_empty());
+    blocks
+}
+
+/// A free issued while nobody waits, whose stream is still busy (here a 300 ms spin before
+/// it): a request that the driver refuses before the GPU reaches the free must be woken when
+/// it does. Before the fix no event was recorded for such a free, and the request slept until
+/// the next free or its deadline (here 10 s: it timed out).
+#[test]
+fn cuda_async_a_request_after_a_pending_free_is_woken_when_the_gpu_reaches_it() {
+    let device = Device::simulated(SimConfig {
+        total_memory: 64 * MIB,
+        ..SimConfig::default()
+    });
+    let resource = CudaAsyncResource::new(&device, CudaAsyncOptions::default()).unwrap();
+    let s = device.create_stream().unwrap();
+    let other = device.create_stream().unwrap();
+    let mut blocks = fill_device(&resource, &s);
+    s.spin(std::time::Duration::from_millis(300)).unwrap();
+    let last = blocks.pop().unwrap();
+    // SAFETY: allocated above with 8 MiB on `s`, unused, freed once.
+    unsafe { resource.deallocate(last, 8 * MIB, &s) }.unwrap();
+    assert!(resource.memory_waiters().unwrap().is_empty());
+    // Another stream, so the memory is reusable only once `s` reaches the free.
+    let started = std::time::Instant::now();
+    let got = common::runtime()
+        .block_on(
+            resource
+                .allocate_async(8 * MIB, &other)
+                .timeout(std::time::Duration::from_secs(10)),
+        )
+        .expect("the request slept through a free issued before it waited");
+    assert!(started.elapsed() < std::time::Duration::from_secs(5));
+    // SAFETY: allocated just now with 8 MiB on `other`, unused, freed once.
+    unsafe { resource.deallocate(got, 8 * MIB, &other) }.unwrap();
+    for ptr in blocks {
+        // SAFETY: allocated above with 8 MiB on `s`, unused, freed once.
+        unsafe { resource.deallocate(ptr, 8 * MIB, &s) }.unwrap();
+    }
+    s.synchronize_blocking().unwrap();
+    other.synchronize_blocking().unwrap();
+}
+
+/// Two resources over the device's default pool: a request waiting in one must be woken by a
+/// free through the other (the memory comes back to the one pool). Before the fix each had
+/// its own queue that only its own frees woke, and the request slept until its deadline.
+#[test]
+fn cuda_async_a_free_through_one_view_wakes_a_waiter_of_another() {
+    let device = Device::simulated(SimConfig {
+        total_memory: 64 * MIB,
+        ..SimConfig::default()
+    });
+    let a = CudaAsyncResource::default_pool(&device).unwrap();
+    let b = CudaAsyncResource::default_pool(&device).unwrap();
+    assert!(a.shares_pool_with(&b));
+    let s = device.create_stream().unwrap();
+    let other = device.create_stream().unwrap();
+    let mut blocks = fill_device(&a, &s);
+    let rt = common::runtime();
+    let (_flag, waker) = flag();
+    let mut cx = Context::from_waker(&waker);
+    let mut wait = Box::pin(
+        b.allocate_async(8 * MIB, &other)
+            .timeout(std::time::Duration::from_secs(10)),
+    );
+    assert!(wait.as_mut().poll(&mut cx).is_pending(), "did not wait");
+    let last = blocks.pop().unwrap();
+    let started = std::time::Instant::now();
+    // SAFETY: allocated above with 8 MiB on `s`, unused, freed once.
+    unsafe { a.deallocate(last, 8 * MIB, &s) }.unwrap();
+    let got = rt
+        .block_on(wait)
+        .expect("a free through one view did not wake the other's waiter");
+    assert!(started.elapsed() < std::time::Duration::from_secs(5));
+    // SAFETY: allocated just now with 8 MiB on `other`, unused, freed once.
+    unsafe { b.deallocate(got, 8 * MIB, &other) }.unwrap();
+    for ptr in blocks {
+        // SAFETY: allocated above with 8 MiB on `s`, unused, freed once.
+        unsafe { a.deallocate(ptr, 8 * MIB, &s) }.unwrap();
+    }
+    s.synchronize_blocking().unwrap();
+    other.synchronize_blocking().unwrap();
+}

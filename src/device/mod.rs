@@ -190,7 +190,17 @@ pub(crate) struct DeviceInner {
     pub(crate) staging: staging::Staging,
     /// On CUDA with `CudaOptions::completion_words`, the pages of its streams' words.
     pub(crate) words: Option<std::sync::Arc<cuda_words::Words>>,
+    /// What the resources over one driver pool share (`CudaAsyncResource`'s waiters, so that a
+    /// free through one view wakes a request waiting in another), by the pool's key
+    /// (`AsyncPool::key`). Weak: the resources own it; a dead entry is let go at the next
+    /// lookup. Std's lock: taken only when such a resource is made, never on an allocation or
+    /// a free.
+    pub(crate) pool_shared: crate::sync::plain::Mutex<Vec<(usize, PoolShared)>>,
 }
+
+/// An entry of [`DeviceInner::pool_shared`]: type-erased, since the resource layer's type is
+/// above this one.
+pub(crate) type PoolShared = crate::sync::plain::Weak<dyn std::any::Any + Send + Sync>;
 
 impl Drop for DeviceInner {
     fn drop(&mut self) {
@@ -381,6 +391,7 @@ impl Device {
                 streams_created: AtomicU64::new(0),
                 staging: staging::Staging::default(),
                 words,
+                pool_shared: crate::sync::plain::Mutex::new(Vec::new()),
             }),
         }
     }
@@ -509,6 +520,31 @@ impl Device {
         let reactor = lazy_reactor(name.clone(), || Reactor::start(name, sim::SimDoorbells));
         let _ = self.inner.reactor.set(reactor);
         self.inner.reactor.get().expect("set above")
+    }
+
+    /// What the resources over the driver pool keyed `key` share: the one that lives, or a
+    /// new one from `make` (kept weakly: the callers own it). Taken only when a resource is
+    /// made.
+    pub(crate) fn pool_shared<T: std::any::Any + Send + Sync>(
+        &self,
+        key: usize,
+        make: impl FnOnce() -> T,
+    ) -> crate::sync::plain::Arc<T> {
+        let mut entries = (self.inner.pool_shared)
+            .lock()
+            .unwrap_or_else(|e| e.into_inner());
+        entries.retain(|(_, shared)| shared.strong_count() > 0);
+        let found = entries
+            .iter()
+            .filter(|(k, _)| *k == key)
+            .find_map(|(_, shared)| shared.upgrade()?.downcast::<T>().ok());
+        if let Some(shared) = found {
+            return shared;
+        }
+        let made = crate::sync::plain::Arc::new(make());
+        let erased: crate::sync::plain::Arc<dyn std::any::Any + Send + Sync> = made.clone();
+        entries.push((key, crate::sync::plain::Arc::downgrade(&erased)));
+        made
     }
 
     /// The device's completion reactor if it runs (see [`reactor`](Self::reactor)).

@@ -9,12 +9,13 @@ use rustc_hash::FxHashMap;
 
 use crate::device::{Device, DevicePtr};
 use crate::error::{Error, Result};
+use crate::resource::stream_ordered::kept::Kept;
 use crate::resource::waiters::MemoryWaiters;
 use crate::resource::{aligned_size, check_stream, MemoryKind, MemoryResource};
 use crate::stream::Stream;
 use crate::stream::{AsyncPool, AsyncPoolSettings};
-use crate::sync::plain::{Arc as StdArc, Mutex as PlainMutex};
-use crate::sync::{AtomicUsize, Ordering};
+use crate::sync::plain::{Arc as StdArc, Mutex as PlainMutex, RwLock};
+use crate::sync::{AtomicU64, AtomicUsize, Mutex, Ordering};
 
 /// Settings of a [`CudaAsyncResource`].
 ///
@@ -106,13 +107,14 @@ pub struct CudaAsyncOptions {
 ///   in stream order at once), and, while someone waits, once more when the GPU reaches the
 ///   free (an event watched by the completion reactor: the driver pool holds the memory for
 ///   any stream then); so does [`trim_to`](Self::trim_to). A request larger than the maximum
-///   (rounded down to 256 bytes) can never fit and fails at once. Only frees through *this*
-///   resource wake its waiters: memory freed by other code, or through another resource over
-///   the same pool (two views of the default pool), does not. Nor does the GPU reaching a
-///   free issued while nobody waited (no event is recorded then, to keep the free's fast
-///   path one fence and a load): a request that the driver refuses in the moment between
-///   such a free and the GPU reaching it (the memory not back in the pool yet) waits for the
-///   next free through the resource, or its deadline;
+///   (rounded down to 256 bytes) can never fit and fails at once. A free issued while nobody
+///   waited records nothing (its fast path is a load of its stream's slot, a fence and a few
+///   loads), but its stream is remembered: a request that starts waiting before the GPU
+///   reaches that free records an event there and is woken when the GPU gets there. Every
+///   resource over the same driver pool (two views of the default pool, an owner and a view
+///   of its pool) shares these: a free or a trim through one wakes the others' waiters too.
+///   Memory freed by other code, not through any resource, wakes nobody: such a request waits
+///   for the next free through one, or its deadline;
 /// - dropping a resource made by [`new`](Self::new) destroys its pool. Memory still allocated
 ///   from it is released by the driver once freed, so drop every buffer made from it first;
 ///   buffers hold a [`ResourceRef`](crate::ResourceRef), so as long as they are made through
@@ -145,6 +147,161 @@ pub struct CudaAsyncResource {
     /// review found the resource without one: a request at its maximum failed at once instead
     /// of waiting for memory freed through it.
     waiters: StdArc<MemoryWaiters>,
+    /// What every resource over the same driver pool shares (two views of the default pool,
+    /// a view and its owner): their queues, so that a free through one wakes the others'
+    /// waiters, and the streams of the frees issued while nobody waited.
+    shared: StdArc<PoolWaiters>,
+}
+
+/// The slots of [`PoolWaiters::pending`].
+const PENDING_SLOTS: usize = 16;
+
+/// The waiters of every [`CudaAsyncResource`] over one driver pool, kept per device by the
+/// pool's key ([`Device::pool_shared`]): memory freed through any of them comes back to the
+/// one pool, so any of their requests may use it.
+///
+/// It also remembers the streams that frees were issued on while nobody waited (one per slot,
+/// by stream id), so that a request arriving later can be woken when the GPU reaches them:
+/// the driver's pool reuses freed memory for another stream only then. A free that finds its
+/// stream in its slot already writes nothing (one load); a request that starts waiting records
+/// an event on each remembered stream and empties the slots.
+///
+/// The protocol, with the queue's fences (`MemoryWaiters::notify` and `register`): a free
+/// notes its stream *before* its fence and its load of the queues' lengths; a request
+/// registers (its fence) *before* it reads the slots. So either the free sees the request and
+/// records its own event, or the request sees the stream, and records one after the free.
+/// (`loom-tests/cuda_async.rs` checks it, with a planted free that notes its stream after.)
+pub(crate) struct PoolWaiters {
+    /// The queues of the resources over the pool. Std's lock: it changes only when one is made
+    /// or dropped; a free reads it only when the pool has several.
+    queues: RwLock<Vec<StdArc<MemoryWaiters>>>,
+    /// Whether `queues` has more than one, readable without the lock.
+    several: std::sync::atomic::AtomicBool,
+    pending: [PendingSlot; PENDING_SLOTS],
+}
+
+/// A stream that a free was issued on while nobody waited, until a request reads it.
+struct PendingSlot {
+    /// The stream's id, 0 for none: what a free checks without the lock. Written under it.
+    id: AtomicU64,
+    /// The stream, kept (a handle that does not count as a user's, see `Stream::users`).
+    stream: Mutex<Option<Kept<Stream>>>,
+}
+
+impl fmt::Debug for PoolWaiters {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("PoolWaiters").finish_non_exhaustive()
+    }
+}
+
+impl PoolWaiters {
+    fn new() -> Self {
+        Self {
+            queues: RwLock::new(Vec::new()),
+            several: std::sync::atomic::AtomicBool::new(false),
+            pending: std::array::from_fn(|_| PendingSlot {
+                id: AtomicU64::new(0),
+                stream: Mutex::new(None),
+            }),
+        }
+    }
+
+    fn join(this: &StdArc<Self>, queue: &StdArc<MemoryWaiters>) {
+        let weak = StdArc::downgrade(this);
+        queue.on_arrival(Box::new(move || {
+            if let Some(shared) = weak.upgrade() {
+                PoolWaiters::arrived(&shared);
+            }
+        }));
+        let mut queues = this.queues.write().unwrap_or_else(|e| e.into_inner());
+        queues.push(queue.clone());
+        this.several
+            .store(queues.len() > 1, std::sync::atomic::Ordering::Release);
+    }
+
+    fn leave(&self, queue: &StdArc<MemoryWaiters>) {
+        let mut queues = self.queues.write().unwrap_or_else(|e| e.into_inner());
+        queues.retain(|q| !StdArc::ptr_eq(q, queue));
+        self.several
+            .store(queues.len() > 1, std::sync::atomic::Ordering::Release);
+    }
+
+    /// Runs `f` on every queue but `own`, if the pool has several.
+    fn others(&self, own: &MemoryWaiters, mut f: impl FnMut(&MemoryWaiters)) {
+        if !self.several.load(std::sync::atomic::Ordering::Acquire) {
+            return;
+        }
+        let queues = self.queues.read().unwrap_or_else(|e| e.into_inner());
+        for queue in queues.iter().filter(|q| !std::ptr::eq(&***q, own)) {
+            f(queue);
+        }
+    }
+
+    /// Memory came back to the pool: every queue's first waiter tries again.
+    fn notify_all(&self) {
+        let queues = self.queues.read().unwrap_or_else(|e| e.into_inner());
+        for queue in queues.iter() {
+            queue.notify();
+        }
+    }
+
+    /// A free is being issued on `stream` (call it before the queues are notified): remembers
+    /// the stream for a request that arrives before the GPU reaches the free.
+    #[inline]
+    fn note_free(&self, stream: &Stream) {
+        let id = stream.id().get();
+        let slot = &self.pending[(id as usize) % PENDING_SLOTS];
+        // Relaxed: the fence of the notification that follows orders it (see the type).
+        if slot.id.load(Ordering::Relaxed) == id {
+            return;
+        }
+        let mut kept = slot.stream.lock();
+        let old = kept.replace(Kept::new(stream));
+        slot.id.store(id, Ordering::Relaxed);
+        drop(kept);
+        // A stream's last handle may go here, outside the lock.
+        drop(old);
+    }
+
+    /// A request started waiting in one of the queues (after its registration's fence): for
+    /// every stream a free was issued on while nobody waited, an event that wakes the queues
+    /// when the GPU gets there. Memory whose free the GPU reached already is in the pool,
+    /// where the request's own try after registering finds it; the event then completes at
+    /// once and costs one needless try at most.
+    fn arrived(this: &StdArc<Self>) {
+        for slot in &this.pending {
+            if slot.id.load(Ordering::Relaxed) == 0 {
+                continue;
+            }
+            let taken = {
+                let mut kept = slot.stream.lock();
+                let taken = kept.take();
+                slot.id.store(0, Ordering::Relaxed);
+                taken
+            };
+            if let Some(stream) = taken {
+                Self::wake_after(this, &stream);
+            }
+        }
+    }
+
+    /// Notifies every queue once `stream` reaches its current end.
+    fn wake_after(this: &StdArc<Self>, stream: &Stream) {
+        match stream.record() {
+            Ok(event) => {
+                let shared = this.clone();
+                // Only wakes tasks: no CUDA call on the reactor thread, and the queues are
+                // dropped there at worst, which makes none either.
+                event.on_complete(Box::new(move |_| shared.notify_all()));
+            }
+            // A stream being captured into a graph (or a device error): the waiters were
+            // notified when the free was issued, and a later free notifies again.
+            Err(e) => tracing::debug!(
+                error = %e,
+                "CudaAsyncResource: no event after a free for its waiters"
+            ),
+        }
+    }
 }
 
 /// The shards of a [`CudaAsyncResource`]'s size table.
@@ -274,12 +431,16 @@ impl CudaAsyncResource {
 
     /// A resource over `pool`, with nothing handed out yet.
     fn over(pool: AsyncPool, maximum: Option<usize>) -> Self {
+        let shared = pool.device().pool_shared(pool.key(), PoolWaiters::new);
+        let waiters = StdArc::new(MemoryWaiters::new());
+        PoolWaiters::join(&shared, &waiters);
         let resource = Self {
             pool,
             maximum,
             allocated: AtomicUsize::new(0),
             sizes: SizeTable::new(),
-            waiters: StdArc::new(MemoryWaiters::new()),
+            waiters,
+            shared,
         };
         resource.note_maximum();
         resource
@@ -337,8 +498,9 @@ impl CudaAsyncResource {
     pub fn trim_to(&self, keep_bytes: usize) -> Result<()> {
         let _span = tracing::debug_span!("trim", keep_bytes).entered();
         self.pool.trim_to(keep_bytes)?;
-        // Memory went back to the device, which a request the driver refused may use.
-        self.waiters.notify();
+        // Memory went back to the device, which a request the driver refused may use (one
+        // through another resource over the pool too).
+        self.shared.notify_all();
         Ok(())
     }
 
@@ -423,6 +585,12 @@ impl CudaAsyncResource {
             .fetch_update(Ordering::AcqRel, Ordering::Acquire, |allocated| {
                 Some(allocated.saturating_sub(size))
             });
+    }
+}
+
+impl Drop for CudaAsyncResource {
+    fn drop(&mut self) {
+        self.shared.leave(&self.waiters);
     }
 }
 
@@ -515,44 +683,49 @@ unsafe impl MemoryResource for CudaAsyncResource {
 }
 
 impl CudaAsyncResource {
-    /// A free through the resource was issued on `stream`: the first waiter tries again now
-    /// (the count fell, and the driver may reuse the memory in stream order at once), and, if
-    /// anyone waits, again once the GPU reaches the free, when the driver pool holds the
-    /// memory for any stream. Without that second wake a request refused by the driver (the
-    /// device out of memory) right after the free would sleep until the next one.
+    /// A free through the resource was issued on `stream`: the first waiter of every resource
+    /// over the pool tries again now (the count fell, and the driver may reuse the memory in
+    /// stream order at once), and, if anyone waits, again once the GPU reaches the free, when
+    /// the driver pool holds the memory for any stream. Without that second wake a request
+    /// refused by the driver (the device out of memory) right after the free would sleep until
+    /// the next one. If nobody waits, the stream is remembered instead (see [`PoolWaiters`]),
+    /// for a request that starts waiting before the GPU reaches the free.
     ///
-    /// Nothing is recorded while nobody waits, so the free's fast path costs one fence and a
-    /// load. Nor during a quiet give-back (the head waiter's own part of a set it could not
-    /// complete): the head would wake itself when the GPU got there, in a loop of failing
-    /// tries at the GPU's pace.
+    /// With nobody waiting, the fast path costs a load of the stream's slot (a write only when
+    /// another stream took it since), a fence and a few loads. Nothing is recorded during a
+    /// quiet give-back (the head waiter's own part of a set it could not complete) unless
+    /// another resource's queue waits: the head would wake itself when the GPU got there, in a
+    /// loop of failing tries at the GPU's pace.
     fn freed(&self, stream: &Stream) {
-        self.waiters.notify();
-        if self.waiters.is_empty() || self.waiters.is_quiet() {
-            return;
+        // Before the notification's fence (see `PoolWaiters`).
+        if !planted!(NOTE_AFTER) {
+            self.shared.note_free(stream);
         }
-        match stream.record() {
-            Ok(event) => {
-                let waiters = self.waiters.clone();
-                // Only wakes tasks: no CUDA call on the reactor thread, and the queue is
-                // dropped there at worst, which makes none either.
-                event.on_complete(Box::new(move |_| waiters.notify()));
-            }
-            // A stream being captured into a graph (or a device error): the waiter was
-            // notified above, and a later free notifies again.
-            Err(e) => tracing::debug!(
-                error = %e,
-                "CudaAsyncResource: no event after a free for its waiters"
-            ),
+        self.waiters.notify();
+        self.shared.others(&self.waiters, MemoryWaiters::notify);
+        if planted!(NOTE_AFTER) {
+            self.shared.note_free(stream);
+        }
+        let mut someone = !self.waiters.is_empty() && !self.waiters.is_quiet();
+        self.shared
+            .others(&self.waiters, |q| someone |= !q.is_empty());
+        if someone {
+            PoolWaiters::wake_after(&self.shared, stream);
         }
     }
 }
 
-/// A bug the loom model plants (`loom-tests/cuda_async.rs`), constant off otherwise; read through
-/// `planted!`.
+/// Bugs the loom model plants (`loom-tests/cuda_async.rs`), constant off otherwise; read
+/// through `planted!`.
 #[cfg(streamalloc_loom)]
 pub(crate) mod planted {
     /// The maximum is checked with a load and the bytes counted with a separate add: two
     /// threads can both pass the check.
     pub(crate) static CHECK_THEN_ADD: std::sync::atomic::AtomicBool =
+        std::sync::atomic::AtomicBool::new(false);
+    /// A free notes its stream for later waiters after its notification (its fence and its
+    /// load of the queues' lengths), not before: a request registering in between sees
+    /// neither the stream nor is seen, and sleeps through the free.
+    pub(crate) static NOTE_AFTER: std::sync::atomic::AtomicBool =
         std::sync::atomic::AtomicBool::new(false);
 }

@@ -92,6 +92,11 @@ pub struct MemoryWaiters {
     /// Whether `relays` has any, readable without the lock: a queue with nothing above it (a
     /// pool used directly) pays one load per notification for them.
     has_relays: std::sync::atomic::AtomicBool,
+    /// Run after each [`register`](Self::register), past its fence, outside the lock: set by
+    /// a resource that must act when a request starts waiting (`CudaAsyncResource` records
+    /// events behind the frees issued while nobody waited, so that the GPU reaching them
+    /// wakes this request). Set once, before the queue is shared.
+    arrival: crate::sync::plain::OnceLock<Box<dyn Fn() + Send + Sync>>,
 }
 
 /// What waiting for memory has cost a resource.
@@ -139,7 +144,14 @@ impl MemoryWaiters {
             maximum: std::sync::atomic::AtomicUsize::new(0),
             relays: RwLock::new(Vec::new()),
             has_relays: std::sync::atomic::AtomicBool::new(false),
+            arrival: crate::sync::plain::OnceLock::new(),
         }
+    }
+
+    /// Runs `hook` after every registration from now on (see the field `arrival`); a second
+    /// hook is ignored. The hook may notify this queue, and must not register in it.
+    pub(crate) fn on_arrival(&self, hook: Box<dyn Fn() + Send + Sync>) {
+        let _ = self.arrival.set(hook);
     }
 
     /// From now on, every [`notify`](Self::notify) of this queue notifies `above` too: for a
@@ -338,7 +350,14 @@ impl MemoryWaiters {
         if !planted!(NO_FENCES) {
             fence(Ordering::SeqCst);
         }
-        (id, queue.entries.len() == 1)
+        let first = queue.entries.len() == 1;
+        drop(queue);
+        // After the fence: whatever a free wrote before its own fence and its load of `len`
+        // found nobody (the hook reads it), the hook sees.
+        if let Some(hook) = self.arrival.get() {
+            hook();
+        }
+        (id, first)
     }
 
     /// For a queued entry: whether it holds the baton (clearing it: the caller is about to try),

@@ -177,6 +177,16 @@ impl AsyncPool {
         }
     }
 
+    /// The pool's identity on its device, for what the resources over it share
+    /// ([`Device::pool_shared`]): the driver's handle on CUDA, the simulated pool's address.
+    /// Two handles of one pool have the same key.
+    pub(crate) fn key(&self) -> usize {
+        match &self.raw {
+            RawPool::Cuda(p) => p.0 as usize,
+            RawPool::Sim(p) => PlainArc::as_ptr(p) as usize,
+        }
+    }
+
     pub(crate) fn device(&self) -> &Device {
         &self.device
     }

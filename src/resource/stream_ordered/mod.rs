@@ -66,7 +66,7 @@ mod addr_map;
 mod blocks;
 mod chunks;
 mod expandable;
-mod kept;
+pub(crate) mod kept;
 mod order;
 #[cfg(all(test, not(streamalloc_loom)))]
 mod order_tests;
