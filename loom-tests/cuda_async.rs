@@ -8,7 +8,7 @@
 
 use loom::thread;
 
-use super::{check_paths, must_fail, Seen, Shared};
+use super::{check_paths, must_fail, CountingWaker, Seen, Shared};
 use crate::resource::cuda_async::{CudaAsyncOptions, CudaAsyncResource};
 use crate::sync::Arc;
 use crate::{Device, MemoryResource, RaceDetection, SimConfig};
@@ -91,6 +91,60 @@ fn planted_check_then_add() {
             crate::resource::cuda_async::planted::CHECK_THEN_ADD
                 .store(true, std::sync::atomic::Ordering::Relaxed);
             check_paths(Some(2), &[], two_requests_at_the_maximum);
+        },
+    );
+}
+
+/// A free issued while nobody waits, racing a request that starts waiting: either the free
+/// sees the waiter (and notifies it, and records an event), or the waiter, arriving after the
+/// free's fence, finds the free's stream in its slot and records an event there, which wakes
+/// it when the stream gets there (at once on the inline device). Either way the waiter is
+/// woken: it never sleeps through a free issued just before it waited.
+fn a_free_and_an_arriving_waiter(_: &Shared<Seen>) {
+    let device = Device::simulated(SimConfig {
+        race_detection: RaceDetection::Off,
+        ..SimConfig::default()
+    });
+    let resource = Arc::new(CudaAsyncResource::new(&device, CudaAsyncOptions::default()).unwrap());
+    let stream = device.create_stream().unwrap();
+    let ptr = resource.allocate(BLOCK, &stream).unwrap();
+    let freeing = {
+        let (resource, stream) = (resource.clone(), stream.clone());
+        thread::spawn(move || {
+            // SAFETY: allocated above with these bytes on `stream`, unused, freed once.
+            unsafe { resource.deallocate(ptr, BLOCK, &stream) }.unwrap();
+        })
+    };
+    let (counter, waker) = CountingWaker::new();
+    let waiters = resource.memory_waiters().unwrap();
+    let (id, _) = waiters.register(BLOCK, &waker);
+    freeing.join().unwrap();
+    assert!(
+        counter.wakes() > 0,
+        "the waiter slept through a free issued as it arrived"
+    );
+    waiters.remove(id, crate::resource::waiters::Leave::Cancelled);
+    stream.synchronize_blocking().unwrap();
+}
+
+#[test]
+fn cuda_async_an_arriving_waiter_learns_of_a_racing_free() {
+    check_paths(Some(2), &[], a_free_and_an_arriving_waiter);
+}
+
+/// Bug: the free notes its stream after its notification's fence and load
+/// (`cuda_async::planted::NOTE_AFTER`): a waiter registering in between sees neither.
+#[test]
+#[ignore = "planted bug: must fail"]
+fn planted_note_after() {
+    must_fail(
+        module_path!(),
+        "planted_note_after",
+        "the waiter slept through a free",
+        || {
+            crate::resource::cuda_async::planted::NOTE_AFTER
+                .store(true, std::sync::atomic::Ordering::Relaxed);
+            check_paths(Some(2), &[], a_free_and_an_arriving_waiter);
         },
     );
 }
