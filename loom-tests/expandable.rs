@@ -28,6 +28,11 @@
 //! served, and the trim unmaps only what is still its own. Planted bug
 //! (`planted_trim_ignores_recall`): the trim unmaps all it took.
 //!
+//! `two_trims_keep_what_they_were_asked_to`: three granules mapped and free, two trims down to
+//! one granule at once: at least one stays mapped whatever the interleaving. Planted bug
+//! (`planted_trimming_ignored`): each trim takes what passes `keep` of what is mapped, not
+//! counting what the other took and has not unmapped yet.
+//!
 //! `frees_during_an_automatic_release`: the release threshold's trigger (`ReleaseTrigger`):
 //! two frees of half a granule each while a release runs and ends. Exactly one of the three
 //! queues the next release: none would leave the granule mapped above the threshold, two
@@ -55,6 +60,7 @@ const RECALLED: &str = "served from what the trim held (recalled)";
 const REFUSED: &str = "refused while the trim unmapped";
 const FREE_QUEUED: &str = "a free queued the next release";
 const END_QUEUED: &str = "the release's end queued the next";
+const OVERLAPPED: &str = "both trims held granules at once";
 
 /// What the fake device has been asked to do.
 #[derive(Default)]
@@ -200,18 +206,7 @@ fn use_granules(pool: &Pool, s: &FakeStream, granules: usize) -> bool {
 /// for their streams, unmap what is still the trim's (a request at the maximum may have
 /// recalled some into the lists).
 fn trim(pool: &Pool) {
-    let (ticket, taken) = pool.hold_free(0);
-    for (_, _, stream) in &taken {
-        if let Some(stream) = stream {
-            stream.synchronize();
-        }
-    }
-    let still_held = pool.release_held(ticket);
-    // SAFETY: (of the model) each range's stream was synchronized after it was taken.
-    let (_, result) = unsafe { pool.unmap_ranges(still_held) };
-    result.unwrap();
-    book(&pool.backing.0).gave_back += 1;
-    pool.unmapped_held();
+    trim_to(pool, 0);
 }
 
 /// The planted bug: trim waits for the stream *before* it takes the free granules out of the
@@ -517,6 +512,80 @@ fn planted_release_end_only_clears() {
             crate::resource::stream_ordered::planted::RELEASE_END_ONLY_CLEARS
                 .store(true, std::sync::atomic::Ordering::Relaxed);
             check_paths(Some(2), &[], frees_vs_the_release_ending);
+        },
+    );
+}
+
+/// A trim down to `keep` bytes (take the free granules past it, held for the trim; wait for
+/// their streams; unmap what is still the trim's): whether it held granules while another trim
+/// held some (both took before either unmapped).
+fn trim_to(pool: &Pool, keep: u64) -> bool {
+    let (ticket, taken) = pool.hold_free(keep);
+    let mine: u64 = taken.iter().map(|t| t.1).sum();
+    let overlapped = mine > 0 && pool.trimming() > mine;
+    for (_, _, stream) in &taken {
+        if let Some(stream) = stream {
+            stream.synchronize();
+        }
+    }
+    let still_held = pool.release_held(ticket);
+    // SAFETY: (of the model) each range's stream was synchronized after it was taken.
+    let (_, result) = unsafe { pool.unmap_ranges(still_held) };
+    result.unwrap();
+    book(&pool.backing.0).gave_back += 1;
+    pool.unmapped_held();
+    overlapped
+}
+
+/// Three granules mapped and free (used once on a stream, their use still pending), two trims
+/// to one granule at once: one stays mapped.
+fn two_trims(seen: &Shared<Seen>) {
+    let books: Books = Shared::new(std::sync::Mutex::new(Book::default()));
+    let pool = Arc::new(Expander::new(FakeBacking(books.clone()), 3 * GRANULE));
+    let s = FakeStream(Arc::new(FakeInner(books.clone())), Users::new());
+    pool.map_initial(3 * GRANULE).unwrap();
+    assert!(use_granules(&pool, &s, 3), "the three granules in use once");
+    let trims: Vec<_> = (0..2)
+        .map(|_| {
+            let pool = pool.clone();
+            thread::spawn(move || trim_to(&pool, GRANULE))
+        })
+        .collect();
+    let overlapped = trims.into_iter().any(|t| t.join().unwrap());
+    pool.heap.check().expect("free-list invariants");
+    let b = book(&books);
+    assert!(
+        b.mapped.len() as u64 * GRANULE >= GRANULE,
+        "two trims to one granule left {} mapped",
+        b.mapped.len()
+    );
+    assert_eq!(pool.reserved(), b.mapped.len() as u64 * GRANULE);
+    assert_eq!(
+        pool.stats().free_bytes,
+        b.mapped.len() as u64 * GRANULE,
+        "mapped memory lost, or free memory on unmapped granules"
+    );
+    seen.note(OVERLAPPED, overlapped);
+}
+
+/// Bound 2: 2 threads.
+#[test]
+fn two_trims_keep_what_they_were_asked_to() {
+    check_paths(Some(2), &[OVERLAPPED], two_trims);
+}
+
+/// Bug: each trim ignores what the other took (`TRIMMING_IGNORED`).
+#[test]
+#[ignore = "planted bug: must fail"]
+fn planted_trimming_ignored() {
+    must_fail(
+        module_path!(),
+        "planted_trimming_ignored",
+        "two trims to one granule left",
+        || {
+            crate::resource::stream_ordered::planted::TRIMMING_IGNORED
+                .store(true, std::sync::atomic::Ordering::Relaxed);
+            check_paths(Some(2), &[], two_trims);
         },
     );
 }

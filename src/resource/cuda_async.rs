@@ -153,8 +153,10 @@ pub struct CudaAsyncResource {
     shared: StdArc<PoolWaiters>,
 }
 
-/// The slots of [`PoolWaiters::pending`].
-const PENDING_SLOTS: usize = 16;
+/// The slots of [`PoolWaiters::pending`]. One under loom: a slot is chosen by stream id, and
+/// ids are process-wide counters, different in each of a model's executions (loom requires
+/// each execution to reach the same atomics).
+const PENDING_SLOTS: usize = if cfg!(streamalloc_loom) { 1 } else { 16 };
 
 /// The waiters of every [`CudaAsyncResource`] over one driver pool, kept per device by the
 /// pool's key ([`Device::pool_shared`]): memory freed through any of them comes back to the

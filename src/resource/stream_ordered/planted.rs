@@ -85,3 +85,8 @@ pub(crate) static RELEASE_END_ONLY_CLEARS: AtomicBool = AtomicBool::new(false);
 /// instead of going back (`StreamHeap::take_locked`'s error path).
 #[cfg(streamalloc_loom)]
 pub(crate) static REFUSED_ORDER_HANDS_OUT: AtomicBool = AtomicBool::new(false);
+
+/// A trim of the expandable pool takes what passes `keep` of what is mapped, ignoring what
+/// other trims took and have not unmapped yet: two trims at once take `keep` away together.
+#[cfg(streamalloc_loom)]
+pub(crate) static TRIMMING_IGNORED: AtomicBool = AtomicBool::new(false);
