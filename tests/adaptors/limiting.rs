@@ -515,3 +515,39 @@ fn a_resource_over_a_shared_limit_is_woken_by_a_free_through_the_limit() {
         }
     }
 }
+
+/// A panic out of the upstream's `allocate` (here a failure callback that panics; a logging
+/// sink below the limit can do the same) must give the reservation back: a caller that catches
+/// the panic (a server's request handler) would otherwise find the limit short of those bytes
+/// for good, with nothing allocated. A review found the reservation kept.
+#[test]
+fn limiting_gives_the_reservation_back_when_the_upstream_panics() {
+    for device in devices() {
+        let s = device.create_stream().unwrap();
+        let under = FailureCallbackAdaptor::new(pool(&device, 0, 2 * MIB), |_| -> bool {
+            panic!("the failure callback panics")
+        });
+        let lim = LimitingAdaptor::new(under, 4 * MIB);
+        // The pool is full; the limit is not.
+        let held = lim.allocate(2 * MIB, &s).unwrap();
+        let caught =
+            std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| lim.allocate(MIB, &s)));
+        assert!(
+            caught.is_err(),
+            "{}: the callback did not panic",
+            label(&device)
+        );
+        assert_eq!(
+            lim.used(),
+            2 * MIB,
+            "{}: the reservation of the request that panicked was kept",
+            label(&device)
+        );
+        free(&lim, held, 2 * MIB, &s);
+        assert_eq!(lim.used(), 0, "{}", label(&device));
+        // The whole limit is usable again (the pool's maximum aside).
+        let again = lim.allocate(2 * MIB, &s).unwrap();
+        free(&lim, again, 2 * MIB, &s);
+        s.synchronize_blocking().unwrap();
+    }
+}

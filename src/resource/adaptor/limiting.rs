@@ -147,7 +147,14 @@ impl Limit {
                 maximum: self.limit,
             }
         })?;
-        match upstream() {
+        // A panic out of the upstream (a failure callback or a log writer below that panics)
+        // hands the caller nothing: the reservation goes back with it, as RMM's adaptor gives
+        // it back on any exception. Kept, the limit would stay short of it for good (a
+        // review's finding).
+        let on_unwind = RollbackOnUnwind(self, waiters, size);
+        let got = upstream();
+        std::mem::forget(on_unwind);
+        match got {
             Ok(got) => Ok(got),
             Err(e) => {
                 // Our reservation may have made a waiter fail meanwhile: `rollback` wakes it
@@ -267,6 +274,16 @@ impl<U: MemoryResource> Drop for LimitingAdaptor<U> {
         // The upstream outlives this call (it is our field); it stops relaying to a queue that
         // nobody can wait in any more.
         MemoryWaiters::unstack_from(&self.waiters, &self.upstream);
+    }
+}
+
+/// Rolls a reservation of `.2` bytes back when dropped: dropped only by an unwind out of the
+/// upstream's `allocate` (forgotten otherwise).
+struct RollbackOnUnwind<'a>(&'a Limit, &'a MemoryWaiters, usize);
+
+impl Drop for RollbackOnUnwind<'_> {
+    fn drop(&mut self) {
+        self.0.rollback(self.2, self.1);
     }
 }
 
