@@ -185,3 +185,75 @@ fn logging_write_errors_do_not_fail_allocations_and_are_reported_by_flush() {
     assert!(log.flush().is_err());
     assert!(log.flush().is_ok(), "the error is reported once");
 }
+
+/// A writer that panics (a user's sink with a bug, a `RefCell` borrowed twice...) is a write
+/// error like any other: the allocation whose line it was writing is returned, and a free
+/// whose line it was writing reaches the upstream. A review found the memory lost both ways:
+/// the upstream's allocation dropped with the panic, and the free never passed on.
+#[test]
+fn logging_a_writer_that_panics_loses_no_memory() {
+    struct Panicky(Arc<AtomicUsize>);
+    impl Write for Panicky {
+        fn write(&mut self, buf: &[u8]) -> std::io::Result<usize> {
+            if self.0.load(Ordering::SeqCst) != 0 {
+                panic!("the log writer panics");
+            }
+            Ok(buf.len())
+        }
+        fn flush(&mut self) -> std::io::Result<()> {
+            Ok(())
+        }
+    }
+    for device in devices() {
+        let s = device.create_stream().unwrap();
+        let armed = Arc::new(AtomicUsize::new(0));
+        let log = LoggingAdaptor::new(
+            TrackingAdaptor::new(CudaResource::new(&device)),
+            Panicky(armed.clone()),
+        );
+
+        // The allocate line panics.
+        armed.store(1, Ordering::SeqCst);
+        let got = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| log.allocate(1024, &s)));
+        armed.store(0, Ordering::SeqCst);
+        let held: Vec<DevicePtr> = match got {
+            Ok(Ok(ptr)) => vec![ptr],
+            Ok(Err(e)) => panic!("{}: {e:?}", label(&device)),
+            Err(_) => Vec::new(),
+        };
+        assert_eq!(
+            log.upstream().outstanding_count(),
+            held.len(),
+            "{}: an allocation whose log line panicked was lost",
+            label(&device)
+        );
+
+        // The free line panics.
+        let p = log.allocate(2048, &s).unwrap();
+        armed.store(1, Ordering::SeqCst);
+        let freed = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
+            // SAFETY: allocated above with these bytes, never used, freed once.
+            unsafe { log.deallocate(p, 2048, &s) }
+        }));
+        armed.store(0, Ordering::SeqCst);
+        assert!(
+            matches!(freed, Ok(Ok(()))),
+            "{}: a free whose log line panicked did not succeed",
+            label(&device)
+        );
+        assert_eq!(
+            log.upstream().outstanding_count(),
+            held.len(),
+            "{}: a free whose log line panicked never reached the upstream",
+            label(&device)
+        );
+        for ptr in held {
+            free(&log, ptr, 1024, &s);
+        }
+        assert_eq!(log.upstream().outstanding_count(), 0);
+        // The panics are reported as a write error, once.
+        assert!(log.flush().is_err(), "{}", label(&device));
+        assert!(log.flush().is_ok(), "{}", label(&device));
+        s.synchronize_blocking().unwrap();
+    }
+}

@@ -4,6 +4,7 @@
 use std::fmt;
 use std::fs::File;
 use std::io::{self, BufWriter, Write};
+use std::panic::{self, AssertUnwindSafe};
 use std::path::{Path, PathBuf};
 use std::time::{SystemTime, UNIX_EPOCH};
 
@@ -33,10 +34,20 @@ struct Sink {
 
 impl Sink {
     fn write_line(&mut self, line: &str) {
-        let mut result = self.writer.write_all(line.as_bytes());
-        if result.is_ok() && self.auto_flush {
-            result = self.writer.flush();
-        }
+        let (writer, auto_flush) = (&mut self.writer, self.auto_flush);
+        // A writer that panics (a user's sink) is a write error like any other. Let through,
+        // the panic would leave the adaptor between the upstream and the caller: an allocation
+        // the upstream made would never reach the caller, and a free logged before it is passed
+        // on would never reach the upstream (lost memory both ways; a review's finding). The
+        // writer is used again afterwards as it is, like one that returned an error.
+        let result = panic::catch_unwind(AssertUnwindSafe(|| {
+            let mut result = writer.write_all(line.as_bytes());
+            if result.is_ok() && auto_flush {
+                result = writer.flush();
+            }
+            result
+        }))
+        .unwrap_or_else(|_| Err(io::Error::other("the log writer panicked")));
         if let Err(e) = result {
             if self.error.is_none() {
                 tracing::error!(error = %e, "LoggingAdaptor: could not write to the log");
@@ -209,7 +220,9 @@ impl<U: MemoryResource> LoggingAdaptor<U> {
 
 impl<U: MemoryResource> Drop for LoggingAdaptor<U> {
     fn drop(&mut self) {
-        let _ = self.sink.lock().writer.flush();
+        // A writer that panics here must not abort a drop made while unwinding.
+        let mut sink = self.sink.lock();
+        let _ = panic::catch_unwind(AssertUnwindSafe(|| sink.writer.flush()));
     }
 }
 
