@@ -102,13 +102,20 @@ impl<R: MemoryResource + ?Sized> Set<'_, R> {
         let Some(total) = self.total else {
             return Err(overflow());
         };
-        let mut got: Vec<Option<DevicePtr>> = vec![None; self.requests.len()];
+        // What this try took goes back on an unwind too: a resource whose `allocate` panics
+        // partway through the set (a failure callback or a log writer of the user's that
+        // panics), caught by the caller, would otherwise lose the requests taken before it.
+        let mut taken = Taken {
+            set: self,
+            got: vec![None; self.requests.len()],
+            how,
+        };
         for &i in &self.order {
             let (bytes, stream) = self.requests[i];
             match self.resource.allocate(bytes, stream) {
-                Ok(ptr) => got[i] = Some(ptr),
+                Ok(ptr) => taken.got[i] = Some(ptr),
                 Err(e) => {
-                    self.give_back(&got, how);
+                    drop(taken);
                     return Err(match e {
                         // The set as a whole: waiting is worth it only if the sum can ever fit.
                         Error::OutOfMemory {
@@ -125,6 +132,7 @@ impl<R: MemoryResource + ?Sized> Set<'_, R> {
                 }
             }
         }
+        let got = std::mem::take(&mut taken.got);
         Ok(got
             .into_iter()
             .map(|p| p.expect("every request was allocated"))
@@ -158,6 +166,22 @@ impl<R: MemoryResource + ?Sized> Set<'_, R> {
             }
         };
         super::wait::give_back(how, self.resource.memory_waiters(), undo);
+    }
+}
+
+/// The part of a set that one try has taken: given back when dropped (a failed try, or an
+/// unwind out of the resource's `allocate`), unless the try took it all and emptied `got`.
+struct Taken<'s, 'a, R: MemoryResource + ?Sized> {
+    set: &'s Set<'a, R>,
+    got: Vec<Option<DevicePtr>>,
+    how: Attempt,
+}
+
+impl<R: MemoryResource + ?Sized> Drop for Taken<'_, '_, R> {
+    fn drop(&mut self) {
+        if self.got.iter().any(Option::is_some) {
+            self.set.give_back(&self.got, self.how);
+        }
     }
 }
 
