@@ -122,7 +122,7 @@ impl Device {
             Backend::Cuda(d) => d.malloc_host(bytes),
             Backend::Sim(d) => d
                 .fault(FaultKind::HostAllocate)
-                .and_then(|()| d.host.alloc(bytes)),
+                .and_then(|()| d.malloc_host(bytes)),
         }
         .map_err(|e| Self::host_oom(bytes, e))
     }
@@ -138,7 +138,7 @@ impl Device {
         match &self.inner.backend {
             // SAFETY: the caller's contract.
             Backend::Cuda(d) => unsafe { d.free_host(ptr) },
-            Backend::Sim(d) => d.fault(FaultKind::HostFree).and_then(|()| d.host.free(ptr)),
+            Backend::Sim(d) => d.fault(FaultKind::HostFree).and_then(|()| d.free_host(ptr)),
         }
     }
 }

@@ -450,11 +450,21 @@ unsafe impl MemoryResource for PinnedHostResource {
             size: bytes,
             reason: "the size overflows when rounded up to its size class",
         })?;
-        if let Some(ptr) = self.shared.lock().take_ready(class) {
-            tracing::trace!(bytes, class, "pinned cache hit");
-            return Ok(DevicePtr(ptr));
-        }
-        self.allocate_slow(bytes, class)
+        // Bound first: a guard in the `match` would be held through `allocate_slow`, which
+        // takes the lock again.
+        let ready = self.shared.lock().take_ready(class);
+        let ptr = match ready {
+            Some(ptr) => {
+                tracing::trace!(bytes, class, "pinned cache hit");
+                DevicePtr(ptr)
+            }
+            None => self.allocate_slow(bytes, class)?,
+        };
+        // The simulated device's race detector tracks page-locked memory as device memory: a
+        // cached block handed to another stream is a reuse, ordered by the event the cache
+        // saw complete, and its new uses are not checked against its old owner's.
+        self.device.note_allocation(ptr, bytes, stream);
+        Ok(ptr)
     }
 
     /// Records an event on `stream` and caches the block once the GPU reaches it. Never
@@ -478,30 +488,39 @@ unsafe impl MemoryResource for PinnedHostResource {
                 _ => return Err(unknown),
             }
         }
-        let event = match stream.record() {
-            Ok(event) => event,
-            Err(e) => {
-                self.shared.lock().live.insert(ptr.0, class);
-                return Err(e);
-            }
+        // Noted before the event is recorded, so that the event (whose completion lets the
+        // block go to another stream) is ordered after the free in the race detector's eyes;
+        // a race's panic (its `Panic` mode) comes once the block is filed, so none is lost.
+        let file = || -> Result<()> {
+            let event = match stream.record() {
+                Ok(event) => event,
+                Err(e) => {
+                    self.shared.lock().live.insert(ptr.0, class);
+                    // Still the caller's: live again for the detector too (on the stream that
+                    // freed it, so ordered after its free).
+                    self.device.note_allocation(ptr, bytes, stream);
+                    return Err(e);
+                }
+            };
+            let token = {
+                let mut cache = self.shared.lock();
+                let token = cache.next_token;
+                cache.next_token += 1;
+                cache.pending.entry(class).or_default().push_back(Pending {
+                    ptr: ptr.0,
+                    event: event.clone(),
+                    token,
+                });
+                cache.pending_blocks += 1;
+                token
+            };
+            let shared = self.shared.clone();
+            let block = ptr.0;
+            // Filed as pending before the callback is registered: the callback may run at once.
+            event.on_complete(Box::new(move |_| shared.completed(block, class, token)));
+            Ok(())
         };
-        let token = {
-            let mut cache = self.shared.lock();
-            let token = cache.next_token;
-            cache.next_token += 1;
-            cache.pending.entry(class).or_default().push_back(Pending {
-                ptr: ptr.0,
-                event: event.clone(),
-                token,
-            });
-            cache.pending_blocks += 1;
-            token
-        };
-        let shared = self.shared.clone();
-        let block = ptr.0;
-        // Filed as pending before the callback is registered: the callback may run at once.
-        event.on_complete(Box::new(move |_| shared.completed(block, class, token)));
-        Ok(())
+        self.device.note_free_then(ptr, bytes, stream, file)
     }
 }
 

@@ -602,6 +602,13 @@ impl SimHostMemory {
         Ok(ptr)
     }
 
+    /// Whether `ptr` is a live allocation of this memory's `alloc`.
+    pub(crate) fn owns(&self, ptr: *mut u8) -> bool {
+        host_blocks()
+            .get(&(ptr as u64))
+            .is_some_and(|block| block.owner == self.id)
+    }
+
     /// Frees an allocation of `alloc`; `InvalidAddress` for any other pointer.
     pub(crate) fn free(&self, ptr: *mut u8) -> Result<()> {
         let mut blocks = host_blocks_mut();

@@ -259,6 +259,41 @@ impl SimDevice {
         Ok(ptr)
     }
 
+    /// `cuMemHostAlloc`: page-locked host memory, which work on any stream may read and write
+    /// (through its address, as device memory, or as the host side of a copy). The race
+    /// detector tracks it as a raw allocation of the host, as `cuMemAlloc`'s: the uses of it
+    /// by this device's streams are checked against each other and against its free
+    /// ([`free_host`](Self::free_host)). It was not known to the detector, so work on two
+    /// streams racing on pinned memory, or a free of it under a queued copy, went unreported.
+    /// Work of another simulated device on it is not checked (each detector knows its own
+    /// device's allocations): a missed race, never a false one.
+    pub(crate) fn malloc_host(&self, bytes: usize) -> Result<*mut u8> {
+        let ptr = self.host.alloc(bytes)?;
+        self.track_allocation(ptr as u64, bytes)?;
+        Ok(ptr)
+    }
+
+    /// `cuMemFreeHost`: as [`free_now`](Self::free_now), every use by a stream must be ordered
+    /// before what the host (or the crate) has seen complete; then the detector forgets the
+    /// block (see [`Detector::free_pinned`]). `InvalidAddress` for a pointer this device did
+    /// not hand out, which the detector does not know either.
+    pub(crate) fn free_host(&self, ptr: *mut u8) -> Result<()> {
+        let race = self.races.as_ref().and_then(|races| {
+            // Only this device's own blocks: a pointer of another device's (refused below)
+            // may still be one of that device's live pinned blocks, and the shadow here has
+            // no raw block at its address.
+            self.host
+                .owns(ptr)
+                .then(|| races.free_pinned(ptr as u64))
+                .flatten()
+        });
+        let freed = self.host.free(ptr);
+        if let Some(races) = &self.races {
+            races.settle(race, false)?;
+        }
+        freed
+    }
+
     /// `cuMemFree`: every use must be ordered before what the host has seen complete (or the
     /// crate has: see the detector's module docs).
     /// Noted before the memory is freed (and another thread may allocate it again); a race's

@@ -615,9 +615,40 @@ impl Detector {
         pooled: bool,
     ) -> Option<Race> {
         let mut st = self.lock();
+        Self::free_locked(&mut st, idx, ptr, bytes, raw, pooled)
+    }
+
+    /// Page-locked host memory at `ptr` (`malloc_host`, tracked as a raw allocation of the
+    /// host) freed by the host: checked as `cuMemFree` is (every use by a stream ordered
+    /// before what the host, or the crate, has seen complete), then its shadow is forgotten
+    /// at once, under the same lock. Unlike device addresses, which the simulated memory
+    /// hands out again only once its sweep comes round, the global allocator hands a freed
+    /// host address out again at once, as pageable memory the detector does not track: a
+    /// freed life kept there would report a copy from that pageable memory as a use after
+    /// free (a false race). A use of the freed pinned block itself goes unreported here (the
+    /// simulated memory refuses it when it runs), a missed race, never a false one.
+    pub(crate) fn free_pinned(&self, ptr: u64) -> Option<Race> {
+        let mut st = self.lock();
+        // `pooled`: kept out of the bound of kept raw frees, since it is forgotten below.
+        let race = Self::free_locked(&mut st, None, ptr, None, true, true);
+        if let Some(block) = st.freed_raw_block(ptr) {
+            st.remove(block);
+        }
+        race
+    }
+
+    /// [`free`](Self::free), under the detector's lock.
+    fn free_locked(
+        st: &mut State,
+        idx: Option<u32>,
+        ptr: u64,
+        bytes: Option<usize>,
+        raw: bool,
+        pooled: bool,
+    ) -> Option<Race> {
         let (at, clock) = match idx {
             Some(idx) => {
-                let epoch = Self::tick(&mut st, idx);
+                let epoch = Self::tick(st, idx);
                 let at = Point {
                     stream: idx,
                     epoch,
@@ -959,6 +990,68 @@ mod tests {
         );
         // SAFETY: nothing is queued that uses it (the streams run inline).
         unsafe { device.free(ptr) }.unwrap();
+    }
+
+    /// Page-locked host memory is device memory to the detector: work on two streams racing
+    /// on it is reported, as a host free not ordered after a stream's use of it is, and the
+    /// same work ordered (a wait, a synchronize) is not. The detector did not know pinned
+    /// memory, so none of these was reported.
+    #[test]
+    fn pinned_host_memory_is_checked_as_device_memory() {
+        use crate::device::Backend;
+        let device = crate::Device::simulated(crate::SimConfig {
+            race_detection: RaceDetection::Record,
+            execution: crate::SimExecution::Inline,
+            ..crate::SimConfig::default()
+        });
+        let (a, b) = (
+            device.create_stream().unwrap(),
+            device.create_stream().unwrap(),
+        );
+        let dev = device.malloc(4096).unwrap();
+        let pinned = DevicePtr(device.malloc_host(4096).unwrap() as u64);
+        // SAFETY: both ranges are live until the end (the streams run inline).
+        unsafe { a.memset_d8(pinned, 1, 4096) }.unwrap();
+        // Ordered after `a`'s write: no race.
+        b.wait(&a.record().unwrap()).unwrap();
+        // SAFETY: as above.
+        unsafe { b.copy_dtod(dev, pinned, 4096) }.unwrap();
+        assert!(device.races().is_empty(), "{:?}", device.races());
+        // `a` writes again, not ordered after `b`'s read; `b` reads again, unordered.
+        // SAFETY: as above.
+        unsafe { a.memset_d8(pinned, 2, 4096) }.unwrap();
+        let kinds = |races: Vec<Race>| races.iter().map(|r| r.kind).collect::<Vec<_>>();
+        assert_eq!(kinds(device.take_races()), [RaceKind::WriteAfterRead]);
+        // SAFETY: as above.
+        unsafe { b.copy_dtod(dev, pinned, 4096) }.unwrap();
+        assert_eq!(kinds(device.take_races()), [RaceKind::ReadAfterWrite]);
+        // Freed by the host while `a`'s write is not known to be done: freed while in use.
+        let other = device.malloc_host(4096).unwrap();
+        // SAFETY: as above.
+        unsafe { a.memset_d8(DevicePtr(other as u64), 3, 4096) }.unwrap();
+        // SAFETY: the write ran (inline); the race is in stream order, which is the point.
+        unsafe { device.free_host(other) }.unwrap();
+        let races = device.take_races();
+        assert_eq!(kinds(races.clone()), [RaceKind::FreedWhileInUse]);
+        assert_eq!(races[0].ptr, DevicePtr(other as u64));
+        // Freed once the host has seen the streams' work done: no race.
+        a.synchronize_blocking().unwrap();
+        b.synchronize_blocking().unwrap();
+        // SAFETY: nothing queued uses it any more.
+        unsafe { device.free_host(pinned.0 as *mut u8) }.unwrap();
+        assert!(device.races().is_empty(), "{:?}", device.races());
+        // The freed blocks are forgotten: the global allocator may hand their addresses out
+        // again as pageable memory, which the detector does not track.
+        let Backend::Sim(sim) = device.backend() else {
+            unreachable!("a simulated device")
+        };
+        let st = sim.races.as_ref().unwrap().lock();
+        for ptr in [pinned.0, other as u64] {
+            assert!(st.overlapping(ptr, ptr + 4096).is_empty(), "{ptr:#x} kept");
+        }
+        drop(st);
+        // SAFETY: nothing is queued that uses it.
+        unsafe { device.free(dev) }.unwrap();
     }
 
     /// A driver pool that gives its freed blocks back to the device (release threshold 0, as
