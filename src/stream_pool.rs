@@ -45,8 +45,18 @@ impl StreamPool {
 
     /// The next stream, round-robin. Safe to call from many threads at once.
     pub fn get(&self) -> Stream {
-        let i = self.next.fetch_add(1, Ordering::Relaxed);
-        self.streams[i % self.streams.len()].clone()
+        // The position is kept below `len()` rather than counted up and reduced: a counter
+        // that wraps at `usize::MAX` restarts at index 0 out of turn unless `len()` divides
+        // 2^BITS (three streams: the same one twice in a row, another skipped).
+        let len = self.streams.len();
+        let step = |i: usize| Some(if i >= len - 1 { 0 } else { i + 1 });
+        let i = match self
+            .next
+            .fetch_update(Ordering::Relaxed, Ordering::Relaxed, step)
+        {
+            Ok(i) | Err(i) => i,
+        };
+        self.streams[i % len].clone()
     }
 
     /// The stream at `index % len()` (RMM's `get_stream(stream_id)`).
@@ -67,5 +77,35 @@ impl StreamPool {
     /// All streams of the pool, in index order.
     pub fn streams(&self) -> &[Stream] {
         &self.streams
+    }
+}
+
+#[cfg(all(test, not(streamalloc_loom)))]
+mod tests {
+    use super::*;
+    use crate::SimConfig;
+
+    /// Round-robin goes on evenly past the counter's end: with three streams, a counter that
+    /// wrapped from `usize::MAX` (index 0) to 0 (index 0 again) handed out the same stream twice
+    /// in a row and skipped another (a 32-bit target gets there after 2^32 calls).
+    #[test]
+    fn round_robin_stays_even_when_the_counter_wraps() {
+        let device = crate::Device::simulated(SimConfig::default());
+        let pool = StreamPool::new(&device, 3).unwrap();
+        pool.next.store(usize::MAX - 1, Ordering::Relaxed);
+        let ids: Vec<_> = (0..6).map(|_| pool.get().id()).collect();
+        for pair in ids.windows(2) {
+            assert_ne!(pair[0], pair[1], "the same stream twice in a row: {ids:?}");
+        }
+        for window in ids.windows(3) {
+            let mut w = window.to_vec();
+            w.sort();
+            w.dedup();
+            assert_eq!(
+                w.len(),
+                3,
+                "three gets did not cover the three streams: {ids:?}"
+            );
+        }
     }
 }
