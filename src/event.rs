@@ -269,6 +269,23 @@ impl Event {
         self.inner.settle(wait())
     }
 
+    /// Whether the event's callbacks are withheld (`reactor::settle_after_panic`: its query and
+    /// its wait both panicked). Its result is an error, but nothing says the GPU is done with
+    /// what it guards: memory behind it must be leaked, never reused or freed.
+    pub(crate) fn withholds_callbacks(&self) -> bool {
+        self.inner.completion.withholds_callbacks()
+    }
+
+    /// Puts the event in the state `reactor::settle_after_panic` leaves it in when the query
+    /// and the wait both panic; for the tests of the code that must then leak what it guards.
+    #[cfg(test)]
+    pub(crate) fn withhold_callbacks_for_test(&self) -> usize {
+        let error = crate::error::Error::InvalidArgument {
+            what: "a test withheld this event's callbacks",
+        };
+        (self.inner.completion).fail_withholding_callbacks(error, None)
+    }
+
     /// Runs `callback` once the GPU reaches the event: on the reactor thread, or right here if
     /// it already has. Never blocks. This is how frees are deferred until the GPU is done with
     /// the memory (buffers used on several streams, staging blocks).

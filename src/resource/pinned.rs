@@ -314,6 +314,22 @@ impl PinnedHostResource {
                     None => break,
                 }
             };
+            // An event that withholds its callbacks has an error for a result, yet nothing says
+            // the GPU is done with the block (its query and wait panicked): taken for done, the
+            // block went out under work that may still use it. It is leaked instead, out of
+            // the pending list so that it does not stand in front of its class's later frees.
+            if event.withholds_callbacks() {
+                let leaked = self.shared.lock().take_pending(ptr, class, token);
+                if let Some(leaked) = leaked {
+                    tracing::error!(
+                        ptr,
+                        class,
+                        "a pinned block whose event withholds its callbacks is leaked"
+                    );
+                    drop(leaked);
+                }
+                continue;
+            }
             // Outside the lock: completing the event here runs its callback on this thread.
             if event.query_for_crate().is_none() {
                 break;
@@ -543,6 +559,15 @@ impl Drop for PinnedHostResource {
             // The GPU may still use it: wait (blocking) before the memory goes back. A failed
             // stream still ran everything before its fault; the memory is free to go.
             let _ = block.event.synchronize_blocking();
+            // Unless nothing says the GPU is done with it (the event withholds its callbacks):
+            // then the block is leaked, not freed under work that may still use it.
+            if block.event.withholds_callbacks() {
+                tracing::error!(
+                    ptr = block.ptr,
+                    "a pinned block whose event withholds its callbacks is leaked"
+                );
+                continue;
+            }
             let _ = self.free_all([(block.ptr, class)]);
         }
         // Blocks the driver would not free went back to `retired`: nothing will try again.
@@ -605,6 +630,37 @@ mod tests {
         assert_ne!(
             next, ptr,
             "a block was handed out while its second free was pending"
+        );
+        s.synchronize_blocking().unwrap();
+        // SAFETY: as above.
+        unsafe { r.deallocate(next, 1000, &s) }.unwrap();
+        s.synchronize_blocking().unwrap();
+    }
+
+    /// A pending block whose event withholds its callbacks (its query and wait both panicked:
+    /// nothing says whether the GPU is done with it) must stay out of use. The event's result
+    /// is an error, which the claim of an allocation miss took for "done": it handed the block
+    /// out with its GPU work (here a 300 ms spin) possibly still running.
+    #[test]
+    fn a_block_whose_event_withholds_its_callbacks_is_not_handed_out() {
+        let device = Device::simulated(SimConfig::default());
+        let r = PinnedHostResource::new(&device);
+        let s = device.create_stream().unwrap();
+        let ptr = r.allocate(1000, &s).unwrap();
+        s.spin(std::time::Duration::from_millis(300)).unwrap();
+        // SAFETY: allocated above, unused on the host; freed once.
+        unsafe { r.deallocate(ptr, 1000, &s) }.unwrap();
+        let class = size_class(1000).unwrap();
+        let event = r.shared.lock().pending[&class][0].event.clone();
+        assert_eq!(
+            event.withhold_callbacks_for_test(),
+            1,
+            "the cache's callback"
+        );
+        let next = r.allocate(1000, &s).unwrap();
+        assert_ne!(
+            next, ptr,
+            "a block was handed out with nothing saying the GPU was done with it"
         );
         s.synchronize_blocking().unwrap();
         // SAFETY: as above.
