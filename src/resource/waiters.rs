@@ -87,8 +87,10 @@ pub struct MemoryWaiters {
     /// The queues of the resources stacked above this one that can be refused here (see
     /// [`relay_to`](Self::relay_to)): every notification of this queue is theirs too. Std's
     /// lock, not loom's: it changes only when such a resource is made or dropped, when nobody
-    /// can wait in its queue.
-    relays: RwLock<Vec<StdArc<MemoryWaiters>>>,
+    /// can wait in its queue. Copy-on-write behind an `Arc`, so that a notification takes a
+    /// snapshot and lets go of the lock before it wakes anyone (see
+    /// [`notify_relays`](Self::notify_relays)).
+    relays: RwLock<StdArc<Vec<StdArc<MemoryWaiters>>>>,
     /// Whether `relays` has any, readable without the lock: a queue with nothing above it (a
     /// pool used directly) pays one load per notification for them.
     has_relays: std::sync::atomic::AtomicBool,
@@ -142,7 +144,7 @@ impl MemoryWaiters {
             max_wait_ns: AtomicU64::new(0),
             timeouts: AtomicU64::new(0),
             maximum: std::sync::atomic::AtomicUsize::new(0),
-            relays: RwLock::new(Vec::new()),
+            relays: RwLock::new(StdArc::new(Vec::new())),
             has_relays: std::sync::atomic::AtomicBool::new(false),
             arrival: crate::sync::plain::OnceLock::new(),
         }
@@ -162,7 +164,7 @@ impl MemoryWaiters {
     pub(crate) fn relay_to(&self, above: &StdArc<MemoryWaiters>) {
         let mut relays = self.relays.write().unwrap_or_else(|e| e.into_inner());
         if !relays.iter().any(|r| StdArc::ptr_eq(r, above)) {
-            relays.push(above.clone());
+            StdArc::make_mut(&mut relays).push(above.clone());
         }
         self.has_relays
             .store(true, std::sync::atomic::Ordering::Release);
@@ -171,7 +173,7 @@ impl MemoryWaiters {
     /// Undoes [`relay_to`](Self::relay_to).
     pub(crate) fn stop_relaying(&self, above: &StdArc<MemoryWaiters>) {
         let mut relays = self.relays.write().unwrap_or_else(|e| e.into_inner());
-        relays.retain(|r| !StdArc::ptr_eq(r, above));
+        StdArc::make_mut(&mut relays).retain(|r| !StdArc::ptr_eq(r, above));
         self.has_relays
             .store(!relays.is_empty(), std::sync::atomic::Ordering::Release);
     }
@@ -206,9 +208,11 @@ impl MemoryWaiters {
         if !self.has_relays.load(std::sync::atomic::Ordering::Acquire) {
             return;
         }
-        // The read lock is held across their notifications: the list changes only when a
-        // resource above is made or dropped, and a notification only wakes tasks.
-        let relays = self.relays.read().unwrap_or_else(|e| e.into_inner());
+        // A snapshot, and the lock let go before anyone is woken: a wake runs the waker's code,
+        // which may drop a resource stacked over this queue, and its `stop_relaying` takes
+        // this lock for writing. Held across the wakes (as it was), that deadlocked the free
+        // that notified. A queue unstacked meanwhile may get one needless notification.
+        let relays = StdArc::clone(&self.relays.read().unwrap_or_else(|e| e.into_inner()));
         for above in relays.iter() {
             above.notify();
         }
@@ -437,4 +441,61 @@ pub(crate) mod planted {
     /// `register` and `notify` without their SeqCst fences: the waiter's retry and the free's
     /// `len` load can each miss the other's write (store buffering).
     pub(crate) static NO_FENCES: AtomicBool = AtomicBool::new(false);
+}
+
+#[cfg(all(test, not(streamalloc_loom)))]
+mod tests {
+    use std::sync::Arc as StdArc;
+    use std::task::{Wake, Waker};
+    use std::time::Duration;
+
+    use super::MemoryWaiters;
+
+    /// A waker that, when woken, unstacks a queue from `below`: what dropping a limiting
+    /// adaptor stacked over `below` does (`MemoryWaiters::unstack_from`), run by a wake that
+    /// polls or drops a task inline.
+    struct Unstacks {
+        below: StdArc<MemoryWaiters>,
+        other: StdArc<MemoryWaiters>,
+    }
+
+    impl Wake for Unstacks {
+        fn wake(self: StdArc<Self>) {
+            self.below.stop_relaying(&self.other);
+        }
+    }
+
+    /// A relayed notification wakes a waiter above; that wake unstacks a resource from the
+    /// queue below. The relays' lock was held across the wake, so the unstacking (a write of
+    /// the same lock, on the same thread) deadlocked the free that notified.
+    #[test]
+    fn a_wake_run_by_a_relayed_notification_can_unstack_from_the_queue_below() {
+        let below = StdArc::new(MemoryWaiters::new());
+        let above = StdArc::new(MemoryWaiters::new());
+        let other = StdArc::new(MemoryWaiters::new());
+        below.relay_to(&above);
+        below.relay_to(&other);
+        let waker = Waker::from(StdArc::new(Unstacks {
+            below: below.clone(),
+            other: other.clone(),
+        }));
+        let (id, first) = above.register(256, &waker);
+        assert!(first);
+        let (done, finished) = std::sync::mpsc::channel();
+        let notifier = below.clone();
+        // Detached: if it deadlocks, the test fails without waiting for it.
+        std::thread::spawn(move || {
+            notifier.notify();
+            let _ = done.send(());
+        });
+        assert!(
+            finished.recv_timeout(Duration::from_secs(10)).is_ok(),
+            "a free's notification deadlocked: the relays' lock was held across a wake"
+        );
+        assert!(
+            !below.reaches(other.addr()),
+            "the unstacking did not happen"
+        );
+        above.remove(id, super::Leave::Cancelled);
+    }
 }
