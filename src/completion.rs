@@ -31,10 +31,10 @@ const FAILED: u8 = 2;
 const WITHHELD: u8 = 3;
 
 pub(crate) struct Completion {
-    /// `PENDING`, `OK`, `FAILED` or `WITHHELD`. Written only under `waiters`' lock; read without it on the
-    /// fast path.
+    /// `PENDING`, `OK`, `FAILED` or `WITHHELD`. Written only under `waiters`' lock; read
+    /// without it on the fast path.
     state: AtomicU8,
-    /// The error, written before `state` becomes `FAILED` and never changed after.
+    /// The error, written before `state` becomes `FAILED` or `WITHHELD` and never changed after.
     error: Mutex<Option<Error>>,
     waiters: Mutex<Waiters>,
     /// Set by the reactor shortly before the predicted completion ([`hurry`](Self::hurry)):

@@ -771,7 +771,7 @@ impl<S: EngineStream, B: Backing> Expander<S, B> {
     }
 
     /// Bytes trims have taken out and not yet unmapped or put back (the loom model's view).
-    #[cfg(streamalloc_loom)]
+    #[cfg(all(test, streamalloc_loom))]
     pub(crate) fn trimming(&self) -> u64 {
         self.trimming.load(Ordering::Relaxed)
     }
