@@ -528,7 +528,11 @@ impl Detector {
         raw: bool,
         reuse: Reuse,
     ) -> Option<Race> {
-        let (start, end) = (ptr, ptr.saturating_add(bytes as u64));
+        let Some(end) = ptr.checked_add(bytes as u64) else {
+            wraps("an allocation", ptr, bytes);
+            return None;
+        };
+        let start = ptr;
         if start == end {
             return None;
         }
@@ -666,7 +670,13 @@ impl Detector {
             ),
         };
         let block = match bytes {
-            Some(bytes) => (ptr, ptr.saturating_add(bytes as u64)),
+            Some(bytes) => match ptr.checked_add(bytes as u64) {
+                Some(end) => (ptr, end),
+                None => {
+                    wraps("a free", ptr, bytes);
+                    return None;
+                }
+            },
             None => st.raw_block(ptr)?,
         };
         if block.0 == block.1 {
@@ -825,9 +835,48 @@ fn join(into: &mut Clock, from: &[Epoch]) -> bool {
     changed
 }
 
+/// A block the detector is told of (a resource's `note_allocation` or `note_free`, the user's
+/// own resources included) that wraps past the top of the address space: no memory lies
+/// there, so it is an error of the caller's, logged and not tracked. Clipped at the top, as
+/// it was, it shadowed everything above its start as one block.
+#[cold]
+fn wraps(what: &str, ptr: u64, bytes: usize) {
+    tracing::error!(
+        ptr,
+        bytes,
+        "the race detector was told of {what} that wraps past the top of the address space; \
+         not tracked"
+    );
+}
+
 #[cfg(all(test, not(streamalloc_loom)))]
 mod tests {
     use super::*;
+
+    /// An allocation or a free that wraps past the top of the address space is not tracked
+    /// (logged at error level): before, it was clipped at the top and shadowed everything
+    /// above its start as one block.
+    #[test]
+    fn a_block_that_wraps_past_the_top_is_not_tracked() {
+        let detector = Detector::new(RaceDetection::Record);
+        let s = detector.add_stream(StreamId::next());
+        let ptr = u64::MAX - 255;
+        assert!(detector
+            .allocate(Some(s), ptr, 512, false, Reuse::Check)
+            .is_none());
+        assert!(
+            detector.lock().segs.is_empty(),
+            "a wrapping allocation was tracked"
+        );
+        assert!(detector
+            .free(Some(s), ptr, Some(512), false, false)
+            .is_none());
+        assert!(
+            detector.lock().segs.is_empty(),
+            "a wrapping free was tracked"
+        );
+        assert!(detector.races().is_empty());
+    }
 
     /// A stream's positions outlast 2^32 operations (a soak run of a few hours on one
     /// simulated stream): its clock once counted in `u32`, so the next operation overflowed,
