@@ -27,7 +27,9 @@ impl Device {
     /// with [`Error::WrongDevice`](crate::Error::WrongDevice) otherwise). Another device's
     /// stream has no clock in this device's detector, so the note cannot be taken: with the
     /// detector on, it is dropped with a `tracing` warning (both devices and the stream named),
-    /// and the block's uses go unchecked against it.
+    /// and the block's uses go unchecked against it. A block that wraps past the top of the
+    /// address space holds no memory: it is logged at error level and not tracked (so is such
+    /// a [`note_free`](Self::note_free)).
     #[inline]
     pub fn note_allocation(&self, ptr: DevicePtr, bytes: usize, stream: &Stream) {
         if let Some((d, s)) = self.sim_with(stream, ptr, bytes, "note_allocation") {
