@@ -66,7 +66,11 @@
 //! refuse a request for all of its memory while all of it is free. Before it fails for want
 //! of room (at its maximum, or the upstream out of memory), it gives every wholly free chunk
 //! back upstream (in stream order: on its own stream, after waiting on the GPU for the
-//! chunk's guards) and grows one large enough instead, if that makes the room.
+//! chunk's guards) and grows one large enough instead, if that makes the room. The chunks
+//! leave the global arena, and the room the growth needs is claimed in the reserved count,
+//! before the growth lock is let go for the frees (over `CudaResource` each is a `cuMemFree`,
+//! which waits for the whole device): other requests grow meanwhile into what room is left,
+//! and one that finds nothing at the maximum waits for the give-back to end before it fails.
 //! [`trim`](ArenaResource::trim) and [`trim_blocking`](ArenaResource::trim_blocking) give the
 //! wholly free chunks back on demand, waiting for the GPU first.
 //!
@@ -256,7 +260,7 @@ pub struct ArenaResource<U: MemoryResource> {
     /// request about to fail sees no memory halfway between two places.
     slow: Mutex<()>,
     /// Bytes held from the upstream, including chunks being grown, and the room that a request
-    /// giving whole chunks back to grow claims until it grows (`GiveBackForGrowth`): changed
+    /// giving whole chunks back to grow claims until it grows (`GrowthClaim`): changed
     /// only under `slow`, except when a give-back of chunks fails (their bytes stay).
     reserved: AtomicU64,
     peak_reserved: AtomicU64,
