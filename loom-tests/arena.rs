@@ -7,6 +7,11 @@
 //! `Panic` mode: a reuse not ordered after the free, or a use racing another stream's, panics
 //! where it happens. So the model needs no bookkeeping of its own: the arena's locks, its remote
 //! queue and the streams' and events' loom objects are what loom explores.
+//!
+//! `a_growth_keeps_the_room_it_gave_chunks_back_for` (eighteenth session): a request at the
+//! maximum gives a wholly free chunk back upstream with the growth lock let go, while another
+//! request grows: the first keeps the room it freed the chunk for (its claim in the reserved
+//! count), and the maximum holds. Planted: `CLAIM_ONLY_THE_CHUNKS`.
 
 use loom::thread;
 
@@ -202,6 +207,108 @@ fn planted_global_released_before_the_owner_is_locked() {
             crate::resource::arena::planted::GLOBAL_RELEASED_EARLY
                 .store(true, std::sync::atomic::Ordering::Relaxed);
             check_paths(Some(2), &[], remote_free_vs_superblock_move);
+        },
+    );
+}
+
+const GAVE_BACK: &str = "the large request gave the free chunk back to grow";
+const TOOK_FIRST: &str = "the large request was refused";
+const STOLEN: &str = "the small request took from the chunk grown for the large one";
+
+/// An arena of two blocks (one wholly free chunk, a superblock), with room for two more under
+/// its maximum of four. A request for three blocks (a large block) on stream a cannot fit in
+/// the room left: it gives the free chunk back upstream (the growth lock let go meanwhile) and
+/// grows one of three blocks. At the same time a request for one block on stream b grows into
+/// what room is left (a smaller superblock), or takes from the free chunk if it comes first
+/// (then the large request is out of memory: the chunk is no longer wholly free), or from the
+/// chunk the large one grew, before the large one looks (then it is out of memory too).
+/// Whichever the order: a large request that gave the chunk back is refused only in that last
+/// case, the small one is always served, the arena never holds more than its maximum, and at
+/// the end every byte is back.
+fn give_back_for_growth_vs_growth(seen: &Shared<Seen>) {
+    let device = Device::simulated(SimConfig {
+        race_detection: RaceDetection::Panic,
+        ..SimConfig::default()
+    });
+    let arena = Arc::new(
+        ArenaResource::new(
+            CudaResource::new(&device),
+            ArenaOptions {
+                initial: 2 * BLOCK,
+                maximum: Some(4 * BLOCK),
+                superblock_size: 2 * BLOCK,
+            },
+        )
+        .unwrap(),
+    );
+    let (a, b) = (
+        device.create_stream().unwrap(),
+        device.create_stream().unwrap(),
+    );
+    let small = {
+        let (arena, b) = (arena.clone(), b.clone());
+        thread::spawn(move || arena.allocate(BLOCK, &b))
+    };
+    let large = arena.allocate(3 * BLOCK, &a);
+    let small = small.join().unwrap();
+    let stats = arena.stats();
+    let gave_back = stats.chunks_released > 0;
+    let small = small.unwrap_or_else(|e| panic!("the small request was refused: {e}"));
+    // A large request that gave the chunk back grows one of three blocks for itself; the
+    // small request may take a superblock from that new chunk before the large one looks
+    // (the arena's growth feeds the global arena, which any request takes from), and then the
+    // large one is refused at the maximum. What must not happen: refused while the small one
+    // grew a chunk of its own into the room the large one gave its chunk back for.
+    let stolen = gave_back && large.is_err();
+    if stolen {
+        assert!(
+            stats.reserved == 3 * BLOCK && stats.chunks == 1,
+            "the large request gave the free chunk back, then was refused while the small \
+             one grew into its room: {:?} ({stats:?})",
+            large.as_ref().err()
+        );
+    }
+    assert!(
+        stats.peak_reserved <= 4 * BLOCK,
+        "above the maximum: {stats:?}"
+    );
+    seen.note(GAVE_BACK, gave_back);
+    seen.note(TOOK_FIRST, large.is_err());
+    seen.note(STOLEN, stolen);
+    // SAFETY: each block came from the arena with these bytes, unused, freed once.
+    unsafe {
+        arena.deallocate(small, BLOCK, &b).unwrap();
+        if let Ok(p) = large {
+            arena.deallocate(p, 3 * BLOCK, &a).unwrap();
+        }
+    }
+    let reserved = arena.stats().reserved;
+    all_back(&device, &arena, reserved);
+}
+
+/// Bound 2: 2 threads.
+#[test]
+fn a_growth_keeps_the_room_it_gave_chunks_back_for() {
+    check_paths(
+        Some(2),
+        &[GAVE_BACK, TOOK_FIRST, STOLEN],
+        give_back_for_growth_vs_growth,
+    );
+}
+
+/// Bug: the give-back claims only the chunks' bytes (`CLAIM_ONLY_THE_CHUNKS`): the small
+/// request grows a whole superblock into the room the large one freed the chunk for.
+#[test]
+#[ignore = "planted bug: must fail"]
+fn planted_claim_only_the_chunks() {
+    must_fail(
+        module_path!(),
+        "planted_claim_only_the_chunks",
+        "then was refused while the small one grew into its room",
+        || {
+            crate::resource::arena::planted::CLAIM_ONLY_THE_CHUNKS
+                .store(true, std::sync::atomic::Ordering::Relaxed);
+            check_paths(Some(2), &[], give_back_for_growth_vs_growth);
         },
     );
 }

@@ -579,10 +579,12 @@ impl<U: MemoryResource> ArenaResource<U> {
             if whole == 0 || room.saturating_add(whole) < min {
                 return None;
             }
-            (
-                global.take_whole_chunks(),
-                min.saturating_sub(whole).min(room),
-            )
+            let extra = if planted!(CLAIM_ONLY_THE_CHUNKS) {
+                0
+            } else {
+                min.saturating_sub(whole).min(room)
+            };
+            (global.take_whole_chunks(), extra)
         };
         if chunks.is_empty() {
             return None;

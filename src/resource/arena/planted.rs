@@ -11,3 +11,8 @@ pub(crate) static ADOPT_UNORDERED: AtomicBool = AtomicBool::new(false);
 /// takes the owner's: a superblock move in between takes the block to another arena, and the
 /// free, looking in the old owner, refuses a good pointer (the block stays live for ever).
 pub(crate) static GLOBAL_RELEASED_EARLY: AtomicBool = AtomicBool::new(false);
+
+/// A growth giving whole chunks back upstream claims only their bytes, not the rest of the
+/// room it needs, before it lets go of the growth lock: another request grows into that room
+/// meanwhile, and the first fails though it gave its chunks back for it.
+pub(crate) static CLAIM_ONLY_THE_CHUNKS: AtomicBool = AtomicBool::new(false);
