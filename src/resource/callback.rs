@@ -19,7 +19,8 @@ type DeallocateFn = dyn Fn(DevicePtr, usize, &Stream) -> Result<()> + Send + Syn
 ///
 /// - zero bytes returns a null pointer, and a null pointer with zero bytes is taken back,
 ///   without calling the closures;
-/// - a stream of another device is refused ([`Error::WrongDevice`]) before any closure runs;
+/// - a stream of another device is refused ([`Error::WrongDevice`]) before any closure runs,
+///   and before the zero-byte case (as every resource refuses it, whatever the size);
 /// - a pointer from `allocate` that is null or not 256-aligned is an error
 ///   ([`Error::InvalidArgument`]; a misaligned one is first given back through `deallocate`);
 /// - so `deallocate` refuses a null pointer with a non-zero size, and a misaligned one
@@ -113,10 +114,12 @@ unsafe impl MemoryResource for CallbackResource {
     }
 
     fn allocate(&self, bytes: usize, stream: &Stream) -> Result<DevicePtr> {
+        // The stream first, as every other resource does: another device's stream is the
+        // caller's mistake whatever the size, and a zero-byte request must not hide it.
+        check_stream(&self.device, stream)?;
         if bytes == 0 {
             return Ok(DevicePtr(0));
         }
-        check_stream(&self.device, stream)?;
         let ptr = (self.allocate)(bytes, stream)?;
         if ptr.0 == 0 {
             return Err(Error::InvalidArgument {
@@ -135,6 +138,8 @@ unsafe impl MemoryResource for CallbackResource {
     }
 
     unsafe fn deallocate(&self, ptr: DevicePtr, bytes: usize, stream: &Stream) -> Result<()> {
+        // The stream first, as in `allocate`.
+        check_stream(&self.device, stream)?;
         if bytes == 0 {
             return if ptr.0 == 0 {
                 Ok(())
@@ -142,7 +147,6 @@ unsafe impl MemoryResource for CallbackResource {
                 Err(Error::UnknownPointer { ptr: ptr.0, bytes })
             };
         }
-        check_stream(&self.device, stream)?;
         // `allocate` never hands out a null or misaligned pointer for a non-zero size (it
         // refuses the closure's), so such a pointer is not ours: refused here, as every other
         // resource refuses it, rather than passed to a closure that may trust it (a review
@@ -151,5 +155,42 @@ unsafe impl MemoryResource for CallbackResource {
             return Err(Error::UnknownPointer { ptr: ptr.0, bytes });
         }
         (self.deallocate)(ptr, bytes, stream)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::SimConfig;
+
+    /// A resource whose closures must never run.
+    fn never_called(device: &Device) -> CallbackResource {
+        let allocate =
+            |_: usize, _: &Stream| -> Result<DevicePtr> { panic!("the allocate closure ran") };
+        let deallocate = |_: DevicePtr, _: usize, _: &Stream| -> Result<()> {
+            panic!("the deallocate closure ran")
+        };
+        // SAFETY: the closures never hand out or take back memory (they panic if called).
+        unsafe { CallbackResource::new(device, allocate, deallocate) }
+    }
+
+    #[test]
+    fn zero_bytes_on_another_devices_stream_is_refused() {
+        let device = Device::simulated(SimConfig::default());
+        let other = Device::simulated(SimConfig::default());
+        let theirs = other.create_stream().unwrap();
+        let mr = never_called(&device);
+        assert!(
+            matches!(mr.allocate(0, &theirs), Err(Error::WrongDevice { .. })),
+            "a zero-byte request on another device's stream was not refused"
+        );
+        // SAFETY: a null pointer of zero bytes: nothing is freed.
+        let freed = unsafe { mr.deallocate(DevicePtr(0), 0, &theirs) };
+        assert!(matches!(freed, Err(Error::WrongDevice { .. })), "{freed:?}");
+        // On its own device's stream zero bytes is still a null pointer, no closure called.
+        let mine = device.create_stream().unwrap();
+        assert_eq!(mr.allocate(0, &mine).unwrap(), DevicePtr(0));
+        // SAFETY: as above.
+        unsafe { mr.deallocate(DevicePtr(0), 0, &mine) }.unwrap();
     }
 }
