@@ -22,7 +22,8 @@ use crate::sync::{Arc, Mutex};
 ///   oversubscribe the GPU, and on some machines a request larger than the card hangs it.
 ///   So before each allocation this resource computes what is available, the smaller of the
 ///   device's free memory and its total minus what this resource has handed out and not yet
-///   got back (managed pages only take device memory once touched, so free memory alone
+///   got back, each allocation counted by its footprint, its size rounded up to the
+///   alignment (managed pages only take device memory once touched, so free memory alone
 ///   would let untouched allocations add up past the card), and returns
 ///   [`Error::OutOfMemory`] with those numbers instead of asking the driver. The check and the
 ///   allocation happen under one lock, so threads sharing this resource cannot race past it;
@@ -57,9 +58,11 @@ pub struct ManagedResource {
 /// What a [`ManagedResource`] handed out.
 #[derive(Default)]
 struct Ledger {
-    /// Bytes handed out and not yet given back (a free counts once it has run).
+    /// Bytes handed out and not yet given back, each allocation by its footprint (a free
+    /// counts once it has run).
     outstanding: usize,
-    /// Live allocations: pointer → bytes asked for. A pointer leaves when its free is
+    /// Live allocations: pointer → footprint (the bytes asked for, rounded up to
+    /// [`ALIGNMENT`](crate::resource::ALIGNMENT)). A pointer leaves when its free is
     /// issued (so a second free is refused) and comes back if the driver refuses the free.
     live: FxHashMap<u64, usize>,
 }
@@ -73,8 +76,9 @@ impl ManagedResource {
         }
     }
 
-    /// Bytes this resource has handed out and not yet got back (a free handed to the
-    /// blocking-work thread counts until it has run).
+    /// Bytes this resource has handed out and not yet got back, each allocation by its
+    /// footprint (its size rounded up to [`ALIGNMENT`](crate::resource::ALIGNMENT)); a free
+    /// handed to the blocking-work thread counts until it has run.
     pub fn outstanding_bytes(&self) -> usize {
         self.ledger.lock().outstanding
     }
@@ -107,13 +111,17 @@ unsafe impl MemoryResource for ManagedResource {
         if bytes == 0 {
             return Ok(DevicePtr(0));
         }
+        // Counted, and checked, by the footprint (the size rounded up to the alignment every
+        // allocation has), not the bytes asked for: counted by the request, many small
+        // allocations added up to far more than the count, and past the device.
+        let footprint = self.footprint(bytes)?;
         let maximum = self.device.total_memory();
         let mut ledger = self.ledger.lock();
         let available = self
             .device
             .free_memory()?
             .min(maximum.saturating_sub(ledger.outstanding));
-        if bytes > available {
+        if footprint > available {
             tracing::debug!(
                 requested = bytes,
                 available,
@@ -127,8 +135,8 @@ unsafe impl MemoryResource for ManagedResource {
             });
         }
         let ptr = self.device.malloc_managed(bytes)?;
-        ledger.outstanding += bytes;
-        ledger.live.insert(ptr.0, bytes);
+        ledger.outstanding += footprint;
+        ledger.live.insert(ptr.0, footprint);
         Ok(ptr)
     }
 
@@ -190,5 +198,28 @@ unsafe impl MemoryResource for ManagedResource {
                 Ok(())
             },
         )
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::SimConfig;
+
+    #[test]
+    fn small_allocations_count_their_footprint() {
+        let device = Device::simulated(SimConfig::default());
+        let stream = device.create_stream().unwrap();
+        let r = ManagedResource::new(&device);
+        // One byte takes a whole 256-byte allocation: counted by the request, a card's worth
+        // of them would have counted a 256th of what they hold.
+        let ptrs: Vec<DevicePtr> = (0..4).map(|_| r.allocate(1, &stream).unwrap()).collect();
+        assert_eq!(r.outstanding_bytes(), 4 * r.footprint(1).unwrap());
+        for ptr in ptrs {
+            // SAFETY: allocated above with one byte, never used; freed once.
+            unsafe { r.deallocate(ptr, 1, &stream) }.unwrap();
+        }
+        stream.synchronize_blocking().unwrap();
+        assert_eq!(r.outstanding_bytes(), 0);
     }
 }
