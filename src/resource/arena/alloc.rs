@@ -340,11 +340,22 @@ impl<U: MemoryResource> ArenaResource<U> {
             size = extent
         )
         .entered();
-        if let Err(e) = guards.order(&arena.stream) {
-            let mut global = self.global.lock();
-            global.lent.remove(&base);
-            global.insert_free(base, extent, guards);
-            return Some(Err(e));
+        match guards.order(&arena.stream) {
+            Ok(true) => {}
+            Ok(false) => {
+                // A guard withholds its callbacks (it did so after `take` looked): leaked, not
+                // used; the caller looks again, or grows.
+                let mut global = self.global.lock();
+                global.lent.remove(&base);
+                global.leak(base, extent);
+                return None;
+            }
+            Err(e) => {
+                let mut global = self.global.lock();
+                global.lent.remove(&base);
+                global.insert_free(base, extent, guards);
+                return Some(Err(e));
+            }
         }
         let mut state = arena.state.lock();
         state.add_superblock(base, extent);
@@ -419,11 +430,21 @@ impl<U: MemoryResource> ArenaResource<U> {
                 global.large.insert(addr, Large { size, extent });
                 (addr, extent, guards)
             };
-            if let Err(e) = guards.order(stream) {
-                let mut global = self.global.lock();
-                global.large.remove(&addr);
-                global.insert_free(addr, extent, guards);
-                return Some(Err(e));
+            match guards.order(stream) {
+                Ok(true) => {}
+                Ok(false) => {
+                    // As in `acquire_superblock`: leaked, and the caller looks again.
+                    let mut global = self.global.lock();
+                    global.large.remove(&addr);
+                    global.leak(addr, extent);
+                    return None;
+                }
+                Err(e) => {
+                    let mut global = self.global.lock();
+                    global.large.remove(&addr);
+                    global.insert_free(addr, extent, guards);
+                    return Some(Err(e));
+                }
             }
             Some(Ok(addr))
         })

@@ -140,6 +140,9 @@ impl<U: MemoryResource> ArenaResource<U> {
         for (&addr, large) in &global.large {
             pieces.push((addr, large.extent, "large block"));
         }
+        for (&addr, &size) in &global.leaked {
+            pieces.push((addr, size, "leaked region"));
+        }
         pieces.sort_unstable();
         for w in pieces.windows(2) {
             if w[0].0 + w[0].1 > w[1].0 {
@@ -163,7 +166,7 @@ impl<U: MemoryResource> ArenaResource<U> {
         let chunks: u64 = global.chunks.values().sum();
         if tiled != chunks {
             return Err(format!(
-                "chunks hold {chunks} bytes, regions, superblocks and large blocks {tiled}"
+                "chunks hold {chunks} bytes, regions, superblocks, large blocks and leaks {tiled}"
             ));
         }
         for arena in arenas {

@@ -65,21 +65,40 @@ impl Guards {
     }
 
     /// Makes `stream` wait for every guard of another stream that is not complete yet.
-    pub(super) fn order(&self, stream: &Stream) -> Result<()> {
+    /// `Ok(false)` where a guard of another stream withholds its callbacks
+    /// (`Event::withholds_callbacks`): its result is an error, yet nothing says the GPU is done
+    /// with the memory (the device's query and wait of it both panicked), so the memory must
+    /// be leaked, never used or freed. (A guard of `stream` itself needs no wait, withheld or
+    /// not: the stream's new work runs after its old.)
+    pub(super) fn order(&self, stream: &Stream) -> Result<bool> {
         for g in &self.0 {
-            if g.stream != stream.id() && g.event.query_for_crate().is_none() {
-                stream.wait(&g.event)?;
+            if g.stream == stream.id() {
+                continue;
+            }
+            match g.event.query_for_crate() {
+                None => stream.wait(&g.event)?,
+                // Looked at after the result: the state that withholds the callbacks is the
+                // one the result was published with, so this cannot miss it.
+                Some(_) if g.event.withholds_callbacks() => return Ok(false),
+                Some(_) => {}
             }
         }
-        Ok(())
+        Ok(true)
     }
 
-    /// The streams of the guards the GPU has not passed yet, for the dump.
+    /// Whether a guard withholds its callbacks: nothing says the GPU is done with the memory.
+    /// An atomic load per guard, no driver call: cheap enough under the global lock.
+    fn withheld(&self) -> bool {
+        self.0.iter().any(|g| g.event.withholds_callbacks())
+    }
+
+    /// The streams of the guards the GPU has not passed yet (or that nothing says it has: an
+    /// event that withholds its callbacks), for the dump.
     pub(super) fn describe(&self) -> String {
         let streams: Vec<String> = self
             .0
             .iter()
-            .filter(|g| g.event.query_for_crate().is_none())
+            .filter(|g| g.event.query_for_crate().is_none() || g.event.withholds_callbacks())
             .map(|g| g.stream.to_string())
             .collect();
         if streams.is_empty() {
@@ -131,6 +150,10 @@ pub(super) struct Global {
     /// way back upstream is not in it (nor in `regions`), but still counts in the resource's
     /// `reserved` until the upstream took it.
     pub(super) chunks: BTreeMap<u64, u64>,
+    /// Leaked memory: address → size. Free, but guarded by an event that withholds its
+    /// callbacks (see [`Guards::order`]): nothing says the GPU is done with it, so it is never
+    /// handed out again, and its chunk is never given back upstream.
+    pub(super) leaked: BTreeMap<u64, u64>,
 }
 
 impl Global {
@@ -141,7 +164,26 @@ impl Global {
             lent: BTreeMap::new(),
             large: FxHashMap::default(),
             chunks: BTreeMap::new(),
+            leaked: BTreeMap::new(),
         }
+    }
+
+    /// Leaks `[addr, addr + size)`, taken out of the free regions (or a chunk on its way
+    /// upstream): an event that guards it withholds its callbacks.
+    pub(super) fn leak(&mut self, addr: u64, size: u64) {
+        tracing::error!(
+            addr,
+            size,
+            "arena memory whose guard withholds its callbacks (nothing says the GPU is done \
+             with it) is leaked"
+        );
+        self.leaked.insert(addr, size);
+    }
+
+    /// Whether the chunk at `base` of `size` bytes holds leaked memory (so it must never go
+    /// back upstream).
+    pub(super) fn holds_leaked(&self, base: u64, size: u64) -> bool {
+        self.leaked.range(base..base + size).next().is_some()
     }
 
     pub(super) fn free_bytes(&self) -> u64 {
@@ -189,15 +231,24 @@ impl Global {
         min: u64,
         split_min: u64,
     ) -> Option<(u64, u64, Guards)> {
-        let fit = self
-            .by_size
-            .range((need, 0)..)
-            .next()
-            .or_else(|| self.by_size.range((min, 0)..).next())
-            .copied()?;
-        let (size, addr) = fit;
-        self.by_size.remove(&fit);
-        let region = self.regions.remove(&addr)?;
+        let (size, addr, region) = loop {
+            let fit = self
+                .by_size
+                .range((need, 0)..)
+                .next()
+                .or_else(|| self.by_size.range((min, 0)..).next())
+                .copied()?;
+            let (size, addr) = fit;
+            self.by_size.remove(&fit);
+            let region = self.regions.remove(&addr)?;
+            // Taken for done, a withheld guard's error let the region go out under work that
+            // may still use it: leaked instead, and the next fit looked for.
+            if region.guards.withheld() {
+                self.leak(addr, size);
+                continue;
+            }
+            break (size, addr, region);
+        };
         if size >= need && size - need >= split_min {
             let rest = Region {
                 size: size - need,
@@ -238,6 +289,16 @@ impl Global {
             .filter(|&(base, &size)| self.regions.get(base).is_some_and(|r| r.size == size))
             .map(|(&base, &size)| (base, size))
             .collect();
+        // A whole chunk whose guard withholds its callbacks is leaked, not given back: its
+        // free upstream would run under work that may still use it.
+        let (withheld, whole): (Vec<_>, Vec<_>) = whole
+            .into_iter()
+            .partition(|(base, _)| self.regions[base].guards.withheld());
+        for (base, size) in withheld {
+            self.regions.remove(&base);
+            self.by_size.remove(&(size, base));
+            self.leak(base, size);
+        }
         whole
             .into_iter()
             .filter_map(|(base, size)| {

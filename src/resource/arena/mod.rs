@@ -561,16 +561,33 @@ impl<U: MemoryResource> Drop for ArenaResource<U> {
             return;
         }
         let mut global = std::mem::replace(&mut *self.global.lock(), Global::new());
-        for region in global.regions.values() {
+        let mut withheld = Vec::new();
+        for (&addr, region) in &global.regions {
             for guard in &region.guards.0 {
                 let _ = guard.event.synchronize_blocking();
+                // Its wait failed, yet nothing says the GPU is done with the region: its chunk
+                // is leaked below, not freed under work that may still use it.
+                if guard.event.withholds_callbacks() {
+                    withheld.push((addr, region.size));
+                }
             }
+        }
+        for (addr, size) in withheld {
+            global.leak(addr, size);
         }
         // The lent superblocks hold the stream arenas: drop them before the chunks go.
         global.lent.clear();
         drop(arenas);
         let _ = self.own.synchronize_blocking();
         for (base, size) in std::mem::take(&mut global.chunks) {
+            if global.holds_leaked(base, size) {
+                tracing::error!(
+                    base,
+                    size,
+                    "an arena chunk with leaked memory is not returned upstream"
+                );
+                continue;
+            }
             // SAFETY: the arena is going away, so nothing is handed out from it any more, and
             // no buffer holds memory from it (buffers keep the resource alive); every stream
             // that used it was synchronized above.
@@ -581,5 +598,56 @@ impl<U: MemoryResource> Drop for ArenaResource<U> {
                 tracing::warn!(error = %e, base, size, "could not return an arena chunk upstream");
             }
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::resource::cuda::CudaResource;
+    use crate::SimConfig;
+
+    #[test]
+    fn a_region_whose_guard_withholds_its_callbacks_is_not_handed_out() {
+        let device = Device::simulated(SimConfig::default());
+        let options = ArenaOptions {
+            initial: 8 << 20,
+            maximum: Some(32 << 20),
+            superblock_size: 1 << 20,
+        };
+        let r = ArenaResource::new(CudaResource::new(&device), options).unwrap();
+        let (s1, s2) = (
+            device.create_stream().unwrap(),
+            device.create_stream().unwrap(),
+        );
+        // A large block (above the superblock size), still in use on `s1` when freed there.
+        let ptr = r.allocate(2 << 20, &s1).unwrap();
+        s1.spin(std::time::Duration::from_millis(300)).unwrap();
+        // SAFETY: allocated above, unused on the host; freed once.
+        unsafe { r.deallocate(ptr, 2 << 20, &s1) }.unwrap();
+        let event = {
+            let global = r.global.lock();
+            let guards = &global.regions[&ptr.0].guards.0;
+            let guard = guards.iter().find(|g| g.stream == s1.id()).unwrap();
+            guard.event.clone()
+        };
+        event.withhold_callbacks_for_test();
+        assert!(event.withholds_callbacks());
+        // Its result is an error, but nothing says the GPU is done with the region: `s2` must
+        // not get it (before, the error was taken for done, and `s2` did not even wait).
+        let next = r.allocate(2 << 20, &s2).unwrap();
+        assert_ne!(
+            next, ptr,
+            "a region was handed out with nothing saying the GPU was done with it"
+        );
+        r.check_invariants().unwrap();
+        // A trim neither fails on it nor gives its chunk back upstream.
+        r.trim_blocking().unwrap();
+        assert!(r.global.lock().holds_leaked(ptr.0, 2 << 20));
+        r.check_invariants().unwrap();
+        // SAFETY: as above.
+        unsafe { r.deallocate(next, 2 << 20, &s2) }.unwrap();
+        s1.synchronize_blocking().unwrap();
+        s2.synchronize_blocking().unwrap();
     }
 }

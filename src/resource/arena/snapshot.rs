@@ -40,6 +40,15 @@ impl<U: MemoryResource> ArenaResource<U> {
                 block.requested = Some(large.size);
                 known.push(block);
             }
+            // Leaked memory (its guard withholds its callbacks) is held for good: in use.
+            for (&addr, &size) in &global.leaked {
+                known.push(Block::new(addr, size, BlockState::InUse, None));
+            }
+            if !global.leaked.is_empty() {
+                snapshot.notes.push(
+                    "leaked regions (nothing says the GPU is done with them) show as in use".into(),
+                );
+            }
             global.chunks.iter().map(|(&b, &s)| (b, s)).collect()
         };
         for arena in self.arenas() {

@@ -74,7 +74,13 @@ impl<U: MemoryResource> ArenaResource<U> {
         );
         for chunk in &chunks {
             for guard in &chunk.guards.0 {
-                guard.event.clone().await?;
+                // An event that withholds its callbacks fails its waits, yet the trim goes on:
+                // `return_chunks` leaks that chunk, and the others still go.
+                if let Err(e) = guard.event.clone().await {
+                    if !guard.event.withholds_callbacks() {
+                        return Err(e);
+                    }
+                }
             }
         }
         self.finish_trim(taken)
@@ -87,7 +93,12 @@ impl<U: MemoryResource> ArenaResource<U> {
         let _span = tracing::debug_span!("trim", chunks = chunks.len()).entered();
         for chunk in &chunks {
             for guard in &chunk.guards.0 {
-                guard.event.synchronize_blocking()?;
+                // As in `trim`.
+                if let Err(e) = guard.event.synchronize_blocking() {
+                    if !guard.event.withholds_callbacks() {
+                        return Err(e);
+                    }
+                }
             }
         }
         self.finish_trim(taken)
@@ -143,7 +154,16 @@ impl<U: MemoryResource> ArenaResource<U> {
         let mut released = 0;
         let mut first_error = None;
         for chunk in chunks {
-            let freed = chunk.guards.order(&self.own).and_then(|()| {
+            let freed = chunk.guards.order(&self.own).and_then(|ordered| {
+                if !ordered {
+                    // A guard withholds its callbacks: nothing says the GPU is done with the
+                    // chunk, so it is leaked (back in the chunk map, all of it leaked: never
+                    // handed out, never given back), still counted in `reserved`.
+                    let mut global = self.global.lock();
+                    global.chunks.insert(chunk.base, chunk.size);
+                    global.leak(chunk.base, chunk.size);
+                    return Ok(false);
+                }
                 // SAFETY: a whole chunk, out of the global arena's regions and chunk map, so
                 // nothing can hand it out again; it came from this upstream with this size
                 // (`grow` or `new` registered it so), and every use of it is ordered before
@@ -153,9 +173,11 @@ impl<U: MemoryResource> ArenaResource<U> {
                     self.upstream
                         .deallocate(DevicePtr(chunk.base), chunk.size as usize, &self.own)
                 }
+                .map(|()| true)
             });
             match freed {
-                Ok(()) => {
+                Ok(false) => {}
+                Ok(true) => {
                     if settle {
                         self.reserved.fetch_sub(chunk.size, Ordering::AcqRel);
                     }
