@@ -469,6 +469,86 @@ fn a_request_does_not_wait_for_the_arenas_growth_to_free_upstream() {
     }
 }
 
+/// While a request at the pool's maximum gives its wholly free chunks back upstream to grow a
+/// larger one, a request on another stream that needs growth too, for room still under the
+/// maximum, does not wait for that free to end; and the room the first request gave chunks back
+/// for stays its own (the second grows only into what is left). Before, the free ran under the
+/// engine's growth lock (`slow`), which the second request needs: over `CudaResource` that is a
+/// `cuMemFree`, which waits for the whole device to be idle.
+#[test]
+fn a_request_does_not_wait_for_the_pools_growth_to_free_upstream() {
+    let _turn = take_turns();
+    for device in devices() {
+        let p = PoolResource::new(
+            SlowFree::new(&device),
+            PoolOptions {
+                maximum: Some(16 * MIB),
+                growth_cap: None,
+                ..PoolOptions::default()
+            },
+        )
+        .unwrap();
+        let (s1, s2) = (
+            device.create_stream().unwrap(),
+            device.create_stream().unwrap(),
+        );
+        // Two chunks of 2 MiB; the first wholly free again: 12 MiB of room, and 2 MiB of whole
+        // free chunks.
+        let x = p.allocate(2 * MIB, &s1).unwrap();
+        let y = p.allocate(2 * MIB, &s1).unwrap();
+        free(&p, x, 2 * MIB, &s1);
+        s1.synchronize_blocking().unwrap();
+        assert_eq!(p.stats().chunks, 2, "{}", label(&device));
+        p.upstream().closed.store(true, Ordering::SeqCst);
+        let (served_in_time, took) = std::thread::scope(|scope| {
+            // 13 MiB: more than the room, less than the room and the free chunk together.
+            let big = scope.spawn(|| p.allocate(13 * MIB, &s1));
+            assert!(
+                common::eventually(Duration::from_secs(10), || p
+                    .upstream()
+                    .entered
+                    .load(Ordering::SeqCst)),
+                "{}: the request never gave its free chunk back upstream",
+                label(&device)
+            );
+            let (tx, rx) = std::sync::mpsc::channel();
+            let (p_ref, s2) = (&p, &s2);
+            let small = scope.spawn(move || {
+                let started = Instant::now();
+                let z = p_ref.allocate(MIB / 4, s2);
+                tx.send(()).unwrap();
+                (z, started.elapsed())
+            });
+            let served_in_time = rx.recv_timeout(Duration::from_secs(2)).is_ok();
+            p.upstream().open();
+            let (z, took) = small.join().unwrap();
+            let big = big.join().unwrap();
+            let z = z.unwrap_or_else(|e| panic!("{}: the small request: {e}", label(&device)));
+            let big = big.unwrap_or_else(|e| {
+                panic!(
+                    "{}: the request that gave its chunk back to grow: {e}",
+                    label(&device)
+                )
+            });
+            assert!(p.stats().reserved <= 16 * MIB, "{}", label(&device));
+            free(&p, big, 13 * MIB, &s1);
+            free(&p, z, MIB / 4, s2);
+            (served_in_time, took)
+        });
+        assert!(
+            served_in_time,
+            "{}: a request below the maximum waited {took:?} for another's upstream free (the \
+             engine's growth lock held across it)",
+            label(&device)
+        );
+        free(&p, y, 2 * MIB, &s1);
+        let stats = p.stats();
+        assert!(stats.reserved <= 16 * MIB, "{}: {stats:?}", label(&device));
+        assert_eq!(stats.in_use, 0, "{}: {stats:?}", label(&device));
+        check_pool(&p);
+    }
+}
+
 /// Two trims down to `keep` at once never leave less than `keep` mapped: the first holds the
 /// top half of the pool (its stream busy) while the second runs to its end. Before, the second
 /// took what went past `keep` as if the first were not there, and the two together unmapped

@@ -16,7 +16,7 @@ use crate::device::{Device, DevicePtr};
 use crate::error::{Error, Result};
 use crate::stream::{Stream, StreamId};
 use crate::sync::plain::Arc as StdArc;
-use crate::sync::{AtomicU64, Mutex, Ordering};
+use crate::sync::{AtomicU64, Condvar, Mutex, MutexGuard, Ordering};
 
 /// Sizes and policies of a [`PoolResource`].
 ///
@@ -248,6 +248,22 @@ pub struct PoolResource<U: MemoryResource> {
     held_for_trim: HeldForTrim<(u64, u64, Option<Stream>)>,
     /// A stream of the pool's own, for the initial chunk and for returning chunks at drop.
     own: Stream,
+    /// Growths giving whole chunks back upstream with the engine's `slow` let go: a request at
+    /// the maximum that finds nothing meanwhile waits (`give_back_ended`) for one to end before
+    /// it fails, since the room comes back at its end.
+    give_backs: Mutex<GiveBacks>,
+    give_back_ended: Condvar,
+}
+
+/// A whole free chunk out of the lists: base, size, and the stream it was last freed on (none
+/// for memory never handed out), on which it goes back upstream.
+type TakenChunk = (u64, u64, Option<Stream>);
+
+/// Give-backs for growth under way, and ended (`PoolResource::give_backs`).
+#[derive(Default)]
+struct GiveBacks {
+    in_flight: u64,
+    ended: u64,
 }
 
 impl<U: MemoryResource> fmt::Debug for PoolResource<U> {
@@ -293,6 +309,8 @@ impl<U: MemoryResource> PoolResource<U> {
         let waiters = MemoryWaiters::stacked_over(&upstream);
         let pool = Self {
             own,
+            give_backs: Mutex::new(GiveBacks::default()),
+            give_back_ended: Condvar::new(),
             device,
             upstream,
             heap: StreamHeap::with_options(options.reuse_slack, SHARDS)
@@ -572,23 +590,35 @@ impl<U: MemoryResource> PoolResource<U> {
         }
     }
 
-    /// For a growth that found no room (at the maximum, or the upstream out of memory, as
-    /// `cause` says): every wholly free chunk back upstream, in stream order, without waiting,
-    /// so that the growth can try again with that room; whether there was any. Free memory
-    /// spread over chunks too small for a request would otherwise keep it failing (and an
-    /// `allocate_async` waiting), everything free or not.
-    fn release_whole_chunks(&self, requested: u64, cause: &'static str) -> bool {
+    /// For a growth of `min` bytes that found no room (at the maximum, or the upstream out of
+    /// memory): every wholly free chunk out of the lists, to give back upstream so that the
+    /// growth can try again with that room, and the rest of the room under the maximum that
+    /// `min` needs claimed (added to `reserved` until the claim is dropped). None if there
+    /// was no whole free chunk. Free memory spread over chunks too small for a request would
+    /// otherwise keep it failing (and an `allocate_async` waiting), everything free or not.
+    /// Under the engine's `slow`.
+    fn take_whole_chunks_for_growth(
+        &self,
+        min: u64,
+    ) -> Option<(GrowthClaim<'_, U>, Vec<TakenChunk>)> {
         let whole = self.take_whole_chunks();
         if whole.is_empty() {
-            return false;
+            return None;
         }
-        let _span =
-            tracing::debug_span!("release_for_growth", requested, cause, chunks = whole.len())
-                .entered();
-        if let Err(e) = self.release_chunks(whole) {
-            tracing::warn!(error = %e, "could not release free chunks to grow");
-        }
-        true
+        let bytes: u64 = whole.iter().map(|&(_, size, _)| size).sum();
+        let room = self
+            .maximum
+            .saturating_sub(self.reserved.load(Ordering::Relaxed));
+        let extra = min.saturating_sub(bytes).min(room);
+        self.reserved.fetch_add(extra, Ordering::AcqRel);
+        self.give_backs.lock().in_flight += 1;
+        Some((
+            GrowthClaim {
+                pool: self,
+                claimed: extra,
+            },
+            whole,
+        ))
     }
 
     fn take_whole_chunks(&self) -> Vec<(u64, u64, Option<Stream>)> {
@@ -599,6 +629,20 @@ impl<U: MemoryResource> PoolResource<U> {
     /// Gives whole chunks (out of the free list) back upstream, each on the stream it was freed
     /// on (or our own, for fresh memory), which orders the release after its last use.
     fn release_chunks(&self, taken: Vec<(u64, u64, Option<Stream>)>) -> Result<usize> {
+        match self.release_chunks_counted(taken, false) {
+            (_, Some(e)) => Err(e),
+            (released, None) => Ok(released),
+        }
+    }
+
+    /// [`release_chunks`](Self::release_chunks), with the bytes given back also on an error
+    /// (the first). With `keep_room`, those bytes stay counted in `reserved` (the caller's
+    /// [`GrowthClaim`] takes them over) and no waiter is told: the room is not back yet.
+    fn release_chunks_counted(
+        &self,
+        taken: Vec<(u64, u64, Option<Stream>)>,
+        keep_room: bool,
+    ) -> (usize, Option<Error>) {
         let _span = tracing::debug_span!("trim", chunks = taken.len()).entered();
         let mut released = 0;
         let mut first_error = None;
@@ -614,7 +658,9 @@ impl<U: MemoryResource> PoolResource<U> {
             // ordered before this point of `on` (it was freed there, or never used).
             match unsafe { self.upstream.deallocate(DevicePtr(base), size as usize, on) } {
                 Ok(()) => {
-                    self.reserved.fetch_sub(size, Ordering::AcqRel);
+                    if !keep_room {
+                        self.reserved.fetch_sub(size, Ordering::AcqRel);
+                    }
                     released += size as usize;
                 }
                 Err(e) => {
@@ -639,16 +685,13 @@ impl<U: MemoryResource> PoolResource<U> {
             }
         }
         tracing::debug!(released, "trimmed");
-        if released > 0 {
+        if released > 0 && !keep_room {
             // Room under the maximum came back: a request refused at the maximum (perhaps
             // while these chunks were out of the lists) may fit now. A review found waiters
             // left asleep with the room there (the expandable pool already did this).
             self.waiters.notify();
         }
-        match first_error {
-            Some(e) => Err(e),
-            None => Ok(released),
-        }
+        (released, first_error)
     }
 }
 
@@ -661,15 +704,10 @@ impl<U: MemoryResource> Grow for PoolResource<U> {
         (self.held_for_trim).recall(epoch, |chunks| self.put_back(&chunks))
     }
 
+    /// A growth that gives nothing back: [`grow_under`](Grow::grow_under) gives the wholly
+    /// free chunks back upstream when this fails, with the engine's `slow` let go.
     fn grow(&self, min: u64, stream: &Stream) -> Result<(u64, u64)> {
-        let mut reserved = self.reserved.load(Ordering::Relaxed);
-        if min > self.maximum.saturating_sub(reserved) {
-            // At the maximum: blocks never merge across chunks, so the wholly free ones go
-            // back, to grow one large enough instead.
-            if self.release_whole_chunks(min, "maximum") {
-                reserved = self.reserved.load(Ordering::Relaxed);
-            }
-        }
+        let reserved = self.reserved.load(Ordering::Relaxed);
         let room = self.maximum.saturating_sub(reserved);
         if min > room {
             let _span = tracing::debug_span!(
@@ -713,7 +751,6 @@ impl<U: MemoryResource> Grow for PoolResource<U> {
             attempt = fits;
         }
         let _span = tracing::debug_span!("grow", requested = min, reserved, attempt).entered();
-        let mut gave_back = false;
         loop {
             let started = Instant::now();
             let grown = self.grow_exactly(attempt, stream);
@@ -732,16 +769,8 @@ impl<U: MemoryResource> Grow for PoolResource<U> {
                     attempt = (attempt / 2).next_multiple_of(ALIGNMENT as u64);
                 }
                 // The upstream ran out below our maximum (a device shared with other users, a
-                // smaller upstream): our wholly free chunks go back, as at the maximum, and the
-                // request is tried once more (a review's finding).
-                Err(e) if e.is_out_of_memory() && !gave_back => {
-                    gave_back = true;
-                    if !self.release_whole_chunks(min, "upstream") {
-                        tracing::debug!("upstream out of memory");
-                        return Err(self.upstream_out_of_memory(min, &e));
-                    }
-                    attempt = min;
-                }
+                // smaller upstream): `grow_under` gives our wholly free chunks back, as at the
+                // maximum, and tries once more (a review's finding).
                 Err(e) if e.is_out_of_memory() => {
                     tracing::debug!("upstream out of memory");
                     return Err(self.upstream_out_of_memory(min, &e));
@@ -749,6 +778,104 @@ impl<U: MemoryResource> Grow for PoolResource<U> {
                 Err(e) => return Err(e),
             }
         }
+    }
+
+    /// [`grow`](Grow::grow); if that finds no room (at the maximum: blocks never merge across
+    /// chunks; or the upstream out of memory below it), the wholly free chunks go back
+    /// upstream, in stream order, and it grows once more.
+    ///
+    /// The give-back runs with `slow` let go: over `CudaResource` each chunk is a `cuMemFree`,
+    /// which waits for the whole device to be idle (milliseconds), and every other request
+    /// that needs growth would wait that long behind `slow`. Letting it go is safe: the chunks
+    /// are out of the lists and unregistered first (nothing else can hand them out or give
+    /// them back), each is freed on the stream it was freed on (after its last use), their
+    /// bytes and the rest of the room this growth needs stay counted in `reserved` until it
+    /// takes `slow` again ([`GrowthClaim`]: a request growing meanwhile grows only into what is
+    /// left, so the maximum holds and the room stays this growth's), and a request that finds
+    /// nothing meanwhile waits for the give-back to end before it fails
+    /// ([`wait_for_give_backs`](Grow::wait_for_give_backs)).
+    fn grow_under<'s>(
+        &self,
+        slow: MutexGuard<'s, ()>,
+        lock: &'s Mutex<()>,
+        min: u64,
+        stream: &Stream,
+    ) -> (MutexGuard<'s, ()>, Result<(u64, u64)>) {
+        let e = match self.grow(min, stream) {
+            Err(e) if e.is_out_of_memory() => e,
+            other => return (slow, other),
+        };
+        let Some((mut claim, whole)) = self.take_whole_chunks_for_growth(min) else {
+            return (slow, Err(e));
+        };
+        drop(slow);
+        let released = {
+            let _span =
+                tracing::debug_span!("release_for_growth", requested = min, chunks = whole.len())
+                    .entered();
+            // With no lock held (see above).
+            let (released, error) = self.release_chunks_counted(whole, true);
+            if let Some(e) = error {
+                // The chunks it could not free are back in the lists, free.
+                tracing::warn!(error = %e, "could not release free chunks to grow");
+            }
+            released
+        };
+        claim.claimed += released as u64;
+        let slow = lock.lock();
+        // The room back for this growth, under `slow`: no other growth comes between.
+        drop(claim);
+        if released == 0 {
+            return (slow, Err(e));
+        }
+        let grown = self.grow(min, stream);
+        (slow, grown)
+    }
+
+    /// Waits, with `slow` let go, for a growth's give-back under way to end; whether there
+    /// was one (see [`Grow::wait_for_give_backs`]).
+    fn wait_for_give_backs<'s>(
+        &self,
+        slow: MutexGuard<'s, ()>,
+        lock: &'s Mutex<()>,
+    ) -> (MutexGuard<'s, ()>, bool) {
+        let mut give_backs = self.give_backs.lock();
+        if give_backs.in_flight == 0 {
+            return (slow, false);
+        }
+        let seen = give_backs.ended;
+        drop(slow);
+        let _span = tracing::debug_span!("wait_for_growth_give_back").entered();
+        while give_backs.ended == seen {
+            give_backs = self.give_back_ended.wait(give_backs);
+        }
+        drop(give_backs);
+        (lock.lock(), true)
+    }
+}
+
+/// The room a growth giving whole chunks back upstream keeps from other growths while the
+/// engine's `slow` is let go: the rest of the room it needs, and the bytes of the chunks given
+/// back, still counted in `reserved` (and the give-back counted in `give_backs`). Dropped under
+/// `slow` once the growth took it again, right before it grows (or on unwinding): the room
+/// back, and the requests waiting for it told.
+struct GrowthClaim<'a, U: MemoryResource> {
+    pool: &'a PoolResource<U>,
+    claimed: u64,
+}
+
+impl<U: MemoryResource> Drop for GrowthClaim<'_, U> {
+    fn drop(&mut self) {
+        let pool = self.pool;
+        pool.reserved.fetch_sub(self.claimed, Ordering::AcqRel);
+        let mut give_backs = pool.give_backs.lock();
+        give_backs.in_flight -= 1;
+        give_backs.ended += 1;
+        drop(give_backs);
+        pool.give_back_ended.notify_all();
+        // Room under the maximum came back (and chunks perhaps back in the lists): a request
+        // refused at the maximum meanwhile may fit now.
+        pool.waiters.notify();
     }
 }
 

@@ -143,6 +143,35 @@ pub(crate) trait Grow<S = Stream> {
     /// error is the resource's out-of-memory error, with its numbers.
     fn grow(&self, min: u64, stream: &S) -> Result<(u64, u64)>;
 
+    /// [`grow`](Self::grow), called with the engine's `slow` lock (`lock`) held, whose guard
+    /// it takes and hands back. An upstream whose growth has slow work to do first lets `slow`
+    /// go for it: the pool at its maximum gives wholly free chunks back upstream, and over
+    /// `CudaResource` each is a `cuMemFree`, which waits for the whole device (milliseconds);
+    /// every other request that needs to grow would wait that long behind `slow`.
+    fn grow_under<'s>(
+        &self,
+        slow: MutexGuard<'s, ()>,
+        _lock: &'s Mutex<()>,
+        min: u64,
+        stream: &S,
+    ) -> (MutexGuard<'s, ()>, Result<(u64, u64)>) {
+        let grown = self.grow(min, stream);
+        (slow, grown)
+    }
+
+    /// For a request whose growth failed for want of memory, holding `slow` (`lock`): if
+    /// growths are giving memory back upstream with `slow` let go ([`grow_under`](Self::grow_under)),
+    /// waits for one to end (the room, and what its growth leaves free, come back then) with
+    /// `slow` let go, and takes it again. Whether it waited: the request should look, and
+    /// grow, once more, as it effectively did when the give-back ran under `slow`.
+    fn wait_for_give_backs<'s>(
+        &self,
+        slow: MutexGuard<'s, ()>,
+        _lock: &'s Mutex<()>,
+    ) -> (MutexGuard<'s, ()>, bool) {
+        (slow, false)
+    }
+
     /// Whether memory of the upstream's waits to be [`claim`](Self::claim)ed (the expandable
     /// pool's initial memory, in pieces that belong to no shard yet). A hint, read with no
     /// lock: while it says so, a request its home shard cannot serve claims a piece (on the
@@ -607,11 +636,12 @@ impl<S: EngineStream> StreamHeap<S> {
         upstream: &impl Grow<S>,
         refused: Error,
     ) -> Result<u64> {
-        let _slow = self.slow.lock();
+        let slow = self.slow.lock();
         let _span = tracing::debug_span!("grow for a request refused by a capture", size).entered();
         // At the maximum (or any other failure) the capture's refusal is what the request
         // ran into: memory is free, only not orderable now.
-        let (base, chunk) = match upstream.grow(size, stream) {
+        let (_slow, grown) = upstream.grow_under(slow, &self.slow, size, stream);
+        let (base, chunk) = match grown {
             Ok(grown) => grown,
             Err(e) => {
                 tracing::debug!(error = %e, "no growth for a request refused by a capture");
@@ -948,7 +978,7 @@ impl<S: EngineStream> StreamHeap<S> {
     /// Growth: one request at a time, into the stream's home shard.
     #[cold]
     fn take_slow(&self, size: u64, stream: &S, upstream: &impl Grow<S>) -> Result<u64> {
-        let _slow = self.slow.lock();
+        let mut slow = self.slow.lock();
         // Before the last look: a trim that puts memory back after it is seen by the recall.
         let trim_epoch = upstream.trim_epoch();
         // Pieces of the upstream's that belong to no shard yet go to this thread's home shard,
@@ -992,7 +1022,9 @@ impl<S: EngineStream> StreamHeap<S> {
             }
         }
         let home = self.home();
-        let mut grown = match upstream.grow(size, stream) {
+        let first;
+        (slow, first) = upstream.grow_under(slow, &self.slow, size, stream);
+        let mut grown = match first {
             Ok(grown) => grown,
             // Out of memory (at the maximum), perhaps while a trim waits for the GPU with free
             // memory out of the lists: that memory back in the lists, then one more look and
@@ -1002,10 +1034,29 @@ impl<S: EngineStream> StreamHeap<S> {
                 if let Some(addr) = self.take_any(size, stream, true, upstream)? {
                     return Ok(addr);
                 }
-                upstream.grow(size, stream)?
+                let again;
+                (slow, again) = upstream.grow_under(slow, &self.slow, size, stream);
+                again?
+            }
+            // Out of memory while another request gives memory back upstream to grow, with
+            // `slow` let go: its room, and what its growth leaves free, come back at its end.
+            Err(e @ Error::OutOfMemory { .. }) => {
+                let waited;
+                (slow, waited) = upstream.wait_for_give_backs(slow, &self.slow);
+                if !waited {
+                    return Err(e);
+                }
+                if let Some(addr) = self.take_any(size, stream, true, upstream)? {
+                    return Ok(addr);
+                }
+                let again;
+                (slow, again) = upstream.grow_under(slow, &self.slow, size, stream);
+                again?
             }
             Err(e) => return Err(e),
         };
+        // Held to the end: one growth at a time.
+        let _slow = slow;
         // An upstream that extends free memory (the expandable pool maps only what the request
         // lacks beyond the free block at its end) can come back to find that block taken
         // meanwhile (requests served from the free list do not take `slow`): then it grows
