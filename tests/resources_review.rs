@@ -170,3 +170,70 @@ fn callback_refuses_frees_it_never_handed_out() {
     assert_eq!(frees.load(Ordering::SeqCst), 1);
     s.synchronize_blocking().unwrap();
 }
+
+/// `CudaResource` whose `allocate` panics once, when armed.
+#[derive(Debug)]
+struct PanicsOnce {
+    inner: CudaResource,
+    armed: AtomicBool,
+}
+
+// SAFETY: passes every call on to `CudaResource` (or panics before making one).
+unsafe impl MemoryResource for PanicsOnce {
+    fn device(&self) -> &streamalloc::Device {
+        self.inner.device()
+    }
+
+    fn allocate(
+        &self,
+        bytes: usize,
+        stream: &streamalloc::Stream,
+    ) -> streamalloc::Result<DevicePtr> {
+        if self.armed.swap(false, Ordering::SeqCst) {
+            panic!("the upstream's allocate panics");
+        }
+        self.inner.allocate(bytes, stream)
+    }
+
+    unsafe fn deallocate(
+        &self,
+        ptr: DevicePtr,
+        bytes: usize,
+        stream: &streamalloc::Stream,
+    ) -> streamalloc::Result<()> {
+        // SAFETY: the caller's contract, passed on.
+        unsafe { self.inner.deallocate(ptr, bytes, stream) }
+    }
+}
+
+/// An upstream whose allocate panics during a growth (unwinding with the engine's growth lock
+/// held) leaves the fixed-size resource consistent: no poisoned lock making later calls panic,
+/// nothing counted as held that was never taken, and the next request grows as usual.
+#[test]
+fn fixed_size_works_after_its_upstream_panics_in_a_growth() {
+    for device in devices() {
+        let what = label(&device);
+        let fixed = FixedSizeResource::new(
+            PanicsOnce {
+                inner: CudaResource::new(&device),
+                armed: AtomicBool::new(true),
+            },
+            256 * KIB,
+            4,
+        )
+        .unwrap();
+        let s = device.create_stream().unwrap();
+        let panicked =
+            std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| fixed.allocate(1000, &s)));
+        assert!(panicked.is_err(), "{what}: the upstream did not panic");
+        assert_eq!(fixed.reserved(), 0, "{what}: a panicked growth counted");
+        let blocks: Vec<DevicePtr> = (0..5).map(|_| fixed.allocate(1000, &s).unwrap()).collect();
+        assert_eq!(fixed.reserved(), 2 * MIB, "{what}");
+        for b in blocks {
+            // SAFETY: allocated above on `s`, not used since.
+            unsafe { fixed.deallocate(b, 1000, &s) }.unwrap();
+        }
+        fixed.check_invariants().unwrap();
+        s.synchronize_blocking().unwrap();
+    }
+}
