@@ -44,3 +44,95 @@ fn history_does_not_keep_a_free_the_upstream_refused() {
         assert_eq!(mr.live_allocations(), 0, "{what}");
     }
 }
+
+/// `CudaResource` whose `deallocate`, once armed, waits at a gate and then refuses the free.
+#[derive(Debug)]
+struct RefusesAtGate {
+    inner: streamalloc::resource::cuda::CudaResource,
+    armed: std::sync::atomic::AtomicBool,
+    entered: std::sync::atomic::AtomicBool,
+    gate: std::sync::Mutex<bool>,
+    opened: std::sync::Condvar,
+}
+
+// SAFETY: passes every call on to `CudaResource`, except armed frees, which it refuses
+// without freeing anything.
+unsafe impl MemoryResource for RefusesAtGate {
+    fn device(&self) -> &streamalloc::Device {
+        self.inner.device()
+    }
+
+    fn allocate(
+        &self,
+        bytes: usize,
+        stream: &streamalloc::Stream,
+    ) -> streamalloc::Result<DevicePtr> {
+        self.inner.allocate(bytes, stream)
+    }
+
+    unsafe fn deallocate(
+        &self,
+        ptr: DevicePtr,
+        bytes: usize,
+        stream: &streamalloc::Stream,
+    ) -> streamalloc::Result<()> {
+        use std::sync::atomic::Ordering;
+        if self.armed.swap(false, Ordering::SeqCst) {
+            self.entered.store(true, Ordering::SeqCst);
+            let mut open = self.gate.lock().unwrap();
+            while !*open {
+                open = self.opened.wait(open).unwrap();
+            }
+            return Err(streamalloc::Error::UnknownPointer { ptr: ptr.0, bytes });
+        }
+        // SAFETY: the caller's contract, passed on.
+        unsafe { self.inner.deallocate(ptr, bytes, stream) }
+    }
+}
+
+/// A free the upstream refuses is counted as outstanding again in the scope it was subtracted
+/// from, even if another thread pushed a scope while the upstream was deciding. Before, the
+/// restore went to the innermost scope of the moment: the new scope showed 1000 bytes it never
+/// allocated.
+#[test]
+fn statistics_restores_a_refused_free_in_the_scope_it_came_from() {
+    use std::sync::atomic::{AtomicBool, Ordering};
+    use streamalloc::resource::adaptor::StatisticsAdaptor;
+    for device in devices() {
+        let what = label(&device);
+        let mr = StatisticsAdaptor::new(RefusesAtGate {
+            inner: streamalloc::resource::cuda::CudaResource::new(&device),
+            armed: AtomicBool::new(false),
+            entered: AtomicBool::new(false),
+            gate: std::sync::Mutex::new(false),
+            opened: std::sync::Condvar::new(),
+        });
+        let s = device.create_stream().unwrap();
+        let p = mr.allocate(1000, &s).unwrap();
+        mr.upstream().armed.store(true, Ordering::SeqCst);
+        std::thread::scope(|scope| {
+            // SAFETY: `p` came from `mr` on `s`; the upstream refuses this free (frees nothing).
+            let refused = scope.spawn(|| unsafe { mr.deallocate(p, 1000, &s) });
+            assert!(
+                common::eventually(std::time::Duration::from_secs(10), || mr
+                    .upstream()
+                    .entered
+                    .load(Ordering::SeqCst)),
+                "{what}: the free never reached the upstream"
+            );
+            mr.push_counters();
+            *mr.upstream().gate.lock().unwrap() = true;
+            mr.upstream().opened.notify_all();
+            assert!(refused.join().unwrap().is_err(), "{what}");
+        });
+        let inner = mr.pop_counters().unwrap();
+        assert_eq!(inner.bytes.value, 0, "{what}: {inner:?}");
+        assert_eq!(inner.allocations.value, 0, "{what}: {inner:?}");
+        let outer = mr.counters();
+        assert_eq!(outer.bytes.value, 1000, "{what}: {outer:?}");
+        assert_eq!(outer.allocations.value, 1, "{what}: {outer:?}");
+        // SAFETY: allocated above on `s`, never freed (the free was refused).
+        unsafe { mr.deallocate(p, 1000, &s) }.unwrap();
+        assert_eq!(mr.counters().bytes.value, 0, "{what}");
+    }
+}

@@ -89,14 +89,32 @@ impl Counters {
 /// upstream call: exact under any number of threads.
 pub struct StatisticsAdaptor<U: MemoryResource> {
     upstream: U,
+    scopes: Mutex<Scopes>,
+}
+
+/// The open scopes, each with an id, so that a refused free's restore finds the scope its
+/// subtraction went to, whatever was pushed or popped in between.
+#[derive(Debug)]
+struct Scopes {
     /// The scopes, innermost last. Never empty: index 0 is the outermost scope, which
     /// `pop_counters` never removes.
-    scopes: Mutex<Vec<Counters>>,
+    stack: Vec<Counters>,
+    /// `ids[i]`: the id of `stack[i]`, increasing from the outermost (0) inwards.
+    ids: Vec<u64>,
+    /// The id of the next scope pushed.
+    next_id: u64,
+}
+
+impl Scopes {
+    fn top(&mut self) -> Option<(u64, &mut Counters)> {
+        let id = *self.ids.last()?;
+        Some((id, self.stack.last_mut()?))
+    }
 }
 
 impl<U: MemoryResource> fmt::Debug for StatisticsAdaptor<U> {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        let scopes = self.scopes.lock();
+        let scopes = &self.scopes.lock().stack;
         f.debug_struct("StatisticsAdaptor")
             .field("upstream", &self.upstream)
             .field("counters", scopes.last().unwrap_or(&Counters::default()))
@@ -110,7 +128,11 @@ impl<U: MemoryResource> StatisticsAdaptor<U> {
     pub fn new(upstream: U) -> Self {
         Self {
             upstream,
-            scopes: Mutex::new(vec![Counters::default()]),
+            scopes: Mutex::new(Scopes {
+                stack: vec![Counters::default()],
+                ids: vec![0],
+                next_id: 1,
+            }),
         }
     }
 
@@ -121,7 +143,7 @@ impl<U: MemoryResource> StatisticsAdaptor<U> {
 
     /// The counters of the innermost scope.
     pub fn counters(&self) -> Counters {
-        self.scopes.lock().last().copied().unwrap_or_default()
+        self.scopes.lock().stack.last().copied().unwrap_or_default()
     }
 
     /// The bytes counter of the innermost scope (RMM's `get_bytes_counter`).
@@ -138,8 +160,11 @@ impl<U: MemoryResource> StatisticsAdaptor<U> {
     /// enters from (as RMM's `push_counters`).
     pub fn push_counters(&self) -> Counters {
         let mut scopes = self.scopes.lock();
-        let outer = scopes.last().copied().unwrap_or_default();
-        scopes.push(Counters::default());
+        let outer = scopes.stack.last().copied().unwrap_or_default();
+        scopes.stack.push(Counters::default());
+        let id = scopes.next_id;
+        scopes.ids.push(id);
+        scopes.next_id += 1;
         outer
     }
 
@@ -148,13 +173,14 @@ impl<U: MemoryResource> StatisticsAdaptor<U> {
     /// outermost scope cannot be popped; RMM throws `std::out_of_range` there).
     pub fn pop_counters(&self) -> Result<Counters> {
         let mut scopes = self.scopes.lock();
-        if scopes.len() < 2 {
+        if scopes.stack.len() < 2 {
             return Err(Error::InvalidArgument {
                 what: "pop_counters: no scope was pushed (the outermost scope cannot be popped)",
             });
         }
-        let inner = scopes.pop().unwrap_or_default();
-        if let Some(outer) = scopes.last_mut() {
+        scopes.ids.pop();
+        let inner = scopes.stack.pop().unwrap_or_default();
+        if let Some(outer) = scopes.stack.last_mut() {
             outer.fold(&inner);
         }
         Ok(inner)
@@ -162,13 +188,30 @@ impl<U: MemoryResource> StatisticsAdaptor<U> {
 
     /// How many scopes are open: 1 when none was pushed.
     pub fn depth(&self) -> usize {
-        self.scopes.lock().len()
+        self.scopes.lock().stack.len()
     }
 
-    fn with_top(&self, f: impl FnOnce(&mut Counters)) {
+    /// `f` on the innermost scope; that scope's id.
+    fn with_top(&self, f: impl FnOnce(&mut Counters)) -> u64 {
         let mut scopes = self.scopes.lock();
-        if let Some(top) = scopes.last_mut() {
-            f(top);
+        match scopes.top() {
+            Some((id, top)) => {
+                f(top);
+                id
+            }
+            None => 0,
+        }
+    }
+
+    /// `f` on the scope with id `id` if it is still open; else on the innermost open scope
+    /// that enclosed it (it was popped, and its counters folded into that one). Ids increase
+    /// inwards, and a scope still open that was pushed before `id` can only be one that
+    /// enclosed it: the innermost scope with an id at most `id`.
+    fn with_scope(&self, id: u64, f: impl FnOnce(&mut Counters)) {
+        let mut scopes = self.scopes.lock();
+        let Scopes { stack, ids, .. } = &mut *scopes;
+        if let Some(i) = ids.iter().rposition(|&open| open <= id) {
+            f(&mut stack[i]);
         }
     }
 }
@@ -206,7 +249,7 @@ unsafe impl<U: MemoryResource> MemoryResource for StatisticsAdaptor<U> {
             // SAFETY: the caller's contract, passed on.
             return unsafe { self.upstream.deallocate(ptr, bytes, stream) };
         }
-        self.with_top(|c| {
+        let scope = self.with_top(|c| {
             c.bytes.sub(signed(bytes));
             c.allocations.sub(1);
         });
@@ -214,9 +257,11 @@ unsafe impl<U: MemoryResource> MemoryResource for StatisticsAdaptor<U> {
         // upstream's with the same `bytes`.
         let result = unsafe { self.upstream.deallocate(ptr, bytes, stream) };
         if result.is_err() {
-            // Nothing was freed: count it as outstanding again. Not in `total`: it was counted
-            // there when it was allocated.
-            self.with_top(|c| {
+            // Nothing was freed: count it as outstanding again, in the scope the subtraction
+            // went to (another thread may have pushed or popped a scope meanwhile: a review
+            // found the restore landing in a scope that never saw the free). Not in `total`:
+            // it was counted there when it was allocated.
+            self.with_scope(scope, |c| {
                 c.bytes.restore(signed(bytes));
                 c.allocations.restore(1);
             });
