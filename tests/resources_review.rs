@@ -237,3 +237,37 @@ fn fixed_size_works_after_its_upstream_panics_in_a_growth() {
         s.synchronize_blocking().unwrap();
     }
 }
+
+/// An upstream whose allocate panics during a pool's growth leaves the pool's room under its
+/// maximum as it was: before, the growth's claim on `reserved` stayed (it was taken back only
+/// on an `Err`), and the pool could never again grow to its maximum.
+#[test]
+fn pool_keeps_its_room_after_its_upstream_panics_in_a_growth() {
+    for device in devices() {
+        let what = label(&device);
+        let pool = PoolResource::new(
+            PanicsOnce {
+                inner: CudaResource::new(&device),
+                armed: AtomicBool::new(true),
+            },
+            PoolOptions {
+                initial: 0,
+                maximum: Some(4 * MIB),
+                ..PoolOptions::default()
+            },
+        )
+        .unwrap();
+        let s = device.create_stream().unwrap();
+        let panicked =
+            std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| pool.allocate(4 * MIB, &s)));
+        assert!(panicked.is_err(), "{what}: the upstream did not panic");
+        assert_eq!(pool.stats().reserved, 0, "{what}: {:?}", pool.stats());
+        let p = pool
+            .allocate(4 * MIB, &s)
+            .unwrap_or_else(|e| panic!("{what}: the whole maximum after the panic: {e}"));
+        // SAFETY: allocated above on `s`, not used since.
+        unsafe { pool.deallocate(p, 4 * MIB, &s) }.unwrap();
+        pool.check_invariants().unwrap();
+        s.synchronize_blocking().unwrap();
+    }
+}

@@ -409,7 +409,15 @@ impl<U: MemoryResource> PoolResource<U> {
             self.reserved.fetch_sub(size, Ordering::AcqRel);
             return Err(self.out_of_memory(size));
         }
-        match self.upstream.allocate(size as usize, stream) {
+        // Given back if the upstream's allocate unwinds: the room would otherwise stay
+        // claimed for good, and the pool short of its maximum ever after.
+        let unreserve = Unreserve {
+            reserved: &self.reserved,
+            size,
+        };
+        let allocated = self.upstream.allocate(size as usize, stream);
+        std::mem::forget(unreserve);
+        match allocated {
             Ok(ptr) => {
                 self.peak_reserved.fetch_max(reserved, Ordering::AcqRel);
                 self.chunks.lock().insert(ptr.0, size);
@@ -851,6 +859,18 @@ impl<U: MemoryResource> Grow for PoolResource<U> {
         }
         drop(give_backs);
         (lock.lock(), true)
+    }
+}
+
+/// Bytes claimed in `reserved` for an upstream call, given back if that call unwinds.
+struct Unreserve<'a> {
+    reserved: &'a AtomicU64,
+    size: u64,
+}
+
+impl Drop for Unreserve<'_> {
+    fn drop(&mut self) {
+        self.reserved.fetch_sub(self.size, Ordering::AcqRel);
     }
 }
 
