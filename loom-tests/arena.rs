@@ -29,6 +29,12 @@ type Arena = ArenaResource<CudaResource>;
 /// An arena of `bytes` (its initial size and its maximum), in superblocks of two blocks, on a
 /// simulated device whose race detector panics.
 fn arena_of(bytes: usize) -> (Device, Arc<Arena>) {
+    arena_growing(bytes, bytes)
+}
+
+/// An arena of `initial` bytes that may grow to `maximum`, in superblocks of two blocks, on a
+/// simulated device whose race detector panics.
+fn arena_growing(initial: usize, maximum: usize) -> (Device, Arc<Arena>) {
     let device = Device::simulated(SimConfig {
         race_detection: RaceDetection::Panic,
         ..SimConfig::default()
@@ -37,8 +43,8 @@ fn arena_of(bytes: usize) -> (Device, Arc<Arena>) {
         ArenaResource::new(
             CudaResource::new(&device),
             ArenaOptions {
-                initial: bytes,
-                maximum: Some(bytes),
+                initial,
+                maximum: Some(maximum),
                 superblock_size: 2 * BLOCK,
             },
         )
@@ -226,21 +232,7 @@ const STOLEN: &str = "the small request took from the chunk grown for the large 
 /// case, the small one is always served, the arena never holds more than its maximum, and at
 /// the end every byte is back.
 fn give_back_for_growth_vs_growth(seen: &Shared<Seen>) {
-    let device = Device::simulated(SimConfig {
-        race_detection: RaceDetection::Panic,
-        ..SimConfig::default()
-    });
-    let arena = Arc::new(
-        ArenaResource::new(
-            CudaResource::new(&device),
-            ArenaOptions {
-                initial: 2 * BLOCK,
-                maximum: Some(4 * BLOCK),
-                superblock_size: 2 * BLOCK,
-            },
-        )
-        .unwrap(),
-    );
+    let (device, arena) = arena_growing(2 * BLOCK, 4 * BLOCK);
     let (a, b) = (
         device.create_stream().unwrap(),
         device.create_stream().unwrap(),

@@ -168,7 +168,13 @@ fn an_expandable_release_past_its_threshold_goes_on_beside_a_capture() {
     captured.pretend_capture(false);
     // SAFETY: from `pool` with this size, unused.
     unsafe { pool.deallocate(live, g, &other).unwrap() };
-    assert_eq!(pool.trim_blocking().unwrap() + pool.stats().reserved, 2 * g);
+    // The free queues an automatic release too; a trim beside it leaves it what it holds
+    // (issue 11's concurrent trims), so the last granules may go with either: wait for both.
+    pool.trim_blocking().unwrap();
+    let deadline = Instant::now() + Duration::from_secs(10);
+    while pool.stats().reserved > 0 && Instant::now() < deadline {
+        std::thread::sleep(Duration::from_millis(5));
+    }
     assert_eq!(pool.stats().reserved, 0);
 }
 
