@@ -365,15 +365,7 @@ fn cuda_async_allocate_async_waits_for_device_memory_freed_through_it() {
     let resource = CudaAsyncResource::new(&device, CudaAsyncOptions::default()).unwrap();
     let s = device.create_stream().unwrap();
     let other = device.create_stream().unwrap();
-    let mut blocks = Vec::new();
-    let refused = loop {
-        match resource.allocate(8 * MIB, &s) {
-            Ok(ptr) => blocks.push(ptr),
-            Err(e) => break e,
-        }
-    };
-    assert!(refused.is_out_of_memory(), "{refused:?}");
-    assert!(!blocks.is_empty());
+    let mut blocks = fill_device(&resource, &s);
     let rt = common::runtime();
     let (_flag, waker) = flag();
     let mut cx = Context::from_waker(&waker);
@@ -391,26 +383,14 @@ fn cuda_async_allocate_async_waits_for_device_memory_freed_through_it() {
     // yet (the test does not depend on it).
     if let Poll::Ready(r) = wait.as_mut().poll(&mut cx) {
         let got = r.expect("the woken waiter failed");
-        // SAFETY: allocated just now with 8 MiB on `other`, unused, freed once.
-        unsafe { resource.deallocate(got, 8 * MIB, &other) }.unwrap();
-        for ptr in blocks {
-            // SAFETY: allocated above with 8 MiB on `s`, unused, freed once.
-            unsafe { resource.deallocate(ptr, 8 * MIB, &s) }.unwrap();
-        }
+        give_back((&resource, got, &other), (&resource, blocks, &s));
         return;
     }
     let got = rt
         .block_on(wait)
         .expect("memory freed through the resource did not serve the waiter");
     assert!(resource.memory_waiters().unwrap().is_empty());
-    // SAFETY: allocated above with 8 MiB on `other`, unused, freed once.
-    unsafe { resource.deallocate(got, 8 * MIB, &other) }.unwrap();
-    for ptr in blocks {
-        // SAFETY: allocated above with 8 MiB on `s`, unused, freed once.
-        unsafe { resource.deallocate(ptr, 8 * MIB, &s) }.unwrap();
-    }
-    s.synchronize_blocking().unwrap();
-    other.synchronize_blocking().unwrap();
+    give_back((&resource, got, &other), (&resource, blocks, &s));
 }
 
 /// A maximum that is not a multiple of 256 holds at most its multiple below (every size is
@@ -464,6 +444,22 @@ fn fill_device(resource: &CudaAsyncResource, s: &streamalloc::Stream) -> Vec<Dev
     blocks
 }
 
+/// Frees what a waiter got (8 MiB, from `got.0` on `got.2`) and the blocks that filled the
+/// device (8 MiB each, from `blocks.0` on `blocks.2`), then waits for both streams.
+fn give_back(
+    got: (&CudaAsyncResource, DevicePtr, &streamalloc::Stream),
+    blocks: (&CudaAsyncResource, Vec<DevicePtr>, &streamalloc::Stream),
+) {
+    // SAFETY: allocated by the caller with 8 MiB on that stream, unused, freed once.
+    unsafe { got.0.deallocate(got.1, 8 * MIB, got.2) }.unwrap();
+    for ptr in blocks.1 {
+        // SAFETY: allocated by `fill_device` with 8 MiB on that stream, unused, freed once.
+        unsafe { blocks.0.deallocate(ptr, 8 * MIB, blocks.2) }.unwrap();
+    }
+    blocks.2.synchronize_blocking().unwrap();
+    got.2.synchronize_blocking().unwrap();
+}
+
 /// A free issued while nobody waits, whose stream is still busy (here a 300 ms spin before
 /// it): a request that the driver refuses before the GPU reaches the free must be woken when
 /// it does. Before the fix no event was recorded for such a free, and the request slept until
@@ -493,14 +489,7 @@ fn cuda_async_a_request_after_a_pending_free_is_woken_when_the_gpu_reaches_it() 
         )
         .expect("the request slept through a free issued before it waited");
     assert!(started.elapsed() < std::time::Duration::from_secs(5));
-    // SAFETY: allocated just now with 8 MiB on `other`, unused, freed once.
-    unsafe { resource.deallocate(got, 8 * MIB, &other) }.unwrap();
-    for ptr in blocks {
-        // SAFETY: allocated above with 8 MiB on `s`, unused, freed once.
-        unsafe { resource.deallocate(ptr, 8 * MIB, &s) }.unwrap();
-    }
-    s.synchronize_blocking().unwrap();
-    other.synchronize_blocking().unwrap();
+    give_back((&resource, got, &other), (&resource, blocks, &s));
 }
 
 /// Two resources over the device's default pool: a request waiting in one must be woken by a
@@ -534,12 +523,5 @@ fn cuda_async_a_free_through_one_view_wakes_a_waiter_of_another() {
         .block_on(wait)
         .expect("a free through one view did not wake the other's waiter");
     assert!(started.elapsed() < std::time::Duration::from_secs(5));
-    // SAFETY: allocated just now with 8 MiB on `other`, unused, freed once.
-    unsafe { b.deallocate(got, 8 * MIB, &other) }.unwrap();
-    for ptr in blocks {
-        // SAFETY: allocated above with 8 MiB on `s`, unused, freed once.
-        unsafe { a.deallocate(ptr, 8 * MIB, &s) }.unwrap();
-    }
-    s.synchronize_blocking().unwrap();
-    other.synchronize_blocking().unwrap();
+    give_back((&b, got, &other), (&a, blocks, &s));
 }

@@ -392,12 +392,86 @@ fn a_request_does_not_wait_for_the_pools_trim_to_free_upstream() {
     }
 }
 
-/// While a request at the arena's maximum gives its wholly free chunks back upstream to grow a
-/// larger one (`give_back_whole_chunks`), a request on another stream that needs growth too,
-/// for room still under the maximum, does not wait for that free to end; and the room the
-/// first request gave chunks back for stays its own (the second grows only into what is left).
-/// Before, the free ran under the arena's growth lock (`slow`), which the second request needs:
-/// over `CudaResource` that is a `cuMemFree`, which waits for the whole device to be idle.
+/// What [`growth_gives_back_without_the_lock`] reads of a resource over [`SlowFree`]: its
+/// upstream, and its (chunks, reserved, in use).
+struct GrowthView<R> {
+    upstream: fn(&R) -> &SlowFree,
+    counts: fn(&R) -> (usize, usize, usize),
+    /// What holds the growth lock, for the failure message.
+    lock: &'static str,
+}
+
+/// While a request at `r`'s maximum (16 MiB) gives its wholly free chunks back upstream to grow
+/// a larger one, a request on another stream that needs growth too, for room still under the
+/// maximum, does not wait for that free to end; and the room the first request gave chunks
+/// back for stays its own (the second grows only into what is left). Before, the free ran
+/// under the growth lock (`slow`), which the second request needs: over `CudaResource` that is
+/// a `cuMemFree`, which waits for the whole device to be idle.
+fn growth_gives_back_without_the_lock<R: MemoryResource + Sync>(
+    device: &Device,
+    r: &R,
+    view: GrowthView<R>,
+) {
+    let (s1, s2) = (
+        device.create_stream().unwrap(),
+        device.create_stream().unwrap(),
+    );
+    let reserved = |r: &R| (view.counts)(r).1;
+    // Two chunks of 2 MiB; the first wholly free again: 12 MiB of room, and 2 MiB of whole
+    // free chunks.
+    let x = r.allocate(2 * MIB, &s1).unwrap();
+    let y = r.allocate(2 * MIB, &s1).unwrap();
+    free(r, x, 2 * MIB, &s1);
+    s1.synchronize_blocking().unwrap();
+    assert_eq!((view.counts)(r).0, 2, "{}", label(device));
+    (view.upstream)(r).closed.store(true, Ordering::SeqCst);
+    let (served_in_time, took) = std::thread::scope(|scope| {
+        // 13 MiB: more than the room, less than the room and the free chunk together.
+        let big = scope.spawn(|| r.allocate(13 * MIB, &s1));
+        assert!(
+            common::eventually(Duration::from_secs(10), || (view.upstream)(r)
+                .entered
+                .load(Ordering::SeqCst)),
+            "{}: the request never gave its free chunk back upstream",
+            label(device)
+        );
+        let (tx, rx) = std::sync::mpsc::channel();
+        let s2 = &s2;
+        let small = scope.spawn(move || {
+            let started = Instant::now();
+            let z = r.allocate(MIB / 4, s2);
+            tx.send(()).unwrap();
+            (z, started.elapsed())
+        });
+        let served_in_time = rx.recv_timeout(Duration::from_secs(2)).is_ok();
+        (view.upstream)(r).open();
+        let (z, took) = small.join().unwrap();
+        let big = big.join().unwrap();
+        let z = z.unwrap_or_else(|e| panic!("{}: the small request: {e}", label(device)));
+        let big = big.unwrap_or_else(|e| {
+            panic!(
+                "{}: the request that gave its chunk back to grow: {e}",
+                label(device)
+            )
+        });
+        assert!(reserved(r) <= 16 * MIB, "{}", label(device));
+        free(r, big, 13 * MIB, &s1);
+        free(r, z, MIB / 4, s2);
+        (served_in_time, took)
+    });
+    assert!(
+        served_in_time,
+        "{}: a request below the maximum waited {took:?} for another's upstream free (the \
+         {} held across it)",
+        label(device),
+        view.lock
+    );
+    free(r, y, 2 * MIB, &s1);
+    let (_, reserved, in_use) = (view.counts)(r);
+    assert!(reserved <= 16 * MIB, "{}: {reserved}", label(device));
+    assert_eq!(in_use, 0, "{}", label(device));
+}
+
 #[test]
 fn a_request_does_not_wait_for_the_arenas_growth_to_free_upstream() {
     let _turn = take_turns();
@@ -410,71 +484,21 @@ fn a_request_does_not_wait_for_the_arenas_growth_to_free_upstream() {
             },
         )
         .unwrap();
-        let (s1, s2) = (
-            device.create_stream().unwrap(),
-            device.create_stream().unwrap(),
+        growth_gives_back_without_the_lock(
+            &device,
+            &arena,
+            GrowthView {
+                upstream: ArenaResource::upstream,
+                counts: |a| {
+                    let s = a.stats();
+                    (s.chunks, s.reserved, s.in_use)
+                },
+                lock: "arena's growth lock",
+            },
         );
-        // Two chunks of 2 MiB (large blocks); the first wholly free again: 12 MiB of room, and
-        // 2 MiB of whole free chunks.
-        let x = arena.allocate(2 * MIB, &s1).unwrap();
-        let y = arena.allocate(2 * MIB, &s1).unwrap();
-        free(&arena, x, 2 * MIB, &s1);
-        s1.synchronize_blocking().unwrap();
-        assert_eq!(arena.stats().chunks, 2, "{}", label(&device));
-        arena.upstream().closed.store(true, Ordering::SeqCst);
-        let (served_in_time, took) = std::thread::scope(|scope| {
-            // 13 MiB: more than the room, less than the room and the free chunk together.
-            let big = scope.spawn(|| arena.allocate(13 * MIB, &s1));
-            assert!(
-                common::eventually(Duration::from_secs(10), || arena
-                    .upstream()
-                    .entered
-                    .load(Ordering::SeqCst)),
-                "{}: the request never gave its free chunk back upstream",
-                label(&device)
-            );
-            let (tx, rx) = std::sync::mpsc::channel();
-            let (arena_ref, s2) = (&arena, &s2);
-            let small = scope.spawn(move || {
-                let started = Instant::now();
-                let z = arena_ref.allocate(MIB / 4, s2);
-                tx.send(()).unwrap();
-                (z, started.elapsed())
-            });
-            let served_in_time = rx.recv_timeout(Duration::from_secs(2)).is_ok();
-            arena.upstream().open();
-            let (z, took) = small.join().unwrap();
-            let big = big.join().unwrap();
-            let z = z.unwrap_or_else(|e| panic!("{}: the small request: {e}", label(&device)));
-            let big = big.unwrap_or_else(|e| {
-                panic!(
-                    "{}: the request that gave its chunk back to grow: {e}",
-                    label(&device)
-                )
-            });
-            free(&arena, big, 13 * MIB, &s1);
-            free(&arena, z, MIB / 4, s2);
-            (served_in_time, took)
-        });
-        assert!(
-            served_in_time,
-            "{}: a request below the maximum waited {took:?} for another's upstream free (the \
-             arena's growth lock held across it)",
-            label(&device)
-        );
-        free(&arena, y, 2 * MIB, &s1);
-        let stats = arena.stats();
-        assert!(stats.reserved <= 16 * MIB, "{}: {stats:?}", label(&device));
-        assert_eq!(stats.in_use, 0, "{}: {stats:?}", label(&device));
     }
 }
 
-/// While a request at the pool's maximum gives its wholly free chunks back upstream to grow a
-/// larger one, a request on another stream that needs growth too, for room still under the
-/// maximum, does not wait for that free to end; and the room the first request gave chunks back
-/// for stays its own (the second grows only into what is left). Before, the free ran under the
-/// engine's growth lock (`slow`), which the second request needs: over `CudaResource` that is a
-/// `cuMemFree`, which waits for the whole device to be idle.
 #[test]
 fn a_request_does_not_wait_for_the_pools_growth_to_free_upstream() {
     let _turn = take_turns();
@@ -488,63 +512,18 @@ fn a_request_does_not_wait_for_the_pools_growth_to_free_upstream() {
             },
         )
         .unwrap();
-        let (s1, s2) = (
-            device.create_stream().unwrap(),
-            device.create_stream().unwrap(),
+        growth_gives_back_without_the_lock(
+            &device,
+            &p,
+            GrowthView {
+                upstream: PoolResource::upstream,
+                counts: |p| {
+                    let s = p.stats();
+                    (s.chunks, s.reserved, s.in_use)
+                },
+                lock: "engine's growth lock",
+            },
         );
-        // Two chunks of 2 MiB; the first wholly free again: 12 MiB of room, and 2 MiB of whole
-        // free chunks.
-        let x = p.allocate(2 * MIB, &s1).unwrap();
-        let y = p.allocate(2 * MIB, &s1).unwrap();
-        free(&p, x, 2 * MIB, &s1);
-        s1.synchronize_blocking().unwrap();
-        assert_eq!(p.stats().chunks, 2, "{}", label(&device));
-        p.upstream().closed.store(true, Ordering::SeqCst);
-        let (served_in_time, took) = std::thread::scope(|scope| {
-            // 13 MiB: more than the room, less than the room and the free chunk together.
-            let big = scope.spawn(|| p.allocate(13 * MIB, &s1));
-            assert!(
-                common::eventually(Duration::from_secs(10), || p
-                    .upstream()
-                    .entered
-                    .load(Ordering::SeqCst)),
-                "{}: the request never gave its free chunk back upstream",
-                label(&device)
-            );
-            let (tx, rx) = std::sync::mpsc::channel();
-            let (p_ref, s2) = (&p, &s2);
-            let small = scope.spawn(move || {
-                let started = Instant::now();
-                let z = p_ref.allocate(MIB / 4, s2);
-                tx.send(()).unwrap();
-                (z, started.elapsed())
-            });
-            let served_in_time = rx.recv_timeout(Duration::from_secs(2)).is_ok();
-            p.upstream().open();
-            let (z, took) = small.join().unwrap();
-            let big = big.join().unwrap();
-            let z = z.unwrap_or_else(|e| panic!("{}: the small request: {e}", label(&device)));
-            let big = big.unwrap_or_else(|e| {
-                panic!(
-                    "{}: the request that gave its chunk back to grow: {e}",
-                    label(&device)
-                )
-            });
-            assert!(p.stats().reserved <= 16 * MIB, "{}", label(&device));
-            free(&p, big, 13 * MIB, &s1);
-            free(&p, z, MIB / 4, s2);
-            (served_in_time, took)
-        });
-        assert!(
-            served_in_time,
-            "{}: a request below the maximum waited {took:?} for another's upstream free (the \
-             engine's growth lock held across it)",
-            label(&device)
-        );
-        free(&p, y, 2 * MIB, &s1);
-        let stats = p.stats();
-        assert!(stats.reserved <= 16 * MIB, "{}: {stats:?}", label(&device));
-        assert_eq!(stats.in_use, 0, "{}: {stats:?}", label(&device));
         check_pool(&p);
     }
 }
