@@ -503,39 +503,6 @@ fn the_allocate_all_future_is_send() {
     send(&DeviceBuffer::alloc_all(&erased, &[(256, &s)]));
 }
 
-/// Panics in `allocate` on its `fail_at`-th call (counting from 1), as a resource whose failure
-/// callback or log writer (the user's code) panics would.
-#[derive(Debug)]
-struct PanicsOnCall<R> {
-    inner: Arc<R>,
-    calls: AtomicUsize,
-    fail_at: usize,
-}
-
-// SAFETY: forwards to `inner`, a resource.
-unsafe impl<R: MemoryResource> MemoryResource for PanicsOnCall<R> {
-    fn device(&self) -> &Device {
-        self.inner.device()
-    }
-
-    fn allocate(&self, bytes: usize, stream: &Stream) -> streamalloc::Result<DevicePtr> {
-        if self.calls.fetch_add(1, Ordering::SeqCst) + 1 == self.fail_at {
-            panic!("a resource that panics in allocate");
-        }
-        self.inner.allocate(bytes, stream)
-    }
-
-    unsafe fn deallocate(
-        &self,
-        ptr: DevicePtr,
-        bytes: usize,
-        stream: &Stream,
-    ) -> streamalloc::Result<()> {
-        // SAFETY: the caller's contract, passed on.
-        unsafe { self.inner.deallocate(ptr, bytes, stream) }
-    }
-}
-
 /// A set whose second allocation panics (caught by the caller): the first goes back to the
 /// pool. It used to be kept: a try gave back what it took only on an error.
 #[test]
@@ -543,11 +510,7 @@ fn a_set_whose_allocation_panics_gives_back_what_it_took() {
     let rt = runtime();
     for device in devices() {
         let p = pool(&device, 16 * MIB);
-        let panicking = PanicsOnCall {
-            inner: p.clone(),
-            calls: AtomicUsize::new(0),
-            fail_at: 2,
-        };
+        let panicking = common::PanicsOnCall::new(p.clone(), 2);
         let s = device.create_stream().unwrap();
         let caught = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
             rt.block_on(panicking.allocate_all_async([(4 * MIB, &s), (2 * MIB, &s)]))

@@ -171,41 +171,6 @@ fn callback_refuses_frees_it_never_handed_out() {
     s.synchronize_blocking().unwrap();
 }
 
-/// `CudaResource` whose `allocate` panics once, when armed.
-#[derive(Debug)]
-struct PanicsOnce {
-    inner: CudaResource,
-    armed: AtomicBool,
-}
-
-// SAFETY: passes every call on to `CudaResource` (or panics before making one).
-unsafe impl MemoryResource for PanicsOnce {
-    fn device(&self) -> &streamalloc::Device {
-        self.inner.device()
-    }
-
-    fn allocate(
-        &self,
-        bytes: usize,
-        stream: &streamalloc::Stream,
-    ) -> streamalloc::Result<DevicePtr> {
-        if self.armed.swap(false, Ordering::SeqCst) {
-            panic!("the upstream's allocate panics");
-        }
-        self.inner.allocate(bytes, stream)
-    }
-
-    unsafe fn deallocate(
-        &self,
-        ptr: DevicePtr,
-        bytes: usize,
-        stream: &streamalloc::Stream,
-    ) -> streamalloc::Result<()> {
-        // SAFETY: the caller's contract, passed on.
-        unsafe { self.inner.deallocate(ptr, bytes, stream) }
-    }
-}
-
 /// An upstream whose allocate panics during a growth (unwinding with the engine's growth lock
 /// held) leaves the fixed-size resource consistent: no poisoned lock making later calls panic,
 /// nothing counted as held that was never taken, and the next request grows as usual.
@@ -214,10 +179,8 @@ fn fixed_size_works_after_its_upstream_panics_in_a_growth() {
     for device in devices() {
         let what = label(&device);
         let fixed = FixedSizeResource::new(
-            PanicsOnce {
-                inner: CudaResource::new(&device),
-                armed: AtomicBool::new(true),
-            },
+            // Its first allocate (the resource's first growth) panics.
+            common::PanicsOnCall::new(CudaResource::new(&device), 1),
             256 * KIB,
             4,
         )
@@ -246,10 +209,8 @@ fn pool_keeps_its_room_after_its_upstream_panics_in_a_growth() {
     for device in devices() {
         let what = label(&device);
         let pool = PoolResource::new(
-            PanicsOnce {
-                inner: CudaResource::new(&device),
-                armed: AtomicBool::new(true),
-            },
+            // Its first allocate (the resource's first growth) panics.
+            common::PanicsOnCall::new(CudaResource::new(&device), 1),
             PoolOptions {
                 initial: 0,
                 maximum: Some(4 * MIB),

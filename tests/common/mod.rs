@@ -258,3 +258,48 @@ pub fn primed_async_pool(device: &Device, bytes: usize) -> CudaAsyncResource {
     )
     .unwrap()
 }
+
+/// A resource whose `allocate` panics on its `fail_at`-th call (counting from 1) and passes
+/// every other call on to `inner`: what a resource whose failure callback or log writer (the
+/// user's code) panics does to the layers over it.
+#[derive(Debug)]
+pub struct PanicsOnCall<R> {
+    pub inner: R,
+    calls: std::sync::atomic::AtomicUsize,
+    fail_at: usize,
+}
+
+impl<R> PanicsOnCall<R> {
+    pub fn new(inner: R, fail_at: usize) -> Self {
+        Self {
+            inner,
+            calls: std::sync::atomic::AtomicUsize::new(0),
+            fail_at,
+        }
+    }
+}
+
+// SAFETY: passes every call on to `inner`, a resource (or panics before making one).
+unsafe impl<R: MemoryResource> MemoryResource for PanicsOnCall<R> {
+    fn device(&self) -> &Device {
+        self.inner.device()
+    }
+
+    fn allocate(&self, bytes: usize, stream: &Stream) -> streamalloc::Result<DevicePtr> {
+        let call = (self.calls).fetch_add(1, std::sync::atomic::Ordering::SeqCst) + 1;
+        if call == self.fail_at {
+            panic!("a resource that panics in allocate (call {call})");
+        }
+        self.inner.allocate(bytes, stream)
+    }
+
+    unsafe fn deallocate(
+        &self,
+        ptr: DevicePtr,
+        bytes: usize,
+        stream: &Stream,
+    ) -> streamalloc::Result<()> {
+        // SAFETY: the caller's contract, passed on.
+        unsafe { self.inner.deallocate(ptr, bytes, stream) }
+    }
+}
