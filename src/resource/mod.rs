@@ -231,6 +231,7 @@ mod engine_lab;
 pub mod expandable;
 pub mod fixed_size;
 pub(crate) mod free_list;
+mod give_backs;
 mod growth;
 pub(crate) mod held_for_trim;
 pub mod pool;

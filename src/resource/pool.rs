@@ -7,6 +7,7 @@ use std::time::{Duration, Instant};
 // `snapshot()`, in its own file.
 mod snapshot;
 
+use super::give_backs::{GiveBacks, GrowthClaim};
 use super::growth::step_within_free;
 use super::held_for_trim::{HeldForTrim, Ticket};
 use super::stream_ordered::{Grow, StreamHeap};
@@ -16,7 +17,7 @@ use crate::device::{Device, DevicePtr};
 use crate::error::{Error, Result};
 use crate::stream::{Stream, StreamId};
 use crate::sync::plain::Arc as StdArc;
-use crate::sync::{AtomicU64, Condvar, Mutex, MutexGuard, Ordering};
+use crate::sync::{AtomicU64, Mutex, MutexGuard, Ordering};
 
 /// Sizes and policies of a [`PoolResource`].
 ///
@@ -249,22 +250,14 @@ pub struct PoolResource<U: MemoryResource> {
     /// A stream of the pool's own, for the initial chunk and for returning chunks at drop.
     own: Stream,
     /// Growths giving whole chunks back upstream with the engine's `slow` let go: a request at
-    /// the maximum that finds nothing meanwhile waits (`give_back_ended`) for one to end before
-    /// it fails, since the room comes back at its end.
-    give_backs: Mutex<GiveBacks>,
-    give_back_ended: Condvar,
+    /// the maximum that finds nothing meanwhile waits for one to end before it fails, since the
+    /// room comes back at its end.
+    give_backs: GiveBacks,
 }
 
 /// A whole free chunk out of the lists: base, size, and the stream it was last freed on (none
 /// for memory never handed out), on which it goes back upstream.
 type TakenChunk = (u64, u64, Option<Stream>);
-
-/// Give-backs for growth under way, and ended (`PoolResource::give_backs`).
-#[derive(Default)]
-struct GiveBacks {
-    in_flight: u64,
-    ended: u64,
-}
 
 impl<U: MemoryResource> fmt::Debug for PoolResource<U> {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
@@ -309,8 +302,7 @@ impl<U: MemoryResource> PoolResource<U> {
         let waiters = MemoryWaiters::stacked_over(&upstream);
         let pool = Self {
             own,
-            give_backs: Mutex::new(GiveBacks::default()),
-            give_back_ended: Condvar::new(),
+            give_backs: GiveBacks::new(),
             device,
             upstream,
             heap: StreamHeap::with_options(options.reuse_slack, SHARDS)
@@ -605,10 +597,7 @@ impl<U: MemoryResource> PoolResource<U> {
     /// was no whole free chunk. Free memory spread over chunks too small for a request would
     /// otherwise keep it failing (and an `allocate_async` waiting), everything free or not.
     /// Under the engine's `slow`.
-    fn take_whole_chunks_for_growth(
-        &self,
-        min: u64,
-    ) -> Option<(GrowthClaim<'_, U>, Vec<TakenChunk>)> {
+    fn take_whole_chunks_for_growth(&self, min: u64) -> Option<(GrowthClaim<'_>, Vec<TakenChunk>)> {
         let whole = self.take_whole_chunks();
         if whole.is_empty() {
             return None;
@@ -618,15 +607,10 @@ impl<U: MemoryResource> PoolResource<U> {
             .maximum
             .saturating_sub(self.reserved.load(Ordering::Relaxed));
         let extra = min.saturating_sub(bytes).min(room);
-        self.reserved.fetch_add(extra, Ordering::AcqRel);
-        self.give_backs.lock().in_flight += 1;
-        Some((
-            GrowthClaim {
-                pool: self,
-                claimed: extra,
-            },
-            whole,
-        ))
+        // Room under the maximum comes back (and chunks perhaps back in the lists) when the
+        // claim goes: a request refused at the maximum meanwhile may fit then.
+        let claim = (self.give_backs).claim(&self.reserved, extra, Some(&self.waiters));
+        Some((claim, whole))
     }
 
     fn take_whole_chunks(&self) -> Vec<(u64, u64, Option<Stream>)> {
@@ -847,18 +831,7 @@ impl<U: MemoryResource> Grow for PoolResource<U> {
         slow: MutexGuard<'s, ()>,
         lock: &'s Mutex<()>,
     ) -> (MutexGuard<'s, ()>, bool) {
-        let mut give_backs = self.give_backs.lock();
-        if give_backs.in_flight == 0 {
-            return (slow, false);
-        }
-        let seen = give_backs.ended;
-        drop(slow);
-        let _span = tracing::debug_span!("wait_for_growth_give_back").entered();
-        while give_backs.ended == seen {
-            give_backs = self.give_back_ended.wait(give_backs);
-        }
-        drop(give_backs);
-        (lock.lock(), true)
+        self.give_backs.wait_for_one(slow, lock)
     }
 }
 
@@ -871,31 +844,6 @@ struct Unreserve<'a> {
 impl Drop for Unreserve<'_> {
     fn drop(&mut self) {
         self.reserved.fetch_sub(self.size, Ordering::AcqRel);
-    }
-}
-
-/// The room a growth giving whole chunks back upstream keeps from other growths while the
-/// engine's `slow` is let go: the rest of the room it needs, and the bytes of the chunks given
-/// back, still counted in `reserved` (and the give-back counted in `give_backs`). Dropped under
-/// `slow` once the growth took it again, right before it grows (or on unwinding): the room
-/// back, and the requests waiting for it told.
-struct GrowthClaim<'a, U: MemoryResource> {
-    pool: &'a PoolResource<U>,
-    claimed: u64,
-}
-
-impl<U: MemoryResource> Drop for GrowthClaim<'_, U> {
-    fn drop(&mut self) {
-        let pool = self.pool;
-        pool.reserved.fetch_sub(self.claimed, Ordering::AcqRel);
-        let mut give_backs = pool.give_backs.lock();
-        give_backs.in_flight -= 1;
-        give_backs.ended += 1;
-        drop(give_backs);
-        pool.give_back_ended.notify_all();
-        // Room under the maximum came back (and chunks perhaps back in the lists): a request
-        // refused at the maximum meanwhile may fit now.
-        pool.waiters.notify();
     }
 }
 

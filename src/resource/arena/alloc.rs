@@ -7,6 +7,7 @@ use super::stream_arena::{cache, LocalFree, Remote, StreamArena};
 use super::ArenaResource;
 use crate::device::DevicePtr;
 use crate::error::{Error, Result};
+use crate::resource::give_backs::GrowthClaim;
 use crate::resource::growth::step_within_free;
 use crate::resource::{MemoryResource, ALIGNMENT};
 use crate::stream::{Stream, StreamId};
@@ -587,10 +588,7 @@ impl<U: MemoryResource> ArenaResource<U> {
     /// room under the maximum plus what they hold is at least `min` (otherwise it would give
     /// memory away for nothing), and claims the rest of the room that `min` needs (added to
     /// `reserved` until the claim is dropped). Under `slow`.
-    fn take_whole_chunks_for_growth(
-        &self,
-        min: u64,
-    ) -> Option<(GrowthClaim<'_, U>, Vec<WholeChunk>)> {
+    fn take_whole_chunks_for_growth(&self, min: u64) -> Option<(GrowthClaim<'_>, Vec<WholeChunk>)> {
         let (chunks, extra) = {
             let mut global = self.global.lock();
             let room = self
@@ -610,15 +608,7 @@ impl<U: MemoryResource> ArenaResource<U> {
         if chunks.is_empty() {
             return None;
         }
-        self.reserved.fetch_add(extra, Ordering::AcqRel);
-        self.returning.lock().in_flight += 1;
-        Some((
-            GrowthClaim {
-                arena: self,
-                claimed: extra,
-            },
-            chunks,
-        ))
+        Some((self.give_backs.claim(&self.reserved, extra, None), chunks))
     }
 
     /// For a request at the maximum about to fail, holding `slow`: if requests are giving whole
@@ -629,20 +619,7 @@ impl<U: MemoryResource> ArenaResource<U> {
         &'s self,
         slow: MutexGuard<'s, ()>,
     ) -> (MutexGuard<'s, ()>, bool) {
-        // `in_flight` changes only under `slow`, which we hold: stable while we look.
-        let returning = self.returning.lock();
-        if returning.in_flight == 0 {
-            return (slow, false);
-        }
-        let seen = returning.ended;
-        drop(slow);
-        let _span = tracing::debug_span!("wait_for_growth_give_back").entered();
-        let mut returning = returning;
-        while returning.ended == seen {
-            returning = self.returned.wait(returning);
-        }
-        drop(returning);
-        (self.slow.lock(), true)
+        self.give_backs.wait_for_one(slow, &self.slow)
     }
 
     pub(super) fn out_of_memory(&self, requested: u64) -> Error {
@@ -745,27 +722,5 @@ impl<U: MemoryResource> ArenaResource<U> {
                 Err(e)
             }
         }
-    }
-}
-
-/// The room a request giving whole chunks back to grow keeps from other growths, with `slow`
-/// let go: the rest of the room it needs, and the bytes of the chunks given back, still counted
-/// in `reserved` (and the give-back counted in `returning`). Dropped under `slow` once it took
-/// it again, right before it grows (or on unwinding): the room back, and the requests waiting
-/// at the maximum told.
-struct GrowthClaim<'a, U: MemoryResource> {
-    arena: &'a ArenaResource<U>,
-    claimed: u64,
-}
-
-impl<U: MemoryResource> Drop for GrowthClaim<'_, U> {
-    fn drop(&mut self) {
-        let arena = self.arena;
-        arena.reserved.fetch_sub(self.claimed, Ordering::AcqRel);
-        let mut returning = arena.returning.lock();
-        returning.in_flight -= 1;
-        returning.ended += 1;
-        drop(returning);
-        arena.returned.notify_all();
     }
 }

@@ -129,6 +129,7 @@ use rustc_hash::FxHashMap;
 
 use self::global::{Global, Guards, WholeChunk};
 use self::stream_arena::{cache, StreamArena};
+use super::give_backs::GiveBacks;
 use super::held_for_trim::HeldForTrim;
 use super::waiters::MemoryWaiters;
 use super::{aligned_size, check_stream, MemoryKind, MemoryResource, ALIGNMENT};
@@ -136,7 +137,7 @@ use crate::device::{Device, DevicePtr};
 use crate::error::{Error, Result};
 use crate::stream::Stream;
 use crate::sync::plain::Arc as StdArc;
-use crate::sync::{Arc, AtomicU64, Condvar, Mutex, Ordering};
+use crate::sync::{Arc, AtomicU64, Mutex, Ordering};
 
 mod alloc;
 mod dump;
@@ -279,19 +280,9 @@ pub struct ArenaResource<U: MemoryResource> {
     held_for_trim: HeldForTrim<WholeChunk>,
     /// A stream of the arena's own, for the initial chunk and for returning chunks upstream.
     own: Stream,
-    /// Requests giving whole chunks back upstream to grow, with `slow` let go (the count), and
-    /// how many such give-backs have ended: a request at the maximum waits for one to end
-    /// (`returned`) before it fails, since the room comes back at its end.
-    returning: Mutex<Returning>,
-    /// Told when a give-back for growth ends.
-    returned: Condvar,
-}
-
-/// Give-backs for growth under way, and ended (`ArenaResource::returning`).
-#[derive(Debug, Default)]
-struct Returning {
-    in_flight: usize,
-    ended: u64,
+    /// Requests giving whole chunks back upstream to grow, with `slow` let go: a request at the
+    /// maximum waits for one to end before it fails, since the room comes back at its end.
+    give_backs: GiveBacks,
 }
 
 impl<U: MemoryResource> fmt::Debug for ArenaResource<U> {
@@ -374,8 +365,7 @@ impl<U: MemoryResource> ArenaResource<U> {
             next_ticket: AtomicU64::new(0),
             waiters,
             held_for_trim: HeldForTrim::new(),
-            returning: Mutex::new(Returning::default()),
-            returned: Condvar::new(),
+            give_backs: GiveBacks::new(),
         };
         if options.initial > 0 {
             let size = options.initial as u64;

@@ -1,0 +1,103 @@
+//! Growths that give wholly free chunks back upstream with the growth lock let go (the pool's
+//! and the arena's, at their maximum): over `CudaResource` each chunk is a `cuMemFree`, which
+//! waits for the whole device, and every other request that needs to grow would wait that long
+//! behind the lock. While the lock is let go, the growth keeps its room from other growths by a
+//! claim in the resource's `reserved` count ([`GrowthClaim`]), and a request that finds nothing
+//! at the maximum meanwhile waits for the give-back to end before it fails
+//! ([`GiveBacks::wait_for_one`]): the room comes back then.
+
+use super::waiters::MemoryWaiters;
+use crate::sync::{AtomicU64, Condvar, Mutex, MutexGuard, Ordering};
+
+/// The give-backs for growth of one resource: how many are under way, and how many ended.
+pub(crate) struct GiveBacks {
+    counts: Mutex<Counts>,
+    /// Told when one ends.
+    ended: Condvar,
+}
+
+#[derive(Default)]
+struct Counts {
+    in_flight: u64,
+    ended: u64,
+}
+
+impl GiveBacks {
+    pub(crate) fn new() -> Self {
+        Self {
+            counts: Mutex::new(Counts::default()),
+            ended: Condvar::new(),
+        }
+    }
+
+    /// A growth about to give chunks back with the growth lock let go (called under it):
+    /// `claimed` bytes of room added to `reserved` until the claim is dropped, and the
+    /// give-back counted as under way. When dropped the claim also notifies `waiters`, if any.
+    pub(crate) fn claim<'a>(
+        &'a self,
+        reserved: &'a AtomicU64,
+        claimed: u64,
+        waiters: Option<&'a MemoryWaiters>,
+    ) -> GrowthClaim<'a> {
+        reserved.fetch_add(claimed, Ordering::AcqRel);
+        self.counts.lock().in_flight += 1;
+        GrowthClaim {
+            give_backs: self,
+            reserved,
+            claimed,
+            waiters,
+        }
+    }
+
+    /// For a request about to fail for want of memory, holding the growth lock (`slow`, of
+    /// `lock`): if growths are giving chunks back with the lock let go, waits for one of them to
+    /// end (the room, and what its growth leaves free, come back then), with the lock let go,
+    /// and takes it again. Whether it waited: the request should look, and grow, once more.
+    pub(crate) fn wait_for_one<'s>(
+        &self,
+        slow: MutexGuard<'s, ()>,
+        lock: &'s Mutex<()>,
+    ) -> (MutexGuard<'s, ()>, bool) {
+        // `in_flight` grows only under the growth lock, which the caller holds: a give-back
+        // begun before this look is counted, and one that ends meanwhile bumps `ended`.
+        let mut counts = self.counts.lock();
+        if counts.in_flight == 0 {
+            return (slow, false);
+        }
+        let seen = counts.ended;
+        drop(slow);
+        let _span = tracing::debug_span!("wait_for_growth_give_back").entered();
+        while counts.ended == seen {
+            counts = self.ended.wait(counts);
+        }
+        drop(counts);
+        (lock.lock(), true)
+    }
+}
+
+/// The room a growth giving whole chunks back keeps from other growths while the growth lock
+/// is let go: the rest of the room it needs, and (added by the growth as they go) the bytes of
+/// the chunks given back, still counted in `reserved`. Dropped under the growth lock once the
+/// growth took it again, right before it grows (or on unwinding): the room back, the requests
+/// waiting at [`GiveBacks::wait_for_one`] told, and the resource's waiters, if given, notified.
+pub(crate) struct GrowthClaim<'a> {
+    give_backs: &'a GiveBacks,
+    reserved: &'a AtomicU64,
+    /// Bytes it holds in `reserved`.
+    pub(crate) claimed: u64,
+    waiters: Option<&'a MemoryWaiters>,
+}
+
+impl Drop for GrowthClaim<'_> {
+    fn drop(&mut self) {
+        self.reserved.fetch_sub(self.claimed, Ordering::AcqRel);
+        let mut counts = self.give_backs.counts.lock();
+        counts.in_flight -= 1;
+        counts.ended += 1;
+        drop(counts);
+        self.give_backs.ended.notify_all();
+        if let Some(waiters) = self.waiters {
+            waiters.notify();
+        }
+    }
+}
