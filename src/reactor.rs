@@ -397,13 +397,28 @@ fn blocking_name(name: &str) -> String {
 /// A threadless reactor's `watch` ([`Reactor::threadless`]): asks the event once and completes
 /// it. One that is not done yet (none of an inline device's) cannot be polled by anyone: it is
 /// logged at error level and dropped, and its waiters wait on (a hang, never a free too early).
+/// A query that panics is caught, as the reactor's thread catches it (`poll_heads`), and the
+/// event is settled in place the way the blocking-work thread settles it there
+/// ([`settle_after_panic`]): the panic would otherwise unwind into whoever handed the event
+/// over (a buffer's drop recording its last use), and the event's deferred frees would never
+/// run.
 fn watch_in_place(event: Watched) {
     let id = Some((event.stream_id(), event.seq()));
-    match event.query() {
-        Some(result) => {
+    let asked = crate::completion::catch_unwind(|| event.query());
+    match asked {
+        Ok(Some(result)) => {
             event.completion().complete_for(result, id);
         }
-        None => tracing::error!(
+        Err(payload) => {
+            tracing::error!(
+                stream = event.stream_id(),
+                seq = event.seq(),
+                panic = crate::completion::panic_message(&*payload),
+                "an event's query panicked on a reactor with no thread; waiting for it in place"
+            );
+            settle_after_panic(event);
+        }
+        Ok(None) => tracing::error!(
             stream = event.stream_id(),
             seq = event.seq(),
             "an event not yet complete was handed to a device's reactor that has no thread (the \

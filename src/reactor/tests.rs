@@ -512,6 +512,40 @@ fn a_threadless_reactor_completes_what_it_is_handed() {
     rx.recv().expect("the blocking work never ran");
 }
 
+/// A threadless reactor handed an event whose query panics: the panic stays in the reactor
+/// (it used to unwind into the caller of `watch`), and the event is settled in place by its
+/// blocking wait: its deferred free runs and its task wakes with the result.
+#[test]
+fn a_threadless_reactor_catches_a_panicking_query_and_waits_in_place() {
+    let reactor = Reactor::threadless("sa-reactor-test-threadless-panic".into());
+    let event = Arc::new(PanickingQuery {
+        stream: 43,
+        completion: Completion::new(),
+        wait_panics: false,
+    });
+    let freed = std::sync::Arc::new(AtomicUsize::new(0));
+    let theirs = freed.clone();
+    let _ = event.completion.register_callback(Box::new(move |result| {
+        assert_eq!(*result, Ok(()));
+        theirs.fetch_add(1, SeqCst);
+    }));
+    let counter = std::sync::Arc::new(Counting(AtomicUsize::new(0)));
+    let mut key = None;
+    let _ = event
+        .completion
+        .register_waker(&mut key, &Waker::from(counter.clone()));
+    let watched = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
+        reactor.watch(event.clone())
+    }));
+    assert!(
+        watched.is_ok(),
+        "the query's panic reached the caller of watch"
+    );
+    assert_eq!(event.completion.result(), Some(Ok(())));
+    assert_eq!(freed.load(SeqCst), 1, "the deferred free never ran");
+    assert_eq!(counter.0.load(SeqCst), 1, "its task was not woken");
+}
+
 /// An event whose query panics (a bug in a device's query path); its blocking wait says the
 /// GPU reached it, or with `wait_panics` panics too.
 struct PanickingQuery {
