@@ -82,13 +82,24 @@ impl SimStream {
             stream: stream.clone(),
             exec,
         };
-        thread::Builder::new()
-            .name(format!("sa-sim-{id}"))
-            .spawn(move || worker.run())
-            .map_err(|e| {
-                tracing::error!(error = %e, stream = id, "the OS could not start a simulated stream's worker thread");
-                Error::io("starting a simulated stream's worker thread (sa-sim-N)", &e)
-            })?;
+        let spawned = match refuse_worker() {
+            Some(refused) => Err(refused),
+            None => thread::Builder::new()
+                .name(format!("sa-sim-{id}"))
+                .spawn(move || worker.run())
+                .map(drop),
+        };
+        if let Err(e) = spawned {
+            tracing::error!(error = %e, stream = id, "the OS could not start a simulated stream's worker thread");
+            // The stream is never handed out, so nothing will close it: its clock in the race
+            // detector (a word for every stream made before it) would stay for the device's
+            // life.
+            stream.close();
+            return Err(Error::io(
+                "starting a simulated stream's worker thread (sa-sim-N)",
+                &e,
+            ));
+        }
         Ok(stream)
     }
 
@@ -233,6 +244,28 @@ impl SimStream {
     }
 }
 
+#[cfg(all(test, not(streamalloc_loom)))]
+thread_local! {
+    /// Set by a test: the next worker this thread starts is refused, as by an OS out of
+    /// threads.
+    static REFUSE_WORKER: std::cell::Cell<bool> = const { std::cell::Cell::new(false) };
+}
+
+/// The refusal a test asked for ([`REFUSE_WORKER`]), once.
+#[cfg(all(test, not(streamalloc_loom)))]
+fn refuse_worker() -> Option<std::io::Error> {
+    REFUSE_WORKER
+        .with(|refuse| refuse.replace(false))
+        .then(|| std::io::Error::new(std::io::ErrorKind::WouldBlock, "refused by a test"))
+}
+
+/// The OS alone refuses a worker outside tests.
+#[cfg(not(all(test, not(streamalloc_loom))))]
+#[inline]
+fn refuse_worker() -> Option<std::io::Error> {
+    None
+}
+
 /// A stream's worker thread.
 struct Worker {
     stream: Arc<SimStream>,
@@ -342,5 +375,37 @@ impl Executor {
             tracing::warn!(error = %e, "simulated stream operation failed; the stream is poisoned");
             self.error.get_or_insert(e);
         }
+    }
+}
+
+#[cfg(all(test, not(streamalloc_loom)))]
+mod tests {
+    use super::*;
+    use crate::device::sim::detector::Detector;
+    use crate::device::sim::RaceDetection;
+
+    /// A stream whose worker the OS refused is closed in the race detector: its clock used to
+    /// stay there for the device's life, as if the stream were still open.
+    #[test]
+    fn a_refused_worker_leaves_no_open_stream_in_the_detector() {
+        let detector = PlainArc::new(Detector::new(RaceDetection::Record));
+        let memory = PlainArc::new(SimMemory::new(1 << 20));
+        let config = SimConfig::default();
+        REFUSE_WORKER.with(|refuse| refuse.set(true));
+        let refused = SimStream::start(StreamId::next(), memory.clone(), &config, Some(&detector));
+        assert!(
+            matches!(refused, Err(Error::Io { .. })),
+            "the refusal is not an Error::Io"
+        );
+        assert_eq!(
+            detector.open_streams(),
+            0,
+            "the refused stream is still open"
+        );
+        let started =
+            SimStream::start(StreamId::next(), memory, &config, Some(&detector)).expect("a stream");
+        assert_eq!(detector.open_streams(), 1);
+        started.close();
+        assert_eq!(detector.open_streams(), 0);
     }
 }

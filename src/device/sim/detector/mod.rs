@@ -317,6 +317,17 @@ impl Detector {
         s.foreign = Vec::new();
     }
 
+    /// How many streams are open (made and not closed; not the host's clock, which has no
+    /// stream id): a test's view.
+    #[cfg(all(test, not(streamalloc_loom)))]
+    pub(crate) fn open_streams(&self) -> usize {
+        let st = self.lock();
+        st.streams
+            .iter()
+            .filter(|s| s.id.is_some() && !s.clock.is_empty())
+            .count()
+    }
+
     /// The races found so far.
     pub(crate) fn races(&self) -> Vec<Race> {
         self.lock().races.clone()
