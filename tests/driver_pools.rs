@@ -18,6 +18,7 @@ use common::{devices, label, primed_async_pool};
 use std::future::Future;
 use std::sync::atomic::Ordering;
 use std::task::{Context, Poll};
+use streamalloc::resource::adaptor::LimitingAdaptor;
 use streamalloc::resource::arena::{ArenaOptions, ArenaResource};
 use streamalloc::resource::cuda::CudaResource;
 use streamalloc::resource::cuda_async::CudaAsyncOptions;
@@ -524,4 +525,71 @@ fn cuda_async_a_free_through_one_view_wakes_a_waiter_of_another() {
         .expect("a free through one view did not wake the other's waiter");
     assert!(started.elapsed() < std::time::Duration::from_secs(5));
     give_back((&b, got, &other), (&a, blocks, &s));
+}
+
+/// A limiting adaptor over the driver pool, its limit above the device: a request the driver
+/// refuses waits in the adaptor's queue, not the pool's. A free through the adaptor on a busy
+/// stream (here a 300 ms spin before it), issued before the request waits or while it does,
+/// must wake it when the GPU reaches the free, as it wakes the pool's own waiters. Before the
+/// fix the pool neither counted the adaptor's waiters when a free was issued (no event for
+/// them) nor heard of their arrival (no event behind the frees issued before it): the
+/// request's try at the free's first wake was refused, and it slept until its deadline (10 s
+/// here: it timed out).
+#[test]
+fn cuda_async_under_a_limit_a_waiter_is_woken_when_the_gpu_reaches_a_free() {
+    for free_first in [true, false] {
+        let device = Device::simulated(SimConfig {
+            total_memory: 64 * MIB,
+            ..SimConfig::default()
+        });
+        let pool = std::sync::Arc::new(
+            CudaAsyncResource::new(&device, CudaAsyncOptions::default()).unwrap(),
+        );
+        let limited = LimitingAdaptor::new(pool.clone(), GIB);
+        let s = device.create_stream().unwrap();
+        let other = device.create_stream().unwrap();
+        let mut blocks = Vec::new();
+        let refused = loop {
+            match limited.allocate(8 * MIB, &s) {
+                Ok(ptr) => blocks.push(ptr),
+                Err(e) => break e,
+            }
+        };
+        assert!(refused.is_out_of_memory(), "{refused:?}");
+        s.spin(std::time::Duration::from_millis(300)).unwrap();
+        let last = blocks.pop().unwrap();
+        let free = || {
+            // SAFETY: allocated above with 8 MiB on `s`, unused, freed once.
+            unsafe { limited.deallocate(last, 8 * MIB, &s) }.unwrap();
+        };
+        if free_first {
+            free();
+        }
+        // Another stream, so the memory is reusable only once `s` reaches the free.
+        let (_flag, waker) = flag();
+        let mut cx = Context::from_waker(&waker);
+        let mut wait = Box::pin(
+            limited
+                .allocate_async(8 * MIB, &other)
+                .timeout(std::time::Duration::from_secs(10)),
+        );
+        assert!(wait.as_mut().poll(&mut cx).is_pending(), "did not wait");
+        if !free_first {
+            free();
+        }
+        let got = common::runtime().block_on(wait).unwrap_or_else(|e| {
+            panic!("the waiter slept through a free (issued first: {free_first}): {e}")
+        });
+        // SAFETY: `got` was allocated with 8 MiB on `other`, the blocks with 8 MiB on `s`; all
+        // unused, each freed once.
+        unsafe {
+            limited.deallocate(got, 8 * MIB, &other).unwrap();
+            for ptr in blocks {
+                limited.deallocate(ptr, 8 * MIB, &s).unwrap();
+            }
+        }
+        s.synchronize_blocking().unwrap();
+        other.synchronize_blocking().unwrap();
+        assert!(limited.memory_waiters().unwrap().is_empty());
+    }
 }

@@ -210,7 +210,7 @@ impl PoolWaiters {
 
     fn join(this: &StdArc<Self>, queue: &StdArc<MemoryWaiters>) {
         let weak = StdArc::downgrade(this);
-        queue.on_arrival(Box::new(move || {
+        queue.on_arrival(StdArc::new(move || {
             if let Some(shared) = weak.upgrade() {
                 PoolWaiters::arrived(&shared);
             }
@@ -708,9 +708,11 @@ impl CudaAsyncResource {
         if planted!(NOTE_AFTER) {
             self.shared.note_free(stream);
         }
-        let mut someone = !self.waiters.is_empty() && !self.waiters.is_quiet();
+        // Waiters of the queues stacked above count (a limiting adaptor's, refused here): their
+        // request's try after the first wake above is refused as much as one of ours.
+        let mut someone = !self.waiters.is_quiet() && self.waiters.waits_here_or_above();
         self.shared
-            .others(&self.waiters, |q| someone |= !q.is_empty());
+            .others(&self.waiters, |q| someone |= q.waits_here_or_above());
         if someone {
             PoolWaiters::wake_after(&self.shared, stream);
         }

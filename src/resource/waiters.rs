@@ -97,8 +97,11 @@ pub struct MemoryWaiters {
     /// Run after each [`register`](Self::register), past its fence, outside the lock: set by
     /// a resource that must act when a request starts waiting (`CudaAsyncResource` records
     /// events behind the frees issued while nobody waited, so that the GPU reaching them
-    /// wakes this request). Set once, before the queue is shared.
-    arrival: crate::sync::plain::OnceLock<Box<dyn Fn() + Send + Sync>>,
+    /// wakes this request). Set once, before the queue is shared. A queue stacked over one
+    /// with a hook ([`stacked_over`](Self::stacked_over)) runs that hook too: its requests
+    /// wait for the memory below as much as that queue's own do (a limiting adaptor over a
+    /// `CudaAsyncResource` refused by the driver).
+    arrival: crate::sync::plain::OnceLock<StdArc<dyn Fn() + Send + Sync>>,
 }
 
 /// What waiting for memory has cost a resource.
@@ -152,7 +155,7 @@ impl MemoryWaiters {
 
     /// Runs `hook` after every registration from now on (see the field `arrival`); a second
     /// hook is ignored. The hook may notify this queue, and must not register in it.
-    pub(crate) fn on_arrival(&self, hook: Box<dyn Fn() + Send + Sync>) {
+    pub(crate) fn on_arrival(&self, hook: StdArc<dyn Fn() + Send + Sync>) {
         let _ = self.arrival.set(hook);
     }
 
@@ -188,6 +191,12 @@ impl MemoryWaiters {
         let queue = StdArc::new(MemoryWaiters::new());
         if let Some(below) = upstream.memory_waiters() {
             below.relay_to(&queue);
+            // A request refused below and waiting here must start what a request arriving
+            // below would (see the field `arrival`): without it, a free issued below while
+            // nobody waited there never woke this queue once the GPU reached it.
+            if let Some(hook) = below.arrival.get().filter(|_| !planted!(HOOK_NOT_STACKED)) {
+                queue.on_arrival(hook.clone());
+            }
         }
         queue
     }
@@ -324,6 +333,21 @@ impl MemoryWaiters {
         self.len.load(Ordering::Acquire) == 0
     }
 
+    /// Whether anyone waits here or in a queue this one relays to, transitively (see
+    /// [`relay_to`](Self::relay_to)): a request there can be refused by this queue's resource,
+    /// and so waits for its memory too.
+    pub(crate) fn waits_here_or_above(&self) -> bool {
+        if !self.is_empty() {
+            return true;
+        }
+        if !self.has_relays.load(std::sync::atomic::Ordering::Acquire) {
+            return false;
+        }
+        // A snapshot, as `notify_relays` takes: no lock held while the queues above are read.
+        let relays = StdArc::clone(&self.relays.read().unwrap_or_else(|e| e.into_inner()));
+        relays.iter().any(|above| above.waits_here_or_above())
+    }
+
     /// What waiting has cost so far.
     pub fn stats(&self) -> WaitStats {
         WaitStats {
@@ -441,6 +465,9 @@ pub(crate) mod planted {
     /// `register` and `notify` without their SeqCst fences: the waiter's retry and the free's
     /// `len` load can each miss the other's write (store buffering).
     pub(crate) static NO_FENCES: AtomicBool = AtomicBool::new(false);
+    /// `stacked_over` does not pass the arrival hook of the queue below to the new queue: a
+    /// request waiting above never starts what one arriving below would.
+    pub(crate) static HOOK_NOT_STACKED: AtomicBool = AtomicBool::new(false);
 }
 
 #[cfg(all(test, not(streamalloc_loom)))]
