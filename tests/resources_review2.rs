@@ -74,3 +74,31 @@ fn binning_snapshot_counts_a_resource_given_twice_once() {
     let snapshot = mr.snapshot();
     assert_eq!(snapshot.reserved, 6 * MIB as u64, "{snapshot:?}");
 }
+
+/// "A later bin of the same size replaces an earlier one" (`add_bin`), whether either bin is
+/// given or fixed-size: a fixed-size bin's size is rounded up to 256, and the replacement
+/// compared the rounded size with the given bin's size as asked, so both bins stayed and the
+/// earlier one kept serving the smaller requests.
+#[test]
+fn binning_a_later_bin_of_the_same_size_replaces_an_earlier_one() {
+    let device = sim();
+    let other = shared_pool(&device, MIB);
+    let fixed_later = BinningResource::builder(pool(&device, MIB, MIB))
+        .add_bin(1000, Some(other.clone()))
+        .add_bin(1000, None)
+        .build()
+        .unwrap();
+    assert_eq!(fixed_later.bin_sizes(), vec![1024]);
+    let given_later = BinningResource::builder(pool(&device, MIB, MIB))
+        .add_bin(1000, None)
+        .add_bin(1000, Some(other.clone()))
+        .build()
+        .unwrap();
+    assert_eq!(given_later.bin_sizes(), vec![1000]);
+    // The request goes to the bin given last: `other`.
+    let s = device.create_stream().unwrap();
+    let p = given_later.allocate(1000, &s).unwrap();
+    let held = other.memory_snapshot().unwrap();
+    assert_eq!(held.count(streamalloc::resource::BlockState::InUse), 1);
+    free(&given_later, p, 1000, &s);
+}

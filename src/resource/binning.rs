@@ -170,7 +170,8 @@ impl<U: MemoryResource> BinningBuilder<U> {
 
     /// A bin for requests of at most `size` bytes (and more than the next smaller bin's), served
     /// by `resource`, or, with `None`, by a [`FixedSizeResource`] of `size` bytes (rounded up to
-    /// 256) over the upstream. A later bin of the same size replaces an earlier one. An error at
+    /// 256) over the upstream. A later bin of the same size (as asked, or as rounded up for a
+    /// fixed-size bin) replaces an earlier one, whichever serves each. An error at
     /// [`build`](Self::build) for a zero size, or a resource of another device or of another
     /// [`MemoryKind`] than the upstream.
     pub fn add_bin(mut self, size: usize, resource: impl Into<Option<ResourceRef>>) -> Self {
@@ -216,7 +217,8 @@ impl<U: MemoryResource> BinningBuilder<U> {
                 });
             }
         }
-        let mut bins: Vec<Bin<U>> = Vec::with_capacity(self.bins.len());
+        // Each bin with its size as asked (a fixed-size bin's own is rounded up to 256).
+        let mut bins: Vec<(usize, Bin<U>)> = Vec::with_capacity(self.bins.len());
         for (size, given) in self.bins {
             if size == 0 {
                 return Err(Error::InvalidSize {
@@ -247,10 +249,13 @@ impl<U: MemoryResource> BinningBuilder<U> {
                     )?)),
                 },
             };
-            // A later bin of the same size replaces an earlier one.
-            bins.retain(|b| b.size != bin.size);
-            bins.push(bin);
+            // A later bin of the same size replaces an earlier one: the same size as asked, or
+            // as served. (Comparing the served sizes alone kept a given bin of 1000 bytes beside
+            // a fixed-size bin asked for 1000, rounded to 1024: a review's finding.)
+            bins.retain(|(asked, b)| *asked != size && b.size != bin.size);
+            bins.push((size, bin));
         }
+        let mut bins: Vec<Bin<U>> = bins.into_iter().map(|(_, b)| b).collect();
         bins.sort_by_key(|b| b.size);
         let fallback = self.fallback.map_or(Fallback::Upstream, Fallback::Given);
         // After the last step that can fail (the drop of the resource undoes it): memory that
