@@ -685,7 +685,7 @@ impl<S: EngineStream, B: Backing> Expander<S, B> {
         if reserved + size > self.maximum {
             return Err(self.out_of_memory(requested));
         }
-        self.backing.map(first, count)?;
+        (self.backing.map(first, count)).map_err(|e| self.device_out_of_memory(requested, e))?;
         for index in first..first + count {
             table.set(&self.bits, index, true);
         }
@@ -706,6 +706,31 @@ impl<S: EngineStream, B: Backing> Expander<S, B> {
             requested: requested as usize,
             available: room.max(self.heap.largest_free_block()) as usize,
             maximum: self.maximum as usize,
+        }
+    }
+
+    /// The error of a request of `requested` bytes whose mapping the device refused with
+    /// `device`: its out-of-memory in the request's numbers, as [`out_of_memory`]'s (and the
+    /// pool's over an upstream that runs out), bounded by the device's; any other error as it
+    /// is. The device's own numbers are the mapping's: `requested` only what the growth lacked
+    /// beyond the free block it extends, with the device's memory as the maximum, so a request
+    /// larger than the device (within a reservation, and so a maximum, larger than it) looked
+    /// curable, and `allocate_async` waited for ever (a review's finding:
+    /// `tests/expandable_review2.rs`).
+    ///
+    /// [`out_of_memory`]: Self::out_of_memory
+    fn device_out_of_memory(&self, requested: u64, device: Error) -> Error {
+        let Error::OutOfMemory {
+            available, maximum, ..
+        } = device
+        else {
+            return device;
+        };
+        let room = (self.maximum.saturating_sub(self.reserved())).min(available as u64);
+        Error::OutOfMemory {
+            requested: requested as usize,
+            available: room.max(self.heap.largest_free_block()) as usize,
+            maximum: (self.maximum as usize).min(maximum),
         }
     }
 
