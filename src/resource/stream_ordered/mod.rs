@@ -1061,7 +1061,12 @@ impl<S: EngineStream> StreamHeap<S> {
         // lacks beyond the free block at its end) can come back to find that block taken
         // meanwhile (requests served from the free list do not take `slow`): then it grows
         // again, extending what it mapped. A few tries; a plain upstream serves the first.
-        for _ in 0..4 {
+        // Each try grows only after the one before failed, so that every chunk grown is added
+        // below (growing after the last try dropped that chunk: upstream memory in no list).
+        for tries in 0..4 {
+            if tries > 0 {
+                grown = upstream.grow(size, stream)?;
+            }
             let (base, chunk) = grown;
             self.add_chunk_to(home, base, chunk);
             let Some(shard) = self.shard_of(base, chunk) else {
@@ -1072,7 +1077,6 @@ impl<S: EngineStream> StreamHeap<S> {
             if let Some(addr) = self.take_free(shard, Some((base, chunk)), size, stream, true)? {
                 return Ok(addr);
             }
-            grown = upstream.grow(size, stream)?;
         }
         Err(Error::InvalidArgument {
             what: "the upstream gave a chunk smaller than asked for",
@@ -1130,4 +1134,50 @@ fn covered<S: EngineStream>(entries: &[Option<Entry<S>>], slot: u32, tag: &Waits
                     .and_then(Option::as_ref)
                     .is_some_and(|e| e.done > at)
         })
+}
+
+#[cfg(all(test, not(streamalloc_loom)))]
+mod review_tests {
+    use std::sync::atomic::{AtomicU64 as StdU64, Ordering::SeqCst};
+
+    use super::*;
+    use crate::{Device, SimConfig};
+
+    /// An upstream whose every chunk is half of what is asked: as an upstream that extends the
+    /// free block at its end (the expandable pool) gives, when that block was taken meanwhile.
+    struct Short {
+        next: StdU64,
+        grown: StdU64,
+    }
+
+    impl Grow for Short {
+        fn grow(&self, min: u64, _: &Stream) -> Result<(u64, u64)> {
+            self.grown.fetch_add(min / 2, SeqCst);
+            Ok((self.next.fetch_add(min, SeqCst), min / 2))
+        }
+    }
+
+    /// A request that the upstream's chunks never serve fails after a few tries; every chunk
+    /// grown for it must be in the engine, free. The last try grew a chunk and dropped it: the
+    /// upstream's memory, held by nobody's list (the expandable pool's mapped granules, a hole
+    /// for good).
+    #[test]
+    fn a_growth_that_never_fits_keeps_every_chunk_it_grew() {
+        const B: u64 = 1 << 20;
+        let device = Device::simulated(SimConfig::default());
+        let stream = device.create_stream().unwrap();
+        let heap: StreamHeap = StreamHeap::with_options(0.0, 1);
+        let short = Short {
+            next: StdU64::new(0x1000_0000),
+            grown: StdU64::new(0),
+        };
+        match heap.take(2 * B, &stream, &short) {
+            Err(Error::InvalidArgument { .. }) => {}
+            r => panic!("{r:?}"),
+        }
+        let grown = short.grown.load(SeqCst);
+        assert!(grown > 0);
+        assert_eq!(heap.stats().free_bytes, grown, "a grown chunk was lost");
+        heap.check().unwrap();
+    }
 }
