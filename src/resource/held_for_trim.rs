@@ -135,6 +135,13 @@ impl<T: Clone> HeldForTrim<T> {
         self.inner.lock().epoch += 1;
     }
 
+    /// Whether this list's lock is held now (by any thread): for tests that check what runs
+    /// under it.
+    #[cfg(test)]
+    pub(crate) fn is_locked(&self) -> bool {
+        self.inner.try_lock().is_none()
+    }
+
     /// How many times trims have put memory back in the lists or given it back: a request reads
     /// it before its last look, and a recall that finds nothing held but a new epoch tells it
     /// to look (and grow) again.

@@ -579,15 +579,24 @@ impl<U: MemoryResource> PoolResource<U> {
     /// Whole chunks taken out for release go back, as freed on the stream they must wait for.
     /// Waiters are told: a request may have failed while they were out.
     fn put_back(&self, taken: &[(u64, u64, Option<Stream>)]) {
+        if self.put_back_quietly(taken) {
+            self.waiters.notify();
+        }
+    }
+
+    /// [`put_back`](Self::put_back) without telling the waiters: whether they should be told
+    /// (something went back). For the callers that put back under the trims' lock
+    /// (`held_for_trim`), who tell them once it is let go: a waker is the executor's code, which
+    /// may poll its task at once, and a task that asks this pool for memory on the slow path
+    /// takes that lock (a review found waiters of a pool stacked over this one woken under it).
+    fn put_back_quietly(&self, taken: &[(u64, u64, Option<Stream>)]) -> bool {
         for (base, size, stream) in taken {
             match stream {
                 Some(stream) => self.heap.give_blocks_to(&[(*base, *size)], stream),
                 None => self.heap.give_back_fresh_chunk(*base, *size),
             }
         }
-        if !taken.is_empty() {
-            self.waiters.notify();
-        }
+        !taken.is_empty()
     }
 
     /// For a growth of `min` bytes that found no room (at the maximum, or the upstream out of
@@ -985,6 +994,7 @@ impl<'a, U: MemoryResource> TakenForTrim<'a, U> {
         }
         let pool = self.pool;
         let mut bytes = 0;
+        let mut tell = false;
         let chunks = (pool.held_for_trim).put_back_some(
             ticket,
             |(_, size, stream)| {
@@ -994,8 +1004,12 @@ impl<'a, U: MemoryResource> TakenForTrim<'a, U> {
                 }
                 stays
             },
-            |chunks| pool.put_back(&chunks),
+            |chunks| tell = pool.put_back_quietly(&chunks),
         );
+        // The waiters told once the trims' lock is let go (see `put_back_quietly`).
+        if tell {
+            pool.waiters.notify();
+        }
         if chunks > 0 {
             tracing::debug!(
                 chunks,
@@ -1023,7 +1037,113 @@ impl<U: MemoryResource> Drop for TakenForTrim<'_, U> {
     fn drop(&mut self) {
         if let Some(ticket) = self.ticket.take() {
             let pool = self.pool;
-            (pool.held_for_trim).put_back(ticket, |chunks| pool.put_back(&chunks));
+            let mut tell = false;
+            (pool.held_for_trim).put_back(ticket, |chunks| tell = pool.put_back_quietly(&chunks));
+            // The waiters told once the trims' lock is let go (see `put_back_quietly`).
+            if tell {
+                pool.waiters.notify();
+            }
         }
+    }
+}
+
+#[cfg(all(test, not(streamalloc_loom)))]
+mod review_tests {
+    use std::future::Future;
+    use std::pin::pin;
+    use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering::SeqCst};
+    use std::sync::Arc;
+    use std::task::{Context, Poll, Wake, Waker};
+    use std::time::Duration;
+
+    use super::*;
+    use crate::resource::cuda::CudaResource;
+    use crate::{AllocateAsync, SimConfig};
+
+    const MIB: usize = 1 << 20;
+
+    /// A waker that notes whether the inner pool's list of memory held for trims was locked
+    /// when it ran: a waker is the executor's code, free to poll the task at once (a task that
+    /// then asks the inner pool for memory on the slow path reads that list: a self-deadlock).
+    struct Probe {
+        inner: Arc<PoolResource<CudaResource>>,
+        wakes: AtomicUsize,
+        under_lock: AtomicBool,
+    }
+
+    impl Wake for Probe {
+        fn wake(self: Arc<Self>) {
+            self.wake_by_ref();
+        }
+
+        fn wake_by_ref(self: &Arc<Self>) {
+            self.wakes.fetch_add(1, SeqCst);
+            if self.inner.held_for_trim.is_locked() {
+                self.under_lock.store(true, SeqCst);
+            }
+        }
+    }
+
+    struct Noop;
+
+    impl Wake for Noop {
+        fn wake(self: Arc<Self>) {}
+    }
+
+    /// A trim dropped while it waits puts its chunks back and tells the waiters, the queues
+    /// stacked over the pool's included. It told them with the trims' list locked, so the
+    /// waker of a task waiting on an outer pool ran under the inner pool's lock.
+    #[test]
+    fn a_cancelled_trim_wakes_no_waiter_under_its_lock() {
+        let device = Device::simulated(SimConfig::default());
+        let options = |maximum| PoolOptions {
+            initial: 0,
+            maximum: Some(maximum),
+            small_block_cache: 0,
+            ..PoolOptions::default()
+        };
+        let inner =
+            Arc::new(PoolResource::new(CudaResource::new(&device), options(8 * MIB)).unwrap());
+        let (d, s) = (
+            device.create_stream().unwrap(),
+            device.create_stream().unwrap(),
+        );
+        // A whole free chunk last used on a busy stream: the trim takes it and waits.
+        let x = inner.allocate(2 * MIB, &d).unwrap();
+        d.spin(Duration::from_millis(1500)).unwrap();
+        // SAFETY: handed out above on `d`, freed on `d`.
+        unsafe { inner.deallocate(x, 2 * MIB, &d) }.unwrap();
+        let noop = Waker::from(Arc::new(Noop));
+        let mut trim = Box::pin(inner.trim());
+        assert!(trim
+            .as_mut()
+            .poll(&mut Context::from_waker(&noop))
+            .is_pending());
+        // An outer pool at its maximum, with a task waiting for memory there.
+        let outer = PoolResource::new(inner.clone(), options(2 * MIB)).unwrap();
+        let y = outer.allocate(2 * MIB, &s).unwrap();
+        let probe = Arc::new(Probe {
+            inner: inner.clone(),
+            wakes: AtomicUsize::new(0),
+            under_lock: AtomicBool::new(false),
+        });
+        let waker = Waker::from(probe.clone());
+        let mut wait = pin!(outer.allocate_async(2 * MIB, &s));
+        assert!(matches!(
+            wait.as_mut().poll(&mut Context::from_waker(&waker)),
+            Poll::Pending
+        ));
+        // The trim cancelled: its chunk goes back, and the waiters are told.
+        drop(trim);
+        assert!(probe.wakes.load(SeqCst) > 0, "the waiter was not told");
+        assert!(
+            !probe.under_lock.load(SeqCst),
+            "a waker ran under the trims' lock"
+        );
+        drop(wait);
+        // SAFETY: handed out above on `s`, freed on `s`.
+        unsafe { outer.deallocate(y, 2 * MIB, &s) }.unwrap();
+        d.synchronize_blocking().unwrap();
+        s.synchronize_blocking().unwrap();
     }
 }
