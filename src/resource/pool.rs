@@ -17,7 +17,7 @@ use crate::device::{Device, DevicePtr};
 use crate::error::{Error, Result};
 use crate::stream::{Stream, StreamId};
 use crate::sync::plain::Arc as StdArc;
-use crate::sync::{AtomicU64, Mutex, MutexGuard, Ordering};
+use crate::sync::{AtomicBool, AtomicU64, Mutex, MutexGuard, Ordering};
 
 /// Sizes and policies of a [`PoolResource`].
 ///
@@ -253,6 +253,14 @@ pub struct PoolResource<U: MemoryResource> {
     /// the maximum that finds nothing meanwhile waits for one to end before it fails, since the
     /// room comes back at its end.
     give_backs: GiveBacks,
+    /// Set where waiters must be told of memory back in the lists or room back under the
+    /// maximum, found with the engine's `slow` held (a recall from the trims, a growth's
+    /// give-back ending): [`allocate`](MemoryResource::allocate) tells them once the request
+    /// is over and holds no lock. A waker is the executor's code, which may poll its task at
+    /// once; a task that then asks this pool for memory on the slow path would wait for ever
+    /// on `slow`, held by its own thread (a review found the waiters of a pool stacked over
+    /// this one woken under it).
+    tell_waiters: AtomicBool,
 }
 
 /// A whole free chunk out of the lists: base, size, and the stream it was last freed on (none
@@ -303,6 +311,7 @@ impl<U: MemoryResource> PoolResource<U> {
         let pool = Self {
             own,
             give_backs: GiveBacks::new(),
+            tell_waiters: AtomicBool::new(false),
             device,
             upstream,
             heap: StreamHeap::with_options(options.reuse_slack, SHARDS)
@@ -617,8 +626,9 @@ impl<U: MemoryResource> PoolResource<U> {
             .saturating_sub(self.reserved.load(Ordering::Relaxed));
         let extra = min.saturating_sub(bytes).min(room);
         // Room under the maximum comes back (and chunks perhaps back in the lists) when the
-        // claim goes: a request refused at the maximum meanwhile may fit then.
-        let claim = (self.give_backs).claim(&self.reserved, extra, Some(&self.waiters));
+        // claim goes: a request refused at the maximum meanwhile may fit then. The claim goes
+        // under `slow`, so the waiters are told after it (`tell_waiters`), not by the claim.
+        let claim = (self.give_backs).claim(&self.reserved, extra, None);
         Some((claim, whole))
     }
 
@@ -702,7 +712,12 @@ impl<U: MemoryResource> Grow for PoolResource<U> {
     }
 
     fn recall_trimmed(&self, epoch: u64) -> bool {
-        (self.held_for_trim).recall(epoch, |chunks| self.put_back(&chunks))
+        // Under `slow`: the waiters are told once the request is over (`tell_waiters`).
+        (self.held_for_trim).recall(epoch, |chunks| {
+            if self.put_back_quietly(&chunks) {
+                self.tell_waiters.store(true, Ordering::Release);
+            }
+        })
     }
 
     /// A growth that gives nothing back: [`grow_under`](Grow::grow_under) gives the wholly
@@ -824,8 +839,10 @@ impl<U: MemoryResource> Grow for PoolResource<U> {
         };
         claim.claimed += released as u64;
         let slow = lock.lock();
-        // The room back for this growth, under `slow`: no other growth comes between.
+        // The room back for this growth, under `slow`: no other growth comes between. The
+        // waiters are told once the request is over and `slow` let go (`tell_waiters`).
         drop(claim);
+        self.tell_waiters.store(true, Ordering::Release);
         if released == 0 {
             return (slow, Err(e));
         }
@@ -887,7 +904,15 @@ unsafe impl<U: MemoryResource> MemoryResource for PoolResource<U> {
         if size > self.maximum {
             return Err(self.out_of_memory(size));
         }
-        let ptr = match self.heap.take(size, stream, self) {
+        let taken = self.heap.take(size, stream, self);
+        // What the request found to tell the waiters under the engine's locks, told now that
+        // it holds none (a load first: the fast path writes nothing shared).
+        if self.tell_waiters.load(Ordering::Relaxed)
+            && self.tell_waiters.swap(false, Ordering::AcqRel)
+        {
+            self.waiters.notify();
+        }
+        let ptr = match taken {
             Ok(addr) => DevicePtr(addr),
             Err(e) => {
                 // A failed ordering (a driver error) puts the block it found back: a task whose
@@ -1078,7 +1103,7 @@ mod review_tests {
 
         fn wake_by_ref(self: &Arc<Self>) {
             self.wakes.fetch_add(1, SeqCst);
-            if self.inner.held_for_trim.is_locked() {
+            if self.inner.held_for_trim.is_locked() || self.inner.heap.slow_is_locked() {
                 self.under_lock.store(true, SeqCst);
             }
         }
@@ -1145,5 +1170,79 @@ mod review_tests {
         unsafe { outer.deallocate(y, 2 * MIB, &s) }.unwrap();
         d.synchronize_blocking().unwrap();
         s.synchronize_blocking().unwrap();
+    }
+
+    /// A request at the maximum takes back what a trim holds, and tells the waiters (memory
+    /// came back to the lists), the queues stacked over the pool's included. It told them with
+    /// the growth lock held, so the waker of a task waiting on an outer pool ran under it: a
+    /// waker that polls its task at once, which then needs the inner pool to grow, waits for
+    /// ever on a lock its own thread holds.
+    #[test]
+    fn a_recall_from_a_trim_wakes_no_waiter_under_the_growth_lock() {
+        let device = Device::simulated(SimConfig::default());
+        let options = |maximum| PoolOptions {
+            initial: 0,
+            maximum: Some(maximum),
+            small_block_cache: 0,
+            ..PoolOptions::default()
+        };
+        let inner =
+            Arc::new(PoolResource::new(CudaResource::new(&device), options(4 * MIB)).unwrap());
+        let (d, s) = (
+            device.create_stream().unwrap(),
+            device.create_stream().unwrap(),
+        );
+        // A whole free chunk last used on a busy stream: the trim takes it and waits.
+        let x = inner.allocate(2 * MIB, &d).unwrap();
+        d.spin(Duration::from_millis(1500)).unwrap();
+        // SAFETY: handed out above on `d`, freed on `d`.
+        unsafe { inner.deallocate(x, 2 * MIB, &d) }.unwrap();
+        let noop = Waker::from(Arc::new(Noop));
+        let mut trim = Box::pin(inner.trim());
+        assert!(trim
+            .as_mut()
+            .poll(&mut Context::from_waker(&noop))
+            .is_pending());
+        // An outer pool at its maximum (the inner one at its own), with a task waiting there.
+        let outer = PoolResource::new(inner.clone(), options(2 * MIB)).unwrap();
+        let y = outer.allocate(2 * MIB, &s).unwrap();
+        let probe = Arc::new(Probe {
+            inner: inner.clone(),
+            wakes: AtomicUsize::new(0),
+            under_lock: AtomicBool::new(false),
+        });
+        let waker = Waker::from(probe.clone());
+        let mut wait = pin!(outer.allocate_async(2 * MIB, &s));
+        assert!(matches!(
+            wait.as_mut().poll(&mut Context::from_waker(&waker)),
+            Poll::Pending
+        ));
+        // A request at the inner pool's maximum takes the trim's chunk back.
+        let z = inner.allocate(2 * MIB, &s).unwrap();
+        assert!(probe.wakes.load(SeqCst) > 0, "the waiter was not told");
+        assert!(
+            !probe.under_lock.load(SeqCst),
+            "a waker ran under the growth lock"
+        );
+        drop(wait);
+        // SAFETY: handed out above on `s`, freed on `s`.
+        unsafe { outer.deallocate(y, 2 * MIB, &s) }.unwrap();
+        // SAFETY: handed out above on `s`, freed on `s`.
+        unsafe { inner.deallocate(z, 2 * MIB, &s) }.unwrap();
+        let _ = common_block_on(trim);
+        d.synchronize_blocking().unwrap();
+        s.synchronize_blocking().unwrap();
+    }
+
+    /// Drives `fut` to its end on this thread.
+    fn common_block_on<F: Future>(fut: std::pin::Pin<Box<F>>) -> F::Output {
+        let mut fut = fut;
+        let waker = Waker::from(Arc::new(Noop));
+        loop {
+            if let Poll::Ready(out) = fut.as_mut().poll(&mut Context::from_waker(&waker)) {
+                return out;
+            }
+            std::thread::yield_now();
+        }
     }
 }

@@ -504,6 +504,13 @@ impl<S: EngineStream> StreamHeap<S> {
         any
     }
 
+    /// Whether the growth lock (`slow`) is held now (by any thread): for tests that check what
+    /// runs under it.
+    #[cfg(test)]
+    pub(crate) fn slow_is_locked(&self) -> bool {
+        self.slow.try_lock().is_none()
+    }
+
     /// Whether orderings first ask the freeing stream whether it is idle (on by default).
     pub(crate) fn with_opportunistic(mut self, on: bool) -> Self {
         self.opportunistic = on;
