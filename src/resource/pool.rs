@@ -1075,7 +1075,6 @@ impl<U: MemoryResource> Drop for TakenForTrim<'_, U> {
 #[cfg(all(test, not(streamalloc_loom)))]
 mod review_tests {
     use std::future::Future;
-    use std::pin::pin;
     use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering::SeqCst};
     use std::sync::Arc;
     use std::task::{Context, Poll, Wake, Waker};
@@ -1153,7 +1152,7 @@ mod review_tests {
             under_lock: AtomicBool::new(false),
         });
         let waker = Waker::from(probe.clone());
-        let mut wait = pin!(outer.allocate_async(2 * MIB, &s));
+        let mut wait = Box::pin(outer.allocate_async(2 * MIB, &s));
         assert!(matches!(
             wait.as_mut().poll(&mut Context::from_waker(&waker)),
             Poll::Pending
@@ -1212,7 +1211,7 @@ mod review_tests {
             under_lock: AtomicBool::new(false),
         });
         let waker = Waker::from(probe.clone());
-        let mut wait = pin!(outer.allocate_async(2 * MIB, &s));
+        let mut wait = Box::pin(outer.allocate_async(2 * MIB, &s));
         assert!(matches!(
             wait.as_mut().poll(&mut Context::from_waker(&waker)),
             Poll::Pending
