@@ -26,12 +26,29 @@ impl fmt::Debug for StreamPool {
 }
 
 impl StreamPool {
-    /// Creates `count` streams on `device`. `Err(InvalidSize)` for zero.
+    /// The most streams one pool may hold. A GPU runs at most a few dozen streams' work at
+    /// once (`CUDA_DEVICE_MAX_CONNECTIONS` is at most 32 hardware queues), so a pool past a
+    /// thousand buys no concurrency, while each stream costs a driver object on CUDA and a
+    /// worker thread on the simulated device. A larger count is a mistake (a size in bytes
+    /// passed as a count, say) that would otherwise create streams until the OS or the driver
+    /// refused one.
+    pub const MAX_STREAMS: usize = 1024;
+
+    /// Creates `count` streams on `device`. `Err(InvalidSize)` (with the count) for zero and
+    /// for more than [`MAX_STREAMS`](Self::MAX_STREAMS); no stream is created then.
     pub fn new(device: &Device, count: usize) -> Result<StreamPool> {
         if count == 0 {
             return Err(Error::InvalidSize {
                 size: 0,
                 reason: "a stream pool needs at least one stream",
+            });
+        }
+        // Checked before any stream is made: a count of millions (or `usize::MAX`) created
+        // streams (worker threads on the simulated device) until one failed.
+        if count > Self::MAX_STREAMS {
+            return Err(Error::InvalidSize {
+                size: count,
+                reason: "a stream pool holds at most StreamPool::MAX_STREAMS (1024) streams",
             });
         }
         let streams = (0..count)
@@ -107,5 +124,28 @@ mod tests {
                 "three gets did not cover the three streams: {ids:?}"
             );
         }
+    }
+
+    /// A count past `MAX_STREAMS` is refused with the count, before any stream is made (every
+    /// stream was created, one simulated worker thread each, and `usize::MAX` went on until the
+    /// OS refused a thread); `MAX_STREAMS` itself is taken.
+    #[test]
+    fn counts_past_the_bound_are_refused_before_any_stream_is_made() {
+        // Inline: streams without worker threads, so the bound itself is cheap to take.
+        let device = crate::Device::simulated(SimConfig {
+            execution: crate::SimExecution::Inline,
+            ..SimConfig::default()
+        });
+        for count in [StreamPool::MAX_STREAMS + 1, usize::MAX] {
+            let before = device.inner.streams_created.load(Ordering::Relaxed);
+            match StreamPool::new(&device, count) {
+                Err(Error::InvalidSize { size, .. }) => assert_eq!(size, count),
+                other => panic!("a pool of {count} streams: {other:?}"),
+            }
+            let made = device.inner.streams_created.load(Ordering::Relaxed) - before;
+            assert_eq!(made, 0, "{made} streams made for a refused count");
+        }
+        let pool = StreamPool::new(&device, StreamPool::MAX_STREAMS).unwrap();
+        assert_eq!(pool.len(), StreamPool::MAX_STREAMS);
     }
 }
