@@ -6,7 +6,6 @@
 //! at the maximum meanwhile waits for the give-back to end before it fails
 //! ([`GiveBacks::wait_for_one`]): the room comes back then.
 
-use super::waiters::MemoryWaiters;
 use crate::sync::{AtomicU64, Condvar, Mutex, MutexGuard, Ordering};
 
 /// The give-backs for growth of one resource: how many are under way, and how many ended.
@@ -32,20 +31,16 @@ impl GiveBacks {
 
     /// A growth about to give chunks back with the growth lock let go (called under it):
     /// `claimed` bytes of room added to `reserved` until the claim is dropped, and the
-    /// give-back counted as under way. When dropped the claim also notifies `waiters`, if any.
-    pub(crate) fn claim<'a>(
-        &'a self,
-        reserved: &'a AtomicU64,
-        claimed: u64,
-        waiters: Option<&'a MemoryWaiters>,
-    ) -> GrowthClaim<'a> {
+    /// give-back counted as under way. The resource's waiters are the caller's to tell, once it
+    /// has let go of the growth lock (a waker may run a task inline, which may ask this
+    /// resource for memory).
+    pub(crate) fn claim<'a>(&'a self, reserved: &'a AtomicU64, claimed: u64) -> GrowthClaim<'a> {
         reserved.fetch_add(claimed, Ordering::AcqRel);
         self.counts.lock().in_flight += 1;
         GrowthClaim {
             give_backs: self,
             reserved,
             claimed,
-            waiters,
         }
     }
 
@@ -79,13 +74,12 @@ impl GiveBacks {
 /// is let go: the rest of the room it needs, and (added by the growth as they go) the bytes of
 /// the chunks given back, still counted in `reserved`. Dropped under the growth lock once the
 /// growth took it again, right before it grows (or on unwinding): the room back, the requests
-/// waiting at [`GiveBacks::wait_for_one`] told, and the resource's waiters, if given, notified.
+/// waiting at [`GiveBacks::wait_for_one`] told.
 pub(crate) struct GrowthClaim<'a> {
     give_backs: &'a GiveBacks,
     reserved: &'a AtomicU64,
     /// Bytes it holds in `reserved`.
     pub(crate) claimed: u64,
-    waiters: Option<&'a MemoryWaiters>,
 }
 
 impl Drop for GrowthClaim<'_> {
@@ -96,8 +90,5 @@ impl Drop for GrowthClaim<'_> {
         counts.ended += 1;
         drop(counts);
         self.give_backs.ended.notify_all();
-        if let Some(waiters) = self.waiters {
-            waiters.notify();
-        }
     }
 }

@@ -628,7 +628,7 @@ impl<U: MemoryResource> PoolResource<U> {
         // Room under the maximum comes back (and chunks perhaps back in the lists) when the
         // claim goes: a request refused at the maximum meanwhile may fit then. The claim goes
         // under `slow`, so the waiters are told after it (`tell_waiters`), not by the claim.
-        let claim = (self.give_backs).claim(&self.reserved, extra, None);
+        let claim = (self.give_backs).claim(&self.reserved, extra);
         Some((claim, whole))
     }
 

@@ -608,7 +608,7 @@ impl<U: MemoryResource> ArenaResource<U> {
         if chunks.is_empty() {
             return None;
         }
-        Some((self.give_backs.claim(&self.reserved, extra, None), chunks))
+        Some((self.give_backs.claim(&self.reserved, extra), chunks))
     }
 
     /// For a request at the maximum about to fail, holding `slow`: if requests are giving whole
