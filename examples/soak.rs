@@ -157,10 +157,8 @@ async fn run(args: Args) -> Result<bool, BoxError> {
         (None, None) => 60.0,
     };
     let tasks = args.tasks.unwrap_or(if sim { 16 } else { 32 });
-    let pool_bytes = args.pool_mib.unwrap_or(if sim { 256 } else { 1024 }) << 20;
-    if !(seconds > 0.0 && seconds.is_finite()) {
-        return Err("--minutes/--seconds must be a positive number".into());
-    }
+    let pool_bytes = pool_bytes(args.pool_mib.unwrap_or(if sim { 256 } else { 1024 }))?;
+    let duration = run_length(seconds)?;
     if args.streams == 0 || tasks == 0 || args.hold == 0 {
         return Err("--streams, --tasks and --hold must be at least 1".into());
     }
@@ -172,8 +170,7 @@ async fn run(args: Args) -> Result<bool, BoxError> {
         .into());
     }
     let config = Config {
-        duration: Duration::try_from_secs_f64(seconds)
-            .map_err(|e| format!("a run of {seconds} s: {e}"))?,
+        duration,
         tasks,
         pool_bytes,
         args,
@@ -213,6 +210,41 @@ async fn run(args: Args) -> Result<bool, BoxError> {
     }
 }
 
+/// `--pool-mib` in bytes. `Err` past `usize`: a shift wrapped it, and `--pool-mib
+/// 17592186044417` soaked a pool of 1 MiB without a word.
+fn pool_bytes(mib: usize) -> Result<usize, BoxError> {
+    mib.checked_mul(1 << 20)
+        .ok_or_else(|| format!("--pool-mib {mib}: more bytes than the address space").into())
+}
+
+/// The run's length from `--minutes`/`--seconds` (in seconds). `Err` unless it is positive,
+/// finite, and ends at an instant the clock can count: `--seconds 1.5e19` is a `Duration`,
+/// but adding it to now panicked ("overflow when adding duration to instant").
+fn run_length(seconds: f64) -> Result<Duration, BoxError> {
+    if !(seconds > 0.0 && seconds.is_finite()) {
+        return Err("--minutes/--seconds must be a positive number".into());
+    }
+    let duration =
+        Duration::try_from_secs_f64(seconds).map_err(|e| format!("a run of {seconds} s: {e}"))?;
+    run_end(tokio::time::Instant::now(), duration)?;
+    Ok(duration)
+}
+
+/// When a run of `duration` that starts `now` ends; `Err` past what the clock can count.
+/// Checked again where the run starts, so that no later `now` can overflow it either.
+fn run_end(
+    now: tokio::time::Instant,
+    duration: Duration,
+) -> Result<tokio::time::Instant, BoxError> {
+    now.checked_add(duration).ok_or_else(|| {
+        format!(
+            "a run of {} s ends past what the clock can count",
+            duration.as_secs()
+        )
+        .into()
+    })
+}
+
 struct Config {
     duration: Duration,
     tasks: usize,
@@ -247,7 +279,7 @@ async fn soak<R: Checked>(
         streams: streams.streams().to_vec(),
         counters,
         tally: Tally::default(),
-        end: tokio::time::Instant::now() + config.duration,
+        end: run_end(tokio::time::Instant::now(), config.duration)?,
         seed: args.seed,
         fills: AtomicU64::new(0),
         min_size: args.min_size,
@@ -530,4 +562,28 @@ async fn wait_until(limit: Duration, mut cond: impl FnMut() -> bool) -> bool {
         tokio::time::sleep(Duration::from_millis(10)).await;
     }
     true
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// A length the clock cannot add to now is an error, not a panic; so are the lengths that
+    /// are not positive numbers. `cargo test --example soak`.
+    #[test]
+    fn run_lengths_past_the_clock_are_refused() {
+        assert_eq!(run_length(2.0).unwrap(), Duration::from_secs(2));
+        for bad in [1.5e19, 1e30, 0.0, -1.0, f64::NAN, f64::INFINITY] {
+            assert!(run_length(bad).is_err(), "{bad} s was accepted");
+        }
+        assert!(run_end(tokio::time::Instant::now(), Duration::MAX).is_err());
+    }
+
+    /// `--pool-mib` past the address space is an error, not a pool of what the shift left.
+    #[test]
+    fn pool_sizes_past_the_address_space_are_refused() {
+        assert_eq!(pool_bytes(16).unwrap(), 16 << 20);
+        assert!(pool_bytes((1 << 44) + 1).is_err());
+        assert!(pool_bytes(usize::MAX).is_err());
+    }
 }
