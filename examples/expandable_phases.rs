@@ -184,7 +184,14 @@ fn main() -> ExitCode {
         );
         return ExitCode::from(2);
     }
-    match run(&args) {
+    let map_unit = match map_unit_bytes(args.map_unit) {
+        Ok(bytes) => bytes,
+        Err(e) => {
+            eprintln!("{e}");
+            return ExitCode::from(2);
+        }
+    };
+    match run(&args, map_unit) {
         Ok(true) => ExitCode::SUCCESS,
         Ok(false) => ExitCode::FAILURE,
         Err(e) => {
@@ -194,8 +201,19 @@ fn main() -> ExitCode {
     }
 }
 
-/// Both pools' phases; whether the expandable pool met the target.
-fn run(args: &Args) -> Result<bool> {
+/// `--map-unit` in bytes. `Err` past `usize` (`--map-unit 18446744073709551615` panicked on
+/// the multiplication in a debug build, and wrapped in a release one).
+fn map_unit_bytes(mib: Option<usize>) -> std::result::Result<Option<usize>, String> {
+    mib.map(|mib| {
+        mib.checked_mul(MIB)
+            .ok_or_else(|| format!("--map-unit {mib}: more bytes than the address space"))
+    })
+    .transpose()
+}
+
+/// Both pools' phases; whether the expandable pool met the target. `map_unit`: `--map-unit`
+/// in bytes.
+fn run(args: &Args, map_unit: Option<usize>) -> Result<bool> {
     let device = Device::default_device()?;
     let (live, keep, seed) = (
         args.live_gib as usize * GIB,
@@ -221,7 +239,7 @@ fn run(args: &Args) -> Result<bool> {
     let expandable = ExpandablePoolResource::new(
         &device,
         ExpandableOptions {
-            map_unit: args.map_unit.map(|mib| mib * MIB),
+            map_unit,
             ..ExpandableOptions::default()
         },
     )?;
@@ -265,4 +283,18 @@ fn run(args: &Args) -> Result<bool> {
         if ok { "met" } else { "NOT met" }
     );
     Ok(ok)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// `cargo test --example expandable_phases`.
+    #[test]
+    fn map_units_past_the_address_space_are_refused() {
+        assert_eq!(map_unit_bytes(None), Ok(None));
+        assert_eq!(map_unit_bytes(Some(8)), Ok(Some(8 * MIB)));
+        assert!(map_unit_bytes(Some(usize::MAX)).is_err());
+        assert!(map_unit_bytes(Some(usize::MAX / MIB + 1)).is_err());
+    }
 }
