@@ -1,8 +1,9 @@
 //! A two-stream GPU pipeline driven by async Rust: `cargo run --example pipeline`.
 //!
 //! Runs on CUDA device 0 when there is a GPU, else on the simulated device, and says which.
-//! `--devices N` spreads the batches over N devices, round robin: GPUs 0..N, or N simulated
-//! devices where the default device is simulated; each device has its own pool and streams.
+//! `--devices N` (at most 64) spreads the batches over N devices, round robin: GPUs 0..N, or
+//! N simulated devices where the default device is simulated; each device has its own pool
+//! and streams.
 //! `--batches N` and `--floats N` set the work (32 batches of two 65,536-float buffers by
 //! default).
 //! `RUST_LOG=streamalloc=debug` shows what the crate does; `STREAMALLOC_DEVICE=sim|cuda|cuda:N`
@@ -137,10 +138,21 @@ struct Lane {
     scale: Option<CudaFunction>,
 }
 
-/// `--devices N` (default 1), `--batches N` (default 32) and `--floats N` (per buffer, default
-/// 65,536): the command line, parsed by hand. Returns the device count and sets [`SHAPE`].
+/// The most `--devices`. Each simulated device starts threads of its own (its completion
+/// reactor, a worker per stream): `--devices 100000` ran the process out of threads, and it
+/// aborted ("fatal runtime error") instead of saying so. No host has more GPUs than this.
+const MAX_DEVICES: usize = 64;
+
+/// The command line: returns the device count and sets [`SHAPE`].
 fn parse_args() -> Result<usize, BoxError> {
-    let mut args = std::env::args().skip(1);
+    let (devices, batches, floats) = parse(std::env::args().skip(1))?;
+    let _ = SHAPE.set((batches, floats));
+    Ok(devices)
+}
+
+/// `--devices N` (default 1, at most [`MAX_DEVICES`]), `--batches N` (default 32) and
+/// `--floats N` (per buffer, default 65,536), parsed by hand: (devices, batches, floats).
+fn parse(mut args: impl Iterator<Item = String>) -> Result<(usize, usize, usize), BoxError> {
     let (mut devices, mut batches, mut floats) = (1, BATCHES, FLOATS);
     while let Some(arg) = args.next() {
         let target = match arg.as_str() {
@@ -171,8 +183,10 @@ fn parse_args() -> Result<usize, BoxError> {
     if !fits {
         return Err(format!("--batches {batches} --floats {floats}: too large").into());
     }
-    let _ = SHAPE.set((batches, floats));
-    Ok(devices)
+    if devices > MAX_DEVICES {
+        return Err(format!("--devices {devices}: at most {MAX_DEVICES}").into());
+    }
+    Ok((devices, batches, floats))
 }
 
 /// The devices to run on: the default device, and with `--devices N` the first N GPUs, or
@@ -393,4 +407,34 @@ fn print_stats(pool: &Pool) {
         w.timeouts,
         w.waiting,
     );
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn args(line: &str) -> Result<(usize, usize, usize), BoxError> {
+        parse(line.split_whitespace().map(String::from))
+    }
+
+    /// Bad arguments are errors, before any device is opened. `cargo test --example pipeline`.
+    #[test]
+    fn bad_arguments_are_errors() {
+        assert_eq!(args("").unwrap(), (1, BATCHES, FLOATS));
+        assert_eq!(
+            args(&format!("--devices {MAX_DEVICES} --batches 4 --floats 65")).unwrap(),
+            (MAX_DEVICES, 4, 65)
+        );
+        for bad in [
+            "--devices 100000",
+            "--devices 0",
+            "--devices -1",
+            "--devices",
+            "--bogus",
+            "--floats 4294967296",
+            "--batches 18446744073709551615",
+        ] {
+            assert!(args(bad).is_err(), "{bad:?} was accepted");
+        }
+    }
 }
