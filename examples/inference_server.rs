@@ -585,8 +585,9 @@ async fn run(args: Args) -> Result<ExitCode, BoxError> {
     let listener = tokio::net::TcpListener::bind(("127.0.0.1", args.port)).await?;
     let addr = listener.local_addr()?;
     println!(
-        "inference server on {device}: pool of {} MiB, {} streams; listening on http://{addr}",
-        args.pool_mib, args.streams
+        "inference server on {device}: {}, {} streams; listening on http://{addr}",
+        app.raw.describe(pool_bytes),
+        args.streams
     );
     let server = axum::serve(listener, router).with_graceful_shutdown(shutdown_signal(stop));
     let server = tokio::spawn(server.into_future());
