@@ -643,3 +643,27 @@ fn an_unknown_device_is_a_usage_error() {
     }
     check_small_log(&run(&log, &["--device", "simulated"]), "pool");
 }
+
+/// A log that cannot be read is exit 1, as the tool documents ("the file cannot be read"), not
+/// exit 2, which says the log is malformed: a directory gave "line 1: cannot read the header:
+/// Is a directory" and exit 2.
+#[test]
+fn a_log_that_cannot_be_read_is_exit_1() {
+    let dir = std::env::temp_dir();
+    let out = run(&dir, &[]);
+    assert_eq!(out.status.code(), Some(1), "{}", stderr(&out));
+    assert!(
+        stderr(&out).contains("cannot read the log"),
+        "{}",
+        stderr(&out)
+    );
+    assert!(stdout(&out).is_empty(), "{}", stdout(&out));
+    // A malformed log is still exit 2.
+    let log = temp("garbage.csv");
+    std::fs::write(
+        &log,
+        b"Thread,Time,Action,Pointer,Size,Stream\n1,0,allocate\n",
+    )
+    .unwrap();
+    assert_eq!(run(&log, &[]).status.code(), Some(2));
+}

@@ -86,10 +86,19 @@ pub(super) fn parse_log(path: &Path, ignore_unmatched: bool) -> Result<Log, Pars
         .trim(csv::Trim::All)
         .from_reader(std::io::BufReader::new(file));
     let malformed = |line: u64, what: String| ParseError::Malformed(Malformed { line, what });
+    // A read that fails (a directory, a disk error) is the file that cannot be read (exit 1),
+    // not a malformed log (exit 2): `streamalloc-replay /tmp` said "line 1: cannot read the
+    // header: Is a directory" and exited 2.
+    let unreadable = |e: &csv::Error| match e.kind() {
+        csv::ErrorKind::Io(io) => Some(ParseError::Io(format!("{}: {io}", path.display()))),
+        _ => None,
+    };
 
     let headers = reader
         .headers()
-        .map_err(|e| malformed(1, format!("cannot read the header: {e}")))?
+        .map_err(|e| {
+            unreadable(&e).unwrap_or_else(|| malformed(1, format!("cannot read the header: {e}")))
+        })?
         .clone();
     if headers.is_empty() || (headers.len() == 1 && headers[0].is_empty()) {
         return Err(malformed(
@@ -137,7 +146,8 @@ pub(super) fn parse_log(path: &Path, ignore_unmatched: bool) -> Result<Log, Pars
             Ok(false) => break,
             Err(e) => {
                 let line = e.position().map_or(0, |p| p.line());
-                return Err(malformed(line, format!("not valid CSV: {e}")));
+                return Err(unreadable(&e)
+                    .unwrap_or_else(|| malformed(line, format!("not valid CSV: {e}"))));
             }
         }
         let line = record.position().map_or(0, |p| p.line());
