@@ -217,11 +217,15 @@ fn main() {
     model::check(bug);
 }
 
+/// Without the cfg there is no model to run: exit 2, so that a script that runs `planted`
+/// this way and expects it to fail, or `correct` and expects a pass, does not read the usage
+/// note as either (it exited 0).
 #[cfg(not(streamalloc_loom))]
-fn main() {
+fn main() -> std::process::ExitCode {
     eprintln!(
         "this example is a loom model: run it with\n  RUSTFLAGS=\"--cfg streamalloc_loom \
          -C debug-assertions\" CARGO_TARGET_DIR=target/loom cargo run --release --example \
          loom_user -- correct"
     );
+    std::process::ExitCode::from(2)
 }
