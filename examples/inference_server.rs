@@ -101,8 +101,9 @@ struct Args {
     /// Port on 127.0.0.1 (0: any free port; the bound address is printed).
     #[arg(long, default_value_t = 0)]
     port: u16,
-    /// The pool's size in MiB, taken from the device at start.
-    #[arg(long, default_value_t = 8)]
+    /// The pool's size in MiB, taken from the device at start (at least 1).
+    // Not 0: a pool of none refused every request with 413, and `--load` sent them all.
+    #[arg(long, default_value_t = 8, value_parser = at_least_one())]
     pool_mib: usize,
     /// Streams in the stream pool.
     #[arg(long, default_value_t = 8)]
@@ -126,8 +127,9 @@ struct Args {
     /// Load test: requests to send.
     #[arg(long, default_value_t = 2000)]
     requests: usize,
-    /// Load test: requests in flight at once.
-    #[arg(long, default_value_t = 64)]
+    /// Load test: requests in flight at once (at least 1).
+    // Not 0: it ran one at a time while the report said "0 at a time".
+    #[arg(long, default_value_t = 64, value_parser = at_least_one())]
     concurrency: usize,
     /// Load test: how many of the requests are too large for the pool (each must get 413).
     #[arg(long, default_value_t = 10)]
@@ -141,6 +143,11 @@ struct Args {
     /// Start the history recorder at once (else `POST /history/start`).
     #[arg(long)]
     history: bool,
+}
+
+/// A count or size that must be at least 1: 0 is a usage error (exit 2), as an unknown flag.
+fn at_least_one() -> clap::builder::RangedU64ValueParser<usize> {
+    clap::builder::RangedU64ValueParser::<usize>::new().range(1..)
 }
 
 #[derive(Debug, Clone, Serialize, Deserialize)]
@@ -616,4 +623,21 @@ async fn run(args: Args) -> Result<ExitCode, BoxError> {
         );
     }
     Ok(code)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// A pool of no memory and a load of no requests in flight are usage errors.
+    #[test]
+    fn zero_pool_and_zero_concurrency_are_usage_errors() {
+        let parse = |line: &str| Args::try_parse_from(line.split_whitespace());
+        for bad in ["--pool-mib 0", "--concurrency 0", "--pool-mib -1"] {
+            let e = parse(&format!("server {bad}")).unwrap_err();
+            assert_eq!(e.exit_code(), 2, "{bad}: {e}");
+        }
+        let args = parse("server --pool-mib 1 --concurrency 1").unwrap();
+        assert_eq!((args.pool_mib, args.concurrency), (1, 1));
+    }
 }
