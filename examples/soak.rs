@@ -230,6 +230,21 @@ fn run_length(seconds: f64) -> Result<Duration, BoxError> {
     Ok(duration)
 }
 
+/// `at most` the resource's real maximum, and what `--pool-mib` asked where it differs: the
+/// expandable pool maps whole units (8 MiB on the simulated device), and `--resource expandable
+/// --pool-mib 1` said "at most 1.0 MiB" of a pool that then reserved 8.
+fn at_most(maximum: usize, asked: usize) -> String {
+    if maximum == asked {
+        format!("at most {}", human(maximum as u64))
+    } else {
+        format!(
+            "at most {} ({} asked, rounded by the resource)",
+            human(maximum as u64),
+            human(asked as u64)
+        )
+    }
+}
+
 /// When a run of `duration` that starts `now` ends; `Err` past what the clock can count.
 /// Checked again where the run starts, so that no later `now` can overflow it either.
 fn run_end(
@@ -287,10 +302,10 @@ async fn soak<R: Checked>(
         hold: args.hold,
     });
     say(format!(
-        "soak: {:?} resource of at most {}, {} tasks over {} streams, buffers {} to {} \
+        "soak: {:?} resource of {}, {} tasks over {} streams, buffers {} to {} \
          (log-uniform), up to {} held per task, seed {}, for {:.0?}",
         args.resource,
-        human(config.pool_bytes as u64),
+        at_most(gate.inner().maximum(), config.pool_bytes),
         config.tasks,
         args.streams,
         human(args.min_size as u64),
@@ -577,6 +592,30 @@ mod tests {
             assert!(run_length(bad).is_err(), "{bad} s was accepted");
         }
         assert!(run_end(tokio::time::Instant::now(), Duration::MAX).is_err());
+    }
+
+    /// The first lines say what the resource really holds at most. `cargo test --example soak`.
+    #[test]
+    fn the_resource_is_described_by_its_real_maximum() {
+        use gate::Checked;
+
+        let device = Device::simulated(streamalloc::SimConfig::default());
+        let options = ExpandableOptions {
+            reserve: Some(1 << 20),
+            maximum: Some(1 << 20),
+            ..ExpandableOptions::default()
+        };
+        let expandable = ExpandablePoolResource::new(&device, options).unwrap();
+        let maximum = Checked::maximum(&expandable);
+        assert!(maximum > 1 << 20, "{maximum}");
+        assert_eq!(
+            at_most(maximum, 1 << 20),
+            format!(
+                "at most {} (1.0 MiB asked, rounded by the resource)",
+                human(maximum as u64)
+            )
+        );
+        assert_eq!(at_most(16 << 20, 16 << 20), "at most 16.0 MiB");
     }
 
     /// `--pool-mib` past the address space is an error, not a pool of what the shift left.

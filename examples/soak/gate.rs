@@ -27,6 +27,9 @@ pub trait Checked: MemoryResource + 'static {
     fn pool_stats(&self) -> PoolStats;
     /// What waiting for memory has cost.
     fn waits(&self) -> WaitStats;
+    /// The most it may hold, as it took `--pool-mib` (the expandable pool rounds up to whole
+    /// mapping units).
+    fn maximum(&self) -> usize;
 }
 
 impl<U: MemoryResource + 'static> Checked for PoolResource<U> {
@@ -39,6 +42,9 @@ impl<U: MemoryResource + 'static> Checked for PoolResource<U> {
     fn waits(&self) -> WaitStats {
         self.wait_stats()
     }
+    fn maximum(&self) -> usize {
+        self.maximum()
+    }
 }
 
 impl Checked for ExpandablePoolResource {
@@ -50,6 +56,9 @@ impl Checked for ExpandablePoolResource {
     }
     fn waits(&self) -> WaitStats {
         self.wait_stats()
+    }
+    fn maximum(&self) -> usize {
+        self.maximum()
     }
 }
 
