@@ -118,8 +118,9 @@ struct Args {
     /// How long a request may wait for memory before it is answered 503.
     #[arg(long, default_value_t = 30)]
     alloc_timeout_secs: u64,
-    /// Shut down after answering this many /infer requests.
-    #[arg(long)]
+    /// Shut down after answering this many /infer requests (at least 1).
+    // Not 0: no count of answers reaches it, so the server ran until Ctrl-C.
+    #[arg(long, value_parser = clap::value_parser!(u64).range(1..))]
     max_requests: Option<u64>,
     /// Run the load test against an in-process server, print its report and exit.
     #[arg(long)]
@@ -629,15 +630,22 @@ async fn run(args: Args) -> Result<ExitCode, BoxError> {
 mod tests {
     use super::*;
 
-    /// A pool of no memory and a load of no requests in flight are usage errors.
+    /// A pool of no memory, a load of no requests in flight and a shutdown after no answer
+    /// are usage errors.
     #[test]
     fn zero_pool_and_zero_concurrency_are_usage_errors() {
         let parse = |line: &str| Args::try_parse_from(line.split_whitespace());
-        for bad in ["--pool-mib 0", "--concurrency 0", "--pool-mib -1"] {
+        for bad in [
+            "--pool-mib 0",
+            "--concurrency 0",
+            "--pool-mib -1",
+            "--max-requests 0",
+        ] {
             let e = parse(&format!("server {bad}")).unwrap_err();
             assert_eq!(e.exit_code(), 2, "{bad}: {e}");
         }
-        let args = parse("server --pool-mib 1 --concurrency 1").unwrap();
+        let args = parse("server --pool-mib 1 --concurrency 1 --max-requests 1").unwrap();
         assert_eq!((args.pool_mib, args.concurrency), (1, 1));
+        assert_eq!(args.max_requests, Some(1));
     }
 }
