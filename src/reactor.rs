@@ -870,6 +870,13 @@ fn poll_heads(
                              tasks were woken"
                         );
                         event.completion().wake_waiters();
+                        // No longer planned for (`Loop::plan` only sees queued heads), so
+                        // nothing would end its hurry: its tasks would wake themselves on
+                        // every poll until the blocking wait completes it.
+                        if queue.hurried == Some(seq) {
+                            queue.hurried = None;
+                            event.completion().hurry(false);
+                        }
                         if let Some(entry) = queue.events.pop_front() {
                             abandoned.push(entry.event);
                         }

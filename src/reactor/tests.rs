@@ -723,3 +723,40 @@ fn an_event_whose_query_and_wait_panic_fails_and_withholds_its_frees() {
         "a later free ran with the GPU's state unknown"
     );
 }
+
+/// A head whose tasks are hurried (near its prediction) and whose query panics: the reactor
+/// hands it to the blocking-work thread and no longer plans for it, so it must stop hurrying
+/// it. It stayed hurried until the blocking wait completed it: every poll of its task woke the
+/// task again at once, a runtime worker's whole CPU for as long as the GPU took.
+#[test]
+fn an_abandoned_hurried_event_is_no_longer_hurried() {
+    let panicking = Arc::new(PanickingQuery {
+        stream: 1,
+        completion: Completion::new(),
+        wait_panics: false,
+    });
+    let counter = std::sync::Arc::new(Counting(AtomicUsize::new(0)));
+    let mut key = None;
+    let waker = Waker::from(counter.clone());
+    let _ = panicking.completion.register_waker(&mut key, &waker);
+    let mut queues: BTreeMap<u64, StreamQueue> = BTreeMap::new();
+    let queue = queues.entry(1).or_default();
+    queue.events.push_back(Entry {
+        event: Box::new(panicking.clone()),
+        watched: None,
+    });
+    // As `Loop::plan` hurries a head near its prediction.
+    panicking.completion.hurry(true);
+    queue.hurried = Some(0);
+    let mut abandoned = Vec::new();
+    assert!(poll_heads(&mut queues, None, false, &mut abandoned));
+    assert_eq!(abandoned.len(), 1, "not handed over to be waited for");
+    assert!(
+        !panicking.completion.hurried(),
+        "an abandoned event stayed hurried"
+    );
+    // Its task, polling again, registers without waking itself.
+    let woken = counter.0.load(SeqCst);
+    let _ = panicking.completion.register_waker(&mut key, &waker);
+    assert_eq!(counter.0.load(SeqCst), woken, "the task woke itself again");
+}
