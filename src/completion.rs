@@ -202,6 +202,10 @@ impl Completion {
                 return Registration::Done(result);
             }
         }
+        // A waker this one replaces, dropped after the lock is let go: its drop is a runtime's
+        // code, and may drop a task holding another handle of this event, whose drop
+        // deregisters (this lock again).
+        let mut replaced = None;
         let (registration, hurry) = {
             let mut waiters = self.waiters.lock();
             // Under the lock that `complete` publishes under: either it has published (we see
@@ -214,7 +218,7 @@ impl Completion {
             match *key {
                 Some(k) => match waiters.wakers.get_mut(k) {
                     Some(Some(old)) if old.will_wake(waker) => {}
-                    Some(slot) => *slot = Some(waker.clone()),
+                    Some(slot) => replaced = slot.replace(waker.clone()),
                     // Unreachable while pending: slots are only dropped by `complete`.
                     None => *key = Some(Self::new_slot(&mut waiters, waker)),
                 },
@@ -227,6 +231,7 @@ impl Completion {
                 self.hurry.load(Ordering::Relaxed),
             )
         };
+        drop(replaced);
         if hurry {
             guarded(WAKER, None, || waker.wake_by_ref());
         }
@@ -304,20 +309,25 @@ impl Completion {
     }
 
     /// A future that stops waiting gives its slot back. After completion this is a no-op.
+    ///
+    /// The waker is dropped after the lock is let go (see `register_waker`).
     pub(crate) fn deregister(&self, key: usize) {
         let mut waiters = self.waiters.lock();
         if planted!(DEREGISTER_INDEXES) {
             // The planted bug: indexing the slot, which `complete` may have taken away.
-            if waiters.wakers[key].take().is_some() {
+            let waker = waiters.wakers[key].take();
+            if waker.is_some() {
                 waiters.free.push(key);
             }
-            return;
+            drop(waiters);
+            return drop(waker);
         }
-        if let Some(slot) = waiters.wakers.get_mut(key) {
-            if slot.take().is_some() {
-                waiters.free.push(key);
-            }
+        let waker = waiters.wakers.get_mut(key).and_then(Option::take);
+        if waker.is_some() {
+            waiters.free.push(key);
         }
+        drop(waiters);
+        drop(waker);
     }
 
     /// Stores `callback` to run at completion. If the event is already complete, hands the
@@ -514,6 +524,69 @@ mod tests {
         assert!(before <= at && at <= Instant::now());
         assert!(!completion.complete(Ok(())));
         assert_eq!(completion.completed_at(), Some(at));
+    }
+
+    /// A waker whose last reference drops while the event is pending records whether the
+    /// event's waiters lock was held then. A runtime's waker can own a task (the last
+    /// reference to one that was cancelled), and that task another handle of the same event:
+    /// its drop deregisters, which takes that lock again (std's mutex: a deadlock or a panic).
+    struct DropProbe {
+        completion: Arc<Completion>,
+        dropped_under_lock: Arc<AtomicUsize>,
+        dropped: Arc<AtomicUsize>,
+    }
+
+    impl Wake for DropProbe {
+        fn wake(self: Arc<Self>) {}
+    }
+
+    impl Drop for DropProbe {
+        fn drop(&mut self) {
+            self.dropped.fetch_add(1, SeqCst);
+            if self.completion.waiters.try_lock().is_none() {
+                self.dropped_under_lock.fetch_add(1, SeqCst);
+            }
+        }
+    }
+
+    /// A future's waker replaced by another task's, and a future dropped while waiting: each
+    /// drops the waker it had stored, and must do so after letting go of the waiters lock. Both
+    /// dropped it under the lock.
+    #[test]
+    fn stored_wakers_are_dropped_outside_the_lock() {
+        let completion = Arc::new(Completion::new());
+        let (under_lock, dropped) = (Arc::new(AtomicUsize::new(0)), Arc::new(AtomicUsize::new(0)));
+        let probe = || {
+            Waker::from(Arc::new(DropProbe {
+                completion: completion.clone(),
+                dropped_under_lock: under_lock.clone(),
+                dropped: dropped.clone(),
+            }))
+        };
+        let other = Waker::from(Arc::new(Counting(AtomicUsize::new(0))));
+        // Replaced: a future first polled by one task, then by another.
+        let mut key = None;
+        let _ = completion.register_waker(&mut key, &probe());
+        let _ = completion.register_waker(&mut key, &other);
+        assert_eq!(
+            dropped.load(SeqCst),
+            1,
+            "the replaced waker was not dropped"
+        );
+        // Deregistered: a waiting future dropped.
+        let mut key = None;
+        let _ = completion.register_waker(&mut key, &probe());
+        completion.deregister(key.expect("a slot"));
+        assert_eq!(
+            dropped.load(SeqCst),
+            2,
+            "the deregistered waker was not dropped"
+        );
+        assert_eq!(
+            under_lock.load(SeqCst),
+            0,
+            "a waker was dropped under the lock"
+        );
     }
 
     /// Wakers and callbacks that panic, each stored before a good one: `complete` returns, every
