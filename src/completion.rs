@@ -181,8 +181,12 @@ impl Completion {
             guarded(WAKER, event, || waker.wake());
         }
         if state == WITHHELD {
-            // Dropped unrun, off the lock: their memory is leaked (see the caller).
-            drop(callbacks);
+            // Dropped unrun, off the lock: their memory is leaked (see the caller). One by one
+            // and guarded, as a run is: a drop is other people's code too (a capture's last
+            // handle of a user's memory resource), and its panic must not reach our caller.
+            for callback in callbacks {
+                guarded(WITHHELD_DROP, event, move || drop(callback));
+            }
             return true;
         }
         for callback in callbacks {
@@ -404,6 +408,10 @@ const CALLBACK: &str =
     "a callback run at the event's completion (a deferred free into a memory resource, or the \
      return of a staging block)";
 
+/// ... or the drop of a callback withheld (`Completion::fail_withholding_callbacks`).
+const WITHHELD_DROP: &str = "the drop, unrun, of a callback withheld from an event whose \
+     completion is unknown";
+
 /// Runs `callback` with `result`, catching and logging a panic (see the module docs). For
 /// callers that run a callback themselves (`Event::on_complete` on an event already complete).
 pub(crate) fn run_callback(callback: Callback, result: &Result<()>, event: Option<(u64, u64)>) {
@@ -587,6 +595,52 @@ mod tests {
             0,
             "a waker was dropped under the lock"
         );
+    }
+
+    /// Panics when dropped: a callback's capture whose drop is other people's code (the last
+    /// handle of a user's memory resource).
+    struct PanicsOnDrop;
+
+    impl Drop for PanicsOnDrop {
+        fn drop(&mut self) {
+            panic!("a capture whose drop panics (completion unit test)");
+        }
+    }
+
+    /// Callbacks withheld ([`Completion::fail_withholding_callbacks`]) are dropped unrun; one
+    /// whose drop panics is caught and logged, as one that runs is, and the others are still
+    /// dropped. The panic reached the caller: the blocking-work thread, or, on a reactor with
+    /// no thread, whoever handed the event over (a buffer's drop).
+    #[test]
+    fn a_withheld_callback_whose_drop_panics_is_contained() {
+        let completion = Completion::new();
+        let dropped = Arc::new(AtomicUsize::new(0));
+        let capture = PanicsOnDrop;
+        let _ = completion.register_callback(Box::new(move |_| drop(capture)));
+        struct Counted(Arc<AtomicUsize>);
+        impl Drop for Counted {
+            fn drop(&mut self) {
+                self.0.fetch_add(1, SeqCst);
+            }
+        }
+        let counted = Counted(dropped.clone());
+        let _ = completion.register_callback(Box::new(move |_| drop(counted)));
+        let error = Error::InvalidArgument {
+            what: "withheld (completion unit test)",
+        };
+        let withheld = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
+            completion.fail_withholding_callbacks(error, Some((1, 2)))
+        }));
+        assert!(
+            matches!(withheld, Ok(2)),
+            "the drop's panic reached the caller"
+        );
+        assert_eq!(
+            dropped.load(SeqCst),
+            1,
+            "the other callback was not dropped"
+        );
+        assert!(completion.withholds_callbacks());
     }
 
     /// Wakers and callbacks that panic, each stored before a good one: `complete` returns, every
