@@ -418,6 +418,13 @@ pub(crate) fn run_callback(callback: Callback, result: &Result<()>, event: Optio
     guarded(CALLBACK, event, move || callback(result));
 }
 
+/// Drops `callback` unrun, catching and logging a panic of its captures' drops: for a callback
+/// withheld from an event whose completion is unknown (`Event::on_complete` on such an event),
+/// as [`Completion::fail_withholding_callbacks`] drops those it held.
+pub(crate) fn drop_withheld(callback: Callback, event: Option<(u64, u64)>) {
+    guarded(WITHHELD_DROP, event, move || drop(callback));
+}
+
 /// Runs `f`; a panic is caught and logged at error level with `what` ran, for which event, and
 /// on which thread.
 fn guarded(what: &'static str, event: Option<(u64, u64)>, f: impl FnOnce()) {

@@ -303,7 +303,9 @@ impl Event {
                 "a callback on an event whose completion is unknown (its query and wait \
                  panicked) is withheld; its memory is leaked"
             );
-            return drop(callback);
+            // A capture whose drop panics (the last handle of a user's resource) is caught
+            // there, as a run would be.
+            return crate::completion::drop_withheld(callback, self.inner.id());
         }
         if let Some(result) = self.inner.check() {
             return run_callback(callback, &result, self.inner.id());
@@ -387,6 +389,27 @@ mod tests {
         });
         let stream = device.create_stream().expect("a stream");
         stream.record().expect("an event")
+    }
+
+    /// A callback handed to an event whose callbacks are withheld is dropped unrun; a panic of
+    /// its captures' drop is caught there (it reached the caller, a deferred free being
+    /// registered, before).
+    #[test]
+    fn a_withheld_callback_whose_drop_panics_stays_in_on_complete() {
+        struct PanicsOnDrop;
+        impl Drop for PanicsOnDrop {
+            fn drop(&mut self) {
+                panic!("a capture whose drop panics (event unit test)");
+            }
+        }
+        let event = event();
+        event.withhold_callbacks_for_test();
+        let capture = PanicsOnDrop;
+        let handed = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
+            event.on_complete(Box::new(move |_| drop(capture)))
+        }));
+        assert!(handed.is_ok(), "the drop's panic reached the caller");
+        assert!(event.withholds_callbacks());
     }
 
     /// The error another thread stores while this one asks the device.
