@@ -328,6 +328,12 @@ impl Detector {
             .count()
     }
 
+    /// How many segments the shadow holds: a test's view of its size.
+    #[cfg(all(test, not(streamalloc_loom)))]
+    pub(crate) fn segments(&self) -> usize {
+        self.lock().segs.len()
+    }
+
     /// The races found so far.
     pub(crate) fn races(&self) -> Vec<Race> {
         self.lock().races.clone()
@@ -761,6 +767,21 @@ impl Detector {
     /// the first block a pool hands out in the range look like a reuse before their free on
     /// another stream (a review's finding, once the sweep of addresses had come round).
     pub(crate) fn reserved(&self, start: u64, end: u64) {
+        self.forget(start, end);
+    }
+
+    /// The device's reservation `[start, end)` went (`cuMemAddressFree`): what lived in it
+    /// goes from the shadow. The simulated memory refuses every access to the range from now
+    /// on (`InvalidAddress`, with the address), so nothing is left to check there; kept, the
+    /// blocks a pool carved out of the range stayed as segments for the device's life (its
+    /// sweep of addresses comes round to them only after 16 TiB), and a device that made and
+    /// dropped expandable pools over and over grew the map without bound (a review's finding).
+    pub(crate) fn unreserved(&self, start: u64, end: u64) {
+        self.forget(start, end);
+    }
+
+    /// Removes every segment of `[start, end)` (split at its ends first).
+    fn forget(&self, start: u64, end: u64) {
         let mut st = self.lock();
         st.split(start);
         st.split(end);
