@@ -375,20 +375,37 @@ impl Detector {
     /// (`user`, `Stream::is_idle`: the host clock joins the stream's clock) or by the crate's
     /// own probe (a pool's question before a reuse: the crate's clock does). Called under the
     /// stream's queue lock, so that nothing is queued on it in between.
+    ///
+    /// The user's look also orders what the stream was ordered after on other devices (its
+    /// waits for their events have run), as seeing an event complete does
+    /// ([`host_join`](Self::host_join)): their host clocks join those parts. Only this
+    /// device's was joined, so a host free on another device of memory whose last use the
+    /// idle stream had waited for was reported as freed while in use (a review's finding).
     pub(crate) fn join_stream(&self, idx: u32, user: bool) {
-        let mut st = self.lock();
-        let State {
-            streams,
-            host,
-            host_version,
-            seen_by_crate,
-            ..
-        } = &mut *st;
-        let clock = &streams[idx as usize].clock;
-        if !user {
-            join(seen_by_crate, clock);
-        } else if join(host, clock) {
-            *host_version += 1;
+        let foreign = {
+            let mut st = self.lock();
+            let State {
+                streams,
+                host,
+                host_version,
+                seen_by_crate,
+                ..
+            } = &mut *st;
+            let stream = &streams[idx as usize];
+            if !user {
+                join(seen_by_crate, &stream.clock);
+                return;
+            }
+            if join(host, &stream.clock) {
+                *host_version += 1;
+            }
+            stream.foreign.clone()
+        };
+        for (id, clock) in &foreign {
+            // One detector's lock at a time: this one's was released above.
+            if let Some(other) = by_id(*id) {
+                other.host_join_local(clock);
+            }
         }
     }
 
