@@ -245,9 +245,19 @@ impl<U: MemoryResource> ArenaResource<U> {
         // Another thread may take the new chunk before we do: grow again then. Each growth
         // raises `reserved`, so this ends at the maximum at the latest.
         let (mut recalled, mut waited) = (false, false);
+        // The upstream's own limit, where a growth found it: the final error says no more is
+        // available or could ever be held than the upstream allows.
+        let (mut upstream_available, mut upstream_maximum) = (u64::MAX, u64::MAX);
         loop {
             let grown;
             (slow, grown) = self.grow(slow, grow_min, size, stream);
+            if let Err(Error::OutOfMemory {
+                available, maximum, ..
+            }) = grown
+            {
+                upstream_available = upstream_available.min(available as u64);
+                upstream_maximum = upstream_maximum.min(maximum as u64);
+            }
             match grown {
                 Ok(()) => {
                     if let Some(result) = attempt() {
@@ -282,7 +292,7 @@ impl<U: MemoryResource> ArenaResource<U> {
             }
         }
         drop(slow);
-        let err = self.out_of_memory(size);
+        let err = self.out_of_memory_within(size, upstream_available, upstream_maximum);
         let _span = tracing::debug_span!("out_of_memory", requested = size).entered();
         if tracing::enabled!(tracing::Level::DEBUG) {
             tracing::debug!(dump = %self.dump(), "arena out of memory");
@@ -576,7 +586,7 @@ impl<U: MemoryResource> ArenaResource<U> {
                     }
                     if attempt / 2 < min {
                         tracing::debug!("upstream out of memory");
-                        return Err(self.out_of_memory(min));
+                        return Err(self.upstream_out_of_memory(min, &e));
                     }
                     attempt = (attempt / 2).next_multiple_of(ALIGNMENT as u64);
                 }
@@ -623,6 +633,31 @@ impl<U: MemoryResource> ArenaResource<U> {
     }
 
     pub(super) fn out_of_memory(&self, requested: u64) -> Error {
+        self.out_of_memory_within(requested, u64::MAX, u64::MAX)
+    }
+
+    /// Out of memory because the upstream refused a growth, with the upstream's numbers where
+    /// it gave them (see [`out_of_memory_within`](Self::out_of_memory_within)).
+    fn upstream_out_of_memory(&self, requested: u64, upstream: &Error) -> Error {
+        match *upstream {
+            Error::OutOfMemory {
+                available, maximum, ..
+            } => self.out_of_memory_within(requested, available as u64, maximum as u64),
+            _ => self.out_of_memory(requested),
+        }
+    }
+
+    /// [`out_of_memory`](Self::out_of_memory) where the room under the maximum counts for at
+    /// most `upstream_available`, and the maximum is at most `upstream_maximum`: room under our
+    /// own maximum is no use when the upstream cannot fill it, and a request above what the
+    /// upstream can ever hold must not be taken for one worth waiting for (`allocate_async`
+    /// over a smaller pool waited for ever: a review's finding, as the pool's was).
+    fn out_of_memory_within(
+        &self,
+        requested: u64,
+        upstream_available: u64,
+        upstream_maximum: u64,
+    ) -> Error {
         let reserved = self.reserved.load(Ordering::Relaxed);
         let global_free = self.global.lock().free_bytes();
         let arena_free: u64 = self
@@ -630,10 +665,14 @@ impl<U: MemoryResource> ArenaResource<U> {
             .iter()
             .map(|a| a.state.lock().free.free_bytes())
             .sum();
+        let room = self
+            .maximum
+            .saturating_sub(reserved)
+            .min(upstream_available);
         Error::OutOfMemory {
             requested: requested as usize,
-            available: (self.maximum.saturating_sub(reserved) + global_free + arena_free) as usize,
-            maximum: self.maximum as usize,
+            available: (room + global_free + arena_free) as usize,
+            maximum: self.maximum.min(upstream_maximum) as usize,
         }
     }
 
