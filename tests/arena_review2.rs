@@ -59,3 +59,67 @@ fn a_request_larger_than_the_upstream_can_hold_fails_at_once() {
     common::free(&arena, p, 8 * MIB, &s);
     s.synchronize_blocking().unwrap();
 }
+
+/// `stats` read the global arena, let go of its lock, then read the stream arenas one by one: a
+/// superblock taken from the global arena by a stream arena read after that was counted twice,
+/// free in the global arena and free (or in use) in its stream arena, so that `global_free +
+/// arena_free + in_use` went above `reserved`. Another thread bounces one superblock between
+/// the global arena and the last stream arena while this one reads the statistics; with a
+/// fixed reserve no reading may count more than it. `snapshot` read the same way.
+#[test]
+fn stats_never_count_a_superblock_twice() {
+    let device = Device::simulated(SimConfig::default());
+    let arena = ArenaResource::new(
+        CudaResource::new(&device),
+        ArenaOptions {
+            initial: 16 * MIB,
+            maximum: Some(16 * MIB),
+            superblock_size: 64 << 10,
+        },
+    )
+    .unwrap();
+    // Stream arenas read before the busy one: they widen the window between the reads.
+    let fillers: Vec<_> = (0..64).map(|_| device.create_stream().unwrap()).collect();
+    for s in &fillers {
+        let p = arena.allocate(256, s).unwrap();
+        common::free(&arena, p, 256, s);
+    }
+    arena.defragment();
+    let busy = device.create_stream().unwrap();
+    let done = std::sync::atomic::AtomicBool::new(false);
+    std::thread::scope(|scope| {
+        scope.spawn(|| {
+            for _ in 0..3000 {
+                // A superblock from the global arena, then back there.
+                let p = arena.allocate(256, &busy).unwrap();
+                common::free(&arena, p, 256, &busy);
+                arena.defragment();
+            }
+            done.store(true, std::sync::atomic::Ordering::Release);
+        });
+        let mut reads = 0u64;
+        while !done.load(std::sync::atomic::Ordering::Acquire) {
+            reads += 1;
+            if reads % 4 == 0 {
+                // The snapshot read the same way: the superblock showed free in both places.
+                let snapshot = arena.snapshot();
+                assert!(
+                    !snapshot.notes.iter().any(|n| n.contains("shown once")),
+                    "a superblock showed twice: {:?}",
+                    snapshot.notes
+                );
+            }
+            let st = arena.stats();
+            let counted = st.global_free + st.arena_free + st.in_use;
+            assert!(
+                counted <= st.reserved,
+                "counted {counted} bytes of {} reserved: {st:?}",
+                st.reserved
+            );
+        }
+    });
+    busy.synchronize_blocking().unwrap();
+    for s in &fillers {
+        s.synchronize_blocking().unwrap();
+    }
+}

@@ -401,7 +401,13 @@ impl<U: MemoryResource> ArenaResource<U> {
         self.superblock as usize
     }
 
-    /// What the arena holds and has done. Takes every lock in turn: not for a hot loop.
+    /// What the arena holds and has done. Takes every lock: not for a hot loop.
+    ///
+    /// The global arena's lock is held while the stream arenas are read (as `check_invariants`
+    /// takes them): a superblock taken from the global arena between the two reads was counted
+    /// twice, free there and in its stream arena (a review's finding), and one moving between
+    /// two stream arenas (under the global lock) could show in both. A superblock on its way
+    /// between the global arena and a stream arena may still show in neither for a moment.
     pub fn stats(&self) -> ArenaStats {
         let mut stats = ArenaStats {
             reserved: self.reserved.load(Ordering::Relaxed) as usize,
@@ -412,16 +418,16 @@ impl<U: MemoryResource> ArenaResource<U> {
             chunks_released: self.chunks_released.load(Ordering::Relaxed),
             ..ArenaStats::default()
         };
-        {
-            let global = self.global.lock();
-            stats.chunks = global.chunks.len();
-            stats.global_free = global.free_bytes() as usize;
-            stats.global_free_regions = global.regions.len();
-            stats.largest_global_free = global.largest_free() as usize;
-            stats.superblocks = global.lent.len();
-            stats.large_allocations = global.large.len();
-            stats.in_use = global.large.values().map(|l| l.size as usize).sum();
-        }
+        let global = self.global.lock();
+        stats.chunks = global.chunks.len();
+        stats.global_free = global.free_bytes() as usize;
+        stats.global_free_regions = global.regions.len();
+        stats.largest_global_free = global.largest_free() as usize;
+        stats.superblocks = global.lent.len();
+        stats.large_allocations = global.large.len();
+        stats.in_use = global.large.values().map(|l| l.size as usize).sum();
+        // Global, then registry, then each stream arena: the order `check_invariants` uses, and
+        // nothing takes the global lock under the registry's or a stream arena's.
         let arenas = self.arenas();
         stats.streams = arenas.len();
         for arena in arenas {
@@ -431,6 +437,7 @@ impl<U: MemoryResource> ArenaResource<U> {
             stats.in_use += used.saturating_sub(state.remote_bytes()) as usize;
             stats.remote_frees_pending += state.remote.len();
         }
+        drop(global);
         stats
     }
 

@@ -19,15 +19,17 @@ impl<U: MemoryResource> ArenaResource<U> {
     ///   that freed them), and between them the blocks handed out (in use, with the owning
     ///   stream; adjacent allocations show as one block).
     ///
-    /// Locks: the global arena's while its regions and chunks are copied, then each stream
-    /// arena's in turn while its superblocks and lists are. Not atomic: a superblock that
-    /// moves between those reads can show twice or not at all (a note says so).
+    /// Locks: the global arena's, held while each stream arena's is taken in turn (as `stats`
+    /// does): a superblock cannot move between two stream arenas meanwhile, nor be taken from
+    /// the global arena and show both free there and in its stream arena (it did, before a
+    /// review). One on its way between the global arena and a stream arena is in neither for
+    /// a moment: `tile` shows it in use, with no stream.
     pub fn snapshot(&self) -> Snapshot {
         let mut snapshot = Snapshot::new("arena");
         snapshot.reserved = self.reserved.load(Ordering::Relaxed);
         let mut known: Vec<Block> = Vec::new();
+        let global = self.global.lock();
         let chunks: Vec<(u64, u64)> = {
-            let global = self.global.lock();
             for (&addr, region) in &global.regions {
                 let stream = match region.guards.0.as_slice() {
                     [one] => Some(one.stream.get()),
@@ -95,6 +97,7 @@ impl<U: MemoryResource> ArenaResource<U> {
                 }
             }
         }
+        drop(global);
         known.sort_unstable_by_key(|b| b.addr);
         let before = known.len();
         known.dedup_by_key(|b| b.addr);
