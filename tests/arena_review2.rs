@@ -123,3 +123,76 @@ fn stats_never_count_a_superblock_twice() {
         s.synchronize_blocking().unwrap();
     }
 }
+
+/// The `[start, end)` ranges of the dump's lines that begin with `what` (`free region`,
+/// `superblock`), written `what 0xSTART..0xEND`.
+fn dumped_ranges(dump: &str, what: &str) -> Vec<(u64, u64)> {
+    dump.lines()
+        .filter_map(|line| line.trim().strip_prefix(what))
+        .filter_map(|rest| {
+            let range = rest.split_whitespace().next()?;
+            let (start, end) = range.split_once("..")?;
+            let hex = |s: &str| u64::from_str_radix(s.trim_start_matches("0x"), 16).ok();
+            Some((hex(start)?, hex(end)?))
+        })
+        .collect()
+}
+
+/// `dump` listed the global arena's free regions, let go of its lock, then listed the stream
+/// arenas: a superblock taken from the global arena in between was listed both as (part of) a
+/// free region and as a stream arena's superblock. The same bouncing superblock as above;
+/// no dump may list one range in both places.
+#[test]
+fn dump_never_lists_a_superblock_as_free_too() {
+    let device = Device::simulated(SimConfig::default());
+    let arena = ArenaResource::new(
+        CudaResource::new(&device),
+        ArenaOptions {
+            initial: 16 * MIB,
+            maximum: Some(16 * MIB),
+            superblock_size: 64 << 10,
+        },
+    )
+    .unwrap();
+    // As above: stream arenas listed before the busy one widen the window.
+    let fillers: Vec<_> = (0..64).map(|_| device.create_stream().unwrap()).collect();
+    for s in &fillers {
+        let p = arena.allocate(256, s).unwrap();
+        common::free(&arena, p, 256, s);
+    }
+    arena.defragment();
+    let busy = device.create_stream().unwrap();
+    let done = std::sync::atomic::AtomicBool::new(false);
+    std::thread::scope(|scope| {
+        scope.spawn(|| {
+            for _ in 0..3000 {
+                let p = arena.allocate(256, &busy).unwrap();
+                common::free(&arena, p, 256, &busy);
+                arena.defragment();
+            }
+            done.store(true, std::sync::atomic::Ordering::Release);
+        });
+        while !done.load(std::sync::atomic::Ordering::Acquire) {
+            let dump = arena.dump();
+            let free = dumped_ranges(&dump, "free region ");
+            let lent = dumped_ranges(&dump, "superblock ");
+            assert!(
+                !free.is_empty() || !lent.is_empty(),
+                "nothing parsed:\n{dump}"
+            );
+            for &(sb_start, sb_end) in &lent {
+                for &(start, end) in &free {
+                    assert!(
+                        sb_end <= start || end <= sb_start,
+                        "superblock {sb_start:#x}..{sb_end:#x} listed inside free region \
+                         {start:#x}..{end:#x}:\n{dump}"
+                    );
+                }
+            }
+        }
+    });
+    busy.synchronize_blocking().unwrap();
+    for s in &fillers {
+        s.synchronize_blocking().unwrap();
+    }
+}

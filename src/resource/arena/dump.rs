@@ -33,8 +33,11 @@ impl<U: MemoryResource> ArenaResource<U> {
              given back upstream: {}",
             stats.defragments, stats.grows, stats.superblock_moves, stats.chunks_released
         );
+        // Held while the stream arenas are listed (global, registry, stream arena: the order of
+        // `stats`): a superblock taken from the global arena meanwhile was listed twice, as a
+        // free region and in its stream arena (a review's finding).
+        let global = self.global.lock();
         {
-            let global = self.global.lock();
             let free = global.free_bytes();
             let largest = global.largest_free();
             let _ = writeln!(
@@ -94,6 +97,7 @@ impl<U: MemoryResource> ArenaResource<U> {
                 );
             }
         }
+        drop(global);
         out
     }
 
