@@ -100,7 +100,7 @@ fn stats_never_count_a_superblock_twice() {
         let mut reads = 0u64;
         while !done.load(std::sync::atomic::Ordering::Acquire) {
             reads += 1;
-            if reads % 4 == 0 {
+            if reads.is_multiple_of(4) {
                 // The snapshot read the same way: the superblock showed free in both places.
                 let snapshot = arena.snapshot();
                 assert!(
