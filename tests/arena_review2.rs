@@ -196,3 +196,63 @@ fn dump_never_lists_a_superblock_as_free_too() {
         s.synchronize_blocking().unwrap();
     }
 }
+
+/// An upstream whose out-of-memory errors carry no numbers (`available` and `maximum` 0, as
+/// some of the device layer's do, for a caller to fill in): it refuses any request above 16 MiB.
+#[derive(Debug)]
+struct NoNumbers(CudaResource);
+
+// SAFETY: every allocation is the inner resource's, passed on unchanged.
+unsafe impl MemoryResource for NoNumbers {
+    fn device(&self) -> &Device {
+        self.0.device()
+    }
+
+    fn allocate(
+        &self,
+        bytes: usize,
+        stream: &streamalloc::Stream,
+    ) -> streamalloc::Result<streamalloc::DevicePtr> {
+        if bytes > 16 * MIB {
+            return Err(Error::OutOfMemory {
+                requested: bytes,
+                available: 0,
+                maximum: 0,
+            });
+        }
+        self.0.allocate(bytes, stream)
+    }
+
+    unsafe fn deallocate(
+        &self,
+        ptr: streamalloc::DevicePtr,
+        bytes: usize,
+        stream: &streamalloc::Stream,
+    ) -> streamalloc::Result<()> {
+        // SAFETY: the caller's contract, passed on.
+        unsafe { self.0.deallocate(ptr, bytes, stream) }
+    }
+}
+
+/// An upstream error with no numbers says nothing about the upstream's maximum: the arena's
+/// own stays in its error (a maximum of 0 would have made every refused growth look like a
+/// request that can never succeed).
+#[test]
+fn an_upstream_error_without_numbers_keeps_the_arenas_maximum() {
+    let device = Device::simulated(SimConfig::default());
+    let arena = ArenaResource::new(
+        NoNumbers(CudaResource::new(&device)),
+        ArenaOptions {
+            initial: 0,
+            maximum: Some(64 * MIB),
+            ..ArenaOptions::default()
+        },
+    )
+    .unwrap();
+    let s = device.create_stream().unwrap();
+    match arena.allocate(32 * MIB, &s) {
+        Err(Error::OutOfMemory { maximum, .. }) => assert_eq!(maximum, 64 * MIB),
+        other => panic!("expected out of memory, got {other:?}"),
+    }
+    s.synchronize_blocking().unwrap();
+}

@@ -251,8 +251,12 @@ impl<U: MemoryResource> ArenaResource<U> {
         loop {
             let grown;
             (slow, grown) = self.grow(slow, grow_min, size, stream);
+            // A maximum of 0 is an error without numbers (some out-of-memory errors leave them
+            // for a caller to fill in): nothing known, nothing capped.
             if let Err(Error::OutOfMemory {
-                available, maximum, ..
+                available,
+                maximum: maximum @ 1..,
+                ..
             }) = grown
             {
                 upstream_available = upstream_available.min(available as u64);
@@ -641,8 +645,11 @@ impl<U: MemoryResource> ArenaResource<U> {
     fn upstream_out_of_memory(&self, requested: u64, upstream: &Error) -> Error {
         match *upstream {
             Error::OutOfMemory {
-                available, maximum, ..
+                available,
+                maximum: maximum @ 1..,
+                ..
             } => self.out_of_memory_within(requested, available as u64, maximum as u64),
+            // Not out of memory, or out of memory with no numbers (a maximum of 0): our own.
             _ => self.out_of_memory(requested),
         }
     }
