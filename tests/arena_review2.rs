@@ -256,3 +256,25 @@ fn an_upstream_error_without_numbers_keeps_the_arenas_maximum() {
     }
     s.synchronize_blocking().unwrap();
 }
+
+/// The pool's twin of the test above: its error over an upstream that refuses without numbers
+/// said maximum 0, and so every `allocate_async` that needed a growth failed at once.
+#[test]
+fn an_upstream_error_without_numbers_keeps_the_pools_maximum() {
+    let device = Device::simulated(SimConfig::default());
+    let pool = PoolResource::new(
+        NoNumbers(CudaResource::new(&device)),
+        PoolOptions {
+            initial: 0,
+            maximum: Some(64 * MIB),
+            ..PoolOptions::default()
+        },
+    )
+    .unwrap();
+    let s = device.create_stream().unwrap();
+    match pool.allocate(32 * MIB, &s) {
+        Err(Error::OutOfMemory { maximum, .. }) => assert_eq!(maximum, 64 * MIB),
+        other => panic!("expected out of memory, got {other:?}"),
+    }
+    s.synchronize_blocking().unwrap();
+}

@@ -446,8 +446,13 @@ impl<U: MemoryResource> PoolResource<U> {
     /// requests for more than the inner pool could ever hold waited for ever.)
     fn upstream_out_of_memory(&self, requested: u64, upstream: &Error) -> Error {
         match *upstream {
+            // A maximum of 0 is an error without numbers (some out-of-memory errors leave them
+            // for a caller to fill in, a user's `CallbackResource` may give none): nothing
+            // known, nothing capped, or every awaitable request would fail at once.
             Error::OutOfMemory {
-                available, maximum, ..
+                available,
+                maximum: maximum @ 1..,
+                ..
             } => self.out_of_memory_within(requested, available as u64, maximum),
             _ => self.out_of_memory(requested),
         }
