@@ -617,12 +617,24 @@ impl<U: MemoryResource> PoolResource<U> {
     /// memory): every wholly free chunk out of the lists, to give back upstream so that the
     /// growth can try again with that room, and the rest of the room under the maximum that
     /// `min` needs claimed (added to `reserved` until the claim is dropped). None if there
-    /// was no whole free chunk. Free memory spread over chunks too small for a request would
+    /// was no whole free chunk, or one that holds `min` by itself (put back: the request
+    /// looks again). Free memory spread over chunks too small for a request would
     /// otherwise keep it failing (and an `allocate_async` waiting), everything free or not.
     /// Under the engine's `slow`.
     fn take_whole_chunks_for_growth(&self, min: u64) -> Option<(GrowthClaim<'_>, Vec<TakenChunk>)> {
         let whole = self.take_whole_chunks();
         if whole.is_empty() {
+            return None;
+        }
+        // A wholly free chunk that holds the request by itself was freed since the request's
+        // last look (frees take no lock a growth holds). Giving it back to grow a smaller one
+        // only cuts the pool into pieces (`awaitable`'s 64 tasks at the maximum did so under
+        // load, 4 to 20 growths a run, since the give-back at the maximum was made): back in
+        // the lists, and the request looks again (`take_slow`).
+        if whole.iter().any(|&(_, size, _)| size >= min) {
+            if self.put_back_quietly(&whole) {
+                self.tell_waiters.store(true, Ordering::Release);
+            }
             return None;
         }
         let bytes: u64 = whole.iter().map(|&(_, size, _)| size).sum();

@@ -1051,7 +1051,12 @@ impl<S: EngineStream> StreamHeap<S> {
                 let waited;
                 (slow, waited) = upstream.wait_for_give_backs(slow, &self.slow);
                 if !waited {
-                    return Err(e);
+                    // Frees land without `slow`: memory freed since the look above (a whole
+                    // chunk a growth at the maximum found free and put back) serves it now.
+                    return match self.take_any(size, stream, true, upstream)? {
+                        Some(addr) => Ok(addr),
+                        None => Err(e),
+                    };
                 }
                 if let Some(addr) = self.take_any(size, stream, true, upstream)? {
                     return Ok(addr);
