@@ -68,6 +68,33 @@ fn a_request_larger_than_the_upstream_can_hold_fails_at_once() {
 /// fixed reserve no reading may count more than it. `snapshot` read the same way.
 #[test]
 fn stats_never_count_a_superblock_twice() {
+    let mut reads = 0u64;
+    with_a_bouncing_superblock(|arena| {
+        reads += 1;
+        if reads.is_multiple_of(4) {
+            // The snapshot read the same way: the superblock showed free in both places.
+            let snapshot = arena.snapshot();
+            assert!(
+                !snapshot.notes.iter().any(|n| n.contains("shown once")),
+                "a superblock showed twice: {:?}",
+                snapshot.notes
+            );
+        }
+        let st = arena.stats();
+        let counted = st.global_free + st.arena_free + st.in_use;
+        assert!(
+            counted <= st.reserved,
+            "counted {counted} bytes of {} reserved: {st:?}",
+            st.reserved
+        );
+    });
+}
+
+/// An arena of 16 MiB in superblocks of 64 KiB, with 64 stream arenas made before a busy one
+/// (read first, they widen the window between a reader's looks at the global arena and at the
+/// busy stream's arena), while another thread bounces one superblock between the global arena
+/// and the busy stream's arena 3,000 times: `look` runs on this thread until that is over.
+fn with_a_bouncing_superblock(mut look: impl FnMut(&ArenaResource<CudaResource>)) {
     let device = Device::simulated(SimConfig::default());
     let arena = ArenaResource::new(
         CudaResource::new(&device),
@@ -78,7 +105,6 @@ fn stats_never_count_a_superblock_twice() {
         },
     )
     .unwrap();
-    // Stream arenas read before the busy one: they widen the window between the reads.
     let fillers: Vec<_> = (0..64).map(|_| device.create_stream().unwrap()).collect();
     for s in &fillers {
         let p = arena.allocate(256, s).unwrap();
@@ -97,25 +123,8 @@ fn stats_never_count_a_superblock_twice() {
             }
             done.store(true, std::sync::atomic::Ordering::Release);
         });
-        let mut reads = 0u64;
         while !done.load(std::sync::atomic::Ordering::Acquire) {
-            reads += 1;
-            if reads.is_multiple_of(4) {
-                // The snapshot read the same way: the superblock showed free in both places.
-                let snapshot = arena.snapshot();
-                assert!(
-                    !snapshot.notes.iter().any(|n| n.contains("shown once")),
-                    "a superblock showed twice: {:?}",
-                    snapshot.notes
-                );
-            }
-            let st = arena.stats();
-            let counted = st.global_free + st.arena_free + st.in_use;
-            assert!(
-                counted <= st.reserved,
-                "counted {counted} bytes of {} reserved: {st:?}",
-                st.reserved
-            );
+            look(&arena);
         }
     });
     busy.synchronize_blocking().unwrap();
@@ -144,57 +153,24 @@ fn dumped_ranges(dump: &str, what: &str) -> Vec<(u64, u64)> {
 /// no dump may list one range in both places.
 #[test]
 fn dump_never_lists_a_superblock_as_free_too() {
-    let device = Device::simulated(SimConfig::default());
-    let arena = ArenaResource::new(
-        CudaResource::new(&device),
-        ArenaOptions {
-            initial: 16 * MIB,
-            maximum: Some(16 * MIB),
-            superblock_size: 64 << 10,
-        },
-    )
-    .unwrap();
-    // As above: stream arenas listed before the busy one widen the window.
-    let fillers: Vec<_> = (0..64).map(|_| device.create_stream().unwrap()).collect();
-    for s in &fillers {
-        let p = arena.allocate(256, s).unwrap();
-        common::free(&arena, p, 256, s);
-    }
-    arena.defragment();
-    let busy = device.create_stream().unwrap();
-    let done = std::sync::atomic::AtomicBool::new(false);
-    std::thread::scope(|scope| {
-        scope.spawn(|| {
-            for _ in 0..3000 {
-                let p = arena.allocate(256, &busy).unwrap();
-                common::free(&arena, p, 256, &busy);
-                arena.defragment();
-            }
-            done.store(true, std::sync::atomic::Ordering::Release);
-        });
-        while !done.load(std::sync::atomic::Ordering::Acquire) {
-            let dump = arena.dump();
-            let free = dumped_ranges(&dump, "free region ");
-            let lent = dumped_ranges(&dump, "superblock ");
-            assert!(
-                !free.is_empty() || !lent.is_empty(),
-                "nothing parsed:\n{dump}"
-            );
-            for &(sb_start, sb_end) in &lent {
-                for &(start, end) in &free {
-                    assert!(
-                        sb_end <= start || end <= sb_start,
-                        "superblock {sb_start:#x}..{sb_end:#x} listed inside free region \
-                         {start:#x}..{end:#x}:\n{dump}"
-                    );
-                }
+    with_a_bouncing_superblock(|arena| {
+        let dump = arena.dump();
+        let free = dumped_ranges(&dump, "free region ");
+        let lent = dumped_ranges(&dump, "superblock ");
+        assert!(
+            !free.is_empty() || !lent.is_empty(),
+            "nothing parsed:\n{dump}"
+        );
+        for &(sb_start, sb_end) in &lent {
+            for &(start, end) in &free {
+                assert!(
+                    sb_end <= start || end <= sb_start,
+                    "superblock {sb_start:#x}..{sb_end:#x} listed inside free region \
+                     {start:#x}..{end:#x}:\n{dump}"
+                );
             }
         }
     });
-    busy.synchronize_blocking().unwrap();
-    for s in &fillers {
-        s.synchronize_blocking().unwrap();
-    }
 }
 
 /// An upstream whose out-of-memory errors carry no numbers (`available` and `maximum` 0, as
