@@ -1131,11 +1131,22 @@ mod review_tests {
         fn wake(self: Arc<Self>) {}
     }
 
-    /// A trim dropped while it waits puts its chunks back and tells the waiters, the queues
-    /// stacked over the pool's included. It told them with the trims' list locked, so the
-    /// waker of a task waiting on an outer pool ran under the inner pool's lock.
-    #[test]
-    fn a_cancelled_trim_wakes_no_waiter_under_its_lock() {
+    /// The trimmed pool, the second stream and the waiting trim, handed to a test's action.
+    type Trim<'a> = std::pin::Pin<Box<dyn Future<Output = Result<usize>> + 'a>>;
+
+    /// An inner pool of at most `inner_max` bytes with a trim waiting for a busy stream (a
+    /// whole free chunk last used there), and an outer pool of 2 MiB over it, at its maximum,
+    /// with a task waiting for memory there. `act` runs with the inner pool, the second stream
+    /// and the trim, and returns what to finish with; between, the waiter must have been
+    /// told, and its waker never run under the inner pool's trims' list or growth lock.
+    fn a_waiter_above_a_waiting_trim(
+        inner_max: usize,
+        act: impl for<'a> FnOnce(
+            &'a Arc<PoolResource<CudaResource>>,
+            &'a Stream,
+            Trim<'a>,
+        ) -> Box<dyn FnOnce() + 'a>,
+    ) {
         let device = Device::simulated(SimConfig::default());
         let options = |maximum| PoolOptions {
             initial: 0,
@@ -1144,7 +1155,7 @@ mod review_tests {
             ..PoolOptions::default()
         };
         let inner =
-            Arc::new(PoolResource::new(CudaResource::new(&device), options(8 * MIB)).unwrap());
+            Arc::new(PoolResource::new(CudaResource::new(&device), options(inner_max)).unwrap());
         let (d, s) = (
             device.create_stream().unwrap(),
             device.create_stream().unwrap(),
@@ -1155,7 +1166,7 @@ mod review_tests {
         // SAFETY: handed out above on `d`, freed on `d`.
         unsafe { inner.deallocate(x, 2 * MIB, &d) }.unwrap();
         let noop = Waker::from(Arc::new(Noop));
-        let mut trim = Box::pin(inner.trim());
+        let mut trim: Trim<'_> = Box::pin(inner.trim());
         assert!(trim
             .as_mut()
             .poll(&mut Context::from_waker(&noop))
@@ -1174,18 +1185,30 @@ mod review_tests {
             wait.as_mut().poll(&mut Context::from_waker(&waker)),
             Poll::Pending
         ));
-        // The trim cancelled: its chunk goes back, and the waiters are told.
-        drop(trim);
+        let finish = act(&inner, &s, trim);
         assert!(probe.wakes.load(SeqCst) > 0, "the waiter was not told");
         assert!(
             !probe.under_lock.load(SeqCst),
-            "a waker ran under the trims' lock"
+            "a waker ran under the trims' list or the growth lock"
         );
         drop(wait);
         // SAFETY: handed out above on `s`, freed on `s`.
         unsafe { outer.deallocate(y, 2 * MIB, &s) }.unwrap();
+        finish();
         d.synchronize_blocking().unwrap();
         s.synchronize_blocking().unwrap();
+    }
+
+    /// A trim dropped while it waits puts its chunks back and tells the waiters, the queues
+    /// stacked over the pool's included. It told them with the trims' list locked, so the
+    /// waker of a task waiting on an outer pool ran under the inner pool's lock.
+    #[test]
+    fn a_cancelled_trim_wakes_no_waiter_under_its_lock() {
+        a_waiter_above_a_waiting_trim(8 * MIB, |_, _, trim| {
+            // The trim cancelled: its chunk goes back, and the waiters are told.
+            drop(trim);
+            Box::new(|| {})
+        });
     }
 
     /// A request at the maximum takes back what a trim holds, and tells the waiters (memory
@@ -1195,63 +1218,20 @@ mod review_tests {
     /// ever on a lock its own thread holds.
     #[test]
     fn a_recall_from_a_trim_wakes_no_waiter_under_the_growth_lock() {
-        let device = Device::simulated(SimConfig::default());
-        let options = |maximum| PoolOptions {
-            initial: 0,
-            maximum: Some(maximum),
-            small_block_cache: 0,
-            ..PoolOptions::default()
-        };
-        let inner =
-            Arc::new(PoolResource::new(CudaResource::new(&device), options(4 * MIB)).unwrap());
-        let (d, s) = (
-            device.create_stream().unwrap(),
-            device.create_stream().unwrap(),
-        );
-        // A whole free chunk last used on a busy stream: the trim takes it and waits.
-        let x = inner.allocate(2 * MIB, &d).unwrap();
-        d.spin(Duration::from_millis(1500)).unwrap();
-        // SAFETY: handed out above on `d`, freed on `d`.
-        unsafe { inner.deallocate(x, 2 * MIB, &d) }.unwrap();
-        let noop = Waker::from(Arc::new(Noop));
-        let mut trim = Box::pin(inner.trim());
-        assert!(trim
-            .as_mut()
-            .poll(&mut Context::from_waker(&noop))
-            .is_pending());
-        // An outer pool at its maximum (the inner one at its own), with a task waiting there.
-        let outer = PoolResource::new(inner.clone(), options(2 * MIB)).unwrap();
-        let y = outer.allocate(2 * MIB, &s).unwrap();
-        let probe = Arc::new(Probe {
-            inner: inner.clone(),
-            wakes: AtomicUsize::new(0),
-            under_lock: AtomicBool::new(false),
+        // The inner pool at its maximum with the trim's chunk and the outer pool's.
+        a_waiter_above_a_waiting_trim(4 * MIB, |inner, s, trim| {
+            // A request at the inner pool's maximum takes the trim's chunk back.
+            let z = inner.allocate(2 * MIB, s).unwrap();
+            Box::new(move || {
+                // SAFETY: handed out above on `s`, freed on `s`.
+                unsafe { inner.deallocate(z, 2 * MIB, s) }.unwrap();
+                let _ = common_block_on(trim);
+            })
         });
-        let waker = Waker::from(probe.clone());
-        let mut wait = Box::pin(outer.allocate_async(2 * MIB, &s));
-        assert!(matches!(
-            wait.as_mut().poll(&mut Context::from_waker(&waker)),
-            Poll::Pending
-        ));
-        // A request at the inner pool's maximum takes the trim's chunk back.
-        let z = inner.allocate(2 * MIB, &s).unwrap();
-        assert!(probe.wakes.load(SeqCst) > 0, "the waiter was not told");
-        assert!(
-            !probe.under_lock.load(SeqCst),
-            "a waker ran under the growth lock"
-        );
-        drop(wait);
-        // SAFETY: handed out above on `s`, freed on `s`.
-        unsafe { outer.deallocate(y, 2 * MIB, &s) }.unwrap();
-        // SAFETY: handed out above on `s`, freed on `s`.
-        unsafe { inner.deallocate(z, 2 * MIB, &s) }.unwrap();
-        let _ = common_block_on(trim);
-        d.synchronize_blocking().unwrap();
-        s.synchronize_blocking().unwrap();
     }
 
     /// Drives `fut` to its end on this thread.
-    fn common_block_on<F: Future>(fut: std::pin::Pin<Box<F>>) -> F::Output {
+    fn common_block_on<F: Future + ?Sized>(fut: std::pin::Pin<Box<F>>) -> F::Output {
         let mut fut = fut;
         let waker = Waker::from(Arc::new(Noop));
         loop {
