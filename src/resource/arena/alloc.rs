@@ -69,7 +69,7 @@ impl<U: MemoryResource> ArenaResource<U> {
                 .record_unwatched()
                 .and_then(|e| arena.stream.wait(&e))
             {
-                arena.state.lock().remote.extend(remote);
+                self.put_back_remote(arena, remote);
                 return Err(e);
             }
             ordered.push(id);
@@ -94,6 +94,25 @@ impl<U: MemoryResource> ArenaResource<U> {
             self.forward_remote(r);
         }
         Ok(got)
+    }
+
+    /// Remote frees an adoption took out of `arena` and could not order: they wait again, in
+    /// the arena that holds their superblock now. One may have moved to another stream arena
+    /// while they were out (a move takes only the remote frees still queued); put back into
+    /// `arena`, it counted in `arena`'s remote bytes against superblocks `arena` no longer
+    /// holds, and the new owner showed it in use (`stats().in_use` counted a freed block).
+    fn put_back_remote(&self, arena: &StreamArena, remote: Vec<Remote>) {
+        let moved_away: Vec<Remote> = {
+            let mut state = arena.state.lock();
+            let (mine, moved): (Vec<Remote>, Vec<Remote>) = remote
+                .into_iter()
+                .partition(|r| state.find(r.addr, r.size).is_some());
+            state.remote.extend(mine);
+            moved
+        };
+        for r in moved_away {
+            self.forward_remote(r);
+        }
     }
 
     /// A remote free whose superblock moved to another stream arena while it waited: it waits
@@ -767,6 +786,76 @@ impl<U: MemoryResource> ArenaResource<U> {
                     .note_allocation(DevicePtr(addr), size as usize, stream);
                 Err(e)
             }
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::resource::arena::ArenaOptions;
+    use crate::resource::cuda::CudaResource;
+    use crate::{Device, FaultKind, Faults, SimConfig};
+
+    const KIB: u64 = 1 << 10;
+
+    /// An adoption takes its arena's remote frees out, orders its stream after theirs, then
+    /// gives them to its free list. A superblock may move to another stream meanwhile (a move
+    /// takes only the remote frees still queued); the ordering failing then put the moved
+    /// superblock's remote free back into the old owner, whose remote bytes counted it against
+    /// superblocks it no longer held, while the new owner showed the freed block in use.
+    #[test]
+    fn a_failed_adoption_gives_a_moved_superblocks_remote_free_to_its_new_owner() {
+        let faults = Faults::new();
+        let device = Device::simulated(SimConfig {
+            faults: faults.clone(),
+            ..SimConfig::default()
+        });
+        let options = ArenaOptions {
+            initial: 4 << 20,
+            maximum: Some(4 << 20),
+            superblock_size: 1 << 20,
+        };
+        let r = ArenaResource::new(CudaResource::new(&device), options).unwrap();
+        let streams: Vec<Stream> = (0..3).map(|_| device.create_stream().unwrap()).collect();
+        let (s1, s2, s3) = (&streams[0], &streams[1], &streams[2]);
+        let size = 256 * KIB;
+        let a = r.allocate(size as usize, s1).unwrap();
+        let b = r.allocate(size as usize, s1).unwrap();
+        // SAFETY: allocated above, unused; freed once.
+        unsafe { r.deallocate(a, size as usize, s2) }.unwrap();
+        let owner = r.arena_for(s1);
+        // An adoption on `s1` takes the queue out (as `allocate_small` does)...
+        let remote = std::mem::take(&mut owner.state.lock().remote);
+        assert_eq!(remote.len(), 1);
+        // ... a request on `s3` moves the superblock over meanwhile...
+        let recipient = r.arena_for(s3);
+        let c = r.move_superblock(&recipient, size).unwrap().unwrap();
+        // ... and the event on `s2` that would order `s1` after the free cannot be recorded.
+        faults.fail_next(FaultKind::Record);
+        assert!(r.adopt(&owner, remote, None).is_err());
+        assert_eq!(faults.injected(FaultKind::Record), 1);
+        let stats = r.stats();
+        assert_eq!(
+            stats.in_use,
+            2 * size as usize,
+            "a freed block counts as in use after a failed adoption: {stats:?}"
+        );
+        assert_eq!(stats.remote_frees_pending, 1, "{stats:?}");
+        assert!(owner.state.lock().remote.is_empty());
+        assert_eq!(recipient.state.lock().remote.len(), 1);
+        r.check_invariants().unwrap();
+        // The new owner adopts it: everything comes back.
+        // SAFETY: allocated above, unused; each freed once.
+        unsafe { r.deallocate(DevicePtr(b.0), size as usize, s1) }.unwrap();
+        // SAFETY: as above.
+        unsafe { r.deallocate(DevicePtr(c), size as usize, s3) }.unwrap();
+        assert_eq!(r.defragment(), 1);
+        let stats = r.stats();
+        assert_eq!((stats.in_use, stats.superblocks), (0, 0), "{stats:?}");
+        r.check_invariants().unwrap();
+        for s in &streams {
+            s.synchronize_blocking().unwrap();
         }
     }
 }

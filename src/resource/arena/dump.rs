@@ -184,6 +184,16 @@ impl<U: MemoryResource> ArenaResource<U> {
                 })?;
                 *free_in.entry(base).or_default() += size;
             }
+            // A block freed on another stream waits in the arena holding its superblock (an
+            // adoption that failed once put one back into an arena the superblock had left).
+            for r in &state.remote {
+                if state.find(r.addr, r.size).is_none() {
+                    return Err(format!(
+                        "{id}: remote free {:#x}+{} outside its superblocks",
+                        r.addr, r.size
+                    ));
+                }
+            }
             for (&base, sb) in &state.superblocks {
                 match global.lent.get(&base) {
                     Some(lent) if lent.arena.stream.id() == id => {}
