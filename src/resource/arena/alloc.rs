@@ -20,19 +20,60 @@ impl<U: MemoryResource> ArenaResource<U> {
     // ===== stream arenas =====
 
     /// The arena of `stream`, made on first use.
+    ///
+    /// Making one also lets go of the arenas of streams the user dropped
+    /// ([`let_go_of_dropped`](Self::let_go_of_dropped)): each holds a handle of its stream
+    /// (and so the driver's stream) until it is forgotten, which only a defragmentation did,
+    /// and a program that makes a stream per task and never runs short kept every one of them.
+    /// A new stream is when a program that drops streams makes another, and the registry's lock
+    /// is taken then anyway: no cost on the paths that find their arena.
     pub(super) fn arena_for(&self, stream: &Stream) -> Arc<StreamArena> {
         let id = stream.id().get();
         if let Some(arena) = cache::get(self.uid, id) {
             return arena;
         }
-        let arena = self
-            .registry
-            .lock()
-            .entry(id)
-            .or_insert_with(|| Arc::new(StreamArena::new(stream)))
-            .clone();
+        let (arena, dropped) = {
+            let mut registry = self.registry.lock();
+            if let Some(arena) = registry.get(&id) {
+                (arena.clone(), Vec::new())
+            } else {
+                // Once 0, a count stays 0: nothing but a handle can make another.
+                let dropped: Vec<Arc<StreamArena>> = (registry.values())
+                    .filter(|a| a.stream.users() == 0)
+                    .cloned()
+                    .collect();
+                let arena = Arc::new(StreamArena::new(stream));
+                registry.insert(id, arena.clone());
+                (arena, dropped)
+            }
+        };
         cache::put(self.uid, id, &arena);
+        if !dropped.is_empty() {
+            self.let_go_of_dropped(dropped);
+        }
         arena
+    }
+
+    /// Gives back what the arenas of dropped streams hold free and forgets those left with
+    /// nothing (see [`tidy`](Self::tidy): their superblocks go back to the global arena guarded
+    /// by an event recorded on their stream, so whoever takes them is ordered after its work),
+    /// letting go of their stream. Under `slow`, as a defragmentation, so that a request about
+    /// to fail sees no superblock halfway to the global arena; where something holds it (a
+    /// request that grows, on this thread too: a growth looks its arena up under it) this waits
+    /// for nothing and lets them be: the next new stream or defragmentation lets go of them.
+    fn let_go_of_dropped(&self, dropped: Vec<Arc<StreamArena>>) {
+        let Some(_slow) = self.slow.try_lock() else {
+            return;
+        };
+        let _span = tracing::debug_span!("let_go_of_dropped", arenas = dropped.len()).entered();
+        for arena in &dropped {
+            // The frees that made these superblocks free have woken the waiters already (as
+            // for `defragment_quietly`).
+            self.tidy(arena);
+        }
+        // The handles of the streams forgotten go here, last: a stream's drop takes locks of
+        // its own (it went with `_slow` held before as well, in `defragment_quietly`).
+        drop(dropped);
     }
 
     /// The arena of `stream` if it has one.
@@ -195,28 +236,37 @@ impl<U: MemoryResource> ArenaResource<U> {
         let _span = tracing::debug_span!("defragment").entered();
         let mut returned = 0;
         for arena in self.arenas() {
-            let remote = std::mem::take(&mut arena.state.lock().remote);
-            if !remote.is_empty() {
-                if let Err(e) = self.adopt(&arena, remote, None) {
-                    tracing::debug!(error = %e, stream = %arena.stream.id(), "could not adopt remote frees");
-                }
-            }
-            let empty = arena.state.lock().take_all_empty();
-            // What `release` gave back, not what it tried to: a superblock whose guard could
-            // not be recorded stays with its stream (it was counted as returned).
-            returned += self.release(&arena, empty);
-            // Forget the arena of a stream the user dropped, once it holds nothing.
-            if arena.stream.users() == 0 {
-                let mut registry = self.registry.lock();
-                let mut state = arena.state.lock();
-                if state.superblocks.is_empty() && state.remote.is_empty() {
-                    state.retired = true;
-                    registry.remove(&arena.stream.id().get());
-                }
-            }
+            returned += self.tidy(&arena);
         }
         self.defragments.fetch_add(1, Ordering::Relaxed);
         tracing::debug!(returned, "defragmented");
+        returned
+    }
+
+    /// What a defragmentation does to one stream arena, under `slow`: it adopts its remote
+    /// frees, gives its wholly free superblocks back to the global arena, and is forgotten if
+    /// the user dropped its stream and it holds nothing. Returns how many superblocks went
+    /// back.
+    fn tidy(&self, arena: &Arc<StreamArena>) -> usize {
+        let remote = std::mem::take(&mut arena.state.lock().remote);
+        if !remote.is_empty() {
+            if let Err(e) = self.adopt(arena, remote, None) {
+                tracing::debug!(error = %e, stream = %arena.stream.id(), "could not adopt remote frees");
+            }
+        }
+        let empty = arena.state.lock().take_all_empty();
+        // What `release` gave back, not what it tried to: a superblock whose guard could
+        // not be recorded stays with its stream (it was counted as returned).
+        let returned = self.release(arena, empty);
+        // Forget the arena of a stream the user dropped, once it holds nothing.
+        if arena.stream.users() == 0 {
+            let mut registry = self.registry.lock();
+            let mut state = arena.state.lock();
+            if state.superblocks.is_empty() && state.remote.is_empty() {
+                state.retired = true;
+                registry.remove(&arena.stream.id().get());
+            }
+        }
         returned
     }
 
