@@ -108,8 +108,13 @@ impl<U: MemoryResource> Grow for FixedSizeResource<U> {
         let size = self.block * self.blocks_per_chunk;
         let _span = tracing::debug_span!("grow", chunk = size, block = self.block).entered();
         let ptr = self.upstream.allocate(size as usize, stream)?;
-        self.chunks.lock().push((ptr.0, size));
+        // Counted under the chunk list's lock, which `snapshot` reads both under: counted
+        // after the lock was let go, a snapshot in between showed chunks summing to more than
+        // `reserved`.
+        let mut chunks = self.chunks.lock();
+        chunks.push((ptr.0, size));
         self.reserved.fetch_add(size, Ordering::Relaxed);
+        drop(chunks);
         Ok((ptr.0, size))
     }
 }

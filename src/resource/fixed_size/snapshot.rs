@@ -14,8 +14,13 @@ impl<U: MemoryResource> FixedSizeResource<U> {
     /// [`PoolResource::snapshot`]: crate::resource::pool::PoolResource::snapshot
     pub fn snapshot(&self) -> Snapshot {
         let mut snapshot = Snapshot::new(format!("fixed_size({})", self.block));
-        snapshot.reserved = self.reserved.load(Ordering::Relaxed);
-        let chunks: Vec<(u64, u64)> = self.chunks.lock().clone();
+        // Both under the chunk list's lock, under which a growth adds to both: read apart, a
+        // growth in between showed chunks summing to more than `reserved`.
+        let chunks: Vec<(u64, u64)> = {
+            let chunks = self.chunks.lock();
+            snapshot.reserved = self.reserved.load(Ordering::Relaxed);
+            chunks.clone()
+        };
         let free = free_blocks(self.heap.free_blocks_by_list());
         snapshot.chunks = tile(&chunks, ChunkKind::Upstream, free, &mut snapshot.notes);
         // Every block is `block` bytes: a gap between free blocks is that many blocks in use.
