@@ -60,6 +60,16 @@
 //! from the streams that need it (RMM's test "free on another thread after superblocks moved
 //! between streams" passes).
 //!
+//! ## Streams the user drops
+//!
+//! A stream arena holds a handle of its stream (and so the driver's stream). When the user has
+//! dropped the stream, a defragmentation, or the making of the next new stream's arena (a
+//! program that drops streams makes others), gives back what its arena holds free (its remote
+//! frees adopted first, its free superblocks guarded by an event recorded on the stream, as
+//! any superblock going back) and forgets it once it holds nothing, letting go of the stream.
+//! One that still holds live blocks stays until they are freed (on another stream) and one of
+//! those comes again.
+//!
 //! ## Chunks going back
 //!
 //! Free regions never merge across two chunks, so an arena that grew in several chunks could
