@@ -213,7 +213,8 @@ impl SimStream {
         let queue = self.queue.lock();
         // An inline stream runs each operation as it is queued: it is always idle.
         let idle = queue.inline.is_some() || (queue.ops.is_empty() && !queue.running);
-        if idle {
+        // Not once closed: its slot in the detector may belong to a later stream by now.
+        if idle && !queue.closed {
             if let Some((races, idx)) = &self.races {
                 // Under the queue's lock (the detector's lock comes after it): no operation of
                 // this stream can be queued in between and be taken as seen.

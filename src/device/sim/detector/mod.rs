@@ -145,15 +145,32 @@ const MAX_USES: usize = 64;
 /// so that a long test does not grow the map without bound.
 const KEPT_RAW_FREES: usize = 4096;
 
-/// A point of a stream: the operation at `epoch` (or the host, at epoch 0).
+/// A point of a stream: the operation at `epoch` of slot `stream` (or the host, at epoch 0).
 #[derive(Clone, Copy, Debug)]
 struct Point {
     stream: u32,
     epoch: Epoch,
     op: &'static str,
+    /// The stream that queued it, for a report: the slot may hold another stream by the time
+    /// the point is reported (see [`Detector::add_stream`]).
+    id: Option<StreamId>,
+    /// The slot's count when that stream took it: `epoch - base` is the operation's position
+    /// on its own stream.
+    base: Epoch,
 }
 
 impl Point {
+    /// A point of the host (ordered before everything): a synchronous `malloc`, `free`...
+    fn host(op: &'static str) -> Point {
+        Point {
+            stream: HOST,
+            epoch: 0,
+            op,
+            id: None,
+            base: 0,
+        }
+    }
+
     /// Whether this point is ordered before work whose clock is `clock`.
     fn before(&self, clock: &[Epoch]) -> bool {
         self.epoch == 0
@@ -196,7 +213,12 @@ struct Seg {
 
 struct StreamState {
     id: Option<StreamId>,
+    /// Empty once the stream is closed.
     clock: Clock,
+    /// The slot's count when this stream took it (0 for the slot's first stream).
+    base: Epoch,
+    /// Once closed: the slot's count, the epoch of the stream's last operation.
+    last: Epoch,
     /// What the stream is ordered after on other devices (see the module docs).
     foreign: Foreign,
     /// The host clock's version last joined.
@@ -204,7 +226,11 @@ struct StreamState {
 }
 
 struct State {
+    /// By slot (a stream's dense index; 0 the host's). A closed stream's slot goes to a later
+    /// stream once the host has seen all its work (see [`Detector::add_stream`]).
     streams: Vec<StreamState>,
+    /// The slots of closed streams not yet handed to a new stream.
+    closed: Vec<u32>,
     /// What the user's code has seen complete: joined into every stream at its next operation.
     host: Clock,
     host_version: u64,
@@ -248,9 +274,12 @@ impl Detector {
                 streams: vec![StreamState {
                     id: None,
                     clock: vec![0],
+                    base: 0,
+                    last: 0,
                     foreign: Vec::new(),
                     host_seen: 0,
                 }],
+                closed: Vec::new(),
                 host: vec![0],
                 host_version: 0,
                 seen_by_crate: vec![0],
@@ -293,13 +322,65 @@ impl Detector {
         }
     }
 
-    /// A new stream: its dense index.
+    /// A new stream: its dense index (its slot, a component of every clock).
+    ///
+    /// A closed stream's slot is handed out again once the host clock covers the closed
+    /// stream's last operation; else a new slot is added. Without reuse every clock (and every
+    /// snapshot an event carries, every join) kept a component for every stream the device
+    /// ever made, so a server making a stream per request slowed down and grew without bound.
+    ///
+    /// Why the reuse is sound. A slot's epochs go on counting across its streams: the new
+    /// stream `B` starts at the old stream `A`'s last epoch `n`, so every point of either
+    /// keeps a (slot, epoch) of its own, and a clock's component `c` for the slot still means
+    /// "the slot's operations up to `c` are ordered before". That meaning holds for a
+    /// component above `n` only if each of `B`'s operations is ordered after all of `A`'s
+    /// (a clock that learns of `B`'s operation `n + 1` through an event learns of `A`'s `1..=n`
+    /// with it, and `B`'s own clock claims them from its first operation). A new stream knows
+    /// nothing of `A` of its own (it starts from the host clock, never from `A`'s clock,
+    /// which went at `A`'s close), so that must already hold for *everything* queued from now
+    /// on: the host clock covers `n` (the user's code saw `A`'s last operation complete: a
+    /// synchronize, an idle answer, an event recorded last and awaited), which orders every
+    /// later operation on every stream after all of `A`'s. (`B`'s first operation joins that
+    /// host clock, so its count goes on above `n` even without the start set here.) The
+    /// crate's own clock will not do: it orders none of the user's work. A slot whose stream
+    /// was closed with work the host never saw complete stays closed until the host does (a
+    /// missed reuse, never a missed race): `B` in it would take `A`'s unseen writes for its
+    /// own past and miss their races with `B`'s uses. So streams dropped with work nobody
+    /// waited for still widen the clocks, one slot each, until the host sees that work.
+    ///
+    /// Everything else of `A` stays as it was: its points in the shadow keep their epochs (at
+    /// most `n`, ordered before `B`'s) and their stream's id and position for reports, and
+    /// its `SimStream`, closed, no longer speaks for the slot (`idle_seen_by`).
     pub(crate) fn add_stream(&self, id: StreamId) -> u32 {
         let mut st = self.lock();
-        let idx = st.streams.len() as u32;
-        st.streams.push(StreamState {
+        let State {
+            streams,
+            closed,
+            host,
+            ..
+        } = &mut *st;
+        let seen = |i: u32| host.get(i as usize).copied().unwrap_or(0) >= streams[i as usize].last;
+        if let Some(at) = closed.iter().position(|&i| seen(i)) {
+            let idx = closed.swap_remove(at);
+            let base = streams[idx as usize].last;
+            let mut clock = vec![0; idx as usize + 1];
+            clock[idx as usize] = base;
+            streams[idx as usize] = StreamState {
+                id: Some(id),
+                clock,
+                base,
+                last: 0,
+                foreign: Vec::new(),
+                host_seen: 0,
+            };
+            return idx;
+        }
+        let idx = streams.len() as u32;
+        streams.push(StreamState {
             id: Some(id),
             clock: vec![0; idx as usize + 1],
+            base: 0,
+            last: 0,
             foreign: Vec::new(),
             host_seen: 0,
         });
@@ -307,14 +388,31 @@ impl Detector {
     }
 
     /// Stream `idx`'s handle is gone: nothing is queued on it again, so its clock (a word
-    /// for every stream made before it) and what it knew of other devices go. Its operations
-    /// stay in the shadow as points (a stream and an epoch), which other streams' clocks
-    /// order.
+    /// for every slot below it) and what it knew of other devices go. Its operations stay in
+    /// the shadow as points (a slot and an epoch), which other streams' clocks order; its
+    /// slot goes to a later stream once the host has seen them all
+    /// ([`add_stream`](Self::add_stream)).
     pub(crate) fn close_stream(&self, idx: u32) {
         let mut st = self.lock();
         let s = &mut st.streams[idx as usize];
+        if s.clock.is_empty() {
+            return; // closed already: listed once
+        }
+        s.last = s.clock[idx as usize];
         s.clock = Vec::new();
         s.foreign = Vec::new();
+        st.closed.push(idx);
+    }
+
+    /// The widest clock the detector holds (a stream's, the host's, the crate's) and the
+    /// number of slots: a test's view of what an operation copies and joins.
+    #[cfg(all(test, not(streamalloc_loom)))]
+    pub(crate) fn clock_width(&self) -> usize {
+        let st = self.lock();
+        (st.streams.iter().map(|s| s.clock.len()))
+            .chain([st.host.len(), st.seen_by_crate.len(), st.streams.len()])
+            .max()
+            .unwrap_or(0)
     }
 
     /// How many streams are open (made and not closed; not the host's clock, which has no
@@ -433,6 +531,19 @@ impl Detector {
         *own
     }
 
+    /// Advances stream `idx` by one operation: its point.
+    fn point(st: &mut State, idx: u32, op: &'static str) -> Point {
+        let epoch = Self::tick(st, idx);
+        let s = &st.streams[idx as usize];
+        Point {
+            stream: idx,
+            epoch,
+            op,
+            id: s.id,
+            base: s.base,
+        }
+    }
+
     /// An operation that touches no memory (a spin, a wait's own slot).
     pub(crate) fn plain_op(&self, idx: u32) {
         Self::tick(&mut self.lock(), idx);
@@ -483,7 +594,7 @@ impl Detector {
         let site = RaceSite {
             stream: s.id,
             op,
-            position: s.clock[idx as usize] + 1,
+            position: s.clock[idx as usize] + 1 - s.base,
         };
         (clock, site)
     }
@@ -509,6 +620,8 @@ impl Detector {
             stream: u32::MAX,
             epoch: 1,
             op: at.op,
+            id: None,
+            base: 0,
         };
         let mut race = st.check_use(ptr, bytes, point, MemoryAccess::Read, &clock)?;
         race.at = at;
@@ -531,12 +644,7 @@ impl Detector {
         reject: bool,
     ) -> Option<Race> {
         let mut st = self.lock();
-        let epoch = Self::tick(&mut st, idx);
-        let at = Point {
-            stream: idx,
-            epoch,
-            op,
-        };
+        let at = Self::point(&mut st, idx, op);
         let clock = st.streams[idx as usize].clock.clone();
         let mut found = None;
         for &(ptr, bytes, access) in ranges {
@@ -572,16 +680,8 @@ impl Detector {
         }
         let mut st = self.lock();
         let at = match idx {
-            Some(idx) => Point {
-                stream: idx,
-                epoch: Self::tick(&mut st, idx),
-                op: "allocate",
-            },
-            None => Point {
-                stream: HOST,
-                epoch: 0,
-                op: "malloc",
-            },
+            Some(idx) => Self::point(&mut st, idx, "allocate"),
+            None => Point::host("malloc"),
         };
         st.split(start);
         st.split(end);
@@ -686,22 +786,10 @@ impl Detector {
     ) -> Option<Race> {
         let (at, clock) = match idx {
             Some(idx) => {
-                let epoch = Self::tick(st, idx);
-                let at = Point {
-                    stream: idx,
-                    epoch,
-                    op: "free",
-                };
+                let at = Self::point(st, idx, "free");
                 (at, st.streams[idx as usize].clock.clone())
             }
-            None => (
-                Point {
-                    stream: HOST,
-                    epoch: 0,
-                    op: "free",
-                },
-                st.host.clone(),
-            ),
+            None => (Point::host("free"), st.host.clone()),
         };
         let block = match bytes {
             Some(bytes) => match ptr.checked_add(bytes as u64) {
@@ -838,11 +926,7 @@ impl Detector {
     /// by the timing of an access to an unmapped granule.
     pub(crate) fn unmapped(&self, start: u64, end: u64) -> Option<Race> {
         let mut st = self.lock();
-        let at = Point {
-            stream: HOST,
-            epoch: 0,
-            op: "unmap",
-        };
+        let at = Point::host("unmap");
         let mut clock = st.host.clone();
         join(&mut clock, &st.seen_by_crate);
         let mut found: Option<(Point, Life)> = None;
@@ -1088,6 +1172,124 @@ mod tests {
         );
         // SAFETY: nothing is queued that uses it (the streams run inline).
         unsafe { device.free(ptr) }.unwrap();
+    }
+
+    /// A stream made and dropped per request (a server's pattern) leaves the clocks as wide
+    /// as the streams alive at once, once the host has seen each one's work: its slot goes to
+    /// the next stream. Every stream kept a slot, so every clock, snapshot and join grew by a
+    /// word per stream ever made (1,002 wide here), and the server slowed down and grew.
+    #[test]
+    fn a_closed_streams_slot_goes_to_a_later_stream() {
+        use crate::device::Backend;
+        let device = crate::Device::simulated(crate::SimConfig {
+            race_detection: RaceDetection::Record,
+            execution: crate::SimExecution::Inline,
+            ..crate::SimConfig::default()
+        });
+        let ptr = device.malloc(1024).unwrap();
+        let keep = device.create_stream().unwrap();
+        for _ in 0..1000 {
+            let s = device.create_stream().unwrap();
+            s.wait(&keep.record().unwrap()).unwrap();
+            s.declare_access(ptr, 1024, MemoryAccess::Write, "write")
+                .unwrap();
+            keep.wait(&s.record().unwrap()).unwrap();
+            s.synchronize_blocking().unwrap();
+        }
+        keep.declare_access(ptr, 1024, MemoryAccess::Write, "write")
+            .unwrap();
+        assert!(device.races().is_empty(), "{:?}", device.races());
+        let Backend::Sim(sim) = device.backend() else {
+            unreachable!("a simulated device")
+        };
+        let width = sim.races.as_ref().unwrap().clock_width();
+        assert!(width <= 3, "clocks {width} wide for two live streams");
+        // SAFETY: nothing is queued that uses it (the streams run inline).
+        unsafe { device.free(ptr) }.unwrap();
+    }
+
+    /// What a reused slot must keep: a closed stream whose last write the host has not seen
+    /// complete keeps its slot, so a new stream's unordered read of it is still a race (in the
+    /// slot, the write would pass for the new stream's own past); a new stream in a slot
+    /// whose old work the host saw is ordered after that work, and its own operations count
+    /// on from the old stream's, so an older stream not ordered after them still races with
+    /// them. Reports name the stream that queued each operation, and its position there.
+    #[test]
+    fn a_reused_slot_misses_no_race_and_makes_none() {
+        let detector = Detector::new(RaceDetection::Record);
+        let keep = detector.add_stream(StreamId::next());
+        let (ptr, bytes) = (0x1000, 256);
+        assert!(detector
+            .allocate(None, ptr, bytes, true, Reuse::Check)
+            .is_none());
+        let write = [(ptr, bytes, MemoryAccess::Write)];
+        let read = [(ptr, bytes, MemoryAccess::Read)];
+        let seen_by_host = |idx| detector.host_join(&detector.record(idx));
+
+        // The host saw `a` up to a record, not its write after it.
+        let a_id = StreamId::next();
+        let a = detector.add_stream(a_id);
+        seen_by_host(a);
+        assert!(detector.access(a, "write", &write, false).is_none());
+        let a_done = detector.record(a);
+        detector.close_stream(a);
+        let b = detector.add_stream(StreamId::next());
+        let race = detector.access(b, "read", &read, false).expect("a race");
+        assert_eq!(race.kind, RaceKind::ReadAfterWrite);
+        assert_eq!(
+            (race.earlier.stream, race.earlier.position),
+            (Some(a_id), 2)
+        );
+        detector.take_races();
+        // The user's code awaits `a`'s last event: `a`'s slot goes to the next stream, which
+        // is ordered after the write. (And sees `b`'s read done, which orders it before all
+        // that follows.)
+        detector.host_join(&a_done);
+        seen_by_host(b);
+        let c_id = StreamId::next();
+        let c = detector.add_stream(c_id);
+        assert_eq!(c, a, "the slot was not reused");
+        assert!(detector.access(c, "read", &read, false).is_none());
+        // `c` writes; `keep` reads without waiting for it: a race, as for any new stream.
+        assert!(detector.access(c, "write", &write, false).is_none());
+        let race = detector.access(keep, "read", &read, false).expect("a race");
+        assert_eq!(race.kind, RaceKind::ReadAfterWrite);
+        assert_eq!(
+            (race.earlier.stream, race.earlier.position),
+            (Some(c_id), 2)
+        );
+        detector.take_races();
+        // Ordered by a wait: none.
+        detector.wait(keep, &detector.record(c));
+        assert!(detector.access(keep, "read", &read, false).is_none());
+        assert!(detector.races().is_empty(), "{:?}", detector.races());
+
+        // A block freed on `d`, which the host saw; `e` takes `d`'s slot and uses the block:
+        // a use after free of `d`'s free (named as `d`'s, not `e`'s).
+        let (block, len) = (0x1000, 128);
+        let d_id = StreamId::next();
+        let d = detector.add_stream(d_id);
+        detector.wait(d, &detector.record(keep));
+        assert!(detector
+            .allocate(Some(d), block, len, false, Reuse::Check)
+            .is_none());
+        assert!(detector
+            .free(Some(d), block, Some(len), false, false)
+            .is_none());
+        seen_by_host(d);
+        detector.close_stream(d);
+        let e_id = StreamId::next();
+        let e = detector.add_stream(e_id);
+        assert_eq!(e, d, "the slot was not reused");
+        let race = (detector.access(e, "write", &[(block, len, MemoryAccess::Write)], false))
+            .expect("a race");
+        assert_eq!(race.kind, RaceKind::UseAfterFree);
+        assert_eq!(
+            (race.earlier.stream, race.earlier.position),
+            (Some(d_id), 3)
+        );
+        assert_eq!(race.at.stream, Some(e_id));
+        assert_eq!(race.at.position, 1);
     }
 
     /// Page-locked host memory is device memory to the detector: work on two streams racing

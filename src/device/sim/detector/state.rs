@@ -8,10 +8,12 @@ use crate::device::DevicePtr;
 
 impl State {
     pub(super) fn site(&self, p: Point) -> RaceSite {
+        // The point's own stream, not the slot's: the slot may have gone to another stream
+        // since (see `Detector::add_stream`).
         RaceSite {
-            stream: self.streams.get(p.stream as usize).and_then(|s| s.id),
+            stream: p.id,
             op: p.op,
-            position: p.epoch,
+            position: p.epoch - p.base,
         }
     }
 
