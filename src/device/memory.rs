@@ -9,13 +9,29 @@ use crate::error::{Error, Result};
 impl Device {
     pub(crate) fn oom(&self, requested: usize, err: Error) -> Error {
         if err.is_out_of_memory() {
+            // The simulated device grants whole blocks: its free and total bytes were
+            // reported, more than a request can get (`malloc(1000)` of a 1,000-byte device was
+            // refused with 1,000 available).
+            let (available, maximum) = match &self.inner.backend {
+                Backend::Cuda(_) => (self.free_memory().unwrap_or(0), self.total_memory()),
+                Backend::Sim(d) => d.memory.room(),
+            };
             Error::OutOfMemory {
                 requested,
-                available: self.free_memory().unwrap_or(0),
-                maximum: self.total_memory(),
+                available,
+                maximum,
             }
         } else {
             err
+        }
+    }
+
+    /// The largest device allocation that could ever succeed: the total memory, in whole
+    /// blocks on the simulated device.
+    fn largest_allocation(&self) -> usize {
+        match &self.inner.backend {
+            Backend::Cuda(_) => self.total_memory(),
+            Backend::Sim(_) => crate::device::sim::memory::usable(self.total_memory()),
         }
     }
 
@@ -46,12 +62,13 @@ impl Device {
         // again (release thresholds notwithstanding; driver 580, BENCHMARKS.md "A failed
         // cuMemAlloc empties the driver's pools"), and a request larger than the device can
         // never succeed: it would cost every `CudaAsyncResource` its cache for nothing.
-        if bytes > self.total_memory() {
-            return Err(Error::OutOfMemory {
+        if bytes > self.largest_allocation() {
+            let err = Error::OutOfMemory {
                 requested: bytes,
-                available: self.free_memory().unwrap_or(0),
-                maximum: self.total_memory(),
-            });
+                available: 0,
+                maximum: 0,
+            };
+            return Err(self.oom(bytes, err));
         }
         match &self.inner.backend {
             Backend::Cuda(d) => d.malloc(bytes),

@@ -40,6 +40,12 @@ pub(crate) const ALIGN: u64 = 512;
 /// Unmapped bytes after each allocation, so overruns fault.
 const GUARD: u64 = 64 << 10;
 
+/// The largest request that `bytes` of free memory can grant: whole blocks of [`ALIGN`], since
+/// an allocation takes its size rounded up to one (1,000 bytes grant 512).
+pub(crate) fn usable(bytes: usize) -> usize {
+    bytes - bytes % ALIGN as usize
+}
+
 pub(crate) struct Block {
     base: u64,
     bytes: HostBytes,
@@ -194,6 +200,13 @@ impl SimMemory {
         (self.total - used, self.total)
     }
 
+    /// The numbers of an out-of-memory error: the largest request that would succeed now and
+    /// the largest that ever could (the free and the total memory, in whole blocks).
+    pub(crate) fn room(&self) -> (usize, usize) {
+        let (free, total) = self.info();
+        (usable(free), usable(total))
+    }
+
     fn read(&self) -> RwLockReadGuard<'_, State> {
         self.state.read().unwrap_or_else(|e| e.into_inner())
     }
@@ -225,19 +238,17 @@ impl SimMemory {
                 reason: "the size overflows when rounded up to the allocation granularity",
             })?;
         let mut state = self.write();
-        let available = self.total - state.used;
-        if rounded > available {
-            return Err(Error::OutOfMemory {
-                requested: bytes,
-                available,
-                maximum: self.total,
-            });
-        }
+        let free = self.total - state.used;
+        // In whole blocks: what a request can be granted (the bytes themselves were reported,
+        // so a 1,000-byte device refused `malloc(1000)` with 1,000 available).
         let oom = Error::OutOfMemory {
             requested: bytes,
-            available,
-            maximum: self.total,
+            available: usable(free),
+            maximum: usable(self.total),
         };
+        if rounded > free {
+            return Err(oom);
+        }
         // Within this device's address range, like every allocation of it. No room there (live
         // blocks and their guard gaps fill it) is out of memory too: the room comes back as
         // memory is freed.
@@ -900,6 +911,40 @@ mod tests {
         assert!(matches!(large, Err(Error::OutOfMemory { .. })), "{large:?}");
         assert_eq!(memory.alloc(ALIGN as usize).unwrap(), blocks[1]);
         assert!(matches!(memory.alloc(1), Err(Error::OutOfMemory { .. })));
+    }
+
+    /// An out-of-memory error of the simulated device tells the truth: `available` is the
+    /// largest request that succeeds now, `maximum` the largest that ever can, and a request
+    /// of exactly `available` succeeds. Memory goes in blocks of 512 bytes, so 1,000 bytes
+    /// hold one: `malloc(1000)` was refused with `available: 1000, maximum: 1000`.
+    #[test]
+    fn out_of_memory_numbers_are_requests_that_succeed() {
+        use crate::device::{DevicePtr, SimConfig, SimExecution};
+        let device = crate::Device::simulated(SimConfig {
+            total_memory: 1000,
+            execution: SimExecution::Inline,
+            ..SimConfig::default()
+        });
+        let oom = |r: Result<DevicePtr>| match r {
+            Err(Error::OutOfMemory {
+                requested,
+                available,
+                maximum,
+            }) => (requested, available, maximum),
+            other => panic!("not out of memory: {other:?}"),
+        };
+        assert_eq!(oom(device.malloc(1000)), (1000, 512, 512));
+        assert_eq!(oom(device.malloc_managed(600)), (600, 512, 512));
+        let stream = device.create_stream().unwrap();
+        assert_eq!(oom(device.malloc_async(513, &stream)), (513, 512, 512));
+        // Exactly `available`: granted, and then nothing is left.
+        let ptr = device.malloc(512).unwrap();
+        assert_eq!(oom(device.malloc(1)), (1, 0, 512));
+        // SAFETY: nothing uses it.
+        unsafe { device.free(ptr) }.unwrap();
+        let ptr = device.malloc_managed(512).unwrap();
+        // SAFETY: nothing uses it.
+        unsafe { device.free(ptr) }.unwrap();
     }
 
     /// `cuMemAllocAsync` hands out an address again only once the free that gave it back has
