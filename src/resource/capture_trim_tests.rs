@@ -218,3 +218,84 @@ fn an_arena_trim_releases_what_no_capture_holds() {
     assert_eq!(released + rest, before);
     assert_eq!(arena.stats().reserved, 0);
 }
+
+/// A request on a capturing stream whose best fit needs an ordering the capture refuses, at
+/// the pool's maximum, while a trim waits for the GPU with a whole chunk out of the lists: the
+/// request takes that chunk back, as a request refused by no capture does, and is served from
+/// it (freed on the capturing stream itself: no ordering). Before, this path never recalled
+/// and failed with the memory in the pool.
+#[test]
+fn a_capturing_request_at_the_maximum_recalls_what_a_trim_holds() {
+    use std::future::Future;
+    use std::sync::Arc;
+    use std::task::{Context, Wake, Waker};
+
+    struct Noop;
+    impl Wake for Noop {
+        fn wake(self: Arc<Self>) {}
+    }
+
+    let device = device();
+    let pool = PoolResource::new(
+        CudaResource::new(&device),
+        PoolOptions {
+            initial: 0,
+            maximum: Some(6 * MIB),
+            small_block_cache: 0,
+            growth_cap: None,
+            ..Default::default()
+        },
+    )
+    .unwrap();
+    let (captured, other) = (
+        device.create_stream().unwrap(),
+        device.create_stream().unwrap(),
+    );
+    // Chunk A (4 MiB), then chunk C (2 MiB): the pool at its maximum.
+    let x = pool.allocate(4 * MIB, &other).unwrap();
+    let c = pool.allocate(2 * MIB, &captured).unwrap();
+    assert_eq!(pool.stats().chunks, 2);
+    assert_eq!(pool.stats().reserved, 6 * MIB);
+    // A: 0.5 MiB live, 3.5 MiB free on the other stream, busy (its reuse needs an ordering).
+    // SAFETY: from `pool` with this size, unused.
+    unsafe { pool.deallocate(x, 4 * MIB, &other).unwrap() };
+    let live = pool.allocate(MIB / 2, &other).unwrap();
+    other.spin(Duration::from_millis(1500)).unwrap();
+    // C: whole and free on the capturing stream, busy: a trim takes it and waits.
+    captured.spin(Duration::from_millis(1500)).unwrap();
+    // SAFETY: from `pool` with this size, unused.
+    unsafe { pool.deallocate(c, 2 * MIB, &captured).unwrap() };
+    let noop = Waker::from(Arc::new(Noop));
+    let mut trim = Box::pin(pool.trim());
+    assert!(trim
+        .as_mut()
+        .poll(&mut Context::from_waker(&noop))
+        .is_pending());
+    assert_eq!(pool.stats().free, 7 * MIB / 2, "C is held by the trim");
+    captured.pretend_capture(true);
+    // The only fit in the lists is A's block, which the capture cannot be ordered after; C,
+    // once recalled, is freed on the capturing stream and serves it as it is.
+    let again = pool
+        .allocate(2 * MIB, &captured)
+        .expect("served from the chunk the trim held");
+    assert!(
+        (c.0..c.0 + 2 * MIB as u64).contains(&again.0),
+        "served from C"
+    );
+    assert_eq!(pool.stats().reserved, 6 * MIB);
+    pool.check_invariants().unwrap();
+    captured.pretend_capture(false);
+    // SAFETY: from `pool` with these sizes, unused.
+    unsafe {
+        pool.deallocate(again, 2 * MIB, &captured).unwrap();
+        pool.deallocate(live, MIB / 2, &other).unwrap();
+    }
+    // The trim gives back nothing: what it held was taken back.
+    let rt = tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()
+        .unwrap();
+    assert_eq!(rt.block_on(trim).unwrap(), 0);
+    assert_eq!(pool.stats().reserved, 6 * MIB);
+    pool.check_invariants().unwrap();
+}

@@ -643,13 +643,35 @@ impl<S: EngineStream> StreamHeap<S> {
         upstream: &impl Grow<S>,
         refused: Error,
     ) -> Result<u64> {
-        let slow = self.slow.lock();
+        let mut slow = self.slow.lock();
         let _span = tracing::debug_span!("grow for a request refused by a capture", size).entered();
-        // At the maximum (or any other failure) the capture's refusal is what the request
-        // ran into: memory is free, only not orderable now.
-        let (_slow, grown) = upstream.grow_under(slow, &self.slow, size, stream);
+        // Before the growth, as `take_slow` reads it before its last look.
+        let trim_epoch = upstream.trim_epoch();
+        let mut grown;
+        (slow, grown) = upstream.grow_under(slow, &self.slow, size, stream);
+        // Out of memory (at the maximum), perhaps while a trim waits for the GPU with whole
+        // chunks out of the lists: those back in the lists, as `take_slow` does (a review found
+        // this path failing with them held). The capturing stream cannot be ordered after their
+        // streams (a captured wait for an event recorded outside the capture invalidates it:
+        // run150), so one more look serves it only from memory that needs no ordering onto it
+        // (fresh, freed on it, or of a stream now idle); else one more growth, which at the
+        // maximum gives whole free chunks (those recalled among them) back upstream in their
+        // streams' order and grows a fresh chunk, which needs none.
+        if matches!(grown, Err(Error::OutOfMemory { .. })) && upstream.recall_trimmed(trim_epoch) {
+            match self.take_any(size, stream, true, upstream) {
+                Ok(Some(addr)) => return Ok(addr),
+                // The best fit still needs an ordering the capture refuses (it went back).
+                Ok(None) | Err(Error::StreamCapturing { .. }) => {}
+                Err(e) => return Err(e),
+            }
+            (slow, grown) = upstream.grow_under(slow, &self.slow, size, stream);
+        }
+        // Held to the end: one growth at a time.
+        let _slow = slow;
         let (base, chunk) = match grown {
             Ok(grown) => grown,
+            // At the maximum (or any other failure) the capture's refusal is what the request
+            // ran into: memory is free, only not orderable now.
             Err(e) => {
                 tracing::debug!(error = %e, "no growth for a request refused by a capture");
                 return Err(refused);
