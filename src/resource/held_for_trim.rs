@@ -17,7 +17,13 @@
 //!
 //! [`hold`](HeldForTrim::hold) takes the memory out of the lists under this list's lock, and a
 //! trim that ends early puts it back under it ([`put_back`](HeldForTrim::put_back)), so a
-//! recall finds such memory in the lists or here, never in between. The give-back itself
+//! recall finds such memory in the lists or here, never in between. Every request at the
+//! maximum takes this lock (and every request that grows reads the epoch under it), so what
+//! runs under it makes no driver call: the pool's trim orders the chunks it took onto their
+//! streams (events recorded, waits) once `hold` has let the lock go, and notes each as
+//! ordered ([`replace`](HeldForTrim::replace)) only if it still holds it; a chunk recalled
+//! meanwhile went back to its list as it was taken (with its tag), and the ordering is then
+//! only one GPU-side wait more. The give-back itself
 //! (`cuMemFree`, which waits for the whole device to be idle; the unmapping) runs with no lock
 //! held, so that no request waits for it: a request at the maximum that comes meanwhile is
 //! refused as if the trim had finished first (an awaitable request waits, and the give-back's
@@ -127,6 +133,32 @@ impl<T: Clone> HeldForTrim<T> {
             held.epoch += 1;
         }
         count
+    }
+
+    /// Replaces the item of the trim of `ticket` that `pick` picks by `with`, if that trim
+    /// still holds it (a request may have recalled it): whether it did. For a trim that
+    /// settles what it took with this list's lock let go (the pool orders its chunks onto
+    /// their streams then: driver calls, which no request at the maximum should wait behind).
+    pub(crate) fn replace(
+        &self,
+        ticket: Ticket,
+        mut pick: impl FnMut(&T) -> bool,
+        with: T,
+    ) -> bool {
+        let mut held = self.inner.lock();
+        #[cfg(streamalloc_loom)]
+        if let Some((_, item)) =
+            (held.ever.iter_mut()).find(|(t, item)| *t == ticket.0 && pick(item))
+        {
+            *item = with.clone();
+        }
+        match (held.items.iter_mut()).find(|(t, item)| *t == ticket.0 && pick(item)) {
+            Some((_, item)) => {
+                *item = with;
+                true
+            }
+            None => false,
+        }
     }
 
     /// Notes that a trim's give-back of what [`release`](Self::release) handed it has ended:

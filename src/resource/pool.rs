@@ -10,7 +10,7 @@ mod snapshot;
 use super::give_backs::{GiveBacks, GrowthClaim};
 use super::growth::step_within_free;
 use super::held_for_trim::{HeldForTrim, Ticket};
-use super::stream_ordered::{Grow, StreamHeap};
+use super::stream_ordered::{Grow, StreamHeap, Waits};
 use super::waiters::{MemoryWaiters, WaitStats};
 use super::{aligned_size, check_stream, MemoryResource, ALIGNMENT};
 use crate::device::{Device, DevicePtr};
@@ -246,7 +246,7 @@ pub struct PoolResource<U: MemoryResource> {
     waiters: StdArc<MemoryWaiters>,
     /// Whole chunks that trims took out of the lists and hold while they wait for the streams
     /// that freed them: a request at the maximum takes them back ([`Grow::recall_trimmed`]).
-    held_for_trim: HeldForTrim<(u64, u64, Option<Stream>)>,
+    held_for_trim: HeldForTrim<HeldChunk>,
     /// A stream of the pool's own, for the initial chunk and for returning chunks at drop.
     own: Stream,
     /// Growths giving whole chunks back upstream with the engine's `slow` let go: a request at
@@ -266,6 +266,21 @@ pub struct PoolResource<U: MemoryResource> {
 /// A whole free chunk out of the lists: base, size, and the stream it was last freed on (none
 /// for memory never handed out), on which it goes back upstream.
 type TakenChunk = (u64, u64, Option<Stream>);
+
+/// A whole chunk a trim holds (`held_for_trim`): base, size, and how it stands with the
+/// streams that last used it.
+type HeldChunk = (u64, u64, HeldOrder);
+
+/// How a chunk a trim holds stands with the streams that last used it.
+#[derive(Clone)]
+enum HeldOrder {
+    /// Out of its list with this tag, not yet ordered onto one stream: the trim does that with
+    /// the trims' lock let go (driver calls). A recall puts it back with the tag, as it was.
+    Tagged(Waits),
+    /// Ordered: the stream after whose work it may go upstream, on which it goes (`None`: no
+    /// stream's work, on the pool's own); a recall puts it back as freed there.
+    On(Option<Stream>),
+}
 
 impl<U: MemoryResource> fmt::Debug for PoolResource<U> {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
@@ -613,6 +628,34 @@ impl<U: MemoryResource> PoolResource<U> {
         !taken.is_empty()
     }
 
+    /// [`put_back_quietly`](Self::put_back_quietly) for chunks the trims held: one still
+    /// tagged goes back with its tag, as it was taken.
+    fn put_back_held(&self, held: &[HeldChunk]) -> bool {
+        for (base, size, order) in held {
+            match order {
+                HeldOrder::Tagged(tag) => self.heap.give_back_tagged(*base, *size, *tag),
+                HeldOrder::On(Some(stream)) => self.heap.give_blocks_to(&[(*base, *size)], stream),
+                HeldOrder::On(None) => self.heap.give_back_fresh_chunk(*base, *size),
+            }
+        }
+        !held.is_empty()
+    }
+
+    /// For a trim, under the trims' lock: every wholly free chunk out of the lists, with its
+    /// tag (no driver call: [`TakenForTrim::take`] orders them once that lock is let go).
+    fn take_whole_chunks_tagged(&self) -> Vec<HeldChunk> {
+        let chunks: Vec<(u64, u64)> = self.chunks.lock().iter().map(|(&b, &s)| (b, s)).collect();
+        (chunks.into_iter())
+            .filter_map(|(base, size)| {
+                let order = match self.heap.take_whole_chunk(base, size)? {
+                    Some(tag) => HeldOrder::Tagged(tag),
+                    None => HeldOrder::On(None),
+                };
+                Some((base, size, order))
+            })
+            .collect()
+    }
+
     /// For a growth of `min` bytes that found no room (at the maximum, or the upstream out of
     /// memory): every wholly free chunk out of the lists, to give back upstream so that the
     /// growth can try again with that room, and the rest of the room under the maximum that
@@ -731,7 +774,7 @@ impl<U: MemoryResource> Grow for PoolResource<U> {
     fn recall_trimmed(&self, epoch: u64) -> bool {
         // Under `slow`: the waiters are told once the request is over (`tell_waiters`).
         (self.held_for_trim).recall(epoch, |chunks| {
-            if self.put_back_quietly(&chunks) {
+            if self.put_back_held(&chunks) {
                 self.tell_waiters.store(true, Ordering::Release);
             }
         })
@@ -1016,13 +1059,53 @@ struct TakenForTrim<'a, U: MemoryResource> {
 impl<'a, U: MemoryResource> TakenForTrim<'a, U> {
     /// Takes every wholly free chunk out of the lists for a trim, and the streams to wait for
     /// before the chunks go upstream.
+    ///
+    /// The chunks are out of the lists and held under the trims' lock, so that a recall finds
+    /// them in one or the other; each is then ordered onto one of the streams that freed it
+    /// (events recorded on the others, a wait on it: driver calls) with that lock let go, for
+    /// every request at the maximum takes it (a review found them waiting behind the trim's
+    /// driver calls). A request that recalls a chunk meanwhile puts it back with its tag, as
+    /// it was: the trim's ordering of it is then one GPU-side wait more, and the chunk is no
+    /// longer the trim's to note as ordered, to wait for, or to give back.
     fn take(pool: &'a PoolResource<U>) -> (Self, Vec<Stream>) {
-        let (ticket, chunks) = pool.held_for_trim.hold(|| pool.take_whole_chunks());
-        let streams = chunks.into_iter().filter_map(|(_, _, s)| s).collect();
+        let (ticket, chunks) = pool.held_for_trim.hold(|| pool.take_whole_chunks_tagged());
+        // From here on, put back on drop (an ordering that unwinds included).
         let taken = TakenForTrim {
             pool,
             ticket: Some(ticket),
         };
+        let mut streams = Vec::new();
+        let mut tell = false;
+        for (base, size, order) in chunks {
+            let HeldOrder::Tagged(tag) = order else {
+                continue;
+            };
+            let is = |&(b, _, _): &HeldChunk| b == base;
+            match pool.heap.order_whole_chunk(base, size, &tag) {
+                Ok(on) => {
+                    let still = (pool.held_for_trim).replace(
+                        ticket,
+                        is,
+                        (base, size, HeldOrder::On(on.clone())),
+                    );
+                    if still {
+                        streams.extend(on);
+                    }
+                }
+                // Stays free, as it was (a stream of its tag under a user's graph capture, a
+                // failed driver call), if still the trim's.
+                Err(e) => {
+                    StreamHeap::<Stream>::log_kept(&e, base, size);
+                    (pool.held_for_trim).put_back_some(ticket, is, |chunks| {
+                        tell |= pool.put_back_held(&chunks);
+                    });
+                }
+            }
+        }
+        // The waiters told with the trims' lock let go (see `put_back_quietly`).
+        if tell {
+            pool.waiters.notify();
+        }
         (taken, streams)
     }
 
@@ -1039,14 +1122,14 @@ impl<'a, U: MemoryResource> TakenForTrim<'a, U> {
         let mut tell = false;
         let chunks = (pool.held_for_trim).put_back_some(
             ticket,
-            |(_, size, stream)| {
-                let stays = stream.as_ref().is_some_and(|s| captured.contains(&s.id()));
+            |(_, size, order)| {
+                let stays = matches!(order, HeldOrder::On(Some(s)) if captured.contains(&s.id()));
                 if stays {
                     bytes += size;
                 }
                 stays
             },
-            |chunks| tell = pool.put_back_quietly(&chunks),
+            |chunks| tell = pool.put_back_held(&chunks),
         );
         // The waiters told once the trims' lock is let go (see `put_back_quietly`).
         if tell {
@@ -1069,8 +1152,23 @@ impl<'a, U: MemoryResource> TakenForTrim<'a, U> {
         let Some(ticket) = self.ticket.take() else {
             return Ok(0);
         };
-        let given = (self.pool).release_chunks(self.pool.held_for_trim.release(ticket));
-        self.pool.held_for_trim.given_back();
+        let pool = self.pool;
+        let mut ordered = Vec::new();
+        let mut unordered = Vec::new();
+        for (base, size, order) in pool.held_for_trim.release(ticket) {
+            match order {
+                HeldOrder::On(on) => ordered.push((base, size, on)),
+                tagged => unordered.push((base, size, tagged)),
+            }
+        }
+        // None: `take` ordered every chunk before it returned. One never ordered must not go
+        // upstream (its streams' work may still use it): back as it was.
+        debug_assert!(unordered.is_empty(), "a trim's chunk was never ordered");
+        if pool.put_back_held(&unordered) {
+            pool.waiters.notify();
+        }
+        let given = pool.release_chunks(ordered);
+        pool.held_for_trim.given_back();
         given
     }
 }
@@ -1080,7 +1178,7 @@ impl<U: MemoryResource> Drop for TakenForTrim<'_, U> {
         if let Some(ticket) = self.ticket.take() {
             let pool = self.pool;
             let mut tell = false;
-            (pool.held_for_trim).put_back(ticket, |chunks| tell = pool.put_back_quietly(&chunks));
+            (pool.held_for_trim).put_back(ticket, |chunks| tell = pool.put_back_held(&chunks));
             // The waiters told once the trims' lock is let go (see `put_back_quietly`).
             if tell {
                 pool.waiters.notify();
@@ -1228,6 +1326,200 @@ mod review_tests {
                 let _ = common_block_on(trim);
             })
         });
+    }
+
+    /// A `tracing` layer that notes, at each fault the simulated device injects (an event of
+    /// its `faults` module, logged from inside the failing driver call), whether the pool's
+    /// trims' list was locked.
+    struct LockAtFault {
+        pool: Arc<PoolResource<CudaResource>>,
+        faults: Arc<AtomicUsize>,
+        under_lock: Arc<AtomicBool>,
+    }
+
+    impl<S: tracing::Subscriber> tracing_subscriber::Layer<S> for LockAtFault {
+        fn on_event(
+            &self,
+            event: &tracing::Event<'_>,
+            _: tracing_subscriber::layer::Context<'_, S>,
+        ) {
+            if !event.metadata().target().ends_with("sim::faults") {
+                return;
+            }
+            self.faults.fetch_add(1, SeqCst);
+            if self.pool.held_for_trim.is_locked() {
+                self.under_lock.store(true, SeqCst);
+            }
+        }
+    }
+
+    /// A trim orders a chunk freed on two streams onto one of them (a record on the other, a
+    /// wait): driver calls, made with the trims' lock let go, which every request at the
+    /// maximum takes. They were made under it. The record fails here (an injected fault, so
+    /// that the call can be seen): the chunk stays free, and the next trim releases it.
+    #[test]
+    fn a_trim_orders_its_chunks_with_the_trims_lock_let_go() {
+        use crate::{FaultKind, Faults};
+        use tracing_subscriber::layer::SubscriberExt;
+
+        let faults = Faults::new();
+        let device = Device::simulated(SimConfig {
+            faults: faults.clone(),
+            ..SimConfig::default()
+        });
+        let pool = Arc::new(
+            PoolResource::new(
+                CudaResource::new(&device),
+                PoolOptions {
+                    initial: 0,
+                    maximum: Some(8 * MIB),
+                    small_block_cache: 0,
+                    ..PoolOptions::default()
+                },
+            )
+            .unwrap(),
+        );
+        let (s1, s2) = (
+            device.create_stream().unwrap(),
+            device.create_stream().unwrap(),
+        );
+        // One chunk of 4 MiB, half freed on each stream (busy): one block freed on both.
+        let x = pool.allocate(4 * MIB, &s1).unwrap();
+        // SAFETY: handed out above on `s1`, unused.
+        unsafe { pool.deallocate(x, 4 * MIB, &s1) }.unwrap();
+        let a = pool.allocate(2 * MIB, &s1).unwrap();
+        let b = pool.allocate(2 * MIB, &s2).unwrap();
+        assert_eq!(pool.stats().chunks, 1);
+        s1.spin(Duration::from_millis(300)).unwrap();
+        s2.spin(Duration::from_millis(300)).unwrap();
+        // SAFETY: handed out above on these streams, freed there.
+        unsafe {
+            pool.deallocate(a, 2 * MIB, &s1).unwrap();
+            pool.deallocate(b, 2 * MIB, &s2).unwrap();
+        }
+        faults.fail_next(FaultKind::Record);
+        let seen = Arc::new(AtomicUsize::new(0));
+        let under_lock = Arc::new(AtomicBool::new(false));
+        let subscriber = tracing_subscriber::registry().with(LockAtFault {
+            pool: pool.clone(),
+            faults: seen.clone(),
+            under_lock: under_lock.clone(),
+        });
+        let released = tracing::subscriber::with_default(subscriber, || pool.trim_blocking());
+        assert_eq!(
+            faults.injected(FaultKind::Record),
+            1,
+            "the trim ordered no chunk"
+        );
+        assert_eq!(seen.load(SeqCst), 1);
+        assert!(
+            !under_lock.load(SeqCst),
+            "a trim's driver call under the trims' lock"
+        );
+        // The chunk whose ordering failed stays, free, as it was.
+        assert_eq!(released.unwrap(), 0);
+        assert_eq!(pool.stats().free, 4 * MIB);
+        pool.check_invariants().unwrap();
+        assert_eq!(pool.trim_blocking().unwrap(), 4 * MIB);
+        assert_eq!(pool.stats().reserved, 0);
+    }
+
+    /// A `tracing` layer that runs `action` once, when the first span named `name` is entered
+    /// (on the thread that enters it), unless the pool's trims' list is locked then (noted in
+    /// `under_lock`: the action would wait for ever on a lock its own thread holds).
+    struct AtSpan {
+        name: &'static str,
+        pool: Arc<PoolResource<CudaResource>>,
+        action: std::sync::Mutex<Option<Box<dyn FnOnce() + Send>>>,
+        under_lock: Arc<AtomicBool>,
+    }
+
+    impl<S: tracing::Subscriber> tracing_subscriber::Layer<S> for AtSpan {
+        fn on_new_span(
+            &self,
+            attrs: &tracing::span::Attributes<'_>,
+            _: &tracing::span::Id,
+            _: tracing_subscriber::layer::Context<'_, S>,
+        ) {
+            if attrs.metadata().name() != self.name {
+                return;
+            }
+            if self.pool.held_for_trim.is_locked() {
+                self.under_lock.store(true, SeqCst);
+                return;
+            }
+            // Taken out first: the action enters such spans too.
+            let action = self.action.lock().unwrap().take();
+            if let Some(action) = action {
+                action();
+            }
+        }
+    }
+
+    /// A request at the maximum recalls the chunk a trim is ordering onto its streams (with the
+    /// trims' lock let go): it goes back to its list as it was taken and serves the request,
+    /// and the trim, its ordering done, neither notes it as its own nor gives it upstream.
+    #[test]
+    fn a_chunk_recalled_while_its_trim_orders_it_stays_in_the_pool() {
+        use tracing_subscriber::layer::SubscriberExt;
+
+        let device = Device::simulated(SimConfig::default());
+        let pool = Arc::new(
+            PoolResource::new(
+                CudaResource::new(&device),
+                PoolOptions {
+                    initial: 0,
+                    maximum: Some(4 * MIB),
+                    small_block_cache: 0,
+                    ..PoolOptions::default()
+                },
+            )
+            .unwrap(),
+        );
+        let (s1, s2, s3) = (
+            device.create_stream().unwrap(),
+            device.create_stream().unwrap(),
+            device.create_stream().unwrap(),
+        );
+        // The pool's one chunk, at its maximum, half freed on each of two busy streams.
+        let x = pool.allocate(4 * MIB, &s1).unwrap();
+        // SAFETY: handed out above on `s1`, unused.
+        unsafe { pool.deallocate(x, 4 * MIB, &s1) }.unwrap();
+        let a = pool.allocate(2 * MIB, &s1).unwrap();
+        let b = pool.allocate(2 * MIB, &s2).unwrap();
+        s1.spin(Duration::from_millis(300)).unwrap();
+        s2.spin(Duration::from_millis(300)).unwrap();
+        // SAFETY: handed out above on these streams, freed there.
+        unsafe {
+            pool.deallocate(a, 2 * MIB, &s1).unwrap();
+            pool.deallocate(b, 2 * MIB, &s2).unwrap();
+        }
+        // When the trim orders the chunk onto one of its streams, a request at the maximum.
+        let served = Arc::new(std::sync::Mutex::new(None));
+        let under_lock = Arc::new(AtomicBool::new(false));
+        let action = {
+            let (pool, served, s3) = (pool.clone(), served.clone(), s3.clone());
+            Box::new(move || *served.lock().unwrap() = Some(pool.allocate(2 * MIB, &s3)))
+        };
+        let subscriber = tracing_subscriber::registry().with(AtSpan {
+            name: "stream_wait",
+            pool: pool.clone(),
+            action: std::sync::Mutex::new(Some(action)),
+            under_lock: under_lock.clone(),
+        });
+        let released = tracing::subscriber::with_default(subscriber, || pool.trim_blocking());
+        assert!(!under_lock.load(SeqCst), "the trim ordered under its lock");
+        let y = (served.lock().unwrap().take())
+            .expect("the trim ordered no chunk")
+            .expect("the request at the maximum was served from the trim's chunk");
+        assert_eq!(released.unwrap(), 0, "the trim gave back a recalled chunk");
+        let stats = pool.stats();
+        assert_eq!((stats.reserved, stats.chunks), (4 * MIB, 1));
+        assert_eq!((stats.in_use, stats.free), (2 * MIB, 2 * MIB));
+        pool.check_invariants().unwrap();
+        // SAFETY: handed out above on `s3`, unused.
+        unsafe { pool.deallocate(y, 2 * MIB, &s3) }.unwrap();
+        assert_eq!(pool.trim_blocking().unwrap(), 4 * MIB);
     }
 
     /// Drives `fut` to its end on this thread.

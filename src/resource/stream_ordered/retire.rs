@@ -92,33 +92,68 @@ impl<S: EngineStream> StreamHeap<S> {
         chunks
             .iter()
             .filter_map(|&(base, size)| {
-                if self.take_reserved(base, size) {
+                let Some(tag) = self.take_whole_chunk(base, size)? else {
                     return Some((base, size, None));
-                }
-                let shard = self.shard_of(base, size)?;
-                let tag = shard.lock().free.take_exact_tagged(base, size)?;
-                match self.onto_one(shard, &tag) {
-                    Ok(stream) => {
-                        let stream = stream.filter(|_| !planted!(CHUNKS_AS_FRESH));
-                        Some((base, size, stream))
-                    }
-                    // A stream of the tag under a user's graph capture: no ordering through it
-                    // until the capture ends. Kept, as a trim keeps such memory.
-                    Err(e @ Error::StreamCapturing { .. }) => {
-                        tracing::debug!(error = %e, base, size, "a free chunk kept for a capture");
-                        let given = shard.lock().free.give_range(base, size, tag);
-                        debug_assert!(given, "a chunk taken out could not go back");
-                        None
-                    }
+                };
+                match self.order_whole_chunk(base, size, &tag) {
+                    Ok(stream) => Some((base, size, stream)),
                     Err(e) => {
-                        tracing::warn!(error = %e, base, "a free chunk stays: ordering failed");
-                        let given = shard.lock().free.give_range(base, size, tag);
-                        debug_assert!(given, "a chunk taken out could not go back");
+                        Self::log_kept(&e, base, size);
+                        self.give_back_tagged(base, size, tag);
                         None
                     }
                 }
             })
             .collect()
+    }
+
+    /// [`take_whole_chunks`](Self::take_whole_chunks)' first half for one chunk, which makes
+    /// no driver call: the chunk `[base, base + size)` out of the reserve or of its shard's
+    /// list if it is there whole and free. `None` if it is not; `Some(None)` for memory that
+    /// needs no ordering (the reserve's); else its tag, for
+    /// [`order_whole_chunk`](Self::order_whole_chunk), or to go back as it was
+    /// ([`give_back_tagged`](Self::give_back_tagged)).
+    pub(crate) fn take_whole_chunk(&self, base: u64, size: u64) -> Option<Option<Waits>> {
+        if self.take_reserved(base, size) {
+            return Some(None);
+        }
+        let shard = self.shard_of(base, size)?;
+        let tag = shard.lock().free.take_exact_tagged(base, size)?;
+        Some(Some(tag))
+    }
+
+    /// [`take_whole_chunks`](Self::take_whole_chunks)' second half: the chunk taken out with
+    /// `tag` ordered onto one stream it names ([`onto_one`](Self::onto_one): driver calls), the
+    /// stream whose work must finish before it goes upstream (`None`: none needed). On an
+    /// error (e.g. a stream of the tag under a user's graph capture) the chunk is the caller's
+    /// to put back with its tag.
+    pub(crate) fn order_whole_chunk(&self, base: u64, size: u64, tag: &Waits) -> Result<Option<S>> {
+        let shard = self.shard_of(base, size).ok_or(Error::InvalidArgument {
+            what: "a whole chunk taken out for release is in no shard",
+        })?;
+        let stream = self.onto_one(shard, tag)?;
+        Ok(stream.filter(|_| !planted!(CHUNKS_AS_FRESH)))
+    }
+
+    /// A chunk taken out by [`take_whole_chunk`](Self::take_whole_chunk) back in its shard's
+    /// list with the tag it had: as if it had never been taken out.
+    pub(crate) fn give_back_tagged(&self, base: u64, size: u64, tag: Waits) {
+        let given = self
+            .shard_of(base, size)
+            .is_some_and(|shard| shard.lock().free.give_range(base, size, tag));
+        debug_assert!(given, "a chunk taken out could not go back");
+    }
+
+    /// Logs why a chunk taken out for release stays: its ordering failed with `e`.
+    pub(crate) fn log_kept(e: &Error, base: u64, size: u64) {
+        match e {
+            // A stream of the tag under a user's graph capture: no ordering through it
+            // until the capture ends. Kept, as a trim keeps such memory.
+            Error::StreamCapturing { .. } => {
+                tracing::debug!(error = %e, base, size, "a free chunk kept for a capture");
+            }
+            e => tracing::warn!(error = %e, base, "a free chunk stays: ordering failed"),
+        }
     }
 
     /// One stream after which the memory of `shard` tagged `tag` may be reused by anyone (or
