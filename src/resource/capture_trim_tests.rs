@@ -226,15 +226,6 @@ fn an_arena_trim_releases_what_no_capture_holds() {
 /// and failed with the memory in the pool.
 #[test]
 fn a_capturing_request_at_the_maximum_recalls_what_a_trim_holds() {
-    use std::future::Future;
-    use std::sync::Arc;
-    use std::task::{Context, Wake, Waker};
-
-    struct Noop;
-    impl Wake for Noop {
-        fn wake(self: Arc<Self>) {}
-    }
-
     let device = device();
     let pool = PoolResource::new(
         CudaResource::new(&device),
@@ -265,12 +256,11 @@ fn a_capturing_request_at_the_maximum_recalls_what_a_trim_holds() {
     captured.spin(Duration::from_millis(1500)).unwrap();
     // SAFETY: from `pool` with this size, unused.
     unsafe { pool.deallocate(c, 2 * MIB, &captured).unwrap() };
-    let noop = Waker::from(Arc::new(Noop));
     let mut trim = Box::pin(pool.trim());
-    assert!(trim
-        .as_mut()
-        .poll(&mut Context::from_waker(&noop))
-        .is_pending());
+    assert!(
+        polled_pending(trim.as_mut()),
+        "the trim waits for the stream"
+    );
     assert_eq!(pool.stats().free, 7 * MIB / 2, "C is held by the trim");
     captured.pretend_capture(true);
     // The only fit in the lists is A's block, which the capture cannot be ordered after; C,
@@ -298,4 +288,82 @@ fn a_capturing_request_at_the_maximum_recalls_what_a_trim_holds() {
     assert_eq!(rt.block_on(trim).unwrap(), 0);
     assert_eq!(pool.stats().reserved, 6 * MIB);
     pool.check_invariants().unwrap();
+}
+
+/// As above, but the chunks the trim holds were freed on another stream, busy, and are each
+/// smaller than the request: once recalled, the growth at the maximum gives them back upstream
+/// (after that stream's work) and grows a fresh chunk, which the capturing stream uses with no
+/// ordering. Before, the request failed with them held.
+#[test]
+fn a_capturing_request_at_the_maximum_regrows_from_what_a_trim_holds() {
+    let device = device();
+    let pool = PoolResource::new(
+        CudaResource::new(&device),
+        PoolOptions {
+            initial: 0,
+            maximum: Some(8 * MIB),
+            small_block_cache: 0,
+            growth_cap: None,
+            ..Default::default()
+        },
+    )
+    .unwrap();
+    let (captured, other) = (
+        device.create_stream().unwrap(),
+        device.create_stream().unwrap(),
+    );
+    // Chunks of 4, 2 and 2 MiB: the pool at its maximum.
+    let x = pool.allocate(4 * MIB, &other).unwrap();
+    let c1 = pool.allocate(2 * MIB, &other).unwrap();
+    let c2 = pool.allocate(2 * MIB, &other).unwrap();
+    assert_eq!((pool.stats().chunks, pool.stats().reserved), (3, 8 * MIB));
+    // The 4 MiB chunk: 0.5 MiB live, 3.5 MiB free on the other stream (busy).
+    // SAFETY: from `pool` with this size, unused.
+    unsafe { pool.deallocate(x, 4 * MIB, &other).unwrap() };
+    let live = pool.allocate(MIB / 2, &other).unwrap();
+    other.spin(Duration::from_millis(1500)).unwrap();
+    // The two small chunks whole and free on it: a trim takes them and waits.
+    // SAFETY: from `pool` with these sizes, unused.
+    unsafe {
+        pool.deallocate(c1, 2 * MIB, &other).unwrap();
+        pool.deallocate(c2, 2 * MIB, &other).unwrap();
+    }
+    let mut trim = Box::pin(pool.trim());
+    assert!(
+        polled_pending(trim.as_mut()),
+        "the trim waits for the stream"
+    );
+    captured.pretend_capture(true);
+    let y = pool
+        .allocate(3 * MIB, &captured)
+        .expect("served from a chunk grown in the room of those the trim held");
+    let stats = pool.stats();
+    assert_eq!(stats.in_use, 7 * MIB / 2);
+    assert!(stats.reserved <= 8 * MIB);
+    pool.check_invariants().unwrap();
+    captured.pretend_capture(false);
+    // SAFETY: from `pool` with these sizes, unused.
+    unsafe {
+        pool.deallocate(y, 3 * MIB, &captured).unwrap();
+        pool.deallocate(live, MIB / 2, &other).unwrap();
+    }
+    let rt = tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()
+        .unwrap();
+    assert_eq!(rt.block_on(trim).unwrap(), 0, "what it held went upstream");
+    pool.check_invariants().unwrap();
+}
+
+/// Polls `fut` once (with a waker that does nothing): whether it is pending.
+fn polled_pending<F: std::future::Future>(fut: std::pin::Pin<&mut F>) -> bool {
+    use std::sync::Arc;
+    use std::task::{Context, Wake, Waker};
+
+    struct Noop;
+    impl Wake for Noop {
+        fn wake(self: Arc<Self>) {}
+    }
+    let noop = Waker::from(Arc::new(Noop));
+    fut.poll(&mut Context::from_waker(&noop)).is_pending()
 }
