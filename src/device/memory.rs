@@ -53,8 +53,10 @@ impl Device {
     /// synchronize the device) and meant for the layers above, which pool it.
     ///
     /// Errors: [`Error::InvalidSize`] for zero bytes, [`Error::OutOfMemory`] when the device
-    /// cannot provide them (more than the device's total memory is refused without a driver
-    /// call).
+    /// cannot provide them (more than the device could ever grant, its total memory, in
+    /// whole 512-byte blocks on the simulated device, is refused without a driver call). On
+    /// the simulated device its `available` is the largest request that would succeed now,
+    /// its `maximum` the largest that ever could.
     pub fn malloc(&self, bytes: usize) -> Result<DevicePtr> {
         check_size(bytes)?;
         // Refused here, not by the driver: a `cuMemAlloc` short of memory makes the driver
