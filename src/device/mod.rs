@@ -171,9 +171,105 @@ static NEXT_DEVICE_ID: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU
 /// 300 ms on an H100 (`tests/kernels_outlive_device.rs`, which prints it). Work the crate queued
 /// on a cudarc stream that outlives every device (its kernels too) still runs. Drop devices
 /// off an async runtime's workers, or after the GPU's work is done, where the wait matters.
+///
+/// The last clone dropped on a completion reactor thread (captured by an event's callback, or
+/// held by a resource a deferred free drops there) is torn down on a short-lived thread,
+/// `sa-teardown-N`, instead: those driver calls would hold up every wakeup of the reactor.
 #[derive(Clone)]
 pub struct Device {
-    pub(crate) inner: Arc<DeviceInner>,
+    /// Taken only by `Drop`, which may hand the last one to another thread
+    /// (`tear_down_off_reactor`); every other use reads it through the `ManuallyDrop`.
+    pub(crate) inner: std::mem::ManuallyDrop<Arc<DeviceInner>>,
+}
+
+impl Drop for Device {
+    fn drop(&mut self) {
+        // SAFETY: `inner` is taken once, here, and `self` is not used after its drop.
+        let inner = unsafe { std::mem::ManuallyDrop::take(&mut self.inner) };
+        // Only the last handle looks at the thread: one thread-local read per device, not per
+        // clone dropped.
+        if let Some(inner) = last_handle(inner) {
+            if crate::offload::on_reactor_thread() {
+                tear_down_off_reactor(inner);
+            }
+        }
+    }
+}
+
+/// The device itself if `inner` was its last handle; else drops the handle. Atomic with std's
+/// `Arc::into_inner`: of two last handles dropped at once, exactly one gets it.
+#[cfg(not(streamalloc_loom))]
+fn last_handle(inner: Arc<DeviceInner>) -> Option<DeviceInner> {
+    Arc::into_inner(inner)
+}
+
+/// Under loom the handle is dropped where it is, the device with it if it was the last: loom's
+/// `Arc` has no `into_inner`, and its `try_unwrap` is one more loom operation in every drop of
+/// every model. Nothing there makes a driver call, and no model drops a device on a reactor.
+#[cfg(streamalloc_loom)]
+fn last_handle(inner: Arc<DeviceInner>) -> Option<DeviceInner> {
+    drop(inner);
+    None
+}
+
+/// Drops a device whose last handle went on a completion reactor thread on a short-lived
+/// thread, `sa-teardown-N`: its teardown (`DeviceInner`'s drop: `cuMemFreeHost` of staging
+/// blocks and word pages, destroying cached events and the driver pool, perhaps unloading the
+/// kernels) waits for the GPU, and nothing may block the reactor. The whole `DeviceInner` goes,
+/// so its drop runs as anywhere else, fields in their documented order. The reactor's loop
+/// needs none of it: it owns its queues, bell, doorbells and blocking-work queue, and the
+/// `Reactor` handle dropped there only tells it to exit once nothing is left to watch. Not the
+/// device's blocking-work thread: the device may have no reactor at all (an inline simulated
+/// device dropped on another device's reactor). If the OS refuses the thread, the teardown runs
+/// here, logged at error level: late for the reactor's tasks, but not lost.
+fn tear_down_off_reactor(inner: DeviceInner) {
+    let id = inner.id;
+    let name = format!("sa-teardown-{id}");
+    // The device comes back with the refusal, so that it can be dropped in place.
+    let slot = crate::sync::plain::Arc::new(crate::sync::plain::Mutex::new(Some(inner)));
+    let theirs = slot.clone();
+    let spawned = match refuse_teardown_thread() {
+        Some(refused) => Err(refused),
+        None => crate::sync::thread::Builder::new()
+            .name(name.clone())
+            .spawn(move || {
+                let inner = theirs.lock().unwrap_or_else(|e| e.into_inner()).take();
+                if let Err(payload) = crate::completion::catch_unwind(move || drop(inner)) {
+                    tracing::error!(
+                        device = id,
+                        panic = crate::completion::panic_message(&*payload),
+                        "a panic in a device's teardown was caught"
+                    );
+                }
+            })
+            .map(drop),
+    };
+    if let Err(e) = spawned {
+        tracing::error!(error = %e, thread = %name, device = id, "the OS could not start a device's teardown thread; tearing it down on the completion reactor thread");
+        drop(slot.lock().unwrap_or_else(|e| e.into_inner()).take());
+    }
+}
+
+#[cfg(all(test, not(streamalloc_loom)))]
+thread_local! {
+    /// Set by a test: the next teardown thread this thread starts is refused, as by an OS out of
+    /// threads.
+    static REFUSE_TEARDOWN_THREAD: std::cell::Cell<bool> = const { std::cell::Cell::new(false) };
+}
+
+/// The refusal a test asked for ([`REFUSE_TEARDOWN_THREAD`]), once.
+#[cfg(all(test, not(streamalloc_loom)))]
+fn refuse_teardown_thread() -> Option<std::io::Error> {
+    REFUSE_TEARDOWN_THREAD
+        .with(|refuse| refuse.replace(false))
+        .then(|| std::io::Error::new(std::io::ErrorKind::WouldBlock, "refused by a test"))
+}
+
+/// The OS alone refuses a teardown thread outside tests.
+#[cfg(not(all(test, not(streamalloc_loom))))]
+#[inline]
+fn refuse_teardown_thread() -> Option<std::io::Error> {
+    None
 }
 
 pub(crate) struct DeviceInner {
@@ -196,6 +292,11 @@ pub(crate) struct DeviceInner {
     /// lookup. Std's lock: taken only when such a resource is made, never on an allocation or
     /// a free.
     pub(crate) pool_shared: crate::sync::plain::Mutex<Vec<(usize, PoolShared)>>,
+    /// A test's probe: told, at the teardown, whether it runs on a reactor thread, and on which
+    /// thread.
+    #[cfg(all(test, not(streamalloc_loom)))]
+    pub(crate) teardown_probe:
+        crate::sync::plain::Mutex<Option<std::sync::mpsc::Sender<(bool, String)>>>,
 }
 
 /// An entry of [`DeviceInner::pool_shared`]: type-erased, since the resource layer's type is
@@ -204,6 +305,14 @@ pub(crate) type PoolShared = crate::sync::plain::Weak<dyn std::any::Any + Send +
 
 impl Drop for DeviceInner {
     fn drop(&mut self) {
+        #[cfg(all(test, not(streamalloc_loom)))]
+        if let Some(probe) = self.teardown_probe.lock().unwrap().take() {
+            let thread = std::thread::current()
+                .name()
+                .unwrap_or("<unnamed>")
+                .to_owned();
+            let _ = probe.send((crate::offload::on_reactor_thread(), thread));
+        }
         for block in self.staging.drain() {
             // SAFETY: cached blocks are ours and unused (a block is cached only after the copy
             // that used it completed); the backend is still alive (fields drop after this).
@@ -384,7 +493,7 @@ impl Device {
             let _ = cell.set(reactor);
         }
         Device {
-            inner: Arc::new(DeviceInner {
+            inner: std::mem::ManuallyDrop::new(Arc::new(DeviceInner {
                 id,
                 backend,
                 reactor: cell,
@@ -392,7 +501,9 @@ impl Device {
                 staging: staging::Staging::default(),
                 words,
                 pool_shared: crate::sync::plain::Mutex::new(Vec::new()),
-            }),
+                #[cfg(all(test, not(streamalloc_loom)))]
+                teardown_probe: crate::sync::plain::Mutex::new(None),
+            })),
         }
     }
 
@@ -670,5 +781,61 @@ mod tests {
         );
         let device = Device::try_simulated(SimConfig::default()).expect("a simulated device");
         assert_eq!(device.sim_execution(), Some(SimConfig::default().execution));
+    }
+
+    /// A threaded simulated device whose last handle goes on its own completion reactor
+    /// thread: held by an event's deferred callback, which first runs `first` there, and by the
+    /// event, which the reactor drops once it completed it. Returns where the device was torn
+    /// down: whether on a reactor thread, and the thread's name.
+    fn drop_last_handle_on_the_reactor(first: impl FnOnce() + Send + 'static) -> (bool, String) {
+        let device = Device::simulated(SimConfig {
+            execution: SimExecution::Threads,
+            ..SimConfig::default()
+        });
+        let (tx, rx) = std::sync::mpsc::channel();
+        *device.inner.teardown_probe.lock().unwrap() = Some(tx);
+        let stream = device.create_stream().expect("a stream");
+        // The stream waits on a marker that nothing reaches until the test says so: the event
+        // recorded behind it is pending, deterministically, when its callback is registered.
+        let gate = std::sync::Arc::new(sim::SimMarker::new(None, None));
+        match &*stream.queue_handle() {
+            crate::stream::RawStream::Sim(s) => s.push(sim::Op::Wait(gate.clone())),
+            crate::stream::RawStream::Cuda(_) => unreachable!("a simulated stream"),
+        }
+        .expect("the wait is queued");
+        let event = stream.record().expect("an event");
+        let captured = device.clone();
+        event.on_complete(Box::new(move |_| {
+            first();
+            drop(captured);
+        }));
+        drop((event, stream, device));
+        gate.complete(Ok(()));
+        // A bound against a hang, not a timing check: the teardown takes microseconds.
+        rx.recv_timeout(std::time::Duration::from_secs(60))
+            .expect("the device was never torn down")
+    }
+
+    /// A device whose last handle goes on its own completion reactor thread: its teardown,
+    /// driver calls that wait for the GPU on CUDA, must run on another thread, and run. It ran
+    /// on the reactor thread.
+    #[test]
+    fn a_device_dropped_on_its_reactor_thread_is_torn_down_off_it() {
+        let (on_reactor, thread) = drop_last_handle_on_the_reactor(|| {});
+        assert!(
+            !on_reactor,
+            "the device was torn down on a completion reactor thread ({thread})"
+        );
+        assert!(thread.starts_with("sa-teardown-"), "torn down on {thread}");
+    }
+
+    /// The same with the teardown thread refused by the OS: the device is torn down where it
+    /// is, on the reactor thread, rather than lost (no panic, no leak).
+    #[test]
+    fn a_refused_teardown_thread_tears_the_device_down_in_place() {
+        let (on_reactor, thread) =
+            drop_last_handle_on_the_reactor(|| REFUSE_TEARDOWN_THREAD.with(|r| r.set(true)));
+        assert!(on_reactor, "torn down off the reactor, on {thread}");
+        assert!(thread.starts_with("sa-reactor-"), "torn down on {thread}");
     }
 }
