@@ -518,22 +518,12 @@ fn a_threadless_reactor_completes_what_it_is_handed() {
 #[test]
 fn a_threadless_reactor_catches_a_panicking_query_and_waits_in_place() {
     let reactor = Reactor::threadless("sa-reactor-test-threadless-panic".into());
-    let event = Arc::new(PanickingQuery {
-        stream: 43,
-        completion: Completion::new(),
-        wait_panics: false,
-    });
-    let freed = std::sync::Arc::new(AtomicUsize::new(0));
-    let theirs = freed.clone();
-    let _ = event.completion.register_callback(Box::new(move |result| {
-        assert_eq!(*result, Ok(()));
-        theirs.fetch_add(1, SeqCst);
-    }));
-    let counter = std::sync::Arc::new(Counting(AtomicUsize::new(0)));
-    let mut key = None;
-    let _ = event
-        .completion
-        .register_waker(&mut key, &Waker::from(counter.clone()));
+    let PanickingScene {
+        event,
+        freed,
+        freed_with,
+        counter,
+    } = panicking_scene(43, false);
     let watched = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
         reactor.watch(event.clone())
     }));
@@ -543,6 +533,7 @@ fn a_threadless_reactor_catches_a_panicking_query_and_waits_in_place() {
     );
     assert_eq!(event.completion.result(), Some(Ok(())));
     assert_eq!(freed.load(SeqCst), 1, "the deferred free never ran");
+    assert_eq!(*freed_with.lock().unwrap(), Some(Ok(())));
     assert_eq!(counter.0.load(SeqCst), 1, "its task was not woken");
 }
 
@@ -552,6 +543,51 @@ struct PanickingQuery {
     stream: u64,
     completion: Completion,
     wait_panics: bool,
+}
+
+/// A [`PanickingQuery`] with what its tests watch registered on it: a deferred free, and the
+/// waker of a task awaiting it.
+struct PanickingScene {
+    event: Arc<PanickingQuery>,
+    /// How often the deferred free ran...
+    freed: std::sync::Arc<AtomicUsize>,
+    /// ...and the result it last ran with.
+    freed_with: std::sync::Arc<std::sync::Mutex<Option<Result<()>>>>,
+    /// Counts the task's wakes.
+    counter: std::sync::Arc<Counting>,
+}
+
+/// A [`PanickingScene`] on `stream`, whose event's blocking wait panics too with `wait_panics`.
+/// The free is the event's first registration, so it hands the event to a reactor (`Stored {
+/// first: true }`).
+fn panicking_scene(stream: u64, wait_panics: bool) -> PanickingScene {
+    let event = Arc::new(PanickingQuery {
+        stream,
+        completion: Completion::new(),
+        wait_panics,
+    });
+    let freed = std::sync::Arc::new(AtomicUsize::new(0));
+    let freed_with = std::sync::Arc::new(std::sync::Mutex::new(None));
+    let (runs, with) = (freed.clone(), freed_with.clone());
+    let registered = event.completion.register_callback(Box::new(move |result| {
+        *with.lock().unwrap() = Some(result.clone());
+        runs.fetch_add(1, SeqCst);
+    }));
+    assert!(matches!(
+        registered,
+        Ok(Registration::Stored { first: true })
+    ));
+    let counter = std::sync::Arc::new(Counting(AtomicUsize::new(0)));
+    let mut key = None;
+    let _ = event
+        .completion
+        .register_waker(&mut key, &Waker::from(counter.clone()));
+    PanickingScene {
+        event,
+        freed,
+        freed_with,
+        counter,
+    }
 }
 
 impl Watch for PanickingQuery {
@@ -646,26 +682,13 @@ fn an_event_whose_query_always_panics_still_runs_its_deferred_frees() {
         },
     )
     .unwrap();
-    let event = Arc::new(PanickingQuery {
-        stream: 41,
-        completion: Completion::new(),
-        wait_panics: false,
-    });
-    let freed = std::sync::Arc::new(AtomicUsize::new(0));
-    let theirs = freed.clone();
-    let registered = event.completion.register_callback(Box::new(move |result| {
-        assert_eq!(*result, Ok(()));
-        theirs.fetch_add(1, SeqCst);
-    }));
-    assert!(matches!(
-        registered,
-        Ok(Registration::Stored { first: true })
-    ));
-    let counter = std::sync::Arc::new(Counting(AtomicUsize::new(0)));
-    let mut key = None;
-    let _ = event
-        .completion
-        .register_waker(&mut key, &Waker::from(counter.clone()));
+    // `panicking_scene` checks that the free's registration handed the event over.
+    let PanickingScene {
+        event,
+        freed,
+        freed_with,
+        counter,
+    } = panicking_scene(41, false);
     reactor.watch(event.clone());
     let give_up = Instant::now() + Duration::from_secs(10);
     while freed.load(SeqCst) == 0 && Instant::now() < give_up {
@@ -676,6 +699,7 @@ fn an_event_whose_query_always_panics_still_runs_its_deferred_frees() {
         1,
         "the deferred free of an event whose query panics never ran"
     );
+    assert_eq!(*freed_with.lock().unwrap(), Some(Ok(())));
     assert_eq!(event.completion.result(), Some(Ok(())));
     assert!(counter.0.load(SeqCst) >= 1, "its task was not woken");
 }
@@ -685,21 +709,12 @@ fn an_event_whose_query_always_panics_still_runs_its_deferred_frees() {
 /// still use its memory), nor is one registered later.
 #[test]
 fn an_event_whose_query_and_wait_panic_fails_and_withholds_its_frees() {
-    let event = Arc::new(PanickingQuery {
-        stream: 42,
-        completion: Completion::new(),
-        wait_panics: true,
-    });
-    let freed = std::sync::Arc::new(AtomicUsize::new(0));
-    let theirs = freed.clone();
-    let _ = event.completion.register_callback(Box::new(move |_| {
-        theirs.fetch_add(1, SeqCst);
-    }));
-    let counter = std::sync::Arc::new(Counting(AtomicUsize::new(0)));
-    let mut key = None;
-    let _ = event
-        .completion
-        .register_waker(&mut key, &Waker::from(counter.clone()));
+    let PanickingScene {
+        event,
+        freed,
+        counter,
+        ..
+    } = panicking_scene(42, true);
     super::settle_after_panic(Box::new(event.clone()));
     assert!(
         matches!(event.completion.result(), Some(Err(_))),
