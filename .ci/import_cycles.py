@@ -4,8 +4,9 @@ one; the crate root's docs, "Layers", say which may use which).
 
 Reads every `crate::...`, `super::...` and `self::...` path in the code (comments left out, and
 each file's `mod tests` under `#[cfg(test)]` or `#[cfg(all(test, ...))]`), maps it to the module
-it names, and reports every cycle between sibling modules at each depth: a module and its own submodules may name each other
-(a parent re-exports its children, a child uses its parent's types), siblings may not both ways.
+it names, and reports every cycle between sibling modules at each depth: a module and its own
+submodules may name each other (a parent re-exports its children, a child uses its parent's
+types), siblings may not both ways.
 
 usage: python3 .ci/import_cycles.py [--allow A<->B]...   (exit 1 on a cycle not allowed)
 """
