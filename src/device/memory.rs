@@ -70,7 +70,19 @@ impl Device {
                 available: 0,
                 maximum: 0,
             };
-            return Err(self.oom(bytes, err));
+            return Err(match &self.inner.backend {
+                // What the driver pools keep counts: a `malloc` short of memory takes it (a
+                // review found `available` short of a request that succeeded).
+                Backend::Sim(d) => {
+                    let (available, maximum) = d.memory.room_for_malloc();
+                    Error::OutOfMemory {
+                        requested: bytes,
+                        available,
+                        maximum,
+                    }
+                }
+                Backend::Cuda(_) => self.oom(bytes, err),
+            });
         }
         match &self.inner.backend {
             Backend::Cuda(d) => d.malloc(bytes),

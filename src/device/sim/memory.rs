@@ -207,6 +207,20 @@ impl SimMemory {
         (usable(free), usable(total))
     }
 
+    /// [`room`](Self::room) for a `cuMemAlloc`, which short of memory takes what the driver
+    /// pools keep ([`release_pools`](Self::release_pools)): that memory counts as free.
+    pub(crate) fn room_for_malloc(&self) -> (usize, usize) {
+        // Gathered under the registry's lock, each pool's lock taken after it and let go
+        // before the memory's is (the order of `release_pools`).
+        let pools: Vec<Arc<SimPool>> = {
+            let pools = self.pools.lock().unwrap_or_else(|e| e.into_inner());
+            pools.iter().filter_map(Weak::upgrade).collect()
+        };
+        let kept: usize = pools.iter().map(|pool| pool.state().kept_bytes).sum();
+        let (free, total) = self.info();
+        (usable(free.saturating_add(kept).min(total)), usable(total))
+    }
+
     fn read(&self) -> RwLockReadGuard<'_, State> {
         self.state.read().unwrap_or_else(|e| e.into_inner())
     }
@@ -947,6 +961,46 @@ mod tests {
         unsafe { device.free(ptr) }.unwrap();
     }
 
+    /// A `malloc` short of memory takes what the driver pools keep (`release_pools`), so a
+    /// request larger than the device, refused at once, counts that memory among what is
+    /// available: `malloc` of all of it succeeds. It reported only the device's free memory,
+    /// half of what a request could get here.
+    #[test]
+    fn out_of_memory_numbers_count_what_the_driver_pools_keep() {
+        use crate::device::{SimConfig, SimExecution};
+        use crate::resource::cuda_async::{CudaAsyncOptions, CudaAsyncResource};
+        let device = crate::Device::simulated(SimConfig {
+            total_memory: 4096,
+            execution: SimExecution::Inline,
+            ..SimConfig::default()
+        });
+        // Keeps 2,048 bytes, allocated and freed at once.
+        let pool = CudaAsyncResource::new(
+            &device,
+            CudaAsyncOptions {
+                release_threshold: None,
+                initial_pool_size: Some(2048),
+                ..CudaAsyncOptions::default()
+            },
+        )
+        .unwrap();
+        assert_eq!(
+            device.free_memory().unwrap(),
+            2048,
+            "the pool keeps nothing"
+        );
+        match device.malloc(5000) {
+            Err(Error::OutOfMemory {
+                available, maximum, ..
+            }) => assert_eq!((available, maximum), (4096, 4096)),
+            other => panic!("not out of memory: {other:?}"),
+        }
+        // All of it: granted (the pool gives back what it kept).
+        let ptr = device.malloc(4096).unwrap();
+        // SAFETY: nothing uses it.
+        unsafe { device.free(ptr) }.unwrap();
+        drop(pool);
+    }
     /// `cuMemAllocAsync` hands out an address again only once the free that gave it back has
     /// run (the simulated memory frees it when the stream reaches the free), so its reuse on
     /// another stream is ordered by the device, as a driver pool's is. Once the sweep of
