@@ -196,16 +196,26 @@ impl AsyncPool {
         self.maximum.unwrap_or(self.device.total_memory())
     }
 
+    /// The largest request that could ever succeed: the pool's limit, or the device's memory,
+    /// which the simulated device hands out in whole blocks (`SimMemory::room`).
+    fn largest_request(&self) -> usize {
+        match self.device.backend() {
+            Backend::Cuda(_) => self.maximum(),
+            Backend::Sim(d) => self.maximum().min(d.memory.room().1),
+        }
+    }
+
     /// `bytes` (at least one) for work queued on `stream` after this call. On failure:
     /// `OutOfMemory` with what the device has free plus what the pool keeps (capped by the
-    /// pool's maximum).
+    /// pool's maximum), and the largest request that could ever succeed; on the simulated
+    /// device both in whole blocks, so that a request of `available` succeeds.
     ///
-    /// A request larger than the pool's maximum (or the device's memory) fails at once,
-    /// without a driver call.
+    /// A request larger than the pool's maximum (or the device's memory, in whole blocks on the
+    /// simulated device) fails at once, without a driver call.
     pub(crate) fn alloc_async(&self, bytes: usize, stream: &Stream) -> Result<DevicePtr> {
         check_size(bytes)?;
         self.device.check_same(stream.device())?;
-        if bytes > self.maximum() {
+        if bytes > self.largest_request() {
             return Err(self.oom(
                 bytes,
                 Error::OutOfMemory {
@@ -234,17 +244,19 @@ impl AsyncPool {
         if !err.is_out_of_memory() {
             return err;
         }
-        let maximum = self.maximum();
+        let maximum = self.largest_request();
         let used = self.used().unwrap_or(0);
         let kept = self
             .reserved()
             .map_or(0, |reserved| reserved.saturating_sub(used));
-        let available = self
-            .device
-            .free_memory()
-            .unwrap_or(0)
-            .saturating_add(kept)
-            .min(maximum.saturating_sub(used));
+        // The simulated device grants whole 512-byte blocks: its raw free bytes overstated what
+        // a request gets (a 1,000-byte device refused 600 bytes with 1,000 available), as
+        // `Device::oom`'s did. What the pool keeps is whole blocks already.
+        let free = match self.device.backend() {
+            Backend::Cuda(_) => self.device.free_memory().unwrap_or(0),
+            Backend::Sim(d) => d.memory.room().0,
+        };
+        let available = free.saturating_add(kept).min(maximum.saturating_sub(used));
         Error::OutOfMemory {
             requested,
             available,
@@ -353,4 +365,76 @@ impl Drop for AsyncPool {
 
 fn saturate(bytes: u64) -> usize {
     usize::try_from(bytes).unwrap_or(usize::MAX)
+}
+
+#[cfg(all(test, not(streamalloc_loom)))]
+mod tests {
+    use super::*;
+    use crate::device::{SimConfig, SimExecution};
+
+    /// (requested, available, maximum) of an out-of-memory error.
+    fn numbers(result: Result<DevicePtr>) -> (usize, usize, usize) {
+        match result {
+            Err(Error::OutOfMemory {
+                requested,
+                available,
+                maximum,
+            }) => (requested, available, maximum),
+            other => panic!("not out of memory: {other:?}"),
+        }
+    }
+
+    /// An out-of-memory error of the simulated driver pool tells the truth: `available` is the
+    /// largest request that succeeds now, `maximum` the largest that ever can. Memory goes in
+    /// blocks of 512 bytes, so 1,000 bytes hold one: the pool reported the device's raw free
+    /// bytes and its unrounded size (`(600, 1000, 1000)`), overriding the simulated memory's
+    /// own numbers.
+    #[test]
+    fn out_of_memory_numbers_are_requests_that_succeed() {
+        let device = Device::simulated(SimConfig {
+            total_memory: 1000,
+            execution: SimExecution::Inline,
+            ..SimConfig::default()
+        });
+        let stream = device.create_stream().unwrap();
+        let pool = AsyncPool::new(
+            &device,
+            AsyncPoolSettings {
+                release_threshold: u64::MAX,
+                maximum: None,
+            },
+        )
+        .unwrap();
+        assert_eq!(numbers(pool.alloc_async(600, &stream)), (600, 512, 512));
+        // Larger than the device: refused up front, with the same numbers.
+        assert_eq!(numbers(pool.alloc_async(1000, &stream)), (1000, 512, 512));
+        // Exactly `available`: granted, and then nothing is left.
+        let ptr = pool.alloc_async(512, &stream).unwrap();
+        assert_eq!(numbers(pool.alloc_async(1, &stream)), (1, 0, 512));
+        // Freed, the pool keeps the block (threshold at its maximum), and counts it available.
+        // SAFETY: handed out above on `stream`, unused.
+        unsafe { pool.free_async(ptr, &stream) }.unwrap();
+        stream.synchronize_blocking().unwrap();
+        assert_eq!(pool.reserved().unwrap(), 512);
+        assert_eq!(numbers(pool.alloc_async(513, &stream)), (513, 512, 512));
+        let ptr = pool.alloc_async(512, &stream).unwrap();
+        // SAFETY: handed out above on `stream`, unused.
+        unsafe { pool.free_async(ptr, &stream) }.unwrap();
+
+        // A pool limit that the device's whole blocks cannot reach: they bound it.
+        let limited = AsyncPool::new(
+            &device,
+            AsyncPoolSettings {
+                release_threshold: 0,
+                maximum: Some(700),
+            },
+        )
+        .unwrap();
+        stream.synchronize_blocking().unwrap();
+        pool.trim_to(0).unwrap();
+        assert_eq!(numbers(limited.alloc_async(700, &stream)), (700, 512, 512));
+        let ptr = limited.alloc_async(512, &stream).unwrap();
+        // SAFETY: handed out above on `stream`, unused.
+        unsafe { limited.free_async(ptr, &stream) }.unwrap();
+    }
 }
