@@ -30,6 +30,9 @@
 //!   fake address range: nothing handed out or used on an unmapped granule, nothing unmapped
 //!   under a held block or pending work; the claims of the initial size's pieces against a
 //!   trim; and a request at the maximum taking back what a trim holds.
+//! - [`held_for_trim`]: the pool's trim ordering the chunks it took with the trims' lock let go
+//!   (`HeldForTrim`: hold, replace, release) while a request at the maximum recalls them: each
+//!   chunk ends given upstream (ordered, and noted so while held) or in the lists, never both.
 //! - [`relocation`]: the expandable pool's move of free memory between its address ranges at
 //!   its maximum: nothing unmapped under work still queued on the stream that freed it.
 //! - [`history`]: the history recorder's live table (`HistoryAdaptor`): a free forgets its
@@ -67,6 +70,7 @@ mod deferred_free;
 mod expandable;
 mod free_lists;
 mod frees_and_regrowth;
+mod held_for_trim;
 mod history;
 mod pinned;
 mod races;

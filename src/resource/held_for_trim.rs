@@ -29,10 +29,11 @@
 //! refused as if the trim had finished first (an awaitable request waits, and the give-back's
 //! end wakes it). Loom models: `loom-tests/expandable.rs`,
 //! `a_request_at_the_maximum_recalls_what_a_trim_holds` and
-//! `a_request_at_the_maximum_vs_a_cancelled_trim`.
+//! `a_request_at_the_maximum_vs_a_cancelled_trim`; the pool's ordering with the lock let go
+//! (hold, replace, release against a recall): `loom-tests/held_for_trim.rs`.
 
 use crate::sync::Mutex;
-// The planted bug's switch, read through `planted!` (it exists only under the loom cfg).
+// The planted bugs' switches, read through `planted!` (they exist only under the loom cfg).
 #[cfg(streamalloc_loom)]
 use crate::resource::stream_ordered::planted;
 
@@ -155,6 +156,11 @@ impl<T: Clone> HeldForTrim<T> {
         match (held.items.iter_mut()).find(|(t, item)| *t == ticket.0 && pick(item)) {
             Some((_, item)) => {
                 *item = with;
+                true
+            }
+            None if planted!(REPLACE_IGNORES_RECALL) => {
+                // The planted bug: noted as the trim's, though a recall took it meanwhile.
+                held.items.push((ticket.0, with));
                 true
             }
             None => false,

@@ -75,6 +75,12 @@ pub(crate) static FORGET_IGNORES_LATER_WORK: AtomicBool = AtomicBool::new(false)
 #[cfg(streamalloc_loom)]
 pub(crate) static TRIM_IGNORES_RECALL: AtomicBool = AtomicBool::new(false);
 
+/// A trim's note that it ordered a chunk (`HeldForTrim::replace`) holds the chunk as the trim's
+/// even when a request at the maximum recalled it into the lists meanwhile: the trim then gives
+/// upstream a chunk the lists hold too (`resource/held_for_trim.rs`).
+#[cfg(streamalloc_loom)]
+pub(crate) static REPLACE_IGNORES_RECALL: AtomicBool = AtomicBool::new(false);
+
 /// The end of an automatic release only clears its pending bit (the release threshold's
 /// protocol before a review): what was freed while it ran queues no release
 /// (`resource/expandable/core.rs`, `ReleaseTrigger::ended`).
