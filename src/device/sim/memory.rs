@@ -1001,6 +1001,7 @@ mod tests {
         unsafe { device.free(ptr) }.unwrap();
         drop(pool);
     }
+
     /// `cuMemAllocAsync` hands out an address again only once the free that gave it back has
     /// run (the simulated memory frees it when the stream reaches the free), so its reuse on
     /// another stream is ordered by the device, as a driver pool's is. Once the sweep of
