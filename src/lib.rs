@@ -82,7 +82,9 @@
 //!   error there instead of returning it. A resource of yours must do the same with its own
 //!   thread. When a deferred free holds the last handle of its resource, that handle is
 //!   dropped on the blocking-work thread too, so a pool's `Drop` (which synchronizes its
-//!   streams) never runs on the reactor.
+//!   streams) never runs on the reactor. And when the last handle of a [`Device`] goes there
+//!   (an event's callback held it), the device is torn down on a short-lived thread of its own
+//!   (`sa-teardown-N`): its teardown frees pinned pages and destroys events and pools.
 //! - **Keep it short.** Microseconds, not milliseconds: the median wake latency the reactor
 //!   aims at on a GPU is under 10 µs.
 //! - **Panics are caught, not propagated.** A waker or deferred callback that panics is caught
