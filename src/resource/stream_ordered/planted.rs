@@ -41,7 +41,8 @@ pub(crate) static QUIET_IGNORES_ACTIVITY: AtomicBool = AtomicBool::new(false);
 pub(crate) static RESERVE_RELEASED_EARLY: AtomicBool = AtomicBool::new(false);
 
 /// A request about to grow does not look again after a chunk moved from the reserve into a
-/// shard while it looked: it fails at the maximum with that memory free.
+/// shard while it looked, nor once more before it reports out of memory: it fails at the
+/// maximum with that memory free.
 #[cfg(streamalloc_loom)]
 pub(crate) static RESERVE_MOVES_IGNORED: AtomicBool = AtomicBool::new(false);
 
