@@ -182,7 +182,10 @@ impl Reservation {
             (Raw::Cuda(r), Backend::Cuda(d)) => unsafe { r.unmap(d, index) },
             (Raw::Sim(r), Backend::Sim(d)) => {
                 r.unmap(index);
-                // The race detector checks that nothing still used the memory.
+                // The race detector checks that nothing still used the memory. After the
+                // unmap: a race's panic (the `Panic` mode) comes once the unit is unmapped,
+                // which the expandable pool counts on to keep its table true
+                // (`expandable::core::Backing::unmap`).
                 match &d.races {
                     Some(races) => {
                         let (start, end) = r.unit_range(index);

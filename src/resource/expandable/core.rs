@@ -38,6 +38,10 @@ pub(crate) trait Backing: Send + Sync {
     fn map(&self, first: usize, count: usize) -> Result<()>;
     /// Unmaps granule `index` and releases its memory.
     ///
+    /// A panic out of it (the simulated device's race detector in its `Panic` mode, which
+    /// reports work still using the granule) comes once the granule is unmapped: the caller
+    /// counts it unmapped, and lets the panic go on once its bookkeeping is done.
+    ///
     /// # Safety
     /// No queued or running work uses it.
     unsafe fn unmap(&self, index: usize) -> Result<()>;
@@ -57,6 +61,8 @@ impl Backing for crate::device::vmm::Reservation {
         crate::device::vmm::Reservation::map(self, first, count)
     }
     unsafe fn unmap(&self, index: usize) -> Result<()> {
+        // The simulated device unmaps the unit before its race detector settles what it found
+        // (and panics in the `Panic` mode): the trait's word on a panic holds.
         // SAFETY: the caller's contract, passed on.
         unsafe { crate::device::vmm::Reservation::unmap(self, index) }
     }
@@ -189,6 +195,10 @@ pub(crate) type SnapshotParts = (Vec<(u64, u64)>, Vec<ListBlocks>, Vec<(u64, u64
 /// A range taken out of the lists for unmapping: `(start, size, the stream whose list held
 /// it)`, `None` for fresh memory.
 pub(crate) type Taken<S> = (u64, u64, Option<S>);
+
+/// The payload of a panic out of [`Backing::unmap`], caught until the bookkeeping of what was
+/// unmapped is done, then let go on (`std::panic::resume_unwind`).
+type Panicked = Option<Box<dyn std::any::Any + Send>>;
 
 /// When the release threshold's automatic release runs: the bytes freed since the last one
 /// began, and whether one is queued or running ([`PENDING`](Self::PENDING)), in one word. A
@@ -620,11 +630,17 @@ impl<S: EngineStream, B: Backing> Expander<S, B> {
         let _span = tracing::debug_span!("claim from another range", addr, size, home).entered();
         // SAFETY: the piece was in no list (nothing was ever handed out of it) and is in none
         // now: no work has used it or can.
-        let (released, result, back) =
+        let (released, result, back, panicked) =
             unsafe { self.unmap_locked(&mut table, vec![(addr, size, None)]) };
         for (addr, size, _) in back {
             // Units that would not unmap stay mapped, as fresh memory of their own range.
             self.heap.give_fresh(addr, size);
+        }
+        if let Some(payload) = panicked {
+            // What was unmapped is noted and the rest is back: the pool holds that much less,
+            // as after a failed map below.
+            drop(table);
+            std::panic::resume_unwind(payload);
         }
         if let Err(e) = result {
             tracing::warn!(error = %e, released, "a claimed piece could not move: it stays");
@@ -920,7 +936,7 @@ impl<S: EngineStream, B: Backing> Expander<S, B> {
     pub(crate) unsafe fn unmap_ranges(&self, ranges: Vec<Taken<S>>) -> (u64, Result<()>) {
         let taken = Self::bytes_of(&ranges);
         // SAFETY: the caller's contract, passed on.
-        let (unmapped, result, back) = unsafe { self.unmap_unlocked(ranges) };
+        let (unmapped, result, back, panicked) = unsafe { self.unmap_unlocked(ranges) };
         let going_back = Self::bytes_of(&back);
         let released = {
             let mut table = self.table.lock();
@@ -931,13 +947,21 @@ impl<S: EngineStream, B: Backing> Expander<S, B> {
         };
         // Outside the table's lock: the handles' drops take locks of their own.
         self.put_back_trimmed(back);
+        if let Some(payload) = panicked {
+            // The caller unwinds before it says that the trim gave back what it unmapped: said
+            // here, so a request refused at the maximum meanwhile looks again.
+            self.held_for_trim.given_back();
+            std::panic::resume_unwind(payload);
+        }
         (released, result)
     }
 
     /// [`unmap_ranges`](Self::unmap_ranges) under the table's lock (a growth's move, a
     /// claim's: the request's own driver work). Returns what the caller must
     /// [`put_back`](Self::put_back) (the ranges from a granule that failed to unmap on) after
-    /// letting go of the lock.
+    /// letting go of the lock, and the payload of a panic out of an unmap, which the caller
+    /// lets go on (`std::panic::resume_unwind`) once it has put that back: what was unmapped
+    /// is noted here either way.
     ///
     /// # Safety
     /// As `unmap_ranges`.
@@ -945,16 +969,25 @@ impl<S: EngineStream, B: Backing> Expander<S, B> {
         &self,
         table: &mut Table,
         ranges: Vec<Taken<S>>,
-    ) -> (u64, Result<()>, Vec<Taken<S>>) {
+    ) -> (u64, Result<()>, Vec<Taken<S>>, Panicked) {
         // SAFETY: the caller's contract, passed on.
-        let (unmapped, result, back) = unsafe { self.unmap_unlocked(ranges) };
-        (self.note_unmapped(table, &unmapped), result, back)
+        let (unmapped, result, back, panicked) = unsafe { self.unmap_unlocked(ranges) };
+        (self.note_unmapped(table, &unmapped), result, back, panicked)
     }
 
     /// The driver's part of [`unmap_ranges`](Self::unmap_ranges): unmaps the granules of
     /// `ranges`, and touches no bookkeeping (the caller notes them, under the table's lock:
     /// [`note_unmapped`](Self::note_unmapped)). Returns the runs unmapped `(first granule,
-    /// count)`, the first error, and the ranges from a granule that failed to unmap on.
+    /// count)`, the first error, the ranges from a granule that failed to unmap on, and the
+    /// payload of a panic out of an unmap.
+    ///
+    /// A panic out of [`Backing::unmap`] (the simulated device's race detector, in its `Panic`
+    /// mode, reporting work that still uses the granule) is caught: the granule counts as
+    /// unmapped (the trait's word), nothing more is unmapped, and the rest goes back with the
+    /// ranges that failed, so that the caller's bookkeeping holds before it lets the panic go
+    /// on. Uncaught, the granule stayed counted as mapped, the ranges after it were in no list
+    /// for ever, and `trimming` stayed raised (a review's finding:
+    /// `tests/expandable_review3.rs`).
     ///
     /// # Safety
     /// As `unmap_ranges`.
@@ -962,24 +995,42 @@ impl<S: EngineStream, B: Backing> Expander<S, B> {
     unsafe fn unmap_unlocked(
         &self,
         ranges: Vec<Taken<S>>,
-    ) -> (Vec<(usize, usize)>, Result<()>, Vec<Taken<S>>) {
+    ) -> (Vec<(usize, usize)>, Result<()>, Vec<Taken<S>>, Panicked) {
         let g = self.granule();
         let base = self.backing.base();
         let mut unmapped = Vec::new();
         let mut result = Ok(());
         let mut back = Vec::new();
+        let mut panicked: Panicked = None;
         for (addr, size, stream) in ranges {
+            if panicked.is_some() {
+                back.push((addr, size, stream));
+                continue;
+            }
             let first = ((addr - base) / g) as usize;
             let count = (size / g) as usize;
             let mut done = 0;
             for index in first..first + count {
                 debug_assert!(self.bits.get(index), "granule {index} free but unmapped");
+                // Unwind safety: the closure touches only the backing, whose unmap is complete
+                // when it panics (the trait's word); the pool's state is ours to finish after.
                 // SAFETY: the granule lies in a range taken out of every list (nothing can
                 // hand it out), wholly free, and the caller's contract says the work that
                 // last used it has finished.
-                match unsafe { self.backing.unmap(index) } {
-                    Ok(()) => done += 1,
-                    Err(e) => {
+                let unmap =
+                    crate::completion::catch_unwind(|| unsafe { self.backing.unmap(index) });
+                match unmap {
+                    Ok(Ok(())) => done += 1,
+                    Err(payload) => {
+                        done += 1;
+                        let at = self.addr(index + 1);
+                        if at < addr + size {
+                            back.push((at, addr + size - at, stream.clone()));
+                        }
+                        panicked = Some(payload);
+                        break;
+                    }
+                    Ok(Err(e)) => {
                         let at = self.addr(index);
                         back.push((at, addr + size - at, stream.clone()));
                         if result.is_ok() {
@@ -993,7 +1044,7 @@ impl<S: EngineStream, B: Backing> Expander<S, B> {
                 unmapped.push((first, done));
             }
         }
-        (unmapped, result, back)
+        (unmapped, result, back, panicked)
     }
 
     /// Notes the runs `(first granule, count)` that [`unmap_unlocked`](Self::unmap_unlocked)
@@ -1021,15 +1072,17 @@ impl<S: EngineStream, B: Backing> Expander<S, B> {
     /// across a region, nor across a live block, so without this a pool at its maximum would
     /// refuse a request its free memory could serve once moved). Unmaps nothing unless it
     /// finds enough. Returns whether there is room now, what the caller must put back after
-    /// letting go of the table's lock, and the streams whose memory was left because they
-    /// were busy.
+    /// letting go of the table's lock, the streams whose memory was left because they
+    /// were busy, and the payload of a panic out of an unmap (for the caller to let go on
+    /// after putting back: [`unmap_locked`](Self::unmap_locked)).
+    #[allow(clippy::type_complexity)]
     fn make_room(
         &self,
         table: &mut Table,
         keep: usize,
         run: std::ops::Range<usize>,
         bytes: u64,
-    ) -> (bool, Vec<Taken<S>>, Vec<S>) {
+    ) -> (bool, Vec<Taken<S>>, Vec<S>, Panicked) {
         let (start, end) = (self.addr(run.start), self.addr(run.end));
         let (left, right) = self.heap.free_around(keep, start, end);
         let kept = start - left..end + right;
@@ -1040,16 +1093,17 @@ impl<S: EngineStream, B: Backing> Expander<S, B> {
             .collect();
         let found: u64 = ranges.iter().map(|r| r.1).sum();
         if found < bytes {
-            return (false, ranges, busy);
+            return (false, ranges, busy, None);
         }
         let _span = tracing::debug_span!("relocate", bytes, found, keep).entered();
         // SAFETY: `take_idle_aligned` took the ranges out of every list, and the work of
         // every stream that freed them has finished (or none ever used them).
-        let (released, result, back) = unsafe { self.unmap_locked(table, ranges) };
+        let (released, result, back, panicked) = unsafe { self.unmap_locked(table, ranges) };
         if let Err(e) = &result {
             tracing::warn!(error = %e, released, "relocation stopped: an unmap failed");
         }
-        (result.is_ok() && released >= bytes, back, busy)
+        let room = result.is_ok() && panicked.is_none() && released >= bytes;
+        (room, back, busy, panicked)
     }
 }
 
@@ -1085,8 +1139,16 @@ impl<S: EngineStream, B: Backing> Grow<S> for Expander<S, B> {
         let (mut back, mut unused) = (Vec::new(), Vec::new());
         if over > 0 {
             let region = table.region_of(first);
-            let (room, rest, busy) = self.make_room(&mut table, region, first..first + count, over);
+            let (room, rest, busy, panicked) =
+                self.make_room(&mut table, region, first..first + count, over);
             back = rest;
+            if let Some(payload) = panicked {
+                // What was unmapped is noted; the rest goes back before the panic goes on.
+                drop(table);
+                self.put_back(back);
+                drop(busy);
+                std::panic::resume_unwind(payload);
+            }
             if !room {
                 drop(table);
                 self.put_back(back);

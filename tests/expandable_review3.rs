@@ -1,0 +1,145 @@
+//! Third review of `ExpandablePoolResource`: a trim's unmapping when the simulated device's
+//! race detector, in its `Panic` mode, panics out of an unmap.
+
+mod common;
+
+use std::panic::{catch_unwind, AssertUnwindSafe};
+
+use common::free;
+use streamalloc::{
+    Device, ExpandableOptions, ExpandablePoolResource, MemoryAccess, MemoryResource, RaceDetection,
+    SimConfig,
+};
+
+/// A trim that unmaps a granule another stream still uses (the user's race: the block was
+/// freed on one stream while another's work, unordered with the free, still wrote it) panics
+/// in the `Panic` mode, out of the unmap, after the granule was unmapped. The review found the
+/// panic leaving the pool's bookkeeping behind: the unmapped granule still counted as mapped
+/// (in `reserved`, in the chunks), the granules after it in no list, never handed out or
+/// trimmed again. Now the trim notes what it unmapped and puts the rest back before the panic
+/// goes on, and the pool works as before.
+#[test]
+fn a_trim_whose_unmap_panics_leaves_the_pool_consistent() {
+    let device = Device::simulated(SimConfig {
+        race_detection: RaceDetection::Panic,
+        ..SimConfig::default()
+    });
+    let total = device.free_memory().unwrap();
+    let p = ExpandablePoolResource::new(
+        &device,
+        ExpandableOptions {
+            map_unit: Some(1),
+            ..ExpandableOptions::default()
+        },
+    )
+    .unwrap();
+    let g = p.granule();
+    let (a, b) = (
+        device.create_stream().unwrap(),
+        device.create_stream().unwrap(),
+    );
+    // Three granules, handed out on `a`; `b` ordered after the allocation, then writing the
+    // middle one behind a spin.
+    let x = p.allocate(3 * g, &a).unwrap();
+    assert_eq!(p.stats().reserved, 3 * g);
+    b.wait(&a.record().unwrap()).unwrap();
+    b.spin(std::time::Duration::from_millis(50)).unwrap();
+    let middle = streamalloc::DevicePtr(x.0 + g as u64);
+    b.declare_access(middle, g, MemoryAccess::Write, "write on b")
+        .unwrap();
+    // Freed on `a`, not ordered after `b`'s write: the detector panics at the free, once the
+    // block is back in `a`'s list.
+    let freed = catch_unwind(AssertUnwindSafe(|| free(&p, x, 3 * g, &a)));
+    assert!(freed.is_err(), "the racing free did not panic");
+    // The trim waits for `a` only: its unmap of the middle granule races with `b`'s write (the
+    // host never saw it finish), and panics once that granule is unmapped.
+    let trimmed = catch_unwind(AssertUnwindSafe(|| p.trim_blocking()));
+    assert!(
+        trimmed.is_err(),
+        "the racing unmap did not panic: {trimmed:?}"
+    );
+    // The first two granules are unmapped; the third is mapped, free, back in a list.
+    p.check_invariants().unwrap();
+    let stats = p.stats();
+    assert_eq!(stats.reserved, g, "{stats:?}");
+    assert_eq!(stats.chunks, 1, "{stats:?}");
+    assert_eq!(stats.free, g, "{stats:?}");
+    assert_eq!(device.free_memory().unwrap(), total - g);
+    // The pool goes on as before: once `b` is done, the third granule trims.
+    b.synchronize_blocking().unwrap();
+    assert_eq!(p.trim_blocking().unwrap(), g);
+    assert_eq!(p.stats().reserved, 0);
+    assert_eq!(device.free_memory().unwrap(), total);
+    // And it grows, serves, frees and trims the whole range again.
+    let y = p.allocate(3 * g, &a).unwrap();
+    assert_eq!(p.stats().reserved, 3 * g);
+    free(&p, y, 3 * g, &a);
+    p.check_invariants().unwrap();
+    assert_eq!(p.trim_blocking().unwrap(), 3 * g);
+    let stats = p.stats();
+    assert_eq!((stats.reserved, stats.chunks), (0, 0), "{stats:?}");
+    assert_eq!(device.free_memory().unwrap(), total);
+}
+
+/// The same for a growth at the maximum that first unmaps free granules elsewhere (a move:
+/// `relocations`), under the table's lock: the panic out of that unmap left the granule
+/// counted as mapped and the rest of the room it had taken in no list. Now the growth notes
+/// what it unmapped, puts the rest back and lets the panic go on, and the pool serves the
+/// request when it is tried again.
+#[test]
+fn a_growth_whose_move_panics_leaves_the_pool_consistent() {
+    let device = Device::simulated(SimConfig {
+        race_detection: RaceDetection::Panic,
+        ..SimConfig::default()
+    });
+    let total = device.free_memory().unwrap();
+    let g = 2 << 20;
+    let p = ExpandablePoolResource::new(
+        &device,
+        ExpandableOptions {
+            map_unit: Some(1),
+            maximum: Some(4 * g),
+            ..ExpandableOptions::default()
+        },
+    )
+    .unwrap();
+    assert_eq!(p.granule(), g);
+    let (a, b) = (
+        device.create_stream().unwrap(),
+        device.create_stream().unwrap(),
+    );
+    let x = p.allocate(g, &a).unwrap();
+    let y = p.allocate(g, &a).unwrap();
+    let z = p.allocate(g, &a).unwrap();
+    // `b` writes `x`, ordered after its allocation; `x` is freed on `a` unordered with that
+    // write (the detector panics at the free, once the block is back in `a`'s list).
+    b.wait(&a.record().unwrap()).unwrap();
+    b.declare_access(x, g, MemoryAccess::Write, "write on b")
+        .unwrap();
+    let freed = catch_unwind(AssertUnwindSafe(|| free(&p, x, g, &a)));
+    assert!(freed.is_err(), "the racing free did not panic");
+    free(&p, y, g, &a);
+    a.synchronize_blocking().unwrap();
+    // Three granules mapped, two free below the live `z`: a request of three more, past the
+    // maximum, moves those two where it grows. The move's unmap of `x`'s granule races with
+    // `b`'s write, and panics once that granule is unmapped.
+    let grown = catch_unwind(AssertUnwindSafe(|| p.allocate(3 * g, &a)));
+    assert!(grown.is_err(), "the racing unmap did not panic: {grown:?}");
+    p.check_invariants().unwrap();
+    assert_eq!(p.relocations(), 0, "a move that did not map is none");
+    let stats = p.stats();
+    assert_eq!((stats.reserved, stats.chunks), (2 * g, 2), "{stats:?}");
+    assert_eq!(stats.free, g, "{stats:?}");
+    assert_eq!(device.free_memory().unwrap(), total - 2 * g);
+    // Once `b` is done the pool serves the request (moving `y`'s granule), and trims it all.
+    b.synchronize_blocking().unwrap();
+    let w = p.allocate(3 * g, &a).unwrap();
+    assert_eq!(p.stats().reserved, 4 * g);
+    assert_eq!(p.relocations(), 1);
+    free(&p, w, 3 * g, &a);
+    free(&p, z, g, &a);
+    p.check_invariants().unwrap();
+    assert_eq!(p.trim_blocking().unwrap(), 4 * g);
+    assert_eq!(p.stats().reserved, 0);
+    assert_eq!(device.free_memory().unwrap(), total);
+}
