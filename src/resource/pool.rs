@@ -513,8 +513,17 @@ impl<U: MemoryResource> PoolResource<U> {
     /// (by `.await`, never inside a lock) for the GPU work on the streams it was freed on.
     /// Returns the bytes released.
     ///
-    /// On an error (a failed synchronization or upstream free), every block taken out is put
+    /// On an error of its own work (a failed upstream free), what was not given back is put
     /// back where it was: nothing is lost, and the pool works as before.
+    ///
+    /// A stream whose work failed (a sticky error: a fault poisons the stream, as it breaks a
+    /// CUDA context) does not fail the trim: a synchronization that fails so returns only once
+    /// the stream's work has ended, and the failure is reported on the user's own operations on
+    /// that stream. A dropped one is let go of as if it had synchronized (logged at warn level
+    /// with its error); the chunks last freed on a live one stay in the pool, free (logged at
+    /// warn level), as a capture's do, and the rest is released. The trim then returns `Ok`
+    /// with the bytes it did release. Before, one such stream made every trim fail, releasing
+    /// nothing, for the process's life.
     ///
     /// A stream under a user's graph capture cannot be waited for (its captured work runs
     /// only when the graph is launched, and a synchronization would invalidate the capture):
@@ -542,66 +551,60 @@ impl<U: MemoryResource> PoolResource<U> {
     /// where they were, free and usable (a review found them out of the lists, never handed out
     /// again, until the pool was dropped).
     pub async fn trim(&self) -> Result<usize> {
-        // Every idle stream is waited for, whatever fails: one `?` here would skip the others.
-        let mut first_error = None;
+        // Every idle stream is waited for, whatever fails: one failure must not skip the others.
         for stream in self.heap.idle_streams() {
             match stream.synchronize().await {
                 Ok(()) => self.heap.forget(stream),
                 // Kept (not forgotten) until the capture ends: its work cannot be waited for.
                 Err(Error::StreamCapturing { .. }) => {}
-                Err(e) => {
-                    first_error.get_or_insert(e);
-                }
+                Err(e) => forget_failed(&self.heap, stream, &e),
             }
-        }
-        if let Some(e) = first_error {
-            return Err(e);
         }
         // Put back if this future is dropped while it waits, or a wait fails.
         let (taken, streams) = TakenForTrim::take(self);
         let mut captured = Vec::new();
+        let mut failed = Vec::new();
         for stream in &streams {
-            if captured.contains(&stream.id()) {
+            if captured.contains(&stream.id()) || failed.contains(&stream.id()) {
                 continue;
             }
             match stream.synchronize().await {
                 Ok(()) => {}
                 Err(Error::StreamCapturing { .. }) => captured.push(stream.id()),
-                Err(e) => return Err(e),
+                // Kept: see `failed_stream`.
+                Err(e) => failed.push(failed_stream(stream, &e)),
             }
         }
         taken.keep_for_capture(&captured);
+        taken.keep_for_failure(&failed);
         taken.give_back()
     }
 
     /// [`trim`](Self::trim) for synchronous code: blocks the calling thread while it waits.
     pub fn trim_blocking(&self) -> Result<usize> {
-        let mut first_error = None;
         for stream in self.heap.idle_streams() {
             match stream.synchronize_blocking() {
                 Ok(()) => self.heap.forget(stream),
                 Err(Error::StreamCapturing { .. }) => {}
-                Err(e) => {
-                    first_error.get_or_insert(e);
-                }
+                Err(e) => forget_failed(&self.heap, stream, &e),
             }
-        }
-        if let Some(e) = first_error {
-            return Err(e);
         }
         let (taken, streams) = TakenForTrim::take(self);
         let mut captured = Vec::new();
+        let mut failed = Vec::new();
         for stream in &streams {
-            if captured.contains(&stream.id()) {
+            if captured.contains(&stream.id()) || failed.contains(&stream.id()) {
                 continue;
             }
             match stream.synchronize_blocking() {
                 Ok(()) => {}
                 Err(Error::StreamCapturing { .. }) => captured.push(stream.id()),
-                Err(e) => return Err(e),
+                // Kept: see `failed_stream`.
+                Err(e) => failed.push(failed_stream(stream, &e)),
             }
         }
         taken.keep_for_capture(&captured);
+        taken.keep_for_failure(&failed);
         taken.give_back()
     }
 
@@ -1045,6 +1048,46 @@ impl<U: MemoryResource> Drop for PoolResource<U> {
     }
 }
 
+/// A trim's first stage, for a dropped stream whose synchronization failed (not for a
+/// capture): logged, and let go of as one that synchronized, so that one failed stream does
+/// not fail every trim, releasing nothing, for the process's life (a review's finding).
+///
+/// Why that is sound: a synchronization that fails with the stream's own error returns only
+/// once the stream's queued work has ended. On CUDA a sticky error ends the context's work.
+/// On the simulated device, `synchronize`/`synchronize_blocking` wait for a marker queued
+/// behind the work; the stream's worker completes it only when it reaches it (every earlier
+/// operation has run, or been skipped once the stream was poisoned: `sim::stream`'s
+/// `Executor::execute`), and a poisoned stream completes it with its first error. What else
+/// fails a synchronization fails the call itself (an injected `Synchronize` or `Record`
+/// fault), before any wait, with the work perhaps still queued: for that case
+/// [`StreamHeap::forget`] asks the stream, under each shard's lock, whether it is idle, and
+/// keeps it where it is not (named again by the next trim), so nothing freed on it is
+/// handed out or given upstream while its work may run.
+pub(crate) fn forget_failed(heap: &StreamHeap, stream: Stream, error: &Error) {
+    tracing::warn!(
+        error = %error,
+        stream = %stream.id(),
+        "trim: a dropped stream's work failed; let go of as ended (its error is reported on the user's operations on it)"
+    );
+    heap.forget(stream);
+}
+
+/// A trim's second stage, for a stream its memory waits for whose synchronization failed
+/// (not for a capture): logged, and its id, whose memory the trim keeps in the pool, free
+/// and still ordered after the stream (`keep_for_failure`), as it keeps a capture's; the
+/// rest is released. Kept rather than released: the failure may be the call's, with the
+/// stream's work still queued (see [`forget_failed`]), and a kept block is reused only
+/// after the stream, as any. Not the trim's error: the failure is the stream's, reported on
+/// the user's operations on it, and a trim that failed for it would fail for ever.
+pub(crate) fn failed_stream(stream: &Stream, error: &Error) -> StreamId {
+    tracing::warn!(
+        error = %error,
+        stream = %stream.id(),
+        "trim: a stream's work failed; the memory freed on it stays in the pool, free"
+    );
+    stream.id()
+}
+
 /// Whole chunks a trim took out of the free list (held in the pool's `held_for_trim`), put
 /// back ([`PoolResource::put_back`]) if the trim ends before it gives them upstream: a failed
 /// wait for one of their streams, or the trim's future dropped while it waits.
@@ -1118,9 +1161,39 @@ impl<'a, U: MemoryResource> TakenForTrim<'a, U> {
     /// (under a user's graph capture: its work cannot be waited for, so they cannot go
     /// upstream now), and logs what was kept; the rest stays the trim's to give back.
     fn keep_for_capture(&self, captured: &[StreamId]) {
-        let Some(ticket) = self.ticket else { return };
-        if captured.is_empty() {
-            return;
+        let (chunks, bytes) = self.keep_on(captured);
+        if chunks > 0 {
+            tracing::debug!(
+                chunks,
+                bytes,
+                streams = captured.len(),
+                "trim: chunks kept for a capture (their streams are being captured into a CUDA graph, whose work the host cannot wait for)"
+            );
+        }
+    }
+
+    /// Puts back in the pool, free, the chunks still the trim's whose stream's synchronization
+    /// failed (see [`failed_stream`]), and logs what was kept; the rest stays the trim's.
+    fn keep_for_failure(&self, failed: &[StreamId]) {
+        let (chunks, bytes) = self.keep_on(failed);
+        if chunks > 0 {
+            tracing::warn!(
+                chunks,
+                bytes,
+                streams = failed.len(),
+                "trim: chunks kept in the pool, free: the work of the streams they were freed on failed"
+            );
+        }
+    }
+
+    /// Puts back in the pool, free (as freed on their stream), the chunks still the trim's
+    /// ordered onto a stream in `streams`: how many, and their bytes.
+    fn keep_on(&self, streams: &[StreamId]) -> (usize, u64) {
+        let Some(ticket) = self.ticket else {
+            return (0, 0);
+        };
+        if streams.is_empty() {
+            return (0, 0);
         }
         let pool = self.pool;
         let mut bytes = 0;
@@ -1128,7 +1201,7 @@ impl<'a, U: MemoryResource> TakenForTrim<'a, U> {
         let chunks = (pool.held_for_trim).put_back_some(
             ticket,
             |(_, size, order)| {
-                let stays = matches!(order, HeldOrder::On(Some(s)) if captured.contains(&s.id()));
+                let stays = matches!(order, HeldOrder::On(Some(s)) if streams.contains(&s.id()));
                 if stays {
                     bytes += size;
                 }
@@ -1140,14 +1213,7 @@ impl<'a, U: MemoryResource> TakenForTrim<'a, U> {
         if tell {
             pool.waiters.notify();
         }
-        if chunks > 0 {
-            tracing::debug!(
-                chunks,
-                bytes,
-                streams = captured.len(),
-                "trim: chunks kept for a capture (their streams are being captured into a CUDA graph, whose work the host cannot wait for)"
-            );
-        }
+        (chunks, bytes)
     }
 
     /// Gives upstream the chunks still the trim's (no longer put back on drop): the bytes

@@ -11,7 +11,7 @@ use std::sync::{Arc as StdArc, Weak};
 
 use self::core::{Expander, ReleaseTrigger, Taken};
 use super::held_for_trim::Ticket;
-use super::pool::PoolStats;
+use super::pool::{failed_stream, forget_failed, PoolStats};
 use super::waiters::{MemoryWaiters, WaitStats};
 use super::{aligned_size, check_stream, MemoryResource};
 use crate::device::vmm::{self, Reservation};
@@ -310,8 +310,14 @@ impl ExpandablePoolResource {
     /// different streams freed coalesces into whole granules). Returns the bytes unmapped.
     /// Live buffers are untouched: a granule any of whose bytes is handed out stays mapped.
     ///
-    /// On an error (a failed synchronization or unmap), what was not unmapped goes back where
-    /// it was: nothing is lost, and the pool works as before.
+    /// On an error of its own work (a failed unmap), what was not unmapped goes back where it
+    /// was: nothing is lost, and the pool works as before.
+    ///
+    /// A stream whose work failed (a sticky error) does not fail the trim, as in
+    /// [`PoolResource::trim`](super::PoolResource::trim): a dropped one is let go of as if it
+    /// had synchronized, and the granules last freed on a live one stay mapped and free (both
+    /// logged at warn level with the error), as a capture's do; the rest is unmapped, and the
+    /// trim returns `Ok` with the bytes it did unmap.
     ///
     /// A stream under a user's graph capture cannot be waited for (its captured work runs
     /// only when the graph is launched): the granules last freed on it (or coalesced with
@@ -369,59 +375,56 @@ impl Inner {
     async fn trim_to(&self, keep: u64) -> Result<usize> {
         // Idle streams are let go of first (their waits leave every tag). Free neighbours
         // freed on different streams have coalesced already: a granule half freed on one
-        // stream and half on another is one free block.
-        let mut first_error = None;
+        // stream and half on another is one free block. Every idle stream is waited for,
+        // whatever fails: one failure must not skip the others.
         for stream in self.core.heap.idle_streams() {
             match stream.synchronize().await {
                 Ok(()) => self.core.heap.forget(stream),
                 // Kept (not forgotten) until the capture ends: its work cannot be waited for.
                 Err(Error::StreamCapturing { .. }) => {}
-                Err(e) => {
-                    first_error.get_or_insert(e);
-                }
+                // Let go of as ended: see `forget_failed`.
+                Err(e) => forget_failed(&self.core.heap, stream, &e),
             }
-        }
-        if let Some(e) = first_error {
-            return Err(e);
         }
         // Put back if this future is dropped while it waits, or a wait fails.
         let (taken, streams) = TakenForTrim::take(self, keep);
         let mut captured = Vec::new();
+        let mut failed = Vec::new();
         for stream in streams {
             match stream.synchronize().await {
                 Ok(()) => {}
                 Err(Error::StreamCapturing { .. }) => captured.push(stream.id()),
-                Err(e) => return Err(e),
+                // Kept: see `failed_stream`.
+                Err(e) => failed.push(failed_stream(&stream, &e)),
             }
         }
         taken.keep_for_capture(&captured);
+        taken.keep_for_failure(&failed);
         taken.unmap()
     }
 
     fn trim_to_blocking(&self, keep: u64) -> Result<usize> {
-        let mut first_error = None;
         for stream in self.core.heap.idle_streams() {
             match stream.synchronize_blocking() {
                 Ok(()) => self.core.heap.forget(stream),
                 Err(Error::StreamCapturing { .. }) => {}
-                Err(e) => {
-                    first_error.get_or_insert(e);
-                }
+                // Let go of as ended: see `forget_failed`.
+                Err(e) => forget_failed(&self.core.heap, stream, &e),
             }
-        }
-        if let Some(e) = first_error {
-            return Err(e);
         }
         let (taken, streams) = TakenForTrim::take(self, keep);
         let mut captured = Vec::new();
+        let mut failed = Vec::new();
         for stream in streams {
             match stream.synchronize_blocking() {
                 Ok(()) => {}
                 Err(Error::StreamCapturing { .. }) => captured.push(stream.id()),
-                Err(e) => return Err(e),
+                // Kept: see `failed_stream`.
+                Err(e) => failed.push(failed_stream(&stream, &e)),
             }
         }
         taken.keep_for_capture(&captured);
+        taken.keep_for_failure(&failed);
         taken.unmap()
     }
 
@@ -625,16 +628,48 @@ impl<'a> TakenForTrim<'a> {
     /// `captured` (under a user's graph capture: its work cannot be waited for, so they cannot
     /// be unmapped now), and logs what was kept; the rest stays the trim's to unmap.
     fn keep_for_capture(&self, captured: &[StreamId]) {
-        let Some(ticket) = self.ticket else { return };
-        if captured.is_empty() {
-            return;
+        let (ranges, bytes) = self.keep_on(captured);
+        if ranges > 0 {
+            tracing::debug!(
+                ranges,
+                bytes,
+                streams = captured.len(),
+                "trim: ranges kept mapped for a capture (their streams are being captured into a CUDA graph, whose work the host cannot wait for)"
+            );
+        }
+    }
+
+    /// Puts back in the lists, free and mapped, the ranges still the trim's whose stream's
+    /// synchronization failed (see [`failed_stream`]), and logs what was kept; the rest stays
+    /// the trim's to unmap.
+    fn keep_for_failure(&self, failed: &[StreamId]) {
+        let (ranges, bytes) = self.keep_on(failed);
+        if ranges > 0 {
+            tracing::warn!(
+                ranges,
+                bytes,
+                streams = failed.len(),
+                "trim: ranges kept mapped, free: the work of the streams they were freed on failed"
+            );
+        }
+    }
+
+    /// Puts back in the lists, free and mapped (as freed on their stream), the ranges still
+    /// the trim's freed on a stream in `streams`, and tells the waiters: how many, and their
+    /// bytes.
+    fn keep_on(&self, streams: &[StreamId]) -> (usize, u64) {
+        let Some(ticket) = self.ticket else {
+            return (0, 0);
+        };
+        if streams.is_empty() {
+            return (0, 0);
         }
         let mut bytes = 0;
         let ranges = self
             .inner
             .core
             .put_back_some_held(ticket, |(_, size, stream)| {
-                let stays = stream.as_ref().is_some_and(|s| captured.contains(&s.id()));
+                let stays = stream.as_ref().is_some_and(|s| streams.contains(&s.id()));
                 if stays {
                     bytes += size;
                 }
@@ -643,13 +678,8 @@ impl<'a> TakenForTrim<'a> {
         if ranges > 0 {
             // Memory back in the lists: a request refused while it was out may fit now.
             self.inner.waiters.notify();
-            tracing::debug!(
-                ranges,
-                bytes,
-                streams = captured.len(),
-                "trim: ranges kept mapped for a capture (their streams are being captured into a CUDA graph, whose work the host cannot wait for)"
-            );
         }
+        (ranges, bytes)
     }
 
     /// Unmaps the ranges still the trim's (no longer put back on drop): the bytes unmapped.
