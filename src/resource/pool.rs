@@ -560,7 +560,8 @@ impl<U: MemoryResource> PoolResource<U> {
                 Err(e) => forget_failed(&self.heap, stream, &e),
             }
         }
-        // Put back if this future is dropped while it waits, or a wait fails.
+        // Put back if this future is dropped while it waits (a failed wait keeps only its own
+        // stream's chunks: `keep_for_failure`).
         let (taken, streams) = TakenForTrim::take(self);
         let mut captured = Vec::new();
         let mut failed = Vec::new();
@@ -1089,8 +1090,10 @@ pub(crate) fn failed_stream(stream: &Stream, error: &Error) -> StreamId {
 }
 
 /// Whole chunks a trim took out of the free list (held in the pool's `held_for_trim`), put
-/// back ([`PoolResource::put_back`]) if the trim ends before it gives them upstream: a failed
-/// wait for one of their streams, or the trim's future dropped while it waits.
+/// back ([`PoolResource::put_back`]) if the trim ends before it gives them upstream (the
+/// trim's future dropped while it waits); those of a stream under a capture or whose
+/// synchronization failed go back before ([`keep_for_capture`](Self::keep_for_capture),
+/// [`keep_for_failure`](Self::keep_for_failure)).
 /// [`give_back`](Self::give_back) gives upstream those a request at the maximum has not taken
 /// back.
 struct TakenForTrim<'a, U: MemoryResource> {

@@ -386,7 +386,8 @@ impl Inner {
                 Err(e) => forget_failed(&self.core.heap, stream, &e),
             }
         }
-        // Put back if this future is dropped while it waits, or a wait fails.
+        // Put back if this future is dropped while it waits (a failed wait keeps only its own
+        // stream's ranges: `keep_for_failure`).
         let (taken, streams) = TakenForTrim::take(self, keep);
         let mut captured = Vec::new();
         let mut failed = Vec::new();
@@ -602,9 +603,10 @@ impl Drop for Inner {
 
 /// Ranges a trim took out of the lists ([`Expander::hold_free`]), put back (and the memory
 /// waiters told: a request may have been refused while they were out) if the trim ends before
-/// it unmaps them: a failed wait for one of their streams, or the trim's future dropped while
-/// it waits. [`unmap`](Self::unmap) unmaps those a request at the maximum has not taken
-/// back.
+/// it unmaps them (the trim's future dropped while it waits); those of a stream under a
+/// capture or whose synchronization failed go back before
+/// ([`keep_for_capture`](Self::keep_for_capture), [`keep_for_failure`](Self::keep_for_failure)).
+/// [`unmap`](Self::unmap) unmaps those a request at the maximum has not taken back.
 struct TakenForTrim<'a> {
     inner: &'a Inner,
     /// `None` once unmapped (nothing then to put back on drop).
