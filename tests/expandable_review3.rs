@@ -143,3 +143,54 @@ fn a_growth_whose_move_panics_leaves_the_pool_consistent() {
     assert_eq!(p.stats().reserved, 0);
     assert_eq!(device.free_memory().unwrap(), total);
 }
+
+/// The automatic release (a release threshold) runs a trim on the device's blocking-work
+/// thread; its unmap of a granule another stream still writes panics in the `Panic` mode. That
+/// thread caught the panic, but the release's trigger stayed pending, so the pool never
+/// released again: memory freed later stayed mapped for the pool's life. Now the release
+/// catches it and ends as usual, and later frees release again.
+#[test]
+fn an_automatic_release_whose_unmap_panics_still_releases_later() {
+    let device = Device::simulated(SimConfig {
+        race_detection: RaceDetection::Panic,
+        ..SimConfig::default()
+    });
+    let p = ExpandablePoolResource::new(
+        &device,
+        ExpandableOptions {
+            map_unit: Some(1),
+            release_threshold: Some(0),
+            ..ExpandableOptions::default()
+        },
+    )
+    .unwrap();
+    let g = p.granule();
+    let (a, b) = (
+        device.create_stream().unwrap(),
+        device.create_stream().unwrap(),
+    );
+    let x = p.allocate(3 * g, &a).unwrap();
+    let w = p.allocate(g, &a).unwrap();
+    b.wait(&a.record().unwrap()).unwrap();
+    b.spin(std::time::Duration::from_millis(50)).unwrap();
+    let middle = streamalloc::DevicePtr(x.0 + g as u64);
+    b.declare_access(middle, g, MemoryAccess::Write, "write on b")
+        .unwrap();
+    // The racing free panics once the block is back in `a`'s list.
+    let freed = catch_unwind(AssertUnwindSafe(|| free(&p, x, 3 * g, &a)));
+    assert!(freed.is_err(), "the racing free did not panic");
+    // This free starts a release: its trim waits for `a` and unmaps `x`'s granules while the
+    // host has not seen `b`'s write finish, and panics at the middle one.
+    free(&p, w, g, &a);
+    b.synchronize_blocking().unwrap();
+    // Later frees release again, down to the threshold.
+    let y = p.allocate(g, &a).unwrap();
+    free(&p, y, g, &a);
+    assert!(
+        common::eventually(std::time::Duration::from_secs(20), || p.stats().reserved
+            == 0),
+        "the pool stopped releasing: {:?}",
+        p.stats()
+    );
+    p.check_invariants().unwrap();
+}

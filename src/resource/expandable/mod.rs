@@ -432,13 +432,16 @@ impl Inner {
     /// Unmaps ranges whose streams were synchronized after they were taken.
     fn unmap(&self, taken: Vec<Taken<Stream>>) -> Result<usize> {
         let _span = tracing::debug_span!("trim", ranges = taken.len()).entered();
+        // Room under the maximum came back: a waiter for a large block may now grow. Told on
+        // the way out, a panic out of an unmap included (the simulated race detector's `Panic`
+        // mode: `unmap_ranges` puts the pool right, then lets it go on), or the waiters slept
+        // until some later free.
+        let _tell = NotifyOnDrop(&self.waiters);
         // SAFETY: every range was taken out of the lists before its stream was synchronized
         // (by the callers, after `hold_free`), so the work that last used it has finished;
         // fresh ranges were never used.
         let (released, result) = unsafe { self.core.unmap_ranges(taken) };
         tracing::debug!(released, "unmapped");
-        // Room under the maximum came back: a waiter for a large block may now grow.
-        self.waiters.notify();
         result.map(|()| released as usize)
     }
 
@@ -507,8 +510,17 @@ impl Inner {
             "expandable pool release",
             Box::new(move || {
                 let Some(pool) = me.upgrade() else { return };
-                if let Err(e) = pool.trim_to_blocking(threshold) {
-                    tracing::warn!(error = %e, "the expandable pool's release failed");
+                // A panic is caught here, not by the blocking-work thread: `ended` must run,
+                // or the trigger stays pending and the pool never releases again.
+                match crate::completion::catch_unwind(|| pool.trim_to_blocking(threshold)) {
+                    Ok(Ok(_)) => {}
+                    Ok(Err(e)) => {
+                        tracing::warn!(error = %e, "the expandable pool's release failed")
+                    }
+                    Err(payload) => tracing::error!(
+                        panic = crate::completion::panic_message(&*payload),
+                        "the expandable pool's release panicked"
+                    ),
                 }
                 if (pool.release).ended(|| pool.core.reserved() > threshold) {
                     pool.queue_release();
@@ -704,6 +716,15 @@ impl Drop for TakenForTrim<'_> {
         if self.inner.core.put_back_held(ticket) {
             self.inner.waiters.notify();
         }
+    }
+}
+
+/// Tells the memory waiters when dropped, unwinding or not.
+struct NotifyOnDrop<'a>(&'a MemoryWaiters);
+
+impl Drop for NotifyOnDrop<'_> {
+    fn drop(&mut self) {
+        self.0.notify();
     }
 }
 
