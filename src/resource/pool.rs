@@ -1402,6 +1402,53 @@ mod review_tests {
         });
     }
 
+    /// The pool of the trim-ordering scenes below: no initial memory, no small-block cache,
+    /// at most `maximum` bytes.
+    fn trim_scene_pool(device: &Device, maximum: usize) -> Arc<PoolResource<CudaResource>> {
+        let options = PoolOptions {
+            initial: 0,
+            maximum: Some(maximum),
+            small_block_cache: 0,
+            ..PoolOptions::default()
+        };
+        Arc::new(PoolResource::new(CudaResource::new(device), options).unwrap())
+    }
+
+    /// A new 4 MiB chunk of `pool`, handed out in halves, one on each stream: freed, the chunk
+    /// is one free block whose tag names both (its ordering onto one makes driver calls).
+    fn halves_on(
+        pool: &PoolResource<CudaResource>,
+        s1: &Stream,
+        s2: &Stream,
+    ) -> (DevicePtr, DevicePtr) {
+        let x = pool.allocate(4 * MIB, s1).unwrap();
+        // SAFETY: handed out above on `s1`, unused.
+        unsafe { pool.deallocate(x, 4 * MIB, s1) }.unwrap();
+        (
+            pool.allocate(2 * MIB, s1).unwrap(),
+            pool.allocate(2 * MIB, s2).unwrap(),
+        )
+    }
+
+    /// Frees each block on its stream behind a 300 ms spin queued on each stream once: the
+    /// streams are busy when a trim that follows asks.
+    fn free_behind_spins(
+        pool: &PoolResource<CudaResource>,
+        blocks: &[(DevicePtr, usize, &Stream)],
+    ) {
+        let mut spun = Vec::new();
+        for (_, _, stream) in blocks {
+            if !spun.contains(&stream.id()) {
+                spun.push(stream.id());
+                stream.spin(Duration::from_millis(300)).unwrap();
+            }
+        }
+        for &(ptr, size, stream) in blocks {
+            // SAFETY: the callers' blocks, handed out on these streams, unused, freed once.
+            unsafe { pool.deallocate(ptr, size, stream) }.unwrap();
+        }
+    }
+
     /// A `tracing` layer that notes, at each fault the simulated device injects (an event of
     /// its `faults` module, logged from inside the failing driver call), whether the pool's
     /// trims' list was locked.
@@ -1441,36 +1488,15 @@ mod review_tests {
             faults: faults.clone(),
             ..SimConfig::default()
         });
-        let pool = Arc::new(
-            PoolResource::new(
-                CudaResource::new(&device),
-                PoolOptions {
-                    initial: 0,
-                    maximum: Some(8 * MIB),
-                    small_block_cache: 0,
-                    ..PoolOptions::default()
-                },
-            )
-            .unwrap(),
-        );
+        let pool = trim_scene_pool(&device, 8 * MIB);
         let (s1, s2) = (
             device.create_stream().unwrap(),
             device.create_stream().unwrap(),
         );
         // One chunk of 4 MiB, half freed on each stream (busy): one block freed on both.
-        let x = pool.allocate(4 * MIB, &s1).unwrap();
-        // SAFETY: handed out above on `s1`, unused.
-        unsafe { pool.deallocate(x, 4 * MIB, &s1) }.unwrap();
-        let a = pool.allocate(2 * MIB, &s1).unwrap();
-        let b = pool.allocate(2 * MIB, &s2).unwrap();
+        let (a, b) = halves_on(&pool, &s1, &s2);
         assert_eq!(pool.stats().chunks, 1);
-        s1.spin(Duration::from_millis(300)).unwrap();
-        s2.spin(Duration::from_millis(300)).unwrap();
-        // SAFETY: handed out above on these streams, freed there.
-        unsafe {
-            pool.deallocate(a, 2 * MIB, &s1).unwrap();
-            pool.deallocate(b, 2 * MIB, &s2).unwrap();
-        }
+        free_behind_spins(&pool, &[(a, 2 * MIB, &s1), (b, 2 * MIB, &s2)]);
         faults.fail_next(FaultKind::Record);
         let seen = Arc::new(AtomicUsize::new(0));
         let under_lock = Arc::new(AtomicBool::new(false));
@@ -1538,36 +1564,15 @@ mod review_tests {
         use tracing_subscriber::layer::SubscriberExt;
 
         let device = Device::simulated(SimConfig::default());
-        let pool = Arc::new(
-            PoolResource::new(
-                CudaResource::new(&device),
-                PoolOptions {
-                    initial: 0,
-                    maximum: Some(4 * MIB),
-                    small_block_cache: 0,
-                    ..PoolOptions::default()
-                },
-            )
-            .unwrap(),
-        );
+        let pool = trim_scene_pool(&device, 4 * MIB);
         let (s1, s2, s3) = (
             device.create_stream().unwrap(),
             device.create_stream().unwrap(),
             device.create_stream().unwrap(),
         );
         // The pool's one chunk, at its maximum, half freed on each of two busy streams.
-        let x = pool.allocate(4 * MIB, &s1).unwrap();
-        // SAFETY: handed out above on `s1`, unused.
-        unsafe { pool.deallocate(x, 4 * MIB, &s1) }.unwrap();
-        let a = pool.allocate(2 * MIB, &s1).unwrap();
-        let b = pool.allocate(2 * MIB, &s2).unwrap();
-        s1.spin(Duration::from_millis(300)).unwrap();
-        s2.spin(Duration::from_millis(300)).unwrap();
-        // SAFETY: handed out above on these streams, freed there.
-        unsafe {
-            pool.deallocate(a, 2 * MIB, &s1).unwrap();
-            pool.deallocate(b, 2 * MIB, &s2).unwrap();
-        }
+        let (a, b) = halves_on(&pool, &s1, &s2);
+        free_behind_spins(&pool, &[(a, 2 * MIB, &s1), (b, 2 * MIB, &s2)]);
         // When the trim orders the chunk onto one of its streams, a request at the maximum.
         let served = Arc::new(std::sync::Mutex::new(None));
         let under_lock = Arc::new(AtomicBool::new(false));
@@ -1631,18 +1636,7 @@ mod review_tests {
         use tracing_subscriber::layer::SubscriberExt;
 
         let device = Device::simulated(SimConfig::default());
-        let pool = Arc::new(
-            PoolResource::new(
-                CudaResource::new(&device),
-                PoolOptions {
-                    initial: 0,
-                    maximum: Some(8 * MIB),
-                    small_block_cache: 0,
-                    ..PoolOptions::default()
-                },
-            )
-            .unwrap(),
-        );
+        let pool = trim_scene_pool(&device, 8 * MIB);
         let (s1, s2, s3) = (
             device.create_stream().unwrap(),
             device.create_stream().unwrap(),
@@ -1650,21 +1644,13 @@ mod review_tests {
         );
         // Two chunks of 4 MiB, the pool at its maximum: the first half freed on each of two
         // busy streams (its ordering makes driver calls), the second freed on one.
-        let x = pool.allocate(4 * MIB, &s1).unwrap();
-        // SAFETY: handed out above on `s1`, unused.
-        unsafe { pool.deallocate(x, 4 * MIB, &s1) }.unwrap();
-        let a = pool.allocate(2 * MIB, &s1).unwrap();
-        let b = pool.allocate(2 * MIB, &s2).unwrap();
+        let (a, b) = halves_on(&pool, &s1, &s2);
         let c = pool.allocate(4 * MIB, &s1).unwrap();
         assert_eq!((pool.stats().chunks, pool.stats().reserved), (2, 8 * MIB));
-        s1.spin(Duration::from_millis(300)).unwrap();
-        s2.spin(Duration::from_millis(300)).unwrap();
-        // SAFETY: handed out above on these streams, freed there.
-        unsafe {
-            pool.deallocate(a, 2 * MIB, &s1).unwrap();
-            pool.deallocate(b, 2 * MIB, &s2).unwrap();
-            pool.deallocate(c, 4 * MIB, &s1).unwrap();
-        }
+        free_behind_spins(
+            &pool,
+            &[(a, 2 * MIB, &s1), (b, 2 * MIB, &s2), (c, 4 * MIB, &s1)],
+        );
         // When the trim orders the first chunk, a request that fits in neither.
         let served = Arc::new(std::sync::Mutex::new(None));
         let under_lock = Arc::new(AtomicBool::new(false));
