@@ -624,12 +624,18 @@ impl<U: MemoryResource> PoolResource<U> {
     /// takes that lock (a review found waiters of a pool stacked over this one woken under it).
     fn put_back_quietly(&self, taken: &[(u64, u64, Option<Stream>)]) -> bool {
         for (base, size, stream) in taken {
-            match stream {
-                Some(stream) => self.heap.give_blocks_to(&[(*base, *size)], stream),
-                None => self.heap.give_back_fresh_chunk(*base, *size),
-            }
+            self.put_back_chunk(*base, *size, stream.as_ref());
         }
         !taken.is_empty()
+    }
+
+    /// One whole chunk back in the lists, as freed on `stream` (the one it must wait for), or
+    /// as fresh memory.
+    fn put_back_chunk(&self, base: u64, size: u64, stream: Option<&Stream>) {
+        match stream {
+            Some(stream) => self.heap.give_blocks_to(&[(base, size)], stream),
+            None => self.heap.give_back_fresh_chunk(base, size),
+        }
     }
 
     /// [`put_back_quietly`](Self::put_back_quietly) for chunks the trims held: one still
@@ -638,8 +644,7 @@ impl<U: MemoryResource> PoolResource<U> {
         for (base, size, order) in held {
             match order {
                 HeldOrder::Tagged(tag) => self.heap.give_back_tagged(*base, *size, *tag),
-                HeldOrder::On(Some(stream)) => self.heap.give_blocks_to(&[(*base, *size)], stream),
-                HeldOrder::On(None) => self.heap.give_back_fresh_chunk(*base, *size),
+                HeldOrder::On(stream) => self.put_back_chunk(*base, *size, stream.as_ref()),
             }
         }
         !held.is_empty()
