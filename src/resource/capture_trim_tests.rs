@@ -219,6 +219,19 @@ fn an_arena_trim_releases_what_no_capture_holds() {
     assert_eq!(arena.stats().reserved, 0);
 }
 
+/// A pool with no initial memory, no small-block cache and no growth cap, at most `maximum`
+/// bytes: each request grows a chunk of its own size until the maximum.
+fn pool_at_most(device: &Device, maximum: usize) -> PoolResource<CudaResource> {
+    let options = PoolOptions {
+        initial: 0,
+        maximum: Some(maximum),
+        small_block_cache: 0,
+        growth_cap: None,
+        ..Default::default()
+    };
+    PoolResource::new(CudaResource::new(device), options).unwrap()
+}
+
 /// A request on a capturing stream whose best fit needs an ordering the capture refuses, at
 /// the pool's maximum, while a trim waits for the GPU with a whole chunk out of the lists: the
 /// request takes that chunk back, as a request refused by no capture does, and is served from
@@ -227,17 +240,7 @@ fn an_arena_trim_releases_what_no_capture_holds() {
 #[test]
 fn a_capturing_request_at_the_maximum_recalls_what_a_trim_holds() {
     let device = device();
-    let pool = PoolResource::new(
-        CudaResource::new(&device),
-        PoolOptions {
-            initial: 0,
-            maximum: Some(6 * MIB),
-            small_block_cache: 0,
-            growth_cap: None,
-            ..Default::default()
-        },
-    )
-    .unwrap();
+    let pool = pool_at_most(&device, 6 * MIB);
     let (captured, other) = (
         device.create_stream().unwrap(),
         device.create_stream().unwrap(),
@@ -297,17 +300,7 @@ fn a_capturing_request_at_the_maximum_recalls_what_a_trim_holds() {
 #[test]
 fn a_capturing_request_at_the_maximum_regrows_from_what_a_trim_holds() {
     let device = device();
-    let pool = PoolResource::new(
-        CudaResource::new(&device),
-        PoolOptions {
-            initial: 0,
-            maximum: Some(8 * MIB),
-            small_block_cache: 0,
-            growth_cap: None,
-            ..Default::default()
-        },
-    )
-    .unwrap();
+    let pool = pool_at_most(&device, 8 * MIB);
     let (captured, other) = (
         device.create_stream().unwrap(),
         device.create_stream().unwrap(),
