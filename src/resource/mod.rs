@@ -237,6 +237,7 @@ pub(crate) mod held_for_trim;
 pub mod pool;
 pub(crate) mod stream_ordered;
 pub(crate) mod tlsf;
+mod trim_waits;
 // The rest of RMM's family.
 pub mod adaptor;
 pub mod arena;

@@ -11,6 +11,7 @@ use super::give_backs::{GiveBacks, GrowthClaim};
 use super::growth::step_within_free;
 use super::held_for_trim::{HeldForTrim, Ticket};
 use super::stream_ordered::{Grow, StreamHeap, Waits};
+use super::trim_waits::{run_blocking, Await, Block, TrimWaits};
 use super::waiters::{MemoryWaiters, WaitStats};
 use super::{aligned_size, check_stream, MemoryResource, ALIGNMENT};
 use crate::device::{Device, DevicePtr};
@@ -551,9 +552,19 @@ impl<U: MemoryResource> PoolResource<U> {
     /// where they were, free and usable (a review found them out of the lists, never handed out
     /// again, until the pool was dropped).
     pub async fn trim(&self) -> Result<usize> {
+        self.trim_with(Await).await
+    }
+
+    /// [`trim`](Self::trim) for synchronous code: blocks the calling thread while it waits.
+    pub fn trim_blocking(&self) -> Result<usize> {
+        run_blocking(self.trim_with(Block))
+    }
+
+    /// The trim, waiting with `waits` (`.await` or blocking).
+    async fn trim_with(&self, waits: impl TrimWaits) -> Result<usize> {
         // Every idle stream is waited for, whatever fails: one failure must not skip the others.
         for stream in self.heap.idle_streams() {
-            match stream.synchronize().await {
+            match waits.stream(&stream).await {
                 Ok(()) => self.heap.forget(stream),
                 // Kept (not forgotten) until the capture ends: its work cannot be waited for.
                 Err(Error::StreamCapturing { .. }) => {}
@@ -569,35 +580,7 @@ impl<U: MemoryResource> PoolResource<U> {
             if captured.contains(&stream.id()) || failed.contains(&stream.id()) {
                 continue;
             }
-            match stream.synchronize().await {
-                Ok(()) => {}
-                Err(Error::StreamCapturing { .. }) => captured.push(stream.id()),
-                // Kept: see `failed_stream`.
-                Err(e) => failed.push(failed_stream(stream, &e)),
-            }
-        }
-        taken.keep_for_capture(&captured);
-        taken.keep_for_failure(&failed);
-        taken.give_back()
-    }
-
-    /// [`trim`](Self::trim) for synchronous code: blocks the calling thread while it waits.
-    pub fn trim_blocking(&self) -> Result<usize> {
-        for stream in self.heap.idle_streams() {
-            match stream.synchronize_blocking() {
-                Ok(()) => self.heap.forget(stream),
-                Err(Error::StreamCapturing { .. }) => {}
-                Err(e) => forget_failed(&self.heap, stream, &e),
-            }
-        }
-        let (taken, streams) = TakenForTrim::take(self);
-        let mut captured = Vec::new();
-        let mut failed = Vec::new();
-        for stream in &streams {
-            if captured.contains(&stream.id()) || failed.contains(&stream.id()) {
-                continue;
-            }
-            match stream.synchronize_blocking() {
+            match waits.stream(stream).await {
                 Ok(()) => {}
                 Err(Error::StreamCapturing { .. }) => captured.push(stream.id()),
                 // Kept: see `failed_stream`.

@@ -7,6 +7,7 @@ use super::ArenaResource;
 use crate::device::DevicePtr;
 use crate::error::{Error, Result};
 use crate::resource::held_for_trim::Ticket;
+use crate::resource::trim_waits::{run_blocking, Await, Block, TrimWaits};
 use crate::resource::MemoryResource;
 use crate::sync::Ordering;
 
@@ -67,6 +68,17 @@ impl<U: MemoryResource> ArenaResource<U> {
     /// free and usable, and wakes the waiters of `allocate_async` (a request at the maximum was
     /// refused while the chunks were out); the chunks already given back stay given back.
     pub async fn trim(&self) -> Result<usize> {
+        self.trim_with(Await).await
+    }
+
+    /// [`trim`](Self::trim) for synchronous code: blocks the calling thread while it waits for
+    /// the GPU.
+    pub fn trim_blocking(&self) -> Result<usize> {
+        run_blocking(self.trim_with(Block))
+    }
+
+    /// The trim, waiting with `waits` (`.await` or blocking).
+    async fn trim_with(&self, waits: impl TrimWaits) -> Result<usize> {
         let (taken, chunks) = self.take_for_trim();
         tracing::debug!(
             chunks = chunks.len(),
@@ -76,25 +88,7 @@ impl<U: MemoryResource> ArenaResource<U> {
             for guard in &chunk.guards.0 {
                 // An event that withholds its callbacks fails its waits, yet the trim goes on:
                 // `return_chunks` leaks that chunk, and the others still go.
-                if let Err(e) = guard.event.clone().await {
-                    if !guard.event.withholds_callbacks() {
-                        return Err(e);
-                    }
-                }
-            }
-        }
-        self.finish_trim(taken)
-    }
-
-    /// [`trim`](Self::trim) for synchronous code: blocks the calling thread while it waits for
-    /// the GPU.
-    pub fn trim_blocking(&self) -> Result<usize> {
-        let (taken, chunks) = self.take_for_trim();
-        let _span = tracing::debug_span!("trim", chunks = chunks.len()).entered();
-        for chunk in &chunks {
-            for guard in &chunk.guards.0 {
-                // As in `trim`.
-                if let Err(e) = guard.event.synchronize_blocking() {
+                if let Err(e) = waits.event(&guard.event).await {
                     if !guard.event.withholds_callbacks() {
                         return Err(e);
                     }

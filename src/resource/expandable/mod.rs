@@ -12,6 +12,7 @@ use std::sync::{Arc as StdArc, Weak};
 use self::core::{Expander, ReleaseTrigger, Taken};
 use super::held_for_trim::Ticket;
 use super::pool::{failed_stream, forget_failed, PoolStats};
+use super::trim_waits::{run_blocking, Await, Block, TrimWaits};
 use super::waiters::{MemoryWaiters, WaitStats};
 use super::{aligned_size, check_stream, MemoryResource};
 use crate::device::vmm::{self, Reservation};
@@ -340,7 +341,7 @@ impl ExpandablePoolResource {
     /// where they were, free and usable (a review found them mapped and out of the lists, never
     /// handed out again, until the pool was dropped).
     pub async fn trim(&self) -> Result<usize> {
-        self.inner.trim_to(0).await
+        self.inner.trim_to_with(0, Await).await
     }
 
     /// [`trim`](Self::trim) for synchronous code: blocks the calling thread while it waits.
@@ -351,7 +352,7 @@ impl ExpandablePoolResource {
     /// Like [`trim`](Self::trim), but stops once at most `keep` bytes stay mapped (the highest
     /// addresses go first).
     pub async fn trim_to(&self, keep: usize) -> Result<usize> {
-        self.inner.trim_to(keep as u64).await
+        self.inner.trim_to_with(keep as u64, Await).await
     }
 
     /// [`trim_to`](Self::trim_to) for synchronous code.
@@ -372,13 +373,20 @@ impl Inner {
         streams
     }
 
-    async fn trim_to(&self, keep: u64) -> Result<usize> {
+    /// [`trim_to_with`](Self::trim_to_with) blocking (the public `_blocking` trims, and the
+    /// automatic release past the threshold).
+    fn trim_to_blocking(&self, keep: u64) -> Result<usize> {
+        run_blocking(self.trim_to_with(keep, Block))
+    }
+
+    /// The trim, waiting with `waits` (`.await` or blocking).
+    async fn trim_to_with(&self, keep: u64, waits: impl TrimWaits) -> Result<usize> {
         // Idle streams are let go of first (their waits leave every tag). Free neighbours
         // freed on different streams have coalesced already: a granule half freed on one
         // stream and half on another is one free block. Every idle stream is waited for,
         // whatever fails: one failure must not skip the others.
         for stream in self.core.heap.idle_streams() {
-            match stream.synchronize().await {
+            match waits.stream(&stream).await {
                 Ok(()) => self.core.heap.forget(stream),
                 // Kept (not forgotten) until the capture ends: its work cannot be waited for.
                 Err(Error::StreamCapturing { .. }) => {}
@@ -392,32 +400,7 @@ impl Inner {
         let mut captured = Vec::new();
         let mut failed = Vec::new();
         for stream in streams {
-            match stream.synchronize().await {
-                Ok(()) => {}
-                Err(Error::StreamCapturing { .. }) => captured.push(stream.id()),
-                // Kept: see `failed_stream`.
-                Err(e) => failed.push(failed_stream(&stream, &e)),
-            }
-        }
-        taken.keep_for_capture(&captured);
-        taken.keep_for_failure(&failed);
-        taken.unmap()
-    }
-
-    fn trim_to_blocking(&self, keep: u64) -> Result<usize> {
-        for stream in self.core.heap.idle_streams() {
-            match stream.synchronize_blocking() {
-                Ok(()) => self.core.heap.forget(stream),
-                Err(Error::StreamCapturing { .. }) => {}
-                // Let go of as ended: see `forget_failed`.
-                Err(e) => forget_failed(&self.core.heap, stream, &e),
-            }
-        }
-        let (taken, streams) = TakenForTrim::take(self, keep);
-        let mut captured = Vec::new();
-        let mut failed = Vec::new();
-        for stream in streams {
-            match stream.synchronize_blocking() {
+            match waits.stream(&stream).await {
                 Ok(()) => {}
                 Err(Error::StreamCapturing { .. }) => captured.push(stream.id()),
                 // Kept: see `failed_stream`.
