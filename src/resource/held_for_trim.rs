@@ -18,12 +18,15 @@
 //! [`hold`](HeldForTrim::hold) takes the memory out of the lists under this list's lock, and a
 //! trim that ends early puts it back under it ([`put_back`](HeldForTrim::put_back)), so a
 //! recall finds such memory in the lists or here, never in between. Every request at the
-//! maximum takes this lock (and every request that grows reads the epoch under it), so what
-//! runs under it makes no driver call: the pool's trim orders the chunks it took onto their
-//! streams (events recorded, waits) once `hold` has let the lock go, and notes each as
-//! ordered ([`replace`](HeldForTrim::replace)) only if it still holds it; a chunk recalled
-//! meanwhile went back to its list as it was taken (with its tag), and the ordering is then
-//! only one GPU-side wait more. The give-back itself
+//! maximum takes this lock (and every request that grows reads the epoch under it), so the
+//! pool's trim makes no driver call under it: it orders the chunks it took onto their streams
+//! (events recorded, waits) once `hold` has let the lock go, and notes each as ordered
+//! ([`replace`](HeldForTrim::replace)) only if it still holds it; a chunk recalled meanwhile
+//! went back to its list as it was taken (with its tag), and the ordering is then only one
+//! GPU-side wait more. The expandable pool's trim still orders a range freed on several
+//! streams onto one of them inside `hold` (`Expander::hold_free`, under its growth lock too):
+//! a request at its maximum, or a growth, waits behind those records and waits (a review's
+//! finding; not yet changed). The give-back itself
 //! (`cuMemFree`, which waits for the whole device to be idle; the unmapping) runs with no lock
 //! held, so that no request waits for it: a request at the maximum that comes meanwhile is
 //! refused as if the trim had finished first (an awaitable request waits, and the give-back's

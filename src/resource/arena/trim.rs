@@ -42,6 +42,41 @@ impl<U: MemoryResource> Drop for Taken<'_, U> {
     }
 }
 
+impl<U: MemoryResource> Taken<'_, U> {
+    /// The chunks at `bases` back in the global arena, free, with their guards (a later user
+    /// is still ordered after them); the rest stays held for the trim. Waiters are told, as
+    /// when the trim ends: a request refused at the maximum meanwhile may fit now.
+    fn keep(&self, bases: &[u64]) {
+        let Some(ticket) = self.ticket.filter(|_| !bases.is_empty()) else {
+            return;
+        };
+        let kept = (self.arena.held_for_trim).put_back_some(
+            ticket,
+            |chunk| bases.contains(&chunk.base),
+            |chunks| self.arena.restore_chunks(chunks),
+        );
+        if kept > 0 {
+            self.arena.waiters.notify();
+        }
+    }
+}
+
+/// A trim's wait for a chunk's guard that failed (the work that last used the chunk failed:
+/// a sticky error, as a faulting kernel gives a stream or a CUDA context; or the wait call
+/// itself failed): logged, and the chunk's base, which the trim keeps in the arena, free,
+/// still guarded, while the rest is released. Not the trim's error: a failed event stays
+/// failed, and a trim that failed for it would release nothing for the process's life (a
+/// review found the arena's trims doing so; the pools' were fixed before).
+fn failed_guard(chunk: &WholeChunk, error: &Error) -> u64 {
+    tracing::warn!(
+        error = %error,
+        chunk = chunk.base,
+        size = chunk.size,
+        "trim: the work that last used an arena chunk failed; the chunk stays in the arena, free"
+    );
+    chunk.base
+}
+
 impl<U: MemoryResource> ArenaResource<U> {
     /// Returns every wholly free upstream chunk to the upstream, and returns the bytes given
     /// back. First every stream arena adopts its remote frees and gives its wholly free
@@ -54,8 +89,14 @@ impl<U: MemoryResource> ArenaResource<U> {
     /// only those chunks could serve takes them back (ordered after their last users, as any
     /// reuse is), as the pool's does; the trim then gives back only what is still its own.
     ///
-    /// Errors: a failed wait, or the upstream's error for a chunk it refused (that chunk stays,
-    /// usable as before; the others still go). Nothing is lost either way.
+    /// Errors: the upstream's error for a chunk it refused (that chunk stays, usable as before;
+    /// the others still go). Nothing is lost either way.
+    ///
+    /// A chunk whose guard's wait fails (the work that last used it failed: a sticky error, as
+    /// a faulting kernel gives a stream or a CUDA context) does not fail the trim: it stays in
+    /// the arena, free and still guarded (logged at warn level), and the rest is released; the
+    /// trim returns `Ok` with the bytes it did release. Before, one such chunk made every trim
+    /// fail, releasing nothing, for the process's life.
     ///
     /// Beside a user's graph capture: superblocks that a capturing stream's arena holds stay
     /// with it (no guard can be recorded on that stream until the capture ends; logged at
@@ -84,17 +125,20 @@ impl<U: MemoryResource> ArenaResource<U> {
             chunks = chunks.len(),
             "trim: waiting for the chunks' guards"
         );
+        let mut failed = Vec::new();
         for chunk in &chunks {
             for guard in &chunk.guards.0 {
                 // An event that withholds its callbacks fails its waits, yet the trim goes on:
                 // `return_chunks` leaks that chunk, and the others still go.
                 if let Err(e) = waits.event(&guard.event).await {
                     if !guard.event.withholds_callbacks() {
-                        return Err(e);
+                        failed.push(failed_guard(chunk, &e));
+                        break;
                     }
                 }
             }
         }
+        taken.keep(&failed);
         self.finish_trim(taken)
     }
 
