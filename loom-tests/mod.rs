@@ -30,6 +30,10 @@
 //!   fake address range: nothing handed out or used on an unmapped granule, nothing unmapped
 //!   under a held block or pending work; the claims of the initial size's pieces against a
 //!   trim; and a request at the maximum taking back what a trim holds.
+//! - [`give_backs`]: a growth at the maximum giving whole chunks back with the growth lock let
+//!   go, its room kept by a claim (`GiveBacks`, `GrowthClaim`), while requests at the maximum
+//!   wait for it (`wait_for_one`): none fails while a give-back it saw is under way, the
+//!   maximum holds, every claim's bytes come back.
 //! - [`held_for_trim`]: the pool's trim ordering the chunks it took with the trims' lock let go
 //!   (`HeldForTrim`: hold, replace, release) while a request at the maximum recalls them: each
 //!   chunk ends given upstream (ordered, and noted so while held) or in the lists, never both.
@@ -70,6 +74,7 @@ mod deferred_free;
 mod expandable;
 mod free_lists;
 mod frees_and_regrowth;
+mod give_backs;
 mod held_for_trim;
 mod history;
 mod pinned;

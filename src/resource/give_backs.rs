@@ -7,6 +7,9 @@
 //! ([`GiveBacks::wait_for_one`]): the room comes back then.
 
 use crate::sync::{AtomicU64, Condvar, Mutex, MutexGuard, Ordering};
+// The planted bugs' switches, read through `planted!` (they exist only under the loom cfg).
+#[cfg(streamalloc_loom)]
+use crate::resource::stream_ordered::planted;
 
 /// The give-backs for growth of one resource: how many are under way, and how many ended.
 pub(crate) struct GiveBacks {
@@ -59,8 +62,15 @@ impl GiveBacks {
         if counts.in_flight == 0 {
             return (slow, false);
         }
-        let seen = counts.ended;
+        let mut seen = counts.ended;
         drop(slow);
+        if planted!(ENDED_READ_AFTER_SLOW) {
+            // The planted bug: the counts let go with `slow`, and `ended` read once more after:
+            // a give-back that ends in between is taken as not ended, and nothing tells again.
+            drop(counts);
+            counts = self.counts.lock();
+            seen = counts.ended;
+        }
         let _span = tracing::debug_span!("wait_for_growth_give_back").entered();
         while counts.ended == seen {
             counts = self.ended.wait(counts);
@@ -85,10 +95,16 @@ pub(crate) struct GrowthClaim<'a> {
 impl Drop for GrowthClaim<'_> {
     fn drop(&mut self) {
         self.reserved.fetch_sub(self.claimed, Ordering::AcqRel);
+        if planted!(TOLD_BEFORE_ENDED) {
+            // The planted bug: the waiters told before the end is counted.
+            self.give_backs.ended.notify_all();
+        }
         let mut counts = self.give_backs.counts.lock();
         counts.in_flight -= 1;
         counts.ended += 1;
         drop(counts);
-        self.give_backs.ended.notify_all();
+        if !planted!(TOLD_BEFORE_ENDED) {
+            self.give_backs.ended.notify_all();
+        }
     }
 }

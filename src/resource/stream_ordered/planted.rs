@@ -97,3 +97,15 @@ pub(crate) static REFUSED_ORDER_HANDS_OUT: AtomicBool = AtomicBool::new(false);
 /// other trims took and have not unmapped yet: two trims at once take `keep` away together.
 #[cfg(streamalloc_loom)]
 pub(crate) static TRIMMING_IGNORED: AtomicBool = AtomicBool::new(false);
+
+/// A request waiting for a growth's give-back (`GiveBacks::wait_for_one`) lets go of the
+/// counts with the growth lock and reads how many give-backs ended only after: one that ends in
+/// between is taken as still under way, and the request waits for a wake that never comes
+/// (`resource/give_backs.rs`).
+#[cfg(streamalloc_loom)]
+pub(crate) static ENDED_READ_AFTER_SLOW: AtomicBool = AtomicBool::new(false);
+
+/// A growth's claim, dropped, tells the waiters before it counts its give-back ended: a waiter
+/// woken then sees none ended, waits again, and is never told (`resource/give_backs.rs`).
+#[cfg(streamalloc_loom)]
+pub(crate) static TOLD_BEFORE_ENDED: AtomicBool = AtomicBool::new(false);
