@@ -22,11 +22,6 @@
 //! a loom deadlock; at the end `reserved` is exactly what the resource holds (every claim's
 //! bytes came back), what was handed out is what the served requests asked for, and no
 //! give-back is left under way.
-//!
-//! `GiveBacks` is reached by compiling src/resource/give_backs.rs here as a module of this one
-//! (`#[path]`): `resource::give_backs` is private to `resource`. It is the same source, so the
-//! model always runs what src has, and the planted switches (in `stream_ordered::planted`) are
-//! shared with the crate's own copy.
 
 use std::collections::BTreeSet;
 use std::sync::Mutex as StdMutex;
@@ -34,12 +29,8 @@ use std::sync::Mutex as StdMutex;
 use loom::thread;
 
 use super::{check_paths, must_fail, Seen, Shared};
+use crate::resource::give_backs::{GiveBacks, GrowthClaim};
 use crate::sync::{Arc, AtomicU64, Mutex, MutexGuard, Ordering};
-
-#[path = "../src/resource/give_backs.rs"]
-mod real;
-
-use real::{GiveBacks, GrowthClaim};
 
 /// The resource's maximum (bytes, in units of one block).
 const MAXIMUM: u64 = 9;

@@ -4,7 +4,8 @@
 //! behind the lock. While the lock is let go, the growth keeps its room from other growths by a
 //! claim in the resource's `reserved` count ([`GrowthClaim`]), and a request that finds nothing
 //! at the maximum meanwhile waits for the give-back to end before it fails
-//! ([`GiveBacks::wait_for_one`]): the room comes back then.
+//! ([`GiveBacks::wait_for_one`]): the room comes back then. Loom model:
+//! `loom-tests/give_backs.rs`.
 
 use crate::sync::{AtomicU64, Condvar, Mutex, MutexGuard, Ordering};
 // The planted bugs' switches, read through `planted!` (they exist only under the loom cfg).

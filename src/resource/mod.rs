@@ -231,7 +231,8 @@ mod engine_lab;
 pub mod expandable;
 pub mod fixed_size;
 pub(crate) mod free_list;
-mod give_backs;
+// `pub(crate)`: the loom model (loom-tests/give_backs.rs) drives it.
+pub(crate) mod give_backs;
 mod growth;
 pub(crate) mod held_for_trim;
 pub mod pool;
