@@ -73,7 +73,10 @@ fn two_contexts_on_one_gpu_say_whether_they_reach_each_other() {
         let reaches = kernel_reaches(&primary, &other);
         println!("non-primary's memory, a kernel of the primary context:");
         let back = kernel_reaches(&other, &primary);
-        assert_eq!(says, reaches, "can_access_peer must say what a kernel finds");
+        assert_eq!(
+            says, reaches,
+            "can_access_peer must say what a kernel finds"
+        );
         assert_eq!(says, back, "both ways");
     }
 }
