@@ -32,7 +32,7 @@
 //!   trim; and a request at the maximum taking back what a trim holds.
 //! - [`give_backs`]: a growth at the maximum giving whole chunks back with the growth lock let
 //!   go, its room kept by a claim (`GiveBacks`, `GrowthClaim`), while requests at the maximum
-//!   wait for it (`wait_for_one`): none fails while a give-back it saw is under way, the
+//!   wait for it (`wait_for_under_way`): none fails while a give-back it saw is under way, the
 //!   maximum holds, every claim's bytes come back.
 //! - [`held_for_trim`]: the pool's trim ordering the chunks it took with the trims' lock let go
 //!   (`HeldForTrim`: hold, replace, release) while a request at the maximum recalls them: each

@@ -249,7 +249,7 @@ fn a_failed_synchronize_call_lets_nothing_go_while_the_stream_works() {
 }
 
 /// The arena's trim waits for each chunk's guards, events recorded on the streams that last
-/// used it: memory freed on a stream that then failed (dropped or not) keeps its chunk in the
+/// used it: memory freed on a stream whose work failed (dropped or not) keeps its chunk in the
 /// arena, free and still guarded, and the trim releases the rest and returns `Ok`, every time.
 /// A review found it returning the failed event's error every time, releasing nothing.
 #[test]

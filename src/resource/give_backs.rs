@@ -3,8 +3,8 @@
 //! waits for the whole device, and every other request that needs to grow would wait that long
 //! behind the lock. While the lock is let go, the growth keeps its room from other growths by a
 //! claim in the resource's `reserved` count ([`GrowthClaim`]), and a request that finds nothing
-//! at the maximum meanwhile waits for the give-back to end before it fails
-//! ([`GiveBacks::wait_for_one`]): the room comes back then. Loom model:
+//! at the maximum meanwhile waits for every give-back under way to end before it fails
+//! ([`GiveBacks::wait_for_under_way`]): the room comes back then. Loom model:
 //! `loom-tests/give_backs.rs`.
 
 use crate::sync::{AtomicU64, Condvar, Mutex, MutexGuard, Ordering};
@@ -12,7 +12,7 @@ use crate::sync::{AtomicU64, Condvar, Mutex, MutexGuard, Ordering};
 #[cfg(streamalloc_loom)]
 use crate::resource::stream_ordered::planted;
 
-/// The give-backs for growth of one resource: how many are under way, and how many ended.
+/// The give-backs for growth of one resource: which are under way.
 pub(crate) struct GiveBacks {
     counts: Mutex<Counts>,
     /// Told when one ends.
@@ -21,7 +21,12 @@ pub(crate) struct GiveBacks {
 
 #[derive(Default)]
 struct Counts {
-    in_flight: u64,
+    /// Give-backs begun so far: the next one's number.
+    begun: u64,
+    /// The numbers of those under way (a few at most: one per growth at the maximum).
+    under_way: Vec<u64>,
+    /// Give-backs ended so far (for the planted bug's wait for one).
+    #[cfg(streamalloc_loom)]
     ended: u64,
 }
 
@@ -40,40 +45,55 @@ impl GiveBacks {
     /// resource for memory).
     pub(crate) fn claim<'a>(&'a self, reserved: &'a AtomicU64, claimed: u64) -> GrowthClaim<'a> {
         reserved.fetch_add(claimed, Ordering::AcqRel);
-        self.counts.lock().in_flight += 1;
+        let mut counts = self.counts.lock();
+        let number = counts.begun;
+        counts.begun += 1;
+        counts.under_way.push(number);
+        drop(counts);
         GrowthClaim {
             give_backs: self,
             reserved,
             claimed,
+            number,
         }
     }
 
     /// For a request about to fail for want of memory, holding the growth lock (`slow`, of
-    /// `lock`): if growths are giving chunks back with the lock let go, waits for one of them to
-    /// end (the room, and what its growth leaves free, come back then), with the lock let go,
-    /// and takes it again. Whether it waited: the request should look, and grow, once more.
-    pub(crate) fn wait_for_one<'s>(
+    /// `lock`): if growths are giving chunks back with the lock let go, waits for every one of
+    /// them under way now to end (the room, and what their growths leave free, come back
+    /// then), with the lock let go, and takes it again. Whether it waited: the request should
+    /// look, and grow, once more.
+    ///
+    /// Every one, not the first to end: while one gives back, frees (which take no growth
+    /// lock) can leave another chunk wholly free for a second growth to give back, and the
+    /// first's room goes to its own growth; a request that looked again after only that one
+    /// failed while the second's room was still coming (a review's finding). Only those under
+    /// way at the call: one begun later does not keep it waiting, so the wait is bounded.
+    pub(crate) fn wait_for_under_way<'s>(
         &self,
         slow: MutexGuard<'s, ()>,
         lock: &'s Mutex<()>,
     ) -> (MutexGuard<'s, ()>, bool) {
-        // `in_flight` grows only under the growth lock, which the caller holds: a give-back
-        // begun before this look is counted, and one that ends meanwhile bumps `ended`.
+        // A give-back begins only under the growth lock, which the caller holds: every one
+        // begun before this look is numbered below `begun`.
         let mut counts = self.counts.lock();
-        if counts.in_flight == 0 {
+        if counts.under_way.is_empty() {
             return (slow, false);
         }
-        let mut seen = counts.ended;
+        let seen = counts.begun;
+        #[cfg(streamalloc_loom)]
+        let ended = counts.ended;
         drop(slow);
-        if planted!(ENDED_READ_AFTER_SLOW) {
-            // The planted bug: the counts let go with `slow`, and `ended` read once more after:
-            // a give-back that ends in between is taken as not ended, and nothing tells again.
-            drop(counts);
-            counts = self.counts.lock();
-            seen = counts.ended;
-        }
         let _span = tracing::debug_span!("wait_for_growth_give_back").entered();
-        while counts.ended == seen {
+        loop {
+            #[cfg(streamalloc_loom)]
+            if planted!(WAITS_FOR_ONE_ONLY) && counts.ended > ended {
+                // The planted bug: back to looking once any one has ended.
+                break;
+            }
+            if !counts.under_way.iter().any(|&n| n < seen) {
+                break;
+            }
             counts = self.ended.wait(counts);
         }
         drop(counts);
@@ -85,12 +105,14 @@ impl GiveBacks {
 /// is let go: the rest of the room it needs, and (added by the growth as they go) the bytes of
 /// the chunks given back, still counted in `reserved`. Dropped under the growth lock once the
 /// growth took it again, right before it grows (or on unwinding): the room back, the requests
-/// waiting at [`GiveBacks::wait_for_one`] told.
+/// waiting at [`GiveBacks::wait_for_under_way`] told.
 pub(crate) struct GrowthClaim<'a> {
     give_backs: &'a GiveBacks,
     reserved: &'a AtomicU64,
     /// Bytes it holds in `reserved`.
     pub(crate) claimed: u64,
+    /// Its give-back's number ([`GiveBacks::claim`]).
+    number: u64,
 }
 
 impl Drop for GrowthClaim<'_> {
@@ -101,8 +123,11 @@ impl Drop for GrowthClaim<'_> {
             self.give_backs.ended.notify_all();
         }
         let mut counts = self.give_backs.counts.lock();
-        counts.in_flight -= 1;
-        counts.ended += 1;
+        counts.under_way.retain(|&n| n != self.number);
+        #[cfg(streamalloc_loom)]
+        {
+            counts.ended += 1;
+        }
         drop(counts);
         if !planted!(TOLD_BEFORE_ENDED) {
             self.give_backs.ended.notify_all();

@@ -251,8 +251,8 @@ pub struct PoolResource<U: MemoryResource> {
     /// A stream of the pool's own, for the initial chunk and for returning chunks at drop.
     own: Stream,
     /// Growths giving whole chunks back upstream with the engine's `slow` let go: a request at
-    /// the maximum that finds nothing meanwhile waits for one to end before it fails, since the
-    /// room comes back at its end.
+    /// the maximum that finds nothing meanwhile waits for every one under way to end before it
+    /// fails, since the room comes back at their end.
     give_backs: GiveBacks,
     /// Set where waiters must be told of memory back in the lists or room back under the
     /// maximum, found with the engine's `slow` held (a recall from the trims, a growth's
@@ -903,14 +903,14 @@ impl<U: MemoryResource> Grow for PoolResource<U> {
         (slow, grown)
     }
 
-    /// Waits, with `slow` let go, for a growth's give-back under way to end; whether there
+    /// Waits, with `slow` let go, for the growths' give-backs under way to end; whether there
     /// was one (see [`Grow::wait_for_give_backs`]).
     fn wait_for_give_backs<'s>(
         &self,
         slow: MutexGuard<'s, ()>,
         lock: &'s Mutex<()>,
     ) -> (MutexGuard<'s, ()>, bool) {
-        self.give_backs.wait_for_one(slow, lock)
+        self.give_backs.wait_for_under_way(slow, lock)
     }
 }
 

@@ -695,14 +695,15 @@ impl<U: MemoryResource> ArenaResource<U> {
     }
 
     /// For a request at the maximum about to fail, holding `slow`: if requests are giving whole
-    /// chunks back to grow (with `slow` let go), waits for one of them to end (the room, and
-    /// what the growth leaves free, come back then), with `slow` let go, and takes it again.
+    /// chunks back to grow (with `slow` let go), waits for every one under way to end (the room,
+    /// and what their growths leave free, come back then), with `slow` let go, and takes it
+    /// again.
     /// Whether it waited (the request should look, and grow, once more).
     fn wait_for_growth_give_backs<'s>(
         &'s self,
         slow: MutexGuard<'s, ()>,
     ) -> (MutexGuard<'s, ()>, bool) {
-        self.give_backs.wait_for_one(slow, &self.slow)
+        self.give_backs.wait_for_under_way(slow, &self.slow)
     }
 
     pub(super) fn out_of_memory(&self, requested: u64) -> Error {

@@ -165,6 +165,9 @@ impl<U: MemoryResource> ArenaResource<U> {
             return Ok(0);
         };
         let chunks = self.held_for_trim.release(ticket);
+        // Here, not around the waits: a span entered across an `.await` would make the trim's
+        // future not `Send`.
+        let _span = tracing::debug_span!("trim", chunks = chunks.len()).entered();
         let (released, error) = self.return_chunks(chunks, true);
         self.held_for_trim.given_back();
         tracing::debug!(released, "trimmed");

@@ -161,8 +161,8 @@ pub(crate) trait Grow<S = Stream> {
 
     /// For a request whose growth failed for want of memory, holding `slow` (`lock`): if
     /// growths are giving memory back upstream with `slow` let go ([`grow_under`](Self::grow_under)),
-    /// waits for one to end (the room, and what its growth leaves free, come back then) with
-    /// `slow` let go, and takes it again. Whether it waited: the request should look, and
+    /// waits for every one under way to end (the room, and what their growths leave free, come
+    /// back then) with `slow` let go, and takes it again. Whether it waited: the request should look, and
     /// grow, once more, as it effectively did when the give-back ran under `slow`.
     fn wait_for_give_backs<'s>(
         &self,

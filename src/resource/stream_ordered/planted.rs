@@ -98,12 +98,11 @@ pub(crate) static REFUSED_ORDER_HANDS_OUT: AtomicBool = AtomicBool::new(false);
 #[cfg(streamalloc_loom)]
 pub(crate) static TRIMMING_IGNORED: AtomicBool = AtomicBool::new(false);
 
-/// A request waiting for a growth's give-back (`GiveBacks::wait_for_one`) lets go of the
-/// counts with the growth lock and reads how many give-backs ended only after: one that ends in
-/// between is taken as still under way, and the request waits for a wake that never comes
-/// (`resource/give_backs.rs`).
+/// A request waiting for growths' give-backs (`GiveBacks::wait_for_under_way`) waits only
+/// until one of them ends, not for every one under way at its look (the behaviour before the
+/// twenty-first session): with two under way it may fail while the other's room is coming.
 #[cfg(streamalloc_loom)]
-pub(crate) static ENDED_READ_AFTER_SLOW: AtomicBool = AtomicBool::new(false);
+pub(crate) static WAITS_FOR_ONE_ONLY: AtomicBool = AtomicBool::new(false);
 
 /// A growth's claim, dropped, tells the waiters before it counts its give-back ended: a waiter
 /// woken then sees none ended, waits again, and is never told (`resource/give_backs.rs`).
