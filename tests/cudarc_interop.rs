@@ -19,7 +19,10 @@ const MIB: usize = 1 << 20;
 /// The crate's own kernels, loaded a second time through cudarc as a user's module.
 const PTX: &str = include_str!("../kernels/streamalloc.ptx");
 
-/// The CUDA devices of `common::devices`, or a printed reason.
+/// The CUDA devices of `common::devices`, or a printed reason. Every GPU test of this binary
+/// takes its turn (`common::take_turns`) first: during `is_idle_during_a_cudarc_capture_..`'s
+/// capture another test's `cuStreamCreate` failed with `CUDA_ERROR_STREAM_CAPTURE_UNSUPPORTED`
+/// and invalidated the capture (run176, one of two suites on an H100).
 fn gpus(test: &str) -> Vec<Device> {
     common::gpus(test, "cudarc cannot run on the simulated device")
 }
@@ -46,6 +49,7 @@ fn cudarc_fill(device: &Device, stream: &Stream, v: &mut DeviceVec<u32>, value: 
 /// it): only stream order gives first half 77, second half 5.
 #[test]
 fn a_cudarc_kernel_runs_on_our_stream_and_buffers_without_synchronizing() {
+    let _turn = common::take_turns();
     let rt = runtime();
     for device in gpus("a_cudarc_kernel_runs_on_our_stream_and_buffers_without_synchronizing") {
         let p = Arc::new(common::pool(&device, 4 * MIB, 4 * MIB));
@@ -84,6 +88,7 @@ fn a_cudarc_kernel_runs_on_our_stream_and_buffers_without_synchronizing() {
 /// copy back reads the result, in stream order. Dropping our `Stream` leaves cudarc's usable.
 #[test]
 fn a_cudarc_stream_adopted_as_ours() {
+    let _turn = common::take_turns();
     let rt = runtime();
     for device in gpus("a_cudarc_stream_adopted_as_ours") {
         let ctx = device.cudarc_context().unwrap();
@@ -112,6 +117,7 @@ fn a_cudarc_stream_adopted_as_ours() {
 /// other streams, out of order).
 #[test]
 fn the_per_thread_default_stream_is_refused() {
+    let _turn = common::take_turns();
     for device in gpus("the_per_thread_default_stream_is_refused") {
         let ctx = device.cudarc_context().unwrap();
         let per_thread = ctx.per_thread_stream();
@@ -126,6 +132,7 @@ fn the_per_thread_default_stream_is_refused() {
 /// a stream of another context is refused with a typed error.
 #[test]
 fn a_device_on_a_cudarc_context_shares_it() {
+    let _turn = common::take_turns();
     let rt = runtime();
     for gpu in gpus("a_device_on_a_cudarc_context_shares_it") {
         let ordinal = gpu.ordinal().unwrap();
@@ -184,6 +191,7 @@ fn the_simulated_device_has_no_cudarc_handles() {
 /// (thirteenth session).
 #[test]
 fn two_contexts_of_one_gpu_reach_each_others_memory() {
+    let _turn = common::take_turns();
     for gpu in gpus("two_contexts_of_one_gpu_reach_each_others_memory") {
         let ordinal = gpu.ordinal().unwrap();
         let other = Device::from_cudarc(CudaContext::new_non_primary(ordinal, 0).unwrap()).unwrap();
@@ -212,6 +220,7 @@ fn two_contexts_of_one_gpu_reach_each_others_memory() {
 /// without `cuStreamQuery`, and the capture still ends with a graph (a review's finding).
 #[test]
 fn is_idle_during_a_cudarc_capture_leaves_the_capture_valid() {
+    let _turn = common::take_turns();
     use cudarc::driver::sys;
     for gpu in gpus("is_idle_during_a_cudarc_capture_leaves_the_capture_valid") {
         let s = gpu.create_stream().unwrap();

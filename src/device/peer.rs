@@ -46,9 +46,10 @@ impl Device {
     /// (`cuDeviceCanAccessPeer`): true for the device itself and between simulated devices;
     /// true between two `Device`s on one GPU, even on different CUDA contexts (a cudarc
     /// non-primary one beside the primary: their kernels reach each other's memory, though the
-    /// driver answers `cuDeviceCanAccessPeer` with no for a GPU and itself; checked on an H100,
-    /// `tests/two_contexts.rs`); between GPUs what the hardware says (NVLink or a PCIe
-    /// topology that allows it).
+    /// driver answers `cuDeviceCanAccessPeer` with no for a GPU and itself, and
+    /// `cuCtxEnablePeerAccess` between the two with `CUDA_ERROR_PEER_ACCESS_UNSUPPORTED`:
+    /// checked on an H100, `tests/cudarc_interop.rs`); between GPUs what the hardware says
+    /// (NVLink or a PCIe topology that allows it).
     /// `Err(WrongDevice)` for a simulated device and a GPU.
     pub fn can_access_peer(&self, peer: &Device) -> Result<bool> {
         self.check_peer(peer)?;

@@ -316,9 +316,9 @@ impl ExpandablePoolResource {
     ///
     /// A stream whose work failed (a sticky error) does not fail the trim, as in
     /// [`PoolResource::trim`](super::PoolResource::trim): a dropped one is let go of as if it
-    /// had synchronized once it answers idle, and the granules last freed on a live one stay mapped and free (both
-    /// logged at warn level with the error), as a capture's do; the rest is unmapped, and the
-    /// trim returns `Ok` with the bytes it did unmap.
+    /// had synchronized once it answers idle, and the granules last freed on a live one stay
+    /// mapped and free (both logged at warn level with the error), as a capture's do; the rest
+    /// is unmapped, and the trim returns `Ok` with the bytes it did unmap.
     ///
     /// A stream under a user's graph capture cannot be waited for (its captured work runs
     /// only when the graph is launched): the granules last freed on it (or coalesced with
