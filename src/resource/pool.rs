@@ -522,8 +522,9 @@ impl<U: MemoryResource> PoolResource<U> {
     /// the stream's work has ended, and the failure is reported on the user's own operations on
     /// that stream. A dropped one is let go of as if it had synchronized (logged at warn level
     /// with its error) once it answers idle (on CUDA a stream of a broken context never does:
-    /// its memory then stays in the pool, and each trim asks again); the chunks last freed on a live one stay in the pool, free (logged at
-    /// warn level), as a capture's do, and the rest is released. The trim then returns `Ok`
+    /// its memory then stays in the pool, and each trim asks again); the chunks last freed on
+    /// a live one stay in the pool, free (logged at warn level), as a capture's do, and the
+    /// rest is released. The trim then returns `Ok`
     /// with the bytes it did release. Before, one such stream made every trim fail, releasing
     /// nothing, for the process's life.
     ///
