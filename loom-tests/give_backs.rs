@@ -19,8 +19,8 @@
 //!
 //! Checked, whatever the interleaving: a growth never takes `reserved` above the maximum; a
 //! request never fails while a give-back it saw under way (a claim taken before its look under
-//! `slow`, before it waits) has not ended: it waited for it (`wait_for_under_way` said so), and a wait that is never told is
-//! a loom deadlock; at the end `reserved` is exactly what the resource holds (every claim's
+//! `slow`, before it waits) has not ended: it waited for it (`wait_for_under_way` said so),
+//! and a wait that is never told is a loom deadlock; at the end `reserved` is exactly what the resource holds (every claim's
 //! bytes came back), what was handed out is what the served requests asked for, and no
 //! give-back is left under way.
 
@@ -423,14 +423,17 @@ fn two_growths_and_a_request_at_the_maximum() {
 /// moment later. Preemption bound 2.
 #[test]
 fn a_request_waits_for_every_give_back_under_way() {
-    check_paths(Some(2), &[WAITED, REGREW], |seen| {
-        requests_on(
-            seen,
-            Resource::with(12, &[(3, 0), (3, 0), (3, 3), (3, 3)]),
-            &[5, 5, 2],
-            &[2, 3],
-        )
-    });
+    check_paths(Some(2), &[WAITED, REGREW], two_give_backs);
+}
+
+/// The scene of [`a_request_waits_for_every_give_back_under_way`].
+fn two_give_backs(seen: &Shared<Seen>) {
+    requests_on(
+        seen,
+        Resource::with(12, &[(3, 0), (3, 0), (3, 3), (3, 3)]),
+        &[5, 5, 2],
+        &[2, 3],
+    );
 }
 
 /// Bug: the request waits only until one give-back ends (as before the twenty-first session),
@@ -446,14 +449,7 @@ fn planted_waits_for_one_only() {
         || {
             crate::resource::stream_ordered::planted::WAITS_FOR_ONE_ONLY
                 .store(true, std::sync::atomic::Ordering::Relaxed);
-            check_paths(Some(2), &[], |seen| {
-                requests_on(
-                    seen,
-                    Resource::with(12, &[(3, 0), (3, 0), (3, 3), (3, 3)]),
-                    &[5, 5, 2],
-                    &[2, 3],
-                )
-            });
+            check_paths(Some(2), &[], two_give_backs);
         },
     );
 }
