@@ -42,6 +42,22 @@ fn poison(device: &Device, stream: &Stream) {
     );
 }
 
+/// 8 MiB from `r` freed on each of two new streams, `bad` poisoned before its free and `good`
+/// fine: `(bad, good)`.
+fn freed_on_a_failed_and_a_good_stream<R: MemoryResource + ?Sized>(
+    device: &Device,
+    r: &R,
+) -> (Stream, Stream) {
+    let bad = device.create_stream().unwrap();
+    let good = device.create_stream().unwrap();
+    let a = r.allocate(8 * MIB, &bad).unwrap();
+    let b = r.allocate(8 * MIB, &good).unwrap();
+    poison(device, &bad);
+    free(r, a, 8 * MIB, &bad);
+    free(r, b, 8 * MIB, &good);
+    (bad, good)
+}
+
 /// Two allocations of `bytes` at `a` and `b` do not overlap.
 fn disjoint(a: DevicePtr, b: DevicePtr, bytes: usize) -> bool {
     let (a, b) = (a.as_raw(), b.as_raw());
@@ -54,13 +70,7 @@ fn disjoint(a: DevicePtr, b: DevicePtr, bytes: usize) -> bool {
 fn a_dropped_failed_stream_does_not_block_the_pools_trim() {
     let device = device();
     let pool = pool(&device, 0, 64 * MIB);
-    let bad = device.create_stream().unwrap();
-    let good = device.create_stream().unwrap();
-    let a = pool.allocate(8 * MIB, &bad).unwrap();
-    let b = pool.allocate(8 * MIB, &good).unwrap();
-    poison(&device, &bad);
-    free(&pool, a, 8 * MIB, &bad);
-    free(&pool, b, 8 * MIB, &good);
+    let (bad, good) = freed_on_a_failed_and_a_good_stream(&device, &pool);
     drop(bad);
     let reserved = pool.stats().reserved;
     assert!(reserved >= 16 * MIB, "{:?}", pool.stats());
@@ -257,13 +267,7 @@ fn a_failed_stream_does_not_block_the_arenas_trim() {
     for drop_it in [false, true] {
         let device = device();
         let arena = arena(&device, 0, 64 * MIB);
-        let bad = device.create_stream().unwrap();
-        let good = device.create_stream().unwrap();
-        let a = arena.allocate(8 * MIB, &bad).unwrap();
-        let b = arena.allocate(8 * MIB, &good).unwrap();
-        poison(&device, &bad);
-        free(&arena, a, 8 * MIB, &bad);
-        free(&arena, b, 8 * MIB, &good);
+        let (bad, good) = freed_on_a_failed_and_a_good_stream(&device, &arena);
         if drop_it {
             drop(bad);
         }
