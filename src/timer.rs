@@ -199,9 +199,16 @@ impl Timer {
         // next compaction. No need to wake the timer thread: at worst it wakes once at this
         // entry's instant, as it would have.
         let mut state = self.state.lock();
-        if state.wakers.remove(&id).is_some() {
+        let waker = state.wakers.remove(&id);
+        if waker.is_some() {
             state.compact();
         }
+        // Dropped after the lock: a waker's drop is the executor's code, and may drop a task
+        // whose future holds another deadline, whose drop cancels it here (a review found this
+        // thread then deadlocked on the timer's lock, and with it every deadline in the
+        // process).
+        drop(state);
+        drop(waker);
     }
 }
 
@@ -341,7 +348,10 @@ impl Deadline {
         match state.wakers.get_mut(&self.id) {
             Some(old) => {
                 if !old.will_wake(waker) {
-                    *old = waker.clone();
+                    let old = std::mem::replace(old, waker.clone());
+                    // Dropped after the lock (see `Timer::cancel`).
+                    drop(state);
+                    drop(old);
                 }
             }
             // Gone: fired (only this `Deadline`'s Drop cancels it). Woken outside the lock.

@@ -393,16 +393,22 @@ impl MemoryWaiters {
     pub(crate) fn poll_entry(&self, id: u64, waker: &Waker) -> Option<bool> {
         let mut queue = self.queue.lock();
         let entry = queue.entries.iter_mut().find(|e| e.id == id)?;
-        if !entry.waker.will_wake(waker) {
-            entry.waker = waker.clone();
-        }
-        Some(std::mem::replace(&mut entry.notified, false))
+        let old = (!entry.waker.will_wake(waker))
+            .then(|| std::mem::replace(&mut entry.waker, waker.clone()));
+        let notified = std::mem::replace(&mut entry.notified, false);
+        // The replaced waker dropped after the lock: its drop is the executor's code, and may
+        // drop a task whose future waits here too, whose drop leaves this queue (`remove`): a
+        // review found that thread deadlocked on the queue's lock.
+        drop(queue);
+        drop(old);
+        Some(notified)
     }
 
     /// Leaves the queue: `Some(waited)` after a successful wait, `None` after cancellation or a
     /// timeout. If it was first in line, the next waiter is woken to try (see the module doc).
     pub(crate) fn remove(&self, id: u64, outcome: Leave) {
-        let next = {
+        // The entry (its waker) is dropped after the lock (see `poll_entry`).
+        let (next, _entry) = {
             let mut queue = self.queue.lock();
             let Some(at) = queue.entries.iter().position(|e| e.id == id) else {
                 return;
@@ -414,14 +420,15 @@ impl MemoryWaiters {
             self.len.fetch_sub(1, Ordering::Release);
             self.bytes_waiting.fetch_sub(entry.bytes, Ordering::Relaxed);
             // (The planted bug: the baton is not passed on.)
-            if at == 0 && !planted!(NO_HAND_OFF) {
+            let next = if at == 0 && !planted!(NO_HAND_OFF) {
                 queue.entries.front_mut().map(|next| {
                     next.notified = true;
                     next.waker.clone()
                 })
             } else {
                 None
-            }
+            };
+            (next, entry)
         };
         match outcome {
             Leave::Served(waited) => {
