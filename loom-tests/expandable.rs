@@ -213,7 +213,8 @@ fn trim(pool: &Pool) {
 /// lists, so a block freed between the wait and the take is unmapped with its work pending.
 fn trim_synchronized_too_early(pool: &Pool, stream: &FakeStream) {
     stream.synchronize();
-    let (ticket, _) = pool.hold_free(0);
+    let (ticket, taken) = pool.hold_free(0);
+    pool.order_held(ticket, taken);
     // SAFETY: none: this is the bug.
     let (_, result) = unsafe { pool.unmap_ranges(pool.release_held(ticket)) };
     result.unwrap();
@@ -452,6 +453,24 @@ fn planted_trim_ignores_recall() {
     );
 }
 
+/// Bug: the trim notes a granule as its own, ordered, though the user recalled it into the
+/// lists while the trim ordered it (with the locks let go): the trim unmaps it, and the lists
+/// keep it as free memory.
+#[test]
+#[ignore = "planted bug: must fail"]
+fn planted_replace_ignores_recall() {
+    must_fail(
+        module_path!(),
+        "planted_replace_ignores_recall",
+        "mapped memory lost, or free memory on unmapped granules",
+        || {
+            crate::resource::stream_ordered::planted::REPLACE_IGNORES_RECALL
+                .store(true, std::sync::atomic::Ordering::Relaxed);
+            check_paths(Some(2), &[], request_at_the_maximum_vs_trim);
+        },
+    );
+}
+
 /// A release is running (queued by a free of a granule) when two frees of half a granule each
 /// come, and it ends meanwhile: whichever interleaving, exactly one of them queues the next
 /// release, and it starts from a count of 0.
@@ -516,18 +535,18 @@ fn planted_release_end_only_clears() {
     );
 }
 
-/// A trim down to `keep` bytes (take the free granules past it, held for the trim; wait for
-/// their streams; unmap what is still the trim's): whether it took while another trim held
-/// granules it had not unmapped yet.
+/// A trim down to `keep` bytes (take the free granules past it, held for the trim; order
+/// each onto one of its streams with the locks let go; wait for those streams; unmap what is
+/// still the trim's): whether it took while another trim held granules it had not unmapped
+/// yet.
 fn trim_to(pool: &Pool, keep: u64) -> bool {
     let (ticket, taken) = pool.hold_free(keep);
     // Another trim's granules out of the lists while this one took (or found nothing left to).
     let mine: u64 = taken.iter().map(|t| t.1).sum();
     let overlapped = pool.trimming() > mine;
-    for (_, _, stream) in &taken {
-        if let Some(stream) = stream {
-            stream.synchronize();
-        }
+    let (streams, _) = pool.order_held(ticket, taken);
+    for stream in &streams {
+        stream.synchronize();
     }
     let still_held = pool.release_held(ticket);
     // SAFETY: (of the model) each range's stream was synchronized after it was taken.

@@ -23,10 +23,11 @@
 //! (events recorded, waits) once `hold` has let the lock go, and notes each as ordered
 //! ([`replace`](HeldForTrim::replace)) only if it still holds it; a chunk recalled meanwhile
 //! went back to its list as it was taken (with its tag), and the ordering is then only one
-//! GPU-side wait more. The expandable pool's trim still orders a range freed on several
-//! streams onto one of them inside `hold` (`Expander::hold_free`, under its growth lock too):
-//! a request at its maximum, or a growth, waits behind those records and waits (a review's
-//! finding; not yet changed). The give-back itself
+//! GPU-side wait more. The expandable pool's trim does the same with the ranges it takes
+//! (`Expander::hold_free`, then `Expander::order_held` with every lock let go): before the
+//! twenty-second session it ordered them inside `hold`, under its growth lock too, so that a
+//! request at its maximum, or a growth, waited behind those records and waits (a review's
+//! finding). Both hold their items as [`HeldOrder`]s. The give-back itself
 //! (`cuMemFree`, which waits for the whole device to be idle; the unmapping) runs with no lock
 //! held, so that no request waits for it: a request at the maximum that comes meanwhile is
 //! refused as if the trim had finished first (an awaitable request waits, and the give-back's
@@ -35,10 +36,23 @@
 //! `a_request_at_the_maximum_vs_a_cancelled_trim`; the pool's ordering with the lock let go
 //! (hold, replace, release against a recall): `loom-tests/held_for_trim.rs`.
 
+use crate::resource::stream_ordered::Waits;
 use crate::sync::Mutex;
 // The planted bugs' switches, read through `planted!` (they exist only under the loom cfg).
 #[cfg(streamalloc_loom)]
 use crate::resource::stream_ordered::planted;
+
+/// How memory a trim holds stands with the streams that last used it (`S`: their handle).
+#[derive(Clone)]
+pub(crate) enum HeldOrder<S> {
+    /// Out of its list with this tag, not yet ordered onto one stream: the trim does that with
+    /// the trims' lock let go (driver calls). A recall puts it back with the tag, as it was.
+    Tagged(Waits),
+    /// Ordered: the stream after whose work it may be given back (`None`: no stream's work,
+    /// memory never handed out or whose streams are all known done); a recall puts it back as
+    /// freed there.
+    On(Option<S>),
+}
 
 /// What trims hold now, each item under the ticket of the trim that took it.
 pub(crate) struct HeldForTrim<T> {

@@ -9,8 +9,8 @@ mod snapshot;
 
 use super::give_backs::{GiveBacks, GrowthClaim};
 use super::growth::step_within_free;
-use super::held_for_trim::{HeldForTrim, Ticket};
-use super::stream_ordered::{Grow, StreamHeap, Waits};
+use super::held_for_trim::{HeldForTrim, HeldOrder, Ticket};
+use super::stream_ordered::{Grow, StreamHeap};
 use super::trim_waits::{run_blocking, Await, Block, TrimWaits};
 use super::waiters::{MemoryWaiters, WaitStats};
 use super::{aligned_size, check_stream, MemoryResource, ALIGNMENT};
@@ -269,19 +269,9 @@ pub struct PoolResource<U: MemoryResource> {
 type TakenChunk = (u64, u64, Option<Stream>);
 
 /// A whole chunk a trim holds (`held_for_trim`): base, size, and how it stands with the
-/// streams that last used it.
-type HeldChunk = (u64, u64, HeldOrder);
-
-/// How a chunk a trim holds stands with the streams that last used it.
-#[derive(Clone)]
-enum HeldOrder {
-    /// Out of its list with this tag, not yet ordered onto one stream: the trim does that with
-    /// the trims' lock let go (driver calls). A recall puts it back with the tag, as it was.
-    Tagged(Waits),
-    /// Ordered: the stream after whose work it may go upstream, on which it goes (`None`: no
-    /// stream's work, on the pool's own); a recall puts it back as freed there.
-    On(Option<Stream>),
-}
+/// streams that last used it (ordered: on the stream it goes upstream on; `None`, on the
+/// pool's own).
+type HeldChunk = (u64, u64, HeldOrder<Stream>);
 
 impl<U: MemoryResource> fmt::Debug for PoolResource<U> {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {

@@ -129,7 +129,8 @@ fn churn_on(pool: &Expander<LabStream, LabBacking>, streams: usize, hand_off: bo
     let every: u64 = lab_env("LAB_TRIM_EVERY").unwrap_or(0);
     for op in 0..1_000_000u64 {
         if every > 0 && op % every == 0 {
-            let (ticket, _) = pool.hold_free(0);
+            let (ticket, taken) = pool.hold_free(0);
+            pool.order_held(ticket, taken);
             // SAFETY: a lab backing maps nothing; nothing runs.
             let _ = unsafe { pool.unmap_ranges(pool.release_held(ticket)) };
         }

@@ -8,8 +8,9 @@
 //! with the requester's free blocks (at the maximum, first unmapping wholly free granules
 //! elsewhere whose last users have finished: [`make_room`](Expander::make_room)), and it takes
 //! fully free granules out of the lists for unmapping ([`hold_free`](Expander::hold_free)),
-//! unmaps them once the caller has waited for their streams
-//! ([`unmap_ranges`](Expander::unmap_ranges)), or puts them back.
+//! orders each onto one of its streams with every lock let go
+//! ([`order_held`](Expander::order_held)), unmaps them once the caller has waited for those
+//! streams ([`unmap_ranges`](Expander::unmap_ranges)), or puts them back.
 //!
 //! Lock order: the engine's growth lock (`slow`: growth and claims run under it, and a trim
 //! takes its ranges out of the lists under it), then the list of what trims hold
@@ -20,7 +21,7 @@
 
 use super::super::stream_ordered::{EngineStats, EngineStream, Grow, ListBlocks, StreamHeap};
 use crate::error::{Error, Result};
-use crate::resource::held_for_trim::{HeldForTrim, Ticket};
+use crate::resource::held_for_trim::{HeldForTrim, HeldOrder, Ticket};
 use crate::sync::{AtomicU64, Mutex, Ordering};
 // The planted bug's switch, read through `planted!` (it exists only under the loom cfg).
 #[cfg(streamalloc_loom)]
@@ -196,6 +197,10 @@ pub(crate) type SnapshotParts = (Vec<(u64, u64)>, Vec<ListBlocks>, Vec<(u64, u64
 /// it)`, `None` for fresh memory.
 pub(crate) type Taken<S> = (u64, u64, Option<S>);
 
+/// A range a trim holds (`held_for_trim`): `(start, size, how it stands with the streams that
+/// last used it)`; once ordered, a [`Taken`].
+pub(crate) type HeldRange<S> = (u64, u64, HeldOrder<S>);
+
 /// The payload of a panic out of [`Backing::unmap`], caught until the bookkeeping of what was
 /// unmapped is done, then let go on (`std::panic::resume_unwind`).
 type Panicked = Option<Box<dyn std::any::Any + Send>>;
@@ -322,7 +327,7 @@ pub(crate) struct Expander<S: EngineStream, B: Backing> {
     /// Ranges that trims took out of the lists ([`hold_free`](Self::hold_free)) and hold while
     /// they wait for their streams: a request at the maximum takes them back
     /// ([`Grow::recall_trimmed`]).
-    held_for_trim: HeldForTrim<Taken<S>>,
+    held_for_trim: HeldForTrim<HeldRange<S>>,
     /// Bytes that trims took out of the lists ([`hold_free`](Self::hold_free)) and that are
     /// neither unmapped nor back in the lists yet: held, or released and being unmapped. They
     /// still count in `reserved`, but will not stay mapped, so a trim beside them takes only
@@ -787,21 +792,90 @@ impl<S: EngineStream, B: Backing> Expander<S, B> {
     /// `keep` bytes to stay mapped (the unclaimed pieces first, then the highest addresses of
     /// the lists); nothing else leaves the lists. What it takes is held for the trim: a request
     /// at the maximum may take it back ([`Grow::recall_trimmed`]). Returns the trim's ticket and
-    /// a copy of what it took: the caller waits for each range's stream (all its work), then
+    /// a copy of what it took, each range with its tag: the caller orders those onto one stream
+    /// each ([`order_held`](Self::order_held)), waits for those streams (all their work), then
     /// unmaps what is still its own ([`release_held`](Self::release_held),
     /// [`unmap_ranges`](Self::unmap_ranges)), or puts that back
     /// ([`put_back_held`](Self::put_back_held)) if it cannot.
     ///
     /// Under the engine's growth lock (`slow`): a request that misses while ranges are out of
-    /// the lists here (being ordered, or going back after a failed ordering) waits for it
-    /// before its last look and its growth, and finds the lists as this leaves them, or what
-    /// it took held, instead of growing, or failing at the maximum, for want of memory that
-    /// stays. Only this part: the caller waits for the streams after it, with no lock held
-    /// (the GPU is never waited for inside a lock).
-    pub(crate) fn hold_free(&self, keep: u64) -> (Ticket, Vec<Taken<S>>) {
+    /// the lists here waits for it before its last look and its growth, and finds the lists as
+    /// this leaves them, or what it took held, instead of growing, or failing at the maximum,
+    /// for want of memory that stays. Only this part, which makes no driver call: the ordering
+    /// and the waits for the streams come after it, with no lock held.
+    pub(crate) fn hold_free(&self, keep: u64) -> (Ticket, Vec<HeldRange<S>>) {
         // Lock order: the growth lock, then the held list's (a recall holds the growth lock).
         let _growth = self.heap.growth_lock();
         self.held_for_trim.hold(|| self.take_free(keep))
+    }
+
+    /// Orders each range of `ranges` (what [`hold_free`](Self::hold_free) handed the trim of
+    /// `ticket`) still tagged onto one stream of its tag (events recorded on the others, a
+    /// wait on it: driver calls, made with no lock of the pool held, for every request at the
+    /// maximum and every growth takes the locks `hold_free` held), and notes it as ordered
+    /// ([`HeldForTrim::replace`]) if the trim still holds it. Returns the streams to wait for
+    /// before unmapping (once each), and whether ranges went back to the lists (their
+    /// ordering failed: a stream under a user's graph capture, a failed driver call), for the
+    /// caller to tell the memory waiters.
+    ///
+    /// A range recalled meanwhile by a request at the maximum went back with its tag, as it
+    /// was taken: its ordering here is then only one GPU-side wait more, and it is no longer
+    /// the trim's to note, to wait for or to unmap. The caller puts back what the trim holds
+    /// if this unwinds (its guard's drop): a range still tagged goes back as it was.
+    pub(crate) fn order_held(&self, ticket: Ticket, ranges: Vec<HeldRange<S>>) -> (Vec<S>, bool) {
+        let mut streams: Vec<S> = Vec::new();
+        let mut went_back = false;
+        for (addr, size, order) in ranges {
+            let tag = match order {
+                HeldOrder::Tagged(tag) => tag,
+                // Fresh (an unclaimed piece): nothing to wait for.
+                HeldOrder::On(None) => continue,
+                HeldOrder::On(Some(stream)) => {
+                    if !streams.iter().any(|s| s.uid() == stream.uid()) {
+                        streams.push(stream);
+                    }
+                    continue;
+                }
+            };
+            let is = |r: &HeldRange<S>| r.0 == addr;
+            match self.heap.order_taken(addr, size, &tag) {
+                Ok(on) => {
+                    let ordered = (addr, size, HeldOrder::On(on.clone()));
+                    if self.held_for_trim.replace(ticket, is, ordered) {
+                        if let Some(stream) =
+                            on.filter(|on| !streams.iter().any(|s| s.uid() == on.uid()))
+                        {
+                            streams.push(stream);
+                        }
+                    }
+                }
+                // Stays free, as it was, if still the trim's.
+                Err(e) => {
+                    let kept = self.put_back_some_held(ticket, is);
+                    // Logged only then: one recalled meanwhile is no longer the trim's.
+                    if kept > 0 {
+                        went_back = true;
+                        match &e {
+                            // No ordering through a capturing stream until the capture ends.
+                            Error::StreamCapturing { .. } => {
+                                tracing::debug!(error = %e, addr, size, "a free range kept mapped for a capture");
+                            }
+                            e => {
+                                tracing::warn!(error = %e, addr, "a free range stays mapped: ordering failed");
+                            }
+                        }
+                    }
+                }
+            }
+        }
+        (streams, went_back)
+    }
+
+    /// Whether the engine's growth lock or the trims' list's lock is held now (by any thread):
+    /// for tests that check what runs under them.
+    #[cfg(all(test, not(streamalloc_loom)))]
+    pub(crate) fn trim_locks_held(&self) -> bool {
+        self.held_for_trim.is_locked() || self.heap.slow_is_locked()
     }
 
     /// How many requests took back what trims held ([`Grow::recall_trimmed`]), and how many
@@ -820,8 +894,22 @@ impl<S: EngineStream, B: Backing> Expander<S, B> {
     /// What the trim of `ticket` ([`hold_free`](Self::hold_free)) still holds, no longer held:
     /// to unmap once its streams were waited for ([`unmap_ranges`](Self::unmap_ranges)), then
     /// to say so ([`unmapped_held`](Self::unmapped_held)).
+    ///
+    /// A range never ordered ([`order_held`](Self::order_held) orders them all before the trim
+    /// waits) goes back to the lists as it was, not to be unmapped under work that may still
+    /// use it.
     pub(crate) fn release_held(&self, ticket: Ticket) -> Vec<Taken<S>> {
-        self.held_for_trim.release(ticket)
+        let mut ordered = Vec::new();
+        let mut tagged = Vec::new();
+        for (addr, size, order) in self.held_for_trim.release(ticket) {
+            match order {
+                HeldOrder::On(on) => ordered.push((addr, size, on)),
+                order @ HeldOrder::Tagged(_) => tagged.push((addr, size, order)),
+            }
+        }
+        debug_assert!(tagged.is_empty(), "a trim's range was never ordered");
+        self.put_back_trimmed(tagged);
+        ordered
     }
 
     /// Notes that a trim has unmapped what [`release_held`](Self::release_held) handed it: a
@@ -847,13 +935,13 @@ impl<S: EngineStream, B: Backing> Expander<S, B> {
     pub(crate) fn put_back_some_held(
         &self,
         ticket: Ticket,
-        stays: impl FnMut(&Taken<S>) -> bool,
+        stays: impl FnMut(&HeldRange<S>) -> bool,
     ) -> usize {
         (self.held_for_trim).put_back_some(ticket, stays, |ranges| self.put_back_trimmed(ranges))
     }
 
     /// [`hold_free`](Self::hold_free)'s taking, with the growth lock held.
-    fn take_free(&self, keep: u64) -> Vec<Taken<S>> {
+    fn take_free(&self, keep: u64) -> Vec<HeldRange<S>> {
         let g = self.granule();
         let mut out = Vec::new();
         // Unclaimed pieces first (fresh, needing no wait), the highest first, each from its
@@ -882,13 +970,16 @@ impl<S: EngineStream, B: Backing> Expander<S, B> {
             }
             if part > 0 {
                 let top = first + count - part;
-                out.push((self.addr(top), part as u64 * g, None));
+                out.push((self.addr(top), part as u64 * g, HeldOrder::On(None)));
             }
         }
         self.note_unclaimed(&table);
         drop(table);
         if excess > 0 {
-            out.extend(self.heap.take_aligned(g, excess));
+            let ranges = self.heap.take_aligned_tagged(g, excess);
+            out.extend(
+                (ranges.into_iter()).map(|(a, size, tag)| (a, size, HeldOrder::Tagged(tag))),
+            );
         }
         self.trimming
             .fetch_add(Self::bytes_of(&out), Ordering::Relaxed);
@@ -896,15 +987,21 @@ impl<S: EngineStream, B: Backing> Expander<S, B> {
     }
 
     /// The bytes of `ranges`.
-    fn bytes_of(ranges: &[Taken<S>]) -> u64 {
+    fn bytes_of<T>(ranges: &[(u64, u64, T)]) -> u64 {
         ranges.iter().map(|r| r.1).sum()
     }
 
     /// Ranges that a trim took ([`hold_free`](Self::hold_free)) back in the lists, no longer
-    /// counted as going (after they are back: see `trimming`).
-    fn put_back_trimmed(&self, ranges: Vec<Taken<S>>) {
+    /// counted as going (after they are back: see `trimming`). One still tagged goes back with
+    /// its tag, as it was taken; one ordered, as freed on its stream.
+    fn put_back_trimmed(&self, ranges: Vec<HeldRange<S>>) {
         let bytes = Self::bytes_of(&ranges);
-        self.put_back(ranges);
+        for (addr, size, order) in ranges {
+            match order {
+                HeldOrder::Tagged(tag) => self.heap.give_back_tagged(addr, size, tag),
+                HeldOrder::On(on) => self.put_back(vec![(addr, size, on)]),
+            }
+        }
         self.trimming.fetch_sub(bytes, Ordering::Relaxed);
     }
 
@@ -946,7 +1043,11 @@ impl<S: EngineStream, B: Backing> Expander<S, B> {
             released
         };
         // Outside the table's lock: the handles' drops take locks of their own.
-        self.put_back_trimmed(back);
+        self.put_back_trimmed(
+            back.into_iter()
+                .map(|(a, size, on)| (a, size, HeldOrder::On(on)))
+                .collect(),
+        );
         if let Some(payload) = panicked {
             // The caller unwinds before it says that the trim gave back what it unmapped: said
             // here, so a request refused at the maximum meanwhile looks again.

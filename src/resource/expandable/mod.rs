@@ -2,6 +2,8 @@
 
 pub(crate) mod core;
 mod snapshot;
+#[cfg(all(test, not(streamalloc_loom)))]
+mod trim_order_tests;
 
 use std::fmt;
 // std's `Arc` and `Weak`, not `crate::sync`'s: the release job holds a `Weak` of the pool,
@@ -10,7 +12,7 @@ use std::fmt;
 use std::sync::{Arc as StdArc, Weak};
 
 use self::core::{Expander, ReleaseTrigger, Taken};
-use super::held_for_trim::Ticket;
+use super::held_for_trim::{HeldOrder, Ticket};
 use super::pool::{failed_stream, forget_failed, PoolStats};
 use super::trim_waits::{run_blocking, Await, Block, TrimWaits};
 use super::waiters::{MemoryWaiters, WaitStats};
@@ -362,17 +364,6 @@ impl ExpandablePoolResource {
 }
 
 impl Inner {
-    /// The distinct streams of `taken` (fresh ranges need no wait).
-    fn streams_of(taken: &[Taken<Stream>]) -> Vec<Stream> {
-        let mut streams: Vec<Stream> = Vec::new();
-        for stream in taken.iter().filter_map(|t| t.2.as_ref()) {
-            if !streams.iter().any(|s| s.id() == stream.id()) {
-                streams.push(stream.clone());
-            }
-        }
-        streams
-    }
-
     /// [`trim_to_with`](Self::trim_to_with) blocking (the public `_blocking` trims, and the
     /// automatic release past the threshold).
     fn trim_to_blocking(&self, keep: u64) -> Result<usize> {
@@ -609,15 +600,24 @@ struct TakenForTrim<'a> {
 }
 
 impl<'a> TakenForTrim<'a> {
-    /// Takes free granules out of the lists for a trim down to `keep` bytes mapped, and the
-    /// streams to wait for before they are unmapped.
+    /// Takes free granules out of the lists for a trim down to `keep` bytes mapped (under the
+    /// growth lock and the trims' list's, with no driver call), orders each onto one of its
+    /// streams with those locks let go (a review found a request at the maximum, and every
+    /// growth, waiting behind those records and waits), and returns the streams to wait for
+    /// before they are unmapped.
     fn take(inner: &'a Inner, keep: u64) -> (Self, Vec<Stream>) {
         let (ticket, ranges) = inner.core.hold_free(keep);
-        let streams = Inner::streams_of(&ranges);
+        // From here on, put back on drop (an ordering that unwinds included).
         let taken = TakenForTrim {
             inner,
             ticket: Some(ticket),
         };
+        let (streams, went_back) = inner.core.order_held(ticket, ranges);
+        if went_back {
+            // Memory back in the lists (its ordering failed): a request refused while it was
+            // out may fit now. Told with every lock let go.
+            inner.waiters.notify();
+        }
         (taken, streams)
     }
 
@@ -665,8 +665,8 @@ impl<'a> TakenForTrim<'a> {
         let ranges = self
             .inner
             .core
-            .put_back_some_held(ticket, |(_, size, stream)| {
-                let stays = stream.as_ref().is_some_and(|s| streams.contains(&s.id()));
+            .put_back_some_held(ticket, |(_, size, order)| {
+                let stays = matches!(order, HeldOrder::On(Some(s)) if streams.contains(&s.id()));
                 if stays {
                     bytes += size;
                 }

@@ -38,54 +38,34 @@ impl<S: EngineStream> StreamHeap<S> {
     /// Takes up to `want` bytes (rounded up to granules) of `granule`-aligned free memory out
     /// of the lists, for unmapping: the highest addresses first, from the last shard down (the
     /// expandable pool's ranges lie in its shards in address order). Returns `(start, size,
-    /// the stream whose work must finish first)`, `None` for memory that needs no ordering.
-    /// The unaligned ends stay free, and so does what it does not take: it goes back under
-    /// the shard's lock that took it out, so no request finds it missing, and no stream is
-    /// made to wait for memory that stays. A range whose ordering fails goes back too (the
-    /// caller gives back that much less). Give a range back with
-    /// [`give_blocks_to`](Self::give_blocks_to) or [`give_fresh_blocks`](Self::give_fresh_blocks)
-    /// if it cannot be unmapped.
-    pub(crate) fn take_aligned(&self, granule: u64, want: u64) -> Vec<(u64, u64, Option<S>)> {
+    /// the tag it had)`. The unaligned ends stay free, and so does what it does not take: it
+    /// goes back under the shard's lock that took it out, so no request finds it missing.
+    ///
+    /// No driver call: the caller orders each range onto one stream of its tag
+    /// ([`order_taken`](Self::order_taken)) once it has let go of its own locks, and puts
+    /// back with [`give_back_tagged`](Self::give_back_tagged) what it cannot unmap (as it
+    /// was), or with [`give_blocks_to`](Self::give_blocks_to) /
+    /// [`give_fresh_blocks`](Self::give_fresh_blocks) once ordered.
+    pub(crate) fn take_aligned_tagged(&self, granule: u64, want: u64) -> Vec<(u64, u64, Waits)> {
         let mut out = Vec::new();
         let mut left = want.div_ceil(granule) * granule;
         for shard in self.shards.iter().rev() {
             if left == 0 {
                 break;
             }
-            let taken = {
-                let mut heap = shard.lock();
-                let mut ranges = heap.free.take_aligned(granule);
-                ranges.sort_unstable_by_key(|r| std::cmp::Reverse(r.0));
-                let mut taken = Vec::new();
-                for (addr, size, tag) in ranges {
-                    // The top of the range, the bottom back with its tag.
-                    let part = size.min(left);
-                    left -= part;
-                    if part < size {
-                        let given = heap.free.give_range(addr, size - part, tag);
-                        debug_assert!(given, "a range taken out could not go back");
-                    }
-                    if part > 0 {
-                        taken.push((addr + size - part, part, tag));
-                    }
+            let mut heap = shard.lock();
+            let mut ranges = heap.free.take_aligned(granule);
+            ranges.sort_unstable_by_key(|r| std::cmp::Reverse(r.0));
+            for (addr, size, tag) in ranges {
+                // The top of the range, the bottom back with its tag.
+                let part = size.min(left);
+                left -= part;
+                if part < size {
+                    let given = heap.free.give_range(addr, size - part, tag);
+                    debug_assert!(given, "a range taken out could not go back");
                 }
-                taken
-            };
-            for (addr, size, tag) in taken {
-                match self.onto_one(shard, &tag) {
-                    Ok(stream) => out.push((addr, size, stream)),
-                    // A stream of the tag under a user's graph capture: no ordering through it
-                    // until the capture ends. Kept, as a trim keeps such memory.
-                    Err(e @ Error::StreamCapturing { .. }) => {
-                        tracing::debug!(error = %e, addr, size, "a free range kept mapped for a capture");
-                        let given = shard.lock().free.give_range(addr, size, tag);
-                        debug_assert!(given, "a range taken out could not go back");
-                    }
-                    Err(e) => {
-                        tracing::warn!(error = %e, addr, "a free range stays mapped: ordering failed");
-                        let given = shard.lock().free.give_range(addr, size, tag);
-                        debug_assert!(given, "a range taken out could not go back");
-                    }
+                if part > 0 {
+                    out.push((addr + size - part, part, tag));
                 }
             }
         }

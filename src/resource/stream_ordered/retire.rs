@@ -128,15 +128,26 @@ impl<S: EngineStream> StreamHeap<S> {
     /// error (e.g. a stream of the tag under a user's graph capture) the chunk is the caller's
     /// to put back with its tag.
     pub(crate) fn order_whole_chunk(&self, base: u64, size: u64, tag: &Waits) -> Result<Option<S>> {
-        let shard = self.shard_of(base, size).ok_or(Error::InvalidArgument {
-            what: "a whole chunk taken out for release is in no shard",
-        })?;
-        let stream = self.onto_one(shard, tag)?;
+        let stream = self.order_taken(base, size, tag)?;
         Ok(stream.filter(|_| !planted!(CHUNKS_AS_FRESH)))
     }
 
-    /// A chunk taken out by [`take_whole_chunk`](Self::take_whole_chunk) back in its shard's
-    /// list with the tag it had: as if it had never been taken out.
+    /// Memory `[base, base + size)` of a chunk, taken out of its shard's list with `tag` (a
+    /// whole chunk, or the expandable pool's granules: `take_aligned_tagged`), ordered onto one
+    /// stream the tag names ([`onto_one`](Self::onto_one): driver calls, so with no lock of
+    /// the caller's held): the stream whose work must finish before it is given back (`None`:
+    /// none needed). On an error (e.g. a stream of the tag under a user's graph capture) the
+    /// memory is the caller's to put back with its tag.
+    pub(crate) fn order_taken(&self, base: u64, size: u64, tag: &Waits) -> Result<Option<S>> {
+        let shard = self.shard_of(base, size).ok_or(Error::InvalidArgument {
+            what: "memory taken out for release is in no shard",
+        })?;
+        self.onto_one(shard, tag)
+    }
+
+    /// Memory taken out by [`take_whole_chunk`](Self::take_whole_chunk) (or the expandable
+    /// pool's `take_aligned_tagged`) back in its shard's list with the tag it had: as if it
+    /// had never been taken out.
     pub(crate) fn give_back_tagged(&self, base: u64, size: u64, tag: Waits) {
         let given = self
             .shard_of(base, size)

@@ -1,0 +1,190 @@
+//! The expandable pool's trim orders the ranges it took onto their streams (driver calls)
+//! with the growth lock and the trims' list's lock let go, as the pool's trim does its chunks
+//! (`pool.rs`'s review tests): every growth and every request at the maximum takes those
+//! locks. Before the twenty-second session it ordered under both (a review's finding).
+
+use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering::SeqCst};
+use std::sync::Arc;
+use std::time::Duration;
+
+use super::{ExpandableOptions, ExpandablePoolResource};
+use crate::device::{Device, DevicePtr};
+use crate::resource::MemoryResource;
+use crate::stream::Stream;
+use crate::{FaultKind, Faults, SimConfig};
+use tracing_subscriber::layer::SubscriberExt;
+
+const MIB: usize = 1 << 20;
+
+/// An expandable pool of at most 4 MiB (two 2 MiB granules, mapped one at a time) on a
+/// simulated device with `faults`, and two streams.
+fn scene(faults: Faults) -> (Arc<ExpandablePoolResource>, Stream, Stream, Device) {
+    let device = Device::simulated(SimConfig {
+        faults,
+        ..SimConfig::default()
+    });
+    let options = ExpandableOptions {
+        reserve: Some(64 * MIB),
+        maximum: Some(4 * MIB),
+        initial: 0,
+        map_unit: Some(1),
+        ..ExpandableOptions::default()
+    };
+    let pool = Arc::new(ExpandablePoolResource::new(&device, options).unwrap());
+    let (s1, s2) = (
+        device.create_stream().unwrap(),
+        device.create_stream().unwrap(),
+    );
+    (pool, s1, s2, device)
+}
+
+/// The pool's 4 MiB, handed out in halves, one on each stream, and freed there behind a 300 ms
+/// spin queued on each: one free range whose tag names both busy streams (its ordering onto
+/// one makes driver calls).
+fn halves_freed_behind_spins(pool: &ExpandablePoolResource, s1: &Stream, s2: &Stream) {
+    let x = pool.allocate(4 * MIB, s1).unwrap();
+    // SAFETY: handed out above on `s1`, unused.
+    unsafe { pool.deallocate(x, 4 * MIB, s1) }.unwrap();
+    let halves: [(DevicePtr, &Stream); 2] = [
+        (pool.allocate(2 * MIB, s1).unwrap(), s1),
+        (pool.allocate(2 * MIB, s2).unwrap(), s2),
+    ];
+    assert_eq!(pool.stats().reserved, 4 * MIB);
+    for (_, stream) in &halves {
+        stream.spin(Duration::from_millis(300)).unwrap();
+    }
+    for (ptr, stream) in halves {
+        // SAFETY: handed out above on `stream`, unused, freed once.
+        unsafe { pool.deallocate(ptr, 2 * MIB, stream) }.unwrap();
+    }
+}
+
+/// A `tracing` layer that notes, at each fault the simulated device injects (an event of its
+/// `faults` module, logged from inside the failing driver call), whether the pool's growth
+/// lock or trims' list was locked.
+struct LockAtFault {
+    pool: Arc<ExpandablePoolResource>,
+    faults: Arc<AtomicUsize>,
+    under_lock: Arc<AtomicBool>,
+}
+
+impl<S: tracing::Subscriber> tracing_subscriber::Layer<S> for LockAtFault {
+    fn on_event(&self, event: &tracing::Event<'_>, _: tracing_subscriber::layer::Context<'_, S>) {
+        if !event.metadata().target().ends_with("sim::faults") {
+            return;
+        }
+        self.faults.fetch_add(1, SeqCst);
+        if self.pool.inner.core.trim_locks_held() {
+            self.under_lock.store(true, SeqCst);
+        }
+    }
+}
+
+/// A trim orders a range freed on two busy streams onto one of them (a record on the other, a
+/// wait) with the locks let go. The record fails here (an injected fault, so that the call can
+/// be seen): the range stays mapped and free, and the next trim unmaps it.
+#[test]
+fn a_trim_orders_its_ranges_with_the_locks_let_go() {
+    let faults = Faults::new();
+    let (pool, s1, s2, _device) = scene(faults.clone());
+    halves_freed_behind_spins(&pool, &s1, &s2);
+    faults.fail_next(FaultKind::Record);
+    let seen = Arc::new(AtomicUsize::new(0));
+    let under_lock = Arc::new(AtomicBool::new(false));
+    let subscriber = tracing_subscriber::registry().with(LockAtFault {
+        pool: pool.clone(),
+        faults: seen.clone(),
+        under_lock: under_lock.clone(),
+    });
+    let released = tracing::subscriber::with_default(subscriber, || pool.trim_blocking());
+    assert_eq!(
+        faults.injected(FaultKind::Record),
+        1,
+        "the trim ordered no range"
+    );
+    assert_eq!(seen.load(SeqCst), 1);
+    assert!(
+        !under_lock.load(SeqCst),
+        "a trim's driver call under the growth lock or the trims' list's"
+    );
+    // The range whose ordering failed stays, mapped and free, as it was.
+    assert_eq!(released.unwrap(), 0);
+    assert_eq!(
+        (pool.stats().reserved, pool.stats().free),
+        (4 * MIB, 4 * MIB)
+    );
+    pool.check_invariants().unwrap();
+    assert_eq!(pool.trim_blocking().unwrap(), 4 * MIB);
+    assert_eq!(pool.stats().reserved, 0);
+}
+
+/// A `tracing` layer that runs `action` once, when the first span named `name` is entered (on
+/// the thread that enters it), unless the pool's growth lock or trims' list is locked then
+/// (noted in `under_lock`: the action would wait for ever on a lock its own thread holds).
+struct AtSpan {
+    name: &'static str,
+    pool: Arc<ExpandablePoolResource>,
+    action: std::sync::Mutex<Option<Box<dyn FnOnce() + Send>>>,
+    under_lock: Arc<AtomicBool>,
+}
+
+impl<S: tracing::Subscriber> tracing_subscriber::Layer<S> for AtSpan {
+    fn on_new_span(
+        &self,
+        attrs: &tracing::span::Attributes<'_>,
+        _: &tracing::span::Id,
+        _: tracing_subscriber::layer::Context<'_, S>,
+    ) {
+        if attrs.metadata().name() != self.name {
+            return;
+        }
+        if self.pool.inner.core.trim_locks_held() {
+            self.under_lock.store(true, SeqCst);
+            return;
+        }
+        // Taken out first: the action enters such spans too.
+        let action = self.action.lock().unwrap().take();
+        if let Some(action) = action {
+            action();
+        }
+    }
+}
+
+/// A request at the maximum recalls the range a trim is ordering onto its streams (with the
+/// locks let go): it goes back to its list as it was taken and serves the request, and the
+/// trim, its ordering done, neither notes it as its own nor unmaps it.
+#[test]
+fn a_range_recalled_while_its_trim_orders_it_stays_mapped() {
+    let (pool, s1, s2, device) = scene(Faults::new());
+    let s3 = device.create_stream().unwrap();
+    halves_freed_behind_spins(&pool, &s1, &s2);
+    // When the trim orders the range onto one of its streams, a request at the maximum.
+    let served = Arc::new(std::sync::Mutex::new(None));
+    let under_lock = Arc::new(AtomicBool::new(false));
+    let action = {
+        let (pool, served, s3) = (pool.clone(), served.clone(), s3.clone());
+        Box::new(move || *served.lock().unwrap() = Some(pool.allocate(2 * MIB, &s3)))
+    };
+    let subscriber = tracing_subscriber::registry().with(AtSpan {
+        name: "stream_wait",
+        pool: pool.clone(),
+        action: std::sync::Mutex::new(Some(action)),
+        under_lock: under_lock.clone(),
+    });
+    let released = tracing::subscriber::with_default(subscriber, || pool.trim_blocking());
+    assert!(
+        !under_lock.load(SeqCst),
+        "the trim ordered under the growth lock or the trims' list's"
+    );
+    let y = (served.lock().unwrap().take())
+        .expect("the trim ordered no range")
+        .expect("the request at the maximum was served from the trim's range");
+    assert_eq!(released.unwrap(), 0, "the trim unmapped a recalled range");
+    let stats = pool.stats();
+    assert_eq!((stats.reserved, stats.free), (4 * MIB, 2 * MIB));
+    pool.check_invariants().unwrap();
+    // SAFETY: handed out above on `s3`, unused.
+    unsafe { pool.deallocate(y, 2 * MIB, &s3) }.unwrap();
+    assert_eq!(pool.trim_blocking().unwrap(), 4 * MIB);
+    assert_eq!(pool.stats().reserved, 0);
+}
