@@ -523,3 +523,33 @@ fn a_set_whose_allocation_panics_gives_back_what_it_took() {
         assert_all_back_within(&p, Duration::from_secs(5), &label(&device));
     }
 }
+
+/// A set of requests of 0 bytes each is served at once (null pointers), as one request of 0
+/// bytes is, even behind a waiter for memory that may never come (a review found it queued).
+#[test]
+fn a_set_of_empty_requests_never_waits() {
+    for device in devices() {
+        let p = pool(&device, MIB);
+        let s = device.create_stream().unwrap();
+        let held = p.allocate(MIB, &s).unwrap();
+        let mut waiter = std::pin::pin!(p.allocate_async(4096, &s));
+        assert!(common::poll_once(waiter.as_mut()).is_pending());
+        let requests = [(0usize, &s)];
+        let mut set = std::pin::pin!(DeviceBuffer::alloc_all(&p, &requests));
+        match common::poll_once(set.as_mut()) {
+            Poll::Ready(Ok(buffers)) => assert_eq!(buffers.len(), 1),
+            other => panic!(
+                "{}: a set of one empty request: {:?}",
+                label(&device),
+                other.map(|r| r.map(|b| b.len()))
+            ),
+        }
+        let mut two = std::pin::pin!(p.allocate_all_async([(0usize, &s), (0, &s)]));
+        assert!(
+            matches!(common::poll_once(two.as_mut()), Poll::Ready(Ok(ref ptrs)) if ptrs.len() == 2),
+            "{}: a set of two empty requests waited",
+            label(&device)
+        );
+        common::free(&*p, held, MIB, &s);
+    }
+}

@@ -194,6 +194,12 @@ impl<R: MemoryResource + ?Sized> Future for AllocateAll<'_, R> {
         if set.requests.is_empty() {
             return Poll::Ready(Ok(Vec::new()));
         }
+        if set.requests.iter().all(|&(bytes, _)| bytes == 0) {
+            // Costs nothing and never waits (null pointers), queue or no queue, as a single
+            // request of 0 bytes (`Allocate`); a review found such a set queued behind a
+            // waiter for memory that might never come.
+            return Poll::Ready(set.attempt(Attempt::Fresh));
+        }
         this.wait.poll(
             set.resource.memory_waiters(),
             cx,
