@@ -141,3 +141,47 @@ fn a_reallocation_that_panics_loses_no_memory() {
     }
     assert_eq!(used(&p), 0, "in use before the resize: {before}");
 }
+
+/// A long-lived buffer read on a fresh stream per request (marked with `record_stream`),
+/// each stream then dropped: the buffer lets go of those streams (a review found it kept all
+/// of them until it dropped, so that no trim let the pool forget them, and each simulated
+/// stream's thread lived on), and the reads still order its free: the buffer's own stream
+/// waits for a dropped stream's work before the handle goes. (The race detector cannot show
+/// that order: a dropped simulated stream's unseen work leaves its view.)
+#[test]
+fn a_long_lived_buffer_lets_go_of_dropped_streams_it_was_used_on() {
+    let device = streamalloc::Device::simulated(streamalloc::SimConfig::default());
+    let p = Arc::new(common::pool(&device, 0, 64 * MIB));
+    let home = device.create_stream().unwrap();
+    let mut weights = DeviceBuffer::new(&p, 1 << 16, &home).unwrap();
+    weights.memset(0).unwrap();
+    home.synchronize_blocking().unwrap();
+    // A slow reader, dropped; then eight uses on streams the test keeps, and a ninth: the
+    // buffer keeps eight, and lets go of the slow one, its own stream ordered behind it.
+    let slow = device.create_stream().unwrap();
+    weights.record_stream(&slow).unwrap();
+    slow.spin(std::time::Duration::from_secs(1)).unwrap();
+    drop(slow);
+    let kept: Vec<_> = (0..9)
+        .map(|_| {
+            let s = device.create_stream().unwrap();
+            weights.record_stream(&s).unwrap();
+            s
+        })
+        .collect();
+    assert!(
+        !home.is_idle().unwrap(),
+        "the buffer let go of a dropped stream without waiting for its work"
+    );
+    home.synchronize_blocking().unwrap();
+    drop(kept);
+    // Per request: a fresh stream, a clone there, then both dropped.
+    for _ in 0..40 {
+        let s = device.create_stream().unwrap();
+        drop(weights.try_clone_to(&p, &s).unwrap());
+    }
+    p.trim_blocking().unwrap();
+    // The home stream, and at most the 8 uses the buffer keeps before it lets go.
+    let streams = p.stats().streams;
+    assert!(streams <= 9, "the pool still knows {streams} streams");
+}

@@ -15,6 +15,10 @@ use crate::resource::{AllocateAsync, AsResourceRef, ResourceRef};
 use crate::stream::Stream;
 use crate::sync::Mutex;
 
+/// How many streams a buffer keeps as uses before a new use lets go of those nobody else holds
+/// (see `DeviceBuffer::add_use`): the common buffer, used on a few streams, pays nothing.
+const USES_BEFORE_SETTLING: usize = 8;
+
 pub(crate) mod copy;
 mod free;
 mod kernel_args;
@@ -305,6 +309,14 @@ impl DeviceBuffer {
     /// peer access, see [`Device::enable_peer_access`](crate::Device::enable_peer_access)) or
     /// of another simulated device: the free waits for it all the same. `Err(WrongDevice)` for
     /// a simulated device and a GPU.
+    ///
+    /// The buffer keeps a handle of each stream it was used on until it drops (so do the
+    /// methods that use it on another stream: [`try_clone_to`](Self::try_clone_to),
+    /// [`set_stream`](Self::set_stream), `DeviceVec::to_host` on another stream). Once it
+    /// holds 8, a new use first lets go of those whose every other handle is gone, after
+    /// ordering the buffer's own stream behind the work queued there (a GPU-side wait: later
+    /// work on the buffer's stream waits for it), so a long-lived buffer used on a fresh
+    /// stream per request keeps no more than a few of them alive.
     pub fn record_stream(&mut self, other: &Stream) -> Result<()> {
         self.resource.device().check_peer(other.device())?;
         if other.id() != self.stream.id() {
@@ -315,8 +327,32 @@ impl DeviceBuffer {
 
     fn add_use(&self, other: Stream) {
         let mut uses = self.uses.lock();
-        if !uses.iter().any(|s| s.id() == other.id()) {
-            uses.push(other);
+        if uses.iter().any(|s| s.id() == other.id()) {
+            return;
+        }
+        if uses.len() >= USES_BEFORE_SETTLING {
+            // A stream whose only handle is this list's (its user dropped it, and no event,
+            // buffer or free holds it) can get no more work: what the free must wait for there
+            // is queued already. So the buffer's own stream waits for it now (GPU-side, as
+            // `into_raw_parts` does for every use) and the handle goes. Kept, a long-lived
+            // buffer used on a fresh stream per request (weights cloned or read for each) held
+            // every such stream (a driver stream, a simulated device's thread) and the pools'
+            // records of it until it dropped, which no trim could let go of (a review's
+            // finding). A stream whose record or wait fails stays a use.
+            uses.retain(|used| used.users() > 1 || !self.settle_use(used));
+        }
+        uses.push(other);
+    }
+
+    /// Orders the buffer's stream after the work queued on `used` so far (an event there, a
+    /// GPU-side wait): whether it did, so that the free no longer needs `used`.
+    fn settle_use(&self, used: &Stream) -> bool {
+        match (used.record_unwatched()).and_then(|event| self.stream.wait(&event)) {
+            Ok(()) => true,
+            Err(e) => {
+                tracing::debug!(error = %e, stream = %used.id(), "a buffer keeps a dropped stream as a use: its ordering failed");
+                false
+            }
         }
     }
 
