@@ -231,6 +231,8 @@ mod engine_lab;
 pub mod expandable;
 pub mod fixed_size;
 pub(crate) mod free_list;
+#[cfg(all(test, not(streamalloc_loom)))]
+mod lock_probes;
 // `pub(crate)`: the loom model (loom-tests/give_backs.rs) drives it.
 pub(crate) mod give_backs;
 mod growth;

@@ -1251,6 +1251,7 @@ mod review_tests {
 
     use super::*;
     use crate::resource::cuda::CudaResource;
+    use crate::resource::lock_probes::{AtSpan, LockAtFault, Locked};
     use crate::{AllocateAsync, SimConfig};
 
     const MIB: usize = 1 << 20;
@@ -1429,29 +1430,10 @@ mod review_tests {
         }
     }
 
-    /// A `tracing` layer that notes, at each fault the simulated device injects (an event of
-    /// its `faults` module, logged from inside the failing driver call), whether the pool's
-    /// trims' list was locked.
-    struct LockAtFault {
-        pool: Arc<PoolResource<CudaResource>>,
-        faults: Arc<AtomicUsize>,
-        under_lock: Arc<AtomicBool>,
-    }
-
-    impl<S: tracing::Subscriber> tracing_subscriber::Layer<S> for LockAtFault {
-        fn on_event(
-            &self,
-            event: &tracing::Event<'_>,
-            _: tracing_subscriber::layer::Context<'_, S>,
-        ) {
-            if !event.metadata().target().ends_with("sim::faults") {
-                return;
-            }
-            self.faults.fetch_add(1, SeqCst);
-            if self.pool.held_for_trim.is_locked() {
-                self.under_lock.store(true, SeqCst);
-            }
-        }
+    /// Whether `pool`'s list of what trims hold is locked now (see `lock_probes`).
+    fn trims_list_locked(pool: &Arc<PoolResource<CudaResource>>) -> Locked {
+        let pool = pool.clone();
+        Box::new(move || pool.held_for_trim.is_locked())
     }
 
     /// A trim orders a chunk freed on two streams onto one of them (a record on the other, a
@@ -1481,7 +1463,7 @@ mod review_tests {
         let seen = Arc::new(AtomicUsize::new(0));
         let under_lock = Arc::new(AtomicBool::new(false));
         let subscriber = tracing_subscriber::registry().with(LockAtFault {
-            pool: pool.clone(),
+            locked: trims_list_locked(&pool),
             faults: seen.clone(),
             under_lock: under_lock.clone(),
         });
@@ -1502,38 +1484,6 @@ mod review_tests {
         pool.check_invariants().unwrap();
         assert_eq!(pool.trim_blocking().unwrap(), 4 * MIB);
         assert_eq!(pool.stats().reserved, 0);
-    }
-
-    /// A `tracing` layer that runs `action` once, when the first span named `name` is entered
-    /// (on the thread that enters it), unless the pool's trims' list is locked then (noted in
-    /// `under_lock`: the action would wait for ever on a lock its own thread holds).
-    struct AtSpan {
-        name: &'static str,
-        pool: Arc<PoolResource<CudaResource>>,
-        action: std::sync::Mutex<Option<Box<dyn FnOnce() + Send>>>,
-        under_lock: Arc<AtomicBool>,
-    }
-
-    impl<S: tracing::Subscriber> tracing_subscriber::Layer<S> for AtSpan {
-        fn on_new_span(
-            &self,
-            attrs: &tracing::span::Attributes<'_>,
-            _: &tracing::span::Id,
-            _: tracing_subscriber::layer::Context<'_, S>,
-        ) {
-            if attrs.metadata().name() != self.name {
-                return;
-            }
-            if self.pool.held_for_trim.is_locked() {
-                self.under_lock.store(true, SeqCst);
-                return;
-            }
-            // Taken out first: the action enters such spans too.
-            let action = self.action.lock().unwrap().take();
-            if let Some(action) = action {
-                action();
-            }
-        }
     }
 
     /// A request at the maximum recalls the chunk a trim is ordering onto its streams (with the
@@ -1562,7 +1512,7 @@ mod review_tests {
         };
         let subscriber = tracing_subscriber::registry().with(AtSpan {
             name: "stream_wait",
-            pool: pool.clone(),
+            locked: trims_list_locked(&pool),
             action: std::sync::Mutex::new(Some(action)),
             under_lock: under_lock.clone(),
         });
@@ -1642,7 +1592,7 @@ mod review_tests {
         let subscriber = tracing_subscriber::registry()
             .with(AtSpan {
                 name: "stream_wait",
-                pool: pool.clone(),
+                locked: trims_list_locked(&pool),
                 action: std::sync::Mutex::new(Some(action)),
                 under_lock: under_lock.clone(),
             })

@@ -9,6 +9,7 @@ use std::time::Duration;
 
 use super::{ExpandableOptions, ExpandablePoolResource};
 use crate::device::{Device, DevicePtr};
+use crate::resource::lock_probes::{AtSpan, LockAtFault, Locked};
 use crate::resource::MemoryResource;
 use crate::stream::Stream;
 use crate::{FaultKind, Faults, SimConfig};
@@ -59,25 +60,10 @@ fn halves_freed_behind_spins(pool: &ExpandablePoolResource, s1: &Stream, s2: &St
     }
 }
 
-/// A `tracing` layer that notes, at each fault the simulated device injects (an event of its
-/// `faults` module, logged from inside the failing driver call), whether the pool's growth
-/// lock or trims' list was locked.
-struct LockAtFault {
-    pool: Arc<ExpandablePoolResource>,
-    faults: Arc<AtomicUsize>,
-    under_lock: Arc<AtomicBool>,
-}
-
-impl<S: tracing::Subscriber> tracing_subscriber::Layer<S> for LockAtFault {
-    fn on_event(&self, event: &tracing::Event<'_>, _: tracing_subscriber::layer::Context<'_, S>) {
-        if !event.metadata().target().ends_with("sim::faults") {
-            return;
-        }
-        self.faults.fetch_add(1, SeqCst);
-        if self.pool.inner.core.trim_locks_held() {
-            self.under_lock.store(true, SeqCst);
-        }
-    }
+/// Whether `pool`'s growth lock or its trims' list is locked now (see `lock_probes`).
+fn trim_locks_held(pool: &Arc<ExpandablePoolResource>) -> Locked {
+    let pool = pool.clone();
+    Box::new(move || pool.inner.core.trim_locks_held())
 }
 
 /// A trim orders a range freed on two busy streams onto one of them (a record on the other, a
@@ -92,7 +78,7 @@ fn a_trim_orders_its_ranges_with_the_locks_let_go() {
     let seen = Arc::new(AtomicUsize::new(0));
     let under_lock = Arc::new(AtomicBool::new(false));
     let subscriber = tracing_subscriber::registry().with(LockAtFault {
-        pool: pool.clone(),
+        locked: trim_locks_held(&pool),
         faults: seen.clone(),
         under_lock: under_lock.clone(),
     });
@@ -118,38 +104,6 @@ fn a_trim_orders_its_ranges_with_the_locks_let_go() {
     assert_eq!(pool.stats().reserved, 0);
 }
 
-/// A `tracing` layer that runs `action` once, when the first span named `name` is entered (on
-/// the thread that enters it), unless the pool's growth lock or trims' list is locked then
-/// (noted in `under_lock`: the action would wait for ever on a lock its own thread holds).
-struct AtSpan {
-    name: &'static str,
-    pool: Arc<ExpandablePoolResource>,
-    action: std::sync::Mutex<Option<Box<dyn FnOnce() + Send>>>,
-    under_lock: Arc<AtomicBool>,
-}
-
-impl<S: tracing::Subscriber> tracing_subscriber::Layer<S> for AtSpan {
-    fn on_new_span(
-        &self,
-        attrs: &tracing::span::Attributes<'_>,
-        _: &tracing::span::Id,
-        _: tracing_subscriber::layer::Context<'_, S>,
-    ) {
-        if attrs.metadata().name() != self.name {
-            return;
-        }
-        if self.pool.inner.core.trim_locks_held() {
-            self.under_lock.store(true, SeqCst);
-            return;
-        }
-        // Taken out first: the action enters such spans too.
-        let action = self.action.lock().unwrap().take();
-        if let Some(action) = action {
-            action();
-        }
-    }
-}
-
 /// A request at the maximum recalls the range a trim is ordering onto its streams (with the
 /// locks let go): it goes back to its list as it was taken and serves the request, and the
 /// trim, its ordering done, neither notes it as its own nor unmaps it.
@@ -167,7 +121,7 @@ fn a_range_recalled_while_its_trim_orders_it_stays_mapped() {
     };
     let subscriber = tracing_subscriber::registry().with(AtSpan {
         name: "stream_wait",
-        pool: pool.clone(),
+        locked: trim_locks_held(&pool),
         action: std::sync::Mutex::new(Some(action)),
         under_lock: under_lock.clone(),
     });
