@@ -80,7 +80,8 @@ fn cuda_async_maximum_holds_for_racing_requests() {
 }
 
 /// Bug: the maximum is checked with a load and the bytes counted with a separate add
-/// (`cuda_async::planted::CHECK_THEN_ADD`): both requests pass the check.
+/// (`limiting_planted::CHECK_THEN_ADD`, in the limiting adaptor's `Limit`, which the resource
+/// counts with): both requests pass the check.
 #[test]
 #[ignore = "planted bug: must fail"]
 fn planted_check_then_add() {
@@ -89,7 +90,7 @@ fn planted_check_then_add() {
         "planted_check_then_add",
         "a maximum of one block served 2 requests",
         || {
-            crate::resource::cuda_async::planted::CHECK_THEN_ADD
+            crate::resource::adaptor::limiting_planted::CHECK_THEN_ADD
                 .store(true, std::sync::atomic::Ordering::Relaxed);
             check_paths(Some(2), &[], two_requests_at_the_maximum);
         },

@@ -28,7 +28,8 @@ pub trait AllocateAsync: MemoryResource {
         Allocate {
             resource: self,
             stream,
-            wait: Wait::new(bytes),
+            // An overflowing size fails its check before it is compared.
+            wait: Wait::needing(bytes, self.footprint(bytes).unwrap_or(usize::MAX)),
         }
     }
 

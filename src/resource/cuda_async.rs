@@ -9,13 +9,14 @@ use rustc_hash::FxHashMap;
 
 use crate::device::{Device, DevicePtr};
 use crate::error::{Error, Result};
+use crate::resource::adaptor::Limit;
 use crate::resource::stream_ordered::kept::Kept;
 use crate::resource::waiters::MemoryWaiters;
 use crate::resource::{aligned_size, check_stream, MemoryKind, MemoryResource};
 use crate::stream::Stream;
 use crate::stream::{AsyncPool, AsyncPoolSettings};
 use crate::sync::plain::{Arc as StdArc, Mutex as PlainMutex, RwLock};
-use crate::sync::{AtomicU64, AtomicUsize, Mutex, Ordering};
+use crate::sync::{AtomicU64, Mutex, Ordering};
 
 /// Settings of a [`CudaAsyncResource`].
 ///
@@ -133,9 +134,14 @@ pub struct CudaAsyncResource {
     /// The most it hands out at once (`maximum_pool_size`); `None`: no limit of its own.
     maximum: Option<usize>,
     /// Bytes handed out and not given back through this resource, each allocation rounded up
-    /// to 256: raised before the driver is asked (so threads cannot pass the maximum
-    /// together), lowered when a free is issued (by the size in `sizes`, the allocation's).
-    allocated: AtomicUsize,
+    /// to 256: reserved before the driver is asked (so threads cannot pass the maximum
+    /// together), given back when a free is issued (by the size in `sizes`, the
+    /// allocation's). The limiting adaptor's count, with its mark of refusals: a request the
+    /// driver refuses gives its reservation back, and wakes the first waiter if the maximum
+    /// refused someone meanwhile (perhaps that waiter, because of the reservation). Without
+    /// the mark that waiter slept with room under the maximum (a review's finding). No
+    /// maximum: a limit of `usize::MAX`.
+    count: Limit,
     /// What it handed out and not given back: pointer → size rounded up to 256 (see the type's
     /// documentation), in shards by pointer so that threads on different streams seldom share
     /// a lock. Std's locks: like the simulated device's own allocation table, loom need not
@@ -176,7 +182,13 @@ const PENDING_SLOTS: usize = if cfg!(streamalloc_loom) { 1 } else { 16 };
 pub(crate) struct PoolWaiters {
     /// The queues of the resources over the pool. Std's lock: it changes only when one is made
     /// or dropped; a free reads it only when the pool has several.
-    queues: RwLock<Vec<StdArc<MemoryWaiters>>>,
+    ///
+    /// Copied on write: a notification clones the list (one count) and lets go of the lock
+    /// before it wakes anyone. A waker is the executor's code, which may drop a task holding
+    /// another resource over this pool, whose drop [`leave`](Self::leave)s here: under the
+    /// read lock that thread waited for ever on the write lock (a review's finding), as a
+    /// wake under `MemoryWaiters`' relays' lock once did.
+    queues: RwLock<StdArc<Vec<StdArc<MemoryWaiters>>>>,
     /// Whether `queues` has more than one, readable without the lock.
     several: std::sync::atomic::AtomicBool,
     pending: [PendingSlot; PENDING_SLOTS],
@@ -199,7 +211,7 @@ impl fmt::Debug for PoolWaiters {
 impl PoolWaiters {
     fn new() -> Self {
         Self {
-            queues: RwLock::new(Vec::new()),
+            queues: RwLock::new(StdArc::new(Vec::new())),
             several: std::sync::atomic::AtomicBool::new(false),
             pending: std::array::from_fn(|_| PendingSlot {
                 id: AtomicU64::new(0),
@@ -216,16 +228,32 @@ impl PoolWaiters {
             }
         }));
         let mut queues = this.queues.write().unwrap_or_else(|e| e.into_inner());
-        queues.push(queue.clone());
+        let mut new = Vec::clone(&queues);
+        new.push(queue.clone());
         this.several
-            .store(queues.len() > 1, std::sync::atomic::Ordering::Release);
+            .store(new.len() > 1, std::sync::atomic::Ordering::Release);
+        *queues = StdArc::new(new);
     }
 
     fn leave(&self, queue: &StdArc<MemoryWaiters>) {
         let mut queues = self.queues.write().unwrap_or_else(|e| e.into_inner());
-        queues.retain(|q| !StdArc::ptr_eq(q, queue));
+        let mut new = Vec::clone(&queues);
+        new.retain(|q| !StdArc::ptr_eq(q, queue));
         self.several
-            .store(queues.len() > 1, std::sync::atomic::Ordering::Release);
+            .store(new.len() > 1, std::sync::atomic::Ordering::Release);
+        // The old list goes after the lock: its last queue's drop is nobody's code, but a
+        // list is never dropped under the lock that guards it.
+        let old = std::mem::replace(&mut *queues, StdArc::new(new));
+        drop(queues);
+        drop(old);
+    }
+
+    /// The queues now, with the lock let go (see `queues`).
+    fn snapshot(&self) -> StdArc<Vec<StdArc<MemoryWaiters>>> {
+        self.queues
+            .read()
+            .unwrap_or_else(|e| e.into_inner())
+            .clone()
     }
 
     /// Runs `f` on every queue but `own`, if the pool has several.
@@ -233,16 +261,14 @@ impl PoolWaiters {
         if !self.several.load(std::sync::atomic::Ordering::Acquire) {
             return;
         }
-        let queues = self.queues.read().unwrap_or_else(|e| e.into_inner());
-        for queue in queues.iter().filter(|q| !std::ptr::eq(&***q, own)) {
+        for queue in self.snapshot().iter().filter(|q| !std::ptr::eq(&***q, own)) {
             f(queue);
         }
     }
 
     /// Memory came back to the pool: every queue's first waiter tries again.
     fn notify_all(&self) {
-        let queues = self.queues.read().unwrap_or_else(|e| e.into_inner());
-        for queue in queues.iter() {
+        for queue in self.snapshot().iter() {
             queue.notify();
         }
     }
@@ -439,7 +465,7 @@ impl CudaAsyncResource {
         let resource = Self {
             pool,
             maximum,
-            allocated: AtomicUsize::new(0),
+            count: Limit::new(maximum.unwrap_or(usize::MAX)),
             sizes: SizeTable::new(),
             waiters,
             shared,
@@ -490,7 +516,7 @@ impl CudaAsyncResource {
     /// to 256 bytes; a free counts when it is issued (see the type's documentation). What the
     /// maximum is checked against.
     pub fn allocated_bytes(&self) -> usize {
-        self.allocated.load(Ordering::Acquire)
+        self.count.used()
     }
 
     /// Gives freed memory back to the device until the pool holds at most `keep_bytes`
@@ -537,56 +563,48 @@ impl CudaAsyncResource {
 
     /// Counts `size` more bytes, unless that would pass the maximum.
     fn reserve(&self, bytes: usize, size: usize) -> Result<()> {
-        let Some(maximum) = self.maximum else {
-            self.allocated.fetch_add(size, Ordering::AcqRel);
-            return Ok(());
-        };
-        if planted!(CHECK_THEN_ADD) {
-            // The planted bug: the check and the count are two steps.
-            let allocated = self.allocated.load(Ordering::Acquire);
-            if allocated.saturating_add(size) > maximum {
-                return Err(Error::OutOfMemory {
-                    requested: size,
-                    available: maximum.saturating_sub(allocated),
-                    maximum,
-                });
+        self.count.reserve(size).map_err(|allocated| {
+            let maximum = self.count.limit();
+            tracing::debug!(
+                requested = bytes,
+                allocated,
+                maximum,
+                "CudaAsyncResource: over its maximum"
+            );
+            // The size counted (rounded to 256), as the limit compares it: with a maximum
+            // that is not a multiple of 256, `bytes` may be at most the maximum while its
+            // rounded size is not, and an error saying so would have waiters wait for
+            // memory that can never come (a review's finding).
+            Error::OutOfMemory {
+                requested: size,
+                available: maximum.saturating_sub(allocated),
+                maximum,
             }
-            self.allocated.fetch_add(size, Ordering::AcqRel);
-            return Ok(());
-        }
-        self.allocated
-            .fetch_update(Ordering::AcqRel, Ordering::Acquire, |allocated| {
-                allocated
-                    .checked_add(size)
-                    .filter(|&total| total <= maximum)
-            })
-            .map(drop)
-            .map_err(|allocated| {
-                tracing::debug!(
-                    requested = bytes,
-                    allocated,
-                    maximum,
-                    "CudaAsyncResource: over its maximum"
-                );
-                // The size counted (rounded to 256), as the limit compares it: with a maximum
-                // that is not a multiple of 256, `bytes` may be at most the maximum while its
-                // rounded size is not, and an error saying so would have waiters wait for
-                // memory that can never come (a review's finding).
-                Error::OutOfMemory {
-                    requested: size,
-                    available: maximum.saturating_sub(allocated),
-                    maximum,
-                }
-            })
+        })
     }
 
+    /// The driver refused a request reserved for: the reservation goes back, and if the
+    /// maximum refused someone meanwhile (perhaps a waiter's retry, because of it), the first
+    /// waiter of every queue over the pool tries again. Otherwise nobody's failure was ours,
+    /// and the first waiter is often the caller itself: waking it would only make it fail
+    /// again at once, in a loop.
+    fn roll_back(&self, size: usize) {
+        if self.count.give_back(size) {
+            self.waiters.notify();
+            self.shared.others(&self.waiters, MemoryWaiters::notify);
+        }
+    }
+
+    /// A free issued through the resource: its bytes back. Inside the head waiter's quiet
+    /// give-back the refusal mark stays (see `LimitingAdaptor`'s `release`): a request that
+    /// reserved before the head was refused, and that the driver refuses later, must still
+    /// wake the head.
     fn unreserve(&self, size: usize) {
-        // Never below zero, even if a caller broke `deallocate`'s contract with a wrong size.
-        let _ = self
-            .allocated
-            .fetch_update(Ordering::AcqRel, Ordering::Acquire, |allocated| {
-                Some(allocated.saturating_sub(size))
-            });
+        if self.waiters.is_quiet() {
+            self.count.give_back_quietly(size);
+        } else {
+            self.count.give_back(size);
+        }
     }
 }
 
@@ -628,7 +646,7 @@ unsafe impl MemoryResource for CudaAsyncResource {
         let size = aligned_size(bytes)?;
         self.reserve(bytes, size)?;
         let ptr = self.pool.alloc_async(bytes, stream).inspect_err(|_| {
-            self.unreserve(size);
+            self.roll_back(size);
         })?;
         // Nobody can free `ptr` before it is returned, so the entry is there for its free.
         self.sizes.insert(ptr.0, size);
@@ -709,10 +727,11 @@ impl CudaAsyncResource {
             self.shared.note_free(stream);
         }
         // Waiters of the queues stacked above count (a limiting adaptor's, refused here): their
-        // request's try after the first wake above is refused as much as one of ours.
-        let mut someone = !self.waiters.is_quiet() && self.waiters.waits_here_or_above();
+        // request's try after the first wake above is refused as much as one of ours. During a
+        // quiet give-back, all but the quiet queue's.
+        let mut someone = self.waiters.waits_but_the_quiet();
         self.shared
-            .others(&self.waiters, |q| someone |= q.waits_here_or_above());
+            .others(&self.waiters, |q| someone |= q.waits_but_the_quiet());
         if someone {
             PoolWaiters::wake_after(&self.shared, stream);
         }
@@ -723,10 +742,6 @@ impl CudaAsyncResource {
 /// through `planted!`.
 #[cfg(streamalloc_loom)]
 pub(crate) mod planted {
-    /// The maximum is checked with a load and the bytes counted with a separate add: two
-    /// threads can both pass the check.
-    pub(crate) static CHECK_THEN_ADD: std::sync::atomic::AtomicBool =
-        std::sync::atomic::AtomicBool::new(false);
     /// A free notes its stream for later waiters after its notification (its fence and its
     /// load of the queues' lengths), not before: a request registering in between sees
     /// neither the stream nor is seen, and sleeps through the free.

@@ -27,6 +27,12 @@ pub(crate) enum Attempt {
 pub(crate) struct Wait {
     /// What the request needs in all (for the queue's statistics and the logs).
     pub(crate) bytes: usize,
+    /// What it takes of the resource (its footprint: rounded up, padded as the resource's
+    /// adaptors ask), compared with the maximum the queue learned: a request whose footprint
+    /// is above it can never fit, though its `bytes` are not (a review found such requests,
+    /// through a limit that is no multiple of 256 or an aligning adaptor, queued for ever
+    /// behind a waiter, where alone they failed at once).
+    need: usize,
     /// Our entry in the resource's queue, while we wait.
     pub(crate) id: Option<u64>,
     /// When it started waiting (its first try failed).
@@ -39,8 +45,14 @@ pub(crate) struct Wait {
 
 impl Wait {
     pub(crate) fn new(bytes: usize) -> Self {
+        Self::needing(bytes, bytes)
+    }
+
+    /// A wait for `bytes` that take `need` bytes of the resource (see `need`).
+    pub(crate) fn needing(bytes: usize, need: usize) -> Self {
         Self {
             bytes,
+            need,
             id: None,
             started: None,
             limit: None,
@@ -101,9 +113,9 @@ impl Wait {
                     if let Err(e) = check() {
                         return Poll::Ready(Err(e));
                     }
-                    if let Some(maximum) = w.known_maximum().filter(|&m| self.bytes > m) {
+                    if let Some(maximum) = w.known_maximum().filter(|&m| self.need > m) {
                         return Poll::Ready(Err(Error::OutOfMemory {
-                            requested: self.bytes,
+                            requested: self.need,
                             available: 0,
                             maximum,
                         }));

@@ -335,9 +335,18 @@ impl MemoryWaiters {
 
     /// Whether anyone waits here or in a queue this one relays to, transitively (see
     /// [`relay_to`](Self::relay_to)): a request there can be refused by this queue's resource,
-    /// and so waits for its memory too.
-    pub(crate) fn waits_here_or_above(&self) -> bool {
-        if !self.is_empty() {
+    /// and so waits for its memory too. The queue this thread gives back
+    /// [`quietly`](Self::quietly) for, if any, is left out: its head is the one giving back,
+    /// and must not be woken by it (a loop of failing tries), but a waiter in any other queue
+    /// here or above must be (a review found `CudaAsyncResource` left one asleep whenever the
+    /// quiet queue was merely reachable from its own).
+    pub(crate) fn waits_but_the_quiet(&self) -> bool {
+        self.waits_except(QUIET.try_with(|q| q.get()).unwrap_or(0))
+    }
+
+    /// Whether anyone waits here or above, in a queue other than the one at `quiet`.
+    fn waits_except(&self, quiet: usize) -> bool {
+        if self.addr() != quiet && !self.is_empty() {
             return true;
         }
         if !self.has_relays.load(std::sync::atomic::Ordering::Acquire) {
@@ -345,7 +354,7 @@ impl MemoryWaiters {
         }
         // A snapshot, as `notify_relays` takes: no lock held while the queues above are read.
         let relays = StdArc::clone(&self.relays.read().unwrap_or_else(|e| e.into_inner()));
-        relays.iter().any(|above| above.waits_here_or_above())
+        relays.iter().any(|above| above.waits_except(quiet))
     }
 
     /// What waiting has cost so far.

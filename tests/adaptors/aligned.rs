@@ -199,3 +199,27 @@ fn aligned_reports_the_callers_numbers_when_the_upstream_refuses_a_free() {
         );
     }
 }
+
+/// Behind a waiter, a request that fits the pool's maximum as asked but never once padded for
+/// the alignment fails at once, as it does alone: a review found it queued until its turn.
+#[test]
+fn a_request_padded_past_the_maximum_fails_at_once_behind_a_waiter() {
+    for device in devices() {
+        let mr = AlignedAdaptor::new(common::waiting_pool(&device, 4 * MIB, 4 * MIB), MIB).unwrap();
+        let s = device.create_stream().unwrap();
+        let held = mr.upstream().allocate(4 * MIB, &s).unwrap();
+        let mut waiter = Box::pin(mr.upstream().allocate_async(MIB, &s));
+        assert!(common::poll_once(waiter.as_mut()).is_pending());
+        let mut hopeless = Box::pin(mr.allocate_async(4 * MIB, &s));
+        assert!(
+            matches!(
+                common::poll_once(hopeless.as_mut()),
+                std::task::Poll::Ready(Err(Error::OutOfMemory { .. }))
+            ),
+            "{}: queued behind the waiter",
+            label(&device)
+        );
+        drop(waiter);
+        free(mr.upstream(), held, 4 * MIB, &s);
+    }
+}

@@ -551,3 +551,28 @@ fn limiting_gives_the_reservation_back_when_the_upstream_panics() {
         s.synchronize_blocking().unwrap();
     }
 }
+
+/// Behind a waiter, a request that can never fit a limit that is no multiple of 256 (1,000
+/// bytes count 1,024 under a limit of 1,000) fails at once, as it does alone: a review found
+/// it queued until its turn, for ever if the head was never served.
+#[test]
+fn a_request_over_an_unaligned_limit_fails_at_once_behind_a_waiter() {
+    for device in devices() {
+        let lim = LimitingAdaptor::new(pool(&device, 0, 4 * MIB), 1000);
+        let s = device.create_stream().unwrap();
+        let held: Vec<DevicePtr> = (0..3).map(|_| lim.allocate(256, &s).unwrap()).collect();
+        let mut waiter = Box::pin(lim.allocate_async(256, &s));
+        assert!(common::poll_once(waiter.as_mut()).is_pending());
+        let mut hopeless = Box::pin(lim.allocate_async(1000, &s));
+        match common::poll_once(hopeless.as_mut()) {
+            std::task::Poll::Ready(Err(Error::OutOfMemory { requested, .. })) => {
+                assert_eq!(requested, 1024, "{}", label(&device))
+            }
+            other => panic!("{}: {other:?}", label(&device)),
+        }
+        drop(waiter);
+        for p in held {
+            free(&lim, p, 256, &s);
+        }
+    }
+}

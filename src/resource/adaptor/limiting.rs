@@ -86,6 +86,18 @@ impl Limit {
     /// were reserved then (and marks the refusal, for [`give_back`](Self::give_back)).
     pub(crate) fn reserve(&self, size: usize) -> std::result::Result<(), usize> {
         let mut state = self.state.load(Ordering::Acquire);
+        if planted!(CHECK_THEN_ADD) {
+            // The planted bug: the check and the count are two steps.
+            let used = state & !REFUSED;
+            if used
+                .checked_add(size)
+                .is_none_or(|total| total > self.limit)
+            {
+                return Err(used);
+            }
+            self.state.fetch_add(size, Ordering::AcqRel);
+            return Ok(());
+        }
         loop {
             let used = state & !REFUSED;
             let fits = used.checked_add(size).filter(|&total| total <= self.limit);
@@ -235,7 +247,10 @@ impl<U: MemoryResource> LimitingAdaptor<U> {
         // No request above the limit can ever be served: one that comes while others wait
         // (and so queues without a try) fails at once, whatever the errors that made them
         // wait said of the upstream's maximum.
-        waiters.note_maximum(limit);
+        // Rounded down, as every request is counted rounded up (a limit of 1,000 serves at
+        // most 768 bytes): a request of 1,000 bytes behind a waiter fails at once, as it does
+        // alone (a review found it queued).
+        waiters.note_maximum(limit - limit % crate::resource::ALIGNMENT);
         Self {
             upstream,
             limit: Limit::new(limit),
@@ -374,5 +389,10 @@ pub(crate) mod planted {
     /// `Limit::reserve` refuses without marking the refusal: a rollback that made a waiter's
     /// retry fail does not know it, and wakes nobody.
     pub(crate) static REFUSAL_NOT_MARKED: std::sync::atomic::AtomicBool =
+        std::sync::atomic::AtomicBool::new(false);
+    /// `Limit::reserve` checks the limit with a load and counts with a separate add: two
+    /// threads can both pass the check (`loom-tests/cuda_async.rs`, through
+    /// `CudaAsyncResource`'s maximum).
+    pub(crate) static CHECK_THEN_ADD: std::sync::atomic::AtomicBool =
         std::sync::atomic::AtomicBool::new(false);
 }

@@ -46,11 +46,12 @@ pub(crate) use self::history::planted as history_planted;
 #[cfg(all(test, streamalloc_loom))]
 pub(crate) use self::history::Recorder;
 pub use self::history::{Action, History, HistoryAdaptor, HistoryEvent, HistoryOptions};
-/// The planted bug of the loom models (`loom-tests/waiters/limiting.rs`).
+/// The planted bugs of the loom models (`loom-tests/waiters/limiting.rs`,
+/// `loom-tests/cuda_async.rs`).
 #[cfg(all(test, streamalloc_loom))]
 pub(crate) use self::limiting::planted as limiting_planted;
-/// For the loom models (`loom-tests/waiters.rs`), which drive the adaptor's byte count.
-#[cfg(all(test, streamalloc_loom))]
+/// The adaptor's byte count, which `CudaAsyncResource` counts its maximum with too (and the
+/// loom models, `loom-tests/waiters.rs`, drive).
 pub(crate) use self::limiting::Limit;
 pub use self::limiting::LimitingAdaptor;
 pub use self::logging::{LoggingAdaptor, LOG_FILE_ENV};

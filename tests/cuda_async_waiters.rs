@@ -1,0 +1,239 @@
+//! `CudaAsyncResource`'s waiters, after a review: a wake under the shared pool's lock of
+//! queues, a reservation rolled back without waking the waiter it refused, and a quiet
+//! give-back above that stopped the wake-up of a waiter elsewhere. On the simulated device
+//! (a small one, and injected faults); each failed before its fix.
+
+mod common;
+
+use std::future::Future;
+use std::sync::atomic::{AtomicBool, Ordering::SeqCst};
+use std::sync::{Arc, Mutex};
+use std::task::{Context, Wake, Waker};
+use std::time::Duration;
+
+use streamalloc::resource::adaptor::LimitingAdaptor;
+use streamalloc::resource::cuda_async::CudaAsyncOptions;
+use streamalloc::{
+    AllocateAsync, CudaAsyncResource, Device, DevicePtr, FaultKind, Faults, MemoryResource,
+    SimConfig,
+};
+
+const MIB: usize = 1 << 20;
+
+/// A waker that notes that it was woken.
+struct Flag(AtomicBool);
+
+impl Wake for Flag {
+    fn wake(self: Arc<Self>) {
+        self.0.store(true, SeqCst);
+    }
+}
+
+fn flag() -> (Arc<Flag>, Waker) {
+    let flag = Arc::new(Flag(AtomicBool::new(false)));
+    (flag.clone(), Waker::from(flag))
+}
+
+/// Whether `flag` is woken within a while (a missed wake-up never is).
+fn woken(flag: &Flag) -> bool {
+    common::eventually(Duration::from_secs(10), || flag.0.load(SeqCst))
+}
+
+/// A waker whose wake drops a resource: what a wake that drops a task holding the resource's
+/// last handle does.
+struct DropsResource(Mutex<Option<CudaAsyncResource>>);
+
+impl Wake for DropsResource {
+    fn wake(self: Arc<Self>) {
+        let taken = self.0.lock().unwrap().take();
+        drop(taken);
+    }
+}
+
+/// A free through one view of the default pool wakes a waiter of another, whose waker drops a
+/// third view: its drop leaves the pool's list of queues, which the free held for reading
+/// while it woke the waiters (a deadlock, on the scene's own thread).
+#[test]
+fn a_wake_that_drops_another_view_of_the_pool_does_not_deadlock() {
+    let (done, finished) = std::sync::mpsc::channel();
+    std::thread::spawn(move || {
+        let device = Device::simulated(SimConfig {
+            total_memory: 64 * MIB,
+            ..SimConfig::default()
+        });
+        let views: Vec<_> = (0..3)
+            .map(|_| CudaAsyncResource::default_pool(&device).unwrap())
+            .collect();
+        let [a, b, c] = <[_; 3]>::try_from(views).unwrap();
+        let s = device.create_stream().unwrap();
+        let mut blocks = Vec::new();
+        while let Ok(p) = a.allocate(8 * MIB, &s) {
+            blocks.push(p);
+        }
+        let waker = Waker::from(Arc::new(DropsResource(Mutex::new(Some(c)))));
+        let mut wait = Box::pin(b.allocate_async(8 * MIB, &s));
+        assert!(wait
+            .as_mut()
+            .poll(&mut Context::from_waker(&waker))
+            .is_pending());
+        // The free that wakes the waiter (and deadlocked).
+        common::free(&a, blocks.pop().unwrap(), 8 * MIB, &s);
+        drop(wait);
+        for p in blocks {
+            common::free(&a, p, 8 * MIB, &s);
+        }
+        s.synchronize_blocking().unwrap();
+        let _ = done.send(());
+    });
+    // Not a timing threshold: the scene takes milliseconds, a deadlock for ever.
+    assert!(
+        finished.recv_timeout(Duration::from_secs(60)).is_ok(),
+        "deadlocked: a waiter woken under the pool's list of queues dropped a view of the pool"
+    );
+}
+
+/// Stops the thread that logs the simulated device's injected fault (inside the failing
+/// driver call) until told to go on.
+struct AtFault {
+    hit: Mutex<Option<std::sync::mpsc::Sender<()>>>,
+    go: Mutex<std::sync::mpsc::Receiver<()>>,
+}
+
+impl<S: tracing::Subscriber> tracing_subscriber::Layer<S> for AtFault {
+    fn on_event(&self, event: &tracing::Event<'_>, _: tracing_subscriber::layer::Context<'_, S>) {
+        if !event.metadata().target().ends_with("sim::faults") {
+            return;
+        }
+        if let Some(hit) = self.hit.lock().unwrap().take() {
+            hit.send(()).unwrap();
+            self.go.lock().unwrap().recv().unwrap();
+        }
+    }
+}
+
+/// A request X reserves the last room under the maximum; the head waiter W, woken by a free,
+/// is refused by the count because of X's reservation; the driver then refuses X, which gives
+/// its reservation back: W is woken (the maximum refused someone meanwhile). It slept.
+#[test]
+fn a_rolled_back_reservation_wakes_the_waiter_it_refused() {
+    use tracing_subscriber::layer::SubscriberExt;
+    const K: usize = 256 << 10;
+    let faults = Faults::new();
+    let device = Device::simulated(SimConfig {
+        faults: faults.clone(),
+        ..SimConfig::default()
+    });
+    let options = CudaAsyncOptions {
+        maximum_pool_size: Some(4 * K),
+        ..CudaAsyncOptions::default()
+    };
+    let ca = Arc::new(CudaAsyncResource::new(&device, options).unwrap());
+    let s = device.create_stream().unwrap();
+    let mut held: Vec<DevicePtr> = (0..4).map(|_| ca.allocate(K, &s).unwrap()).collect();
+    let (w_flag, w_waker) = flag();
+    let mut w = Box::pin(ca.allocate_async(K, &s));
+    assert!(w
+        .as_mut()
+        .poll(&mut Context::from_waker(&w_waker))
+        .is_pending());
+    // A free: W holds the baton (and is woken now, and when the GPU reaches the free).
+    common::free(&*ca, held.pop().unwrap(), K, &s);
+    s.synchronize_blocking().unwrap();
+    assert!(woken(&w_flag));
+    // X reserves the free room and stops inside the driver's allocation, which fails.
+    let (hit, reached) = std::sync::mpsc::channel();
+    let (go, wait_go) = std::sync::mpsc::channel();
+    faults.fail_next(FaultKind::Allocate);
+    let x = {
+        let (ca, s) = (ca.clone(), s.clone());
+        std::thread::spawn(move || {
+            let stop = tracing_subscriber::registry().with(AtFault {
+                hit: Mutex::new(Some(hit)),
+                go: Mutex::new(wait_go),
+            });
+            tracing::subscriber::with_default(stop, || ca.allocate(K, &s))
+        })
+    };
+    reached.recv().unwrap();
+    assert_eq!(ca.allocated_bytes(), 4 * K, "X's reservation");
+    // W tries with the baton: refused by the count, because of X's reservation.
+    w_flag.0.store(false, SeqCst);
+    assert!(w
+        .as_mut()
+        .poll(&mut Context::from_waker(&w_waker))
+        .is_pending());
+    go.send(()).unwrap();
+    assert!(x.join().unwrap().is_err(), "X was to fail in the driver");
+    assert_eq!(ca.allocated_bytes(), 3 * K, "rolled back");
+    assert!(
+        woken(&w_flag),
+        "room under the maximum again, and W never woken"
+    );
+    let got = match w.as_mut().poll(&mut Context::from_waker(&w_waker)) {
+        std::task::Poll::Ready(got) => got.unwrap(),
+        std::task::Poll::Pending => panic!("woken, and still refused"),
+    };
+    common::free(&*ca, got, K, &s);
+    for p in held {
+        common::free(&*ca, p, K, &s);
+    }
+    s.synchronize_blocking().unwrap();
+}
+
+/// A waiter W of the resource and the head H of a limiting adaptor's queue above it (a set),
+/// the device full. One free wakes both: H takes part of its set and gives it back quietly on
+/// a busy stream; W's try is refused (the driver has not reached that free). When the GPU
+/// reaches it, W is woken: nothing recorded an event for it, since the quiet queue (H's) was
+/// reachable from the resource's.
+#[test]
+fn a_quiet_give_back_above_does_not_leave_a_waiter_below_asleep() {
+    let device = Device::simulated(SimConfig {
+        total_memory: 64 * MIB,
+        ..SimConfig::default()
+    });
+    let ca = Arc::new(CudaAsyncResource::new(&device, CudaAsyncOptions::default()).unwrap());
+    let lim = LimitingAdaptor::new(ca.clone(), 1 << 40);
+    let (s0, s1, s2) = (
+        device.create_stream().unwrap(),
+        device.create_stream().unwrap(),
+        device.create_stream().unwrap(),
+    );
+    let mut blocks = Vec::new();
+    while let Ok(p) = ca.allocate(8 * MIB, &s0) {
+        blocks.push(p);
+    }
+    let (w_flag, w_waker) = flag();
+    let mut w = Box::pin(ca.allocate_async(8 * MIB, &s2));
+    assert!(w
+        .as_mut()
+        .poll(&mut Context::from_waker(&w_waker))
+        .is_pending());
+    let mut h = Box::pin(lim.allocate_all_async([(8 * MIB, &s1), (8 * MIB, &s1)]));
+    assert!(common::poll_once(h.as_mut()).is_pending());
+    s1.spin(Duration::from_millis(500)).unwrap();
+    common::free(&*ca, blocks.pop().unwrap(), 8 * MIB, &s0);
+    s0.synchronize_blocking().unwrap();
+    assert!(woken(&w_flag));
+    // H first: takes 8 MiB on s1, fails the second, gives it back quietly (behind the spin).
+    assert!(common::poll_once(h.as_mut()).is_pending());
+    // W: refused, the free on s1 not reached yet.
+    w_flag.0.store(false, SeqCst);
+    assert!(
+        w.as_mut()
+            .poll(&mut Context::from_waker(&w_waker))
+            .is_pending(),
+        "W served before the GPU reached H's give-back"
+    );
+    assert!(woken(&w_flag), "memory back in the pool, and W never woken");
+    drop(h);
+    let got = match w.as_mut().poll(&mut Context::from_waker(&w_waker)) {
+        std::task::Poll::Ready(got) => got.unwrap(),
+        std::task::Poll::Pending => panic!("woken, and still refused"),
+    };
+    common::free(&*ca, got, 8 * MIB, &s2);
+    for p in blocks {
+        common::free(&*ca, p, 8 * MIB, &s0);
+    }
+    s0.synchronize_blocking().unwrap();
+    s2.synchronize_blocking().unwrap();
+}
