@@ -201,34 +201,63 @@ fn fixed_size_works_after_its_upstream_panics_in_a_growth() {
     }
 }
 
-/// An upstream whose allocate panics during a pool's growth leaves the pool's room under its
-/// maximum as it was: before, the growth's claim on `reserved` stayed (it was taken back only
-/// on an `Err`), and the pool could never again grow to its maximum.
-#[test]
-fn pool_keeps_its_room_after_its_upstream_panics_in_a_growth() {
+/// An upstream whose allocate panics during a growth of the resource `make` builds over it
+/// (its first allocate panics) leaves the room under the maximum of 4 MiB as it was:
+/// `reserved` reads 0, and the whole maximum can be had after.
+fn keeps_its_room_after_its_upstream_panics_in_a_growth<R: MemoryResource>(
+    make: impl Fn(common::PanicsOnCall<CudaResource>) -> R,
+    reserved: impl Fn(&R) -> usize,
+) {
     for device in devices() {
         let what = label(&device);
-        let pool = PoolResource::new(
-            // Its first allocate (the resource's first growth) panics.
-            common::PanicsOnCall::new(CudaResource::new(&device), 1),
-            PoolOptions {
-                initial: 0,
-                maximum: Some(4 * MIB),
-                ..PoolOptions::default()
-            },
-        )
-        .unwrap();
+        let resource = make(common::PanicsOnCall::new(CudaResource::new(&device), 1));
         let s = device.create_stream().unwrap();
-        let panicked =
-            std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| pool.allocate(4 * MIB, &s)));
+        let panicked = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
+            resource.allocate(4 * MIB, &s)
+        }));
         assert!(panicked.is_err(), "{what}: the upstream did not panic");
-        assert_eq!(pool.stats().reserved, 0, "{what}: {:?}", pool.stats());
-        let p = pool
+        assert_eq!(
+            reserved(&resource),
+            0,
+            "{what}: a panicked growth stayed counted"
+        );
+        let p = resource
             .allocate(4 * MIB, &s)
             .unwrap_or_else(|e| panic!("{what}: the whole maximum after the panic: {e}"));
-        // SAFETY: allocated above on `s`, not used since.
-        unsafe { pool.deallocate(p, 4 * MIB, &s) }.unwrap();
-        pool.check_invariants().unwrap();
+        common::free(&resource, p, 4 * MIB, &s);
         s.synchronize_blocking().unwrap();
     }
+}
+
+/// The pool: before, the growth's claim on `reserved` stayed (it was taken back only on an
+/// `Err`), and the pool could never again grow to its maximum.
+#[test]
+fn pool_keeps_its_room_after_its_upstream_panics_in_a_growth() {
+    let options = PoolOptions {
+        initial: 0,
+        maximum: Some(4 * MIB),
+        ..PoolOptions::default()
+    };
+    keeps_its_room_after_its_upstream_panics_in_a_growth(
+        |upstream| PoolResource::new(upstream, options.clone()).unwrap(),
+        |pool| {
+            pool.check_invariants().unwrap();
+            pool.stats().reserved
+        },
+    );
+}
+
+/// The arena, as the pool (a review found it left the same claim).
+#[test]
+fn arena_keeps_its_room_after_its_upstream_panics_in_a_growth() {
+    use streamalloc::resource::arena::{ArenaOptions, ArenaResource};
+    let options = ArenaOptions {
+        initial: 0,
+        maximum: Some(4 * MIB),
+        superblock_size: MIB,
+    };
+    keeps_its_room_after_its_upstream_panics_in_a_growth(
+        |upstream| ArenaResource::new(upstream, options.clone()).unwrap(),
+        |arena| arena.stats().reserved,
+    );
 }

@@ -12,6 +12,22 @@
 
 use super::{MemoryKind, ALIGNMENT};
 use crate::device::Device;
+use crate::sync::{AtomicU64, Ordering};
+
+/// Bytes claimed in a suballocator's `reserved` for an upstream call, given back if that call
+/// unwinds (`std::mem::forget` it once the call returns): the room would otherwise stay
+/// claimed for good, and the resource short of its maximum ever after (reviews found the pool,
+/// then the arena, so).
+pub(crate) struct Unreserve<'a> {
+    pub(crate) reserved: &'a AtomicU64,
+    pub(crate) size: u64,
+}
+
+impl Drop for Unreserve<'_> {
+    fn drop(&mut self) {
+        self.reserved.fetch_sub(self.size, Ordering::AcqRel);
+    }
+}
 
 /// What a growth beyond its request leaves of the device's free memory: the driver rounds
 /// allocations up to its own pages and keeps some memory for itself, so a request of all the

@@ -8,7 +8,7 @@ use std::time::{Duration, Instant};
 mod snapshot;
 
 use super::give_backs::{GiveBacks, GrowthClaim};
-use super::growth::step_within_free;
+use super::growth::{step_within_free, Unreserve};
 use super::held_for_trim::{HeldForTrim, HeldOrder, Ticket};
 use super::stream_ordered::{Grow, StreamHeap};
 use super::trim_waits::{run_blocking, Await, Block, TrimWaits};
@@ -902,18 +902,6 @@ impl<U: MemoryResource> Grow for PoolResource<U> {
         lock: &'s Mutex<()>,
     ) -> (MutexGuard<'s, ()>, bool) {
         self.give_backs.wait_for_under_way(slow, lock)
-    }
-}
-
-/// Bytes claimed in `reserved` for an upstream call, given back if that call unwinds.
-struct Unreserve<'a> {
-    reserved: &'a AtomicU64,
-    size: u64,
-}
-
-impl Drop for Unreserve<'_> {
-    fn drop(&mut self) {
-        self.reserved.fetch_sub(self.size, Ordering::AcqRel);
     }
 }
 

@@ -8,7 +8,7 @@ use super::ArenaResource;
 use crate::device::DevicePtr;
 use crate::error::{Error, Result};
 use crate::resource::give_backs::GrowthClaim;
-use crate::resource::growth::step_within_free;
+use crate::resource::growth::{step_within_free, Unreserve};
 use crate::resource::{MemoryResource, ALIGNMENT};
 use crate::stream::{Stream, StreamId};
 use crate::sync::{Arc, MutexGuard, Ordering};
@@ -625,7 +625,14 @@ impl<U: MemoryResource> ArenaResource<U> {
             let result = if now > self.maximum {
                 Err(self.out_of_memory(attempt))
             } else {
-                self.upstream.allocate(attempt as usize, stream)
+                // Given back if the upstream's allocate unwinds (a panic caught by the caller).
+                let unreserve = Unreserve {
+                    reserved: &self.reserved,
+                    size: attempt,
+                };
+                let allocated = self.upstream.allocate(attempt as usize, stream);
+                std::mem::forget(unreserve);
+                allocated
             };
             match result {
                 Ok(ptr) => {
