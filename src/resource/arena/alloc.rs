@@ -95,9 +95,10 @@ impl<U: MemoryResource> ArenaResource<U> {
             tracing::debug_span!("adopt", stream = %arena.stream.id(), blocks = remote.len())
                 .entered();
         let mut ordered: Vec<StreamId> = Vec::new();
+        let mut capturing: Vec<StreamId> = Vec::new();
         for r in &remote {
             let id = r.stream.id();
-            if id == arena.stream.id() || ordered.contains(&id) {
+            if id == arena.stream.id() || ordered.contains(&id) || capturing.contains(&id) {
                 continue;
             }
             if planted!(ADOPT_UNORDERED) {
@@ -105,16 +106,31 @@ impl<U: MemoryResource> ArenaResource<U> {
                 continue;
             }
             // The free was issued on `r.stream` before now, so this event comes after it.
-            if let Err(e) = r
-                .stream
-                .record_unwatched()
-                .and_then(|e| arena.stream.wait(&e))
-            {
+            let ordering = match r.stream.record_unwatched() {
+                Ok(event) => arena.stream.wait(&event),
+                // The freeing stream under a user's graph capture: its frees cannot be ordered
+                // after until the capture ends; the rest are adopted (a review found the
+                // owner's request failing instead, as long as the capture lasted).
+                Err(Error::StreamCapturing { .. }) => {
+                    capturing.push(id);
+                    continue;
+                }
+                Err(e) => Err(e),
+            };
+            if let Err(e) = ordering {
                 self.put_back_remote(arena, remote);
                 return Err(e);
             }
             ordered.push(id);
         }
+        let remote = if capturing.is_empty() {
+            remote
+        } else {
+            let (later, now): (Vec<Remote>, Vec<Remote>) =
+                (remote.into_iter()).partition(|r| capturing.contains(&r.stream.id()));
+            self.put_back_remote(arena, later);
+            now
+        };
         let mut moved_away = Vec::new();
         let got = {
             let mut state = arena.state.lock();
@@ -483,11 +499,15 @@ impl<U: MemoryResource> ArenaResource<U> {
             )
             .entered();
             // Recorded under the donor's lock: every block in its list was freed before.
-            if let Err(e) = donor
-                .stream
-                .record_unwatched()
-                .and_then(|event| recipient.stream.wait(&event))
-            {
+            let event = match donor.stream.record_unwatched() {
+                Ok(event) => event,
+                // The donor under a user's graph capture: its blocks cannot be ordered after
+                // until the capture ends. Another donor, or a growth, serves (a review found
+                // every other stream's request failing while one stream was captured).
+                Err(Error::StreamCapturing { .. }) => continue,
+                Err(e) => return Some(Err(e)),
+            };
+            if let Err(e) = recipient.stream.wait(&event) {
                 return Some(Err(e));
             }
             let moving = state.detach(base)?;
@@ -915,5 +935,61 @@ mod tests {
         for s in &streams {
             s.synchronize_blocking().unwrap();
         }
+    }
+
+    /// An arena of 64 MiB holding 1 MiB (one superblock), and two streams.
+    fn capture_scene() -> (ArenaResource<CudaResource>, Stream, Stream) {
+        let device = Device::simulated(SimConfig::default());
+        let options = ArenaOptions {
+            initial: 1 << 20,
+            maximum: Some(64 << 20),
+            superblock_size: 1 << 20,
+        };
+        let r = ArenaResource::new(CudaResource::new(&device), options).unwrap();
+        let (s, t) = (
+            device.create_stream().unwrap(),
+            device.create_stream().unwrap(),
+        );
+        (r, s, t)
+    }
+
+    /// While the user captures a stream that holds the only superblock (partly used), a small
+    /// request on another stream grows: the move of that superblock, whose ordering the
+    /// capture refuses, is skipped. It failed with `StreamCapturing` instead.
+    #[test]
+    fn a_capturing_donor_is_skipped_and_the_arena_grows() {
+        let (r, s, t) = capture_scene();
+        let kept = r.allocate(1000, &s).unwrap();
+        s.pretend_capture(true);
+        let got = r.allocate(1000, &t).expect("served by a growth");
+        assert_eq!(r.stats().reserved, 2 << 20);
+        s.pretend_capture(false);
+        // SAFETY: allocated above on these streams, unused, freed once.
+        unsafe {
+            r.deallocate(got, 1000, &t).unwrap();
+            r.deallocate(kept, 1000, &s).unwrap();
+        }
+    }
+
+    /// While the user captures a stream that freed one of another stream's blocks, that
+    /// stream's next small request adopts the rest of its remote frees (none here) and goes
+    /// on: the capturing stream's free waits for the capture to end. It failed with
+    /// `StreamCapturing` instead.
+    #[test]
+    fn a_remote_free_on_a_capturing_stream_waits_for_the_capture() {
+        let (r, s, t) = capture_scene();
+        let a = r.allocate(1 << 20, &t).unwrap();
+        s.wait(&t.record().unwrap()).unwrap();
+        // SAFETY: allocated above, its use ordered before the free on `s`; freed once.
+        unsafe { r.deallocate(a, 1 << 20, &s) }.unwrap();
+        s.pretend_capture(true);
+        let got = r
+            .allocate(1000, &t)
+            .expect("served while the freeing stream captures");
+        // The free stays among `t`'s remote frees until the capture ends.
+        s.pretend_capture(false);
+        // SAFETY: allocated above on `t`, unused, freed once.
+        unsafe { r.deallocate(got, 1000, &t) }.unwrap();
+        r.check_invariants().unwrap();
     }
 }
