@@ -9,7 +9,7 @@ use std::time::Duration;
 
 use super::{ExpandableOptions, ExpandablePoolResource};
 use crate::device::{Device, DevicePtr};
-use crate::resource::lock_probes::{AtSpan, LockAtFault, Locked};
+use crate::resource::lock_probes::{LockAtFault, Locked};
 use crate::resource::MemoryResource;
 use crate::stream::Stream;
 use crate::{FaultKind, Faults, SimConfig};
@@ -104,36 +104,37 @@ fn a_trim_orders_its_ranges_with_the_locks_let_go() {
     assert_eq!(pool.stats().reserved, 0);
 }
 
-/// A request at the maximum recalls the range a trim is ordering onto its streams (with the
-/// locks let go): it goes back to its list as it was taken and serves the request, and the
-/// trim, its ordering done, neither notes it as its own nor unmaps it.
+/// A request at the maximum recalls the range a trim holds between its taking and its
+/// ordering (with the locks let go): it goes back to its list with its tag, as it was taken,
+/// and serves the request; the trim's ordering then neither notes it as its own nor leaves it
+/// to unmap. Step by step through the trim's own calls (`TakenForTrim::take`'s), so that the
+/// moment is exact: the loom model (`loom-tests/expandable.rs`,
+/// `planted_replace_ignores_recall`) takes every interleaving of the same.
 #[test]
 fn a_range_recalled_while_its_trim_orders_it_stays_mapped() {
     let (pool, s1, s2, device) = scene(Faults::new());
     let s3 = device.create_stream().unwrap();
     halves_freed_behind_spins(&pool, &s1, &s2);
-    // When the trim orders the range onto one of its streams, a request at the maximum.
-    let served = Arc::new(std::sync::Mutex::new(None));
-    let under_lock = Arc::new(AtomicBool::new(false));
-    let action = {
-        let (pool, served, s3) = (pool.clone(), served.clone(), s3.clone());
-        Box::new(move || *served.lock().unwrap() = Some(pool.allocate(2 * MIB, &s3)))
-    };
-    let subscriber = tracing_subscriber::registry().with(AtSpan {
-        name: "stream_wait",
-        locked: trim_locks_held(&pool),
-        action: std::sync::Mutex::new(Some(action)),
-        under_lock: under_lock.clone(),
-    });
-    let released = tracing::subscriber::with_default(subscriber, || pool.trim_blocking());
+    let core = &pool.inner.core;
+    // The trim takes the range out, tagged with both streams.
+    let (ticket, taken) = core.hold_free(0);
+    assert_eq!(taken.len(), 1, "the trim took the freed range");
+    // A request at the maximum recalls it, and is served from it.
+    let y = pool
+        .allocate(2 * MIB, &s3)
+        .expect("served from the range the trim held");
+    // The trim orders what it took: the range is no longer its own.
+    let (streams, went_back) = core.order_held(ticket, taken);
+    assert!(!went_back, "the ordering failed");
     assert!(
-        !under_lock.load(SeqCst),
-        "the trim ordered under the growth lock or the trims' list's"
+        streams.is_empty(),
+        "the trim waits for a range it no longer holds"
     );
-    let y = (served.lock().unwrap().take())
-        .expect("the trim ordered no range")
-        .expect("the request at the maximum was served from the trim's range");
-    assert_eq!(released.unwrap(), 0, "the trim unmapped a recalled range");
+    assert!(
+        core.release_held(ticket).is_empty(),
+        "the trim would unmap a recalled range"
+    );
+    core.unmapped_held();
     let stats = pool.stats();
     assert_eq!((stats.reserved, stats.free), (4 * MIB, 2 * MIB));
     pool.check_invariants().unwrap();
