@@ -185,3 +185,27 @@ fn a_long_lived_buffer_lets_go_of_dropped_streams_it_was_used_on() {
     let streams = p.stats().streams;
     assert!(streams <= 9, "the pool still knows {streams} streams");
 }
+
+/// A stream whose driver handle was handed out (`cuda_stream`, `cudarc_stream`) may get work
+/// through that handle with no `Stream` of ours left: a buffer used there keeps it as a use
+/// however many uses come after (a review found it let go of, its later work then unordered
+/// before the free).
+#[test]
+fn a_buffer_keeps_an_exposed_stream_it_was_used_on() {
+    let device = streamalloc::Device::simulated(streamalloc::SimConfig::default());
+    let p = Arc::new(common::pool(&device, 0, 64 * MIB));
+    let home = device.create_stream().unwrap();
+    let mut weights = DeviceBuffer::new(&p, 1 << 16, &home).unwrap();
+    let exposed = device.create_stream().unwrap();
+    let _handle = exposed.cuda_stream();
+    let id = format!("{:?}", exposed.id());
+    weights.record_stream(&exposed).unwrap();
+    drop(exposed);
+    for _ in 0..12 {
+        weights
+            .record_stream(&device.create_stream().unwrap())
+            .unwrap();
+    }
+    let uses = format!("{weights:?}");
+    assert!(uses.contains(&id), "{id} let go of: {uses}");
+}

@@ -316,7 +316,9 @@ impl DeviceBuffer {
     /// holds 8, a new use first lets go of those whose every other handle is gone, after
     /// ordering the buffer's own stream behind the work queued there (a GPU-side wait: later
     /// work on the buffer's stream waits for it), so a long-lived buffer used on a fresh
-    /// stream per request keeps no more than a few of them alive.
+    /// stream per request keeps no more than a few of them alive. A stream whose driver handle
+    /// was handed out (`cuda_stream`, `cudarc_stream`, `Stream::from_cudarc`) is kept: work
+    /// may still reach it through that handle.
     pub fn record_stream(&mut self, other: &Stream) -> Result<()> {
         self.resource.device().check_peer(other.device())?;
         if other.id() != self.stream.id() {
@@ -332,14 +334,17 @@ impl DeviceBuffer {
         }
         if uses.len() >= USES_BEFORE_SETTLING {
             // A stream whose only handle is this list's (its user dropped it, and no event,
-            // buffer or free holds it) can get no more work: what the free must wait for there
-            // is queued already. So the buffer's own stream waits for it now (GPU-side, as
+            // buffer or free holds it), and whose driver handle was never handed out (cudarc
+            // code may queue on an exposed one with no handle of ours: a review's finding),
+            // can get no more work: what the free must wait for there is queued already. So the buffer's own stream waits for it now (GPU-side, as
             // `into_raw_parts` does for every use) and the handle goes. Kept, a long-lived
             // buffer used on a fresh stream per request (weights cloned or read for each) held
             // every such stream (a driver stream, a simulated device's thread) and the pools'
             // records of it until it dropped, which no trim could let go of (a review's
             // finding). A stream whose record or wait fails stays a use.
-            uses.retain(|used| used.users() > 1 || !self.settle_use(used));
+            uses.retain(|used| {
+                used.users() > 1 || used.activity().is_none() || !self.settle_use(used)
+            });
         }
         uses.push(other);
     }
