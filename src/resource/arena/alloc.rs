@@ -84,12 +84,15 @@ impl<U: MemoryResource> ArenaResource<U> {
 
     /// Orders `arena`'s stream after the streams its remote frees were issued on, then gives
     /// the blocks to its free list; takes `want` bytes afterwards if asked. A block whose
-    /// superblock moved to another stream arena meanwhile is forwarded to it.
+    /// superblock moved to another stream arena meanwhile is forwarded to it. The frees of a
+    /// stream under a user's graph capture stay queued; the capture's error is noted in
+    /// `skipped` (see [`with_retries`](Self::with_retries)).
     pub(super) fn adopt(
         &self,
         arena: &StreamArena,
         remote: Vec<Remote>,
         want: Option<u64>,
+        skipped: &mut Option<Error>,
     ) -> Result<Option<u64>> {
         let _span =
             tracing::debug_span!("adopt", stream = %arena.stream.id(), blocks = remote.len())
@@ -111,8 +114,9 @@ impl<U: MemoryResource> ArenaResource<U> {
                 // The freeing stream under a user's graph capture: its frees cannot be ordered
                 // after until the capture ends; the rest are adopted (a review found the
                 // owner's request failing instead, as long as the capture lasted).
-                Err(Error::StreamCapturing { .. }) => {
+                Err(e @ Error::StreamCapturing { .. }) => {
                     capturing.push(id);
+                    *skipped = Some(e);
                     continue;
                 }
                 Err(e) => Err(e),
@@ -266,7 +270,7 @@ impl<U: MemoryResource> ArenaResource<U> {
     fn tidy(&self, arena: &Arc<StreamArena>) -> usize {
         let remote = std::mem::take(&mut arena.state.lock().remote);
         if !remote.is_empty() {
-            if let Err(e) = self.adopt(arena, remote, None) {
+            if let Err(e) = self.adopt(arena, remote, None, &mut None) {
                 tracing::debug!(error = %e, stream = %arena.stream.id(), "could not adopt remote frees");
             }
         }
@@ -300,12 +304,37 @@ impl<U: MemoryResource> ArenaResource<U> {
     /// failed with the memory free (eight threads on a fresh arena, each its first request:
     /// `tests/no_spurious_oom.rs`). They all run under `slow` (as `trim` and `defragment` do),
     /// so a request that holds it sees every move finished.
+    ///
+    /// `skipped`: the error of a stream under a user's graph capture whose memory the request
+    /// passed over (its remote frees, a superblock it could lend), if any. A request that then
+    /// ends out of memory fails with that error instead: memory it could have had is held up
+    /// by the capture, and the end of a capture wakes no waiter, so an awaitable request must
+    /// not wait for it (a review found one waiting after the capture ended, with the memory
+    /// there). Before, such a request failed with the capture's error at once.
     fn with_retries(
         &self,
         size: u64,
         grow_min: u64,
         stream: &Stream,
         arena: Option<&Arc<StreamArena>>,
+        mut skipped: Option<Error>,
+        attempt: impl FnMut() -> Option<Result<u64>>,
+    ) -> Result<u64> {
+        let result = self.retries(size, grow_min, stream, arena, &mut skipped, attempt);
+        match (result, skipped) {
+            (Err(e), Some(capture)) if e.is_out_of_memory() => Err(capture),
+            (result, _) => result,
+        }
+    }
+
+    /// [`with_retries`](Self::with_retries)' steps.
+    fn retries(
+        &self,
+        size: u64,
+        grow_min: u64,
+        stream: &Stream,
+        arena: Option<&Arc<StreamArena>>,
+        skipped: &mut Option<Error>,
         mut attempt: impl FnMut() -> Option<Result<u64>>,
     ) -> Result<u64> {
         if let Some(result) = attempt() {
@@ -323,7 +352,7 @@ impl<U: MemoryResource> ArenaResource<U> {
             return result;
         }
         if let Some(arena) = arena {
-            if let Some(result) = self.move_superblock(arena, size) {
+            if let Some(result) = self.move_superblock(arena, size, skipped) {
                 return result;
             }
         }
@@ -404,13 +433,14 @@ impl<U: MemoryResource> ArenaResource<U> {
             }
             std::mem::take(&mut state.remote)
         };
+        let mut skipped = None;
         if !remote.is_empty() {
-            if let Some(addr) = self.adopt(&arena, remote, Some(size))? {
+            if let Some(addr) = self.adopt(&arena, remote, Some(size), &mut skipped)? {
                 return Ok(addr);
             }
         }
         let grow_min = self.superblock.max(size);
-        self.with_retries(size, grow_min, stream, Some(&arena), || {
+        self.with_retries(size, grow_min, stream, Some(&arena), skipped, || {
             // Another thread on this stream may have freed or acquired memory meanwhile.
             if let Some(addr) = arena.state.lock().take(size) {
                 return Some(Ok(addr));
@@ -474,7 +504,12 @@ impl<U: MemoryResource> ArenaResource<U> {
     ///
     /// Lock order: the global arena's (which keeps frees from looking up the owner halfway),
     /// then the donor's, released, then the recipient's.
-    fn move_superblock(&self, recipient: &Arc<StreamArena>, size: u64) -> Option<Result<u64>> {
+    fn move_superblock(
+        &self,
+        recipient: &Arc<StreamArena>,
+        size: u64,
+        skipped: &mut Option<Error>,
+    ) -> Option<Result<u64>> {
         let me = recipient.stream.id();
         let donors: Vec<Arc<StreamArena>> = self
             .arenas()
@@ -504,7 +539,10 @@ impl<U: MemoryResource> ArenaResource<U> {
                 // The donor under a user's graph capture: its blocks cannot be ordered after
                 // until the capture ends. Another donor, or a growth, serves (a review found
                 // every other stream's request failing while one stream was captured).
-                Err(Error::StreamCapturing { .. }) => continue,
+                Err(e @ Error::StreamCapturing { .. }) => {
+                    *skipped = Some(e);
+                    continue;
+                }
                 Err(e) => return Some(Err(e)),
             };
             if let Err(e) = recipient.stream.wait(&event) {
@@ -527,7 +565,7 @@ impl<U: MemoryResource> ArenaResource<U> {
     }
 
     pub(super) fn allocate_large(&self, size: u64, stream: &Stream) -> Result<u64> {
-        self.with_retries(size, size, stream, None, || {
+        self.with_retries(size, size, stream, None, None, || {
             let (addr, extent, guards) = {
                 let mut global = self.global.lock();
                 let (addr, extent, guards) = global.take(size, size, self.superblock)?;
@@ -908,10 +946,13 @@ mod tests {
         assert_eq!(remote.len(), 1);
         // ... a request on `s3` moves the superblock over meanwhile...
         let recipient = r.arena_for(s3);
-        let c = r.move_superblock(&recipient, size).unwrap().unwrap();
+        let c = r
+            .move_superblock(&recipient, size, &mut None)
+            .unwrap()
+            .unwrap();
         // ... and the event on `s2` that would order `s1` after the free cannot be recorded.
         faults.fail_next(FaultKind::Record);
-        assert!(r.adopt(&owner, remote, None).is_err());
+        assert!(r.adopt(&owner, remote, None, &mut None).is_err());
         assert_eq!(faults.injected(FaultKind::Record), 1);
         let stats = r.stats();
         assert_eq!(
@@ -991,5 +1032,42 @@ mod tests {
         // SAFETY: allocated above on `t`, unused, freed once.
         unsafe { r.deallocate(got, 1000, &t) }.unwrap();
         r.check_invariants().unwrap();
+    }
+
+    /// At its maximum, a request that passes over memory held up by a capture (a remote free
+    /// issued on the capturing stream; a superblock of it that could be lent) fails with the
+    /// capture's error, which an awaitable request does not wait on: it waited, and the end of
+    /// the capture woke nobody (a review's finding).
+    #[test]
+    fn at_the_maximum_memory_held_up_by_a_capture_is_the_captures_error() {
+        use crate::AllocateAsync;
+        use std::future::Future;
+        let device = Device::simulated(SimConfig::default());
+        let options = ArenaOptions {
+            initial: 1 << 20,
+            maximum: Some(1 << 20),
+            superblock_size: 1 << 20,
+        };
+        let r = ArenaResource::new(CudaResource::new(&device), options).unwrap();
+        let (s, t) = (
+            device.create_stream().unwrap(),
+            device.create_stream().unwrap(),
+        );
+        // `t`'s whole superblock, freed on `s`, which then captures.
+        let a = r.allocate(1 << 20, &t).unwrap();
+        s.wait(&t.record().unwrap()).unwrap();
+        // SAFETY: allocated above, its use ordered before the free on `s`; freed once.
+        unsafe { r.deallocate(a, 1 << 20, &s) }.unwrap();
+        s.pretend_capture(true);
+        let mut cx = std::task::Context::from_waker(std::task::Waker::noop());
+        let mut wait = Box::pin(r.allocate_async(1000, &t));
+        match wait.as_mut().poll(&mut cx) {
+            std::task::Poll::Ready(Err(Error::StreamCapturing { .. })) => {}
+            other => panic!("a request the capture held up: {other:?}"),
+        }
+        s.pretend_capture(false);
+        let got = r.allocate(1000, &t).expect("served once the capture ended");
+        // SAFETY: allocated above on `t`, unused, freed once.
+        unsafe { r.deallocate(got, 1000, &t) }.unwrap();
     }
 }
