@@ -128,7 +128,9 @@ impl<R: MemoryResource + ?Sized> Future for Allocate<'_, R> {
             |_| resource.allocate(bytes, stream),
             || {
                 resource.device().check_same(stream.device())?;
-                super::aligned_size(bytes).map(drop)
+                // The footprint, so that one that overflows (an adaptor's padding) is the
+                // adaptor's error here too, not an out-of-memory at the maximum.
+                resource.footprint(bytes).map(drop)
             },
         )
     }

@@ -713,9 +713,13 @@ impl CudaAsyncResource {
     ///
     /// With nobody waiting, the fast path costs a load of the stream's slot (a write only when
     /// another stream took it since), a fence and a few loads. Nothing is recorded during a
-    /// quiet give-back (the head waiter's own part of a set it could not complete) unless
-    /// another resource's queue waits: the head would wake itself when the GPU got there, in a
-    /// loop of failing tries at the GPU's pace.
+    /// quiet give-back (the head waiter's own part of a set it could not complete) unless a
+    /// queue other than the quiet one waits (another view's, this resource's own below a quiet
+    /// adaptor's, one above it): the head alone would wake itself when the GPU got there, in a
+    /// loop of failing tries at the GPU's pace. With another waiter the event wakes every
+    /// queue, the quiet head's too, which may then try and give back again while that waiter
+    /// stays refused: a loop at the GPU's pace for as long as both wait, a cost the review of
+    /// the twenty-second session accepted over the waiter it left asleep before.
     fn freed(&self, stream: &Stream) {
         // Before the notification's fence (see `PoolWaiters`).
         if !planted!(NOTE_AFTER) {

@@ -219,6 +219,16 @@ fn a_request_padded_past_the_maximum_fails_at_once_behind_a_waiter() {
             "{}: queued behind the waiter",
             label(&device)
         );
+        // A size whose padding alone overflows: the adaptor's error, as alone.
+        let mut overflow = Box::pin(mr.allocate_async(usize::MAX - 511, &s));
+        assert!(
+            matches!(
+                common::poll_once(overflow.as_mut()),
+                std::task::Poll::Ready(Err(Error::InvalidSize { .. }))
+            ),
+            "{}: a padding that overflows, behind the waiter",
+            label(&device)
+        );
         drop(waiter);
         free(mr.upstream(), held, 4 * MIB, &s);
     }
