@@ -978,12 +978,12 @@ mod tests {
         }
     }
 
-    /// An arena of 64 MiB holding 1 MiB (one superblock), and two streams.
-    fn capture_scene() -> (ArenaResource<CudaResource>, Stream, Stream) {
+    /// An arena of `maximum` bytes holding 1 MiB (one superblock), and two streams.
+    fn capture_scene(maximum: usize) -> (ArenaResource<CudaResource>, Stream, Stream) {
         let device = Device::simulated(SimConfig::default());
         let options = ArenaOptions {
             initial: 1 << 20,
-            maximum: Some(64 << 20),
+            maximum: Some(maximum),
             superblock_size: 1 << 20,
         };
         let r = ArenaResource::new(CudaResource::new(&device), options).unwrap();
@@ -999,7 +999,7 @@ mod tests {
     /// capture refuses, is skipped. It failed with `StreamCapturing` instead.
     #[test]
     fn a_capturing_donor_is_skipped_and_the_arena_grows() {
-        let (r, s, t) = capture_scene();
+        let (r, s, t) = capture_scene(64 << 20);
         let kept = r.allocate(1000, &s).unwrap();
         s.pretend_capture(true);
         let got = r.allocate(1000, &t).expect("served by a growth");
@@ -1018,7 +1018,7 @@ mod tests {
     /// `StreamCapturing` instead.
     #[test]
     fn a_remote_free_on_a_capturing_stream_waits_for_the_capture() {
-        let (r, s, t) = capture_scene();
+        let (r, s, t) = capture_scene(64 << 20);
         let a = r.allocate(1 << 20, &t).unwrap();
         s.wait(&t.record().unwrap()).unwrap();
         // SAFETY: allocated above, its use ordered before the free on `s`; freed once.
@@ -1042,17 +1042,7 @@ mod tests {
     fn at_the_maximum_memory_held_up_by_a_capture_is_the_captures_error() {
         use crate::AllocateAsync;
         use std::future::Future;
-        let device = Device::simulated(SimConfig::default());
-        let options = ArenaOptions {
-            initial: 1 << 20,
-            maximum: Some(1 << 20),
-            superblock_size: 1 << 20,
-        };
-        let r = ArenaResource::new(CudaResource::new(&device), options).unwrap();
-        let (s, t) = (
-            device.create_stream().unwrap(),
-            device.create_stream().unwrap(),
-        );
+        let (r, s, t) = capture_scene(1 << 20);
         // `t`'s whole superblock, freed on `s`, which then captures.
         let a = r.allocate(1 << 20, &t).unwrap();
         s.wait(&t.record().unwrap()).unwrap();
