@@ -589,7 +589,7 @@ impl CudaAsyncResource {
     /// and the first waiter is often the caller itself: waking it would only make it fail
     /// again at once, in a loop.
     fn roll_back(&self, size: usize) {
-        if self.count.give_back(size) {
+        if self.count.roll_back(size) {
             self.waiters.notify();
             self.shared.others(&self.waiters, MemoryWaiters::notify);
         }
@@ -600,11 +600,7 @@ impl CudaAsyncResource {
     /// reserved before the head was refused, and that the driver refuses later, must still
     /// wake the head.
     fn unreserve(&self, size: usize) {
-        if self.waiters.is_quiet() {
-            self.count.give_back_quietly(size);
-        } else {
-            self.count.give_back(size);
-        }
+        self.count.give_back_freed(size, &self.waiters);
     }
 }
 

@@ -185,14 +185,21 @@ impl Limit {
     /// for the head of a queue above this one that we relay to as well: its give-back comes
     /// down through us, and it may have been refused here.
     pub(crate) fn release(&self, size: usize, waiters: &MemoryWaiters) {
+        self.give_back_freed(size, waiters);
+        // Dropped for the quiet queue only: the others (ours when the quiet head is above us,
+        // the ones above when it is ours) hear of it.
+        waiters.notify();
+    }
+
+    /// [`release`](Self::release)'s give-back without its notification, for a caller that
+    /// notifies more queues than `waiters` (`CudaAsyncResource`): the refusal mark stays
+    /// inside a quiet give-back of `waiters` or of a queue it relays to.
+    pub(crate) fn give_back_freed(&self, size: usize, waiters: &MemoryWaiters) {
         if waiters.is_quiet() {
             self.give_back_quietly(size);
         } else {
             self.give_back(size);
         }
-        // Dropped for the quiet queue only: the others (ours when the quiet head is above us,
-        // the ones above when it is ours) hear of it.
-        waiters.notify();
     }
 
     /// The upstream refused a request we had reserved for: give the reservation back, and wake
@@ -200,16 +207,22 @@ impl Limit {
     /// the waiter's retry). Otherwise nobody's failure was ours, and the first waiter is often
     /// the caller itself: waking it would only make it fail again at once, in a loop.
     fn rollback(&self, size: usize, waiters: &MemoryWaiters) {
+        if self.roll_back(size) {
+            waiters.notify();
+        }
+    }
+
+    /// [`rollback`](Self::rollback)'s give-back: whether the first waiter must be woken (the
+    /// limit refused someone while the reservation was held), for a caller that notifies more
+    /// queues than one (`CudaAsyncResource`).
+    pub(crate) fn roll_back(&self, size: usize) -> bool {
         let refused = self.give_back(size);
         // (The planted bugs: a rollback that always notifies, the code before the fix; one
         // that never does.)
-        let notify = if planted!(ROLLBACK_ALWAYS_NOTIFIES) {
+        if planted!(ROLLBACK_ALWAYS_NOTIFIES) {
             true
         } else {
             refused && !planted!(ROLLBACK_NEVER_NOTIFIES)
-        };
-        if notify {
-            waiters.notify();
         }
     }
 
