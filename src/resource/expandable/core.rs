@@ -824,6 +824,11 @@ impl<S: EngineStream, B: Backing> Expander<S, B> {
     /// if this unwinds (its guard's drop): a range still tagged goes back as it was.
     pub(crate) fn order_held(&self, ticket: Ticket, ranges: Vec<HeldRange<S>>) -> (Vec<S>, bool) {
         let mut streams: Vec<S> = Vec::new();
+        let mut wait_for = |stream: S| {
+            if !streams.iter().any(|s| s.uid() == stream.uid()) {
+                streams.push(stream);
+            }
+        };
         let mut went_back = false;
         for (addr, size, order) in ranges {
             let tag = match order {
@@ -831,9 +836,7 @@ impl<S: EngineStream, B: Backing> Expander<S, B> {
                 // Fresh (an unclaimed piece): nothing to wait for.
                 HeldOrder::On(None) => continue,
                 HeldOrder::On(Some(stream)) => {
-                    if !streams.iter().any(|s| s.uid() == stream.uid()) {
-                        streams.push(stream);
-                    }
+                    wait_for(stream);
                     continue;
                 }
             };
@@ -842,28 +845,17 @@ impl<S: EngineStream, B: Backing> Expander<S, B> {
                 Ok(on) => {
                     let ordered = (addr, size, HeldOrder::On(on.clone()));
                     if self.held_for_trim.replace(ticket, is, ordered) {
-                        if let Some(stream) =
-                            on.filter(|on| !streams.iter().any(|s| s.uid() == on.uid()))
-                        {
-                            streams.push(stream);
+                        if let Some(on) = on {
+                            wait_for(on);
                         }
                     }
                 }
-                // Stays free, as it was, if still the trim's.
+                // Stays free, as it was, if still the trim's; logged only then (one recalled
+                // meanwhile is no longer the trim's).
                 Err(e) => {
-                    let kept = self.put_back_some_held(ticket, is);
-                    // Logged only then: one recalled meanwhile is no longer the trim's.
-                    if kept > 0 {
+                    if self.put_back_some_held(ticket, is) > 0 {
                         went_back = true;
-                        match &e {
-                            // No ordering through a capturing stream until the capture ends.
-                            Error::StreamCapturing { .. } => {
-                                tracing::debug!(error = %e, addr, size, "a free range kept mapped for a capture");
-                            }
-                            e => {
-                                tracing::warn!(error = %e, addr, "a free range stays mapped: ordering failed");
-                            }
-                        }
+                        StreamHeap::<S>::log_kept(&e, addr, size);
                     }
                 }
             }
@@ -999,7 +991,7 @@ impl<S: EngineStream, B: Backing> Expander<S, B> {
         for (addr, size, order) in ranges {
             match order {
                 HeldOrder::Tagged(tag) => self.heap.give_back_tagged(addr, size, tag),
-                HeldOrder::On(on) => self.put_back(vec![(addr, size, on)]),
+                HeldOrder::On(on) => self.put_back_one(addr, size, on),
             }
         }
         self.trimming.fetch_sub(bytes, Ordering::Relaxed);
@@ -1008,10 +1000,15 @@ impl<S: EngineStream, B: Backing> Expander<S, B> {
     /// Ranges taken by [`hold_free`](Self::hold_free) go back where they were, free.
     pub(crate) fn put_back(&self, ranges: Vec<Taken<S>>) {
         for (addr, size, stream) in ranges {
-            match stream {
-                Some(stream) => self.heap.give_blocks_to(&[(addr, size)], &stream),
-                None => self.heap.give_fresh_blocks(&[(addr, size)]),
-            }
+            self.put_back_one(addr, size, stream);
+        }
+    }
+
+    /// One range back where it was, free: as freed on `stream`, or fresh.
+    fn put_back_one(&self, addr: u64, size: u64, stream: Option<S>) {
+        match stream {
+            Some(stream) => self.heap.give_blocks_to(&[(addr, size)], &stream),
+            None => self.heap.give_fresh_blocks(&[(addr, size)]),
         }
     }
 

@@ -155,15 +155,16 @@ impl<S: EngineStream> StreamHeap<S> {
         debug_assert!(given, "a chunk taken out could not go back");
     }
 
-    /// Logs why a chunk taken out for release stays: its ordering failed with `e`.
+    /// Logs why memory taken out for release (a pool's whole chunk, an expandable pool's
+    /// granules) stays: its ordering failed with `e`.
     pub(crate) fn log_kept(e: &Error, base: u64, size: u64) {
         match e {
             // A stream of the tag under a user's graph capture: no ordering through it
             // until the capture ends. Kept, as a trim keeps such memory.
             Error::StreamCapturing { .. } => {
-                tracing::debug!(error = %e, base, size, "a free chunk kept for a capture");
+                tracing::debug!(error = %e, base, size, "free memory kept for a capture");
             }
-            e => tracing::warn!(error = %e, base, "a free chunk stays: ordering failed"),
+            e => tracing::warn!(error = %e, base, size, "free memory stays: ordering failed"),
         }
     }
 
