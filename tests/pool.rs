@@ -11,7 +11,7 @@ use common::{check_pool, devices, free, label, pool, read_u32, SplitMix64};
 use streamalloc::resource::cuda::CudaResource;
 use streamalloc::resource::fixed_size::FixedSizeResource;
 use streamalloc::resource::pool::{PoolOptions, PoolResource};
-use streamalloc::{Device, DevicePtr, Error, MemoryResource, Stream, ALIGNMENT};
+use streamalloc::{Device, DevicePtr, Error, MemoryResource, SimConfig, Stream, ALIGNMENT};
 
 const MIB: usize = 1 << 20;
 
@@ -24,6 +24,19 @@ fn zero_bytes_cost_nothing() {
         assert_eq!(ptr, DevicePtr(0));
         free(&p, ptr, 0, &s);
         assert_eq!(p.stats().reserved, 0, "{}", label(&device));
+        // On another device's stream, zero bytes are refused as any size is: the stream is
+        // checked first (a review found a null pointer handed out).
+        let other = Device::simulated(SimConfig::default());
+        let foreign = other.create_stream().unwrap();
+        let fixed = FixedSizeResource::new(CudaResource::new(&device), 4096, 4).unwrap();
+        let resources: [&dyn MemoryResource; 2] = [&p, &fixed];
+        for r in resources {
+            let zero = r.allocate(0, &foreign);
+            assert!(matches!(zero, Err(Error::WrongDevice { .. })), "{zero:?}");
+            // SAFETY: refused before anything is freed (nothing would be).
+            let freed = unsafe { r.deallocate(DevicePtr(0), 0, &foreign) };
+            assert!(matches!(freed, Err(Error::WrongDevice { .. })), "{freed:?}");
+        }
     }
 }
 

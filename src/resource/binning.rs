@@ -348,14 +348,17 @@ unsafe impl<U: MemoryResource> MemoryResource for BinningResource<U> {
     }
 
     fn allocate(&self, bytes: usize, stream: &Stream) -> Result<DevicePtr> {
+        // The stream first: another device's stream is the caller's mistake whatever the
+        // size, and a zero-byte request must not hide it.
+        self.device.check_same(stream.device())?;
         if bytes == 0 {
             return Ok(DevicePtr(0));
         }
-        self.device.check_same(stream.device())?;
         self.route(bytes).allocate(bytes, stream)
     }
 
     unsafe fn deallocate(&self, ptr: DevicePtr, bytes: usize, stream: &Stream) -> Result<()> {
+        self.device.check_same(stream.device())?;
         if bytes == 0 {
             return if ptr.0 == 0 {
                 Ok(())
@@ -363,7 +366,6 @@ unsafe impl<U: MemoryResource> MemoryResource for BinningResource<U> {
                 Err(Error::UnknownPointer { ptr: ptr.0, bytes })
             };
         }
-        self.device.check_same(stream.device())?;
         // A size that routes to the fallback or to a given bin goes to a resource that may be
         // the upstream the fixed-size bins take their chunks from (a given bin may be that very
         // pool): a wrong size there could give a bin's chunk back while its blocks are handed

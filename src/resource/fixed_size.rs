@@ -144,10 +144,12 @@ unsafe impl<U: MemoryResource> MemoryResource for FixedSizeResource<U> {
     }
 
     fn allocate(&self, bytes: usize, stream: &Stream) -> Result<DevicePtr> {
+        // The stream first: another device's stream is the caller's mistake whatever the
+        // size, and a zero-byte request must not hide it.
+        check_stream(&self.device, stream)?;
         if bytes == 0 {
             return Ok(DevicePtr(0));
         }
-        check_stream(&self.device, stream)?;
         if bytes as u64 > self.block {
             return Err(Error::InvalidSize {
                 size: bytes,
@@ -162,6 +164,7 @@ unsafe impl<U: MemoryResource> MemoryResource for FixedSizeResource<U> {
     }
 
     unsafe fn deallocate(&self, ptr: DevicePtr, bytes: usize, stream: &Stream) -> Result<()> {
+        check_stream(&self.device, stream)?;
         if bytes == 0 {
             return if ptr.0 == 0 {
                 Ok(())
@@ -169,7 +172,6 @@ unsafe impl<U: MemoryResource> MemoryResource for FixedSizeResource<U> {
                 Err(Error::UnknownPointer { ptr: ptr.0, bytes })
             };
         }
-        check_stream(&self.device, stream)?;
         if bytes as u64 > self.block || !ptr.0.is_multiple_of(ALIGNMENT as u64) {
             return Err(Error::UnknownPointer { ptr: ptr.0, bytes });
         }

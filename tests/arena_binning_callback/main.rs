@@ -44,6 +44,22 @@ fn zero_bytes<R: MemoryResource + ?Sized>(mr: &R, device: &Device) {
         unsafe { mr.deallocate(DevicePtr(0x1000), 0, &s) },
         Err(Error::UnknownPointer { .. })
     ));
+    // Zero bytes on another device's stream: the stream is checked first, whatever the size.
+    let other = Device::simulated(SimConfig::default());
+    let foreign = other.create_stream().unwrap();
+    let zero = mr.allocate(0, &foreign);
+    assert!(
+        matches!(zero, Err(Error::WrongDevice { .. })),
+        "{}: {zero:?}",
+        label(device)
+    );
+    // SAFETY: refused before anything is freed (nothing would be).
+    let zero_free = unsafe { mr.deallocate(DevicePtr(0), 0, &foreign) };
+    assert!(
+        matches!(zero_free, Err(Error::WrongDevice { .. })),
+        "{}: {zero_free:?}",
+        label(device)
+    );
 }
 
 /// 4 B, 16 B, ... 1 GiB live at once: non-null, 256-aligned, distinct, writable at both ends.

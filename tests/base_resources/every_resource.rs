@@ -300,6 +300,17 @@ fn bad_pointers_and_streams_of_other_devices_are_typed_errors() {
                 matches!(r.allocate(256, &foreign), Err(Error::WrongDevice { .. })),
                 "{what}"
             );
+            // Zero bytes too: the size must not hide the wrong stream.
+            assert!(
+                matches!(r.allocate(0, &foreign), Err(Error::WrongDevice { .. })),
+                "{what}: zero bytes on another device's stream"
+            );
+            // SAFETY: refused before anything is freed (nothing would be).
+            let zero_foreign = unsafe { r.deallocate(DevicePtr(0), 0, &foreign) };
+            assert!(
+                matches!(zero_foreign, Err(Error::WrongDevice { .. })),
+                "{what}: {zero_foreign:?}"
+            );
             // SAFETY: rejected before anything is freed.
             let null_with_bytes = unsafe { r.deallocate(DevicePtr(0), 256, &stream) };
             assert!(

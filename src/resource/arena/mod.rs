@@ -493,10 +493,12 @@ unsafe impl<U: MemoryResource> MemoryResource for ArenaResource<U> {
     }
 
     fn allocate(&self, bytes: usize, stream: &Stream) -> Result<DevicePtr> {
+        // The stream first: another device's stream is the caller's mistake whatever the
+        // size, and a zero-byte request must not hide it.
+        check_stream(&self.device, stream)?;
         if bytes == 0 {
             return Ok(DevicePtr(0));
         }
-        check_stream(&self.device, stream)?;
         let size = aligned_size(bytes)? as u64;
         if size > self.maximum {
             return Err(self.out_of_memory(size));
@@ -512,6 +514,7 @@ unsafe impl<U: MemoryResource> MemoryResource for ArenaResource<U> {
     }
 
     unsafe fn deallocate(&self, ptr: DevicePtr, bytes: usize, stream: &Stream) -> Result<()> {
+        check_stream(&self.device, stream)?;
         if bytes == 0 {
             return if ptr.0 == 0 {
                 Ok(())
@@ -519,7 +522,6 @@ unsafe impl<U: MemoryResource> MemoryResource for ArenaResource<U> {
                 Err(Error::UnknownPointer { ptr: ptr.0, bytes })
             };
         }
-        check_stream(&self.device, stream)?;
         let size = aligned_size(bytes)? as u64;
         if !ptr.0.is_multiple_of(ALIGNMENT as u64) {
             return Err(Error::UnknownPointer { ptr: ptr.0, bytes });

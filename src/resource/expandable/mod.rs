@@ -513,11 +513,11 @@ unsafe impl MemoryResource for ExpandablePoolResource {
     }
 
     fn allocate(&self, bytes: usize, stream: &Stream) -> Result<DevicePtr> {
+        let inner = &*self.inner;
+        check_stream(&inner.device, stream)?;
         if bytes == 0 {
             return Ok(DevicePtr(0));
         }
-        let inner = &*self.inner;
-        check_stream(&inner.device, stream)?;
         let size = aligned_size(bytes)? as u64;
         if size > inner.core.maximum() {
             return Err(inner.core.out_of_memory(size));
@@ -540,6 +540,8 @@ unsafe impl MemoryResource for ExpandablePoolResource {
     }
 
     unsafe fn deallocate(&self, ptr: DevicePtr, bytes: usize, stream: &Stream) -> Result<()> {
+        let inner = &*self.inner;
+        check_stream(&inner.device, stream)?;
         if bytes == 0 {
             return if ptr.0 == 0 {
                 Ok(())
@@ -547,8 +549,6 @@ unsafe impl MemoryResource for ExpandablePoolResource {
                 Err(Error::UnknownPointer { ptr: ptr.0, bytes })
             };
         }
-        let inner = &*self.inner;
-        check_stream(&inner.device, stream)?;
         let size = aligned_size(bytes)? as u64;
         // A range not wholly mapped was never handed out (the lists would take it: it lies in
         // one of their chunks, the shards' ranges).
