@@ -580,3 +580,78 @@ fn a_racing_declared_access_that_panics_is_not_noted() {
     // SAFETY: from `allocate` with these bytes, freed once, on the stream of its only use.
     unsafe { mr.deallocate(ptr, 4096, &s1) }.unwrap();
 }
+
+// ===== a free the resource refuses is no free to the detector =====
+
+/// A block of one resource freed into another of the same device (its own kind, on the same
+/// stream) is refused with `UnknownPointer`, and the detector must forget the free it noted
+/// first (a resource notes a free before the block is back in its lists): noted for good, it
+/// marked the block, still its owner's, freed, so that the owner's next use read as a use after
+/// free (a review's finding). The owner's real free is then checked as any free: a use on
+/// another stream after it is caught.
+#[test]
+fn a_refused_free_leaves_the_block_live_to_the_detector() {
+    use streamalloc::resource::arena::{ArenaOptions, ArenaResource};
+    use streamalloc::resource::fixed_size::FixedSizeResource;
+    use streamalloc::{DevicePtr, ExpandableOptions, ExpandablePoolResource};
+    const MIB: usize = 1 << 20;
+    let (device, _) = device(RaceDetection::Record);
+    let expandable = || {
+        let options = ExpandableOptions {
+            reserve: Some(64 * MIB),
+            ..ExpandableOptions::default()
+        };
+        Box::new(ExpandablePoolResource::new(&device, options).unwrap()) as Box<dyn MemoryResource>
+    };
+    let arena = || {
+        let options = ArenaOptions {
+            initial: 0,
+            maximum: Some(64 * MIB),
+            ..ArenaOptions::default()
+        };
+        Box::new(ArenaResource::new(CudaResource::new(&device), options).unwrap())
+            as Box<dyn MemoryResource>
+    };
+    let fixed = || {
+        Box::new(FixedSizeResource::new(CudaResource::new(&device), 64 << 10, 4).unwrap())
+            as Box<dyn MemoryResource>
+    };
+    let pooled = || Box::new(pool(&device, 64 * MIB)) as Box<dyn MemoryResource>;
+    let makers: [(&str, &dyn Fn() -> Box<dyn MemoryResource>); 4] = [
+        ("pool", &pooled),
+        ("arena", &arena),
+        ("fixed-size", &fixed),
+        ("expandable", &expandable),
+    ];
+    let (s, other) = streams(&device);
+    for (name, make) in makers {
+        let (owner, stranger) = (make(), make());
+        let bytes = 64 << 10;
+        let p: DevicePtr = owner.allocate(bytes, &s).unwrap();
+        // SAFETY: `p` is live and `stranger`'s to refuse: it never handed it out.
+        let refused = unsafe { stranger.deallocate(p, bytes, &s) };
+        assert!(
+            matches!(refused, Err(Error::UnknownPointer { .. })),
+            "{name}: {refused:?}"
+        );
+        // The owner goes on using its block: no race.
+        // SAFETY: `p` is live (the free above was refused), `bytes` long, used on `s` only.
+        unsafe { s.memset_d8(p, 7, bytes) }.unwrap();
+        s.synchronize_blocking().unwrap();
+        let races = device.take_races();
+        assert!(races.is_empty(), "{name}: after a refused free: {races:#?}");
+        // The real free, then a use on another stream that nothing orders after it.
+        // SAFETY: allocated above from `owner`, its use synchronized, freed once.
+        unsafe { owner.deallocate(p, bytes, &s) }.unwrap();
+        // SAFETY: a use after free on purpose, for the detector (the memory stays the
+        // resource's, so nothing else is written).
+        unsafe { other.memset_d8(p, 1, bytes) }.unwrap();
+        other.synchronize_blocking().unwrap();
+        let races = device.take_races();
+        assert!(
+            races.iter().any(|r| r.kind == RaceKind::UseAfterFree),
+            "{name}: the real free was not checked: {races:#?}"
+        );
+        drop((owner, stranger));
+    }
+}

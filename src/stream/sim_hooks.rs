@@ -48,7 +48,7 @@ impl Device {
     /// put the block back first and panic after.
     #[inline]
     pub fn note_free(&self, ptr: DevicePtr, bytes: usize, stream: &Stream) {
-        self.note_free_then(ptr, bytes, stream, || ());
+        let _ = self.note_free_then(ptr, bytes, stream, || Ok(()));
     }
 
     /// [`note_free`](Self::note_free) for the crate's resources: the free is noted now (before
@@ -58,21 +58,30 @@ impl Device {
     /// a test that caught the panic of a buffer dropped without `record_stream` (a task
     /// runtime does) found the pool a block short, and an allocation waiting for it waited
     /// forever (a review's finding).
+    ///
+    /// A free that `give` refuses (an error: a block the resource never handed out) is no free
+    /// to the detector: the note is undone, so that the block, still its owner's, is not taken
+    /// for freed (a review found the owner's next use reported as a use after free).
     #[inline]
     pub(crate) fn note_free_then<R>(
         &self,
         ptr: DevicePtr,
         bytes: usize,
         stream: &Stream,
-        give: impl FnOnce() -> R,
-    ) -> R {
-        let race = match self.sim_with(stream, ptr, bytes, "note_free") {
+        give: impl FnOnce() -> Result<R>,
+    ) -> Result<R> {
+        let pending = match self.sim_with(stream, ptr, bytes, "note_free") {
             Some((d, s)) => d.note_free(ptr.0, bytes, s),
             None => None,
         };
         let given = give();
-        if let Some((races, race)) = race {
-            let _ = races.settle(Some(race), false);
+        if let Some((races, pending)) = pending {
+            if given.is_ok() {
+                let race = races.confirm_free(pending);
+                let _ = races.settle(race, false);
+            } else {
+                races.refuse_free(pending);
+            }
         }
         given
     }

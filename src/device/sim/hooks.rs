@@ -6,7 +6,7 @@
 //! a no-op. The hooks that take a stream are the stream layer's (`stream/sim_hooks.rs`); the
 //! simulated device's side of them is here.
 
-use super::detector::{Detector, Reuse};
+use super::detector::{Detector, PendingFree, Reuse};
 use super::races::{Race, RaceDetection};
 use super::SimDevice;
 use crate::device::{Backend, Device};
@@ -53,17 +53,17 @@ impl SimDevice {
         }
     }
 
-    /// The detector's side of [`Device::note_free`](crate::Device::note_free): the race it
-    /// found (recorded and logged already), with the detector to settle it once the caller
-    /// has put the block back.
+    /// The detector's side of [`Device::note_free`](crate::Device::note_free): the free,
+    /// pending until the caller has put the block back (or refused it), with the detector to
+    /// confirm or refuse it then.
     pub(crate) fn note_free(
         &self,
         ptr: u64,
         bytes: usize,
         stream: &super::SimStream,
-    ) -> Option<(PlainArc<Detector>, Race)> {
+    ) -> Option<(PlainArc<Detector>, PendingFree)> {
         let (races, idx) = stream.races()?;
-        let race = races.free(Some(idx), ptr, Some(bytes), false, false)?;
-        Some((races.clone(), race))
+        let pending = races.free_pending(idx, ptr, bytes);
+        Some((races.clone(), pending))
     }
 }

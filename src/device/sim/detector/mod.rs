@@ -60,7 +60,10 @@ use crate::device::DevicePtr;
 use crate::device::StreamId;
 use crate::sync::plain::{Arc as PlainArc, Mutex as PlainMutex, MutexGuard as PlainGuard, Weak};
 
+mod pending_free;
 mod state;
+
+pub(crate) use pending_free::PendingFree;
 
 /// A position of a stream: how many of its operations came before, and this one. 64 bits: a
 /// stream may run more than 2^32 operations (a soak run of a few hours), where a `u32` once
@@ -784,6 +787,19 @@ impl Detector {
         raw: bool,
         pooled: bool,
     ) -> Option<Race> {
+        let race = Self::free_unnoted(st, idx, ptr, bytes, raw, pooled);
+        st.note(race)
+    }
+
+    /// [`free_locked`](Self::free_locked) without keeping or logging the race it finds.
+    fn free_unnoted(
+        st: &mut State,
+        idx: Option<u32>,
+        ptr: u64,
+        bytes: Option<usize>,
+        raw: bool,
+        pooled: bool,
+    ) -> Option<Race> {
         let (at, clock) = match idx {
             Some(idx) => {
                 let at = Self::point(st, idx, "free");
@@ -860,7 +876,7 @@ impl Detector {
                 block: Some(st.block_info(&life)),
             }
         });
-        st.note(race)
+        race
     }
 }
 
