@@ -261,3 +261,108 @@ fn arena_keeps_its_room_after_its_upstream_panics_in_a_growth() {
         |arena| arena.stats().reserved,
     );
 }
+
+/// How an upstream's panicking `deallocate` is met in [`keeps_its_chunks_after_its_upstream_panics_in_a_release`].
+#[derive(Clone, Copy, Debug)]
+enum Release {
+    /// A trim gives the free chunks back.
+    Trim,
+    /// A request for the whole maximum, at the maximum with only smaller free chunks, gives
+    /// them back to grow one that holds it.
+    Growth,
+}
+
+/// The resource `make` builds over an upstream whose second `deallocate` panics, filled to its
+/// maximum of 8 MiB with 1 MiB blocks in several chunks, all freed; then a release (`how`)
+/// gives the chunks back upstream and the second one panics. The chunk in flight is taken as
+/// given back; the others must be back in the resource: a trim gives them back (`reserved`
+/// reads 0 after it), and the whole maximum can be had. Before, they were out of the lists,
+/// still counted, lost to the resource for good, and a growth's room with them.
+fn keeps_its_chunks_after_its_upstream_panics_in_a_release<R: MemoryResource>(
+    how: Release,
+    make: impl Fn(common::PanicsOnCall<CudaResource>) -> R,
+    reserved_and_chunks: impl Fn(&R) -> (usize, usize),
+    trim: impl Fn(&R) -> streamalloc::Result<usize>,
+) {
+    const MAXIMUM: usize = 8 * MIB;
+    for device in devices() {
+        let what = format!("{} {how:?}", label(&device));
+        let resource = make(common::PanicsOnCall::on_free(CudaResource::new(&device), 2));
+        let s = device.create_stream().unwrap();
+        let mut blocks = Vec::new();
+        while let Ok(p) = resource.allocate(MIB, &s) {
+            blocks.push(p);
+        }
+        let (reserved, chunks) = reserved_and_chunks(&resource);
+        assert!(
+            chunks >= 3 && reserved == MAXIMUM,
+            "{what}: the scene needs three chunks or more at the maximum: {chunks}, {reserved}"
+        );
+        for p in blocks {
+            common::free(&resource, p, MIB, &s);
+        }
+        s.synchronize_blocking().unwrap();
+        let panicked = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| match how {
+            Release::Trim => drop(trim(&resource)),
+            Release::Growth => drop(resource.allocate(MAXIMUM, &s)),
+        }));
+        assert!(panicked.is_err(), "{what}: the upstream did not panic");
+        trim(&resource).unwrap_or_else(|e| panic!("{what}: the trim after the panic: {e}"));
+        assert_eq!(
+            reserved_and_chunks(&resource),
+            (0, 0),
+            "{what}: chunks left out of the resource by the panic"
+        );
+        let p = resource
+            .allocate(MAXIMUM, &s)
+            .unwrap_or_else(|e| panic!("{what}: the whole maximum after the panic: {e}"));
+        common::free(&resource, p, MAXIMUM, &s);
+        s.synchronize_blocking().unwrap();
+    }
+}
+
+#[test]
+fn pool_keeps_its_chunks_after_its_upstream_panics_in_a_release() {
+    for how in [Release::Trim, Release::Growth] {
+        keeps_its_chunks_after_its_upstream_panics_in_a_release(
+            how,
+            |upstream| {
+                let options = PoolOptions {
+                    initial: 0,
+                    maximum: Some(8 * MIB),
+                    ..PoolOptions::default()
+                };
+                PoolResource::new(upstream, options).unwrap()
+            },
+            |pool| {
+                pool.check_invariants().unwrap();
+                let stats = pool.stats();
+                (stats.reserved, stats.chunks)
+            },
+            |pool| pool.trim_blocking(),
+        );
+    }
+}
+
+#[test]
+fn arena_keeps_its_chunks_after_its_upstream_panics_in_a_release() {
+    use streamalloc::resource::arena::{ArenaOptions, ArenaResource};
+    for how in [Release::Trim, Release::Growth] {
+        keeps_its_chunks_after_its_upstream_panics_in_a_release(
+            how,
+            |upstream| {
+                let options = ArenaOptions {
+                    initial: 0,
+                    maximum: Some(8 * MIB),
+                    superblock_size: 256 * KIB,
+                };
+                ArenaResource::new(upstream, options).unwrap()
+            },
+            |arena| {
+                let stats = arena.stats();
+                (stats.reserved, stats.chunks)
+            },
+            |arena| arena.trim_blocking(),
+        );
+    }
+}

@@ -699,24 +699,34 @@ impl<U: MemoryResource> PoolResource<U> {
         keep_room: bool,
     ) -> (usize, Option<Error>) {
         let _span = tracing::debug_span!("trim", chunks = taken.len()).entered();
-        let mut released = 0;
         let mut first_error = None;
-        for (base, size, stream) in taken {
+        // What is owed if the upstream's `deallocate` unwinds (see `ReleaseLeft`).
+        let mut left = ReleaseLeft {
+            pool: self,
+            chunks: taken.into_iter(),
+            in_flight: 0,
+            released: 0,
+            keep_room,
+        };
+        while let Some((base, size, stream)) = left.chunks.next() {
             // Unregister first: once the upstream has the chunk back it may hand the same
             // address out again, and a concurrent grow would register it; removing after the
             // call would then delete that new, live chunk.
             self.chunks.lock().remove(&base);
             self.heap.remove_chunk(base);
             let on = stream.as_ref().unwrap_or(&self.own);
+            left.in_flight = size;
             // SAFETY: a whole chunk, out of every list and unregistered, so nothing can hand
             // it out again; it came from this upstream with this size, and its last use is
             // ordered before this point of `on` (it was freed there, or never used).
-            match unsafe { self.upstream.deallocate(DevicePtr(base), size as usize, on) } {
+            let freed = unsafe { self.upstream.deallocate(DevicePtr(base), size as usize, on) };
+            left.in_flight = 0;
+            match freed {
                 Ok(()) => {
                     if !keep_room {
                         self.reserved.fetch_sub(size, Ordering::AcqRel);
                     }
-                    released += size as usize;
+                    left.released += size;
                 }
                 Err(e) => {
                     // Keep it: registered again, and free again as freed on the stream it waits
@@ -739,6 +749,7 @@ impl<U: MemoryResource> PoolResource<U> {
                 }
             }
         }
+        let released = left.released as usize;
         tracing::debug!(released, "trimmed");
         if released > 0 && !keep_room {
             // Room under the maximum came back: a request refused at the maximum (perhaps
@@ -902,6 +913,47 @@ impl<U: MemoryResource> Grow for PoolResource<U> {
         lock: &'s Mutex<()>,
     ) -> (MutexGuard<'s, ()>, bool) {
         self.give_backs.wait_for_under_way(slow, lock)
+    }
+}
+
+/// A release of whole chunks upstream ([`PoolResource::release_chunks_counted`]) under way,
+/// for the case that the upstream's `deallocate` unwinds: the chunks not yet given back go
+/// back in the lists (out of them, and still registered and counted, they were lost to the
+/// pool for good: a review's finding), and the room of the chunk in flight (whether the
+/// upstream took it back or not, it is no longer the pool's) and, for a growth
+/// (`keep_room`), of those given back already leaves `reserved`, since no growth takes it over.
+struct ReleaseLeft<'a, U: MemoryResource> {
+    pool: &'a PoolResource<U>,
+    /// The chunks not yet given back.
+    chunks: std::vec::IntoIter<(u64, u64, Option<Stream>)>,
+    /// The size of the chunk in the upstream's `deallocate`, 0 between calls.
+    in_flight: u64,
+    /// Bytes given back so far.
+    released: u64,
+    keep_room: bool,
+}
+
+impl<U: MemoryResource> Drop for ReleaseLeft<'_, U> {
+    fn drop(&mut self) {
+        if self.in_flight == 0 {
+            return;
+        }
+        let rest: Vec<_> = self.chunks.by_ref().collect();
+        tracing::error!(
+            chunk = self.in_flight,
+            left = rest.len(),
+            "the upstream panicked giving a chunk back: the chunk is taken as given back, the \
+             others go back in the lists"
+        );
+        let given_up = self.in_flight + if self.keep_room { self.released } else { 0 };
+        self.pool.reserved.fetch_sub(given_up, Ordering::AcqRel);
+        // Tells the waiters, for these and for the room; and a request that found nothing
+        // held by a trim looks again (the epoch moves on, as at a trim's end).
+        self.pool.put_back(&rest);
+        if rest.is_empty() {
+            self.pool.waiters.notify();
+        }
+        self.pool.held_for_trim.given_back();
     }
 }
 

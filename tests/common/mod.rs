@@ -259,14 +259,18 @@ pub fn primed_async_pool(device: &Device, bytes: usize) -> CudaAsyncResource {
     .unwrap()
 }
 
-/// A resource whose `allocate` panics on its `fail_at`-th call (counting from 1) and passes
-/// every other call on to `inner`: what a resource whose failure callback or log writer (the
-/// user's code) panics does to the layers over it.
+/// A resource whose `allocate` panics on its `fail_at`-th call (counting from 1), or whose
+/// `deallocate` does ([`on_free`](Self::on_free)), and passes every other call on to `inner`:
+/// what a resource whose failure callback or log writer (the user's code) panics does to the
+/// layers over it.
 #[derive(Debug)]
 pub struct PanicsOnCall<R> {
     pub inner: R,
     calls: std::sync::atomic::AtomicUsize,
     fail_at: usize,
+    frees: std::sync::atomic::AtomicUsize,
+    /// 0: no free panics.
+    free_fail_at: usize,
 }
 
 impl<R> PanicsOnCall<R> {
@@ -275,6 +279,16 @@ impl<R> PanicsOnCall<R> {
             inner,
             calls: std::sync::atomic::AtomicUsize::new(0),
             fail_at,
+            frees: std::sync::atomic::AtomicUsize::new(0),
+            free_fail_at: 0,
+        }
+    }
+
+    /// Its `free_fail_at`-th `deallocate` (counting from 1) panics, before `inner` sees it.
+    pub fn on_free(inner: R, free_fail_at: usize) -> Self {
+        Self {
+            free_fail_at,
+            ..Self::new(inner, 0)
         }
     }
 }
@@ -299,6 +313,10 @@ unsafe impl<R: MemoryResource> MemoryResource for PanicsOnCall<R> {
         bytes: usize,
         stream: &Stream,
     ) -> streamalloc::Result<()> {
+        let free = (self.frees).fetch_add(1, std::sync::atomic::Ordering::SeqCst) + 1;
+        if free == self.free_fail_at {
+            panic!("a resource that panics in deallocate (call {free})");
+        }
         // SAFETY: the caller's contract, passed on.
         unsafe { self.inner.deallocate(ptr, bytes, stream) }
     }

@@ -192,9 +192,17 @@ impl<U: MemoryResource> ArenaResource<U> {
         chunks: Vec<WholeChunk>,
         settle: bool,
     ) -> (u64, Option<Error>) {
-        let mut released = 0;
         let mut first_error = None;
-        for chunk in chunks {
+        // What is owed if the upstream's `deallocate` unwinds (see `ReturnLeft`).
+        let mut left = ReturnLeft {
+            arena: self,
+            chunks: chunks.into_iter(),
+            in_flight: 0,
+            released: 0,
+            settle,
+        };
+        while let Some(chunk) = left.chunks.next() {
+            left.in_flight = chunk.size;
             let freed = chunk.guards.order(&self.own).and_then(|ordered| {
                 if !ordered {
                     // A guard withholds its callbacks: nothing says the GPU is done with the
@@ -216,6 +224,7 @@ impl<U: MemoryResource> ArenaResource<U> {
                 }
                 .map(|()| true)
             });
+            left.in_flight = 0;
             match freed {
                 Ok(false) => {}
                 Ok(true) => {
@@ -223,7 +232,7 @@ impl<U: MemoryResource> ArenaResource<U> {
                         self.reserved.fetch_sub(chunk.size, Ordering::AcqRel);
                     }
                     self.chunks_released.fetch_add(1, Ordering::Relaxed);
-                    released += chunk.size;
+                    left.released += chunk.size;
                     tracing::debug!(base = chunk.base, size = chunk.size, "chunk given back");
                 }
                 Err(e) => {
@@ -233,7 +242,51 @@ impl<U: MemoryResource> ArenaResource<U> {
                 }
             }
         }
-        (released, first_error)
+        (left.released, first_error)
+    }
+}
+
+/// A return of whole chunks upstream ([`ArenaResource::return_chunks`]) under way, for the
+/// case that the upstream's `deallocate` (or the guards' ordering) unwinds: the chunks not yet
+/// given back go back to the global arena (out of it, and still counted, they were lost to the
+/// arena for good: a review's finding), and the room of the chunk in flight (whether the
+/// upstream took it back or not, it is no longer the arena's) and, without `settle` (a
+/// growth's), of those given back already leaves `reserved`, since no growth takes it over.
+struct ReturnLeft<'a, U: MemoryResource> {
+    arena: &'a ArenaResource<U>,
+    /// The chunks not yet given back.
+    chunks: std::vec::IntoIter<WholeChunk>,
+    /// The size of the chunk on its way upstream, 0 between chunks.
+    in_flight: u64,
+    /// Bytes given back so far.
+    released: u64,
+    settle: bool,
+}
+
+impl<U: MemoryResource> Drop for ReturnLeft<'_, U> {
+    fn drop(&mut self) {
+        if self.in_flight == 0 {
+            return;
+        }
+        let arena = self.arena;
+        let rest: Vec<WholeChunk> = self.chunks.by_ref().collect();
+        tracing::error!(
+            chunk = self.in_flight,
+            left = rest.len(),
+            "the upstream panicked giving a chunk back: the chunk is taken as given back, the \
+             others go back to the arena"
+        );
+        let given_up = self.in_flight + if self.settle { 0 } else { self.released };
+        arena.reserved.fetch_sub(given_up, Ordering::AcqRel);
+        let mut global = arena.global.lock();
+        for chunk in rest {
+            global.restore_chunk(chunk);
+        }
+        drop(global);
+        // The room, and the chunks back: a request refused meanwhile may fit; and a request
+        // that found nothing held by a trim looks again (the epoch moves on, as at its end).
+        arena.held_for_trim.given_back();
+        arena.waiters.notify();
     }
 }
 
