@@ -170,7 +170,8 @@ mod tests {
                 device.note_allocation(base + offset, 1024, &stream);
                 let write = [(base + offset, 1024, MemoryAccess::Write)];
                 assert!(races.access(idx, "write", &write, false).is_none());
-                assert!(device.note_free(base + offset, 1024, &stream).is_none());
+                let (races, pending) = device.note_free(base + offset, 1024, &stream).unwrap();
+                assert!(races.confirm_free(pending).is_none());
             }
             drop(reservation);
         }
