@@ -38,7 +38,6 @@ pub(crate) enum RawEvent {
 }
 
 pub(crate) struct EventInner {
-    device: Device,
     stream: StreamId,
     /// Whether that stream still exists (its `alive` flag).
     stream_alive: std::sync::Arc<std::sync::atomic::AtomicBool>,
@@ -51,6 +50,12 @@ pub(crate) struct EventInner {
     /// When the driver was last asked about it while its word had not moved (ns, see
     /// [`Word::query_due`](cuda_words::Word::query_due)). Std's: a rate, not a synchronization.
     last_query: std::sync::atomic::AtomicU64,
+    /// Last, so dropped last: where this handle is the device's last, the device's teardown
+    /// (off the reactor threads) must come after the word above, whose last handle on the
+    /// pages of words is then the device's, freed there (`cuMemFreeHost` blocks). Dropped
+    /// first, it left the pages to whichever thread dropped the event, a reactor's perhaps
+    /// (a review's finding).
+    device: Device,
 }
 
 impl Drop for EventInner {
@@ -295,19 +300,15 @@ impl Event {
     /// completion reactor thread".
     pub(crate) fn on_complete(&self, callback: Callback) {
         if self.inner.completion.withholds_callbacks() {
-            // Nothing says the GPU is done with this event (`reactor::settle_after_panic`):
-            // never run, its memory leaked rather than freed under running work.
-            tracing::error!(
-                stream = self.inner.stream.get(),
-                seq = self.inner.seq,
-                "a callback on an event whose completion is unknown (its query and wait \
-                 panicked) is withheld; its memory is leaked"
-            );
-            // A capture whose drop panics (the last handle of a user's resource) is caught
-            // there, as a run would be.
-            return crate::completion::drop_withheld(callback, self.inner.id());
+            return self.withhold(callback);
         }
         if let Some(result) = self.inner.check() {
+            // Looked at again now that there is a result: the withheld state is a result (an
+            // error), set by `reactor::settle_after_panic` on another thread perhaps since the
+            // look above, and it never changes once set (a review found the callback run).
+            if self.inner.completion.withholds_callbacks() {
+                return self.withhold(callback);
+            }
             return run_callback(callback, &result, self.inner.id());
         }
         match self.inner.completion.register_callback(callback) {
@@ -315,8 +316,27 @@ impl Event {
                 self.inner.device.reactor().watch(self.inner.clone());
             }
             Ok(_) => {}
+            // As above: a result came meanwhile, perhaps the withheld one.
+            Err((callback, _)) if self.inner.completion.withholds_callbacks() => {
+                self.withhold(callback)
+            }
             Err((callback, result)) => run_callback(callback, &result, self.inner.id()),
         }
+    }
+
+    /// Drops `callback` unrun: nothing says the GPU is done with this event
+    /// (`reactor::settle_after_panic`), so its memory is leaked rather than freed under
+    /// running work.
+    fn withhold(&self, callback: Callback) {
+        tracing::error!(
+            stream = self.inner.stream.get(),
+            seq = self.inner.seq,
+            "a callback on an event whose completion is unknown (its query and wait \
+             panicked) is withheld; its memory is leaked"
+        );
+        // A capture whose drop panics (the last handle of a user's resource) is caught there,
+        // as a run would be.
+        crate::completion::drop_withheld(callback, self.inner.id())
     }
 }
 
@@ -410,6 +430,56 @@ mod tests {
         }));
         assert!(handed.is_ok(), "the drop's panic reached the caller");
         assert!(event.withholds_callbacks());
+    }
+
+    /// `on_complete` while another thread withholds the event's callbacks (what
+    /// `reactor::settle_after_panic` does): the callback must never run. It looked at the
+    /// withheld state before the result, and a withhold between the two looks read as a
+    /// completion (an error result), running the callback, a deferred free, under work that
+    /// may still run (a review's finding; before the fix it failed in about half the runs).
+    #[test]
+    fn on_complete_racing_a_withhold_never_runs_the_callback() {
+        use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering::SeqCst};
+        use std::sync::{mpsc, Arc, Barrier};
+        let device = Device::simulated(SimConfig {
+            execution: SimExecution::Inline,
+            ..SimConfig::default()
+        });
+        let stream = device.create_stream().expect("a stream");
+        let alive = Arc::new(AtomicBool::new(true));
+        let ran = Arc::new(AtomicUsize::new(0));
+        const ROUNDS: u64 = 20_000;
+        let barrier = Arc::new(Barrier::new(2));
+        let (tx, rx) = mpsc::sync_channel::<super::Event>(1);
+        let withholder = {
+            let barrier = barrier.clone();
+            std::thread::spawn(move || {
+                for _ in 0..ROUNDS {
+                    let event = rx.recv().unwrap();
+                    barrier.wait();
+                    event.withhold_callbacks_for_test();
+                }
+            })
+        };
+        for seq in 0..ROUNDS {
+            // A pending event: a marker that nothing will ever reach.
+            let marker = crate::sync::Arc::new(crate::device::sim::SimMarker::new(None, None));
+            let event = super::Event::new(
+                device.clone(),
+                (stream.id(), alive.clone()),
+                1_000_000 + seq,
+                super::RawEvent::Sim(marker),
+                None,
+            );
+            tx.send(event.clone()).unwrap();
+            barrier.wait();
+            let ran = ran.clone();
+            event.on_complete(Box::new(move |_| {
+                ran.fetch_add(1, SeqCst);
+            }));
+        }
+        withholder.join().unwrap();
+        assert_eq!(ran.load(SeqCst), 0, "callbacks of withheld events ran");
     }
 
     /// The error another thread stores while this one asks the device.

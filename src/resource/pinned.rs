@@ -314,6 +314,11 @@ impl PinnedHostResource {
                     None => break,
                 }
             };
+            // Outside the lock: completing the event here runs its callback on this thread.
+            // Asked before the look below: the withheld state is a result, set perhaps on
+            // another thread meanwhile, and never changes once set; looked at first, a block
+            // withheld between the look and the query was taken for done (a review's finding).
+            let done = event.query_for_crate().is_some();
             // An event that withholds its callbacks has an error for a result, yet nothing says
             // the GPU is done with the block (its query and wait panicked): taken for done, the
             // block went out under work that may still use it. It is leaked instead, out of
@@ -330,8 +335,7 @@ impl PinnedHostResource {
                 }
                 continue;
             }
-            // Outside the lock: completing the event here runs its callback on this thread.
-            if event.query_for_crate().is_none() {
+            if !done {
                 break;
             }
             let mut cache = self.shared.lock();

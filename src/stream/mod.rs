@@ -65,7 +65,6 @@ pub(crate) enum RawStream {
 
 struct StreamInner {
     id: StreamId,
-    device: Device,
     raw: RawStream,
     /// The next record sequence number; the reactor orders a stream's events by them and asks
     /// the device only about each stream's first, so the numbers must follow the order in which
@@ -111,6 +110,12 @@ struct StreamInner {
     /// does ([`Stream::pretend_capture`]). Std's: a test's switch, not a protocol for loom.
     #[cfg(test)]
     pretend_capture: std::sync::atomic::AtomicBool,
+    /// Last, so dropped last: where this handle is the device's last, the device's teardown
+    /// (off the reactor threads) must come after the word and the cudarc stream above, so
+    /// that it holds the last handles on the pages of words (`cuMemFreeHost` blocks) and on
+    /// the context. Dropped first, it left them to whichever thread dropped the stream, a
+    /// reactor's perhaps, running a deferred free (a review's finding).
+    device: Device,
 }
 
 /// A stream's handle lent to queue one operation ([`Stream::queue_handle`]); the operation
