@@ -1,5 +1,7 @@
 //! Third review of `ExpandablePoolResource`: a trim's unmapping when the simulated device's
-//! race detector, in its `Panic` mode, panics out of an unmap.
+//! race detector, in its `Panic` mode, panics out of an unmap; then (the twenty-third
+//! session's review) a device whose memory is not a whole number of mapping units, and the
+//! peak in use against the peak mapped.
 
 mod common;
 
@@ -193,4 +195,95 @@ fn an_automatic_release_whose_unmap_panics_still_releases_later() {
         p.stats()
     );
     p.check_invariants().unwrap();
+}
+
+/// A device of 100 MiB, mapped in units of 8 MiB: 96 MiB at most can ever be mapped, so a
+/// request for 100 MiB fails at once, plain or awaited, with numbers that say so; and a unit
+/// larger than the device is refused when the pool is made. The review found the reservation
+/// and the maximum rounded up past the device (104 MiB), the error `requested == available ==
+/// maximum`, and `allocate_async` waiting until its timeout; and with a unit of 256 MiB,
+/// every request of any size waiting so.
+#[test]
+fn a_device_not_a_whole_number_of_units_refuses_what_it_cannot_map_at_once() {
+    use std::time::Duration;
+    use streamalloc::{AllocateAsync, Error};
+    const MIB: usize = 1 << 20;
+    let device = Device::simulated(SimConfig {
+        total_memory: 100 * MIB,
+        ..SimConfig::default()
+    });
+    let p = ExpandablePoolResource::new(&device, ExpandableOptions::default()).unwrap();
+    assert_eq!(p.granule(), 8 * MIB, "the scene needs 8 MiB units");
+    let s = device.create_stream().unwrap();
+    match p.allocate(100 * MIB, &s) {
+        Err(Error::OutOfMemory {
+            requested,
+            available,
+            maximum,
+        }) => assert!(
+            maximum < requested && available <= maximum,
+            "{requested} {available} {maximum}"
+        ),
+        other => panic!("{other:?}"),
+    }
+    let awaited = futures::executor::block_on(
+        p.allocate_async(100 * MIB, &s)
+            .timeout(Duration::from_secs(2)),
+    );
+    assert!(
+        matches!(awaited, Err(Error::OutOfMemory { .. })),
+        "{awaited:?}"
+    );
+    // What can be mapped still can.
+    let q = p.allocate(96 * MIB, &s).unwrap();
+    free(&p, q, 96 * MIB, &s);
+    let unit = ExpandableOptions {
+        map_unit: Some(256 * MIB),
+        ..ExpandableOptions::default()
+    };
+    assert!(
+        matches!(
+            ExpandablePoolResource::new(&device, unit),
+            Err(Error::InvalidSize { .. })
+        ),
+        "a unit larger than the device"
+    );
+    s.synchronize_blocking().unwrap();
+}
+
+/// `peak_in_use` is never above `peak_reserved` (as `PoolStats` promises): one thread's 64 MiB,
+/// freed and trimmed, then another thread's (another shard, another range) 64 MiB, under a
+/// maximum of 64 MiB. The engine sums its shards' peaks, and the review found 128 MiB in use
+/// against 64 MiB ever mapped.
+#[test]
+fn the_peak_in_use_is_never_above_the_peak_mapped() {
+    const MIB: usize = 1 << 20;
+    let device = Device::simulated(SimConfig::default());
+    let p = ExpandablePoolResource::new(
+        &device,
+        ExpandableOptions {
+            maximum: Some(64 * MIB),
+            ..ExpandableOptions::default()
+        },
+    )
+    .unwrap();
+    let s = device.create_stream().unwrap();
+    for _ in 0..2 {
+        std::thread::scope(|scope| {
+            scope.spawn(|| {
+                let a = p.allocate(64 * MIB, &s).unwrap();
+                free(&p, a, 64 * MIB, &s);
+            });
+        });
+        s.synchronize_blocking().unwrap();
+        p.trim_blocking().unwrap();
+    }
+    let stats = p.stats();
+    assert!(
+        stats.peak_in_use <= stats.peak_reserved,
+        "{} in use at the peak, {} mapped",
+        stats.peak_in_use,
+        stats.peak_reserved
+    );
+    assert_eq!(stats.peak_in_use, 64 * MIB);
 }

@@ -747,11 +747,17 @@ impl<S: EngineStream, B: Backing> Expander<S, B> {
         else {
             return device;
         };
-        let room = (self.maximum.saturating_sub(self.reserved())).min(available as u64);
+        // The device's numbers in whole units, the most it could ever map for us: a device
+        // whose memory is not a whole number of units (or is smaller than one) cannot map the
+        // last part, and a request that needs it, reported against the bytes, looked curable
+        // (a review's finding: 100 MiB asked of a 100 MiB device in 8 MiB units waited).
+        let g = self.granule();
+        let (available, maximum) = (available as u64 / g * g, maximum as u64 / g * g);
+        let room = (self.maximum.saturating_sub(self.reserved())).min(available);
         Error::OutOfMemory {
             requested: requested as usize,
             available: room.max(self.heap.largest_free_block()) as usize,
-            maximum: (self.maximum as usize).min(maximum),
+            maximum: self.maximum.min(maximum) as usize,
         }
     }
 

@@ -172,7 +172,7 @@ impl fmt::Debug for ExpandablePoolResource {
 
 impl ExpandablePoolResource {
     /// A pool on `device`. Errors: a maximum above the reservation, an initial size above the
-    /// maximum ([`Error::InvalidSize`]); a reservation the address space has no room for
+    /// maximum, a mapping unit larger than the device's memory ([`Error::InvalidSize`]); a reservation the address space has no room for
     /// ([`Error::OutOfMemory`] with the room left, where the device knows it); the device's
     /// error if it cannot map `initial`.
     pub fn new(device: &Device, options: ExpandableOptions) -> Result<Self> {
@@ -189,6 +189,13 @@ impl ExpandablePoolResource {
                 size: options.map_unit.unwrap_or(0),
                 reason: "the mapping unit overflows when rounded up to the allocation granularity",
             })?;
+        // A unit larger than the device could never be mapped: every request would fail.
+        if granule > device.total_memory() {
+            return Err(Error::InvalidSize {
+                size: granule,
+                reason: "the mapping unit is larger than the device's memory",
+            });
+        }
         let round = |size: usize, reason| {
             size.checked_next_multiple_of(granule)
                 .ok_or(Error::InvalidSize { size, reason })
@@ -273,7 +280,10 @@ impl ExpandablePoolResource {
             shard_spills: engine.spills,
             idle_reuses: engine.idle_skips,
             in_use: engine.in_use as usize,
-            peak_in_use: engine.peak_in_use as usize,
+            // The engine sums its shards' peaks (an upper bound): never more than what was
+            // ever mapped, as `PoolStats` promises (a review found it above, once memory had
+            // moved between ranges).
+            peak_in_use: engine.peak_in_use.min(core.peak_reserved()) as usize,
             cache_hits: engine.cache_hits,
         }
     }
