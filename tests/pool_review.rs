@@ -749,3 +749,100 @@ fn a_device_of_odd_size_gives_a_default_maximum() {
     let p = arena.allocate(4096, &s).unwrap();
     free(&arena, p, 4096, &s);
 }
+
+/// A request the upstream can serve, over an upstream with less room than the growth's step:
+/// the step is halved down to the request itself. It stopped once half the step fell below
+/// the request (2 MiB, then 1 MiB, for 1.25 MiB over a limit of 1.5 MiB: refused, with
+/// `available` 1.5 MiB in the error, and an awaited request waited for ever: a review's
+/// finding). The pool and the arena, plain and awaited, and a pool over a nearly full pool.
+#[test]
+fn a_growth_halves_down_to_the_request_itself() {
+    use streamalloc::resource::adaptor::LimitingAdaptor;
+    use streamalloc::AllocateAsync;
+    let want = 5 * MIB / 4;
+    for device in devices() {
+        let what = label(&device);
+        let s = device.create_stream().unwrap();
+        let limited = || LimitingAdaptor::new(CudaResource::new(&device), 3 * MIB / 2);
+        let pool = PoolResource::new(limited(), PoolOptions::default()).unwrap();
+        let arena = ArenaResource::new(limited(), ArenaOptions::default()).unwrap();
+        let resources: [(&str, &dyn MemoryResource); 2] = [("pool", &pool), ("arena", &arena)];
+        for (name, r) in resources {
+            let p = r
+                .allocate(want, &s)
+                .unwrap_or_else(|e| panic!("{what} {name}: the upstream had room: {e}"));
+            free(r, p, want, &s);
+        }
+        let pool = PoolResource::new(limited(), PoolOptions::default()).unwrap();
+        let awaited = futures::executor::block_on(
+            pool.allocate_async(want, &s)
+                .timeout(Duration::from_secs(2)),
+        );
+        let p = awaited.unwrap_or_else(|e| panic!("{what}: awaited: {e}"));
+        free(&pool, p, want, &s);
+        // Over a pool at its maximum of 4 MiB with 1.5 MiB of room.
+        let inner = Arc::new(
+            PoolResource::new(
+                CudaResource::new(&device),
+                PoolOptions {
+                    maximum: Some(4 * MIB),
+                    ..PoolOptions::default()
+                },
+            )
+            .unwrap(),
+        );
+        let held = inner.allocate(5 * MIB / 2, &s).unwrap();
+        let outer = PoolResource::new(inner.clone(), PoolOptions::default()).unwrap();
+        let p = outer
+            .allocate(want, &s)
+            .unwrap_or_else(|e| panic!("{what}: refused while the inner pool had room: {e}"));
+        free(&outer, p, want, &s);
+        drop(outer);
+        free(&*inner, held, 5 * MIB / 2, &s);
+        s.synchronize_blocking().unwrap();
+    }
+}
+
+/// At its maximum, a growth gives wholly free chunks back only if that can make room for the
+/// request: with 2 MiB free in a chunk of its own and 6 MiB held, a request for 7 MiB cannot
+/// be served however much goes back, so nothing goes (it gave the 2 MiB chunk back, each such
+/// give-back a device-wide `cuMemFree`, and grew it again for the next small request: a
+/// review's finding; the arena checked already).
+#[test]
+fn a_growth_at_the_maximum_gives_nothing_back_for_nothing() {
+    for device in devices() {
+        let what = label(&device);
+        let pool = PoolResource::new(
+            CudaResource::new(&device),
+            PoolOptions {
+                initial: 0,
+                maximum: Some(8 * MIB),
+                small_block_cache: 0,
+                ..PoolOptions::default()
+            },
+        )
+        .unwrap();
+        let s = device.create_stream().unwrap();
+        let a = pool.allocate(2 * MIB, &s).unwrap();
+        let b = pool.allocate(6 * MIB, &s).unwrap();
+        assert_eq!(pool.stats().chunks, 2, "{what}: the scene needs two chunks");
+        free(&pool, a, 2 * MIB, &s);
+        let refused = pool.allocate(7 * MIB, &s);
+        assert!(
+            matches!(refused, Err(Error::OutOfMemory { .. })),
+            "{what}: {refused:?}"
+        );
+        let stats = pool.stats();
+        assert_eq!(
+            (stats.reserved, stats.chunks),
+            (8 * MIB, 2),
+            "{what}: a chunk given back for a request that could not be served"
+        );
+        let grows = stats.grows;
+        let c = pool.allocate(MIB, &s).unwrap();
+        assert_eq!(pool.stats().grows, grows, "{what}: grew for memory it had");
+        free(&pool, c, MIB, &s);
+        free(&pool, b, 6 * MIB, &s);
+        s.synchronize_blocking().unwrap();
+    }
+}

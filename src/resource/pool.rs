@@ -460,6 +460,9 @@ impl<U: MemoryResource> PoolResource<U> {
                 maximum: maximum @ 1..,
                 ..
             } => self.out_of_memory_within(requested, available as u64, maximum),
+            // The host could not back the memory (a simulated device's): not ours to wait
+            // for, whatever our maximum says; as it is.
+            Error::HostOutOfMemory { .. } => upstream.clone(),
             _ => self.out_of_memory(requested),
         }
     }
@@ -668,6 +671,15 @@ impl<U: MemoryResource> PoolResource<U> {
         let room = self
             .maximum
             .saturating_sub(self.reserved.load(Ordering::Relaxed));
+        // Giving them all back would still leave too little room for the request: keep them
+        // (a review found the pool freeing chunks, each a device-wide `cuMemFree`, for a
+        // request it then refused, and growing them again for the next; the arena checked).
+        if room.saturating_add(bytes) < min {
+            if self.put_back_quietly(&whole) {
+                self.tell_waiters.store(true, Ordering::Release);
+            }
+            return None;
+        }
         let extra = min.saturating_sub(bytes).min(room);
         // Room under the maximum comes back (and chunks perhaps back in the lists) when the
         // claim goes: a request refused at the maximum meanwhile may fit then. The claim goes
@@ -836,8 +848,12 @@ impl<U: MemoryResource> Grow for PoolResource<U> {
                     tracing::debug!(chunk = chunk.1, "pool grew");
                     return Ok(chunk);
                 }
-                Err(e) if attempt / 2 >= min && e.is_out_of_memory() => {
-                    attempt = (attempt / 2).next_multiple_of(ALIGNMENT as u64);
+                // Halved down to the request itself, never below it: an upstream with room for
+                // the request but not for half the step must still be asked for the request
+                // (a review found the pool refusing, and an awaited request waiting for ever,
+                // over a limit of 1.5 MiB asked for 1.25: 2 MiB, then 1 MiB, then the error).
+                Err(e) if attempt > min && e.is_out_of_memory() => {
+                    attempt = (attempt / 2).next_multiple_of(ALIGNMENT as u64).max(min);
                 }
                 // The upstream ran out below our maximum (a device shared with other users, a
                 // smaller upstream): `grow_under` gives our wholly free chunks back, as at the

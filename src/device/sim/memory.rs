@@ -39,6 +39,9 @@ const DEVICE_SPAN: u64 = 1 << 44;
 pub(crate) const ALIGN: u64 = 512;
 /// Unmapped bytes after each allocation, so overruns fault.
 const GUARD: u64 = 64 << 10;
+/// From this size up, a block's host bytes are a mapping with no swap reserved
+/// ([`HostBytes::reserved`]) rather than heap memory (see `alloc_as`).
+const LARGE_BLOCK: usize = 2 << 20;
 
 /// The largest request that `bytes` of free memory can grant: whole blocks of [`ALIGN`], since
 /// an allocation takes its size rounded up to one (1,000 bytes grant 512).
@@ -267,7 +270,19 @@ impl SimMemory {
         // blocks and their guard gaps fill it) is out of memory too: the room comes back as
         // memory is freed.
         let base = state.place(rounded as u64, ALIGN).ok_or(oom.clone())?;
-        let storage = HostBytes::zeroed(rounded).ok_or(oom)?;
+        // The host bytes behind it: a large block as a reservation's (no swap reserved), so
+        // that the device's promise holds, host memory only for the pages touched; from the
+        // heap, a single block larger than the host's memory and swap was refused, and
+        // reported as the device out of memory with the device's numbers, so that a request
+        // that could never be served looked worth waiting for (a review found
+        // `DeviceBuffer::alloc` waiting for ever). Whatever the host still refuses is its own
+        // error, not the device's.
+        let storage = if rounded >= LARGE_BLOCK {
+            HostBytes::reserved(rounded)
+        } else {
+            HostBytes::zeroed(rounded)
+        }
+        .ok_or(Error::HostOutOfMemory { requested: rounded })?;
         state.next = base + rounded as u64 + GUARD;
         state.used += rounded;
         state.blocks.insert(

@@ -722,11 +722,12 @@ impl<U: MemoryResource> ArenaResource<U> {
                     if !e.is_out_of_memory() {
                         return Err(e);
                     }
-                    if attempt / 2 < min {
+                    if attempt <= min {
                         tracing::debug!("upstream out of memory");
                         return Err(self.upstream_out_of_memory(min, &e));
                     }
-                    attempt = (attempt / 2).next_multiple_of(ALIGNMENT as u64);
+                    // Down to the request itself, never below it (see the pool's `grow`).
+                    attempt = (attempt / 2).next_multiple_of(ALIGNMENT as u64).max(min);
                 }
             }
         }
@@ -784,6 +785,9 @@ impl<U: MemoryResource> ArenaResource<U> {
                 maximum: maximum @ 1..,
                 ..
             } => self.out_of_memory_within(requested, available as u64, maximum as u64),
+            // The host could not back the memory (a simulated device's): not ours to wait
+            // for, whatever our maximum says; as it is.
+            Error::HostOutOfMemory { .. } => upstream.clone(),
             // Not out of memory, or out of memory with no numbers (a maximum of 0): our own.
             _ => self.out_of_memory(requested),
         }
