@@ -838,11 +838,40 @@ fn a_growth_at_the_maximum_gives_nothing_back_for_nothing() {
             (8 * MIB, 2),
             "{what}: a chunk given back for a request that could not be served"
         );
+        // Awaited, the same request waits without waking itself: its own try, which takes
+        // the free chunk out and puts it back, tells nobody (told, it would try again at
+        // once, and again, for as long as the memory stays short).
+        let wakes = Arc::new(CountWakes(std::sync::atomic::AtomicUsize::new(0)));
+        let waker = std::task::Waker::from(wakes.clone());
+        let mut cx = std::task::Context::from_waker(&waker);
+        let mut wait = Box::pin(streamalloc::AllocateAsync::allocate_async(
+            &pool,
+            7 * MIB,
+            &s,
+        ));
+        for _ in 0..3 {
+            assert!(std::future::Future::poll(wait.as_mut(), &mut cx).is_pending());
+        }
+        assert_eq!(
+            wakes.0.load(std::sync::atomic::Ordering::SeqCst),
+            0,
+            "{what}: the waiter woke itself"
+        );
+        drop(wait);
         let grows = stats.grows;
         let c = pool.allocate(MIB, &s).unwrap();
         assert_eq!(pool.stats().grows, grows, "{what}: grew for memory it had");
         free(&pool, c, MIB, &s);
         free(&pool, b, 6 * MIB, &s);
         s.synchronize_blocking().unwrap();
+    }
+}
+
+/// A waker that counts its wakes.
+struct CountWakes(std::sync::atomic::AtomicUsize);
+
+impl std::task::Wake for CountWakes {
+    fn wake(self: Arc<Self>) {
+        self.0.fetch_add(1, std::sync::atomic::Ordering::SeqCst);
     }
 }

@@ -9,8 +9,13 @@
 //! - the lower limit's rollback of a request (through the upper limit) that held the
 //!   reservation the waiter was refused because of, and then failed upstream.
 //!
+//! And a resource that calls its upstream under a lock of its own (a pool's growth under
+//! `slow`) holds back what the upstream's queue relays to its own (`MemoryWaiters::deferring`),
+//! telling its waiters once the lock is let go: what it held back must still reach them.
+//!
 //! A lost wake-up leaves `block_on` parked for ever: loom reports a deadlock. The planted
-//! tests leave the relay out (the code before the fix) and expect that deadlock.
+//! tests leave the relay out (the code before the fix), or drop what was held back
+//! (`resource::waiters::planted::DEFER_DROPS`), and expect that deadlock.
 
 use std::sync::Arc as StdArc;
 
@@ -165,6 +170,59 @@ fn planted_nested_limits_no_relay_rollback() {
             check_paths(None, &[], |seen| {
                 a_rollback_below_wakes_the_waiter_above(false, seen)
             })
+        },
+    );
+}
+
+/// As [`a_free_below_wakes_the_waiter_above`], but the free below runs inside the upper queue's
+/// `deferring` (what a pool over the lower resource does around its upstream call during a
+/// growth, under its `slow`): the relayed notification is held back, `tell` set, and the
+/// upper queue told after (the pool's `allocate`, once it holds no lock). W must be served.
+fn a_held_back_free_below_still_wakes_the_waiter_above(seen: &Shared<Seen>) {
+    let nested = Arc::new(Nested::new(2 * N, N, 4 * N, true));
+    nested.take_lower(N).expect("the other path's block");
+    let g = {
+        let nested = nested.clone();
+        thread::spawn(move || {
+            let tell = crate::sync::AtomicBool::new(false);
+            (nested.upper_waiters).deferring(&tell, || nested.free_lower(N));
+            // The lock let go: what was held back is told.
+            if tell.swap(false, Ordering::AcqRel) {
+                nested.upper_waiters.notify();
+            }
+        })
+    };
+    wait_for_n(&nested, seen);
+    g.join().unwrap();
+    nested.free(N);
+    nested.settled(4 * N);
+}
+
+#[test]
+fn nested_limits_a_held_back_free_below_still_wakes_the_waiter_above() {
+    check_paths(
+        None,
+        &[BATON],
+        a_held_back_free_below_still_wakes_the_waiter_above,
+    );
+}
+
+/// Bug: `deferring` drops what it held back (`DEFER_DROPS`): W sleeps with the memory free.
+#[test]
+#[ignore = "planted bug: must fail"]
+fn planted_nested_limits_held_back_free_dropped() {
+    must_fail(
+        module_path!(),
+        "planted_nested_limits_held_back_free_dropped",
+        "deadlock",
+        || {
+            crate::resource::waiters::planted::DEFER_DROPS
+                .store(true, std::sync::atomic::Ordering::Relaxed);
+            check_paths(
+                None,
+                &[],
+                a_held_back_free_below_still_wakes_the_waiter_above,
+            )
         },
     );
 }

@@ -12,7 +12,7 @@ use crate::device::{Device, DevicePtr};
 use crate::error::{Error, Result};
 use crate::stream::Stream;
 use crate::sync::plain::Arc as StdArc;
-use crate::sync::{AtomicU64, Mutex, Ordering};
+use crate::sync::{AtomicBool, AtomicU64, Mutex, Ordering};
 
 /// Blocks of one size (RMM's `fixed_size_memory_resource`): every allocation of at most
 /// `block_size` bytes gets one block. Upstream chunks of `blocks_per_chunk` blocks, in the pool's
@@ -45,6 +45,10 @@ pub struct FixedSizeResource<U: MemoryResource> {
     /// request over an upstream at its maximum failed at once instead of waiting for a block
     /// freed through it.
     waiters: StdArc<MemoryWaiters>,
+    /// Set where the upstream's queue relayed a notification during a growth, under the
+    /// engine's `slow`: [`allocate`](MemoryResource::allocate) tells the waiters once the
+    /// request is over (see `MemoryWaiters::deferring`, and the pool's `tell_waiters`).
+    tell_waiters: AtomicBool,
 }
 
 impl<U: MemoryResource> fmt::Debug for FixedSizeResource<U> {
@@ -83,6 +87,7 @@ impl<U: MemoryResource> FixedSizeResource<U> {
             heap: StreamHeap::new(),
             chunks: Mutex::new(Vec::new()),
             reserved: AtomicU64::new(0),
+            tell_waiters: AtomicBool::new(false),
         })
     }
 
@@ -107,7 +112,11 @@ impl<U: MemoryResource> Grow for FixedSizeResource<U> {
     fn grow(&self, _min: u64, stream: &Stream) -> Result<(u64, u64)> {
         let size = self.block * self.blocks_per_chunk;
         let _span = tracing::debug_span!("grow", chunk = size, block = self.block).entered();
-        let ptr = self.upstream.allocate(size as usize, stream)?;
+        // Under the engine's `slow`: what the upstream's queue relays here is told once the
+        // request is over.
+        let ptr = (self.waiters).deferring(&self.tell_waiters, || {
+            self.upstream.allocate(size as usize, stream)
+        })?;
         // Counted under the chunk list's lock, which `snapshot` reads both under: counted
         // after the lock was let go, a snapshot in between showed chunks summing to more than
         // `reserved`.
@@ -156,7 +165,15 @@ unsafe impl<U: MemoryResource> MemoryResource for FixedSizeResource<U> {
                 reason: "larger than the fixed-size resource's block size",
             });
         }
-        let ptr = DevicePtr(self.heap.take(self.block, stream, self)?);
+        let taken = self.heap.take(self.block, stream, self);
+        // What a growth held back, told now that the request holds no lock (a load first: the
+        // fast path writes nothing shared).
+        if self.tell_waiters.load(Ordering::Relaxed)
+            && self.tell_waiters.swap(false, Ordering::AcqRel)
+        {
+            self.waiters.notify();
+        }
+        let ptr = DevicePtr(taken?);
         // The race detector of the simulated device checks blocks, not chunks (a no-op on CUDA).
         self.device
             .note_allocation(ptr, self.block as usize, stream);

@@ -260,7 +260,8 @@ pub struct PoolResource<U: MemoryResource> {
     /// is over and holds no lock. A waker is the executor's code, which may poll its task at
     /// once; a task that then asks this pool for memory on the slow path would wait for ever
     /// on `slow`, held by its own thread (a review found the waiters of a pool stacked over
-    /// this one woken under it).
+    /// this one woken under it; and, later, this pool's own, relayed from its upstream's queue
+    /// during a growth: `MemoryWaiters::deferring`).
     tell_waiters: AtomicBool,
 }
 
@@ -422,7 +423,11 @@ impl<U: MemoryResource> PoolResource<U> {
             reserved: &self.reserved,
             size,
         };
-        let allocated = self.upstream.allocate(size as usize, stream);
+        // Under `slow` (a growth): what the upstream's queue relays here is told once the
+        // request is over (`tell_waiters`; see `MemoryWaiters::deferring`).
+        let allocated = (self.waiters).deferring(&self.tell_waiters, || {
+            self.upstream.allocate(size as usize, stream)
+        });
         std::mem::forget(unreserve);
         match allocated {
             Ok(ptr) => {
@@ -674,10 +679,12 @@ impl<U: MemoryResource> PoolResource<U> {
         // Giving them all back would still leave too little room for the request: keep them
         // (a review found the pool freeing chunks, each a device-wide `cuMemFree`, for a
         // request it then refused, and growing them again for the next; the arena checked).
+        // Put back untold: they were out only under `slow`, which every request takes before
+        // it fails, so none failed for want of them; and a waiter told here would be told by
+        // its own try (a request the pool at its maximum cannot serve), try again at once, fail
+        // again the same way, in a loop for as long as the memory stays short.
         if room.saturating_add(bytes) < min {
-            if self.put_back_quietly(&whole) {
-                self.tell_waiters.store(true, Ordering::Release);
-            }
+            self.put_back_quietly(&whole);
             return None;
         }
         let extra = min.saturating_sub(bytes).min(room);
@@ -1340,6 +1347,92 @@ mod review_tests {
 
     impl Wake for Noop {
         fn wake(self: Arc<Self>) {}
+    }
+
+    /// A waker that notes whether the outer pool's growth lock (`slow`) was held when it ran.
+    struct OuterProbe {
+        outer: Arc<PoolResource<Arc<PoolResource<CudaResource>>>>,
+        wakes: AtomicUsize,
+        under_lock: AtomicBool,
+    }
+
+    impl Wake for OuterProbe {
+        fn wake(self: Arc<Self>) {
+            self.wake_by_ref();
+        }
+
+        fn wake_by_ref(self: &Arc<Self>) {
+            self.wakes.fetch_add(1, SeqCst);
+            if self.outer.heap.slow_is_locked() {
+                self.under_lock.store(true, SeqCst);
+            }
+        }
+    }
+
+    /// A pool over a pool at its maximum, a task waiting on the outer one; the outer pool's
+    /// growth (under its `slow`) for another request asks the inner one, which gives two
+    /// wholly free chunks back to grow one that holds that request, and tells its waiters,
+    /// relayed to the outer queue: the
+    /// outer waiter must be told once the outer pool's request is over, never under its own
+    /// `slow` (a task polled by its waker there would wait for ever on the lock its thread
+    /// holds: a review's finding).
+    #[test]
+    fn a_growth_wakes_no_waiter_under_its_own_lock_through_the_upstream() {
+        let device = Device::simulated(SimConfig::default());
+        let options = |maximum| PoolOptions {
+            initial: 0,
+            maximum,
+            small_block_cache: 0,
+            ..PoolOptions::default()
+        };
+        let inner = Arc::new(
+            PoolResource::new(CudaResource::new(&device), options(Some(8 * MIB))).unwrap(),
+        );
+        let s = device.create_stream().unwrap();
+        let b = inner.allocate(2 * MIB, &s).unwrap();
+        let c1 = inner.allocate(3 * MIB, &s).unwrap();
+        let c2 = inner.allocate(3 * MIB, &s).unwrap();
+        let stats = inner.stats();
+        assert_eq!((stats.chunks, stats.reserved), (3, 8 * MIB), "the scene");
+        let outer = Arc::new(PoolResource::new(inner.clone(), options(None)).unwrap());
+        let probe = Arc::new(OuterProbe {
+            outer: outer.clone(),
+            wakes: AtomicUsize::new(0),
+            under_lock: AtomicBool::new(false),
+        });
+        let waker = Waker::from(probe.clone());
+        // A task waiting for 7 MiB: more than the inner pool can ever free for it while `b`
+        // is held (6 MiB), so it stays in line, not told, once it tried again below.
+        let mut wait = Box::pin(outer.allocate_async(7 * MIB, &s));
+        let mut cx = Context::from_waker(&waker);
+        assert!(matches!(wait.as_mut().poll(&mut cx), Poll::Pending));
+        for c in [c1, c2] {
+            // SAFETY: handed out above on `s`, never used, freed once on `s`.
+            unsafe { inner.deallocate(c, 3 * MIB, &s) }.unwrap();
+        }
+        assert!(
+            probe.wakes.load(SeqCst) > 0,
+            "the frees did not tell the waiter"
+        );
+        assert!(matches!(wait.as_mut().poll(&mut cx), Poll::Pending));
+        probe.wakes.store(0, SeqCst);
+        let p = outer.allocate(5 * MIB, &s).unwrap();
+        assert_eq!(
+            inner.stats().chunks,
+            2,
+            "the inner pool did not give back to grow"
+        );
+        assert!(probe.wakes.load(SeqCst) > 0, "the waiter was not told");
+        assert!(
+            !probe.under_lock.load(SeqCst),
+            "a waker ran under the outer pool's growth lock"
+        );
+        drop(wait);
+        // SAFETY: handed out above on `s`, never used, freed once on `s`.
+        unsafe { outer.deallocate(p, 5 * MIB, &s) }.unwrap();
+        // SAFETY: as above.
+        unsafe { inner.deallocate(b, 2 * MIB, &s) }.unwrap();
+        s.synchronize_blocking().unwrap();
     }
 
     /// The trimmed pool, the second stream and the waiting trim, handed to a test's action.

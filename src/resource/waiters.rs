@@ -40,7 +40,7 @@ use std::task::Waker;
 use std::time::{Duration, Instant};
 
 use crate::sync::plain::{Arc as StdArc, RwLock};
-use crate::sync::{fence, AtomicU64, AtomicUsize, Mutex, Ordering};
+use crate::sync::{fence, AtomicBool, AtomicU64, AtomicUsize, Mutex, Ordering};
 
 crate::sync::thread_local! {
     /// The queue (its address) whose notifications from this thread are dropped: set by
@@ -48,6 +48,11 @@ crate::sync::thread_local! {
     // loom's `thread_local!` takes no `const { }` initializer.
     #[allow(clippy::missing_const_for_thread_local)]
     static QUIET: Cell<usize> = Cell::new(0);
+    /// The queue (its address) whose notifications from this thread are held back, and
+    /// whether one came: set by [`MemoryWaiters::deferring`] while a resource calls its
+    /// upstream under a lock of its own; `(0, false)` for none.
+    #[allow(clippy::missing_const_for_thread_local)]
+    static DEFER: Cell<(usize, bool)> = Cell::new((0, false));
 }
 
 struct Entry {
@@ -254,6 +259,15 @@ impl MemoryWaiters {
         if !planted!(NO_FENCES) {
             fence(Ordering::SeqCst);
         }
+        // Held back on this thread (`deferring`), the queues above with it: told once the
+        // resource's lock is let go. Looked at only where someone could be woken, so that a
+        // free with nobody waiting and no queue above still costs one fence and two loads.
+        if (self.len.load(Ordering::Relaxed) != 0
+            || self.has_relays.load(std::sync::atomic::Ordering::Acquire))
+            && self.held_back()
+        {
+            return;
+        }
         // The queues above first, and whatever this queue's own state: memory that came back
         // here may serve a request waiting there. Each does its own fence and checks.
         self.notify_relays();
@@ -297,6 +311,54 @@ impl MemoryWaiters {
         // one needless retry.
         let _restore = QUIET.try_with(|q| q.replace(self.addr())).ok().map(Restore);
         f()
+    }
+
+    /// Runs `f` (a resource's call to its upstream under a lock of its own, a growth under
+    /// the engine's `slow`) with this thread's notifications of this queue, and of the queues
+    /// above it, held back; if one came, `tell` is set (on unwind too), for the resource to
+    /// [`notify`](Self::notify) once it holds no lock. The upstream's queue relays here: a
+    /// free or a rollback inside its `allocate` notified this queue at once, and a waker is
+    /// the executor's code, which may poll its task there and then; a task that asks this
+    /// resource for memory on the slow path then waits for ever on the lock its own thread
+    /// holds (a review found a pool over a pool at its maximum so, `tell_waiters` having
+    /// covered only the pool's own notifications).
+    pub(crate) fn deferring<T>(&self, tell: &AtomicBool, f: impl FnOnce() -> T) -> T {
+        /// Restores the previous mark, and sets `tell` if a notification came, even if `f`
+        /// panics.
+        struct Restore<'a> {
+            previous: (usize, bool),
+            tell: &'a AtomicBool,
+        }
+        impl Drop for Restore<'_> {
+            fn drop(&mut self) {
+                let came = DEFER.try_with(|d| d.replace(self.previous).1);
+                if came.unwrap_or(false) && !planted!(DEFER_DROPS) {
+                    self.tell.store(true, Ordering::Release);
+                }
+            }
+        }
+        // Without the thread-local (a thread being torn down) nothing is held back: the
+        // notifications are told at once, as before.
+        let previous = DEFER.try_with(|d| d.replace((self.addr(), false)));
+        let _restore = previous.ok().map(|previous| Restore { previous, tell });
+        f()
+    }
+
+    /// Whether this thread holds this queue's notifications back ([`deferring`]); if so, notes
+    /// that one came.
+    ///
+    /// [`deferring`]: Self::deferring
+    fn held_back(&self) -> bool {
+        DEFER
+            .try_with(|d| {
+                let (addr, _) = d.get();
+                let mine = addr == self.addr();
+                if mine {
+                    d.set((addr, true));
+                }
+                mine
+            })
+            .unwrap_or(false)
     }
 
     /// Whether this thread is inside [`quietly`](Self::quietly) for this queue or for one it
@@ -469,8 +531,8 @@ pub(crate) fn now() -> Instant {
     Instant::now()
 }
 
-/// Bugs the loom models plant (`loom-tests/waiters/queue.rs`), constant off otherwise; read
-/// through `planted!`.
+/// Bugs the loom models plant (`loom-tests/waiters/queue.rs`, `nested.rs`), constant off
+/// otherwise; read through `planted!`.
 #[cfg(streamalloc_loom)]
 pub(crate) mod planted {
     use std::sync::atomic::AtomicBool;
@@ -484,6 +546,9 @@ pub(crate) mod planted {
     /// `stacked_over` does not pass the arrival hook of the queue below to the new queue: a
     /// request waiting above never starts what one arriving below would.
     pub(crate) static HOOK_NOT_STACKED: AtomicBool = AtomicBool::new(false);
+    /// `deferring` drops the notifications it held back instead of setting `tell`: the
+    /// waiters of a resource whose growth's upstream freed memory are never told.
+    pub(crate) static DEFER_DROPS: AtomicBool = AtomicBool::new(false);
 }
 
 #[cfg(all(test, not(streamalloc_loom)))]

@@ -688,7 +688,11 @@ impl<U: MemoryResource> ArenaResource<U> {
                     reserved: &self.reserved,
                     size: attempt,
                 };
-                let allocated = self.upstream.allocate(attempt as usize, stream);
+                // Under `slow`: what the upstream's queue relays here is told once the request
+                // is over (see `MemoryWaiters::deferring`).
+                let allocated = (self.waiters).deferring(&self.tell_waiters, || {
+                    self.upstream.allocate(attempt as usize, stream)
+                });
                 std::mem::forget(unreserve);
                 allocated
             };

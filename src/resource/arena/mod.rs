@@ -147,7 +147,7 @@ use crate::device::{Device, DevicePtr};
 use crate::error::{Error, Result};
 use crate::stream::Stream;
 use crate::sync::plain::Arc as StdArc;
-use crate::sync::{Arc, AtomicU64, Mutex, Ordering};
+use crate::sync::{Arc, AtomicBool, AtomicU64, Mutex, Ordering};
 
 mod alloc;
 mod dump;
@@ -284,6 +284,10 @@ pub struct ArenaResource<U: MemoryResource> {
     /// Tasks waiting in `allocate_async` for memory to come back. The upstream's queue, if it
     /// has one, relays to it ([`MemoryWaiters::stacked_over`]), as the pool's does.
     waiters: StdArc<MemoryWaiters>,
+    /// Set where the upstream's queue relayed a notification during a growth, under `slow`:
+    /// [`allocate`](MemoryResource::allocate) tells the waiters once the request is over
+    /// (see `MemoryWaiters::deferring`, and the pool's `tell_waiters`).
+    tell_waiters: AtomicBool,
     /// Whole chunks that trims took out of the global arena and hold while they wait for the
     /// streams that last used them: a request at the maximum takes them back
     /// (`resource/held_for_trim.rs`), as the pool's does.
@@ -373,6 +377,7 @@ impl<U: MemoryResource> ArenaResource<U> {
             superblock_moves: AtomicU64::new(0),
             chunks_released: AtomicU64::new(0),
             next_ticket: AtomicU64::new(0),
+            tell_waiters: AtomicBool::new(false),
             waiters,
             held_for_trim: HeldForTrim::new(),
             give_backs: GiveBacks::new(),
@@ -503,11 +508,19 @@ unsafe impl<U: MemoryResource> MemoryResource for ArenaResource<U> {
         if size > self.maximum {
             return Err(self.out_of_memory(size));
         }
-        let ptr = DevicePtr(if size <= self.superblock {
+        let taken = if size <= self.superblock {
             self.allocate_small(size, stream)
         } else {
             self.allocate_large(size, stream)
-        }?);
+        };
+        // What a growth held back, told now that the request holds no lock (a load first: the
+        // fast path writes nothing shared).
+        if self.tell_waiters.load(Ordering::Relaxed)
+            && self.tell_waiters.swap(false, Ordering::AcqRel)
+        {
+            self.waiters.notify();
+        }
+        let ptr = DevicePtr(taken?);
         // The race detector of the simulated device checks blocks, not chunks (a no-op on CUDA).
         self.device.note_allocation(ptr, size as usize, stream);
         Ok(ptr)
