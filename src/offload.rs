@@ -93,6 +93,13 @@ impl Offload {
         }
     }
 
+    /// How many jobs are queued and not started (the one running is not counted): for tests
+    /// that bound what a resource queues.
+    #[cfg(all(test, not(streamalloc_loom)))]
+    pub(crate) fn queued(&self) -> usize {
+        self.shared.state.lock().jobs.len()
+    }
+
     /// Runs `job` on the blocking-work thread, after every job queued before it, starting the
     /// thread if this is the first. `what` names the job in the log of a panic. Never blocks
     /// on the job. If the OS cannot start the thread, the jobs run here instead (logged): late

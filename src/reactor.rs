@@ -348,6 +348,13 @@ impl Reactor {
         self.offload.run(what, job);
     }
 
+    /// How many jobs wait on the blocking-work thread, not started (see
+    /// [`offload`](Self::offload)): for tests.
+    #[cfg(all(test, not(streamalloc_loom)))]
+    pub(crate) fn queued_jobs(&self) -> usize {
+        self.offload.queued()
+    }
+
     /// The bell a device rings when one of its streams reaches an event.
     pub(crate) fn bell(&self) -> Arc<Bell> {
         self.shared.bell.clone()

@@ -1,7 +1,7 @@
 //! Third review of `ExpandablePoolResource`: a trim's unmapping when the simulated device's
 //! race detector, in its `Panic` mode, panics out of an unmap; then (the twenty-third
-//! session's review) a device whose memory is not a whole number of mapping units, and the
-//! peak in use against the peak mapped.
+//! session's review) a device whose memory is not a whole number of mapping units, the peak
+//! in use against the peak mapped, and memory freed on a stream that is never idle.
 
 mod common;
 
@@ -286,4 +286,78 @@ fn the_peak_in_use_is_never_above_the_peak_mapped() {
         stats.peak_reserved
     );
     assert_eq!(stats.peak_in_use, 64 * MIB);
+}
+
+/// Memory freed on a stream that always has work queued (a pipeline's compute stream) moves at
+/// the maximum once that work has finished, though the stream never answers idle: 64 MiB
+/// reserved per range and a maximum of 64 MiB, 32 MiB freed on `s` in one range and 32 MiB on
+/// `u` in another, both streams synchronized since; a feeder keeps `s` busy (never touching
+/// that memory), and an awaited 64 MiB on `t` needs both halves moved into its range. The
+/// review found the move asking `s` whether it was idle, every time: the job that waited for
+/// `s` woke the waiter, whose retry found new work on `s` and was refused again, until the
+/// timeout. Now that job notes `s` done up to the epoch it bumped before it waited, and the
+/// move takes what `s` freed before it without asking.
+#[test]
+fn memory_freed_on_a_stream_never_idle_moves_once_its_work_is_done() {
+    use std::sync::atomic::{AtomicBool, Ordering};
+    use std::time::Duration;
+    use streamalloc::AllocateAsync;
+    const MIB: usize = 1 << 20;
+    let device = Device::simulated(SimConfig::default());
+    let p = ExpandablePoolResource::new(
+        &device,
+        ExpandableOptions {
+            reserve: Some(64 * MIB),
+            maximum: Some(64 * MIB),
+            ..ExpandableOptions::default()
+        },
+    )
+    .unwrap();
+    let (s, u, t) = (
+        device.create_stream().unwrap(),
+        device.create_stream().unwrap(),
+        device.create_stream().unwrap(),
+    );
+    // Two threads, two shards, two ranges: 32 MiB freed on `s` in one, on `u` in the other.
+    let (a, c) = std::thread::scope(|scope| {
+        let a = scope.spawn(|| p.allocate(32 * MIB, &s).unwrap()).join();
+        let c = scope.spawn(|| p.allocate(32 * MIB, &u).unwrap()).join();
+        (a.unwrap(), c.unwrap())
+    });
+    free(&p, a, 32 * MIB, &s);
+    free(&p, c, 32 * MIB, &u);
+    s.synchronize_blocking().unwrap();
+    u.synchronize_blocking().unwrap();
+    assert_eq!(p.stats().reserved, 64 * MIB);
+    let stop = AtomicBool::new(false);
+    let served = std::thread::scope(|scope| {
+        // `s` never idles: a spin of 5 ms queued every 4 ms.
+        scope.spawn(|| {
+            while !stop.load(Ordering::Relaxed) {
+                s.spin(Duration::from_millis(5)).unwrap();
+                std::thread::sleep(Duration::from_millis(4));
+            }
+        });
+        std::thread::sleep(Duration::from_millis(20));
+        let b = scope
+            .spawn(|| {
+                let b = futures::executor::block_on(
+                    p.allocate_async(64 * MIB, &t)
+                        .timeout(Duration::from_secs(3)),
+                );
+                if let Ok(b) = &b {
+                    free(&p, *b, 64 * MIB, &t);
+                }
+                b
+            })
+            .join();
+        // Stopped before a panic goes on: the scope waits for the feeder.
+        stop.store(true, Ordering::Relaxed);
+        b.unwrap()
+    });
+    assert!(served.is_ok(), "{served:?} {:?}", p.stats());
+    assert!(p.relocations() >= 1);
+    s.synchronize_blocking().unwrap();
+    t.synchronize_blocking().unwrap();
+    p.check_invariants().unwrap();
 }

@@ -19,7 +19,9 @@
 //! of the lists, while it holds the table); nothing takes the table while it holds a list's
 //! lock, nor the growth lock while it holds either.
 
-use super::super::stream_ordered::{EngineStats, EngineStream, Grow, ListBlocks, StreamHeap};
+use super::super::stream_ordered::{
+    EngineStats, EngineStream, Grow, HostWait, ListBlocks, StreamHeap,
+};
 use crate::error::{Error, Result};
 use crate::resource::held_for_trim::{HeldForTrim, HeldOrder, Ticket};
 use crate::sync::{AtomicU64, Mutex, Ordering};
@@ -308,6 +310,11 @@ pub(crate) struct Expander<S: EngineStream, B: Backing> {
     /// running: the resource waits for them off the caller's thread and wakes its memory
     /// waiters ([`take_busy`](Self::take_busy)).
     busy: Mutex<Vec<S>>,
+    /// Uids of the streams handed out by [`take_busy`](Self::take_busy) whose job has not
+    /// started yet ([`settle_started`](Self::settle_started)): at most one job is queued per
+    /// stream. Without it every refused request queued one (a storm of refusals, a storm of
+    /// jobs on the device's blocking-work thread, each waiting for the same stream).
+    settling: Mutex<Vec<u64>>,
     /// Growths at the maximum that unmapped idle free granules elsewhere to map where they
     /// grow ([`make_room`](Self::make_room)), counted once mapped.
     relocations: AtomicU64,
@@ -381,6 +388,7 @@ impl<S: EngineStream, B: Backing> Expander<S, B> {
             growth_nanos: AtomicU64::new(0),
             relocations: AtomicU64::new(0),
             busy: Mutex::new(Vec::new()),
+            settling: Mutex::new(Vec::new()),
             maximum,
             split_min: SPLIT_MIN,
             unclaimed_bytes: std::sync::atomic::AtomicU64::new(0),
@@ -427,9 +435,46 @@ impl<S: EngineStream, B: Backing> Expander<S, B> {
         std::time::Duration::from_nanos(self.growth_nanos.load(Ordering::Relaxed))
     }
 
-    /// The streams noted busy by refused moves since the last call (each once).
+    /// The streams noted busy by refused moves since the last call (each once), less those
+    /// already in a job that has not started: the caller queues a job for them, which calls
+    /// [`settle_started`](Self::settle_started) first.
     pub(crate) fn take_busy(&self) -> Vec<S> {
-        std::mem::take(&mut *self.busy.lock())
+        let busy = std::mem::take(&mut *self.busy.lock());
+        if busy.is_empty() {
+            return busy;
+        }
+        let (fresh, queued): (Vec<S>, Vec<S>) = {
+            let mut settling = self.settling.lock();
+            busy.into_iter().partition(|stream| {
+                let uid = stream.uid();
+                let fresh = !settling.contains(&uid);
+                if fresh {
+                    settling.push(uid);
+                }
+                fresh
+            })
+        };
+        // Handles of streams already queued go after the lock: a stream's drop takes locks of
+        // its own.
+        drop(queued);
+        fresh
+    }
+
+    /// The job for `streams` (from [`take_busy`](Self::take_busy)) has started: a refusal from
+    /// now on queues another (it may have seen frees this job's bumps do not cover), and each
+    /// stream's epochs are bumped before the job waits for it on the host
+    /// ([`StreamHeap::bump_for_host_wait`]), for
+    /// [`StreamHeap::note_host_waited`] once each wait has succeeded: a move then takes what
+    /// the stream freed before, with no question, though the stream has new work by then.
+    pub(crate) fn settle_started(&self, streams: &[S]) -> Vec<HostWait> {
+        {
+            let mut settling = self.settling.lock();
+            settling.retain(|uid| !streams.iter().any(|s| s.uid() == *uid));
+        }
+        streams
+            .iter()
+            .map(|stream| self.heap.bump_for_host_wait(stream))
+            .collect()
     }
 
     /// Growths that first moved free memory (see `make_room`).

@@ -1,6 +1,8 @@
 //! `ExpandablePoolResource`: a pool on virtual memory, whose footprint follows its live memory.
 
 pub(crate) mod core;
+#[cfg(all(test, not(streamalloc_loom)))]
+mod settle_tests;
 mod snapshot;
 #[cfg(all(test, not(streamalloc_loom)))]
 mod trim_order_tests;
@@ -128,9 +130,10 @@ pub const DEFAULT_MAP_GRANULES: usize = 4;
 ///   extends (those whose last users' work has finished: the stream is asked, the host never
 ///   waits), and maps that room where it extends ([`relocations`](Self::relocations) counts
 ///   these). Memory freed on a stream still busy is not moved: a request that needs it
-///   fails (or, with `allocate_async`, waits for the next free or trim) until that work is
-///   done. A pool of separate chunks never merges across them, so it holds more than it uses
-///   after a change of sizes.
+///   fails until that work is done; with `allocate_async` it waits, while the pool waits for
+///   the stream off the caller's thread and then notes what it had freed as finished (so
+///   memory freed on a stream that always has new work queued moves too). A pool of separate
+///   chunks never merges across them, so it holds more than it uses after a change of sizes.
 /// - **Trim gives memory back a granule at a time.** [`trim`](Self::trim) unmaps and releases
 ///   every fully free granule (where the pool can only return wholly free chunks), after
 ///   waiting for the work of the stream that last used it. The device's free memory rises by
@@ -430,9 +433,15 @@ impl Inner {
     }
 
     /// After a refused request: if a move at the maximum left memory of busy streams, wait
-    /// for those streams on the device's blocking-work thread and then wake the memory
-    /// waiters (the memory can move now). Without this a waiter of `allocate_async` would
-    /// wait for a free that may never come.
+    /// for those streams on the device's blocking-work thread, note what they had freed
+    /// finished, and then wake the memory waiters (the memory can move now). Without this a
+    /// waiter of `allocate_async` would wait for a free that may never come.
+    ///
+    /// The note is what lets the memory move: the waiters' retry does not ask the stream
+    /// again, which a stream that always has work queued answers busy every time (the job
+    /// woke them, their retry was refused and queued the job again, until a timeout: a
+    /// review's finding). At most one job is queued per stream (`Expander::take_busy`): a
+    /// storm of refusals queued one each.
     fn settle_busy(&self) {
         let busy = self.core.take_busy();
         if busy.is_empty() {
@@ -442,10 +451,19 @@ impl Inner {
         self.device.reactor().offload(
             "expandable pool: busy streams' memory",
             Box::new(move || {
+                // The pool is not kept alive across the waits: looked up for each note.
+                let Some(waits) = me.upgrade().map(|pool| pool.core.settle_started(&busy)) else {
+                    return;
+                };
                 let mut finished = false;
-                for stream in busy {
+                for (stream, wait) in busy.into_iter().zip(waits) {
                     match stream.synchronize_blocking() {
-                        Ok(()) => finished = true,
+                        Ok(()) => {
+                            finished = true;
+                            if let Some(pool) = me.upgrade() {
+                                pool.core.heap.note_host_waited(wait);
+                            }
+                        }
                         // Not a failure: the user's code is capturing the stream into a graph,
                         // whose work the host cannot wait for. Its memory stays where it is
                         // until a later request (or trim) finds the capture over.

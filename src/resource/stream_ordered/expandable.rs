@@ -157,6 +157,62 @@ impl<S: EngineStream> StreamHeap<S> {
     }
 }
 
+/// A stream's epochs, bumped in every shard that knows it before the host waits for the
+/// stream ([`bump_for_host_wait`](StreamHeap::bump_for_host_wait)): what
+/// [`note_host_waited`](StreamHeap::note_host_waited) notes done once the wait succeeded.
+#[derive(Debug)]
+pub(crate) struct HostWait {
+    /// The stream's uid: a trim may forget the stream while the host waits, and another
+    /// stream take its slot, whose entry must not be noted done.
+    uid: u64,
+    /// `(shard, slot, epoch bumped to)`, for each shard that knew the stream.
+    bumped: Vec<(usize, u32, u64)>,
+}
+
+impl<S: EngineStream> StreamHeap<S> {
+    /// Bumps `stream`'s epoch in each shard that knows it, under that shard's lock, before the
+    /// caller waits on the host for all work queued on the stream so far (the expandable
+    /// pool's job for the streams a move found busy). Every free on the stream tagged below
+    /// the bumped epoch came before the bump, so its last use was queued before the wait
+    /// began: once the wait succeeds, [`note_host_waited`](Self::note_host_waited) notes
+    /// those frees finished, as an idle answer does in [`order`](Self::order). Without it, a
+    /// stream that always has work queued (a pipeline's compute stream) never answers idle,
+    /// and a move at the maximum ([`take_idle_aligned`](Self::take_idle_aligned)) never takes
+    /// what it freed, however long ago: the host's wait woke the waiters, and their retry
+    /// asked the stream again and found new work (a review's finding;
+    /// `tests/expandable_review3.rs`). Frees tagged since are not covered.
+    pub(crate) fn bump_for_host_wait(&self, stream: &S) -> HostWait {
+        let uid = stream.uid();
+        let mut bumped = Vec::new();
+        for (k, shard) in self.shards.iter().enumerate() {
+            let mut heap = shard.lock();
+            let Some(&slot) = heap.slots.get(&uid) else {
+                continue;
+            };
+            if let Some(entry) = heap.entry_mut(slot) {
+                entry.epoch += 1;
+                bumped.push((k, slot, entry.epoch));
+            }
+        }
+        HostWait { uid, bumped }
+    }
+
+    /// After the host's wait for a stream succeeded (begun after
+    /// [`bump_for_host_wait`](Self::bump_for_host_wait) returned `wait`): notes the stream done
+    /// up to the epochs bumped, in each shard that still knows it by that slot.
+    pub(crate) fn note_host_waited(&self, wait: HostWait) {
+        for (k, slot, epoch) in wait.bumped {
+            let Some(shard) = self.shards.get(k) else {
+                continue;
+            };
+            let mut heap = shard.lock();
+            if let Some(entry) = heap.entry_mut(slot).filter(|e| e.uid == wait.uid) {
+                entry.done = entry.done.max(epoch);
+            }
+        }
+    }
+}
+
 impl<S: EngineStream> Heap<S> {
     /// Handles of the streams whose work a block tagged `tag` still waits for: those it
     /// names that are not noted done past its free (every stream, for a tag that names more

@@ -85,6 +85,7 @@ use blocks::{BlockTable, NO_OWNER};
 #[cfg(all(test, streamalloc_loom))]
 pub(crate) use chunks::ChunkTable as ChunkTableForLoom;
 use chunks::ChunkTable;
+pub(crate) use expandable::HostWait;
 pub(crate) use kept::Kept;
 #[cfg(test)]
 pub(crate) use kept::Users;
