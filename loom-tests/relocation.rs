@@ -13,6 +13,13 @@
 //!
 //! The planted bug (`planted_busy_memory_moved`): the move takes memory whose stream says it
 //! is busy as finished.
+//!
+//! Then the pool's job for a stream a move found busy (`settle_busy`: bump the stream's
+//! epochs, wait for it on the host, note it finished up to them): A's host thread uses and
+//! frees both granules while the job runs; afterwards A has new work queued (it never answers
+//! idle again), and B's request moves A's memory only where the job's note covers it. The
+//! planted bug (`planted_host_wait_bumped_after`) notes it up to an epoch bumped after the
+//! wait, covering a free whose use was queued after the wait began.
 
 use std::collections::{HashMap, HashSet};
 use std::sync::atomic::Ordering::Relaxed;
@@ -226,6 +233,99 @@ fn planted_busy_memory_moved() {
         || {
             planted::RELOCATED_BUSY.store(true, Relaxed);
             check_paths(Some(2), &[], model);
+        },
+    );
+}
+
+/// A stream's host thread queues work with no granule (A busy from then on).
+fn queue_other_work(stream: &FakeStream) {
+    let mut b = book(&stream.0.books);
+    b.progress.entry(stream.0.uid).or_default().0 += 1;
+}
+
+const COVERED: &str = "moved memory the host's wait covered";
+const NOT_COVERED: &str = "refused: a free after the wait began";
+
+fn host_wait_model(seen: &Shared<Seen>) {
+    let books: Books = Shared::new(std::sync::Mutex::new(Book::default()));
+    let pool: Arc<Pool> = Arc::new(
+        Expander::with_regions(FakeBacking(books.clone()), 2 * GRANULE, 2).with_split_min(GRANULE),
+    );
+    pool.map_initial(2 * GRANULE).unwrap();
+    pool.claim_all_in_place();
+    let a = FakeStream::new(1, &books);
+    let b = FakeStream::new(2, &books);
+    // Taken, freed unused (so that A has a slot in both ranges' shards, as a stream that
+    // freed there before has: the job bumps it in each), and taken again.
+    let take_both = || -> Vec<u64> {
+        (0..2)
+            .map(|_| pool.heap.take(GRANULE, &a, &*pool).unwrap())
+            .collect()
+    };
+    for addr in take_both() {
+        assert!(pool.heap.give(addr, GRANULE, &a), "free refused");
+    }
+    let taken = take_both();
+    // The job the pool queues for A (`settle_busy`), beside A's host thread using and freeing
+    // both granules.
+    let job = {
+        let (pool, a) = (pool.clone(), a.clone());
+        thread::spawn(move || {
+            let waits = pool.settle_started(std::slice::from_ref(&a));
+            a.synchronize();
+            for wait in waits {
+                pool.heap.note_host_waited(wait);
+            }
+        })
+    };
+    let host_of_a = {
+        let (pool, a) = (pool.clone(), a.clone());
+        thread::spawn(move || {
+            for &addr in &taken {
+                a.use_granule(index(addr));
+                assert!(pool.heap.give(addr, GRANULE, &a), "free refused");
+            }
+        })
+    };
+    job.join().unwrap();
+    host_of_a.join().unwrap();
+    // A has work queued from now on: only the job's note lets its memory move.
+    queue_other_work(&a);
+    let requester = {
+        let (pool, b) = (pool.clone(), b.clone());
+        thread::spawn(move || {
+            let got = pool.heap.take(2 * GRANULE, &b, &*pool).ok();
+            if let Some(addr) = got {
+                assert!(pool.heap.give(addr, 2 * GRANULE, &b), "free refused");
+            }
+            got.is_some()
+        })
+    };
+    let served = requester.join().unwrap();
+    pool.heap.check().expect("free-list invariants");
+    let bk = book(&books);
+    assert_eq!(pool.stats().free_bytes, bk.mapped.len() as u64 * GRANULE);
+    assert!(pool.reserved() <= 2 * GRANULE, "above the maximum");
+    seen.note(COVERED, bk.moved > 0 && served);
+    seen.note(NOT_COVERED, !served);
+}
+
+#[test]
+fn a_host_wait_lets_a_busy_streams_earlier_frees_move() {
+    check_paths(Some(2), &[COVERED, NOT_COVERED], host_wait_model);
+}
+
+/// Bug: the job notes the stream finished up to an epoch bumped after its wait.
+#[test]
+#[ignore = "planted bug: must fail"]
+fn planted_host_wait_bumped_after() {
+    must_fail(
+        module_path!(),
+        "planted_host_wait_bumped_after",
+        "while work queued before its free may still run",
+        || {
+            planted::HOST_WAIT_BUMPED_AFTER.store(true, Relaxed);
+            check_paths(Some(2), &[], host_wait_model);
         },
     );
 }

@@ -207,6 +207,12 @@ impl<S: EngineStream> StreamHeap<S> {
             };
             let mut heap = shard.lock();
             if let Some(entry) = heap.entry_mut(slot).filter(|e| e.uid == wait.uid) {
+                let epoch = if planted!(HOST_WAIT_BUMPED_AFTER) {
+                    entry.epoch += 1;
+                    entry.epoch
+                } else {
+                    epoch
+                };
                 entry.done = entry.done.max(epoch);
             }
         }

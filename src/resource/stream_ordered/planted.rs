@@ -50,6 +50,11 @@ pub(crate) static RESERVE_MOVES_IGNORED: AtomicBool = AtomicBool::new(false);
 /// and unmaps it (the expandable pool's `make_room`).
 #[cfg(streamalloc_loom)]
 pub(crate) static RELOCATED_BUSY: AtomicBool = AtomicBool::new(false);
+/// The host's wait for a busy stream is noted finished up to an epoch bumped when the wait
+/// has ended, not before it began: a free on the stream in between looks finished, though its
+/// last use may have been queued after the wait began.
+#[cfg(streamalloc_loom)]
+pub(crate) static HOST_WAIT_BUMPED_AFTER: AtomicBool = AtomicBool::new(false);
 
 /// Memory taken out for release is ordered onto the first stream its tag names, and needs
 /// nothing if that stream was forgotten meanwhile (the others are not looked at).
