@@ -163,7 +163,9 @@ impl EngineStream for FakeStream {
 
 type Pool = Expander<FakeStream, FakeBacking>;
 
-fn model(seen: &Shared<Seen>) {
+/// Two ranges of two granules under a maximum of two, one granule mapped and free in each
+/// range's shard; streams A and B.
+fn two_ranges() -> (Books, Arc<Pool>, FakeStream, FakeStream) {
     let books: Books = Shared::new(std::sync::Mutex::new(Book::default()));
     let pool: Arc<Pool> = Arc::new(
         Expander::with_regions(FakeBacking(books.clone()), 2 * GRANULE, 2).with_split_min(GRANULE),
@@ -173,6 +175,43 @@ fn model(seen: &Shared<Seen>) {
     pool.claim_all_in_place();
     let a = FakeStream::new(1, &books);
     let b = FakeStream::new(2, &books);
+    (books, pool, a, b)
+}
+
+/// B asks for two granules on a thread of its own (a move between ranges if it may), uses them
+/// if `use_them`, and gives them back: whether it was served.
+fn request_both(pool: &Arc<Pool>, b: &FakeStream, use_them: bool) -> thread::JoinHandle<bool> {
+    let (pool, b) = (pool.clone(), b.clone());
+    thread::spawn(move || {
+        let got = pool.heap.take(2 * GRANULE, &b, &*pool).ok();
+        if let Some(addr) = got {
+            if use_them {
+                for i in index(addr)..index(addr) + 2 {
+                    b.use_granule(i);
+                }
+            }
+            assert!(pool.heap.give(addr, 2 * GRANULE, &b), "free refused");
+        }
+        got.is_some()
+    })
+}
+
+/// Every mapped byte free in the lists, within the maximum: how many granules were moved.
+fn check_end(pool: &Pool, books: &Books) -> usize {
+    pool.heap.check().expect("free-list invariants");
+    let bk = book(books);
+    assert_eq!(
+        pool.stats().free_bytes,
+        bk.mapped.len() as u64 * GRANULE,
+        "mapped memory lost, or free memory on unmapped granules"
+    );
+    assert_eq!(pool.reserved(), bk.mapped.len() as u64 * GRANULE);
+    assert!(pool.reserved() <= 2 * GRANULE, "above the maximum");
+    bk.moved
+}
+
+fn model(seen: &Shared<Seen>) {
+    let (books, pool, a, b) = two_ranges();
     // A takes both granules (one per range), uses and frees them; the uses stay pending.
     let taken: Vec<u64> = (0..2)
         .map(|_| pool.heap.take(GRANULE, &a, &*pool).unwrap())
@@ -188,32 +227,11 @@ fn model(seen: &Shared<Seen>) {
         let a = a.clone();
         thread::spawn(move || a.synchronize())
     };
-    let requester = {
-        let (pool, b) = (pool.clone(), b.clone());
-        thread::spawn(move || {
-            let got = pool.heap.take(2 * GRANULE, &b, &*pool).ok();
-            if let Some(addr) = got {
-                for i in index(addr)..index(addr) + 2 {
-                    b.use_granule(i);
-                }
-                assert!(pool.heap.give(addr, 2 * GRANULE, &b), "free refused");
-            }
-            got.is_some()
-        })
-    };
+    let requester = request_both(&pool, &b, true);
     host_of_a.join().unwrap();
     let served = requester.join().unwrap();
-
-    pool.heap.check().expect("free-list invariants");
-    let bk = book(&books);
-    assert_eq!(
-        pool.stats().free_bytes,
-        bk.mapped.len() as u64 * GRANULE,
-        "mapped memory lost, or free memory on unmapped granules"
-    );
-    assert_eq!(pool.reserved(), bk.mapped.len() as u64 * GRANULE);
-    assert!(pool.reserved() <= 2 * GRANULE, "above the maximum");
-    seen.note(MOVED, bk.moved > 0 && served);
+    let moved = check_end(&pool, &books);
+    seen.note(MOVED, moved > 0 && served);
     seen.note(REFUSED, !served);
 }
 
@@ -247,14 +265,7 @@ const COVERED: &str = "moved memory the host's wait covered";
 const NOT_COVERED: &str = "refused: a free after the wait began";
 
 fn host_wait_model(seen: &Shared<Seen>) {
-    let books: Books = Shared::new(std::sync::Mutex::new(Book::default()));
-    let pool: Arc<Pool> = Arc::new(
-        Expander::with_regions(FakeBacking(books.clone()), 2 * GRANULE, 2).with_split_min(GRANULE),
-    );
-    pool.map_initial(2 * GRANULE).unwrap();
-    pool.claim_all_in_place();
-    let a = FakeStream::new(1, &books);
-    let b = FakeStream::new(2, &books);
+    let (books, pool, a, b) = two_ranges();
     // Taken, freed unused (so that A has a slot in both ranges' shards, as a stream that
     // freed there before has: the job bumps it in each), and taken again.
     let take_both = || -> Vec<u64> {
@@ -291,22 +302,9 @@ fn host_wait_model(seen: &Shared<Seen>) {
     host_of_a.join().unwrap();
     // A has work queued from now on: only the job's note lets its memory move.
     queue_other_work(&a);
-    let requester = {
-        let (pool, b) = (pool.clone(), b.clone());
-        thread::spawn(move || {
-            let got = pool.heap.take(2 * GRANULE, &b, &*pool).ok();
-            if let Some(addr) = got {
-                assert!(pool.heap.give(addr, 2 * GRANULE, &b), "free refused");
-            }
-            got.is_some()
-        })
-    };
-    let served = requester.join().unwrap();
-    pool.heap.check().expect("free-list invariants");
-    let bk = book(&books);
-    assert_eq!(pool.stats().free_bytes, bk.mapped.len() as u64 * GRANULE);
-    assert!(pool.reserved() <= 2 * GRANULE, "above the maximum");
-    seen.note(COVERED, bk.moved > 0 && served);
+    let served = request_both(&pool, &b, false).join().unwrap();
+    let moved = check_end(&pool, &books);
+    seen.note(COVERED, moved > 0 && served);
     seen.note(NOT_COVERED, !served);
 }
 
