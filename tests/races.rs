@@ -583,6 +583,9 @@ fn a_racing_declared_access_that_panics_is_not_noted() {
 
 // ===== a free the resource refuses is no free to the detector =====
 
+/// What makes a resource, for tests that run on several.
+type Maker<'a> = &'a dyn Fn() -> Box<dyn MemoryResource>;
+
 /// A block of one resource freed into another of the same device (its own kind, on the same
 /// stream) is refused with `UnknownPointer`, and the detector must forget the free it noted
 /// first (a resource notes a free before the block is back in its lists): noted for good, it
@@ -617,7 +620,7 @@ fn a_refused_free_leaves_the_block_live_to_the_detector() {
             as Box<dyn MemoryResource>
     };
     let pooled = || Box::new(pool(&device, 64 * MIB)) as Box<dyn MemoryResource>;
-    let makers: [(&str, &dyn Fn() -> Box<dyn MemoryResource>); 4] = [
+    let makers: [(&str, Maker<'_>); 4] = [
         ("pool", &pooled),
         ("arena", &arena),
         ("fixed-size", &fixed),

@@ -727,7 +727,7 @@ impl<U: MemoryResource> PoolResource<U> {
             released: 0,
             keep_room,
         };
-        while let Some((base, size, stream)) = left.chunks.next() {
+        for (base, size, stream) in left.chunks.by_ref() {
             // Unregister first: once the upstream has the chunk back it may hand the same
             // address out again, and a concurrent grow would register it; removing after the
             // call would then delete that new, live chunk.
@@ -1372,10 +1372,9 @@ mod review_tests {
     /// A pool over a pool at its maximum, a task waiting on the outer one; the outer pool's
     /// growth (under its `slow`) for another request asks the inner one, which gives two
     /// wholly free chunks back to grow one that holds that request, and tells its waiters,
-    /// relayed to the outer queue: the
-    /// outer waiter must be told once the outer pool's request is over, never under its own
-    /// `slow` (a task polled by its waker there would wait for ever on the lock its thread
-    /// holds: a review's finding).
+    /// relayed to the outer queue: the outer waiter must be told once the outer pool's request
+    /// is over, never under its own `slow` (a task polled by its waker there would wait for
+    /// ever on the lock its thread holds: a review's finding).
     #[test]
     fn a_growth_wakes_no_waiter_under_its_own_lock_through_the_upstream() {
         let device = Device::simulated(SimConfig::default());

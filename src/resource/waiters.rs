@@ -259,19 +259,23 @@ impl MemoryWaiters {
         if !planted!(NO_FENCES) {
             fence(Ordering::SeqCst);
         }
+        let waiting = self.len.load(Ordering::Relaxed) != 0;
+        let relays = self.has_relays.load(std::sync::atomic::Ordering::Acquire);
+        // Nobody to wake here or above: a free with nobody waiting costs a fence and two loads.
+        if !waiting && !relays {
+            return;
+        }
         // Held back on this thread (`deferring`), the queues above with it: told once the
-        // resource's lock is let go. Looked at only where someone could be woken, so that a
-        // free with nobody waiting and no queue above still costs one fence and two loads.
-        if (self.len.load(Ordering::Relaxed) != 0
-            || self.has_relays.load(std::sync::atomic::Ordering::Acquire))
-            && self.held_back()
-        {
+        // resource's lock is let go.
+        if self.held_back() {
             return;
         }
         // The queues above first, and whatever this queue's own state: memory that came back
         // here may serve a request waiting there. Each does its own fence and checks.
-        self.notify_relays();
-        if self.len.load(Ordering::Relaxed) == 0 {
+        if relays {
+            self.notify_relays();
+        }
+        if !waiting {
             return;
         }
         // The head giving back what its own try took (see the module doc). Read only when

@@ -201,7 +201,7 @@ impl<U: MemoryResource> ArenaResource<U> {
             released: 0,
             settle,
         };
-        while let Some(chunk) = left.chunks.next() {
+        for chunk in left.chunks.by_ref() {
             left.in_flight = chunk.size;
             let freed = chunk.guards.order(&self.own).and_then(|ordered| {
                 if !ordered {

@@ -862,7 +862,7 @@ impl Detector {
         } else {
             st.merge_alike(block.0, block.1);
         }
-        let race = found.map(|(earlier, mut life)| {
+        found.map(|(earlier, mut life)| {
             life.freed = Some(Freed {
                 point: at,
                 pooled: false,
@@ -875,8 +875,7 @@ impl Detector {
                 earlier: st.site(earlier),
                 block: Some(st.block_info(&life)),
             }
-        });
-        race
+        })
     }
 }
 
