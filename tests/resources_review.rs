@@ -262,7 +262,8 @@ fn arena_keeps_its_room_after_its_upstream_panics_in_a_growth() {
     );
 }
 
-/// How an upstream's panicking `deallocate` is met in [`keeps_its_chunks_after_its_upstream_panics_in_a_release`].
+/// How an upstream's panicking `deallocate` is met in
+/// [`keeps_its_chunks_after_its_upstream_panics_in_a_release`].
 #[derive(Clone, Copy, Debug)]
 enum Release {
     /// A trim gives the free chunks back.

@@ -175,9 +175,9 @@ impl fmt::Debug for ExpandablePoolResource {
 
 impl ExpandablePoolResource {
     /// A pool on `device`. Errors: a maximum above the reservation, an initial size above the
-    /// maximum, a mapping unit larger than the device's memory ([`Error::InvalidSize`]); a reservation the address space has no room for
-    /// ([`Error::OutOfMemory`] with the room left, where the device knows it); the device's
-    /// error if it cannot map `initial`.
+    /// maximum, a mapping unit larger than the device's memory ([`Error::InvalidSize`]); a
+    /// reservation the address space has no room for ([`Error::OutOfMemory`] with the room
+    /// left, where the device knows it); the device's error if it cannot map `initial`.
     pub fn new(device: &Device, options: ExpandableOptions) -> Result<Self> {
         let granularity = vmm::granularity(device)?;
         // A power of two of granules: the range is reserved aligned to the unit (the pool
