@@ -875,3 +875,117 @@ impl std::task::Wake for CountWakes {
         self.0.fetch_add(1, std::sync::atomic::Ordering::SeqCst);
     }
 }
+
+/// A user's upstream with a capacity of 8 MiB and a queue of its own (so a pool stacked over it
+/// is relayed its notifications). When armed, its next `allocate` first lets go of a block it
+/// kept (memory comes back, its queue is told), then panics.
+#[derive(Debug)]
+struct GivesBackThenPanics {
+    inner: CudaResource,
+    used: std::sync::atomic::AtomicUsize,
+    waiters: streamalloc::MemoryWaiters,
+    armed: Mutex<Option<(DevicePtr, usize, Stream)>>,
+}
+
+// SAFETY: passes every allocation on to `inner`.
+unsafe impl MemoryResource for GivesBackThenPanics {
+    fn device(&self) -> &Device {
+        self.inner.device()
+    }
+
+    fn allocate(&self, bytes: usize, stream: &Stream) -> streamalloc::Result<DevicePtr> {
+        use std::sync::atomic::Ordering::SeqCst;
+        const CAP: usize = 8 * MIB;
+        let armed = self.armed.lock().unwrap().take();
+        if let Some((p, n, s)) = armed {
+            // SAFETY: allocated from this resource with these bytes on `s`, unused.
+            unsafe { self.deallocate(p, n, &s) }.unwrap();
+            panic!("the upstream fails after it gave memory back");
+        }
+        let now = self.used.fetch_add(bytes, SeqCst) + bytes;
+        if now > CAP {
+            self.used.fetch_sub(bytes, SeqCst);
+            return Err(Error::OutOfMemory {
+                requested: bytes,
+                available: CAP - (now - bytes),
+                maximum: CAP,
+            });
+        }
+        self.inner.allocate(bytes, stream).inspect_err(|_| {
+            self.used.fetch_sub(bytes, SeqCst);
+        })
+    }
+
+    unsafe fn deallocate(
+        &self,
+        ptr: DevicePtr,
+        bytes: usize,
+        stream: &Stream,
+    ) -> streamalloc::Result<()> {
+        // SAFETY: the caller's contract, passed on.
+        unsafe { self.inner.deallocate(ptr, bytes, stream) }?;
+        self.used
+            .fetch_sub(bytes, std::sync::atomic::Ordering::SeqCst);
+        self.waiters.notify();
+        Ok(())
+    }
+
+    fn memory_waiters(&self) -> Option<&streamalloc::MemoryWaiters> {
+        Some(&self.waiters)
+    }
+}
+
+/// A growth holds back what the upstream's queue relays to the pool's (it runs under the
+/// pool's `slow`); an upstream whose `allocate` gives memory back (telling its queue) and then
+/// panics must still have that told to the pool's waiter, once the panic has unwound past the
+/// pool's locks. It was told by a line after the request, which the unwind skipped: the waiter
+/// for 4 MiB slept with 6 MiB free upstream (a review of this session's change).
+#[test]
+fn a_growth_whose_upstream_panics_still_tells_what_it_held_back() {
+    use std::sync::atomic::Ordering::SeqCst;
+    let device = Device::simulated(SimConfig::default());
+    let s = device.create_stream().unwrap();
+    let upstream = Arc::new(GivesBackThenPanics {
+        inner: CudaResource::new(&device),
+        used: std::sync::atomic::AtomicUsize::new(0),
+        waiters: streamalloc::MemoryWaiters::new(),
+        armed: Mutex::new(None),
+    });
+    let options = PoolOptions {
+        initial: 0,
+        maximum: None,
+        small_block_cache: 0,
+        ..PoolOptions::default()
+    };
+    let pool = PoolResource::new(upstream.clone(), options).unwrap();
+    // 6 MiB of the upstream's 8 held elsewhere; a task waits on the pool for 4 MiB.
+    let x = upstream.allocate(6 * MIB, &s).unwrap();
+    let wakes = Arc::new(CountWakes(std::sync::atomic::AtomicUsize::new(0)));
+    let waker = std::task::Waker::from(wakes.clone());
+    let mut cx = std::task::Context::from_waker(&waker);
+    let mut wait = Box::pin(streamalloc::AllocateAsync::allocate_async(
+        &pool,
+        4 * MIB,
+        &s,
+    ));
+    assert!(std::future::Future::poll(wait.as_mut(), &mut cx).is_pending());
+    wakes.0.store(0, SeqCst);
+    // The upstream's next allocate (a growth of the pool) gives `x` back, then panics.
+    *upstream.armed.lock().unwrap() = Some((x, 6 * MIB, s.clone()));
+    let panicked = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
+        let _ = pool.allocate(MIB, &s);
+    }));
+    assert!(panicked.is_err(), "the upstream did not panic");
+    assert_eq!(upstream.used.load(SeqCst), 0, "x given back upstream");
+    assert!(
+        wakes.0.load(SeqCst) > 0,
+        "6 MiB came back upstream, and the waiter for 4 MiB was not told"
+    );
+    // Served now.
+    let p = match std::future::Future::poll(wait.as_mut(), &mut cx) {
+        std::task::Poll::Ready(p) => p.unwrap(),
+        std::task::Poll::Pending => panic!("the waiter was told, and still refused"),
+    };
+    free(&pool, p, 4 * MIB, &s);
+    s.synchronize_blocking().unwrap();
+}

@@ -165,14 +165,11 @@ unsafe impl<U: MemoryResource> MemoryResource for FixedSizeResource<U> {
                 reason: "larger than the fixed-size resource's block size",
             });
         }
+        // What a growth holds back, told once the request holds no lock: here, or while a
+        // panic unwinds past them.
+        let tell = self.waiters.tell_held_back(&self.tell_waiters);
         let taken = self.heap.take(self.block, stream, self);
-        // What a growth held back, told now that the request holds no lock (a load first: the
-        // fast path writes nothing shared).
-        if self.tell_waiters.load(Ordering::Relaxed)
-            && self.tell_waiters.swap(false, Ordering::AcqRel)
-        {
-            self.waiters.notify();
-        }
+        drop(tell);
         let ptr = DevicePtr(taken?);
         // The race detector of the simulated device checks blocks, not chunks (a no-op on CUDA).
         self.device

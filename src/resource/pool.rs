@@ -1013,14 +1013,11 @@ unsafe impl<U: MemoryResource> MemoryResource for PoolResource<U> {
         if size > self.maximum {
             return Err(self.out_of_memory(size));
         }
+        // What the request finds to tell the waiters under the engine's locks (or a growth
+        // holds back), told once it holds none: here, or while a panic unwinds past them.
+        let tell = self.waiters.tell_held_back(&self.tell_waiters);
         let taken = self.heap.take(size, stream, self);
-        // What the request found to tell the waiters under the engine's locks, told now that
-        // it holds none (a load first: the fast path writes nothing shared).
-        if self.tell_waiters.load(Ordering::Relaxed)
-            && self.tell_waiters.swap(false, Ordering::AcqRel)
-        {
-            self.waiters.notify();
-        }
+        drop(tell);
         let ptr = match taken {
             Ok(addr) => DevicePtr(addr),
             Err(e) => {

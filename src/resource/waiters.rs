@@ -348,6 +348,18 @@ impl MemoryWaiters {
         f()
     }
 
+    /// A guard for a resource's request: when it drops (the request over, or unwinding, after
+    /// the resource's locks, which the request's inner frames hold and let go first), it tells
+    /// this queue what a growth held back ([`deferring`](Self::deferring) set `tell`). Told by a
+    /// line after the request instead, a notification held back when the upstream's
+    /// `allocate` notified and then panicked was never told (a review's finding).
+    pub(crate) fn tell_held_back<'a>(&'a self, tell: &'a AtomicBool) -> TellHeldBack<'a> {
+        TellHeldBack {
+            waiters: self,
+            tell,
+        }
+    }
+
     /// Whether this thread holds this queue's notifications back ([`deferring`]); if so, notes
     /// that one came.
     ///
@@ -533,6 +545,21 @@ pub(crate) enum Leave {
 /// The start of a wait, for its statistics.
 pub(crate) fn now() -> Instant {
     Instant::now()
+}
+
+/// See [`MemoryWaiters::tell_held_back`].
+pub(crate) struct TellHeldBack<'a> {
+    waiters: &'a MemoryWaiters,
+    tell: &'a AtomicBool,
+}
+
+impl Drop for TellHeldBack<'_> {
+    fn drop(&mut self) {
+        // A load first: the fast path writes nothing shared.
+        if self.tell.load(Ordering::Relaxed) && self.tell.swap(false, Ordering::AcqRel) {
+            self.waiters.notify();
+        }
+    }
 }
 
 /// Bugs the loom models plant (`loom-tests/waiters/queue.rs`, `nested.rs`), constant off
