@@ -887,7 +887,7 @@ impl Detector {
     /// the first block a pool hands out in the range look like a reuse before their free on
     /// another stream (a review's finding, once the sweep of addresses had come round).
     pub(crate) fn reserved(&self, start: u64, end: u64) {
-        self.forget(start, end);
+        self.lock().forget(start, end);
     }
 
     /// The device's reservation `[start, end)` went (`cuMemAddressFree`): what lived in it
@@ -897,18 +897,7 @@ impl Detector {
     /// sweep of addresses comes round to them only after 16 TiB), and a device that made and
     /// dropped expandable pools over and over grew the map without bound (a review's finding).
     pub(crate) fn unreserved(&self, start: u64, end: u64) {
-        self.forget(start, end);
-    }
-
-    /// Removes every segment of `[start, end)` (split at its ends first).
-    fn forget(&self, start: u64, end: u64) {
-        let mut st = self.lock();
-        st.split(start);
-        st.split(end);
-        let keys: Vec<u64> = st.segs.range(start..end).map(|(&k, _)| k).collect();
-        for key in keys {
-            st.segs.remove(&key);
-        }
+        self.lock().forget(start, end);
     }
 
     /// A driver pool gave the freed block at `ptr` back to the device (past its release

@@ -68,12 +68,7 @@ impl Detector {
             return;
         };
         let mut st = self.lock();
-        st.split(start);
-        st.split(end);
-        let now: Vec<u64> = st.segs.range(start..end).map(|(&key, _)| key).collect();
-        for key in now {
-            st.segs.remove(&key);
-        }
+        st.forget(start, end);
         st.segs.extend(pending.before);
     }
 }

@@ -34,6 +34,16 @@ impl State {
         Some(race)
     }
 
+    /// Removes every segment of `[start, end)` (split at its ends first).
+    pub(super) fn forget(&mut self, start: u64, end: u64) {
+        self.split(start);
+        self.split(end);
+        let keys: Vec<u64> = self.segs.range(start..end).map(|(&k, _)| k).collect();
+        for key in keys {
+            self.segs.remove(&key);
+        }
+    }
+
     /// Splits the segment that holds `at` strictly inside it into two.
     pub(super) fn split(&mut self, at: u64) {
         let Some((&start, seg)) = self.segs.range_mut(..at).next_back() else {
