@@ -989,3 +989,67 @@ fn a_growth_whose_upstream_panics_still_tells_what_it_held_back() {
     free(&pool, p, 4 * MIB, &s);
     s.synchronize_blocking().unwrap();
 }
+
+/// A waker that counts, then panics: an executor's code misbehaving.
+struct PanicsOnWake(std::sync::atomic::AtomicUsize);
+
+impl std::task::Wake for PanicsOnWake {
+    fn wake(self: Arc<Self>) {
+        self.0.fetch_add(1, std::sync::atomic::Ordering::SeqCst);
+        panic!("a waker that panics");
+    }
+}
+
+/// The same growth, and the waiter's waker panics when told: the notification is told while
+/// the upstream's panic unwinds, and a second panic there would abort the process (a drop
+/// panicking during a panic). The waker's panic is dropped; the upstream's goes on.
+#[test]
+fn a_panicking_waker_told_during_an_upstream_panic_does_not_abort() {
+    use std::sync::atomic::Ordering::SeqCst;
+    let device = Device::simulated(SimConfig::default());
+    let s = device.create_stream().unwrap();
+    let upstream = Arc::new(GivesBackThenPanics {
+        inner: CudaResource::new(&device),
+        used: std::sync::atomic::AtomicUsize::new(0),
+        waiters: streamalloc::MemoryWaiters::new(),
+        armed: Mutex::new(None),
+    });
+    let options = PoolOptions {
+        initial: 0,
+        maximum: None,
+        small_block_cache: 0,
+        ..PoolOptions::default()
+    };
+    let pool = PoolResource::new(upstream.clone(), options).unwrap();
+    let x = upstream.allocate(6 * MIB, &s).unwrap();
+    let wakes = Arc::new(PanicsOnWake(std::sync::atomic::AtomicUsize::new(0)));
+    let waker = std::task::Waker::from(wakes.clone());
+    let mut cx = std::task::Context::from_waker(&waker);
+    let mut wait = Box::pin(streamalloc::AllocateAsync::allocate_async(
+        &pool,
+        4 * MIB,
+        &s,
+    ));
+    assert!(std::future::Future::poll(wait.as_mut(), &mut cx).is_pending());
+    *upstream.armed.lock().unwrap() = Some((x, 6 * MIB, s.clone()));
+    let panicked = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
+        let _ = pool.allocate(MIB, &s);
+    }));
+    let message = panicked.expect_err("the upstream did not panic");
+    assert_eq!(
+        message.downcast_ref::<&str>().copied(),
+        Some("the upstream fails after it gave memory back"),
+        "the upstream's panic is the one that goes on"
+    );
+    assert_eq!(wakes.0.load(SeqCst), 1, "the waiter was told once");
+    // Served now, with a waker that does not panic.
+    let quiet = Arc::new(CountWakes(std::sync::atomic::AtomicUsize::new(0)));
+    let waker = std::task::Waker::from(quiet);
+    let mut cx = std::task::Context::from_waker(&waker);
+    let p = match std::future::Future::poll(wait.as_mut(), &mut cx) {
+        std::task::Poll::Ready(p) => p.unwrap(),
+        std::task::Poll::Pending => panic!("the waiter was told, and still refused"),
+    };
+    free(&pool, p, 4 * MIB, &s);
+    s.synchronize_blocking().unwrap();
+}

@@ -556,9 +556,18 @@ pub(crate) struct TellHeldBack<'a> {
 impl Drop for TellHeldBack<'_> {
     fn drop(&mut self) {
         // A load first: the fast path writes nothing shared.
-        if self.tell.load(Ordering::Relaxed) && self.tell.swap(false, Ordering::AcqRel) {
-            self.waiters.notify();
+        if !(self.tell.load(Ordering::Relaxed) && self.tell.swap(false, Ordering::AcqRel)) {
+            return;
         }
+        if !std::thread::panicking() {
+            self.waiters.notify();
+            return;
+        }
+        // Unwinding (the upstream's `allocate` panicked): a waker that panicked too would abort
+        // the process, a panic in a drop during a panic. Its panic is dropped instead; the
+        // waiter it belonged to is the executor's to account for, and the first panic goes on.
+        let waiters = self.waiters;
+        let _ = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| waiters.notify()));
     }
 }
 
