@@ -226,3 +226,75 @@ fn planted_nested_limits_held_back_free_dropped() {
         },
     );
 }
+
+/// A request through the lower limit alone: W of the stash models, waiting in the lower
+/// queue.
+struct Lower<'a>(&'a Nested);
+
+impl TryTake for Lower<'_> {
+    fn try_take(&self, bytes: usize) -> bool {
+        self.0.take_lower(bytes).is_ok()
+    }
+}
+
+/// A request waiting in the *lower* queue (W, refused by the lower limit, which another path
+/// fills) while G, inside the upper queue's `deferring` (a pool over the lower resource
+/// growing under its `slow`), frees below: the lower queue's head is notified there, on a
+/// thread that holds the upper resource's lock, so its waker is stashed
+/// (`waiters::wake_or_stash`) and woken by G's request guard (`tell_held_back`) once the lock
+/// is let go. W must be served.
+fn a_free_below_during_a_growth_above_wakes_the_waiter_below(seen: &Shared<Seen>) {
+    let nested = Arc::new(Nested::new(2 * N, N, 4 * N, true));
+    nested.take_lower(N).expect("the other path's block");
+    let g = {
+        let nested = nested.clone();
+        thread::spawn(move || {
+            let tell = crate::sync::AtomicBool::new(false);
+            let guard = nested.upper_waiters.tell_held_back(&tell);
+            (nested.upper_waiters).deferring(&tell, || nested.free_lower(N));
+            // The request over, the lock let go: the guard wakes what was stashed.
+            drop(guard);
+        })
+    };
+    {
+        let lower = Lower(&nested);
+        let mut w = Alloc::new(&lower, &nested.lower_waiters);
+        block_on(&mut w);
+        seen.note(w.served.expect("block_on returned: served"), true);
+    }
+    g.join().unwrap();
+    nested.free_lower(N);
+    assert!(nested.lower_waiters.is_empty(), "a waiter was left behind");
+    assert_eq!((nested.upper.used(), nested.lower.used()), (0, 0));
+    assert_eq!(nested.upstream.free(), 4 * N, "bytes lost or made up");
+}
+
+#[test]
+fn nested_limits_a_free_below_during_a_growth_above_wakes_the_waiter_below() {
+    check_paths(
+        None,
+        &[BATON],
+        a_free_below_during_a_growth_above_wakes_the_waiter_below,
+    );
+}
+
+/// Bug: the stashed wakers are dropped, not woken (`STASH_DROPS`): W sleeps with the memory
+/// free.
+#[test]
+#[ignore = "planted bug: must fail"]
+fn planted_nested_limits_stashed_wake_dropped() {
+    must_fail(
+        module_path!(),
+        "planted_nested_limits_stashed_wake_dropped",
+        "deadlock",
+        || {
+            crate::resource::waiters::planted::STASH_DROPS
+                .store(true, std::sync::atomic::Ordering::Relaxed);
+            check_paths(
+                None,
+                &[],
+                a_free_below_during_a_growth_above_wakes_the_waiter_below,
+            )
+        },
+    );
+}

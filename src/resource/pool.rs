@@ -1431,6 +1431,67 @@ mod review_tests {
         s.synchronize_blocking().unwrap();
     }
 
+    /// The same scene, the task waiting on the *inner* pool: the inner pool's request (the
+    /// outer pool's growth, under the outer `slow`) gives chunks back to grow and tells its own
+    /// waiters when it is over, still inside the outer growth. That waiter must be told once
+    /// the outer request is over, not under the outer `slow` (its task, polled by its waker
+    /// there, may ask the outer pool for memory: a self-deadlock). `deferring` held back only
+    /// the outer queue's notifications, and the inner waiter was woken under the outer lock.
+    #[test]
+    fn a_growth_wakes_no_inner_waiter_under_its_own_lock() {
+        let device = Device::simulated(SimConfig::default());
+        let options = |maximum| PoolOptions {
+            initial: 0,
+            maximum,
+            small_block_cache: 0,
+            ..PoolOptions::default()
+        };
+        let inner = Arc::new(
+            PoolResource::new(CudaResource::new(&device), options(Some(8 * MIB))).unwrap(),
+        );
+        let s = device.create_stream().unwrap();
+        let b = inner.allocate(2 * MIB, &s).unwrap();
+        let c1 = inner.allocate(3 * MIB, &s).unwrap();
+        let c2 = inner.allocate(3 * MIB, &s).unwrap();
+        let outer = Arc::new(PoolResource::new(inner.clone(), options(None)).unwrap());
+        let probe = Arc::new(OuterProbe {
+            outer: outer.clone(),
+            wakes: AtomicUsize::new(0),
+            under_lock: AtomicBool::new(false),
+        });
+        let waker = Waker::from(probe.clone());
+        // 7 MiB from the inner pool: never while `b` is held, so it stays in line.
+        let mut wait = Box::pin(inner.allocate_async(7 * MIB, &s));
+        let mut cx = Context::from_waker(&waker);
+        assert!(matches!(wait.as_mut().poll(&mut cx), Poll::Pending));
+        for c in [c1, c2] {
+            // SAFETY: handed out above on `s`, never used, freed once on `s`.
+            unsafe { inner.deallocate(c, 3 * MIB, &s) }.unwrap();
+        }
+        assert!(matches!(wait.as_mut().poll(&mut cx), Poll::Pending));
+        probe.wakes.store(0, SeqCst);
+        let p = outer.allocate(5 * MIB, &s).unwrap();
+        assert_eq!(
+            inner.stats().chunks,
+            2,
+            "the inner pool did not give back to grow"
+        );
+        assert!(
+            probe.wakes.load(SeqCst) > 0,
+            "the inner waiter was not told"
+        );
+        assert!(
+            !probe.under_lock.load(SeqCst),
+            "the inner waiter's waker ran under the outer pool's growth lock"
+        );
+        drop(wait);
+        // SAFETY: handed out above on `s`, never used, freed once on `s`.
+        unsafe { outer.deallocate(p, 5 * MIB, &s) }.unwrap();
+        // SAFETY: as above.
+        unsafe { inner.deallocate(b, 2 * MIB, &s) }.unwrap();
+        s.synchronize_blocking().unwrap();
+    }
+
     /// The trimmed pool, the second stream and the waiting trim, handed to a test's action.
     type Trim<'a> = std::pin::Pin<Box<dyn Future<Output = Result<usize>> + 'a>>;
 

@@ -34,7 +34,7 @@
 //! fitting, at the price of small requests waiting behind a large head. (Synchronous
 //! `allocate` never waits, so it does not queue.)
 
-use std::cell::Cell;
+use std::cell::{Cell, RefCell};
 use std::collections::VecDeque;
 use std::task::Waker;
 use std::time::{Duration, Instant};
@@ -53,6 +53,73 @@ crate::sync::thread_local! {
     /// upstream under a lock of its own; `(0, false)` for none.
     #[allow(clippy::missing_const_for_thread_local)]
     static DEFER: Cell<(usize, bool)> = Cell::new((0, false));
+    /// The wakers of other queues' heads, notified on this thread while it held a queue's
+    /// notifications back ([`MemoryWaiters::deferring`]): woken once it holds none, by the
+    /// outermost request's [`TellHeldBack`]. A pool over a pool grows under its `slow` through
+    /// the inner pool's `allocate`, which may tell the inner pool's own waiters (a growth of
+    /// its own that gave chunks back); a waker is the executor's code, and a task it polls
+    /// there that asks the outer pool for memory waited for ever on the lock its own thread
+    /// held. `deferring` held back only the one queue it was called for.
+    #[allow(clippy::missing_const_for_thread_local)]
+    static STASH: RefCell<Vec<Waker>> = RefCell::new(Vec::new());
+}
+
+/// How many wakers wait in threads' [`STASH`]es: a request's [`TellHeldBack`] reads this one
+/// word, not its thread-local, when nothing was stashed anywhere (nearly always). Only the
+/// thread that stashed drains its stash, and its own writes are in its program order, so a
+/// relaxed count suffices; another thread reading it stale looks at its own empty stash.
+static STASHED: std::sync::atomic::AtomicUsize = std::sync::atomic::AtomicUsize::new(0);
+
+/// Wakes `waker` now, or, if this thread holds a queue's notifications back
+/// ([`MemoryWaiters::deferring`]), when it no longer does (see [`STASH`]).
+fn wake_or_stash(waker: Waker) {
+    let deferring = DEFER.try_with(|d| d.get().0 != 0).unwrap_or(false);
+    let mut waker = Some(waker);
+    if deferring {
+        // Without the thread-local (a thread being torn down) the wake is at once, as before.
+        let _ = STASH.try_with(|stash| {
+            if let Some(waker) = waker.take() {
+                stash.borrow_mut().push(waker);
+                STASHED.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+            }
+        });
+    }
+    if let Some(waker) = waker {
+        waker.wake();
+    }
+}
+
+/// Wakes what this thread stashed ([`STASH`]), unless it still holds a queue back (an inner
+/// request's guard inside an outer growth: the outer request's guard tells them).
+fn wake_stashed() {
+    if STASHED.load(std::sync::atomic::Ordering::Relaxed) == 0 {
+        return;
+    }
+    if DEFER.try_with(|d| d.get().0 != 0).unwrap_or(false) {
+        return;
+    }
+    let wakers = STASH
+        .try_with(|stash| std::mem::take(&mut *stash.borrow_mut()))
+        .unwrap_or_default();
+    if wakers.is_empty() {
+        return;
+    }
+    STASHED.fetch_sub(wakers.len(), std::sync::atomic::Ordering::Relaxed);
+    if planted!(STASH_DROPS) {
+        return;
+    }
+    // Every one woken even if one panics (a waker is the executor's code); the first panic
+    // then goes on, unless a panic already unwinds (a second one would abort the process).
+    let mut first_panic = None;
+    for waker in wakers {
+        let woken = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| waker.wake()));
+        if let Err(panic) = woken {
+            first_panic.get_or_insert(panic);
+        }
+    }
+    if let Some(panic) = first_panic.filter(|_| !std::thread::panicking()) {
+        std::panic::resume_unwind(panic);
+    }
 }
 
 struct Entry {
@@ -295,7 +362,7 @@ impl MemoryWaiters {
             }
         };
         if let Some(waker) = waker {
-            waker.wake();
+            wake_or_stash(waker);
         }
     }
 
@@ -325,7 +392,10 @@ impl MemoryWaiters {
     /// the executor's code, which may poll its task there and then; a task that asks this
     /// resource for memory on the slow path then waits for ever on the lock its own thread
     /// holds (a review found a pool over a pool at its maximum so, `tell_waiters` having
-    /// covered only the pool's own notifications).
+    /// covered only the pool's own notifications). Any other queue's waiter notified on this
+    /// thread meanwhile (the inner pool's own, told by its request) is woken later too
+    /// ([`STASH`]), by the outermost [`tell_held_back`](Self::tell_held_back) guard: so call
+    /// this only inside a request that holds one.
     pub(crate) fn deferring<T>(&self, tell: &AtomicBool, f: impl FnOnce() -> T) -> T {
         /// Restores the previous mark, and sets `tell` if a notification came, even if `f`
         /// panics.
@@ -530,7 +600,7 @@ impl MemoryWaiters {
             Leave::Cancelled => {}
         }
         if let Some(waker) = next {
-            waker.wake();
+            wake_or_stash(waker);
         }
     }
 }
@@ -555,6 +625,9 @@ pub(crate) struct TellHeldBack<'a> {
 
 impl Drop for TellHeldBack<'_> {
     fn drop(&mut self) {
+        // Other queues' wakers this request's growth notified: woken now, the locks let go
+        // (the outermost request's guard, if this one ran inside another's growth).
+        wake_stashed();
         // A load first: the fast path writes nothing shared.
         if !(self.tell.load(Ordering::Relaxed) && self.tell.swap(false, Ordering::AcqRel)) {
             return;
@@ -589,6 +662,9 @@ pub(crate) mod planted {
     /// `deferring` drops the notifications it held back instead of setting `tell`: the
     /// waiters of a resource whose growth's upstream freed memory are never told.
     pub(crate) static DEFER_DROPS: AtomicBool = AtomicBool::new(false);
+    /// The wakers stashed while a thread held another queue back are dropped instead of woken
+    /// when it lets go: an inner resource's waiter, told during an outer one's growth, sleeps.
+    pub(crate) static STASH_DROPS: AtomicBool = AtomicBool::new(false);
 }
 
 #[cfg(all(test, not(streamalloc_loom)))]
