@@ -85,8 +85,21 @@ fn wake_or_stash(waker: Waker) {
         });
     }
     if let Some(waker) = waker {
-        waker.wake();
+        wake(waker);
     }
+}
+
+/// Wakes `waker`. While a panic unwinds (a notification from a guard that gives memory back
+/// as an upstream's panic passes: `TellHeldBack`, the limiting adaptor's rollback, a pool's
+/// give-back of what is left), a waker that panicked too would abort the process, a panic in
+/// a drop during a panic: its panic is dropped instead, and the first one goes on. The waiter
+/// it belonged to is the executor's to account for.
+fn wake(waker: Waker) {
+    if !std::thread::panicking() {
+        waker.wake();
+        return;
+    }
+    let _ = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| waker.wake()));
 }
 
 /// Wakes what this thread stashed ([`STASH`]), unless it still holds a queue back (an inner
@@ -632,15 +645,8 @@ impl Drop for TellHeldBack<'_> {
         if !(self.tell.load(Ordering::Relaxed) && self.tell.swap(false, Ordering::AcqRel)) {
             return;
         }
-        if !std::thread::panicking() {
-            self.waiters.notify();
-            return;
-        }
-        // Unwinding (the upstream's `allocate` panicked): a waker that panicked too would abort
-        // the process, a panic in a drop during a panic. Its panic is dropped instead; the
-        // waiter it belonged to is the executor's to account for, and the first panic goes on.
-        let waiters = self.waiters;
-        let _ = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| waiters.notify()));
+        // Also while the upstream's panic unwinds: a waker's panic then is caught (`wake`).
+        self.waiters.notify();
     }
 }
 

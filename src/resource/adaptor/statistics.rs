@@ -26,29 +26,40 @@ pub struct Counter {
 }
 
 impl Counter {
+    // Saturating, never wrapping or panicking: real sizes never come near the bounds, and a
+    // bad free's size is refused before it is counted (`can_sub`); a counter must not be what
+    // turns bad input into a panic.
     fn add(&mut self, n: i64) {
-        self.value += n;
-        self.total += n;
+        self.value = self.value.saturating_add(n);
+        self.total = self.total.saturating_add(n);
         self.peak = self.peak.max(self.value);
     }
 
+    /// Whether `sub(n)` fits the counter. A real free always does (a scope's value is at least
+    /// minus what was outstanding when it was pushed); a bad one (a size no allocation had)
+    /// may not: in a scope whose value is already negative, subtracting a huge size overflowed
+    /// (a review found the debug build panicking there before the upstream could refuse it).
+    fn can_sub(&self, n: i64) -> bool {
+        self.value.checked_sub(n).is_some()
+    }
+
     fn sub(&mut self, n: i64) {
-        self.value -= n;
+        self.value = self.value.saturating_sub(n);
     }
 
     /// Undoes a `sub` whose free failed. The peak follows if allocations made meanwhile took
     /// the value past it: that much was really outstanding.
     fn restore(&mut self, n: i64) {
-        self.value += n;
+        self.value = self.value.saturating_add(n);
         self.peak = self.peak.max(self.value);
     }
 
     /// Folds the counter of a finished inner scope into this one, as RMM's
     /// `add_counters_from_tracked_sub_block`: the inner peak happened on top of our value.
     fn fold(&mut self, inner: &Counter) {
-        self.peak = self.peak.max(self.value + inner.peak);
-        self.value += inner.value;
-        self.total += inner.total;
+        self.peak = self.peak.max(self.value.saturating_add(inner.peak));
+        self.value = self.value.saturating_add(inner.value);
+        self.total = self.total.saturating_add(inner.total);
     }
 }
 
@@ -249,14 +260,20 @@ unsafe impl<U: MemoryResource> MemoryResource for StatisticsAdaptor<U> {
             // SAFETY: the caller's contract, passed on.
             return unsafe { self.upstream.deallocate(ptr, bytes, stream) };
         }
+        let mut counted = false;
         let scope = self.with_top(|c| {
-            c.bytes.sub(signed(bytes));
-            c.allocations.sub(1);
+            // A size the counters cannot take is no allocation of ours: not counted, and the
+            // upstream refuses it.
+            if c.bytes.can_sub(signed(bytes)) && c.allocations.can_sub(1) {
+                c.bytes.sub(signed(bytes));
+                c.allocations.sub(1);
+                counted = true;
+            }
         });
         // SAFETY: the caller's contract, passed on: `ptr` came from our `allocate`, which is the
         // upstream's with the same `bytes`.
         let result = unsafe { self.upstream.deallocate(ptr, bytes, stream) };
-        if result.is_err() {
+        if result.is_err() && counted {
             // Nothing was freed: count it as outstanding again, in the scope the subtraction
             // went to (another thread may have pushed or popped a scope meanwhile: a review
             // found the restore landing in a scope that never saw the free). Not in `total`:
@@ -275,6 +292,10 @@ unsafe impl<U: MemoryResource> MemoryResource for StatisticsAdaptor<U> {
 
     fn footprint(&self, bytes: usize) -> Result<usize> {
         self.upstream.footprint(bytes)
+    }
+
+    fn check_set(&self, sizes: &[usize]) -> Result<()> {
+        self.upstream.check_set(sizes)
     }
     fn memory_snapshot(&self) -> Option<crate::resource::snapshot::Snapshot> {
         self.upstream.memory_snapshot()
