@@ -136,3 +136,133 @@ fn statistics_restores_a_refused_free_in_the_scope_it_came_from() {
         assert_eq!(mr.counters().bytes.value, 0, "{what}");
     }
 }
+
+/// A bad free (a size no allocation had) in a scope whose value is already negative (memory
+/// from before the scope freed in it): subtracting the huge size overflowed the counter, a
+/// panic in debug builds before the upstream could refuse the free. It is refused, and the
+/// counts stay those of the real allocations.
+#[test]
+fn statistics_refuses_a_huge_bad_free_in_a_negative_scope() {
+    use streamalloc::resource::adaptor::StatisticsAdaptor;
+    const MIB: usize = 1 << 20;
+    for device in devices() {
+        let what = label(&device);
+        let mr = StatisticsAdaptor::new(pool(&device, 0, 16 * MIB));
+        let s = device.create_stream().unwrap();
+        let p = mr.allocate(MIB, &s).unwrap();
+        mr.push_counters();
+        free(&mr, p, MIB, &s);
+        assert_eq!(mr.counters().bytes.value, -(MIB as i64), "{what}");
+        for bytes in [usize::MAX, i64::MAX as usize, i64::MAX as usize - 1] {
+            let refused = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
+                // SAFETY: no allocation at this address or size: the upstream refuses it.
+                unsafe { mr.deallocate(DevicePtr(0x1000), bytes, &s) }
+            }));
+            let refused =
+                refused.unwrap_or_else(|_| panic!("{what}: a bad free of {bytes} panicked"));
+            assert!(refused.is_err(), "{what}: a bad free of {bytes} was taken");
+        }
+        let scope = mr.pop_counters().unwrap();
+        assert_eq!(scope.bytes.value, -(MIB as i64), "{what}: {scope:?}");
+        assert_eq!(scope.allocations.value, -1, "{what}: {scope:?}");
+        assert_eq!(mr.counters().bytes.value, 0, "{what}");
+        s.synchronize_blocking().unwrap();
+    }
+}
+
+/// `CudaResource` whose `deallocate`, once armed, frees and then panics: a user's upstream with
+/// a bug.
+#[derive(Debug)]
+struct FreesThenPanics {
+    inner: streamalloc::resource::cuda::CudaResource,
+    armed: std::sync::atomic::AtomicBool,
+}
+
+// SAFETY: passes every call on to `CudaResource`; an armed free is passed on before the panic.
+unsafe impl MemoryResource for FreesThenPanics {
+    fn device(&self) -> &streamalloc::Device {
+        self.inner.device()
+    }
+
+    fn allocate(
+        &self,
+        bytes: usize,
+        stream: &streamalloc::Stream,
+    ) -> streamalloc::Result<DevicePtr> {
+        self.inner.allocate(bytes, stream)
+    }
+
+    unsafe fn deallocate(
+        &self,
+        ptr: DevicePtr,
+        bytes: usize,
+        stream: &streamalloc::Stream,
+    ) -> streamalloc::Result<()> {
+        // SAFETY: the caller's contract, passed on.
+        let freed = unsafe { self.inner.deallocate(ptr, bytes, stream) };
+        if self.armed.swap(false, std::sync::atomic::Ordering::SeqCst) {
+            panic!("the upstream panics after the free");
+        }
+        freed
+    }
+}
+
+/// A waker that counts, then panics: an executor's code misbehaving.
+struct PanicsOnWake(std::sync::atomic::AtomicUsize);
+
+impl std::task::Wake for PanicsOnWake {
+    fn wake(self: std::sync::Arc<Self>) {
+        self.0.fetch_add(1, std::sync::atomic::Ordering::SeqCst);
+        panic!("a waker that panics");
+    }
+}
+
+/// The limiting adaptor gives a free's bytes back to its limit while the upstream's panic
+/// unwinds, and tells its waiters there: a waiter whose waker panicked too aborted the process
+/// (a panic in a drop during a panic). The waker's panic is dropped; the upstream's goes on,
+/// and the waiter, told, is served.
+#[test]
+fn a_limit_told_during_an_upstream_panic_survives_a_panicking_waker() {
+    use std::future::Future;
+    use std::sync::atomic::Ordering::SeqCst;
+    use streamalloc::resource::adaptor::LimitingAdaptor;
+    use streamalloc::AllocateAsync;
+    const MIB: usize = 1 << 20;
+    for device in devices() {
+        let what = label(&device);
+        let mr = LimitingAdaptor::new(
+            FreesThenPanics {
+                inner: streamalloc::resource::cuda::CudaResource::new(&device),
+                armed: std::sync::atomic::AtomicBool::new(false),
+            },
+            2 * MIB,
+        );
+        let s = device.create_stream().unwrap();
+        let p = mr.allocate(2 * MIB, &s).unwrap();
+        let wakes = std::sync::Arc::new(PanicsOnWake(std::sync::atomic::AtomicUsize::new(0)));
+        let waker = std::task::Waker::from(wakes.clone());
+        let mut wait = Box::pin(mr.allocate_async(MIB, &s));
+        let mut cx = std::task::Context::from_waker(&waker);
+        assert!(wait.as_mut().poll(&mut cx).is_pending(), "{what}");
+        mr.upstream().armed.store(true, SeqCst);
+        let panicked = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
+            // SAFETY: allocated above on `s`, never used, freed once.
+            let _ = unsafe { mr.deallocate(p, 2 * MIB, &s) };
+        }));
+        let message = panicked.expect_err("the upstream did not panic");
+        assert_eq!(
+            message.downcast_ref::<&str>().copied(),
+            Some("the upstream panics after the free"),
+            "{what}: the upstream's panic is the one that goes on"
+        );
+        assert_eq!(wakes.0.load(SeqCst), 1, "{what}: the waiter was not told");
+        let noop = std::task::Waker::noop();
+        let mut cx = std::task::Context::from_waker(noop);
+        let q = match wait.as_mut().poll(&mut cx) {
+            std::task::Poll::Ready(q) => q.unwrap(),
+            std::task::Poll::Pending => panic!("{what}: told, and still refused"),
+        };
+        free(&mr, q, MIB, &s);
+        s.synchronize_blocking().unwrap();
+    }
+}

@@ -218,6 +218,68 @@ fn a_set_through_an_aligned_adaptor_counts_its_padding() {
     }
 }
 
+/// Under a limit that counts the requests unpadded, over an aligned adaptor that asks a pool
+/// for them padded: three 1 MiB requests (each 2 MiB - 256 of the 4 MiB pool) fit the limit
+/// and each fits the pool alone, but together never fit the pool. The set waited for ever (on
+/// every free it tried, failed, waited again): its error said 3 MiB, the unpadded total the
+/// limit counts, against the pool's 4 MiB (an adaptors' review found it). It fails at once
+/// with the pool's count; so does a lone request padded past the pool's maximum that would
+/// have queued behind a waiter.
+#[test]
+fn a_set_padded_past_the_pool_under_a_limit_fails_at_once() {
+    use streamalloc::resource::adaptor::AlignedAdaptor;
+    for device in devices() {
+        let what = label(&device);
+        let limited = LimitingAdaptor::new(
+            AlignedAdaptor::new(pool(&device, 4 * MIB), MIB).unwrap(),
+            64 * MIB,
+        );
+        let s = device.create_stream().unwrap();
+        let mut set = std::pin::pin!(limited.allocate_all_async([(MIB, &s), (MIB, &s), (MIB, &s)]));
+        match common::poll_once(set.as_mut()) {
+            Poll::Ready(Err(Error::OutOfMemory {
+                requested, maximum, ..
+            })) => {
+                assert_eq!(requested, 3 * (2 * MIB - 256), "{what}");
+                assert_eq!(maximum, 4 * MIB, "{what}");
+            }
+            Poll::Ready(other) => panic!("{what}: {other:?}"),
+            Poll::Pending => panic!("{what}: the set waits, though it can never fit"),
+        }
+        // A waiter in the limit's queue (1 MiB, padded to 4 MiB - 256, while as much is
+        // held), then a lone request whose padded size (6 MiB - 256 for 3 MiB aligned to
+        // 2 MiB) is past the pool's maximum: it fails at once instead of queueing behind the
+        // waiter.
+        let wide = LimitingAdaptor::new(
+            AlignedAdaptor::new(pool(&device, 4 * MIB), 2 * MIB).unwrap(),
+            64 * MIB,
+        );
+        let held = wide.allocate(MIB, &s).unwrap();
+        let mut waiter = std::pin::pin!(wide.allocate_async(MIB, &s));
+        assert!(common::poll_once(waiter.as_mut()).is_pending(), "{what}");
+        let mut lone = std::pin::pin!(wide.allocate_async(3 * MIB, &s));
+        match common::poll_once(lone.as_mut()) {
+            Poll::Ready(Err(Error::OutOfMemory {
+                requested, maximum, ..
+            })) => {
+                assert_eq!(requested, 6 * MIB - 256, "{what}");
+                assert_eq!(maximum, 4 * MIB, "{what}");
+            }
+            Poll::Ready(other) => panic!("{what}: {other:?}"),
+            Poll::Pending => panic!("{what}: the request queued, though it can never fit"),
+        }
+        // SAFETY: allocated above through `wide` with 1 MiB on `s`, never used, freed once.
+        unsafe { wide.deallocate(held, MIB, &s) }.unwrap();
+        let got = match common::poll_once(waiter.as_mut()) {
+            Poll::Ready(got) => got.unwrap(),
+            Poll::Pending => panic!("{what}: the waiter was not served"),
+        };
+        // SAFETY: as above.
+        unsafe { wide.deallocate(got, MIB, &s) }.unwrap();
+        s.synchronize_blocking().unwrap();
+    }
+}
+
 /// A set that can never fit fails at once, without waiting: one request above the maximum,
 /// sizes that add up to more than the maximum (each fits alone), sizes whose sum overflows.
 /// An empty set is served at once. Nothing is held afterwards.

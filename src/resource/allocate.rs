@@ -130,7 +130,10 @@ impl<R: MemoryResource + ?Sized> Future for Allocate<'_, R> {
                 resource.device().check_same(stream.device())?;
                 // The footprint, so that one that overflows (an adaptor's padding) is the
                 // adaptor's error here too, not an out-of-memory at the maximum.
-                resource.footprint(bytes).map(drop)
+                resource.footprint(bytes)?;
+                // A request that no layer can ever hold (its padded size past the pool's
+                // maximum under a limit that counts it unpadded) fails now, not at the head.
+                resource.check_set(&[bytes])
             },
         )
     }

@@ -116,6 +116,12 @@ impl<R: MemoryResource + ?Sized> Set<'_, R> {
                 Ok(ptr) => taken.got[i] = Some(ptr),
                 Err(e) => {
                     drop(taken);
+                    // A set that some layer can never hold, as that layer counts it: its
+                    // error, which no wait cures. (The sum below is the top layer's count; a
+                    // layer beneath may count more: an aligned adaptor's padding.)
+                    if e.is_out_of_memory() {
+                        self.check_sizes()?;
+                    }
                     return Err(match e {
                         // The set as a whole: waiting is worth it only if the sum can ever fit.
                         Error::OutOfMemory {
@@ -146,7 +152,15 @@ impl<R: MemoryResource + ?Sized> Set<'_, R> {
             return Err(overflow());
         }
         (self.requests.iter())
-            .try_for_each(|&(_, stream)| self.resource.device().check_same(stream.device()))
+            .try_for_each(|&(_, stream)| self.resource.device().check_same(stream.device()))?;
+        self.check_sizes()
+    }
+
+    /// Whether every layer of the resource can ever hold the set
+    /// ([`MemoryResource::check_set`]).
+    fn check_sizes(&self) -> Result<()> {
+        let sizes: Vec<usize> = self.requests.iter().map(|&(bytes, _)| bytes).collect();
+        self.resource.check_set(&sizes)
     }
 
     /// Gives back the part of the set that a failed try took. The head waiter does it quietly

@@ -106,6 +106,43 @@ pub unsafe trait MemoryResource: Send + Sync + fmt::Debug {
     fn footprint(&self, bytes: usize) -> Result<usize> {
         aligned_size(bytes)
     }
+
+    /// Whether requests of `sizes` can ever be held at once by this resource and every layer
+    /// beneath it, each layer counting them its own way: `Err(OutOfMemory)` from the first
+    /// layer whose maximum the set's total passes, with that total (as that layer counts it) as
+    /// `requested`, so that no wait is made for it; else `Ok`. One
+    /// [`footprint`](Self::footprint) cannot tell it for a stack whose layers count
+    /// differently: under a limiting adaptor a request counts its rounded size, and an aligned
+    /// adaptor beneath asks the pool for it padded; a set whose padded total passed the pool's
+    /// maximum waited for ever, its unpadded total being within it (a review's finding). A
+    /// resource with a maximum checks the set against it, an adaptor maps the sizes as it asks
+    /// its upstream for them and passes the call on. Default: `Ok` (no maximum known here; the
+    /// set's own out-of-memory errors decide, as before).
+    fn check_set(&self, sizes: &[usize]) -> Result<()> {
+        let _ = sizes;
+        Ok(())
+    }
+}
+
+/// [`MemoryResource::check_set`] for a layer that holds at most `maximum` bytes and counts a
+/// request as `footprint` says.
+pub(crate) fn check_set_within(
+    sizes: &[usize],
+    maximum: usize,
+    footprint: impl Fn(usize) -> Result<usize>,
+) -> Result<()> {
+    let mut total = 0usize;
+    for &bytes in sizes {
+        total = total.saturating_add(footprint(bytes)?);
+    }
+    if total > maximum {
+        return Err(Error::OutOfMemory {
+            requested: total,
+            available: 0,
+            maximum,
+        });
+    }
+    Ok(())
 }
 
 /// A type-erased, shareable resource: what buffers hold to keep their resource alive.
@@ -160,6 +197,10 @@ unsafe impl<R: MemoryResource + ?Sized> MemoryResource for StdArc<R> {
 
     fn footprint(&self, bytes: usize) -> Result<usize> {
         (**self).footprint(bytes)
+    }
+
+    fn check_set(&self, sizes: &[usize]) -> Result<()> {
+        (**self).check_set(sizes)
     }
 }
 

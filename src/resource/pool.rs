@@ -1059,6 +1059,11 @@ unsafe impl<U: MemoryResource> MemoryResource for PoolResource<U> {
         })
     }
 
+    /// The set's total, each request rounded up, against the maximum.
+    fn check_set(&self, sizes: &[usize]) -> Result<()> {
+        super::check_set_within(sizes, self.maximum as usize, aligned_size)
+    }
+
     fn memory_waiters(&self) -> Option<&MemoryWaiters> {
         Some(&self.waiters)
     }

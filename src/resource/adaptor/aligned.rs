@@ -228,6 +228,21 @@ unsafe impl<U: MemoryResource> MemoryResource for AlignedAdaptor<U> {
             self.upstream.footprint(self.upstream_size(bytes)?)
         }
     }
+
+    /// The sizes as the upstream is asked for them (padded for the alignment), passed on.
+    fn check_set(&self, sizes: &[usize]) -> Result<()> {
+        let asked = sizes
+            .iter()
+            .map(|&bytes| {
+                if self.passes_through(bytes) {
+                    Ok(bytes)
+                } else {
+                    self.upstream_size(bytes)
+                }
+            })
+            .collect::<Result<Vec<usize>>>()?;
+        self.upstream.check_set(&asked)
+    }
     fn memory_snapshot(&self) -> Option<crate::resource::snapshot::Snapshot> {
         self.upstream.memory_snapshot()
     }

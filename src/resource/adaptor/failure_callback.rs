@@ -109,6 +109,10 @@ unsafe impl<U: MemoryResource> MemoryResource for FailureCallbackAdaptor<U> {
     fn footprint(&self, bytes: usize) -> Result<usize> {
         self.upstream.footprint(bytes)
     }
+
+    fn check_set(&self, sizes: &[usize]) -> Result<()> {
+        self.upstream.check_set(sizes)
+    }
     fn memory_snapshot(&self) -> Option<crate::resource::snapshot::Snapshot> {
         self.upstream.memory_snapshot()
     }

@@ -537,6 +537,10 @@ unsafe impl<U: MemoryResource> MemoryResource for HistoryAdaptor<U> {
         self.upstream.footprint(bytes)
     }
 
+    fn check_set(&self, sizes: &[usize]) -> Result<()> {
+        self.upstream.check_set(sizes)
+    }
+
     /// The upstream's snapshot; while recording with live tracking, its in-use blocks are
     /// split into the allocations made through this adaptor, each with its size asked for,
     /// stream, time and backtrace.

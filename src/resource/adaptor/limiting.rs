@@ -382,6 +382,13 @@ unsafe impl<U: MemoryResource> MemoryResource for LimitingAdaptor<U> {
     fn footprint(&self, bytes: usize) -> Result<usize> {
         aligned_size(bytes)
     }
+
+    /// The set's rounded total against the limit, then the upstream's own check: each layer
+    /// counts the set its own way.
+    fn check_set(&self, sizes: &[usize]) -> Result<()> {
+        crate::resource::check_set_within(sizes, self.limit.limit(), aligned_size)?;
+        self.upstream.check_set(sizes)
+    }
     fn memory_snapshot(&self) -> Option<crate::resource::snapshot::Snapshot> {
         self.upstream.memory_snapshot()
     }

@@ -553,6 +553,11 @@ unsafe impl<U: MemoryResource> MemoryResource for ArenaResource<U> {
         })
     }
 
+    /// The set's total, each request rounded up, against the maximum.
+    fn check_set(&self, sizes: &[usize]) -> Result<()> {
+        super::check_set_within(sizes, self.maximum(), aligned_size)
+    }
+
     fn memory_waiters(&self) -> Option<&MemoryWaiters> {
         Some(&self.waiters)
     }
