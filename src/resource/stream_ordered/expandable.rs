@@ -162,11 +162,11 @@ impl<S: EngineStream> StreamHeap<S> {
 /// [`note_host_waited`](StreamHeap::note_host_waited) notes done once the wait succeeded.
 #[derive(Debug)]
 pub(crate) struct HostWait {
-    /// The stream's uid: a trim may forget the stream while the host waits, and another
-    /// stream take its slot, whose entry must not be noted done.
-    uid: u64,
-    /// `(shard, slot, epoch bumped to)`, for each shard that knew the stream.
-    bumped: Vec<(usize, u32, u64)>,
+    /// `(shard, slot, registration, epoch bumped to)`, for each shard that knew the stream.
+    /// The registration ([`Entry::reg`]), not the stream's uid: a trim may forget the stream
+    /// while the host waits, and another stream take its slot, or the same stream be
+    /// registered there again with its epochs counted from 0, and neither must be noted done.
+    bumped: Vec<(usize, u32, u64, u64)>,
 }
 
 impl<S: EngineStream> StreamHeap<S> {
@@ -191,22 +191,22 @@ impl<S: EngineStream> StreamHeap<S> {
             };
             if let Some(entry) = heap.entry_mut(slot) {
                 entry.epoch += 1;
-                bumped.push((k, slot, entry.epoch));
+                bumped.push((k, slot, entry.reg, entry.epoch));
             }
         }
-        HostWait { uid, bumped }
+        HostWait { bumped }
     }
 
     /// After the host's wait for a stream succeeded (begun after
     /// [`bump_for_host_wait`](Self::bump_for_host_wait) returned `wait`): notes the stream done
-    /// up to the epochs bumped, in each shard that still knows it by that slot.
+    /// up to the epochs bumped, in each shard that still holds the registration bumped.
     pub(crate) fn note_host_waited(&self, wait: HostWait) {
-        for (k, slot, epoch) in wait.bumped {
+        for (k, slot, reg, epoch) in wait.bumped {
             let Some(shard) = self.shards.get(k) else {
                 continue;
             };
             let mut heap = shard.lock();
-            if let Some(entry) = heap.entry_mut(slot).filter(|e| e.uid == wait.uid) {
+            if let Some(entry) = heap.entry_mut(slot).filter(|e| e.reg == reg) {
                 let epoch = if planted!(HOST_WAIT_BUMPED_AFTER) {
                     entry.epoch += 1;
                     entry.epoch

@@ -41,7 +41,10 @@
 //! Streams are registered on first use and keep a slot (their epoch and what they waited on)
 //! and a handle (to record events on). A stream the user has dropped is let go by `trim`:
 //! [`StreamHeap::idle_streams`] names them, the caller waits for each on the host, and
-//! [`StreamHeap::forget`] drops it from every tag and releases its handle.
+//! [`StreamHeap::forget`] drops it from every tag and releases its handle. A stream used again
+//! after that is registered again, often in its old slot, with its epochs counted from 0: each
+//! registration has its own number, which a note made outside the lock (an ordering, an idle
+//! answer, a host's wait) checks before it lands.
 //!
 //! Here: the engine's state, requests and frees; beside it `blocks.rs` (the block table),
 //! `waits.rs` (the tags), `chunks.rs` (the chunk-to-shard table), `order.rs` (orderings),
@@ -213,6 +216,13 @@ struct Entry<S: EngineStream> {
     stream: Kept<S>,
     /// `stream.uid()`, kept here so that checking a tag against the requester reads no handle.
     uid: u64,
+    /// This registration's number in the shard (from [`Heap::registered`]): what a note made
+    /// outside the lock (an ordering, an idle answer, a host's wait) checks the slot against.
+    /// Not the uid: epochs count per registration, and a stream forgotten and registered
+    /// again, into the same slot (`spare` hands slots back last in, first out), starts again
+    /// at epoch 0, so a note of its old registration's epoch would cover its new frees (a
+    /// review's finding; `order_tests.rs`).
+    reg: u64,
     /// Bumped by every ordering after this stream; frees on it are tagged with it.
     epoch: u64,
     /// Frees on this stream tagged below `done` are known finished on the GPU (the stream was
@@ -252,6 +262,9 @@ struct Heap<S: EngineStream> {
     entries: Vec<Option<Entry<S>>>,
     /// Slots of forgotten streams, for reuse.
     spare: Vec<u32>,
+    /// Registrations so far: the next one's [`Entry::reg`]. Per shard, under its lock (not a
+    /// global count: the loom models stay deterministic).
+    registered: u64,
     /// The last (uid, slot) looked up: most operations come in runs on one stream.
     last: (u64, u32),
     /// Bytes handed out, and the most there have been.
@@ -285,9 +298,11 @@ impl<S: EngineStream> Heap<S> {
 
     #[cold]
     fn register(&mut self, uid: u64, stream: &S) -> u32 {
+        self.registered += 1;
         let entry = Entry {
             stream: Kept::new(stream),
             uid,
+            reg: self.registered,
             epoch: 0,
             done: 0,
             quiet_at: None,
@@ -445,6 +460,7 @@ impl<S: EngineStream> StreamHeap<S> {
                 slots: FxHashMap::default(),
                 entries: Vec::new(),
                 spare: Vec::new(),
+                registered: 0,
                 last: (0, 0),
                 in_use: 0,
                 peak_in_use: 0,

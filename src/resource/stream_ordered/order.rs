@@ -12,8 +12,9 @@ pub(super) type Orders<S> = SmallVec<[Order<S>; 4]>;
 /// An ordering made (or found needless: the stream was idle), to note under the lock again.
 struct Made {
     slot: u32,
-    /// The stream's uid: the slot may hold another stream by then.
-    uid: u64,
+    /// The stream's registration ([`Entry::reg`]): the slot may hold another stream by then,
+    /// or the same stream registered again, whose epochs start again at 0.
+    reg: u64,
     epoch: u64,
     /// The stream answered idle: no ordering was made.
     idle: bool,
@@ -21,9 +22,11 @@ struct Made {
     activity: Option<u64>,
 }
 
-/// One ordering to make: after the stream in `slot` (`stream`), up to its epoch `epoch`.
+/// One ordering to make: after the stream in `slot` (`stream`, registered as `reg`), up to
+/// its epoch `epoch`.
 pub(super) struct Order<S> {
     slot: u32,
+    reg: u64,
     epoch: u64,
     stream: S,
 }
@@ -32,8 +35,8 @@ impl<S: EngineStream> StreamHeap<S> {
     /// The orderings the stream in `slot` needs before it may use a block tagged `tag`, each
     /// with the stream's epoch already bumped (under the lock the caller holds: a free tagged
     /// after this is not covered by the event the ordering records), pushed onto `orders`
-    /// (none if it needs none). Into the caller's list, not returned: the list is about 100
-    /// to 170 bytes inline, and a return moved it with a `memcpy` on every request that
+    /// (none if it needs none). Into the caller's list, not returned: the list is about 130
+    /// to 200 bytes inline, and a return moved it with a `memcpy` on every request that
     /// reused another stream's memory (3% of `churn-xs-1t`'s instructions with the pass into
     /// [`order`](Self::order)).
     pub(super) fn orders_for(
@@ -81,6 +84,7 @@ impl<S: EngineStream> StreamHeap<S> {
             }
             orders.push(Order {
                 slot: d,
+                reg: donor.reg,
                 epoch,
                 stream: donor.stream.clone(),
             });
@@ -106,9 +110,10 @@ impl<S: EngineStream> StreamHeap<S> {
         let _span =
             tracing::debug_span!("stream_wait", to = %stream.name(), streams = orders.len())
                 .entered();
-        // The uid is kept because the lock is let go: a trim may forget a dropped stream
-        // meanwhile and a new stream take its slot, and what is noted below must not land on
-        // the newcomer.
+        // The registration is kept because the lock is let go: a trim may forget a dropped
+        // stream meanwhile and a new stream take its slot, or the same stream be registered
+        // again there (a trim's put-back on it, an outer pool's release to a pool on it) with
+        // its epochs counted from 0 again, and what is noted below must land on neither.
         let mut made: SmallVec<[Made; 4]> = SmallVec::new();
         let mut result = Ok(());
         for order in orders.drain(..) {
@@ -125,7 +130,7 @@ impl<S: EngineStream> StreamHeap<S> {
             }
             made.push(Made {
                 slot: order.slot,
-                uid: order.stream.uid(),
+                reg: order.reg,
                 epoch: order.epoch,
                 idle,
                 activity,
@@ -143,15 +148,16 @@ impl<S: EngineStream> StreamHeap<S> {
         let me = stream.uid();
         for Made {
             slot: d,
-            uid,
+            reg,
             epoch,
             idle,
             activity,
         } in made
         {
-            if heap.entry(d).is_none_or(|e| e.uid != uid) {
-                // Forgotten while the lock was let go (its slot may hold another stream now):
-                // `forget` cleared it from every tag, so nothing is left to note.
+            if heap.entry(d).is_none_or(|e| e.reg != reg) {
+                // Forgotten while the lock was let go (its slot may hold another stream now,
+                // or the same one registered again): `forget` cleared it from every tag, so
+                // nothing is left to note.
                 continue;
             }
             if planted!(BUMP_AFTER_ORDER) {

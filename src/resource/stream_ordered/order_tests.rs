@@ -1,7 +1,8 @@
-//! A stream forgotten (and its slot taken by a new stream) while `order` has let go of the
-//! shard's lock: what `order` notes on relocking must not land on the newcomer. Beside it, the
-//! engine's other paths around its locks that need real threads or a stream that counts what
-//! it is asked (idle answers, memory taken out, the look before the growth lock).
+//! A stream forgotten (and its slot taken by a new stream, or by the same stream registered
+//! again) while `order` has let go of the shard's lock: what `order` notes on relocking must
+//! not land on the newcomer, nor on the new registration (the same for a host's wait). Beside
+//! it, the engine's other paths around its locks that need real threads or a stream that
+//! counts what it is asked (idle answers, memory taken out, the look before the growth lock).
 
 use std::cell::RefCell;
 use std::sync::atomic::{AtomicBool, AtomicU64 as StdU64, Ordering::SeqCst};
@@ -220,6 +221,120 @@ fn a_stream_forgotten_during_an_ordering_lends_nothing_to_its_slots_next_stream(
         newcomer.asked() > before,
         "a block freed on a busy stream was handed over with no ordering and no question"
     );
+}
+
+/// As the test above, but the stream forgotten in `order`'s window is the same stream
+/// registered again in its old slot (a trim's put-back on it, `give_blocks_to`, or an outer
+/// pool's release of a chunk to a pool on it), busy by then. Epochs count per registration:
+/// the new one starts at 0, and `order` checked only that the slot still held the same uid,
+/// so the idle answer noted for the old registration (done at epoch 1) covered the new
+/// registration's first free, and another stream was handed that block with no ordering and
+/// no question while the stream's work could still use it (a review's finding: failed before
+/// the registration's number was checked instead of the uid).
+#[test]
+fn a_stream_forgotten_and_registered_again_gets_no_stale_note() {
+    const B: u64 = 1 << 20;
+    let heap: StdArc<StreamHeap<Probe>> = StdArc::new(StreamHeap::with_options(0.0, 1));
+    heap.add_chunk(0x1000_0000, 6 * B);
+    heap.give_fresh(0x1000_0000, 6 * B);
+    let first = Probe::new(1, true);
+    let second = Probe::new(2, true);
+    let taker = Probe::new(3, false);
+    let a = heap.take(B, &first, &NoGrowth).unwrap();
+    let b = heap.take(B, &second, &NoGrowth).unwrap();
+    let spare = heap.take(B, &taker, &NoGrowth).unwrap();
+    assert!(heap.give(a, B, &first));
+    assert!(heap.give(b, B, &second));
+    // Stands for the handle a trim's put-back holds (`onto_one`'s), taken before a concurrent
+    // forget read the count: kept, so the forget still goes ahead.
+    let engine_handle = Kept::new(&first);
+    drop(first);
+    let during = heap.clone();
+    HOOK.with(|h| {
+        *h.borrow_mut() = Some(Box::new(move || {
+            // A trim in `order`'s window forgets `first` (dropped by the user, idle) ...
+            for idle in during.idle_streams() {
+                during.forget(idle);
+            }
+            // ... and `first`, busy again, is registered again in its old slot by a free.
+            let inner: &Probe = &engine_handle;
+            inner.0.idle.store(false, SeqCst);
+            assert!(during.give(spare, B, inner));
+            drop(engine_handle);
+        }))
+    });
+    // The taker takes `a` and `b` coalesced: its tag names `first` and `second`, both idle.
+    let both = heap.take(2 * B, &taker, &NoGrowth).unwrap();
+    assert_eq!(both, a.min(b));
+    assert!(HOOK.with(|h| h.borrow().is_none()), "the trim did not run");
+    let again = (heap.idle_streams().into_iter())
+        .find(|s| s.uid() == 1)
+        .unwrap();
+    // Another stream takes the block freed on `first`'s new registration: it must be ordered
+    // after `first` (or ask whether it is idle).
+    let other = Probe::new(5, false);
+    let before = again.asked();
+    assert_eq!(heap.take(B, &other, &NoGrowth).unwrap(), spare);
+    assert!(
+        again.asked() > before,
+        "a block freed on a busy stream was handed over with no ordering and no question"
+    );
+}
+
+/// The host's wait for a stream (the expandable pool's job for busy streams:
+/// `bump_for_host_wait`, the wait, `note_host_waited`), with the stream forgotten and
+/// registered again in its old slot between the bump and the note: the note is of the old
+/// registration's epoch, and must not land on the new one, whose epochs start again at 0.
+/// `note_host_waited` checked only the uid, and the new registration's first free (tagged at
+/// epoch 0) was noted done by a wait that began before it: another stream was handed the
+/// block with no ordering and no question (a review's finding, the same as the test above's
+/// on this path: failed before the registration's number was checked). The pool's job holds
+/// the stream's handle from the bump to the note, so a forget cannot come in between there
+/// today; the engine does not count on it.
+#[test]
+fn a_host_wait_is_not_noted_on_its_streams_next_registration() {
+    const B: u64 = 1 << 20;
+    let heap: StreamHeap<Probe> = StreamHeap::with_options(0.0, 1);
+    heap.add_chunk(0x1000_0000, 2 * B);
+    heap.give_fresh(0x1000_0000, 2 * B);
+    let first = Probe::new(1, false);
+    let taker = Probe::new(3, false);
+    // `first` registered by a free.
+    let a = heap.take(B, &first, &NoGrowth).unwrap();
+    let spare = heap.take(B, &taker, &NoGrowth).unwrap();
+    assert!(heap.give(a, B, &first));
+    // The job bumps `first`'s epoch before it waits on the host ...
+    let wait = heap.bump_for_host_wait(&first);
+    // ... `first`'s work finishes, its user drops it, and a trim forgets it ...
+    let engine_handle = Kept::new(&first);
+    drop(first);
+    let inner: &Probe = &engine_handle;
+    inner.0.idle.store(true, SeqCst);
+    let forgotten = heap.idle_streams();
+    assert_eq!(forgotten.len(), 1);
+    for idle in forgotten {
+        heap.forget(idle);
+    }
+    // (`a`, which needs no ordering now, in use again: the only free block left is `spare`.)
+    assert_eq!(heap.take(B, &taker, &NoGrowth).unwrap(), a);
+    // ... and it is registered again, busy, in its old slot, by a free.
+    inner.0.idle.store(false, SeqCst);
+    assert!(heap.give(spare, B, inner));
+    // The host's wait ends: noted.
+    heap.note_host_waited(wait);
+    let again = (heap.idle_streams().into_iter())
+        .find(|s| s.uid() == 1)
+        .unwrap();
+    drop(engine_handle);
+    let other = Probe::new(5, false);
+    let before = again.asked();
+    assert_eq!(heap.take(B, &other, &NoGrowth).unwrap(), spare);
+    assert!(
+        again.asked() > before,
+        "a block freed on a busy stream was handed over with no ordering and no question"
+    );
+    assert!(heap.give(a, B, &taker));
+    heap.check().unwrap();
 }
 
 #[test]
