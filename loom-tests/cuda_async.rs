@@ -152,7 +152,7 @@ fn cuda_async_an_arriving_waiter_learns_of_a_racing_free() {
     check_paths(Some(2), &[], a_free_and_an_arriving_waiter);
 }
 
-/// Bug: the free notes its stream after its notification's fence and load
+/// Bug: the free notes its stream after its notification's fence and its loads of the queues
 /// (`cuda_async::planted::NOTE_AFTER`): a waiter registering in between sees neither.
 #[test]
 #[ignore = "planted bug: must fail"]
@@ -190,4 +190,152 @@ fn planted_hook_not_stacked() {
             check_paths(Some(2), &[], a_free_and_a_waiter_arriving_above);
         },
     );
+}
+
+const NOTED_FIRST: &str = "the first stream noted before the second";
+const NOTED_SECOND: &str = "the second stream noted before the first";
+
+/// Frees on two streams that share a slot (under loom there is one slot, so every two streams
+/// do), issued while nobody waits, on two threads: the first stream's twice (its second free
+/// finds it noted, or races its own noting), the second's once. Then a request starts waiting:
+/// it must record an event on *both* streams, since the GPU's reaching either free is what
+/// hands its memory to any stream, and it is woken.
+///
+/// The inline device completes every event at once, so a wake alone cannot tell whether the
+/// first stream was forgotten (the second's event wakes the waiter too): the model reads the
+/// streams that the arrival recorded an event on (`CudaAsyncResource::watched_streams`).
+fn frees_on_streams_sharing_a_slot(seen: &Shared<Seen>) {
+    let device = Device::simulated(SimConfig {
+        race_detection: RaceDetection::Off,
+        ..SimConfig::default()
+    });
+    let resource = Arc::new(CudaAsyncResource::new(&device, CudaAsyncOptions::default()).unwrap());
+    let (a, b) = (
+        device.create_stream().unwrap(),
+        device.create_stream().unwrap(),
+    );
+    let (a1, a2) = (
+        resource.allocate(BLOCK, &a).unwrap(),
+        resource.allocate(BLOCK, &a).unwrap(),
+    );
+    let b1 = resource.allocate(BLOCK, &b).unwrap();
+    let freeing = {
+        let (resource, a) = (resource.clone(), a.clone());
+        thread::spawn(move || {
+            for ptr in [a1, a2] {
+                // SAFETY: allocated above with these bytes on `a`, unused, freed once.
+                unsafe { resource.deallocate(ptr, BLOCK, &a) }.unwrap();
+            }
+        })
+    };
+    // SAFETY: as above, on `b`.
+    unsafe { resource.deallocate(b1, BLOCK, &b) }.unwrap();
+    freeing.join().unwrap();
+    let (counter, waker) = CountingWaker::new();
+    let waiters = resource.memory_waiters().unwrap();
+    let (id, _) = waiters.register(BLOCK, &waker);
+    let watched = resource.watched_streams();
+    for (which, stream) in [("first", &a), ("second", &b)] {
+        assert!(
+            watched.contains(&stream.id().get()),
+            "the {which} stream's free was forgotten: the arriving waiter recorded no event on \
+             it (events on {watched:?})"
+        );
+    }
+    assert!(
+        counter.wakes() > 0,
+        "the waiter slept through the frees issued before it arrived"
+    );
+    seen.note(NOTED_FIRST, watched.first() == Some(&a.id().get()));
+    seen.note(NOTED_SECOND, watched.first() == Some(&b.id().get()));
+    waiters.remove(id, crate::resource::waiters::Leave::Cancelled);
+    a.synchronize_blocking().unwrap();
+    b.synchronize_blocking().unwrap();
+}
+
+#[test]
+fn cuda_async_frees_on_streams_sharing_a_slot_are_all_remembered() {
+    check_paths(
+        Some(2),
+        &[NOTED_FIRST, NOTED_SECOND],
+        frees_on_streams_sharing_a_slot,
+    );
+}
+
+/// Bug: a slot keeps one stream, and a free on another stream of the slot replaces it
+/// (`cuda_async::planted::ONE_PER_SLOT`, the code before the fix): the first stream's free is
+/// forgotten.
+#[test]
+#[ignore = "planted bug: must fail"]
+fn planted_one_per_slot() {
+    must_fail(
+        module_path!(),
+        "planted_one_per_slot",
+        "stream's free was forgotten",
+        || {
+            crate::resource::cuda_async::planted::ONE_PER_SLOT
+                .store(true, std::sync::atomic::Ordering::Relaxed);
+            check_paths(Some(2), &[], frees_on_streams_sharing_a_slot);
+        },
+    );
+}
+
+const PRUNED: &str = "an idle stream pruned from a full slot";
+
+/// Three streams in a slot of two ways (under loom): the third stream's free finds the ways
+/// full and prunes the list, racing a free on the first stream (on another thread). A pruned
+/// stream is one whose work the GPU finished (on the inline device, every stream), so its
+/// free's memory is in the pool; every stream left in the list gets an event when a request
+/// arrives, the third's among them, and the waiter is woken. Checks that pruning loses no
+/// stream it must keep (the third, noted last) and that the ways stay coherent with the list
+/// (a stream in a way but not in the list would skip its noting for good).
+fn a_full_slot_pruned_while_a_stream_frees(seen: &Shared<Seen>) {
+    let device = Device::simulated(SimConfig {
+        race_detection: RaceDetection::Off,
+        ..SimConfig::default()
+    });
+    let resource = Arc::new(CudaAsyncResource::new(&device, CudaAsyncOptions::default()).unwrap());
+    let streams: Vec<_> = (0..3).map(|_| device.create_stream().unwrap()).collect();
+    let blocks: Vec<_> = streams
+        .iter()
+        .map(|s| resource.allocate(BLOCK, s).unwrap())
+        .collect();
+    let again = resource.allocate(BLOCK, &streams[0]).unwrap();
+    // The first two noted while nobody waits: the ways are full.
+    for (ptr, stream) in blocks.iter().zip(&streams).take(2) {
+        // SAFETY: allocated above with these bytes on `stream`, unused, freed once.
+        unsafe { resource.deallocate(*ptr, BLOCK, stream) }.unwrap();
+    }
+    let freeing = {
+        let (resource, first) = (resource.clone(), streams[0].clone());
+        thread::spawn(move || {
+            // SAFETY: as above.
+            unsafe { resource.deallocate(again, BLOCK, &first) }.unwrap();
+        })
+    };
+    // SAFETY: as above.
+    unsafe { resource.deallocate(blocks[2], BLOCK, &streams[2]) }.unwrap();
+    freeing.join().unwrap();
+    let (counter, waker) = CountingWaker::new();
+    let waiters = resource.memory_waiters().unwrap();
+    let (id, _) = waiters.register(BLOCK, &waker);
+    let watched = resource.watched_streams();
+    assert!(
+        watched.contains(&streams[2].id().get()),
+        "the stream noted last was pruned or forgotten (events on {watched:?})"
+    );
+    assert!(
+        counter.wakes() > 0,
+        "the waiter slept through the frees issued before it arrived"
+    );
+    seen.note(PRUNED, !watched.contains(&streams[1].id().get()));
+    waiters.remove(id, crate::resource::waiters::Leave::Cancelled);
+    for stream in &streams {
+        stream.synchronize_blocking().unwrap();
+    }
+}
+
+#[test]
+fn cuda_async_a_full_slot_pruned_while_a_stream_frees() {
+    check_paths(Some(2), &[PRUNED], a_full_slot_pruned_while_a_stream_frees);
 }

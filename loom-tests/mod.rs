@@ -7,7 +7,9 @@
 //!   arena's), on the crate's `ArenaResource` over the simulated device run inline, its race
 //!   detector in the `Panic` mode: adopted only in stream order; found across a superblock move.
 //! - [`cuda_async`]: `CudaAsyncResource`'s count of what it handed out, which holds its
-//!   maximum: racing requests at the maximum, exactly one served.
+//!   maximum: racing requests at the maximum, exactly one served; and the streams its frees
+//!   were issued on while nobody waited, remembered for a request that starts waiting (none
+//!   forgotten when two share a slot).
 //! - [`completion`]: the wakeup protocol of `Completion` (wakers, deregistration, callbacks,
 //!   concurrent completes, the reactor's pre-wake `hurry`), on the crate's own `Completion`.
 //! - [`reactor`]: the registration path of an event future into a running reactor thread, with a

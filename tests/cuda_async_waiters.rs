@@ -1,7 +1,8 @@
-//! `CudaAsyncResource`'s waiters, after a review: a wake under the shared pool's lock of
-//! queues, a reservation rolled back without waking the waiter it refused, and a quiet
-//! give-back above that stopped the wake-up of a waiter elsewhere. On the simulated device
-//! (a small one, and injected faults); each failed before its fix.
+//! `CudaAsyncResource`'s waiters, after reviews: a wake under the shared pool's lock of
+//! queues, a reservation rolled back without waking the waiter it refused, a quiet give-back
+//! above that stopped the wake-up of a waiter elsewhere, and a free forgotten when a free on
+//! another stream took its slot. On the simulated device (a small one, and injected faults);
+//! each failed before its fix.
 
 mod common;
 
@@ -15,7 +16,7 @@ use streamalloc::resource::adaptor::LimitingAdaptor;
 use streamalloc::resource::cuda_async::CudaAsyncOptions;
 use streamalloc::{
     AllocateAsync, CudaAsyncResource, Device, DevicePtr, FaultKind, Faults, MemoryResource,
-    SimConfig,
+    SimConfig, Stream,
 };
 
 const MIB: usize = 1 << 20;
@@ -242,4 +243,72 @@ fn a_quiet_give_back_above_does_not_leave_a_waiter_below_asleep() {
     }
     s0.synchronize_blocking().unwrap();
     s2.synchronize_blocking().unwrap();
+}
+
+// ===== frees issued while nobody waits, on streams that share a slot =====
+
+/// Streams `x`, `y` and `z`, `x` and `y` with ids equal modulo 16 (the slots of the streams
+/// noted for later waiters) if `collide`, different otherwise.
+fn three_streams(device: &Device, collide: bool) -> (Stream, Stream, Stream) {
+    let x = device.create_stream().unwrap();
+    loop {
+        let y = device.create_stream().unwrap();
+        if (y.id().get() % 16 == x.id().get() % 16) == collide {
+            return (x, y, device.create_stream().unwrap());
+        }
+    }
+}
+
+/// A free on `x` behind 500 ms of work and a free on `y`, both issued while nobody waits,
+/// then a request on `z` that needs `x`'s block: whether it is woken (and served) once the
+/// GPU reaches `x`'s free.
+fn woken_for_a_free_noted_before_another(collide: bool) -> bool {
+    let device = Device::simulated(SimConfig {
+        total_memory: 64 * MIB,
+        ..SimConfig::default()
+    });
+    let r = CudaAsyncResource::new(&device, CudaAsyncOptions::default()).unwrap();
+    let (x, y, z) = three_streams(&device, collide);
+    let a = r.allocate(60 * MIB, &x).unwrap();
+    x.spin(Duration::from_millis(500)).unwrap();
+    common::free(&r, a, 60 * MIB, &x);
+    let b = r.allocate(MIB, &y).unwrap();
+    common::free(&r, b, MIB, &y);
+    y.synchronize_blocking().unwrap();
+    let (flag, waker) = flag();
+    let mut wait = Box::pin(r.allocate_async(60 * MIB, &z));
+    assert!(wait
+        .as_mut()
+        .poll(&mut Context::from_waker(&waker))
+        .is_pending());
+    let served = served_when_woken(wait.as_mut(), &flag, &waker);
+    x.synchronize_blocking().unwrap();
+    match served {
+        Some(got) => {
+            common::free(&r, got, 60 * MIB, &z);
+            z.synchronize_blocking().unwrap();
+            true
+        }
+        None => false,
+    }
+}
+
+/// The control: `x` and `y` in different slots.
+#[test]
+fn a_waiter_is_woken_for_a_free_noted_in_another_slot_than_a_later_one() {
+    assert!(
+        woken_for_a_free_noted_before_another(false),
+        "memory back in the pool, and the waiter never woken"
+    );
+}
+
+/// A slot kept one stream: `y`'s free replaced `x`, the waiter recorded an event on `y` only,
+/// and slept with `x`'s block back in the pool (a review's finding; failed before the fix).
+#[test]
+fn a_waiter_is_woken_for_a_free_whose_slot_a_later_free_took() {
+    assert!(
+        woken_for_a_free_noted_before_another(true),
+        "the waiter slept with the memory back in the pool: x's free was forgotten when y's \
+         free took its slot"
+    );
 }

@@ -109,11 +109,12 @@ pub struct CudaAsyncOptions {
 ///   free (an event watched by the completion reactor: the driver pool holds the memory for
 ///   any stream then); so does [`trim_to`](Self::trim_to). A request larger than the maximum
 ///   (rounded down to 256 bytes) can never fit and fails at once. A free issued while nobody
-///   waited records nothing (its fast path is a load of its stream's slot, a fence and a few
-///   loads), but its stream is remembered: a request that starts waiting before the GPU
-///   reaches that free records an event there and is woken when the GPU gets there. Every
-///   resource over the same driver pool (two views of the default pool, an owner and a view
-///   of its pool) shares these: a free or a trim through one wakes the others' waiters too.
+///   waited records nothing (its fast path is a few loads of its stream's slot, a fence and a
+///   few loads more), but its stream is remembered, whatever other streams free meanwhile: a
+///   request that starts waiting before the GPU reaches that free records an event there and
+///   is woken when the GPU gets there. Every resource over the same driver pool (two views
+///   of the default pool, an owner and a view of its pool) shares these: a free or a trim
+///   through one wakes the others' waiters too.
 ///   Memory freed by other code, not through any resource, wakes nobody: such a request waits
 ///   for the next free through one, or its deadline;
 /// - dropping a resource made by [`new`](Self::new) destroys its pool. Memory still allocated
@@ -161,24 +162,41 @@ pub struct CudaAsyncResource {
 
 /// The slots of [`PoolWaiters::pending`]. One under loom: a slot is chosen by stream id, and
 /// ids are process-wide counters, different in each of a model's executions (loom requires
-/// each execution to reach the same atomics).
+/// each execution to reach the same atomics). One slot is also the case the model needs: every
+/// two streams share it.
 const PENDING_SLOTS: usize = if cfg!(streamalloc_loom) { 1 } else { 16 };
+
+/// The ids a free reads without the lock in each slot (see [`PendingSlot`]): the streams of the
+/// first this many entries of the slot's list. Two under loom, so that a third stream in the
+/// slot takes the slow path (and its pruning) within a small model.
+const PENDING_WAYS: usize = if cfg!(streamalloc_loom) { 2 } else { 4 };
 
 /// The waiters of every [`CudaAsyncResource`] over one driver pool, kept per device by the
 /// pool's key ([`Device::pool_shared`]): memory freed through any of them comes back to the
 /// one pool, so any of their requests may use it.
 ///
-/// It also remembers the streams that frees were issued on while nobody waited (one per slot,
-/// by stream id), so that a request arriving later can be woken when the GPU reaches them:
-/// the driver's pool reuses freed memory for another stream only then. A free that finds its
-/// stream in its slot already writes nothing (one load); a request that starts waiting records
-/// an event on each remembered stream and empties the slots.
+/// It also remembers the streams that frees were issued on while nobody waited, so that a
+/// request arriving later can be woken when the GPU reaches them: the driver's pool reuses
+/// freed memory for another stream only then. A stream goes to one of a few slots by its id,
+/// and a slot keeps a list of every stream noted in it (see [`PendingSlot`]): a free that
+/// finds its stream among the first few ids of its slot writes nothing (a few loads); a request
+/// that starts waiting records an event on each remembered stream and empties the lists.
+///
+/// A slot once kept one stream, and a free on another stream of the same slot replaced it:
+/// the first stream's free was forgotten, and a request that started waiting before the GPU
+/// reached it was not woken when it did (a review's finding: ids come from one process-wide
+/// counter, so any program with more than 16 streams, or two ids 16 apart, met it; a waiter
+/// without a deadline slept until some unrelated free). Now nothing noted leaves a list but
+/// to a request's arrival, which records an event on it, or to pruning, which drops only a
+/// stream the GPU has finished (its frees are in the pool, where a request's own try finds
+/// them).
 ///
 /// The protocol, with the queue's fences (`MemoryWaiters::notify` and `register`): a free
 /// notes its stream *before* its fence and its load of the queues' lengths; a request
 /// registers (its fence) *before* it reads the slots. So either the free sees the request and
 /// records its own event, or the request sees the stream, and records one after the free.
-/// (`loom-tests/cuda_async.rs` checks it, with a planted free that notes its stream after.)
+/// (`loom-tests/cuda_async.rs` checks it, with a planted free that notes its stream after, and
+/// the lists, with a planted slot that keeps one stream.)
 pub(crate) struct PoolWaiters {
     /// The queues of the resources over the pool. Std's lock: it changes only when one is made
     /// or dropped; a free reads it only when the pool has several.
@@ -192,14 +210,48 @@ pub(crate) struct PoolWaiters {
     /// Whether `queues` has more than one, readable without the lock.
     several: std::sync::atomic::AtomicBool,
     pending: [PendingSlot; PENDING_SLOTS],
+    /// The streams that [`arrived`](PoolWaiters::arrived) recorded an event on, for the loom
+    /// model to check that none was forgotten (the inline device completes every event at
+    /// once, so a wake from one stream's event cannot tell whether another's was recorded).
+    #[cfg(streamalloc_loom)]
+    watched: std::sync::Mutex<Vec<u64>>,
 }
 
-/// A stream that a free was issued on while nobody waited, until a request reads it.
+/// The streams that frees were issued on while nobody waited, in one slot, until a request
+/// reads them.
+///
+/// Invariant, whenever the lock is free: `ways[i]` is the id of `streams[i]` for every `i`
+/// below both lengths, and 0 past the list's end. So an id that a free reads in `ways` without
+/// the lock names a stream in the list, or one that a request's arrival took (and recorded an
+/// event on) after the free was issued, or one pruned as finished: each covers the free (see
+/// [`PoolWaiters::note_slow`] for the order pruning keeps).
 struct PendingSlot {
-    /// The stream's id, 0 for none: what a free checks without the lock. Written under it.
-    id: AtomicU64,
-    /// The stream, kept (a handle that does not count as a user's, see `Stream::users`).
-    stream: Mutex<Option<Kept<Stream>>>,
+    /// The ids of the list's first entries, 0 for none: what a free checks without the lock.
+    /// Written under it.
+    ways: [AtomicU64; PENDING_WAYS],
+    /// The streams, each once, kept (handles that do not count as a user's, see
+    /// `Stream::users`). Past [`PENDING_WAYS`] only when that many in the slot are busy:
+    /// pruning runs when the ways are full.
+    streams: Mutex<Vec<Kept<Stream>>>,
+}
+
+impl PendingSlot {
+    /// Writes the ways from the list (under its lock).
+    fn publish(&self, streams: &[Kept<Stream>]) {
+        for (at, way) in self.ways.iter().enumerate() {
+            way.store(
+                streams.get(at).map_or(0, |s| s.id().get()),
+                Ordering::Relaxed,
+            );
+        }
+    }
+
+    /// Empties the ways (under the lock): before a stream leaves the list, or while pruning.
+    fn clear_ways(&self) {
+        for way in &self.ways {
+            way.store(0, Ordering::Relaxed);
+        }
+    }
 }
 
 impl fmt::Debug for PoolWaiters {
@@ -214,9 +266,11 @@ impl PoolWaiters {
             queues: RwLock::new(StdArc::new(Vec::new())),
             several: std::sync::atomic::AtomicBool::new(false),
             pending: std::array::from_fn(|_| PendingSlot {
-                id: AtomicU64::new(0),
-                stream: Mutex::new(None),
+                ways: std::array::from_fn(|_| AtomicU64::new(0)),
+                streams: Mutex::new(Vec::new()),
             }),
+            #[cfg(streamalloc_loom)]
+            watched: std::sync::Mutex::new(Vec::new()),
         }
     }
 
@@ -274,21 +328,71 @@ impl PoolWaiters {
     }
 
     /// A free is being issued on `stream` (call it before the queues are notified): remembers
-    /// the stream for a request that arrives before the GPU reaches the free.
+    /// the stream for a request that arrives before the GPU reaches the free. The common case,
+    /// a stream noted already since the last request arrived, is a few relaxed loads.
     #[inline]
     fn note_free(&self, stream: &Stream) {
         let id = stream.id().get();
         let slot = &self.pending[(id as usize) % PENDING_SLOTS];
         // Relaxed: the fence of the notification that follows orders it (see the type).
-        if slot.id.load(Ordering::Relaxed) == id {
+        if slot
+            .ways
+            .iter()
+            .any(|way| way.load(Ordering::Relaxed) == id)
+        {
             return;
         }
-        let mut kept = slot.stream.lock();
-        let old = kept.replace(Kept::new(stream));
-        slot.id.store(id, Ordering::Relaxed);
-        drop(kept);
+        self.note_slow(slot, stream);
+    }
+
+    /// [`note_free`](Self::note_free) for a stream not in the slot's ways: adds it to the list
+    /// unless it is there already (past the ways, or noted by a racing free), first pruning
+    /// the list if the ways are full.
+    ///
+    /// Pruning drops the streams whose work the GPU has finished (`Stream::probe_idle`: on
+    /// CUDA a `cuStreamQuery`, here only, with the slot's lock held, when the ways are full).
+    /// It empties the ways *before* it asks: a free racing on a stream being asked about
+    /// either was queued before the question (the stream is busy and stays), or after it, and
+    /// then the emptied ways happen before that free's load (the stream's own queue, the
+    /// simulated stream's lock or the driver's, orders the question before the free), so the
+    /// free takes this slow path and notes its stream again. Without pruning the lists would
+    /// grow with every stream ever freed on while nobody waited.
+    #[cold]
+    fn note_slow(&self, slot: &PendingSlot, stream: &Stream) {
+        let id = stream.id().get();
+        let mut streams = slot.streams.lock();
+        if let Some(at) = streams.iter().position(|s| s.id().get() == id) {
+            // Busy past the ways: into them, for this stream's next free (the stream it
+            // swaps with stays in the list).
+            if at >= PENDING_WAYS {
+                let to = at % PENDING_WAYS;
+                streams.swap(at, to);
+                slot.ways[to].store(id, Ordering::Relaxed);
+            }
+            return;
+        }
+        let mut gone = Vec::new();
+        if planted!(ONE_PER_SLOT) {
+            // The old slot: the new stream replaces what was noted.
+            slot.clear_ways();
+            gone.append(&mut streams);
+        } else if streams.len() >= PENDING_WAYS {
+            slot.clear_ways();
+            let mut at = 0;
+            while at < streams.len() {
+                // A failed question (a device error) is taken as busy: kept.
+                if streams[at].probe_idle().unwrap_or(false) {
+                    gone.push(streams.swap_remove(at));
+                } else {
+                    at += 1;
+                }
+            }
+        }
+        streams.push(Kept::new(stream));
+        slot.publish(&streams);
+        drop(streams);
         // A stream's last handle may go here, outside the lock.
-        drop(old);
+        drop(gone);
     }
 
     /// A request started waiting in one of the queues (after its registration's fence): for
@@ -296,19 +400,23 @@ impl PoolWaiters {
     /// when the GPU gets there. Memory whose free the GPU reached already is in the pool,
     /// where the request's own try after registering finds it; the event then completes at
     /// once and costs one needless try at most.
+    ///
+    /// Every slot's lock is taken (a request that waits is the slow path): the ways are empty
+    /// for a moment while a free prunes its slot, so they cannot say that a list is empty.
     fn arrived(this: &StdArc<Self>) {
         for slot in &this.pending {
-            if slot.id.load(Ordering::Relaxed) == 0 {
-                continue;
-            }
             let taken = {
-                let mut kept = slot.stream.lock();
-                let taken = kept.take();
-                slot.id.store(0, Ordering::Relaxed);
-                taken
+                let mut streams = slot.streams.lock();
+                slot.clear_ways();
+                std::mem::take(&mut *streams)
             };
-            if let Some(stream) = taken {
-                Self::wake_after(this, &stream);
+            for stream in &taken {
+                #[cfg(streamalloc_loom)]
+                this.watched
+                    .lock()
+                    .unwrap_or_else(|e| e.into_inner())
+                    .push(stream.id().get());
+                Self::wake_after(this, stream);
             }
         }
     }
@@ -556,6 +664,17 @@ impl CudaAsyncResource {
         self.pool.set_release_threshold(bytes as u64)
     }
 
+    /// The streams that requests arriving in the queues over this pool recorded an event on
+    /// (see `PoolWaiters::watched`), for the loom model.
+    #[cfg(streamalloc_loom)]
+    pub(crate) fn watched_streams(&self) -> Vec<u64> {
+        self.shared
+            .watched
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .clone()
+    }
+
     /// The most this resource hands out at once: its maximum size, or the device's memory.
     pub fn maximum_bytes(&self) -> usize {
         self.maximum.unwrap_or_else(|| self.pool.maximum())
@@ -707,8 +826,9 @@ impl CudaAsyncResource {
     /// the next one. If nobody waits, the stream is remembered instead (see [`PoolWaiters`]),
     /// for a request that starts waiting before the GPU reaches the free.
     ///
-    /// With nobody waiting, the fast path costs a load of the stream's slot (a write only when
-    /// another stream took it since), a fence and a few loads. Nothing is recorded during a
+    /// With nobody waiting, the fast path costs a few loads of the stream's slot (a lock and a
+    /// write only for a stream not noted there since the last request arrived), a fence and a
+    /// few loads more. Nothing is recorded during a
     /// quiet give-back (the head waiter's own part of a set it could not complete) unless a
     /// queue other than the quiet one waits (another view's, this resource's own below a quiet
     /// adaptor's, one above it): the head alone would wake itself when the GPU got there, in a
@@ -723,9 +843,6 @@ impl CudaAsyncResource {
         }
         self.waiters.notify();
         self.shared.others(&self.waiters, MemoryWaiters::notify);
-        if planted!(NOTE_AFTER) {
-            self.shared.note_free(stream);
-        }
         // Waiters of the queues stacked above count (a limiting adaptor's, refused here): their
         // request's try after the first wake above is refused as much as one of ours. During a
         // quiet give-back, all but the quiet queue's.
@@ -735,6 +852,9 @@ impl CudaAsyncResource {
         if someone {
             PoolWaiters::wake_after(&self.shared, stream);
         }
+        if planted!(NOTE_AFTER) {
+            self.shared.note_free(stream);
+        }
     }
 }
 
@@ -742,9 +862,17 @@ impl CudaAsyncResource {
 /// through `planted!`.
 #[cfg(streamalloc_loom)]
 pub(crate) mod planted {
-    /// A free notes its stream for later waiters after its notification (its fence and its
-    /// load of the queues' lengths), not before: a request registering in between sees
-    /// neither the stream nor is seen, and sleeps through the free.
+    /// A free notes its stream for later waiters after its notification and its last look
+    /// at the queues (the fence, the loads of their lengths, the check for anyone waiting),
+    /// not before: a request registering in between sees neither the stream nor is seen, and
+    /// sleeps through the free. (Planted after the notification only, it is no bug since a
+    /// request's arrival locks each slot: a note that locks the slot after the arrival is
+    /// ordered after its registration, and the check for anyone waiting that follows sees
+    /// it.)
     pub(crate) static NOTE_AFTER: std::sync::atomic::AtomicBool =
+        std::sync::atomic::AtomicBool::new(false);
+    /// A slot keeps one stream, as it once did: a free on another stream of the slot replaces
+    /// the one noted, whose free a request arriving later is then never woken by.
+    pub(crate) static ONE_PER_SLOT: std::sync::atomic::AtomicBool =
         std::sync::atomic::AtomicBool::new(false);
 }
