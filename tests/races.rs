@@ -581,6 +581,77 @@ fn a_racing_declared_access_that_panics_is_not_noted() {
     unsafe { mr.deallocate(ptr, 4096, &s1) }.unwrap();
 }
 
+// ===== a racing free that panics has freed =====
+
+/// `RaceDetection::Panic` promises that a racing free panics once the memory is back, so that
+/// a caller that catches the panic has lost nothing. `CudaAsyncResource`'s racing free
+/// panicked inside the stream's push, after its table dropped the block and before its count
+/// gave the bytes back: `allocated_bytes` kept the block for good, and its maximum was a block
+/// short (a review's finding; failed before the fix).
+#[test]
+fn a_racing_cuda_async_free_that_panics_gives_its_bytes_back() {
+    use streamalloc::resource::cuda_async::CudaAsyncOptions;
+    use streamalloc::CudaAsyncResource;
+    const MIB: usize = 1 << 20;
+    let (device, _) = device(RaceDetection::Panic);
+    let r = CudaAsyncResource::new(
+        &device,
+        CudaAsyncOptions {
+            maximum_pool_size: Some(2 * MIB),
+            ..CudaAsyncOptions::default()
+        },
+    )
+    .unwrap();
+    let (x, y) = streams(&device);
+    let a = r.allocate(2 * MIB, &x).unwrap();
+    y.wait(&x.record().unwrap()).unwrap();
+    y.spin(Duration::from_millis(200)).unwrap();
+    // SAFETY: 2 MiB live at `a`; y is ordered after the allocation.
+    unsafe { y.memset_d8(a, 1, 2 * MIB) }.unwrap();
+    // The bug under test: freed on x, which is not ordered after y's memset.
+    let caught = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
+        // SAFETY: from `allocate` with these bytes, freed once (the race is the test's).
+        unsafe { r.deallocate(a, 2 * MIB, &x) }
+    }));
+    assert!(caught.is_err(), "the racing free did not panic");
+    x.synchronize_blocking().unwrap();
+    y.synchronize_blocking().unwrap();
+    assert_eq!(r.allocated_bytes(), 0, "the count kept the freed block");
+    let again = r.allocate(2 * MIB, &x);
+    assert!(
+        again.is_ok(),
+        "the maximum is a block short for good: {again:?}"
+    );
+    common::free(&r, again.unwrap(), 2 * MIB, &x);
+    x.synchronize_blocking().unwrap();
+}
+
+/// The same for `ManagedResource`: its racing free panicked inside the stream's push, after
+/// its ledger dropped the block and before `outstanding` fell (a review's finding; failed
+/// before the fix).
+#[test]
+fn a_racing_managed_free_that_panics_counts_its_bytes_down() {
+    use streamalloc::resource::managed::ManagedResource;
+    const MIB: usize = 1 << 20;
+    let (device, _) = device(RaceDetection::Panic);
+    let r = ManagedResource::new(&device);
+    let (x, y) = streams(&device);
+    let a = r.allocate(2 * MIB, &x).unwrap();
+    y.wait(&x.record().unwrap()).unwrap();
+    y.spin(Duration::from_millis(200)).unwrap();
+    // SAFETY: 2 MiB live at `a`; y is ordered after the allocation.
+    unsafe { y.memset_d8(a, 1, 2 * MIB) }.unwrap();
+    let caught = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
+        // SAFETY: from `allocate` with these bytes, freed once (the race is the test's).
+        unsafe { r.deallocate(a, 2 * MIB, &x) }
+    }));
+    assert!(caught.is_err(), "the racing free did not panic");
+    x.synchronize_blocking().unwrap();
+    // y's memset ran after the free: its error is the planted race's.
+    let _ = y.synchronize_blocking();
+    assert_eq!(r.outstanding_bytes(), 0, "the ledger kept the freed block");
+}
+
 // ===== a free the resource refuses is no free to the detector =====
 
 /// What makes a resource, for tests that run on several.

@@ -793,7 +793,23 @@ unsafe impl MemoryResource for CudaAsyncResource {
                 // SAFETY: the caller's contract: `ptr` came from `allocate` (so from this
                 // pool), is freed once, and its uses are ordered before this point of `stream`
                 // (the table just confirmed that it is live, and of this size).
-                let freed = unsafe { self.pool.free_async(ptr, stream) };
+                let freeing = || unsafe { self.pool.free_async(ptr, stream) };
+                // A racing free panics in the simulated device's `Panic` mode, once the free is
+                // queued (the stream's push settles the race after queuing it): the block is
+                // freed, so it is given back and its stream noted before the panic goes on, as
+                // the other resources do (`note_free_then`). The panic left the count and the
+                // waiters as they were: `allocated_bytes` kept the block for good, and a waiter
+                // was never told (a review's finding). Caught rather than handled in a guard's
+                // drop, so that the wakes run before the unwinding, not inside it (a waker that
+                // panicked there would abort the process).
+                let freed = match std::panic::catch_unwind(std::panic::AssertUnwindSafe(freeing)) {
+                    Ok(freed) => freed,
+                    Err(race) => {
+                        self.unreserve(size);
+                        self.freed(stream);
+                        std::panic::resume_unwind(race);
+                    }
+                };
                 if let Err(e) = freed {
                     // Nothing was freed: the allocation is still live, and still counted.
                     self.sizes.insert(ptr.0, size);
