@@ -118,8 +118,9 @@ impl CudaDevice {
         })
     }
 
-    /// Releases freed memory of the pool until it holds at most `keep` bytes
-    /// (`cuMemPoolTrimTo`). Memory of frees the GPU has not reached yet stays.
+    /// Releases freed memory of the pool, keeping at least `keep` bytes reserved
+    /// (`cuMemPoolTrimTo`; a no-op if it reserves less). Memory of frees the GPU has not
+    /// reached yet stays.
     pub(crate) fn pool_trim(&self, pool: RawPool, keep: usize) -> Result<()> {
         self.ctx.bind()?;
         // SAFETY: the pool is live (its owner holds it).

@@ -627,10 +627,15 @@ impl CudaAsyncResource {
         self.count.used()
     }
 
-    /// Gives freed memory back to the device until the pool holds at most `keep_bytes`
-    /// (`cuMemPoolTrimTo`). Memory in use, and memory whose free the GPU has not reached yet,
-    /// stays: synchronize the streams that freed it first to give all of it back. Never
-    /// blocks on the GPU.
+    /// Gives freed memory back to the device, keeping at least `keep_bytes` reserved
+    /// (`cuMemPoolTrimTo`: "If the pool has less than minBytesToKeep reserved, the TrimTo
+    /// operation is a no-op. Otherwise the pool will be guaranteed to have at least
+    /// minBytesToKeep bytes reserved after the operation"). So the pool may keep more than
+    /// `keep_bytes` afterwards (the driver releases whole chunks of its own; the simulated
+    /// pool, whole blocks), never less than it had or `keep_bytes`, whichever is smaller;
+    /// `trim_to(0)` gives back all it can. Memory in use, and memory whose free the GPU has not
+    /// reached yet, stays: synchronize the streams that freed it first to give all of it
+    /// back. Never blocks on the GPU.
     pub fn trim_to(&self, keep_bytes: usize) -> Result<()> {
         let _span = tracing::debug_span!("trim", keep_bytes).entered();
         self.pool.trim_to(keep_bytes)?;

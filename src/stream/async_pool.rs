@@ -296,8 +296,9 @@ impl AsyncPool {
         }
     }
 
-    /// Gives freed memory back to the device until the pool holds at most `keep` bytes, or
-    /// nothing it can release (memory whose free the GPU has not reached stays).
+    /// Gives freed memory back to the device, keeping at least `keep` bytes reserved
+    /// (`cuMemPoolTrimTo`; nothing if the pool reserves less). Memory whose free the GPU has
+    /// not reached stays.
     pub(crate) fn trim_to(&self, keep: usize) -> Result<()> {
         match (&self.raw, self.device.backend()) {
             (RawPool::Cuda(p), Backend::Cuda(d)) => d.pool_trim(*p, keep),

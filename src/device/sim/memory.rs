@@ -697,8 +697,9 @@ impl Drop for SimHostMemory {
 /// driver pool's reserved memory does) and reused for a later allocation of the same rounded
 /// size, on any stream: its freeing stream has already run every use of it. Kept blocks go back
 /// to the device when the pool holds more than its release threshold (checked at each free,
-/// where the driver checks at synchronizations), on `trim_to`, when an allocation would not
-/// fit otherwise, and when the pool is destroyed.
+/// where the driver checks at synchronizations), on `trim_to` (only while at least its `keep`
+/// stays reserved, as the driver's), when an allocation would not fit otherwise, and when the
+/// pool is destroyed.
 ///
 /// `reserved` = `used` + kept bytes; both count whole blocks (sizes rounded up to the
 /// simulated allocation granularity).
@@ -745,6 +746,39 @@ impl PoolState {
                 entry.remove();
             }
             if let Some(ptr) = ptr {
+                self.kept_bytes -= size;
+                // Cannot fail: kept blocks are live allocations of `memory`, owned by the pool.
+                let _ = memory.free(ptr);
+                self.released(ptr);
+            }
+        }
+    }
+
+    /// `cuMemPoolTrimTo`: gives kept blocks back, largest first, but only a block whose release
+    /// leaves at least `keep` bytes reserved. The driver: "If the pool has less than
+    /// minBytesToKeep reserved, the TrimTo operation is a no-op. Otherwise the pool will be
+    /// guaranteed to have at least minBytesToKeep bytes reserved after the operation." A trim
+    /// once went through [`release_until`](Self::release_until), which stops only at or below
+    /// `keep` and so could end far below it (a kept block of 4 MiB and one of 1 MiB, trimmed
+    /// to 2 MiB, left none; a review's finding). The release threshold, the room an
+    /// allocation needs under the maximum and a device allocation short of memory still give
+    /// back down to at most their bound.
+    fn trim_keeping(&mut self, memory: &SimMemory, keep: usize) {
+        // Largest first; a size that would pass below `keep` is skipped for smaller ones,
+        // which may still fit above it.
+        let sizes: Vec<usize> = self.kept.keys().rev().copied().collect();
+        for size in sizes {
+            while self.reserved().saturating_sub(size) >= keep {
+                let Some(blocks) = self.kept.get_mut(&size) else {
+                    break;
+                };
+                let ptr = blocks.pop();
+                if blocks.is_empty() {
+                    self.kept.remove(&size);
+                }
+                let Some(ptr) = ptr else {
+                    break;
+                };
                 self.kept_bytes -= size;
                 // Cannot fail: kept blocks are live allocations of `memory`, owned by the pool.
                 let _ = memory.free(ptr);
@@ -896,9 +930,10 @@ impl SimPool {
         Ok(())
     }
 
-    /// Gives kept blocks back until the pool reserves at most `keep` bytes (or keeps none).
+    /// `cuMemPoolTrimTo`: gives kept blocks back while the pool still reserves at least `keep`
+    /// bytes (see [`PoolState::trim_keeping`]).
     pub(crate) fn trim_to(&self, keep: usize) {
-        self.state().release_until(&self.memory, keep);
+        self.state().trim_keeping(&self.memory, keep);
     }
 
     /// `cuMemPoolDestroy`: kept blocks go back now, live ones when their frees arrive.
