@@ -98,6 +98,23 @@ fn zero_sized_elements_have_a_length_and_no_memory() {
     }
 }
 
+/// A vector of zero-sized elements may have any length, and reading it to the host costs
+/// nothing per element: `to_host` of one of `usize::MAX` elements used to write them one by
+/// one (`Vec::resize`) and never return.
+#[test]
+fn zero_sized_elements_to_the_host_at_any_length() {
+    let rt = runtime();
+    for device in devices() {
+        let l = label(&device);
+        let p = Arc::new(common::pool(&device, 0, 64 * MIB));
+        let s = device.create_stream().unwrap();
+        let v = DeviceVec::<()>::new(&p, usize::MAX, &s).unwrap();
+        assert_eq!(v.len(), usize::MAX, "{l}");
+        let out = rt.block_on(v.to_host(&s)).unwrap();
+        assert_eq!(out.len(), usize::MAX, "{l}");
+    }
+}
+
 /// A buffer of zero-sized elements: only an empty one is taken (as no elements), since its
 /// length says nothing of how many there are; a non-empty one is handed back refused. (It used
 /// to take a 10-byte buffer as 10 elements.)

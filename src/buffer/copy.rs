@@ -47,8 +47,21 @@ impl DeviceBuffer {
 
 /// `len` zeroed elements on the host, or `Err(HostOutOfMemory)` where `vec!` would abort the
 /// process (a device buffer can be larger than what the host can give).
-pub(crate) fn host_vec<T: bytemuck::Zeroable + Clone>(len: usize) -> Result<Vec<T>> {
+///
+/// Elements of no size are not written one by one: a `DeviceVec<()>` may have any length
+/// (its bytes are none), and `resize` looped `len` times for one of `usize::MAX` (a review's
+/// finding: `to_host` of such a vector never returned).
+pub(crate) fn host_vec<T: bytemuck::Pod>(len: usize) -> Result<Vec<T>> {
     let mut out = Vec::new();
+    if size_of::<T>() == 0 {
+        // SAFETY: a `Vec` of a zero-sized type has capacity `usize::MAX` from the start, so
+        // `len` is within it; the elements occupy no bytes, and a zero-sized `Pod` value is
+        // valid as those no bytes (any bytes, all zeroes among them), so each of the `len`
+        // elements is initialized. (`Pod` is `Copy`: dropping the vector runs no Drop `len`
+        // times either.)
+        unsafe { out.set_len(len) };
+        return Ok(out);
+    }
     if out.try_reserve_exact(len).is_err() {
         return Err(Error::HostOutOfMemory {
             requested: len.saturating_mul(size_of::<T>()),
