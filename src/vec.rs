@@ -35,7 +35,8 @@ fn check_alignment<T>() -> Result<()> {
 
 /// `len()` elements of plain-data `T` in device memory, uninitialized until written (RMM's
 /// `device_uvector`). All of [`DeviceBuffer`]'s rules apply: stream-ordered, `record_stream`,
-/// a drop that never blocks.
+/// a drop that never blocks (and a vector holding the last handle of its resource has the
+/// resource dropped on the device's blocking-work thread, as a buffer has).
 pub struct DeviceVec<T: Pod> {
     buf: DeviceBuffer,
     len: usize,

@@ -209,3 +209,156 @@ fn a_buffer_keeps_an_exposed_stream_it_was_used_on() {
     let uses = format!("{weights:?}");
     assert!(uses.contains(&id), "{id} let go of: {uses}");
 }
+
+/// A resource that notes the name of the thread its Drop ran on.
+#[derive(Debug)]
+struct NotesDrop {
+    inner: streamalloc::CudaResource,
+    dropped_on: Arc<std::sync::Mutex<Option<String>>>,
+}
+
+// SAFETY: every allocation is the inner resource's, passed on unchanged.
+unsafe impl streamalloc::MemoryResource for NotesDrop {
+    fn device(&self) -> &streamalloc::Device {
+        self.inner.device()
+    }
+
+    fn allocate(
+        &self,
+        bytes: usize,
+        stream: &streamalloc::Stream,
+    ) -> streamalloc::Result<streamalloc::DevicePtr> {
+        self.inner.allocate(bytes, stream)
+    }
+
+    unsafe fn deallocate(
+        &self,
+        ptr: streamalloc::DevicePtr,
+        bytes: usize,
+        stream: &streamalloc::Stream,
+    ) -> streamalloc::Result<()> {
+        // SAFETY: the caller's contract, passed on to the resource that allocated it.
+        unsafe { self.inner.deallocate(ptr, bytes, stream) }
+    }
+}
+
+impl Drop for NotesDrop {
+    fn drop(&mut self) {
+        let name = std::thread::current()
+            .name()
+            .unwrap_or("unnamed")
+            .to_owned();
+        *self.dropped_on.lock().unwrap() = Some(name);
+    }
+}
+
+/// Waits for a `NotesDrop` to be dropped, and says on which thread.
+fn dropped_on(dropped_on: &std::sync::Mutex<Option<String>>) -> String {
+    assert!(
+        common::eventually(std::time::Duration::from_secs(20), || dropped_on
+            .lock()
+            .unwrap()
+            .is_some()),
+        "the resource was never dropped"
+    );
+    dropped_on.lock().unwrap().clone().unwrap()
+}
+
+/// "Dropping it never blocks the host", for a buffer that holds the last handle of a pool: the
+/// pool's Drop waits for every stream it served, and it ran inside `drop(buf)`, which returned
+/// only once unrelated work on another stream was done (a review's finding). Now the drop
+/// returns with that work still running, the pool is dropped on the blocking-work thread, and
+/// its memory goes back upstream once that work is done.
+#[test]
+fn dropping_the_last_buffer_of_a_dropped_pool_does_not_wait_for_its_streams() {
+    use std::time::Duration;
+    for device in devices() {
+        let l = label(&device);
+        let free_before = device.free_memory().unwrap();
+        let pool = Arc::new(common::pool(&device, 0, 64 * MIB));
+        let (s, other) = (
+            device.create_stream().unwrap(),
+            device.create_stream().unwrap(),
+        );
+        let mut buf = DeviceBuffer::new(&pool, 4096, &s).unwrap();
+        buf.memset(1).unwrap();
+        // A sibling freed on `other`: the pool served it, and its Drop waits for it.
+        drop(DeviceBuffer::new(&pool, 4096, &other).unwrap());
+        // Unrelated work there, long enough that nothing but a wait for it sees it done.
+        other.spin(Duration::from_secs(5)).unwrap();
+        drop(pool);
+        drop(buf);
+        assert!(
+            !other.is_idle().unwrap(),
+            "{l}: drop(buf) waited for the pool's other stream"
+        );
+        if device.is_simulated() {
+            // The pool's chunks go back to the device once `other` is done.
+            assert!(
+                common::eventually(Duration::from_secs(60), || device.free_memory().unwrap()
+                    == free_before),
+                "{l}: the dropped pool's memory never went back"
+            );
+        }
+    }
+}
+
+/// Where the resource's Drop runs when a buffer (used on its own stream only) holds the last
+/// handle: on the blocking-work thread, whether the buffer drops on a user's thread or in a
+/// waker on the completion reactor (a task's last handle dropped there drops its future's
+/// buffers). It ran where the buffer dropped: on the caller's thread, and on the reactor
+/// (a review's finding; only a deferred free's release handed it off, and only from the
+/// reactor).
+#[test]
+fn the_last_resource_handle_of_a_buffer_is_dropped_on_the_blocking_work_thread() {
+    use std::future::Future;
+    use std::time::Duration;
+
+    struct DropsOnWake(std::sync::Mutex<Option<DeviceBuffer>>);
+    impl std::task::Wake for DropsOnWake {
+        fn wake(self: Arc<Self>) {
+            self.0.lock().unwrap().take();
+        }
+    }
+
+    let device = streamalloc::Device::simulated(streamalloc::SimConfig::default());
+    let s = device.create_stream().unwrap();
+    let blocking = format!("sa-blocking-{}", device.id());
+    let noted = || {
+        let dropped_on = Arc::new(std::sync::Mutex::new(None));
+        let resource = Arc::new(NotesDrop {
+            inner: streamalloc::CudaResource::new(&device),
+            dropped_on: dropped_on.clone(),
+        });
+        (resource, dropped_on)
+    };
+
+    // Dropped on this thread, with and without another stream recorded (the deferred free
+    // releases here if its event is complete when it registers, else on the reactor).
+    for other_use in [false, true] {
+        let (resource, noted_on) = noted();
+        let mut buf = DeviceBuffer::new(&resource, 64, &s).unwrap();
+        if other_use {
+            let other = device.create_stream().unwrap();
+            buf.record_stream(&other).unwrap();
+            other.synchronize_blocking().unwrap();
+        }
+        drop(resource);
+        drop(buf);
+        let on = dropped_on(&noted_on);
+        assert_eq!(on, blocking, "other stream recorded: {other_use}");
+    }
+
+    // Dropped by a waker that the completion reactor calls.
+    let (resource, noted_on) = noted();
+    let buf = DeviceBuffer::new(&resource, 64, &s).unwrap();
+    drop(resource);
+    s.spin(Duration::from_millis(100)).unwrap();
+    let mut event = Box::pin(s.record().unwrap());
+    let waker = std::task::Waker::from(Arc::new(DropsOnWake(std::sync::Mutex::new(Some(buf)))));
+    let mut cx = std::task::Context::from_waker(&waker);
+    assert!(event.as_mut().poll(&mut cx).is_pending());
+    drop(waker);
+    let on = dropped_on(&noted_on);
+    assert_eq!(on, blocking, "dropped by a waker on the reactor");
+}

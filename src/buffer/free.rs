@@ -2,8 +2,11 @@
 //! other streams recorded, once the events recorded on each have all completed
 //! ([`release_after_all`], on the completion reactor).
 
+use std::mem::ManuallyDrop;
+use std::sync::Arc as StdArc;
+
 use crate::completion::Callback;
-use crate::device::DevicePtr;
+use crate::device::{Device, DevicePtr, SimExecution};
 use crate::error::Result;
 use crate::event::Event;
 use crate::resource::ResourceRef;
@@ -17,7 +20,10 @@ struct PendingFree {
     ptr: DevicePtr,
     /// The allocation's size (the buffer's capacity).
     len: usize,
-    /// Taken by the release, which runs once.
+    /// The buffer's own handle, moved here (not a clone: a second handle dropped on another
+    /// thread at the same moment could leave each side seeing the other's, and the last
+    /// decrement running the resource's Drop where it happened). Taken by the release, which
+    /// runs once.
     resource: crate::sync::Mutex<Option<ResourceRef>>,
     stream: Stream,
 }
@@ -28,15 +34,13 @@ impl PendingFree {
             return;
         };
         // This may be the last handle of the resource: its Drop (a pool synchronizing its
-        // streams and returning its chunks) must not run on the completion reactor. A guard
-        // hands it off, so that this holds when `deallocate` panics too (a pool does, once the
-        // memory is back, in the race detector's `Panic` mode): the unwinding used to drop it
-        // right here, on the reactor.
-        let resource = OffReactor {
-            resource: Some(resource),
-            device: self.stream.device(),
-        };
-        let Some(r) = resource.resource.as_ref() else {
+        // streams and returning its chunks) must not run here, on the completion reactor or on
+        // the thread that dropped the buffer (the release runs there when every event was
+        // complete already). A guard hands it off, so that this holds when `deallocate`
+        // panics too (a pool does, once the memory is back, in the race detector's `Panic`
+        // mode): the unwinding used to drop it right here, on the reactor.
+        let resource = LetGo::new(resource, self.stream.device());
+        let Some(r) = resource.get() else {
             return;
         };
         // SAFETY: the buffer's memory, from this resource with this length, freed once (only
@@ -48,36 +52,88 @@ impl PendingFree {
     }
 }
 
-/// A resource handle that, dropped on the completion reactor's thread, is handed to the
-/// device's offload thread to be dropped there (see [`PendingFree::release`]).
-struct OffReactor<'a> {
-    resource: Option<ResourceRef>,
-    device: &'a crate::device::Device,
+impl Drop for PendingFree {
+    /// A release that never ran (its events' callbacks dropped unrun: `Event::withhold`, on the
+    /// reactor perhaps) leaks the memory, but the resource handle still goes off this thread if
+    /// it is the last.
+    fn drop(&mut self) {
+        if let Some(resource) = self.resource.lock().take() {
+            drop(LetGo::new(resource, self.stream.device()));
+        }
+    }
 }
 
-impl Drop for OffReactor<'_> {
+/// A buffer's handle of its resource, let go of when this drops: if it is the last handle, it
+/// is handed to the device's blocking-work thread (`offload.rs`) to be dropped there, so that
+/// the resource's Drop (a pool synchronizing every stream it served and returning its chunks
+/// upstream, `cuMemFree` on CUDA) never runs where a buffer drops: "dropping a buffer never
+/// blocks the host", and the completion reactor (a waker dropping a task's future drops its
+/// buffers there) must never block. Otherwise it is a reference-count decrement, here. (It
+/// used to drop the handle where the buffer dropped, off the reactor, whatever it was: a
+/// review found `drop(buf)` waiting for every stream of a pool the user had dropped, and, with
+/// the buffer dropped by a waker, doing so on the reactor.)
+///
+/// "Last" is read as the strong count, 1: std's `Arc` has no "decrement unless last" for an
+/// unsized value, so a handle dropped on another thread at the very moment (the user's own, or
+/// another buffer's) can still leave the final decrement, and the Drop, to one of the two
+/// threads. A guard rather than a call at the end, so that a `deallocate` that panics hands
+/// the handle off too.
+struct LetGo<'a> {
+    resource: Option<ResourceRef>,
+    device: &'a Device,
+}
+
+impl<'a> LetGo<'a> {
+    fn new(resource: ResourceRef, device: &'a Device) -> Self {
+        Self {
+            resource: Some(resource),
+            device,
+        }
+    }
+
+    fn get(&self) -> Option<&ResourceRef> {
+        self.resource.as_ref()
+    }
+
+    /// The handle, no longer let go of by this guard.
+    fn into_inner(mut self) -> Option<ResourceRef> {
+        self.resource.take()
+    }
+}
+
+impl Drop for LetGo<'_> {
     fn drop(&mut self) {
         let Some(resource) = self.resource.take() else {
             return;
         };
-        if crate::offload::on_reactor_thread() {
-            self.device
-                .reactor()
-                .offload("drop a buffer's resource", Box::new(move || drop(resource)));
+        // An inline simulated device (what loom models of users' code run on) starts no thread
+        // for this off its reactor: its streams' work is done when queued, so the Drop has
+        // nothing to wait for, and a thread would change what such a model runs.
+        let inline = self.device.sim_execution() == Some(SimExecution::Inline);
+        if StdArc::strong_count(&resource) == 1 && (!inline || crate::offload::on_reactor_thread())
+        {
+            self.device.reactor().offload(
+                "drop a buffer's last resource handle",
+                Box::new(move || drop(resource)),
+            );
         }
     }
 }
 
 impl Drop for DeviceBuffer {
     fn drop(&mut self) {
+        // SAFETY: the field is taken once, here, and not used again (the buffer is being
+        // dropped; nothing below reads `self.resource`).
+        let resource = unsafe { ManuallyDrop::take(&mut self.resource) };
+        let resource = LetGo::new(resource, self.stream.device());
         let uses = std::mem::take(&mut *self.uses.lock());
         if uses.is_empty() {
+            let Some(r) = resource.get() else {
+                return;
+            };
             // SAFETY: our memory, from this resource with this size, used only on `stream`
             // (in stream order before this point), freed once.
-            if let Err(e) = unsafe {
-                self.resource
-                    .deallocate(self.ptr, self.capacity, &self.stream)
-            } {
+            if let Err(e) = unsafe { r.deallocate(self.ptr, self.capacity, &self.stream) } {
                 tracing::error!(error = %e, ptr = ?self.ptr, bytes = self.capacity, "freeing a buffer failed");
             }
             return;
@@ -95,7 +151,7 @@ impl Drop for DeviceBuffer {
         let pending = PendingFree {
             ptr: self.ptr,
             len: self.capacity,
-            resource: crate::sync::Mutex::new(Some(self.resource.clone())),
+            resource: crate::sync::Mutex::new(resource.into_inner()),
             stream: self.stream.clone(),
         };
         release_after_all(&events, move || pending.release(), Event::on_complete);

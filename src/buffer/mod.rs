@@ -5,6 +5,7 @@
 //! its resource; `kernel_args`: buffers as cudarc kernel arguments.
 
 use std::fmt;
+use std::mem::ManuallyDrop;
 use std::time::Duration;
 
 use crate::device::DevicePtr;
@@ -45,14 +46,27 @@ pub(crate) use self::free::{planted as free_planted, release_after_all};
 ///   streams recorded, an event is recorded on each and the memory goes back (on its stream)
 ///   once they have all completed, through the device's completion reactor. Either way it goes
 ///   back exactly once, whatever the order of drops, streams and threads.
-/// - It keeps its resource alive (a [`ResourceRef`]).
+/// - It keeps its resource alive (a [`ResourceRef`]). If its handle is the last one when its
+///   memory goes back (the resource's other handles, the user's among them, dropped first),
+///   the resource is dropped on the device's blocking-work thread, not where the buffer drops
+///   (nor on the completion reactor): a resource's Drop may block, a pool's waiting for every
+///   stream it served before it returns its memory upstream. So a pool dropped that way gives
+///   its memory back to its upstream (the driver, on a GPU) shortly after, not by the time the
+///   buffer's `drop` returns. A caller that needs it back at a known point keeps a handle of
+///   the resource and drops it last, once the buffers' frees have run (a buffer used on other
+///   streams frees once they are done): that drop runs the resource's Drop on the caller's
+///   thread, and returns once it is done. (On a simulated device that runs its streams inline, the
+///   resource is dropped where the buffer drops, off its reactor: there is nothing to wait
+///   for, and no thread is started for it.)
 pub struct DeviceBuffer {
     ptr: DevicePtr,
     /// Bytes in use; at most `capacity`.
     len: usize,
     /// Bytes allocated from `resource` at `ptr`: what the free gives back.
     capacity: usize,
-    resource: ResourceRef,
+    /// Taken out only by the drop (`free.rs`), which hands the last handle of the resource to
+    /// the device's blocking-work thread rather than dropping it where the buffer drops.
+    resource: ManuallyDrop<ResourceRef>,
     stream: Stream,
     /// Other streams that used the memory (each once); the free waits for each. Behind a lock
     /// so that `&self` methods that queue work on another stream (`DeviceVec::to_host`, the
@@ -187,7 +201,7 @@ impl DeviceBuffer {
             ptr,
             len,
             capacity: len,
-            resource,
+            resource: ManuallyDrop::new(resource),
             stream: stream.clone(),
             uses: Mutex::new(Vec::new()),
         }
@@ -234,7 +248,7 @@ impl DeviceBuffer {
             Ok((
                 this.ptr,
                 this.capacity,
-                std::ptr::read(&this.resource),
+                ManuallyDrop::into_inner(std::ptr::read(&this.resource)),
                 std::ptr::read(&this.stream),
             ))
         }

@@ -4,7 +4,7 @@
 
 use crate::device::DevicePtr;
 use crate::error::{Error, Result};
-use crate::resource::AsResourceRef;
+use crate::resource::{AsResourceRef, ResourceRef};
 use crate::stream::Stream;
 use crate::sync::Mutex;
 
@@ -110,7 +110,12 @@ impl DeviceBuffer {
         // panics (the simulated device's race detector panics at a racing copy in its `Panic`
         // mode, and a caller may catch it), dropping `new` gives the memory back, in order on
         // this stream. The raw pointer used to be held bare here, and a panic leaked it.
-        let mut new = Self::from_parts(ptr, capacity, self.resource.clone(), &self.stream);
+        let mut new = Self::from_parts(
+            ptr,
+            capacity,
+            ResourceRef::clone(&self.resource),
+            &self.stream,
+        );
         let keep = self.len.min(capacity);
         if keep > 0 {
             // SAFETY: both ranges are live allocations of at least `keep` bytes, used in order
@@ -131,7 +136,7 @@ impl DeviceBuffer {
     /// A copy of the contents in new memory (of exactly `len()` bytes) from the same resource,
     /// on the buffer's stream.
     pub fn try_clone(&self) -> Result<Self> {
-        self.try_clone_to(&self.resource, &self.stream)
+        self.try_clone_to(&*self.resource, &self.stream)
     }
 
     /// A copy of the contents in new memory from `resource`, for use on `stream` (RMM's
