@@ -1053,3 +1053,110 @@ fn a_panicking_waker_told_during_an_upstream_panic_does_not_abort() {
     free(&pool, p, 4 * MIB, &s);
     s.synchronize_blocking().unwrap();
 }
+
+/// An upstream whose first `allocate` waits at a gate (saying it entered), then fails out of
+/// memory; every other call passes through.
+#[derive(Debug)]
+struct FailsAtGate {
+    inner: CudaResource,
+    armed: std::sync::atomic::AtomicBool,
+    entered: std::sync::atomic::AtomicBool,
+    open: Mutex<bool>,
+    opened: std::sync::Condvar,
+}
+
+// SAFETY: passes every call on to `CudaResource`, except the armed allocate, which allocates
+// nothing.
+unsafe impl MemoryResource for FailsAtGate {
+    fn device(&self) -> &Device {
+        self.inner.device()
+    }
+
+    fn allocate(&self, bytes: usize, stream: &Stream) -> streamalloc::Result<DevicePtr> {
+        use std::sync::atomic::Ordering::SeqCst;
+        if self.armed.swap(false, SeqCst) {
+            self.entered.store(true, SeqCst);
+            let mut open = self.open.lock().unwrap();
+            while !*open {
+                open = self.opened.wait(open).unwrap();
+            }
+            return Err(Error::OutOfMemory {
+                requested: bytes,
+                available: 0,
+                maximum: 64 * MIB,
+            });
+        }
+        self.inner.allocate(bytes, stream)
+    }
+
+    unsafe fn deallocate(
+        &self,
+        ptr: DevicePtr,
+        bytes: usize,
+        stream: &Stream,
+    ) -> streamalloc::Result<()> {
+        // SAFETY: the caller's contract, passed on.
+        unsafe { self.inner.deallocate(ptr, bytes, stream) }
+    }
+}
+
+/// A pool made over a limit grows its initial memory on the making thread, holding back
+/// (stashing) what the upstream notifies meanwhile, as a request's growth does. The limit
+/// refused a waiter while the pool's growth held a reservation; the growth fails and the
+/// limit's rollback tells that waiter, on the making thread, stashed. `PoolResource::new` had
+/// no request guard to wake what was stashed: the waiter slept (for ever once the thread
+/// ended) with the memory free under the limit (a review of the stash).
+#[test]
+fn a_failed_initial_growth_wakes_the_limits_waiter() {
+    use std::sync::atomic::Ordering::SeqCst;
+    use streamalloc::resource::adaptor::LimitingAdaptor;
+    use streamalloc::AllocateAsync;
+    let device = Device::simulated(SimConfig::default());
+    let s = device.create_stream().unwrap();
+    let limit = Arc::new(LimitingAdaptor::new(
+        FailsAtGate {
+            inner: CudaResource::new(&device),
+            armed: std::sync::atomic::AtomicBool::new(true),
+            entered: std::sync::atomic::AtomicBool::new(false),
+            open: Mutex::new(false),
+            opened: std::sync::Condvar::new(),
+        },
+        4 * MIB,
+    ));
+    let made = {
+        let limit = limit.clone();
+        std::thread::spawn(move || {
+            let options = PoolOptions {
+                initial: 3 * MIB,
+                ..PoolOptions::default()
+            };
+            PoolResource::new(limit, options).map(drop)
+        })
+    };
+    assert!(
+        common::eventually(Duration::from_secs(10), || limit
+            .upstream()
+            .entered
+            .load(SeqCst)),
+        "the pool's initial growth never reached the upstream"
+    );
+    let wakes = Arc::new(CountWakes(std::sync::atomic::AtomicUsize::new(0)));
+    let waker = std::task::Waker::from(wakes.clone());
+    let mut cx = std::task::Context::from_waker(&waker);
+    // Refused by the limit while the growth holds 3 MiB of its 4: waits.
+    let mut wait = Box::pin(limit.allocate_async(4 * MIB, &s));
+    assert!(std::future::Future::poll(wait.as_mut(), &mut cx).is_pending());
+    *limit.upstream().open.lock().unwrap() = true;
+    limit.upstream().opened.notify_all();
+    assert!(made.join().unwrap().is_err(), "the growth was to fail");
+    assert!(
+        wakes.0.load(SeqCst) > 0,
+        "the limit's rollback did not wake its waiter"
+    );
+    let p = match std::future::Future::poll(wait.as_mut(), &mut cx) {
+        std::task::Poll::Ready(p) => p.unwrap(),
+        std::task::Poll::Pending => panic!("the waiter was told, and still refused"),
+    };
+    free(&*limit, p, 4 * MIB, &s);
+    s.synchronize_blocking().unwrap();
+}

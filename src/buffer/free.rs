@@ -76,8 +76,9 @@ impl Drop for PendingFree {
 /// "Last" is read as the strong count, 1: std's `Arc` has no "decrement unless last" for an
 /// unsized value, so a handle dropped on another thread at the very moment (the user's own, or
 /// another buffer's) can still leave the final decrement, and the Drop, to one of the two
-/// threads. A guard rather than a call at the end, so that a `deallocate` that panics hands
-/// the handle off too.
+/// threads; so on the completion reactor every handle is handed off, whatever the count. A
+/// guard rather than a call at the end, so that a `deallocate` that panics hands the handle
+/// off too.
 struct LetGo<'a> {
     resource: Option<ResourceRef>,
     device: &'a Device,
@@ -110,8 +111,13 @@ impl Drop for LetGo<'_> {
         // for this off its reactor: its streams' work is done when queued, so the Drop has
         // nothing to wait for, and a thread would change what such a model runs.
         let inline = self.device.sim_execution() == Some(SimExecution::Inline);
-        if StdArc::strong_count(&resource) == 1 && (!inline || crate::offload::on_reactor_thread())
-        {
+        // On the completion reactor every handle goes, whatever the count: a count of 2 read
+        // here can be the last by the time of the decrement (the user's handle dropped in
+        // between), and the resource's Drop must never run there (it blocks every wake and
+        // deferred free of the device). Elsewhere the count decides: at worst that race leaves
+        // a blocking Drop to a user's thread (a review of this guard).
+        let on_reactor = crate::offload::on_reactor_thread();
+        if on_reactor || (StdArc::strong_count(&resource) == 1 && !inline) {
             self.device.reactor().offload(
                 "drop a buffer's last resource handle",
                 Box::new(move || drop(resource)),

@@ -353,6 +353,12 @@ impl<U: MemoryResource> PoolResource<U> {
             };
             let piece = initial / pieces / ALIGNMENT as u64 * ALIGNMENT as u64;
             let mut grown = Vec::new();
+            // The growths run `deferring`, which holds back, and stashes, what the upstream's
+            // `allocate` notifies (a limit's rollback tells its waiters): told when this guard
+            // drops, as a request's guard does. Without it, a waiter of another queue stashed
+            // here slept until this thread's next request, or for ever if the thread ended (a
+            // review of the stash).
+            let tell = pool.waiters.tell_held_back(&pool.tell_waiters);
             for i in 0..pieces {
                 let size = if i + 1 == pieces {
                     initial - piece * (pieces - 1)
@@ -361,6 +367,7 @@ impl<U: MemoryResource> PoolResource<U> {
                 };
                 grown.push(pool.grow_exactly(size, &pool.own)?);
             }
+            drop(tell);
             // The chunks were allocated in stream order on our own stream; once that has run,
             // any stream may use them without waiting: they are fresh.
             pool.own.synchronize_blocking()?;
