@@ -55,9 +55,9 @@ pub(crate) use self::free::{planted as free_planted, release_after_all};
 ///   buffer's `drop` returns. A caller that needs it back at a known point keeps a handle of
 ///   the resource and drops it last, once the buffers' frees have run (a buffer used on other
 ///   streams frees once they are done): that drop runs the resource's Drop on the caller's
-///   thread, and returns once it is done. (On a simulated device that runs its streams inline, the
-///   resource is dropped where the buffer drops, off its reactor: there is nothing to wait
-///   for, and no thread is started for it.)
+///   thread, and returns once it is done. (On a simulated device that runs its streams
+///   inline, the resource is dropped where the buffer drops, off its reactor: there is
+///   nothing to wait for, and no thread is started for it.)
 pub struct DeviceBuffer {
     ptr: DevicePtr,
     /// Bytes in use; at most `capacity`.
