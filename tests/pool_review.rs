@@ -935,13 +935,14 @@ unsafe impl MemoryResource for GivesBackThenPanics {
     }
 }
 
-/// A growth holds back what the upstream's queue relays to the pool's (it runs under the
-/// pool's `slow`); an upstream whose `allocate` gives memory back (telling its queue) and then
-/// panics must still have that told to the pool's waiter, once the panic has unwound past the
-/// pool's locks. It was told by a line after the request, which the unwind skipped: the waiter
-/// for 4 MiB slept with 6 MiB free upstream (a review of this session's change).
-#[test]
-fn a_growth_whose_upstream_panics_still_tells_what_it_held_back() {
+/// The scene of the two tests below: a pool over [`GivesBackThenPanics`] with 8 MiB, 6 MiB of
+/// it held elsewhere (`x`), and a task waiting on the pool for 4 MiB, with `waker`. The
+/// upstream's next allocate (a growth of the pool for another request) gives `x` back, then
+/// panics. Returns that panic, once the waiter has been served (polled with a waker that does
+/// nothing) and everything freed: the test checks what `waker` saw.
+fn a_growth_whose_upstream_gives_back_then_panics(
+    waker: &std::task::Waker,
+) -> Box<dyn std::any::Any + Send> {
     use std::sync::atomic::Ordering::SeqCst;
     let device = Device::simulated(SimConfig::default());
     let s = device.create_stream().unwrap();
@@ -958,36 +959,44 @@ fn a_growth_whose_upstream_panics_still_tells_what_it_held_back() {
         ..PoolOptions::default()
     };
     let pool = PoolResource::new(upstream.clone(), options).unwrap();
-    // 6 MiB of the upstream's 8 held elsewhere; a task waits on the pool for 4 MiB.
     let x = upstream.allocate(6 * MIB, &s).unwrap();
-    let wakes = Arc::new(CountWakes(std::sync::atomic::AtomicUsize::new(0)));
-    let waker = std::task::Waker::from(wakes.clone());
-    let mut cx = std::task::Context::from_waker(&waker);
     let mut wait = Box::pin(streamalloc::AllocateAsync::allocate_async(
         &pool,
         4 * MIB,
         &s,
     ));
+    let mut cx = std::task::Context::from_waker(waker);
     assert!(std::future::Future::poll(wait.as_mut(), &mut cx).is_pending());
-    wakes.0.store(0, SeqCst);
-    // The upstream's next allocate (a growth of the pool) gives `x` back, then panics.
     *upstream.armed.lock().unwrap() = Some((x, 6 * MIB, s.clone()));
     let panicked = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
         let _ = pool.allocate(MIB, &s);
     }));
-    assert!(panicked.is_err(), "the upstream did not panic");
+    let panic = panicked.expect_err("the upstream did not panic");
     assert_eq!(upstream.used.load(SeqCst), 0, "x given back upstream");
-    assert!(
-        wakes.0.load(SeqCst) > 0,
-        "6 MiB came back upstream, and the waiter for 4 MiB was not told"
-    );
     // Served now.
+    let mut cx = std::task::Context::from_waker(std::task::Waker::noop());
     let p = match std::future::Future::poll(wait.as_mut(), &mut cx) {
         std::task::Poll::Ready(p) => p.unwrap(),
         std::task::Poll::Pending => panic!("the waiter was told, and still refused"),
     };
     free(&pool, p, 4 * MIB, &s);
     s.synchronize_blocking().unwrap();
+    panic
+}
+
+/// A growth holds back what the upstream's queue relays to the pool's (it runs under the
+/// pool's `slow`); an upstream whose `allocate` gives memory back (telling its queue) and then
+/// panics must still have that told to the pool's waiter, once the panic has unwound past the
+/// pool's locks. It was told by a line after the request, which the unwind skipped: the waiter
+/// for 4 MiB slept with 6 MiB free upstream (a review of this session's change).
+#[test]
+fn a_growth_whose_upstream_panics_still_tells_what_it_held_back() {
+    let wakes = Arc::new(CountWakes(std::sync::atomic::AtomicUsize::new(0)));
+    a_growth_whose_upstream_gives_back_then_panics(&std::task::Waker::from(wakes.clone()));
+    assert!(
+        wakes.0.load(std::sync::atomic::Ordering::SeqCst) > 0,
+        "6 MiB came back upstream, and the waiter for 4 MiB was not told"
+    );
 }
 
 /// A waker that counts, then panics: an executor's code misbehaving.
@@ -1001,57 +1010,23 @@ impl std::task::Wake for PanicsOnWake {
 }
 
 /// The same growth, and the waiter's waker panics when told: the notification is told while
-/// the upstream's panic unwinds, and a second panic there would abort the process (a drop
+/// the upstream's panic unwinds, and a second panic there aborted the process (a drop
 /// panicking during a panic). The waker's panic is dropped; the upstream's goes on.
 #[test]
 fn a_panicking_waker_told_during_an_upstream_panic_does_not_abort() {
-    use std::sync::atomic::Ordering::SeqCst;
-    let device = Device::simulated(SimConfig::default());
-    let s = device.create_stream().unwrap();
-    let upstream = Arc::new(GivesBackThenPanics {
-        inner: CudaResource::new(&device),
-        used: std::sync::atomic::AtomicUsize::new(0),
-        waiters: streamalloc::MemoryWaiters::new(),
-        armed: Mutex::new(None),
-    });
-    let options = PoolOptions {
-        initial: 0,
-        maximum: None,
-        small_block_cache: 0,
-        ..PoolOptions::default()
-    };
-    let pool = PoolResource::new(upstream.clone(), options).unwrap();
-    let x = upstream.allocate(6 * MIB, &s).unwrap();
     let wakes = Arc::new(PanicsOnWake(std::sync::atomic::AtomicUsize::new(0)));
-    let waker = std::task::Waker::from(wakes.clone());
-    let mut cx = std::task::Context::from_waker(&waker);
-    let mut wait = Box::pin(streamalloc::AllocateAsync::allocate_async(
-        &pool,
-        4 * MIB,
-        &s,
-    ));
-    assert!(std::future::Future::poll(wait.as_mut(), &mut cx).is_pending());
-    *upstream.armed.lock().unwrap() = Some((x, 6 * MIB, s.clone()));
-    let panicked = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
-        let _ = pool.allocate(MIB, &s);
-    }));
-    let message = panicked.expect_err("the upstream did not panic");
+    let panic =
+        a_growth_whose_upstream_gives_back_then_panics(&std::task::Waker::from(wakes.clone()));
     assert_eq!(
-        message.downcast_ref::<&str>().copied(),
+        panic.downcast_ref::<&str>().copied(),
         Some("the upstream fails after it gave memory back"),
         "the upstream's panic is the one that goes on"
     );
-    assert_eq!(wakes.0.load(SeqCst), 1, "the waiter was told once");
-    // Served now, with a waker that does not panic.
-    let quiet = Arc::new(CountWakes(std::sync::atomic::AtomicUsize::new(0)));
-    let waker = std::task::Waker::from(quiet);
-    let mut cx = std::task::Context::from_waker(&waker);
-    let p = match std::future::Future::poll(wait.as_mut(), &mut cx) {
-        std::task::Poll::Ready(p) => p.unwrap(),
-        std::task::Poll::Pending => panic!("the waiter was told, and still refused"),
-    };
-    free(&pool, p, 4 * MIB, &s);
-    s.synchronize_blocking().unwrap();
+    assert_eq!(
+        wakes.0.load(std::sync::atomic::Ordering::SeqCst),
+        1,
+        "the waiter was told once"
+    );
 }
 
 /// An upstream whose first `allocate` waits at a gate (saying it entered), then fails out of

@@ -1378,14 +1378,15 @@ mod review_tests {
         }
     }
 
-    /// A pool over a pool at its maximum, a task waiting on the outer one; the outer pool's
-    /// growth (under its `slow`) for another request asks the inner one, which gives two
-    /// wholly free chunks back to grow one that holds that request, and tells its waiters,
-    /// relayed to the outer queue: the outer waiter must be told once the outer pool's request
-    /// is over, never under its own `slow` (a task polled by its waker there would wait for
-    /// ever on the lock its thread holds: a review's finding).
-    #[test]
-    fn a_growth_wakes_no_waiter_under_its_own_lock_through_the_upstream() {
+    /// A pool over a pool at its maximum (8 MiB: `b` 2 MiB held, two wholly free chunks of
+    /// 3 MiB), a task waiting for 7 MiB (never while `b` is held) on the outer pool, or on the
+    /// inner one with `on_inner`; the outer pool's growth (under its `slow`) for another
+    /// request of 5 MiB asks the inner one, which gives its two free chunks back to grow one
+    /// that holds it, and tells its waiters when its request is over, still inside the outer
+    /// growth (relayed to the outer queue too). The waiter must be told once the outer request
+    /// is over, never under the outer `slow` (a task polled by its waker there, asking the
+    /// outer pool for memory, would wait for ever on the lock its thread holds).
+    fn a_growth_through_an_inner_pool_that_gives_back(on_inner: bool) {
         let device = Device::simulated(SimConfig::default());
         let options = |maximum| PoolOptions {
             initial: 0,
@@ -1409,9 +1410,12 @@ mod review_tests {
             under_lock: AtomicBool::new(false),
         });
         let waker = Waker::from(probe.clone());
-        // A task waiting for 7 MiB: more than the inner pool can ever free for it while `b`
-        // is held (6 MiB), so it stays in line, not told, once it tried again below.
-        let mut wait = Box::pin(outer.allocate_async(7 * MIB, &s));
+        let mut wait: std::pin::Pin<Box<dyn Future<Output = Result<DevicePtr>> + '_>> = if on_inner
+        {
+            Box::pin(inner.allocate_async(7 * MIB, &s))
+        } else {
+            Box::pin(outer.allocate_async(7 * MIB, &s))
+        };
         let mut cx = Context::from_waker(&waker);
         assert!(matches!(wait.as_mut().poll(&mut cx), Poll::Pending));
         for c in [c1, c2] {
@@ -1422,6 +1426,7 @@ mod review_tests {
             probe.wakes.load(SeqCst) > 0,
             "the frees did not tell the waiter"
         );
+        // Tries again, and stays in line (6 MiB free for 7).
         assert!(matches!(wait.as_mut().poll(&mut cx), Poll::Pending));
         probe.wakes.store(0, SeqCst);
         let p = outer.allocate(5 * MIB, &s).unwrap();
@@ -1443,65 +1448,19 @@ mod review_tests {
         s.synchronize_blocking().unwrap();
     }
 
-    /// The same scene, the task waiting on the *inner* pool: the inner pool's request (the
-    /// outer pool's growth, under the outer `slow`) gives chunks back to grow and tells its own
-    /// waiters when it is over, still inside the outer growth. That waiter must be told once
-    /// the outer request is over, not under the outer `slow` (its task, polled by its waker
-    /// there, may ask the outer pool for memory: a self-deadlock). `deferring` held back only
-    /// the outer queue's notifications, and the inner waiter was woken under the outer lock.
+    /// The waiter on the outer pool: `deferring` holds back what the inner queue relays to
+    /// the outer one (a review's finding: it was told under the outer `slow`).
+    #[test]
+    fn a_growth_wakes_no_waiter_under_its_own_lock_through_the_upstream() {
+        a_growth_through_an_inner_pool_that_gives_back(false);
+    }
+
+    /// The waiter on the inner pool: its queue is not the one `deferring` was called for, and
+    /// its head was woken under the outer `slow`; it is stashed and woken by the outer
+    /// request's guard now.
     #[test]
     fn a_growth_wakes_no_inner_waiter_under_its_own_lock() {
-        let device = Device::simulated(SimConfig::default());
-        let options = |maximum| PoolOptions {
-            initial: 0,
-            maximum,
-            small_block_cache: 0,
-            ..PoolOptions::default()
-        };
-        let inner = Arc::new(
-            PoolResource::new(CudaResource::new(&device), options(Some(8 * MIB))).unwrap(),
-        );
-        let s = device.create_stream().unwrap();
-        let b = inner.allocate(2 * MIB, &s).unwrap();
-        let c1 = inner.allocate(3 * MIB, &s).unwrap();
-        let c2 = inner.allocate(3 * MIB, &s).unwrap();
-        let outer = Arc::new(PoolResource::new(inner.clone(), options(None)).unwrap());
-        let probe = Arc::new(OuterProbe {
-            outer: outer.clone(),
-            wakes: AtomicUsize::new(0),
-            under_lock: AtomicBool::new(false),
-        });
-        let waker = Waker::from(probe.clone());
-        // 7 MiB from the inner pool: never while `b` is held, so it stays in line.
-        let mut wait = Box::pin(inner.allocate_async(7 * MIB, &s));
-        let mut cx = Context::from_waker(&waker);
-        assert!(matches!(wait.as_mut().poll(&mut cx), Poll::Pending));
-        for c in [c1, c2] {
-            // SAFETY: handed out above on `s`, never used, freed once on `s`.
-            unsafe { inner.deallocate(c, 3 * MIB, &s) }.unwrap();
-        }
-        assert!(matches!(wait.as_mut().poll(&mut cx), Poll::Pending));
-        probe.wakes.store(0, SeqCst);
-        let p = outer.allocate(5 * MIB, &s).unwrap();
-        assert_eq!(
-            inner.stats().chunks,
-            2,
-            "the inner pool did not give back to grow"
-        );
-        assert!(
-            probe.wakes.load(SeqCst) > 0,
-            "the inner waiter was not told"
-        );
-        assert!(
-            !probe.under_lock.load(SeqCst),
-            "the inner waiter's waker ran under the outer pool's growth lock"
-        );
-        drop(wait);
-        // SAFETY: handed out above on `s`, never used, freed once on `s`.
-        unsafe { outer.deallocate(p, 5 * MIB, &s) }.unwrap();
-        // SAFETY: as above.
-        unsafe { inner.deallocate(b, 2 * MIB, &s) }.unwrap();
-        s.synchronize_blocking().unwrap();
+        a_growth_through_an_inner_pool_that_gives_back(true);
     }
 
     /// The trimmed pool, the second stream and the waiting trim, handed to a test's action.
