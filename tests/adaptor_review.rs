@@ -170,53 +170,6 @@ fn statistics_refuses_a_huge_bad_free_in_a_negative_scope() {
     }
 }
 
-/// `CudaResource` whose `deallocate`, once armed, frees and then panics: a user's upstream with
-/// a bug.
-#[derive(Debug)]
-struct FreesThenPanics {
-    inner: streamalloc::resource::cuda::CudaResource,
-    armed: std::sync::atomic::AtomicBool,
-}
-
-// SAFETY: passes every call on to `CudaResource`; an armed free is passed on before the panic.
-unsafe impl MemoryResource for FreesThenPanics {
-    fn device(&self) -> &streamalloc::Device {
-        self.inner.device()
-    }
-
-    fn allocate(
-        &self,
-        bytes: usize,
-        stream: &streamalloc::Stream,
-    ) -> streamalloc::Result<DevicePtr> {
-        self.inner.allocate(bytes, stream)
-    }
-
-    unsafe fn deallocate(
-        &self,
-        ptr: DevicePtr,
-        bytes: usize,
-        stream: &streamalloc::Stream,
-    ) -> streamalloc::Result<()> {
-        // SAFETY: the caller's contract, passed on.
-        let freed = unsafe { self.inner.deallocate(ptr, bytes, stream) };
-        if self.armed.swap(false, std::sync::atomic::Ordering::SeqCst) {
-            panic!("the upstream panics after the free");
-        }
-        freed
-    }
-}
-
-/// A waker that counts, then panics: an executor's code misbehaving.
-struct PanicsOnWake(std::sync::atomic::AtomicUsize);
-
-impl std::task::Wake for PanicsOnWake {
-    fn wake(self: std::sync::Arc<Self>) {
-        self.0.fetch_add(1, std::sync::atomic::Ordering::SeqCst);
-        panic!("a waker that panics");
-    }
-}
-
 /// The limiting adaptor gives a free's bytes back to its limit while the upstream's panic
 /// unwinds, and tells its waiters there: a waiter whose waker panicked too aborted the process
 /// (a panic in a drop during a panic). The waker's panic is dropped; the upstream's goes on,
@@ -230,29 +183,30 @@ fn a_limit_told_during_an_upstream_panic_survives_a_panicking_waker() {
     const MIB: usize = 1 << 20;
     for device in devices() {
         let what = label(&device);
+        // Its first free (of `p`) panics: a user's upstream with a bug.
         let mr = LimitingAdaptor::new(
-            FreesThenPanics {
-                inner: streamalloc::resource::cuda::CudaResource::new(&device),
-                armed: std::sync::atomic::AtomicBool::new(false),
-            },
+            common::PanicsOnCall::on_free(
+                streamalloc::resource::cuda::CudaResource::new(&device),
+                1,
+            ),
             2 * MIB,
         );
         let s = device.create_stream().unwrap();
         let p = mr.allocate(2 * MIB, &s).unwrap();
-        let wakes = std::sync::Arc::new(PanicsOnWake(std::sync::atomic::AtomicUsize::new(0)));
+        let wakes = std::sync::Arc::new(common::PanicsOnWake::default());
         let waker = std::task::Waker::from(wakes.clone());
         let mut wait = Box::pin(mr.allocate_async(MIB, &s));
         let mut cx = std::task::Context::from_waker(&waker);
         assert!(wait.as_mut().poll(&mut cx).is_pending(), "{what}");
-        mr.upstream().armed.store(true, SeqCst);
         let panicked = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
-            // SAFETY: allocated above on `s`, never used, freed once.
+            // SAFETY: allocated above on `s`, never used, freed once (the upstream panics
+            // before it frees: the block leaks, the limit gives its bytes back).
             let _ = unsafe { mr.deallocate(p, 2 * MIB, &s) };
         }));
         let message = panicked.expect_err("the upstream did not panic");
         assert_eq!(
-            message.downcast_ref::<&str>().copied(),
-            Some("the upstream panics after the free"),
+            message.downcast_ref::<String>().map(String::as_str),
+            Some("a resource that panics in deallocate (call 1)"),
             "{what}: the upstream's panic is the one that goes on"
         );
         assert_eq!(wakes.0.load(SeqCst), 1, "{what}: the waiter was not told");

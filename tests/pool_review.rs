@@ -999,22 +999,12 @@ fn a_growth_whose_upstream_panics_still_tells_what_it_held_back() {
     );
 }
 
-/// A waker that counts, then panics: an executor's code misbehaving.
-struct PanicsOnWake(std::sync::atomic::AtomicUsize);
-
-impl std::task::Wake for PanicsOnWake {
-    fn wake(self: Arc<Self>) {
-        self.0.fetch_add(1, std::sync::atomic::Ordering::SeqCst);
-        panic!("a waker that panics");
-    }
-}
-
 /// The same growth, and the waiter's waker panics when told: the notification is told while
 /// the upstream's panic unwinds, and a second panic there aborted the process (a drop
 /// panicking during a panic). The waker's panic is dropped; the upstream's goes on.
 #[test]
 fn a_panicking_waker_told_during_an_upstream_panic_does_not_abort() {
-    let wakes = Arc::new(PanicsOnWake(std::sync::atomic::AtomicUsize::new(0)));
+    let wakes = Arc::new(common::PanicsOnWake::default());
     let panic =
         a_growth_whose_upstream_gives_back_then_panics(&std::task::Waker::from(wakes.clone()));
     assert_eq!(

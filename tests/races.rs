@@ -583,6 +583,26 @@ fn a_racing_declared_access_that_panics_is_not_noted() {
 
 // ===== a racing free that panics has freed =====
 
+/// 2 MiB from `r` on stream x, written by stream y (ordered after the allocation, 200 ms
+/// behind), and freed on x, which is not ordered after y's write: the race, in the detector's
+/// `Panic` mode. Returns (x, y) once the free panicked and x is done.
+fn a_free_racing_a_use(r: &dyn MemoryResource, device: &Device) -> (Stream, Stream) {
+    const MIB: usize = 1 << 20;
+    let (x, y) = streams(device);
+    let a = r.allocate(2 * MIB, &x).unwrap();
+    y.wait(&x.record().unwrap()).unwrap();
+    y.spin(Duration::from_millis(200)).unwrap();
+    // SAFETY: 2 MiB live at `a`; y is ordered after the allocation.
+    unsafe { y.memset_d8(a, 1, 2 * MIB) }.unwrap();
+    let caught = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
+        // SAFETY: from `allocate` with these bytes, freed once (the race is the test's).
+        unsafe { r.deallocate(a, 2 * MIB, &x) }
+    }));
+    assert!(caught.is_err(), "the racing free did not panic");
+    x.synchronize_blocking().unwrap();
+    (x, y)
+}
+
 /// `RaceDetection::Panic` promises that a racing free panics once the memory is back, so that
 /// a caller that catches the panic has lost nothing. `CudaAsyncResource`'s racing free
 /// panicked inside the stream's push, after its table dropped the block and before its count
@@ -602,19 +622,7 @@ fn a_racing_cuda_async_free_that_panics_gives_its_bytes_back() {
         },
     )
     .unwrap();
-    let (x, y) = streams(&device);
-    let a = r.allocate(2 * MIB, &x).unwrap();
-    y.wait(&x.record().unwrap()).unwrap();
-    y.spin(Duration::from_millis(200)).unwrap();
-    // SAFETY: 2 MiB live at `a`; y is ordered after the allocation.
-    unsafe { y.memset_d8(a, 1, 2 * MIB) }.unwrap();
-    // The bug under test: freed on x, which is not ordered after y's memset.
-    let caught = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
-        // SAFETY: from `allocate` with these bytes, freed once (the race is the test's).
-        unsafe { r.deallocate(a, 2 * MIB, &x) }
-    }));
-    assert!(caught.is_err(), "the racing free did not panic");
-    x.synchronize_blocking().unwrap();
+    let (x, y) = a_free_racing_a_use(&r, &device);
     y.synchronize_blocking().unwrap();
     assert_eq!(r.allocated_bytes(), 0, "the count kept the freed block");
     let again = r.allocate(2 * MIB, &x);
@@ -632,21 +640,9 @@ fn a_racing_cuda_async_free_that_panics_gives_its_bytes_back() {
 #[test]
 fn a_racing_managed_free_that_panics_counts_its_bytes_down() {
     use streamalloc::resource::managed::ManagedResource;
-    const MIB: usize = 1 << 20;
     let (device, _) = device(RaceDetection::Panic);
     let r = ManagedResource::new(&device);
-    let (x, y) = streams(&device);
-    let a = r.allocate(2 * MIB, &x).unwrap();
-    y.wait(&x.record().unwrap()).unwrap();
-    y.spin(Duration::from_millis(200)).unwrap();
-    // SAFETY: 2 MiB live at `a`; y is ordered after the allocation.
-    unsafe { y.memset_d8(a, 1, 2 * MIB) }.unwrap();
-    let caught = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
-        // SAFETY: from `allocate` with these bytes, freed once (the race is the test's).
-        unsafe { r.deallocate(a, 2 * MIB, &x) }
-    }));
-    assert!(caught.is_err(), "the racing free did not panic");
-    x.synchronize_blocking().unwrap();
+    let (_x, y) = a_free_racing_a_use(&r, &device);
     // y's memset ran after the free: its error is the planted race's.
     let _ = y.synchronize_blocking();
     assert_eq!(r.outstanding_bytes(), 0, "the ledger kept the freed block");

@@ -321,3 +321,14 @@ unsafe impl<R: MemoryResource> MemoryResource for PanicsOnCall<R> {
         unsafe { self.inner.deallocate(ptr, bytes, stream) }
     }
 }
+
+/// A waker that counts its wakes, then panics: an executor's code misbehaving.
+#[derive(Debug, Default)]
+pub struct PanicsOnWake(pub std::sync::atomic::AtomicUsize);
+
+impl std::task::Wake for PanicsOnWake {
+    fn wake(self: std::sync::Arc<Self>) {
+        self.0.fetch_add(1, std::sync::atomic::Ordering::SeqCst);
+        panic!("a waker that panics");
+    }
+}

@@ -178,9 +178,10 @@ impl Grow<Probe> for NoGrowth {
     }
 }
 
-#[test]
-fn a_stream_forgotten_during_an_ordering_lends_nothing_to_its_slots_next_stream() {
-    const B: u64 = 1 << 20;
+/// The scene of the two tests below: one shard of 6 blocks of `B`, where `first` and `second`
+/// (both idle) each freed a block (`a`, `b`, neighbours) and `taker` holds a third (`spare`).
+/// Returns the heap, `first`, `taker` and the three blocks.
+fn two_idle_frees_and_a_spare() -> (StdArc<StreamHeap<Probe>>, Probe, Probe, [u64; 3]) {
     let heap: StdArc<StreamHeap<Probe>> = StdArc::new(StreamHeap::with_options(0.0, 1));
     heap.add_chunk(0x1000_0000, 6 * B);
     heap.give_fresh(0x1000_0000, 6 * B);
@@ -192,6 +193,40 @@ fn a_stream_forgotten_during_an_ordering_lends_nothing_to_its_slots_next_stream(
     let spare = heap.take(B, &taker, &NoGrowth).unwrap();
     assert!(heap.give(a, B, &first));
     assert!(heap.give(b, B, &second));
+    (heap, first, taker, [a, b, spare])
+}
+
+/// The end of the two tests below: the taker takes `a` and `b` coalesced (its tag names
+/// `first` and `second`, both idle: `order` asks them, and the hook runs in its window); then
+/// another stream takes `spare`, freed on `donor()` (looked up after the take) while it was
+/// busy: it must be ordered after it or ask whether it is idle, never handed over as if the
+/// donor had finished.
+fn take_both_then_the_spare(
+    heap: &StreamHeap<Probe>,
+    taker: &Probe,
+    [a, b, spare]: [u64; 3],
+    donor: impl FnOnce() -> Probe,
+) {
+    let both = heap.take(2 * B, taker, &NoGrowth).unwrap();
+    assert_eq!(both, a.min(b));
+    assert!(HOOK.with(|h| h.borrow().is_none()), "the trim did not run");
+    let donor = donor();
+    let other = Probe::new(5, false);
+    let before = donor.asked();
+    assert_eq!(heap.take(B, &other, &NoGrowth).unwrap(), spare);
+    assert!(
+        donor.asked() > before,
+        "a block freed on a busy stream was handed over with no ordering and no question"
+    );
+}
+
+/// The block size of the tests of a stream forgotten in `order`'s window.
+const B: u64 = 1 << 20;
+
+#[test]
+fn a_stream_forgotten_during_an_ordering_lends_nothing_to_its_slots_next_stream() {
+    let (heap, first, taker, blocks) = two_idle_frees_and_a_spare();
+    let spare = blocks[2];
     // The user drops `first`: the engine holds its only handles.
     drop(first);
     // A new stream, still busy with the block it is about to free.
@@ -207,20 +242,7 @@ fn a_stream_forgotten_during_an_ordering_lends_nothing_to_its_slots_next_stream(
             assert!(during.give(spare, B, &fresh));
         }))
     });
-    // The taker takes `a` and `b` coalesced: its tag names `first` and `second`, both idle.
-    let both = heap.take(2 * B, &taker, &NoGrowth).unwrap();
-    assert_eq!(both, a.min(b));
-    assert!(HOOK.with(|h| h.borrow().is_none()), "the trim did not run");
-    // Another stream takes the newcomer's block: it must be ordered after the newcomer (or
-    // ask whether it is idle), never handed over as if the newcomer had finished.
-    let other = Probe::new(5, false);
-    let before = newcomer.asked();
-    let got = heap.take(B, &other, &NoGrowth).unwrap();
-    assert_eq!(got, spare);
-    assert!(
-        newcomer.asked() > before,
-        "a block freed on a busy stream was handed over with no ordering and no question"
-    );
+    take_both_then_the_spare(&heap, &taker, blocks, || newcomer);
 }
 
 /// As the test above, but the stream forgotten in `order`'s window is the same stream
@@ -233,18 +255,8 @@ fn a_stream_forgotten_during_an_ordering_lends_nothing_to_its_slots_next_stream(
 /// the registration's number was checked instead of the uid).
 #[test]
 fn a_stream_forgotten_and_registered_again_gets_no_stale_note() {
-    const B: u64 = 1 << 20;
-    let heap: StdArc<StreamHeap<Probe>> = StdArc::new(StreamHeap::with_options(0.0, 1));
-    heap.add_chunk(0x1000_0000, 6 * B);
-    heap.give_fresh(0x1000_0000, 6 * B);
-    let first = Probe::new(1, true);
-    let second = Probe::new(2, true);
-    let taker = Probe::new(3, false);
-    let a = heap.take(B, &first, &NoGrowth).unwrap();
-    let b = heap.take(B, &second, &NoGrowth).unwrap();
-    let spare = heap.take(B, &taker, &NoGrowth).unwrap();
-    assert!(heap.give(a, B, &first));
-    assert!(heap.give(b, B, &second));
+    let (heap, first, taker, blocks) = two_idle_frees_and_a_spare();
+    let spare = blocks[2];
     // Stands for the handle a trim's put-back holds (`onto_one`'s), taken before a concurrent
     // forget read the count: kept, so the forget still goes ahead.
     let engine_handle = Kept::new(&first);
@@ -263,22 +275,12 @@ fn a_stream_forgotten_and_registered_again_gets_no_stale_note() {
             drop(engine_handle);
         }))
     });
-    // The taker takes `a` and `b` coalesced: its tag names `first` and `second`, both idle.
-    let both = heap.take(2 * B, &taker, &NoGrowth).unwrap();
-    assert_eq!(both, a.min(b));
-    assert!(HOOK.with(|h| h.borrow().is_none()), "the trim did not run");
-    let again = (heap.idle_streams().into_iter())
-        .find(|s| s.uid() == 1)
-        .unwrap();
-    // Another stream takes the block freed on `first`'s new registration: it must be ordered
-    // after `first` (or ask whether it is idle).
-    let other = Probe::new(5, false);
-    let before = again.asked();
-    assert_eq!(heap.take(B, &other, &NoGrowth).unwrap(), spare);
-    assert!(
-        again.asked() > before,
-        "a block freed on a busy stream was handed over with no ordering and no question"
-    );
+    // `spare` was freed on `first`'s new registration.
+    take_both_then_the_spare(&heap, &taker, blocks, || {
+        (heap.idle_streams().into_iter())
+            .find(|s| s.uid() == 1)
+            .unwrap()
+    });
 }
 
 /// The host's wait for a stream (the expandable pool's job for busy streams:
